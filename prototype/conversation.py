@@ -1,0 +1,386 @@
+"""Requests to model-visible tokens: validation, effective context, rendering.
+
+Theory of operation
+-------------------
+A turn's *effective context* is ``previous.context + previous.output + new input``
+(wire-protocol 6.1; the Open Responses spec: the server "MUST load both the
+input and output associated with that prior response"). Each item is kept twice:
+its raw JSON, verbatim as the client sent it (so replayed ids, statuses and
+unknown item types round-trip), and its rendered token ids.
+
+Rendering is *item-local*: the prompt is ``preamble(instructions, tools) +
+concat(render(item) for item in context) + generation header``, and
+``render(item)`` depends only on that item. So tokens cached from an earlier turn
+plus the rendering of the new items equal the rendering of the whole history,
+token for token. That is what lets the WebSocket connection cache and append
+mode touch only new input while feeding the model exactly the sequence that a
+full-history HTTP request produces ("same tokens in every mode"). Item ids and
+call ids are not rendered (the model never sees them), because they differ
+between transports.
+
+`Context` is an append-only log. A holder (the connection cache, a paused
+response) remembers the length it saw; extending from a shorter view copies
+first, so an old holder never observes items appended after it.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import msgspec
+import numpy as np
+from msgspec import Raw
+
+from .errors import ProtocolError, from_validation_error
+from .model import FunctionTool, TokenArray
+from .schemas import (
+    CreateParams,
+    FunctionCall,
+    InputItemView,
+    OutputItem,
+    OutputMessage,
+    decode_content,
+    decode_item,
+    decode_tool,
+    encode,
+)
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "Context",
+    "CreateRequest",
+    "Item",
+    "Preamble",
+    "item_from_output",
+    "normalize_create",
+    "parse_items",
+    "render_items",
+    "render_preamble",
+]
+
+MESSAGE_ROLES: Final = frozenset({"user", "assistant", "system", "developer"})
+# Item types produced by the model: a run of them is one model turn.
+MODEL_ITEM_TYPES: Final = frozenset({"function_call", "reasoning", "custom_tool_call"})
+GENERATION_HEADER: Final = "<|start|>assistant"
+TOOL_CHOICES: Final = frozenset({"auto", "none", "required"})
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    raw: bytes  # verbatim JSON of the item
+    view: InputItemView
+
+    @property
+    def is_model_output(self) -> bool:
+        v = self.view
+        return v.type in MODEL_ITEM_TYPES or (v.type == "message" and v.role == "assistant")
+
+
+@dataclass(frozen=True, slots=True)
+class Preamble:
+    """Instructions and tools, rendered; reused when a continuation repeats them byte for byte."""
+
+    key: bytes
+    tokens: TokenArray
+
+
+@dataclass(slots=True)
+class Context:
+    """The effective input of a turn as an append-only log of items and their tokens."""
+
+    items: list[Item] = field(default_factory=list)
+    chunks: list[TokenArray] = field(default_factory=list)
+    n_tokens: int = 0
+    turn_index: int = 0  # model turns in the context
+    conversation_key: int = 0  # crc32 of the first user message; 0 until there is one
+    last_was_model: bool = False
+
+    def extend(self, items: Sequence[Item], chunks: Sequence[TokenArray]) -> None:
+        for item, chunk in zip(items, chunks, strict=True):
+            model = item.is_model_output
+            if model and not self.last_was_model:
+                self.turn_index += 1
+            self.last_was_model = model
+            if self.conversation_key == 0 and item.view.type == "message" and item.view.role == "user":
+                self.conversation_key = zlib.crc32(_text_of(item.view).encode()) or 1
+            self.items.append(item)
+            self.chunks.append(chunk)
+            self.n_tokens += len(chunk)
+
+    def prefix(self, n_items: int) -> Context:
+        """This context as it was when it held `n_items` items: shared if unchanged, else a copy."""
+        if n_items == len(self.items):
+            return self
+        fresh = Context()
+        fresh.extend(self.items[:n_items], self.chunks[:n_items])
+        return fresh
+
+    def raw_items(self) -> list[Raw]:
+        return [Raw(i.raw) for i in self.items]
+
+
+@dataclass(frozen=True, slots=True)
+class CreateRequest:
+    """A validated `response.create` / POST body, in the shapes the engine uses."""
+
+    params: CreateParams
+    model: str
+    items: tuple[Item, ...]
+    tools: tuple[FunctionTool, ...]
+    tools_raw: tuple[Raw, ...]
+    tool_choice: str
+    store: bool
+    generate: bool
+    preamble_key: bytes
+
+    @property
+    def previous_response_id(self) -> str | None:
+        return self.params.previous_response_id
+
+
+def normalize_create(params: CreateParams, *, websocket: bool) -> CreateRequest:
+    """Validate one create; raise `ProtocolError` with the offending `param`."""
+    if params.background:
+        raise ProtocolError(
+            "Background responses are not supported over this server.",
+            code="unsupported_parameter",
+            param="background",
+        )
+    if not websocket and params.generate is not msgspec.UNSET:
+        raise ProtocolError("Unsupported parameter: generate", code="unsupported_parameter", param="generate")
+    if not params.model:
+        raise ProtocolError("Missing required parameter: 'model'.", code="missing_required_parameter", param="model")
+    if params.max_output_tokens is not None and params.max_output_tokens < 1:
+        raise ProtocolError(
+            "Invalid 'max_output_tokens': must be at least 1.", code="invalid_value", param="max_output_tokens"
+        )
+    prev = params.previous_response_id
+    if prev is not None and not prev.startswith("resp_"):
+        raise ProtocolError(
+            f"Invalid 'previous_response_id': '{prev}'. Expected an ID that begins with 'resp_'.",
+            code="invalid_value",
+            param="previous_response_id",
+        )
+    items = parse_items(params.input)
+    tools_raw = tuple(params.tools or ())
+    tools = _parse_tools(tools_raw)
+    tool_choice = _parse_tool_choice(params.tool_choice, tools)
+    generate = True if params.generate is msgspec.UNSET else bool(params.generate)
+    key = encode((params.instructions, [bytes(t) for t in tools_raw]))
+    return CreateRequest(
+        params=params,
+        model=params.model,
+        items=items,
+        tools=tools,
+        tools_raw=tools_raw,
+        tool_choice=tool_choice,
+        store=params.store is not False,
+        generate=generate,
+        preamble_key=key,
+    )
+
+
+class _UserMessage(msgspec.Struct, tag_field="type", tag="message"):
+    role: str
+    content: str
+
+
+def parse_items(value: str | list[Raw]) -> tuple[Item, ...]:
+    if isinstance(value, str):
+        raw = encode(_UserMessage(role="user", content=value))
+        return (Item(raw, InputItemView(role="user", content=Raw(encode(value)))),)
+    out = []
+    for index, raw in enumerate(value):
+        data = bytes(raw)
+        try:
+            view = decode_item(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            err = from_validation_error(exc)
+            err.param = f"input[{index}]" + (f".{err.param}" if err.param else "")
+            raise err from None
+        _check_item(view, index)
+        out.append(Item(data, view))
+    return tuple(out)
+
+
+def _check_item(view: InputItemView, index: int) -> None:
+    where = f"input[{index}]"
+    if view.type == "message":
+        if view.role not in MESSAGE_ROLES:
+            raise ProtocolError(
+                f"Invalid value for '{where}.role': {view.role!r}. Supported values are: "
+                "'assistant', 'developer', 'system', and 'user'.",
+                code="invalid_value",
+                param=f"{where}.role",
+            )
+        if view.content is None:
+            raise ProtocolError(
+                f"Missing required parameter: '{where}.content'.",
+                code="missing_required_parameter",
+                param=f"{where}.content",
+            )
+        _decode_parts(view.content, f"{where}.content")
+    elif view.type == "function_call":
+        for name in ("call_id", "name", "arguments"):
+            if getattr(view, name) is None:
+                raise ProtocolError(
+                    f"Missing required parameter: '{where}.{name}'.",
+                    code="missing_required_parameter",
+                    param=f"{where}.{name}",
+                )
+    elif view.type == "function_call_output":
+        if view.call_id is None or view.output is None:
+            missing = "call_id" if view.call_id is None else "output"
+            raise ProtocolError(
+                f"Missing required parameter: '{where}.{missing}'.",
+                code="missing_required_parameter",
+                param=f"{where}.{missing}",
+            )
+        _decode_parts(view.output, f"{where}.output")
+    # Other item types (reasoning, additional_tools, custom_tool_call, item_reference, …) pass through.
+
+
+def _decode_parts(raw: Raw, param: str) -> str:
+    try:
+        value = decode_content(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"Invalid '{param}': {exc}", code="invalid_value", param=param) from None
+    if isinstance(value, str):
+        return value
+    return "".join(p.text or p.refusal or f"[{p.type}]" for p in value)
+
+
+def _text_of(view: InputItemView) -> str:
+    if view.content is not None:
+        return _decode_parts(view.content, "content")
+    return ""
+
+
+def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
+    tools = []
+    seen: set[str] = set()
+    for index, raw in enumerate(tools_raw):
+        try:
+            view = decode_tool(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            err = from_validation_error(exc)
+            err.param = f"tools[{index}]" + (f".{err.param}" if err.param else "")
+            raise err from None
+        if view.type != "function":
+            continue  # namespace, web_search, custom, …: accepted and echoed, never called by the simulator
+        if not view.name:
+            raise ProtocolError(
+                f"Missing required parameter: 'tools[{index}].name'.",
+                code="missing_required_parameter",
+                param=f"tools[{index}].name",
+            )
+        params = bytes(view.parameters) if view.parameters is not None else b"null"
+        if params == b"null":
+            params = b'{"type":"object","properties":{}}'
+        elif not params.lstrip().startswith(b"{"):
+            raise ProtocolError(
+                f"Invalid schema for function '{view.name}': schema must be a JSON Schema of 'type: \"object\"'.",
+                code="invalid_function_parameters",
+                param=f"tools[{index}].parameters",
+            )
+        if view.name in seen:
+            raise ProtocolError(
+                f"Duplicate tool name: '{view.name}'.", code="invalid_value", param=f"tools[{index}].name"
+            )
+        seen.add(view.name)
+        tools.append(FunctionTool(view.name, view.description, params, view.strict))
+    return tuple(tools)
+
+
+class _NamedChoice(msgspec.Struct):
+    type: str
+    name: str | None = None
+
+
+def _parse_tool_choice(raw: Raw | None, tools: tuple[FunctionTool, ...]) -> str:
+    if raw is None:
+        return "auto"
+    try:
+        value = msgspec.json.decode(raw, type=str | _NamedChoice)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"Invalid 'tool_choice': {exc}", code="invalid_value", param="tool_choice") from None
+    if isinstance(value, str):
+        if value not in TOOL_CHOICES:
+            raise ProtocolError(
+                f"Invalid value for 'tool_choice': {value!r}. Supported values are: 'none', 'auto', and 'required'.",
+                code="invalid_value",
+                param="tool_choice",
+            )
+        return value
+    if value.type == "function":
+        if value.name not in {t.name for t in tools}:
+            raise ProtocolError(
+                f"Tool choice '{value.name}' not found in 'tools' parameter.",
+                code="invalid_value",
+                param="tool_choice",
+            )
+        return str(value.name)
+    return "auto"  # allowed_tools, hosted tool types: the simulator treats them as auto
+
+
+def item_from_output(item: OutputItem) -> Item:
+    """The model's own output as an input item of the next turn (what a client replays)."""
+    raw = encode(item)
+    if isinstance(item, FunctionCall):
+        view = InputItemView(
+            type="function_call", id=item.id, call_id=item.call_id, name=item.name, arguments=item.arguments
+        )
+    else:
+        assert isinstance(item, OutputMessage)
+        text = "".join(part.text for part in item.content)
+        view = InputItemView(type="message", id=item.id, role="assistant", content=Raw(encode(text)))
+    return Item(raw, view)
+
+
+def _render_text(view: InputItemView) -> str:
+    t = view.type
+    if t == "message":
+        return f"<|start|>{view.role}<|message|>{_text_of(view)}<|end|>"
+    if t == "function_call":
+        return f"<|start|>assistant to=functions.{view.name}<|message|>{view.arguments}<|call|>"
+    if t == "function_call_output":
+        assert view.output is not None
+        return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
+    if t == "custom_tool_call":
+        return f"<|start|>assistant to=functions.{view.name}<|message|>{view.input or ''}<|call|>"
+    if t == "custom_tool_call_output" and view.output is not None:
+        return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
+    return ""  # reasoning (encrypted), item references, tool-list items: nothing model-visible here
+
+
+def render_items(items: Sequence[Item], tokenizer: Tokenizer) -> list[TokenArray]:
+    return [tokenizer.encode(_render_text(item.view)) for item in items]
+
+
+def render_preamble(request: CreateRequest, tokenizer: Tokenizer) -> Preamble:
+    parts = []
+    if request.params.instructions:
+        parts.append(f"<|start|>developer<|message|>{request.params.instructions}<|end|>")
+    if request.tools:
+        lines = ["<|start|>system<|message|># Tools"]
+        for tool in request.tools:
+            lines.append(f"## {tool.name}\n{tool.description or ''}\n{tool.parameters_json.decode()}")
+        parts.append("\n".join(lines) + "<|end|>")
+    return Preamble(request.preamble_key, tokenizer.encode("".join(parts)))
+
+
+_HEADER_CACHE: dict[str, TokenArray] = {}
+
+
+def generation_header(tokenizer: Tokenizer) -> TokenArray:
+    header = _HEADER_CACHE.get(tokenizer.name)
+    if header is None:
+        header = _HEADER_CACHE[tokenizer.name] = tokenizer.encode(GENERATION_HEADER)
+    return header
+
+
+def empty_tokens() -> TokenArray:
+    return np.zeros(0, dtype=np.uint32)

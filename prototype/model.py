@@ -1,0 +1,101 @@
+"""The seam between the API service and the (simulated) accelerator.
+
+The service renders a conversation to model-visible token ids and hands a
+`ModelRequest` to a `TokenModel`; the model streams back `ModelEvent`s. The
+service never learns how the model decides what to say or how fast it says it:
+the simulator in `sim/` implements this protocol, and the composition root
+(`prototype/server.py`) wires it in. Nothing here does I/O.
+
+Invariants a `TokenModel` must keep (the stream core relies on them):
+
+* Events come as ``ItemStarted (TokensSampled)* ItemFinished`` groups, zero or
+  more groups, then exactly one ``SamplingFinished``.
+* The ``text`` of the `TokensSampled` events of one item concatenate to the
+  item's full text (message text, or function-call arguments JSON). A token
+  whose bytes end mid UTF-8 character carries the empty string; the completed
+  character is carried by the token that completes it.
+* For one ``(seed, ModelRequest)`` the token ids are identical on every run and
+  independent of how the request reached the service (the "same tokens in every
+  mode" invariant). The model may depend only on the fields below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "FunctionTool",
+    "ItemFinished",
+    "ItemStarted",
+    "ModelEvent",
+    "ModelRequest",
+    "SamplingFinished",
+    "TokenModel",
+    "TokensSampled",
+]
+
+TokenArray = npt.NDArray[np.uint32]
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    """A client-owned function tool as the model sees it."""
+
+    name: str
+    description: str | None
+    parameters_json: bytes  # the JSON Schema, verbatim from the request
+    strict: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRequest:
+    """Everything the model may condition on for one sampled turn."""
+
+    prompt: tuple[TokenArray, ...]  # rendered context in chunks; concatenated = model-visible prompt
+    prompt_tokens: int  # sum of chunk lengths
+    cached_tokens: int  # leading prompt tokens whose KV the service says is already resident
+    turn_index: int  # model turns already in the context (assistant messages + function calls)
+    conversation_key: int  # stable per conversation (hash of its first user message): seeds the policy
+    tools: tuple[FunctionTool, ...] = ()
+    tool_choice: str = "auto"  # "auto" | "none" | "required" | a function name
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    model: str = ""
+    conversation_id: str = ""  # opaque KV-ownership handle (e.g. the response chain); not model-visible
+    extra: dict[str, str] = field(default_factory=dict)  # reserved for simulator knobs; not model-visible
+
+
+@dataclass(frozen=True, slots=True)
+class ItemStarted:
+    kind: Literal["message", "function_call"]
+    name: str = ""  # function name for function calls
+
+
+@dataclass(frozen=True, slots=True)
+class TokensSampled:
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ItemFinished:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingFinished:
+    reason: Literal["stop", "max_output_tokens"] = "stop"
+
+
+ModelEvent = ItemStarted | TokensSampled | ItemFinished | SamplingFinished
+
+
+class TokenModel(Protocol):
+    """A token-generating model. `sample` is an async generator of `ModelEvent`."""
+
+    def sample(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...

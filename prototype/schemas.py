@@ -1,0 +1,438 @@
+"""Every wire type of the Responses API that longrun speaks, as msgspec Structs.
+
+One module, codecs built once (msgspec perf tip 1). Sources: openai-python's
+`types/responses/*.py` and ../shared/reference/wire-protocol.md sections 3-5, 8
+and 11.
+
+Input is tolerant, output is exact:
+
+* Client Structs ignore unknown fields (msgspec's default), because real clients
+  send many (`client_metadata`, `include`, `prompt_cache_key`, ...; wire-protocol
+  3.1). Input *items* are kept as `msgspec.Raw` so that whatever a client sends
+  (its own `fco_…`/`msg_…` ids, replayed `status`/`annotations`/`logprobs`,
+  `reasoning` items with `encrypted_content`) is stored and replayed verbatim;
+  `InputItemView` is a flat, tolerant view of one item for validation and
+  rendering (a message may omit `type`).
+* Server Structs spell every field the way OpenAI does and keep `null`s that
+  clients expect (`usage: null` in in-progress snapshots), so nothing here uses
+  `omit_defaults`.
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import msgspec
+from msgspec import UNSET, Raw, UnsetType
+
+__all__ = [
+    "ClientEvent",
+    "ContentPartAdded",
+    "ContentPartDone",
+    "ContentPartView",
+    "CreateParams",
+    "DeletedResponse",
+    "ErrorBody",
+    "ErrorEvent",
+    "FunctionCall",
+    "FunctionCallArgumentsDelta",
+    "FunctionCallArgumentsDone",
+    "HTTPErrorBody",
+    "IncompleteDetails",
+    "InputItemView",
+    "InputTokensDetails",
+    "OutputItem",
+    "OutputItemAdded",
+    "OutputItemDone",
+    "OutputMessage",
+    "OutputText",
+    "OutputTextDelta",
+    "OutputTextDone",
+    "OutputTokensDetails",
+    "RequiredInput",
+    "Response",
+    "ResponseAppend",
+    "ResponseCompleted",
+    "ResponseCreate",
+    "ResponseCreated",
+    "ResponseDone",
+    "ResponseError",
+    "ResponseFailed",
+    "ResponseInProgress",
+    "ResponseIncomplete",
+    "ResponseInject",
+    "ResponseInjectCreated",
+    "ResponseInjectFailed",
+    "ServerEvent",
+    "StoredResponse",
+    "ToolView",
+    "Usage",
+    "decode_client_event",
+    "decode_content",
+    "decode_create_params",
+    "decode_envelope",
+    "decode_item",
+    "decode_output_item",
+    "decode_stored",
+    "decode_tool",
+    "encode",
+]
+
+# --------------------------------------------------------------------------- client → server
+
+
+class CreateParams(msgspec.Struct, kw_only=True):
+    """The body of `POST /v1/responses`, and the fields of a WS `response.create`."""
+
+    model: str | None = None  # required; checked after un-nesting (wire-protocol 3.1 nested form)
+    input: str | list[Raw] = []
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    store: bool | None = None  # None means the default, true (WS reference)
+    stream: bool | None = None  # HTTP: JSON vs SSE. WS: accepted and ignored.
+    background: bool | None = None  # not supported: 400 param "background"
+    generate: bool | UnsetType = UNSET  # WS warm-up; the HTTP API rejects the parameter
+    tools: list[Raw] | None = None
+    tool_choice: Raw | None = None  # "none" | "auto" | "required" | {"type":"function","name":…} | …
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    metadata: dict[str, str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    reasoning: Raw | None = None
+    text: Raw | None = None
+    truncation: str | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    stream_id: str | None = None  # lanes are not implemented; accepted and ignored
+
+
+class _ClientEvent(msgspec.Struct, tag_field="type", kw_only=True):
+    """Base of every client → server WebSocket message."""
+
+
+class ResponseCreate(_ClientEvent, CreateParams, tag="response.create"):
+    # Some third-party clients nest the body (`{"type":"response.create","response":{…}}`,
+    # wire-protocol 3.1): accepted, never emitted.
+    response: CreateParams | None = None
+
+
+class ResponseAppend(_ClientEvent, tag="response.append"):
+    input: list[Raw]
+    response_id: str | None = None
+
+
+class ResponseInject(_ClientEvent, tag="response.inject"):
+    input: list[Raw]
+    response_id: str | None = None
+
+
+ClientEvent = ResponseCreate | ResponseAppend | ResponseInject
+
+
+class _Envelope(msgspec.Struct):
+    """What we can still read from a frame that failed full validation: used to
+    name the event type in errors and to evict a referenced cache entry."""
+
+    type: str | None = None
+    previous_response_id: str | None = None
+
+
+class ContentPartView(msgspec.Struct):
+    type: str = "input_text"
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItemView(msgspec.Struct):
+    """A flat, tolerant view of one input item. `type` may be absent on messages."""
+
+    type: str = "message"
+    id: str | None = None
+    role: str | None = None
+    content: Raw | None = None  # str | list[ContentPartView] on messages; decoded by `decode_content`
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: Raw | None = None  # str | list[ContentPartView] on function_call_output
+    input: str | None = None  # custom_tool_call
+    status: str | None = None
+
+
+class ToolView(msgspec.Struct):
+    """A flat view of one tool definition; the raw definition is echoed verbatim."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: Raw | None = None
+    strict: bool | None = None
+
+
+# --------------------------------------------------------------------------- items and the Response object
+
+
+class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
+    text: str
+    annotations: list[Raw] = []
+    logprobs: list[Raw] = []
+
+
+class OutputMessage(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
+    id: str
+    status: str
+    role: str = "assistant"
+    content: list[OutputText] = []
+
+
+class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
+    id: str
+    status: str
+    arguments: str
+    call_id: str
+    name: str
+
+
+OutputItem = OutputMessage | FunctionCall
+
+
+class InputTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct):
+    reasoning_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class ResponseError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class IncompleteDetails(msgspec.Struct):
+    reason: str
+
+
+DEFAULT_REASONING: Final = Raw(b'{"effort":null,"summary":null}')
+DEFAULT_TEXT: Final = Raw(b'{"format":{"type":"text"}}')
+DEFAULT_TOOL_CHOICE: Final = Raw(b'"auto"')
+
+
+class Response(msgspec.Struct, kw_only=True):
+    """The Response object (wire-protocol section 5), field order as OpenAI sends it."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: str
+    background: bool = False
+    error: ResponseError | None = None
+    incomplete_details: IncompleteDetails | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    max_tool_calls: int | None = None
+    model: str
+    output: list[OutputItem] = []
+    parallel_tool_calls: bool = True
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    reasoning: Raw = DEFAULT_REASONING
+    service_tier: str = "default"
+    store: bool = True
+    temperature: float = 1.0
+    text: Raw = DEFAULT_TEXT
+    tool_choice: Raw = DEFAULT_TOOL_CHOICE
+    tools: list[Raw] = []
+    top_p: float = 1.0
+    truncation: str = "disabled"
+    usage: Usage | None = None
+    user: str | None = None
+    metadata: dict[str, str] = {}
+    completed_at: int | None = None
+
+
+class DeletedResponse(msgspec.Struct):
+    id: str
+    object: str = "response"
+    deleted: bool = True
+
+
+class StoredResponse(msgspec.Struct, kw_only=True):
+    """What a store keeps per `store:true` response: the object, and the full
+    effective input of that turn (so a continuation loads O(1) records, never
+    walks the chain; wire-protocol 6.1)."""
+
+    response: Response
+    context: list[Raw]  # effective input items: previous context + previous output + new input
+
+
+# --------------------------------------------------------------------------- server → client events
+
+
+class _ServerEvent(msgspec.Struct, tag_field="type", kw_only=True):
+    sequence_number: int
+
+
+class ResponseCreated(_ServerEvent, tag="response.created"):
+    response: Response
+
+
+class ResponseInProgress(_ServerEvent, tag="response.in_progress"):
+    response: Response
+
+
+class ResponseCompleted(_ServerEvent, tag="response.completed"):
+    response: Response
+
+
+class ResponseFailed(_ServerEvent, tag="response.failed"):
+    response: Response
+
+
+class ResponseIncomplete(_ServerEvent, tag="response.incomplete"):
+    response: Response
+
+
+class RequiredInput(msgspec.Struct):
+    call_id: str
+    name: str
+    type: str = "function_call_output"
+
+
+class ResponseDone(_ServerEvent, tag="response.done"):
+    """Append mode only: the response paused for client tool outputs (wire-protocol 11.2)."""
+
+    response: Response
+    required_input: list[RequiredInput]
+
+
+class OutputItemAdded(_ServerEvent, tag="response.output_item.added"):
+    output_index: int
+    item: OutputItem
+
+
+class OutputItemDone(_ServerEvent, tag="response.output_item.done"):
+    output_index: int
+    item: OutputItem
+
+
+class ContentPartAdded(_ServerEvent, tag="response.content_part.added"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class ContentPartDone(_ServerEvent, tag="response.content_part.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+
+
+class OutputTextDelta(_ServerEvent, tag="response.output_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Raw] = []
+
+
+class OutputTextDone(_ServerEvent, tag="response.output_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Raw] = []
+
+
+class FunctionCallArgumentsDelta(_ServerEvent, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(_ServerEvent, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    arguments: str
+    name: str
+
+
+class ResponseInjectCreated(_ServerEvent, tag="response.inject.created"):
+    response_id: str
+
+
+class InjectError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class ResponseInjectFailed(_ServerEvent, tag="response.inject.failed"):
+    response_id: str
+    input: list[Raw]
+    error: InjectError
+
+
+class ErrorBody(msgspec.Struct):
+    type: str
+    code: str | None
+    message: str
+    param: str | None = None
+
+
+class ErrorEvent(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
+    """WebSocket `error` (nested form, with `status`: wire-protocol 8.1). Over SSE
+    the same Struct is sent with `sequence_number` and without `status` (8.2)."""
+
+    status: int | UnsetType = UNSET
+    error: ErrorBody
+    sequence_number: int | UnsetType = UNSET
+
+
+class HTTPErrorBody(msgspec.Struct):
+    error: ErrorBody
+
+
+ServerEvent = (
+    ResponseCreated
+    | ResponseInProgress
+    | ResponseCompleted
+    | ResponseFailed
+    | ResponseIncomplete
+    | ResponseDone
+    | OutputItemAdded
+    | OutputItemDone
+    | ContentPartAdded
+    | ContentPartDone
+    | OutputTextDelta
+    | OutputTextDone
+    | FunctionCallArgumentsDelta
+    | FunctionCallArgumentsDone
+    | ResponseInjectCreated
+    | ResponseInjectFailed
+    | ErrorEvent
+)
+
+# --------------------------------------------------------------------------- codecs, built once
+
+encode: Final = msgspec.json.Encoder().encode
+decode_client_event: Final = msgspec.json.Decoder(ClientEvent).decode
+decode_create_params: Final = msgspec.json.Decoder(CreateParams).decode
+decode_envelope: Final = msgspec.json.Decoder(_Envelope).decode
+decode_item: Final = msgspec.json.Decoder(InputItemView).decode
+decode_content: Final = msgspec.json.Decoder(str | list[ContentPartView]).decode
+decode_tool: Final = msgspec.json.Decoder(ToolView).decode
+decode_output_item: Final = msgspec.json.Decoder(OutputItem).decode
+decode_stored: Final = msgspec.json.Decoder(StoredResponse).decode
+decode_server_event: Final = msgspec.json.Decoder(ServerEvent).decode

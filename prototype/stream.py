@@ -1,0 +1,354 @@
+"""The per-response state machine: model events in, Responses stream events out.
+
+Theory of operation
+-------------------
+One `ResponseStream` turns the model's event grammar (prototype.model) into the
+Responses streaming event grammar (wire-protocol 4.1):
+
+    response.created, response.in_progress,
+    ( output_item.added, [content_part.added], delta*, *.done, [content_part.done],
+      output_item.done )*,
+    response.completed | response.incomplete | response.failed
+
+with `sequence_number` starting at 0 and increasing by one per event. The same
+core serves SSE, WebSocket and in-process simulation; only the encoder differs.
+
+Invariants:
+
+* `output_item.added` (and `content_part.added` for messages) precede any delta
+  of that item (openai-python's stream accumulator raises otherwise).
+* The items of `output_item.done` are exactly `response.output` of the terminal
+  event (Codex chains incrementally only if they are).
+* Nothing follows a terminal event.
+* In append mode a response may pause (`response.done`, non-terminal status
+  `in_progress`) and resume (`response.in_progress`); output indices and
+  sequence numbers continue across segments.
+
+Every legal (state, input) pair is in `_TRANSITIONS`; anything else is a bug in
+the model or the caller, raises `StreamError`, and leaves the stream FAILED.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final
+
+from msgspec import structs
+
+from .ids import IdFactory
+from .model import ItemFinished, ItemStarted, ModelEvent, SamplingFinished, TokensSampled
+from .schemas import (
+    ContentPartAdded,
+    ContentPartDone,
+    FunctionCall,
+    FunctionCallArgumentsDelta,
+    FunctionCallArgumentsDone,
+    IncompleteDetails,
+    InputTokensDetails,
+    OutputItem,
+    OutputItemAdded,
+    OutputItemDone,
+    OutputMessage,
+    OutputText,
+    OutputTextDelta,
+    OutputTextDone,
+    OutputTokensDetails,
+    RequiredInput,
+    Response,
+    ResponseCompleted,
+    ResponseCreated,
+    ResponseDone,
+    ResponseError,
+    ResponseFailed,
+    ResponseIncomplete,
+    ResponseInProgress,
+    ServerEvent,
+    Usage,
+)
+
+__all__ = ["Fail", "Pause", "RS", "Resume", "ResponseStream", "Start", "StreamError"]
+
+
+class RS(enum.Enum):
+    QUEUED = enum.auto()
+    IN_PROGRESS = enum.auto()  # between items
+    IN_ITEM = enum.auto()  # streaming one output item
+    PAUSED = enum.auto()  # append mode: waiting for client tool outputs
+    COMPLETED = enum.auto()
+    INCOMPLETE = enum.auto()
+    FAILED = enum.auto()
+
+
+TERMINAL: Final = frozenset({RS.COMPLETED, RS.INCOMPLETE, RS.FAILED})
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    input_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pause:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Resume:
+    input_tokens: int  # tokens added to the context by the append
+    cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    code: str
+    message: str
+
+
+StreamInput = Start | Pause | Resume | Fail | ModelEvent
+
+INPUT_TYPES: Final = (Start, Pause, Resume, Fail, ItemStarted, TokensSampled, ItemFinished, SamplingFinished)
+
+_TRANSITIONS: Final[dict[tuple[RS, type], RS]] = {
+    (RS.QUEUED, Start): RS.IN_PROGRESS,
+    (RS.IN_PROGRESS, ItemStarted): RS.IN_ITEM,
+    (RS.IN_ITEM, TokensSampled): RS.IN_ITEM,
+    (RS.IN_ITEM, ItemFinished): RS.IN_PROGRESS,
+    (RS.IN_PROGRESS, SamplingFinished): RS.COMPLETED,  # or INCOMPLETE, by reason (see _finish)
+    (RS.IN_PROGRESS, Pause): RS.PAUSED,
+    (RS.PAUSED, Resume): RS.IN_PROGRESS,
+    (RS.QUEUED, Fail): RS.FAILED,
+    (RS.IN_PROGRESS, Fail): RS.FAILED,
+    (RS.IN_ITEM, Fail): RS.FAILED,
+    (RS.PAUSED, Fail): RS.FAILED,
+}
+
+
+class StreamError(Exception):
+    """An input the state machine cannot take: a bug in the caller or the model."""
+
+
+class ResponseStream:
+    """Produces the event stream of one response.
+
+    After constructing it, call `receive(Start(...))`, then feed every model
+    event; append mode adds `Pause`/`Resume`. Each call returns the events to
+    send, in order. `response` is the latest snapshot of the Response object.
+    """
+
+    def __init__(self, template: Response, ids: IdFactory) -> None:
+        self.response = template
+        self.state = RS.QUEUED
+        self.output: list[OutputItem] = []
+        self.input_tokens = 0
+        self.cached_tokens = 0
+        self.output_tokens = 0
+        self._ids = ids
+        self._seq = 0
+        self._item: OutputMessage | FunctionCall | None = None
+        self._parts: list[str] = []
+
+    # -- public ------------------------------------------------------------------------------------
+
+    @property
+    def next_sequence_number(self) -> int:
+        return self._seq
+
+    def receive(self, event: StreamInput) -> list[ServerEvent]:
+        nxt = _TRANSITIONS.get((self.state, type(event)))
+        if nxt is None:
+            before = self.state
+            self.state = RS.FAILED
+            raise StreamError(f"can't handle {type(event).__name__} in state {before.name}")
+        match event:
+            case TokensSampled():  # hot path first
+                return self._delta(event)
+            case Start():
+                out = self._start(event)
+            case ItemStarted():
+                out = self._item_started(event)
+            case ItemFinished():
+                out = self._item_finished()
+            case SamplingFinished():
+                nxt = RS.INCOMPLETE if event.reason == "max_output_tokens" else RS.COMPLETED
+                out = self._finish(nxt, event)
+            case Pause():
+                out = self._pause()
+            case Resume():
+                out = self._resume(event)
+            case Fail():
+                out = self._fail(event)
+        self.state = nxt
+        return out
+
+    def usage(self) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=self.cached_tokens),
+            output_tokens=self.output_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+            total_tokens=self.input_tokens + self.output_tokens,
+        )
+
+    def pending_calls(self) -> list[RequiredInput]:
+        """Function calls of the last segment (append mode: what the response waits for)."""
+        calls = []
+        for item in reversed(self.output):
+            if not isinstance(item, FunctionCall):
+                break
+            calls.append(RequiredInput(call_id=item.call_id, name=item.name))
+        return calls[::-1]
+
+    # -- transitions -------------------------------------------------------------------------------
+
+    def _next(self) -> int:
+        seq = self._seq
+        self._seq += 1
+        return seq
+
+    def _start(self, event: Start) -> list[ServerEvent]:
+        self.input_tokens = event.input_tokens
+        self.cached_tokens = event.cached_tokens
+        snap = self.response
+        return [
+            ResponseCreated(sequence_number=self._next(), response=snap),
+            ResponseInProgress(sequence_number=self._next(), response=snap),
+        ]
+
+    def _item_started(self, event: ItemStarted) -> list[ServerEvent]:
+        index = len(self.output)
+        self._parts = []
+        if event.kind == "message":
+            msg = OutputMessage(id=self._ids.new("msg"), status="in_progress", content=[])
+            self._item = msg
+            return [
+                OutputItemAdded(sequence_number=self._next(), output_index=index, item=msg),
+                ContentPartAdded(
+                    sequence_number=self._next(),
+                    item_id=msg.id,
+                    output_index=index,
+                    content_index=0,
+                    part=OutputText(text=""),
+                ),
+            ]
+        call = FunctionCall(
+            id=self._ids.new("fc"), status="in_progress", arguments="", call_id=self._ids.new("call"), name=event.name
+        )
+        self._item = call
+        return [OutputItemAdded(sequence_number=self._next(), output_index=index, item=call)]
+
+    def _delta(self, event: TokensSampled) -> list[ServerEvent]:
+        self.output_tokens += len(event.token_ids)
+        if not event.text:
+            return []  # a token ending mid UTF-8 character: its text arrives with the next token
+        self._parts.append(event.text)
+        item = self._item
+        index = len(self.output)
+        if isinstance(item, OutputMessage):
+            return [
+                OutputTextDelta(
+                    sequence_number=self._next(),
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    delta=event.text,
+                )
+            ]
+        assert item is not None
+        return [
+            FunctionCallArgumentsDelta(
+                sequence_number=self._next(), item_id=item.id, output_index=index, delta=event.text
+            )
+        ]
+
+    def _item_finished(self) -> list[ServerEvent]:
+        item = self._item
+        assert item is not None
+        text = "".join(self._parts)
+        index = len(self.output)
+        self._item = None
+        if isinstance(item, OutputMessage):
+            part = OutputText(text=text)
+            done_msg = OutputMessage(id=item.id, status="completed", content=[part])
+            self.output.append(done_msg)
+            return [
+                OutputTextDone(
+                    sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0, text=text
+                ),
+                ContentPartDone(
+                    sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0, part=part
+                ),
+                OutputItemDone(sequence_number=self._next(), output_index=index, item=done_msg),
+            ]
+        done_call = structs.replace(item, status="completed", arguments=text)
+        self.output.append(done_call)
+        return [
+            FunctionCallArgumentsDone(
+                sequence_number=self._next(), item_id=item.id, output_index=index, arguments=text, name=item.name
+            ),
+            OutputItemDone(sequence_number=self._next(), output_index=index, item=done_call),
+        ]
+
+    def _finish(self, state: RS, event: SamplingFinished) -> list[ServerEvent]:
+        if state is RS.INCOMPLETE:
+            self.response = structs.replace(
+                self.response,
+                status="incomplete",
+                incomplete_details=IncompleteDetails(reason=event.reason),
+                output=list(self.output),
+                usage=self.usage(),
+            )
+            return [ResponseIncomplete(sequence_number=self._next(), response=self.response)]
+        self.response = structs.replace(
+            self.response,
+            status="completed",
+            output=list(self.output),
+            usage=self.usage(),
+            completed_at=self.response.created_at,
+        )
+        return [ResponseCompleted(sequence_number=self._next(), response=self.response)]
+
+    def end_incomplete(self, reason: str) -> list[ServerEvent]:
+        """End a paused or idle-between-items response as incomplete (e.g. `append_timeout`)."""
+        if self.state not in (RS.PAUSED, RS.IN_PROGRESS):
+            raise StreamError(f"can't end incomplete in state {self.state.name}")
+        self.state = RS.INCOMPLETE
+        self.response = structs.replace(
+            self.response,
+            status="incomplete",
+            incomplete_details=IncompleteDetails(reason=reason),
+            output=list(self.output),
+            usage=self.usage(),
+        )
+        return [ResponseIncomplete(sequence_number=self._next(), response=self.response)]
+
+    def abort(self, code: str, message: str) -> list[ServerEvent]:
+        """`response.failed` from wherever the stream is, unless a terminal event was already made.
+        Used after an exception (including a `StreamError`, which leaves the state FAILED
+        without having emitted anything)."""
+        if self.response.status != "in_progress":
+            return []
+        self.state = RS.FAILED
+        return self._fail(Fail(code, message))
+
+    def _pause(self) -> list[ServerEvent]:
+        self.response = structs.replace(self.response, status="in_progress", output=list(self.output), usage=None)
+        return [
+            ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())
+        ]
+
+    def _resume(self, event: Resume) -> list[ServerEvent]:
+        self.input_tokens += event.input_tokens
+        self.cached_tokens += event.cached_tokens
+        return [ResponseInProgress(sequence_number=self._next(), response=self.response)]
+
+    def _fail(self, event: Fail) -> list[ServerEvent]:
+        self.response = structs.replace(
+            self.response,
+            status="failed",
+            error=ResponseError(code=event.code, message=event.message),
+            output=list(self.output),
+            usage=self.usage(),
+        )
+        return [ResponseFailed(sequence_number=self._next(), response=self.response)]

@@ -1,0 +1,192 @@
+"""The per-response state machine: exact event grammar and every (state, input) pair."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from prototype.ids import IdFactory
+from prototype.model import ItemFinished, ItemStarted, SamplingFinished, TokensSampled
+from prototype.schemas import FunctionCall, OutputMessage, Response, encode
+from prototype.stream import INPUT_TYPES, RS, Fail, Pause, ResponseStream, Resume, Start, StreamError, _TRANSITIONS
+
+
+def template() -> Response:
+    return Response(id="resp_1", created_at=1767225600, status="in_progress", model="sim")
+
+
+def run(stream: ResponseStream, inputs: list[object]) -> list[object]:
+    out: list[object] = []
+    for i in inputs:
+        out.extend(stream.receive(i))  # type: ignore[arg-type]
+    return out
+
+
+def types(events: list[object]) -> list[str]:
+    return [e.__struct_config__.tag for e in events]  # type: ignore[attr-defined]
+
+
+TEXT_TURN = [
+    Start(input_tokens=10, cached_tokens=4),
+    ItemStarted("message"),
+    TokensSampled((1,), "Hel"),
+    TokensSampled((2,), ""),  # mid-character token: no delta
+    TokensSampled((3,), "lo"),
+    ItemFinished(),
+    SamplingFinished(),
+]
+
+
+def test_text_turn_exact_sequence() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    events = run(s, TEXT_TURN)
+    assert types(events) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(10))  # type: ignore[attr-defined]
+    final = events[-1].response  # type: ignore[attr-defined]
+    assert final.status == "completed"
+    assert final.usage.input_tokens == 10
+    assert final.usage.input_tokens_details.cached_tokens == 4
+    assert final.usage.output_tokens == 3
+    assert final.usage.total_tokens == 13
+    assert final.output == [events[-2].item]  # type: ignore[attr-defined]
+    msg = final.output[0]
+    assert isinstance(msg, OutputMessage) and msg.content[0].text == "Hello"
+    # in-progress snapshots carry usage null and empty output
+    assert b'"usage":null' in encode(events[0]) and b'"output":[]' in encode(events[1])
+
+
+def test_function_call_turn_and_item_done_equals_output() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    events = run(
+        s,
+        [
+            Start(input_tokens=5, cached_tokens=0),
+            ItemStarted("function_call", name="exec_command"),
+            TokensSampled((1,), '{"cmd":'),
+            TokensSampled((2,), '"ls"}'),
+            ItemFinished(),
+            ItemStarted("function_call", name="exec_command"),
+            TokensSampled((3,), "{}"),
+            ItemFinished(),
+            SamplingFinished(),
+        ],
+    )
+    assert types(events)[2:6] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+    ]
+    added = events[2].item  # type: ignore[attr-defined]
+    assert isinstance(added, FunctionCall) and added.status == "in_progress" and added.name == "exec_command"
+    assert added.call_id.startswith("call_") and added.id.startswith("fc_")
+    dones = [e.item for e in events if types([e]) == ["response.output_item.done"]]  # type: ignore[attr-defined]
+    assert events[-1].response.output == dones  # type: ignore[attr-defined]
+    assert dones[0].arguments == '{"cmd":"ls"}' and dones[0].status == "completed"
+    assert [d.call_id for d in dones] == [r.call_id for r in s.pending_calls()]
+
+
+def test_max_output_tokens_ends_incomplete() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    events = run(s, TEXT_TURN[:-1] + [SamplingFinished("max_output_tokens")])
+    assert types(events)[-1] == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"  # type: ignore[attr-defined]
+    assert s.state is RS.INCOMPLETE
+
+
+def test_pause_and_resume_continue_indices_and_sequence() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    first = run(
+        s,
+        [
+            Start(input_tokens=5, cached_tokens=0),
+            ItemStarted("function_call", name="f"),
+            TokensSampled((1,), "{}"),
+            ItemFinished(),
+            Pause(),
+        ],
+    )
+    assert types(first)[-1] == "response.done" and s.state is RS.PAUSED
+    assert first[-1].response.status == "in_progress"  # type: ignore[attr-defined]
+    assert [r.name for r in first[-1].required_input] == ["f"]  # type: ignore[attr-defined]
+    second = run(s, [Resume(input_tokens=3, cached_tokens=5), *TEXT_TURN[1:]])
+    assert types(second)[0] == "response.in_progress"
+    assert second[0].sequence_number == first[-1].sequence_number + 1  # type: ignore[attr-defined]
+    assert second[1].output_index == 1  # type: ignore[attr-defined]
+    final = second[-1].response  # type: ignore[attr-defined]
+    assert len(final.output) == 2 and final.usage.input_tokens == 8 and final.usage.output_tokens == 4
+
+
+def test_abort_after_start_and_not_after_terminal() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    run(s, TEXT_TURN[:3])
+    failed = s.abort("server_error", "boom")
+    assert types(failed) == ["response.failed"]
+    assert failed[0].response.error.code == "server_error"  # type: ignore[attr-defined]
+    assert s.abort("server_error", "again") == []
+    done = ResponseStream(template(), IdFactory(0))
+    run(done, TEXT_TURN)
+    assert done.abort("server_error", "late") == []
+
+
+def test_end_incomplete_from_pause() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    run(s, [Start(input_tokens=1, cached_tokens=0), Pause()])
+    events = s.end_incomplete("append_timeout")
+    assert events[0].response.incomplete_details.reason == "append_timeout"  # type: ignore[attr-defined]
+    with pytest.raises(StreamError, match=r"^can't end incomplete in state INCOMPLETE$"):
+        s.end_incomplete("append_timeout")
+
+
+def _instance(t: type) -> object:
+    return {
+        Start: Start(1, 0),
+        Pause: Pause(),
+        Resume: Resume(1, 0),
+        Fail: Fail("x", "y"),
+        ItemStarted: ItemStarted("message"),
+        TokensSampled: TokensSampled((1,), "a"),
+        ItemFinished: ItemFinished(),
+        SamplingFinished: SamplingFinished(),
+    }[t]
+
+
+def _stream_in(state: RS) -> ResponseStream:
+    s = ResponseStream(template(), IdFactory(0))
+    path = {
+        RS.QUEUED: [],
+        RS.IN_PROGRESS: [Start(1, 0)],
+        RS.IN_ITEM: [Start(1, 0), ItemStarted("message")],
+        RS.PAUSED: [Start(1, 0), Pause()],
+        RS.COMPLETED: [Start(1, 0), SamplingFinished()],
+        RS.INCOMPLETE: [Start(1, 0), SamplingFinished("max_output_tokens")],
+        RS.FAILED: [Fail("x", "y")],
+    }[state]
+    run(s, path)
+    assert s.state is state
+    return s
+
+
+@pytest.mark.parametrize(("state", "input_type"), list(itertools.product(RS, INPUT_TYPES)))
+def test_every_state_input_pair(state: RS, input_type: type) -> None:
+    s = _stream_in(state)
+    expected = _TRANSITIONS.get((state, input_type))
+    if expected is None:
+        with pytest.raises(StreamError, match=rf"^can't handle {input_type.__name__} in state {state.name}$"):
+            s.receive(_instance(input_type))  # type: ignore[arg-type]
+        assert s.state is RS.FAILED
+    else:
+        s.receive(_instance(input_type))  # type: ignore[arg-type]
+        assert s.state is expected
