@@ -46,6 +46,7 @@ from .schemas import (
     decode_item,
     decode_tool,
     encode,
+    is_null,
 )
 from .tokenizer import Tokenizer
 
@@ -216,7 +217,7 @@ def _check_item(view: InputItemView, index: int) -> None:
                 code="invalid_value",
                 param=f"{where}.role",
             )
-        if view.content is None:
+        if is_null(view.content):
             raise ProtocolError(
                 f"Missing required parameter: '{where}.content'.",
                 code="missing_required_parameter",
@@ -232,7 +233,7 @@ def _check_item(view: InputItemView, index: int) -> None:
                     param=f"{where}.{name}",
                 )
     elif view.type == "function_call_output":
-        if view.call_id is None or view.output is None:
+        if view.call_id is None or is_null(view.output):
             missing = "call_id" if view.call_id is None else "output"
             raise ProtocolError(
                 f"Missing required parameter: '{where}.{missing}'.",
@@ -254,7 +255,7 @@ def _decode_parts(raw: Raw, param: str) -> str:
 
 
 def _text_of(view: InputItemView) -> str:
-    if view.content is not None:
+    if not is_null(view.content):
         return _decode_parts(view.content, "content")
     return ""
 
@@ -277,8 +278,8 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
                 code="missing_required_parameter",
                 param=f"tools[{index}].name",
             )
-        params = bytes(view.parameters) if view.parameters is not None else b"null"
-        if params == b"null":
+        params = bytes(view.parameters)
+        if is_null(view.parameters):
             params = b'{"type":"object","properties":{}}'
         elif not params.lstrip().startswith(b"{"):
             raise ProtocolError(
@@ -300,8 +301,8 @@ class _NamedChoice(msgspec.Struct):
     name: str | None = None
 
 
-def _parse_tool_choice(raw: Raw | None, tools: tuple[FunctionTool, ...]) -> str:
-    if raw is None:
+def _parse_tool_choice(raw: Raw, tools: tuple[FunctionTool, ...]) -> str:
+    if is_null(raw):
         return "auto"
     try:
         value = msgspec.json.decode(raw, type=str | _NamedChoice)
@@ -347,11 +348,10 @@ def _render_text(view: InputItemView) -> str:
     if t == "function_call":
         return f"<|start|>assistant to=functions.{view.name}<|message|>{view.arguments}<|call|>"
     if t == "function_call_output":
-        assert view.output is not None
         return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     if t == "custom_tool_call":
         return f"<|start|>assistant to=functions.{view.name}<|message|>{view.input or ''}<|call|>"
-    if t == "custom_tool_call_output" and view.output is not None:
+    if t == "custom_tool_call_output" and not is_null(view.output):
         return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     return ""  # reasoning (encrypted), item references, tool-list items: nothing model-visible here
 

@@ -34,7 +34,7 @@ from .conversation import (
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
 from .model import ModelRequest, SamplingFinished, TokenModel
-from .schemas import Response, ServerEvent, StoredResponse, decode_stored, encode
+from .schemas import Response, ServerEvent, StoredResponse, decode_stored, encode, is_null
 from .store import ResponseStore, StoreUnavailable
 from .stream import ResponseStream, Start, StreamError
 from .tokenizer import Tokenizer
@@ -102,11 +102,11 @@ class Engine:
         """The in-progress snapshot: echoes the request's settings (instructions are not inherited)."""
         p = request.params
         kwargs: dict[str, object] = {}
-        if p.reasoning is not None:
+        if not is_null(p.reasoning):
             kwargs["reasoning"] = p.reasoning
-        if p.text is not None:
+        if not is_null(p.text):
             kwargs["text"] = p.text
-        if p.tool_choice is not None:
+        if not is_null(p.tool_choice):
             kwargs["tool_choice"] = p.tool_choice
         return Response(
             id=self.ids.new("resp"),

@@ -26,6 +26,8 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 __all__ = [
+    "NULL",
+    "is_null",
     "ClientEvent",
     "ContentPartAdded",
     "ContentPartDone",
@@ -80,6 +82,14 @@ __all__ = [
 
 # --------------------------------------------------------------------------- client → server
 
+# msgspec cannot put `Raw` in a union with None, so absent-or-null Raw fields default to this.
+NULL: Final = Raw(b"null")
+
+
+def is_null(raw: Raw) -> bool:
+    return raw == NULL or len(raw) == 0
+
+
 
 class CreateParams(msgspec.Struct, kw_only=True):
     """The body of `POST /v1/responses`, and the fields of a WS `response.create`."""
@@ -93,15 +103,15 @@ class CreateParams(msgspec.Struct, kw_only=True):
     background: bool | None = None  # not supported: 400 param "background"
     generate: bool | UnsetType = UNSET  # WS warm-up; the HTTP API rejects the parameter
     tools: list[Raw] | None = None
-    tool_choice: Raw | None = None  # "none" | "auto" | "required" | {"type":"function","name":…} | …
+    tool_choice: Raw = NULL  # "none" | "auto" | "required" | {"type":"function","name":…} | …
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = None
     max_tool_calls: int | None = None
     metadata: dict[str, str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    reasoning: Raw | None = None
-    text: Raw | None = None
+    reasoning: Raw = NULL
+    text: Raw = NULL
     truncation: str | None = None
     user: str | None = None
     service_tier: str | None = None
@@ -152,11 +162,11 @@ class InputItemView(msgspec.Struct):
     type: str = "message"
     id: str | None = None
     role: str | None = None
-    content: Raw | None = None  # str | list[ContentPartView] on messages; decoded by `decode_content`
+    content: Raw = NULL  # str | list[ContentPartView] on messages; decoded by `decode_content`
     call_id: str | None = None
     name: str | None = None
     arguments: str | None = None
-    output: Raw | None = None  # str | list[ContentPartView] on function_call_output
+    output: Raw = NULL  # str | list[ContentPartView] on function_call_output
     input: str | None = None  # custom_tool_call
     status: str | None = None
 
@@ -167,7 +177,7 @@ class ToolView(msgspec.Struct):
     type: str
     name: str | None = None
     description: str | None = None
-    parameters: Raw | None = None
+    parameters: Raw = NULL
     strict: bool | None = None
 
 

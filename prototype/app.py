@@ -1,0 +1,273 @@
+"""aiohttp adapter: routes, auth, and byte movement. No protocol logic lives here.
+
+`make_app` builds the application from injected parts (model, store, clock), so
+tests run it in process over loopback and the entry point (`server.py`) wires in
+the simulator. Every handler translates errors in one place (`errors.py`); an
+unexpected exception becomes a generic `server_error` with details only in the
+log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+from aiohttp import WSCloseCode, WSMsgType, web
+
+from .clock import Clock
+from .connection import CancelJob, CloseSocket, Connection, Job, SendFrame, StartJob
+from .conversation import normalize_create
+from .engine import Engine
+from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body, sse_error_event
+from .ids import IdFactory
+from .model import TokenModel
+from .schemas import DeletedResponse, ServerEvent, decode_create_params, encode
+from .sse import DONE_FRAME, SSE_HEADERS, encode_event
+from .store import ResponseStore
+from .tokenizer import get_tokenizer
+
+__all__ = ["ENGINE", "ServerConfig", "make_app"]
+
+log = logging.getLogger("longrun.server")
+
+# Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
+# in one frame or body; 64 MiB covers a 10M-character history with room to spare.
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+APPEND_BETA: Final = "responses_websockets=2026-02-04"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    api_key: str | None = None
+    connection_lifetime_s: float = 3600.0  # the Guide: "Connection duration is limited to 60 minutes."
+    reject_concurrent: bool = False  # 409 instead of FIFO queueing
+    refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
+    sse_done: bool = False  # end SSE streams with `data: [DONE]`
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+
+
+ENGINE: Final = web.AppKey("engine", Engine)
+CONFIG: Final = web.AppKey("config", ServerConfig)
+SOCKETS: Final = web.AppKey("sockets", set[web.WebSocketResponse])
+
+
+def make_app(
+    *,
+    model: TokenModel,
+    store: ResponseStore,
+    clock: Clock,
+    config: ServerConfig | None = None,
+    seed: int | None = None,
+) -> web.Application:
+    config = config or ServerConfig()
+    app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
+    app[CONFIG] = config
+    app[ENGINE] = Engine(model=model, store=store, clock=clock, tokenizer=get_tokenizer(), ids=IdFactory(seed))
+    app[SOCKETS] = set()
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses", websocket_or_405)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
+    app.router.add_get("/healthz", healthz)
+    app.on_shutdown.append(_close_sockets)
+    app.on_cleanup.append(_close_store)
+    return app
+
+
+async def _close_sockets(app: web.Application) -> None:
+    for ws in list(app[SOCKETS]):
+        await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+
+async def _close_store(app: web.Application) -> None:
+    await app[ENGINE].store.close()
+
+
+def _json_error(err: ProtocolError) -> web.Response:
+    return web.Response(status=err.status, body=http_error_body(err), content_type="application/json")
+
+
+@web.middleware
+async def _auth_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Bearer auth on every /v1 route, checked before a WebSocket upgrade is accepted."""
+    key = request.app[CONFIG].api_key
+    if key is not None and request.path.startswith("/v1/"):
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            return _json_error(
+                ProtocolError(
+                    "Incorrect API key provided. You can find your API key in your server's configuration.",
+                    code="invalid_api_key",
+                    status=401,
+                    type="invalid_request_error",
+                )
+            )
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except ProtocolError as err:
+        return _json_error(err)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = await request.read()
+    try:
+        params = decode_create_params(body)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        return _json_error(from_validation_error(exc))
+    create = normalize_create(params, websocket=False)  # ProtocolError → middleware → JSON error body
+    if not params.stream:
+        outcome = await engine.run(create, None, _discard)
+        if outcome.error is not None:
+            return _json_error(outcome.error)
+        if outcome.response.status == "failed":
+            return _json_error(INTERNAL_ERROR)
+        return web.Response(body=encode(outcome.response), content_type="application/json")
+
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    started = False
+
+    async def emit(events: list[ServerEvent]) -> None:
+        nonlocal started
+        if not started:
+            await resp.prepare(request)
+            started = True
+        await resp.write(b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events))  # type: ignore[arg-type]
+
+    outcome = await engine.run(create, None, emit)
+    if outcome.error is not None:
+        if not started:
+            return _json_error(outcome.error)
+        await resp.write(encode_event(sse_error_event(outcome.error, 0), event="error"))
+    if request.app[CONFIG].sse_done:
+        await resp.write(DONE_FRAME)
+    await resp.write_eof()
+    return resp
+
+
+async def _discard(events: list[ServerEvent]) -> None:
+    return None
+
+
+async def get_response(request: web.Request) -> web.Response:
+    response = await request.app[ENGINE].get_stored(request.match_info["response_id"])
+    return web.Response(body=encode(response), content_type="application/json")
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["response_id"]
+    await request.app[ENGINE].delete_stored(response_id)
+    return web.Response(body=encode(DeletedResponse(id=response_id)), content_type="application/json")
+
+
+# -- WebSocket -------------------------------------------------------------------------------------
+
+
+async def websocket_or_405(request: web.Request) -> web.StreamResponse:
+    if request.headers.get("Upgrade", "").lower() != "websocket":
+        return _json_error(
+            ProtocolError("Method GET is not allowed on /v1/responses without a WebSocket upgrade.",
+                          code="method_not_allowed", status=405)
+        )
+    config = request.app[CONFIG]
+    if config.refuse_websocket:
+        return _json_error(
+            ProtocolError("WebSocket mode is disabled on this server; use HTTP.", code="upgrade_required", status=426)
+        )
+    ws = web.WebSocketResponse(max_msg_size=config.max_message_bytes, compress=15, autoping=True)
+    await ws.prepare(request)
+    request.app[SOCKETS].add(ws)
+    try:
+        await WebSocketSession(request.app[ENGINE], config, ws).serve()
+    finally:
+        request.app[SOCKETS].discard(ws)
+    return ws
+
+
+class WebSocketSession:
+    """Owns one socket: one reader (this coroutine), at most one job task, one
+    lifetime timer. Everything it starts it also cancels and awaits."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, ws: web.WebSocketResponse) -> None:
+        self.engine = engine
+        self.ws = ws
+        self.conn = Connection(lifetime_s=config.connection_lifetime_s, reject_concurrent=config.reject_concurrent)
+        self.job_task: asyncio.Task[None] | None = None
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(
+            loop.time() + self.conn.lifetime_s, lambda: loop.create_task(self._on_limit())
+        )
+        try:
+            async for msg in self.ws:
+                if msg.type is WSMsgType.TEXT:
+                    self.conn.receive_text(msg.data)
+                    await self._flush()
+                elif msg.type is WSMsgType.BINARY:
+                    # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
+                    await self.ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"binary frames are not supported")
+                    break
+        finally:
+            timer.cancel()
+            self.conn.disconnected()
+            await self._flush()
+            if self.job_task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.job_task
+
+    async def _on_limit(self) -> None:
+        if self.ws.closed:
+            return
+        self.conn.limit_reached()
+        await self._flush()
+
+    async def _flush(self) -> None:
+        for out in self.conn.outputs_to_send():
+            match out:
+                case SendFrame(data=data):
+                    if not self.ws.closed:
+                        await self.ws.send_str(data.decode())
+                case StartJob(job=job):
+                    self.job_task = asyncio.get_running_loop().create_task(self._run(job))
+                case CancelJob():
+                    if self.job_task is not None:
+                        self.job_task.cancel()
+                case CloseSocket(code=code, reason=reason):
+                    await self.ws.close(code=code, message=reason.encode())
+
+    async def _run(self, job: Job) -> None:
+        ws = self.ws
+
+        async def emit(events: list[ServerEvent]) -> None:
+            for ev in events:
+                await ws.send_str(encode(ev).decode())
+
+        try:
+            outcome = await self.engine.run(job.request, job.cached, emit)
+        except ConnectionResetError:
+            return  # the peer is gone; the reader sees the close and frees everything
+        except Exception:
+            log.exception("job %d failed", job.number)
+            self.conn.response_ended(job, None, INTERNAL_ERROR)
+        else:
+            self.conn.response_ended(job, outcome.entry, outcome.error)
+        await self._flush()
+

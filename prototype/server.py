@@ -1,0 +1,97 @@
+"""Command-line entry point and composition root: `python -m prototype.server`.
+
+This is the one module of `prototype/` that imports `sim/` (the default token
+simulator, its policies and the asyncio clock) and the one place uvloop is
+chosen. Everything else receives its parts through `make_app`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import signal
+import sys
+
+import uvloop
+from aiohttp import web
+
+from sim.accelerator import SimulatedModel
+from sim.policy import DefaultPolicy, Policy, load_script
+from sim.realtime import AsyncioClock
+
+from .app import ServerConfig, make_app
+from .store import open_store
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m prototype.server",
+        description="Responses API server (HTTP, SSE, WebSocket mode) on a token-generating simulator.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
+    p.add_argument("--port", type=int, default=8765, help="TCP port (0 picks a free one)")
+    p.add_argument("--tps", type=float, default=1000.0, help="decode tokens/s of the simulator; 0 = unpaced")
+    p.add_argument("--model-latency", type=float, default=0.0, metavar="SECONDS", help="fixed model latency before the first token")
+    p.add_argument("--prefill-tps", type=float, default=0.0, help="prefill tokens/s for uncached prompt tokens; 0 = instant")
+    p.add_argument("--tool-calls", type=int, default=10, metavar="N", help="the default policy calls a tool on the first N turns of a conversation, then answers with text")
+    p.add_argument("--script", metavar="FILE", help="replay per-turn outputs from a JSONL script (see README) instead of the default policy")
+    p.add_argument("--seed", type=int, default=0, help="seed for the simulator and ids")
+    p.add_argument("--store", default="memory", help="response store: memory | sqlite:PATH | redis://HOST:PORT[/DB]")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (checked before a WebSocket upgrade)")
+    p.add_argument("--connection-limit", type=float, default=3600.0, metavar="SECONDS", help="WebSocket connection lifetime")
+    p.add_argument("--reject-concurrent", action="store_true", help="answer a create sent while one is in flight with 409 instead of queueing it")
+    p.add_argument("--refuse-websocket", action="store_true", help="answer WebSocket upgrades with 426 (clients fall back to HTTP)")
+    p.add_argument("--sse-done", action="store_true", help="end SSE streams with 'data: [DONE]'")
+    p.add_argument("--log-level", default="WARNING", help="logging level")
+    return p
+
+
+async def serve(args: argparse.Namespace) -> None:
+    clock = AsyncioClock()
+    policy: Policy = load_script(args.script) if args.script else DefaultPolicy(tool_calls=args.tool_calls)
+    model = SimulatedModel(
+        clock=clock,
+        policy=policy,
+        seed=args.seed,
+        decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
+        model_latency_s=args.model_latency,
+        prefill_tok_per_s=args.prefill_tps if args.prefill_tps > 0 else math.inf,
+    )
+    config = ServerConfig(
+        api_key=args.api_key,
+        connection_lifetime_s=args.connection_limit,
+        reject_concurrent=args.reject_concurrent,
+        refuse_websocket=args.refuse_websocket,
+        sse_done=args.sse_done,
+    )
+    app = make_app(model=model, store=open_store(args.store), clock=clock, config=config, seed=args.seed)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    print(f"longrun server listening on http://{args.host}:{port}/v1", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    uvloop.run(serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""Shared helpers for adapter tests: a live server on loopback, in process."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from prototype.app import ServerConfig, make_app
+from prototype.store import MemoryStore, ResponseStore
+from sim.accelerator import SimulatedModel
+from sim.policy import DefaultPolicy, Policy
+from sim.realtime import AsyncioClock
+
+EXEC_TOOL: dict[str, Any] = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Run a shell command and return its output.",
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}, "workdir": {"type": "string"}},
+        "required": ["cmd"],
+    },
+    "strict": False,
+}
+
+
+@dataclass
+class Live:
+    app: web.Application
+    port: int
+    model: SimulatedModel
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/responses"
+
+
+@contextlib.asynccontextmanager
+async def live_server(
+    *,
+    tool_calls: int = 10,
+    policy: Policy | None = None,
+    store: ResponseStore | None = None,
+    config: ServerConfig | None = None,
+    seed: int = 0,
+    decode_tok_per_s: float = math.inf,
+) -> AsyncIterator[Live]:
+    """The real app on 127.0.0.1, an ephemeral port, an unpaced simulator by default."""
+    clock = AsyncioClock()
+    model = SimulatedModel(
+        clock=clock,
+        policy=policy or DefaultPolicy(tool_calls=tool_calls),
+        seed=seed,
+        decode_tok_per_s=decode_tok_per_s,
+    )
+    app = make_app(model=model, store=store or MemoryStore(), clock=clock, config=config, seed=seed)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield Live(app, runner.addresses[0][1], model)
+    finally:
+        await runner.cleanup()
