@@ -191,7 +191,7 @@ class Engine:
         n_prompt = sum(len(c) for c in prompt)
         if not request.generate:
             # Warm-up (wire-protocol 3.3): pre-inference work only, `output: []`, zero usage.
-            await emit(stream.receive(Start(input_tokens=0, cached_tokens=0)))
+            await emit(stream.receive(Start(input_tokens=0, cached_tokens=0, warm_up=True)))
             return await self._finish(request, stream, resolved, SamplingFinished("stop"), emit)
         await emit(stream.receive(Start(input_tokens=n_prompt, cached_tokens=resolved.cached_tokens)))
         model_request = ModelRequest(

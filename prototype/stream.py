@@ -87,6 +87,7 @@ TERMINAL: Final = frozenset({RS.COMPLETED, RS.INCOMPLETE, RS.FAILED})
 class Start:
     input_tokens: int
     cached_tokens: int
+    warm_up: bool = False  # `generate:false`: response.created then straight to response.completed
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,10 +212,10 @@ class ResponseStream:
         self.input_tokens = event.input_tokens
         self.cached_tokens = event.cached_tokens
         snap = self.response
-        return [
-            ResponseCreated(sequence_number=self._next(), response=snap),
-            ResponseInProgress(sequence_number=self._next(), response=snap),
-        ]
+        created = ResponseCreated(sequence_number=self._next(), response=snap)
+        if event.warm_up:
+            return [created]
+        return [created, ResponseInProgress(sequence_number=self._next(), response=snap)]
 
     def _item_started(self, event: ItemStarted) -> list[ServerEvent]:
         index = len(self.output)

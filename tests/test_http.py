@@ -1,0 +1,207 @@
+"""HTTP and SSE over real loopback sockets: error bodies, store semantics, rebuild paths."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from prototype.app import ENGINE, ServerConfig
+from prototype.conversation import Context, parse_items, render_items
+from prototype.sse import SSEDecoder
+from prototype.store import MemoryStore
+
+from .support import EXEC_TOOL, Live, live_server
+
+
+@pytest.fixture
+async def live() -> Any:
+    async with live_server(tool_calls=3) as server:
+        yield server
+
+
+async def post(live: Live, body: Any, *, raw: bytes | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s:
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with s.post(live.base_url + "/responses", data=data, headers={"Content-Type": "application/json"}) as r:
+            return r.status, await r.json()
+
+
+async def post_sse(live: Live, body: dict[str, Any]) -> tuple[aiohttp.ClientResponse, list[Any]]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(live.base_url + "/responses", json={**body, "stream": True}) as r:
+            decoder = SSEDecoder()
+            events = []
+            async for chunk in r.content.iter_any():
+                events.extend(decoder.feed(chunk))
+            events.extend(decoder.close())
+            return r, events
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code", "param"),
+    [
+        (b"{nope", 400, "invalid_json", None),
+        (b'{"model": 3}', 400, "invalid_value", "model"),
+        (b'{"input": "x"}', 400, "missing_required_parameter", "model"),
+        (b'{"model": "m", "generate": false}', 400, "unsupported_parameter", "generate"),
+        (b'{"model": "m", "background": true}', 400, "unsupported_parameter", "background"),
+        (b'{"model": "m", "previous_response_id": "resp_nope"}', 400, "previous_response_not_found", "previous_response_id"),
+        (b'{"model": "m", "previous_response_id": "abc"}', 400, "invalid_value", "previous_response_id"),
+        (b'{"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}', 400, "missing_required_parameter", "input[0].call_id"),
+        (b'{"model": "m", "input": [{"type": "message", "role": "user"}]}', 400, "missing_required_parameter", "input[0].content"),
+        (b'{"model": "m", "input": [{"role": "user", "content": 5}]}', 400, "invalid_value", "input[0].content"),
+        (b'{"model": "m", "max_output_tokens": 0}', 400, "invalid_value", "max_output_tokens"),
+        (b'{"model": "m", "tool_choice": "sometimes"}', 400, "invalid_value", "tool_choice"),
+    ],
+)
+async def test_error_bodies(live: Live, raw: bytes, status: int, code: str, param: str | None) -> None:
+    got_status, body = await post(live, None, raw=raw)
+    assert got_status == status
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == code and body["error"]["param"] == param
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "Traceback" not in body["error"]["message"]
+
+
+async def test_sse_headers_event_lines_and_done_flag() -> None:
+    async with live_server(config=ServerConfig(sse_done=True)) as server:
+        resp, events = await post_sse(server, {"model": "sim", "input": "hi"})
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        assert resp.headers["Cache-Control"] == "no-cache" and resp.headers["X-Accel-Buffering"] == "no"
+        assert events[-1].data == "[DONE]"
+        payloads = [json.loads(e.data) for e in events[:-1]]
+        assert [e.event for e in events[:-1]] == [p["type"] for p in payloads]
+        assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+        assert payloads[0]["type"] == "response.created" and payloads[-1]["type"] == "response.completed"
+
+
+async def test_sse_error_before_stream_is_a_json_error(live: Live) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(live.base_url + "/responses", json={"model": "m", "stream": True, "previous_response_id": "resp_x"}) as r:
+            assert r.status == 400 and r.content_type == "application/json"
+            assert (await r.json())["error"]["code"] == "previous_response_not_found"
+
+
+async def test_get_and_delete_stored(live: Live) -> None:
+    _, created = await post(live, {"model": "sim", "input": "hi"})
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{live.base_url}/responses/{created['id']}") as r:
+            assert r.status == 200 and (await r.json()) == created
+        async with s.delete(f"{live.base_url}/responses/{created['id']}") as r:
+            assert (await r.json()) == {"id": created["id"], "object": "response", "deleted": True}
+        async with s.get(f"{live.base_url}/responses/{created['id']}") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "response_not_found"
+        async with s.delete(f"{live.base_url}/responses/{created['id']}") as r:
+            assert r.status == 404
+
+
+async def test_store_false_is_not_retrievable_nor_chainable_over_http(live: Live) -> None:
+    _, created = await post(live, {"model": "sim", "input": "hi", "store": False})
+    assert created["store"] is False
+    status, body = await post(live, {"model": "sim", "input": "more", "previous_response_id": created["id"]})
+    assert status == 400 and body["error"]["code"] == "previous_response_not_found"
+
+
+async def test_read_after_write(live: Live) -> None:
+    """A continuation sent the moment a response completes finds it (LiteLLM #28587)."""
+    prev = None
+    for _ in range(5):
+        status, body = await post(live, {"model": "sim", "input": "go", "previous_response_id": prev})
+        assert status == 200, body
+        prev = body["id"]
+
+
+async def test_store_frees_what_it_deletes(live: Live) -> None:
+    store = live.app[ENGINE].store
+    assert isinstance(store, MemoryStore)
+    ids = [(await post(live, {"model": "sim", "input": "x" * 1000}))[1]["id"] for _ in range(5)]
+    assert store.statistics().entries == 5 and store.statistics().bytes > 0  # type: ignore[operator]
+    async with aiohttp.ClientSession() as s:
+        for rid in ids:
+            async with s.delete(f"{live.base_url}/responses/{rid}") as r:
+                assert r.status == 200
+    assert store.statistics().entries == 0 and store.statistics().bytes == 0
+
+
+async def test_rebuild_keeps_function_calls_outputs_and_roles(live: Live) -> None:
+    """vLLM #43244 (tool items dropped on rehydration), SGLang #23662 (roles rewritten), vLLM WS PR
+    #35492 (cached items not spliced): the effective context is prev input + prev output + new input."""
+    first_input = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "sure"}]},
+    ]
+    _, first = await post(live, {"model": "sim", "input": first_input, "tools": [EXEC_TOOL]})
+    call = first["output"][0]
+    assert call["type"] == "function_call"
+    fco = {"type": "function_call_output", "call_id": call["call_id"], "output": "a.py"}
+    _, second = await post(live, {"model": "sim", "input": [fco], "previous_response_id": first["id"], "tools": [EXEC_TOOL]})
+    engine = live.app[ENGINE]
+    items = await engine._load(second["id"])  # what a third turn would continue from
+    kinds = [(i.view.type, i.view.role) for i in items]
+    assert kinds == [
+        ("message", "developer"),
+        ("message", "user"),
+        ("message", "assistant"),
+        ("function_call", None),
+        ("function_call_output", None),
+        (second["output"][0]["type"], "assistant" if second["output"][0]["type"] == "message" else None),
+    ]
+    assert json.loads(items[3].raw) == call  # the server's own item, verbatim
+    # Same context, same tokens, as a full resend:
+    full = [*first_input, call, fco]
+    _, resend = await post(live, {"model": "sim", "input": full, "tools": [EXEC_TOOL]})
+    assert resend["usage"]["input_tokens"] == second["usage"]["input_tokens"]
+    assert resend["output"][0].get("arguments") == second["output"][0].get("arguments")
+    ctx = Context()
+    parsed = parse_items([json.dumps(i).encode() for i in full])  # type: ignore[misc]
+    ctx.extend(parsed, render_items(parsed, engine.tokenizer))
+    assert ctx.turn_index == 1  # an assistant message directly followed by a call is one model turn
+
+
+async def test_instructions_are_not_inherited(live: Live) -> None:
+    _, first = await post(live, {"model": "sim", "input": "x", "instructions": "SECRET RULES " * 50})
+    _, second = await post(live, {"model": "sim", "input": "y", "previous_response_id": first["id"]})
+    assert second["instructions"] is None
+    _, with_instr = await post(live, {"model": "sim", "input": "y", "previous_response_id": first["id"], "instructions": "SECRET RULES " * 50})
+    assert with_instr["usage"]["input_tokens"] > second["usage"]["input_tokens"] + 50
+
+
+async def test_string_and_list_input_are_equivalent(live: Live) -> None:
+    _, a = await post(live, {"model": "sim", "input": "hello there"})
+    _, b = await post(live, {"model": "sim", "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}]})
+    assert a["usage"]["input_tokens"] == b["usage"]["input_tokens"]
+    assert a["output"][0]["content"][0]["text"] == b["output"][0]["content"][0]["text"]
+
+
+async def test_response_echoes_request_settings(live: Live) -> None:
+    body = {
+        "model": "sim-1k",
+        "input": "x",
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "metadata": {"k": "v"},
+        "tool_choice": "none",
+        "tools": [EXEC_TOOL],
+        "max_output_tokens": 64,
+        "parallel_tool_calls": False,
+        "user": "u1",
+        "text": {"format": {"type": "text"}, "verbosity": "low"},
+    }
+    _, r = await post(live, body)
+    assert r["object"] == "response" and r["id"].startswith("resp_") and isinstance(r["created_at"], int)
+    for key in ("model", "temperature", "top_p", "metadata", "tool_choice", "tools", "max_output_tokens", "parallel_tool_calls", "user", "text"):
+        assert r[key] == body[key], key
+    assert r["output"][0]["type"] == "message"  # tool_choice none: no call
+    assert r["usage"]["output_tokens"] <= 64
+
+
+async def test_healthz_and_unknown_routes(live: Live) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(live.base_url.replace("/v1", "/healthz")) as r:
+            assert r.status == 200
+        async with s.get(live.base_url + "/nope") as r:
+            assert r.status == 404

@@ -1,0 +1,68 @@
+"""Layering, enforced by walking the import statements of every module.
+
+* `prototype/` imports `sim/` only in its composition root, `prototype/server.py`.
+* The sans-IO core (wire types, state machines, framing, rendering) and all of
+  `sim/` except `sim/realtime.py` import no asyncio, aiohttp or uvloop.
+* uvloop is chosen only in entry points.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IO_MODULES = {"asyncio", "aiohttp", "uvloop"}
+PURE_CORE = {"schemas", "connection", "stream", "sse", "conversation", "model", "errors", "ids", "clock", "tokenizer"}
+ENTRY_POINTS = {ROOT / "prototype" / "server.py", ROOT / "sim" / "__main__.py"}
+
+
+def imports(path: Path) -> set[str]:
+    """Top-level package names imported by a module, resolving relative imports against its package."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = path.parent.name
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                names.add(package)
+            elif node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: p.name)
+def test_prototype_imports_sim_only_at_the_composition_root(path: Path) -> None:
+    if path == ROOT / "prototype" / "server.py":
+        return
+    assert "sim" not in imports(path), f"{path.name} imports sim/"
+
+
+@pytest.mark.parametrize("path", [p for p in modules("prototype") if p.stem in PURE_CORE], ids=lambda p: p.name)
+def test_sans_io_core_does_no_io(path: Path) -> None:
+    assert not imports(path) & IO_MODULES, f"{path.name} imports {imports(path) & IO_MODULES}"
+
+
+@pytest.mark.parametrize("path", [p for p in modules("sim") if p.name != "realtime.py"], ids=lambda p: p.name)
+def test_sim_uses_asyncio_only_in_realtime(path: Path) -> None:
+    allowed = {"uvloop", "asyncio"} if path in ENTRY_POINTS else set()
+    assert not (imports(path) & IO_MODULES) - allowed, f"{path.name} imports {imports(path) & IO_MODULES}"
+
+
+@pytest.mark.parametrize("path", modules("prototype") + modules("sim"), ids=lambda p: p.name)
+def test_uvloop_only_in_entry_points(path: Path) -> None:
+    if path not in ENTRY_POINTS:
+        assert "uvloop" not in imports(path)
+
+
+def test_the_checker_sees_imports() -> None:
+    server = imports(ROOT / "prototype" / "server.py")
+    assert {"sim", "uvloop", "prototype", "aiohttp"} <= server
