@@ -1,8 +1,8 @@
-# The README's two commands are `make demo` (the main job) and `make test`.
+# The README's two commands are `make compare` (the main job) and `make test`.
 PY ?= python3
 PYTEST_ARGS ?=
 
-.PHONY: install test demo lint typecheck bench
+.PHONY: install test compare lint typecheck
 
 install:
 	$(PY) -m pip install -q -e '.[dev]'
@@ -12,8 +12,8 @@ install:
 test: install
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-demo: install
-	$(PY) -m sim demo
+compare: install
+	$(PY) -m sim compare
 
 lint:
 	$(PY) -m ruff check prototype sim tests

@@ -1,0 +1,220 @@
+"""A small measuring client for the four API modes, used by tests and the harness.
+
+Modes (names used everywhere):
+
+* `http`: POST with the full history every turn (no `previous_response_id`).
+* `http_prev`: POST with `previous_response_id` and only the new items; the
+  server loads the rest from its store.
+* `ws`: one WebSocket per rollout, `response.create` + `previous_response_id`,
+  new items only; the server's connection cache holds the rest.
+* `append`: one WebSocket, one long response paused at each tool call (issue 3;
+  not available yet).
+
+Each turn returns a `TurnResult` with client-side timings taken on an injected
+clock: TTFT is measured to the first *token-carrying* delta (workloads.md 6),
+E2E to the terminal event. The client decodes frames with the same msgspec
+types the server encodes with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal, Protocol
+
+import aiohttp
+import msgspec
+
+from .clock import Clock
+from .schemas import (
+    ErrorEvent,
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
+    Response,
+    ResponseCompleted,
+    ResponseFailed,
+    ResponseIncomplete,
+    ServerEvent,
+    decode_server_event,
+    encode,
+)
+from .sse import SSEDecoder
+
+__all__ = ["MODES", "ClientError", "Mode", "ResponsesClient", "TurnResult", "open_client", "tool_outputs"]
+
+Mode = Literal["http", "http_prev", "ws", "append"]
+MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
+TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
+TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete)
+
+
+class ClientError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"{status}: {body}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class TurnResult:
+    response: Response
+    sent_at: float
+    first_token_at: float | None
+    done_at: float
+    bytes_sent: int
+    events: int
+    output_items: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+    @property
+    def e2e_s(self) -> float:
+        return self.done_at - self.sent_at
+
+
+class ResponsesClient(Protocol):
+    mode: Mode
+
+    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult: ...
+
+    async def close(self) -> None: ...
+
+
+class _Tracker:
+    """Folds a server event stream into a `TurnResult`."""
+
+    def __init__(self, clock: Clock, sent_at: float, bytes_sent: int) -> None:
+        self.clock = clock
+        self.sent_at = sent_at
+        self.bytes_sent = bytes_sent
+        self.first_token_at: float | None = None
+        self.events = 0
+
+    def see(self, event: ServerEvent) -> TurnResult | None:
+        self.events += 1
+        if self.first_token_at is None and isinstance(event, TOKEN_DELTAS):
+            self.first_token_at = self.clock.now()
+        if isinstance(event, TERMINALS):
+            response = event.response
+            return TurnResult(
+                response,
+                self.sent_at,
+                self.first_token_at,
+                self.clock.now(),
+                self.bytes_sent,
+                self.events,
+                [msgspec.to_builtins(o) for o in response.output],
+            )
+        if isinstance(event, ErrorEvent):
+            raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))
+        return None
+
+
+class _History:
+    """What a client that resends everything keeps: input so far + outputs so far."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.previous_id: str | None = None
+
+    def record(self, sent: list[dict[str, Any]], result: TurnResult) -> None:
+        self.items.extend(sent)
+        self.items.extend(result.output_items)
+        self.previous_id = result.response.id
+
+
+class HTTPClient:
+    def __init__(self, base_url: str, clock: Clock, *, chained: bool, api_key: str = "sk-longrun") -> None:
+        self.mode: Mode = "http_prev" if chained else "http"
+        self.url = base_url.rstrip("/") + "/responses"
+        self.clock = clock
+        self.chained = chained
+        self.history = _History()
+        self.session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"})
+
+    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+        if self.chained:
+            body = {**settings, "input": new_items, "previous_response_id": self.history.previous_id, "stream": True}
+        else:
+            body = {**settings, "input": self.history.items + new_items, "stream": True}
+        data = encode(body)
+        sent_at = self.clock.now()
+        async with self.session.post(self.url, data=data, headers={"Content-Type": "application/json"}) as resp:
+            if resp.status != 200:
+                raise ClientError(resp.status, await resp.json())
+            tracker = _Tracker(self.clock, sent_at, len(data))
+            decoder = SSEDecoder()
+            result = None
+            async for chunk in resp.content.iter_any():
+                for sse in decoder.feed(chunk):
+                    if sse.data == "[DONE]":
+                        continue
+                    result = tracker.see(decode_server_event(sse.data)) or result
+        if result is None:
+            raise ClientError(502, "stream ended before a terminal event")
+        self.history.record(new_items, result)
+        return result
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class WSClient:
+    def __init__(self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun") -> None:
+        self.mode: Mode = "ws"
+        self.url = base_url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/responses"
+        self.clock = clock
+        self.history = _History()
+        self.api_key = api_key
+        self.session = aiohttp.ClientSession()
+        self.ws: aiohttp.ClientWebSocketResponse | None = None
+
+    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+        if self.ws is None:
+            self.ws = await self.session.ws_connect(
+                self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
+            )
+        body = {
+            "type": "response.create",
+            **settings,
+            "input": new_items,
+            "previous_response_id": self.history.previous_id,
+        }
+        data = encode(body).decode()
+        sent_at = self.clock.now()
+        await self.ws.send_str(data)
+        tracker = _Tracker(self.clock, sent_at, len(data))
+        while True:
+            msg = await self.ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise ClientError(502, f"socket ended: {msg.type.name} {msg.data!r}")
+            result = tracker.see(decode_server_event(msg.data))
+            if result is not None:
+                self.history.record(new_items, result)
+                return result
+
+    async def close(self) -> None:
+        if self.ws is not None:
+            await self.ws.close()
+        await self.session.close()
+
+
+def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-longrun") -> ResponsesClient:
+    if mode == "http":
+        return HTTPClient(base_url, clock, chained=False, api_key=api_key)
+    if mode == "http_prev":
+        return HTTPClient(base_url, clock, chained=True, api_key=api_key)
+    if mode == "ws":
+        return WSClient(base_url, clock, api_key=api_key)
+    raise NotImplementedError(f"mode {mode!r} is not implemented yet (append mode: issue 3)")
+
+
+def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:
+    """`function_call_output` items answering every call of a turn."""
+    return [
+        {"type": "function_call_output", "call_id": item["call_id"], "output": output_text}
+        for item in result.output_items
+        if item.get("type") == "function_call"
+    ]
+

@@ -1,0 +1,121 @@
+"""`python -m sim compare`: the same seeded agent rollouts in each API mode, side by side.
+
+Scenario: the server runs in process on loopback with the token simulator at
+`--tps`; each mode runs the same rollouts (same tasks, tool outputs, tool times
+and model tokens) one after another; the table reports rollout completion time,
+TTFT and bytes sent per turn, and each mode's speedup over `http`.
+
+Status: this is the live-loopback comparison of the create modes on the
+`local` cost profile (only real CPU work: JSON, validation, rendering with the
+real BPE vocabulary). Append mode (issue 3), the modeled API-stage costs of the
+`hosted` profile (issue 4) and virtual time (issue 5) are not in yet, so the
+differences printed here are those of real CPU work and bytes alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+from typing import get_args
+
+import numpy as np
+import uvloop
+from aiohttp import web
+
+from prototype.app import make_app
+from prototype.client import Mode, open_client
+from prototype.store import MemoryStore
+from sim.accelerator import SimulatedModel
+from sim.live import RolloutResult, make_spec, run_rollout
+from sim.policy import DefaultPolicy
+from sim.realtime import AsyncioClock
+
+AVAILABLE_MODES: tuple[Mode, ...] = ("http", "http_prev", "ws")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="run the same rollouts in each mode and print a table",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c.add_argument("--rollouts", type=int, default=3, help="rollouts per mode")
+    c.add_argument("--tool-calls", type=int, default=12, help="tool calls per rollout (then a text answer)")
+    c.add_argument("--tps", type=float, default=1000.0, help="decode tokens/s (0 = unpaced)")
+    c.add_argument("--tool-time", type=float, default=0.05, metavar="SECONDS", help="median simulated tool time")
+    c.add_argument("--tool-output-tokens", type=int, default=500, help="median tool output size")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--modes", default=",".join(AVAILABLE_MODES), help="comma-separated subset of http,http_prev,ws")
+    return p
+
+
+async def compare(args: argparse.Namespace) -> list[RolloutResult]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in AVAILABLE_MODES:
+            raise SystemExit(f"unknown or unavailable mode {m!r}; choose from {', '.join(AVAILABLE_MODES)}"
+                             f" (all modes: {', '.join(get_args(Mode))}; append is issue 3)")
+    clock = AsyncioClock()
+    model = SimulatedModel(
+        clock=clock,
+        policy=DefaultPolicy(tool_calls=args.tool_calls),
+        seed=args.seed,
+        decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
+    )
+    runner = web.AppRunner(make_app(model=model, store=MemoryStore(), clock=clock, seed=args.seed))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    results: list[RolloutResult] = []
+    try:
+        total = len(modes) * args.rollouts
+        for mode in modes:
+            for i in range(args.rollouts):
+                spec = make_spec(args.seed, i, max_turns=args.tool_calls, tool_time_median_s=args.tool_time,
+                                 tool_time_sigma=0.8, tool_output_median_tokens=args.tool_output_tokens)
+                client = open_client(mode, base_url, clock)  # type: ignore[arg-type]
+                try:
+                    results.append(await run_rollout(client, clock, spec, model="sim-1k"))
+                finally:
+                    await client.close()
+                print(f"\r  {len(results)}/{total} rollouts", end="", file=sys.stderr, flush=True)
+        print(file=sys.stderr)
+    finally:
+        await runner.cleanup()
+    return results
+
+
+def table(results: list[RolloutResult]) -> str:
+    modes = list(dict.fromkeys(r.mode for r in results))
+    base = float(np.median([r.completion_s for r in results if r.mode == "http"])) if "http" in modes else None
+    rows = [f"{'mode':<10} {'rollout p50 s':>13} {'p90 s':>8} {'TTFT p50 ms':>12} {'bytes/turn':>11} "
+            f"{'cached tok %':>12} {'speedup vs http':>16}"]
+    for mode in modes:
+        rs = [r for r in results if r.mode == mode]
+        comp = np.array([r.completion_s for r in rs])
+        turns = [t for r in rs for t in r.turns]
+        ttft = np.array([t.ttft_s for t in turns if t.ttft_s is not None]) * 1000
+        sent = np.mean([t.bytes_sent for t in turns])
+        usage = [t.response.usage for t in turns if t.response.usage is not None]
+        cached = 100 * sum(u.input_tokens_details.cached_tokens for u in usage) / max(1, sum(u.input_tokens for u in usage))
+        p50 = float(np.median(comp))
+        speed = f"{(base / p50 - 1) * 100:+.1f}%" if base else "-"
+        rows.append(f"{mode:<10} {p50:>13.3f} {np.percentile(comp, 90):>8.3f} {np.median(ttft):>12.1f} "
+                    f"{sent:>11.0f} {cached:>12.1f} {speed:>16}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    print(f"longrun compare: {args.rollouts} rollouts x {args.tool_calls} tool calls per mode, "
+          f"{args.tps:g} tokens/s, tool time median {args.tool_time:g} s, seed {args.seed} "
+          f"(live loopback, local cost profile)", flush=True)
+    results = uvloop.run(compare(args))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Closed-loop agent rollouts against a live server on loopback, one mode at a time.
+
+Covers: the rollout loop shared by every mode. Scenario: an agent sends a task,
+streams the response, "runs" each tool call it receives (a simulated tool time
+drawn from the workload, then a tool output of a drawn size), sends the outputs
+and repeats until the model answers with text. The next turn starts at the
+previous turn's end plus tool time (closed loop, never a trace timestamp).
+
+Same tokens in every mode: the task text, tool outputs and tool times of a
+rollout come from an rng seeded by (seed, rollout index) only, and the server's
+model output depends only on (seed, conversation, turn), so every mode feeds
+the simulator the same model-visible token sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+
+from prototype.client import Mode, ResponsesClient, TurnResult, tool_outputs
+from prototype.clock import Clock
+
+__all__ = ["RolloutResult", "RolloutSpec", "run_rollout", "tool_output_text"]
+
+EXEC_TOOL: Final[dict[str, Any]] = {
+    "type": "function",
+    "name": "exec_command",
+    "description": "Run a shell command in the repository and return its output.",
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}, "workdir": {"type": "string"}},
+        "required": ["cmd"],
+    },
+    "strict": False,
+}
+INSTRUCTIONS: Final = (
+    "You are a coding agent working in a repository. Use exec_command to inspect and change files; "
+    "keep going until the task is done, then summarise what you did.\n"
+) * 40  # ~1.3K tokens of system prompt; Codex's is ~5.5K (workloads.md 1)
+
+_WORDS: Final = (
+    "src tests lib def return import class self value error config test assert path file line "
+    "None True False open read write json yield async await print len range dict list str int"
+).split()
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSpec:
+    index: int
+    seed: int
+    task: str
+    tool_times_s: tuple[float, ...]  # one per possible tool turn
+    tool_outputs: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class RolloutResult:
+    mode: Mode
+    index: int
+    started_at: float
+    finished_at: float
+    turns: list[TurnResult] = field(default_factory=list)
+    tool_time_s: float = 0.0
+
+    @property
+    def completion_s(self) -> float:
+        return self.finished_at - self.started_at
+
+
+def tool_output_text(rng: np.random.Generator, n_tokens: int) -> str:
+    """Plausible command output of about `n_tokens` tokens (~1 token per short word)."""
+    words = rng.choice(_WORDS, size=max(1, n_tokens))
+    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
+    return "\n".join(lines)
+
+
+def make_spec(
+    seed: int,
+    index: int,
+    *,
+    max_turns: int,
+    tool_time_median_s: float,
+    tool_time_sigma: float,
+    tool_output_median_tokens: int,
+) -> RolloutSpec:
+    rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
+    times = rng.lognormal(np.log(tool_time_median_s), tool_time_sigma, size=max_turns) if tool_time_median_s > 0 else np.zeros(max_turns)
+    sizes = np.minimum(rng.lognormal(np.log(tool_output_median_tokens), 1.1, size=max_turns), 10_000).astype(int)
+    outputs = tuple(tool_output_text(rng, int(n)) for n in sizes)
+    return RolloutSpec(index, seed, f"Task {index}: fix the failing test in module {index % 7}.", tuple(times), outputs)
+
+
+async def run_rollout(client: ResponsesClient, clock: Clock, spec: RolloutSpec, *, model: str) -> RolloutResult:
+    settings = {"model": model, "instructions": INSTRUCTIONS, "tools": [EXEC_TOOL], "store": client.mode == "http_prev"}
+    result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
+    for turn in range(len(spec.tool_times_s) + 1):
+        outcome = await client.turn(items, **settings)
+        result.turns.append(outcome)
+        if turn == len(spec.tool_times_s):
+            break
+        items = tool_outputs(outcome, spec.tool_outputs[turn])
+        if not items:
+            break
+        tool_s = float(spec.tool_times_s[turn])
+        result.tool_time_s += tool_s
+        await clock.sleep_until(clock.now() + tool_s)
+    result.finished_at = clock.now()
+    return result
