@@ -54,7 +54,7 @@ class ServerConfig:
 
 ENGINE: Final = web.AppKey("engine", Engine)
 CONFIG: Final = web.AppKey("config", ServerConfig)
-SOCKETS: Final = web.AppKey("sockets", set[web.WebSocketResponse])
+SOCKETS: Final = web.AppKey[set[web.WebSocketResponse]]("sockets")
 
 
 def make_app(
@@ -69,7 +69,8 @@ def make_app(
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
     app[ENGINE] = Engine(model=model, store=store, clock=clock, tokenizer=get_tokenizer(), ids=IdFactory(seed))
-    app[SOCKETS] = set()
+    sockets: set[web.WebSocketResponse] = set()
+    app[SOCKETS] = sockets
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses", websocket_or_405)
     app.router.add_get("/v1/responses/{response_id}", get_response)
@@ -81,7 +82,8 @@ def make_app(
 
 
 async def _close_sockets(app: web.Application) -> None:
-    for ws in list(app[SOCKETS]):
+    sockets = app[SOCKETS]
+    for ws in list(sockets):
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
 
 
@@ -183,15 +185,18 @@ async def delete_response(request: web.Request) -> web.Response:
 async def websocket_or_405(request: web.Request) -> web.StreamResponse:
     if request.headers.get("Upgrade", "").lower() != "websocket":
         return _json_error(
-            ProtocolError("Method GET is not allowed on /v1/responses without a WebSocket upgrade.",
-                          code="method_not_allowed", status=405)
+            ProtocolError(
+                "Method GET is not allowed on /v1/responses without a WebSocket upgrade.",
+                code="method_not_allowed",
+                status=405,
+            )
         )
     config = request.app[CONFIG]
     if config.refuse_websocket:
         return _json_error(
             ProtocolError("WebSocket mode is disabled on this server; use HTTP.", code="upgrade_required", status=426)
         )
-    ws = web.WebSocketResponse(max_msg_size=config.max_message_bytes, compress=15, autoping=True)
+    ws = web.WebSocketResponse(max_msg_size=config.max_message_bytes, compress=True, autoping=True)
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
     try:
@@ -213,9 +218,7 @@ class WebSocketSession:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        timer = loop.call_at(
-            loop.time() + self.conn.lifetime_s, lambda: loop.create_task(self._on_limit())
-        )
+        timer = loop.call_at(loop.time() + self.conn.lifetime_s, lambda: loop.create_task(self._on_limit()))
         try:
             async for msg in self.ws:
                 if msg.type is WSMsgType.TEXT:
@@ -270,4 +273,3 @@ class WebSocketSession:
         else:
             self.conn.response_ended(job, outcome.entry, outcome.error)
         await self._flush()
-

@@ -217,4 +217,3 @@ def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:
         for item in result.output_items
         if item.get("type") == "function_call"
     ]
-

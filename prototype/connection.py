@@ -254,13 +254,9 @@ class Connection:
                 ProtocolError("Each WebSocket message must be a JSON object.", code="invalid_json", param=None)
             )
         if env.type is None:
-            err = ProtocolError(
-                "Missing required parameter: 'type'.", code="missing_required_parameter", param="type"
-            )
+            err = ProtocolError("Missing required parameter: 'type'.", code="missing_required_parameter", param="type")
         elif env.type not in ("response.create", "response.append", "response.inject"):
-            err = ProtocolError(
-                f"Unsupported event type: '{env.type}'.", code="unsupported_event_type", param="type"
-            )
+            err = ProtocolError(f"Unsupported event type: '{env.type}'.", code="unsupported_event_type", param="type")
         else:
             err = from_validation_error(exc)
         return BadFrame(err, env.previous_response_id if env.type == "response.create" else None)

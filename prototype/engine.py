@@ -246,9 +246,7 @@ class Engine:
         except StoreUnavailable:
             raise ProtocolError("The response store is unavailable.", code="store_unavailable", status=503) from None
         if data is None:
-            raise ProtocolError(
-                f"Response with id '{response_id}' not found.", code="response_not_found", status=404
-            )
+            raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
         return decode_stored(data).response
 
     async def delete_stored(self, response_id: str) -> None:
@@ -257,7 +255,4 @@ class Engine:
         except StoreUnavailable:
             raise ProtocolError("The response store is unavailable.", code="store_unavailable", status=503) from None
         if not deleted:
-            raise ProtocolError(
-                f"Response with id '{response_id}' not found.", code="response_not_found", status=404
-            )
-
+            raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)

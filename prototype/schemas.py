@@ -90,7 +90,6 @@ def is_null(raw: Raw) -> bool:
     return raw == NULL or len(raw) == 0
 
 
-
 class CreateParams(msgspec.Struct, kw_only=True):
     """The body of `POST /v1/responses`, and the fields of a WS `response.create`."""
 

@@ -36,16 +36,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback unless told otherwise)")
     p.add_argument("--port", type=int, default=8765, help="TCP port (0 picks a free one)")
     p.add_argument("--tps", type=float, default=1000.0, help="decode tokens/s of the simulator; 0 = unpaced")
-    p.add_argument("--model-latency", type=float, default=0.0, metavar="SECONDS", help="fixed model latency before the first token")
-    p.add_argument("--prefill-tps", type=float, default=0.0, help="prefill tokens/s for uncached prompt tokens; 0 = instant")
-    p.add_argument("--tool-calls", type=int, default=10, metavar="N", help="the default policy calls a tool on the first N turns of a conversation, then answers with text")
-    p.add_argument("--script", metavar="FILE", help="replay per-turn outputs from a JSONL script (see README) instead of the default policy")
+    p.add_argument(
+        "--model-latency", type=float, default=0.0, metavar="SECONDS", help="fixed model latency before the first token"
+    )
+    p.add_argument(
+        "--prefill-tps", type=float, default=0.0, help="prefill tokens/s for uncached prompt tokens; 0 = instant"
+    )
+    p.add_argument(
+        "--tool-calls",
+        type=int,
+        default=10,
+        metavar="N",
+        help="the default policy calls a tool on the first N turns of a conversation, then answers with text",
+    )
+    p.add_argument(
+        "--script",
+        metavar="FILE",
+        help="replay per-turn outputs from a JSONL script (see README) instead of the default policy",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the simulator and ids")
     p.add_argument("--store", default="memory", help="response store: memory | sqlite:PATH | redis://HOST:PORT[/DB]")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (checked before a WebSocket upgrade)")
-    p.add_argument("--connection-limit", type=float, default=3600.0, metavar="SECONDS", help="WebSocket connection lifetime")
-    p.add_argument("--reject-concurrent", action="store_true", help="answer a create sent while one is in flight with 409 instead of queueing it")
-    p.add_argument("--refuse-websocket", action="store_true", help="answer WebSocket upgrades with 426 (clients fall back to HTTP)")
+    p.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' (checked before a WebSocket upgrade)"
+    )
+    p.add_argument(
+        "--connection-limit", type=float, default=3600.0, metavar="SECONDS", help="WebSocket connection lifetime"
+    )
+    p.add_argument(
+        "--reject-concurrent",
+        action="store_true",
+        help="answer a create sent while one is in flight with 409 instead of queueing it",
+    )
+    p.add_argument(
+        "--refuse-websocket", action="store_true", help="answer WebSocket upgrades with 426 (clients fall back to HTTP)"
+    )
     p.add_argument("--sse-done", action="store_true", help="end SSE streams with 'data: [DONE]'")
     p.add_argument("--log-level", default="WARNING", help="logging level")
     return p

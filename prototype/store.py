@@ -310,9 +310,7 @@ class SqliteStore:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(_SQLITE_SCHEMA)
-            entries, size = conn.execute(
-                "SELECT count(*), coalesce(sum(length(value)), 0) FROM responses"
-            ).fetchone()
+            entries, size = conn.execute("SELECT count(*), coalesce(sum(length(value)), 0) FROM responses").fetchone()
         except BaseException:
             conn.close()
             raise
@@ -325,9 +323,7 @@ class SqliteStore:
         return self._conn
 
     def _get(self, response_id: str) -> bytes | None:
-        row = (
-            self._connection().execute("SELECT value FROM responses WHERE id = ?", (response_id,)).fetchone()
-        )
+        row = self._connection().execute("SELECT value FROM responses WHERE id = ?", (response_id,)).fetchone()
         self._gets += 1
         value: bytes | None = None if row is None else bytes(row[0])
         if value is not None:
@@ -376,9 +372,7 @@ class SqliteStore:
     def _delete(self, response_id: str) -> bool:
         conn = self._connection()
         # RETURNING (sqlite >= 3.35) gives the freed size in the same statement.
-        row = conn.execute(
-            "DELETE FROM responses WHERE id = ? RETURNING length(value)", (response_id,)
-        ).fetchone()
+        row = conn.execute("DELETE FROM responses WHERE id = ? RETURNING length(value)", (response_id,)).fetchone()
         if row is None:
             return False
         self._entries -= 1
@@ -522,9 +516,7 @@ class RedisStore:
                 self.url,
                 socket_timeout=self._socket_timeout_s,
                 socket_connect_timeout=self._connect_timeout_s,
-                retry=Retry(
-                    ExponentialBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S), self._retries
-                ),
+                retry=Retry(ExponentialBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S), self._retries),
                 decode_responses=False,
             )
             self._loop = loop

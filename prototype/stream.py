@@ -335,9 +335,7 @@ class ResponseStream:
 
     def _pause(self) -> list[ServerEvent]:
         self.response = structs.replace(self.response, status="in_progress", output=list(self.output), usage=None)
-        return [
-            ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())
-        ]
+        return [ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())]
 
     def _resume(self, event: Resume) -> list[ServerEvent]:
         self.input_tokens += event.input_tokens

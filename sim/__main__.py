@@ -15,7 +15,6 @@ differences printed here are those of real CPU work and bytes alone.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 from typing import get_args
@@ -38,8 +37,11 @@ AVAILABLE_MODES: tuple[Mode, ...] = ("http", "http_prev", "ws")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="run the same rollouts in each mode and print a table",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    c = sub.add_parser(
+        "compare",
+        help="run the same rollouts in each mode and print a table",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     c.add_argument("--rollouts", type=int, default=3, help="rollouts per mode")
     c.add_argument("--tool-calls", type=int, default=12, help="tool calls per rollout (then a text answer)")
     c.add_argument("--tps", type=float, default=1000.0, help="decode tokens/s (0 = unpaced)")
@@ -54,8 +56,10 @@ async def compare(args: argparse.Namespace) -> list[RolloutResult]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in AVAILABLE_MODES:
-            raise SystemExit(f"unknown or unavailable mode {m!r}; choose from {', '.join(AVAILABLE_MODES)}"
-                             f" (all modes: {', '.join(get_args(Mode))}; append is issue 3)")
+            raise SystemExit(
+                f"unknown or unavailable mode {m!r}; choose from {', '.join(AVAILABLE_MODES)}"
+                f" (all modes: {', '.join(get_args(Mode))}; append is issue 3)"
+            )
     clock = AsyncioClock()
     model = SimulatedModel(
         clock=clock,
@@ -73,9 +77,15 @@ async def compare(args: argparse.Namespace) -> list[RolloutResult]:
         total = len(modes) * args.rollouts
         for mode in modes:
             for i in range(args.rollouts):
-                spec = make_spec(args.seed, i, max_turns=args.tool_calls, tool_time_median_s=args.tool_time,
-                                 tool_time_sigma=0.8, tool_output_median_tokens=args.tool_output_tokens)
-                client = open_client(mode, base_url, clock)  # type: ignore[arg-type]
+                spec = make_spec(
+                    args.seed,
+                    i,
+                    max_turns=args.tool_calls,
+                    tool_time_median_s=args.tool_time,
+                    tool_time_sigma=0.8,
+                    tool_output_median_tokens=args.tool_output_tokens,
+                )
+                client = open_client(mode, base_url, clock)
                 try:
                     results.append(await run_rollout(client, clock, spec, model="sim-1k"))
                 finally:
@@ -90,8 +100,10 @@ async def compare(args: argparse.Namespace) -> list[RolloutResult]:
 def table(results: list[RolloutResult]) -> str:
     modes = list(dict.fromkeys(r.mode for r in results))
     base = float(np.median([r.completion_s for r in results if r.mode == "http"])) if "http" in modes else None
-    rows = [f"{'mode':<10} {'rollout p50 s':>13} {'p90 s':>8} {'TTFT p50 ms':>12} {'bytes/turn':>11} "
-            f"{'cached tok %':>12} {'speedup vs http':>16}"]
+    rows = [
+        f"{'mode':<10} {'rollout p50 s':>13} {'p90 s':>8} {'TTFT p50 ms':>12} {'bytes/turn':>11} "
+        f"{'cached tok %':>12} {'speedup vs http':>16}"
+    ]
     for mode in modes:
         rs = [r for r in results if r.mode == mode]
         comp = np.array([r.completion_s for r in rs])
@@ -99,19 +111,26 @@ def table(results: list[RolloutResult]) -> str:
         ttft = np.array([t.ttft_s for t in turns if t.ttft_s is not None]) * 1000
         sent = np.mean([t.bytes_sent for t in turns])
         usage = [t.response.usage for t in turns if t.response.usage is not None]
-        cached = 100 * sum(u.input_tokens_details.cached_tokens for u in usage) / max(1, sum(u.input_tokens for u in usage))
+        cached = (
+            100 * sum(u.input_tokens_details.cached_tokens for u in usage) / max(1, sum(u.input_tokens for u in usage))
+        )
         p50 = float(np.median(comp))
         speed = f"{(base / p50 - 1) * 100:+.1f}%" if base else "-"
-        rows.append(f"{mode:<10} {p50:>13.3f} {np.percentile(comp, 90):>8.3f} {np.median(ttft):>12.1f} "
-                    f"{sent:>11.0f} {cached:>12.1f} {speed:>16}")
+        rows.append(
+            f"{mode:<10} {p50:>13.3f} {np.percentile(comp, 90):>8.3f} {np.median(ttft):>12.1f} "
+            f"{sent:>11.0f} {cached:>12.1f} {speed:>16}"
+        )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    print(f"longrun compare: {args.rollouts} rollouts x {args.tool_calls} tool calls per mode, "
-          f"{args.tps:g} tokens/s, tool time median {args.tool_time:g} s, seed {args.seed} "
-          f"(live loopback, local cost profile)", flush=True)
+    print(
+        f"longrun compare: {args.rollouts} rollouts x {args.tool_calls} tool calls per mode, "
+        f"{args.tps:g} tokens/s, tool time median {args.tool_time:g} s, seed {args.seed} "
+        f"(live loopback, local cost profile)",
+        flush=True,
+    )
     results = uvloop.run(compare(args))
     print(table(results))
     return 0

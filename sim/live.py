@@ -86,7 +86,11 @@ def make_spec(
     tool_output_median_tokens: int,
 ) -> RolloutSpec:
     rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
-    times = rng.lognormal(np.log(tool_time_median_s), tool_time_sigma, size=max_turns) if tool_time_median_s > 0 else np.zeros(max_turns)
+    times = (
+        rng.lognormal(np.log(tool_time_median_s), tool_time_sigma, size=max_turns)
+        if tool_time_median_s > 0
+        else np.zeros(max_turns)
+    )
     sizes = np.minimum(rng.lognormal(np.log(tool_output_median_tokens), 1.1, size=max_turns), 10_000).astype(int)
     outputs = tuple(tool_output_text(rng, int(n)) for n in sizes)
     return RolloutSpec(index, seed, f"Task {index}: fix the failing test in module {index % 7}.", tuple(times), outputs)

@@ -142,14 +142,10 @@ class DefaultPolicy:
     def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
         tool = self._choose_tool(request, rng)
         if tool is None:
-            n_tokens = _lognormal_tokens(
-                rng, self.text_tokens_median, self.tokens_sigma, self.max_item_tokens
-            )
+            n_tokens = _lognormal_tokens(rng, self.text_tokens_median, self.tokens_sigma, self.max_item_tokens)
             text = sample_prose(rng, round(n_tokens * TEXT_CHARS_PER_TOKEN))
             return [PlannedItem("message", "", text)]
-        n_tokens = _lognormal_tokens(
-            rng, self.arguments_tokens_median, self.tokens_sigma, self.max_item_tokens
-        )
+        n_tokens = _lognormal_tokens(rng, self.arguments_tokens_median, self.tokens_sigma, self.max_item_tokens)
         schema = msgspec.json.decode(tool.parameters_json) if tool.parameters_json.strip() else None
         if schema is None:  # a tool without parameters takes an empty object
             schema = _EMPTY_OBJECT_SCHEMA

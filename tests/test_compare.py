@@ -21,8 +21,10 @@ async def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
             usages = {m: turns[k].response.usage for m, turns in per_mode.items()}
             assert len({u.input_tokens for u in usages.values() if u}) == 1, (i, k, usages)
             assert len({u.output_tokens for u in usages.values() if u}) == 1
-            outputs = {m: turns[k].output_items[0].get("arguments") or turns[k].output_items[0]["content"][0]["text"]
-                       for m, turns in per_mode.items()}
+            outputs = {
+                m: turns[k].output_items[0].get("arguments") or turns[k].output_items[0]["content"][0]["text"]
+                for m, turns in per_mode.items()
+            }
             assert len(set(outputs.values())) == 1
         # http resends the growing history; the others send settings plus new items only
         http_bytes = [t.bytes_sent for t in per_mode["http"]]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from prototype.connection import (
+    _TRANSITIONS,
     CS,
     INPUT_TYPES,
     AppendReceived,
@@ -25,7 +26,6 @@ from prototype.connection import (
     ResponseEnded,
     SendFrame,
     StartJob,
-    _TRANSITIONS,
     limit_message,
 )
 from prototype.conversation import Context, Preamble, normalize_create
@@ -111,7 +111,11 @@ def test_failed_turn_evicts_referenced_id() -> None:
     c.response_ended(job, None, err)
     assert c.cache is None
     assert errors(c.outputs_to_send()) == [
-        {"type": "error", "status": 500, "error": {"type": "server_error", "code": "server_error", "message": "boom", "param": None}}
+        {
+            "type": "error",
+            "status": 500,
+            "error": {"type": "server_error", "code": "server_error", "message": "boom", "param": None},
+        }
     ]
 
 
@@ -144,7 +148,12 @@ def test_invalid_frame_naming_other_id_keeps_cache() -> None:
         ('{"type": "response.steer"}', "unsupported_event_type", "type", "Unsupported event type: 'response.steer'."),
         ('{"type": "session.update"}', "unsupported_event_type", "type", "Unsupported event type: 'session.update'."),
         ('{"type": "response.create", "model": "m", "store": "yes"}', "invalid_value", "store", None),
-        ('{"type": "response.create", "input": "x"}', "missing_required_parameter", "model", "Missing required parameter: 'model'."),
+        (
+            '{"type": "response.create", "input": "x"}',
+            "missing_required_parameter",
+            "model",
+            "Missing required parameter: 'model'.",
+        ),
         ('{"type": "response.append"}', "invalid_value", None, None),
     ],
 )

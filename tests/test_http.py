@@ -48,10 +48,25 @@ async def post_sse(live: Live, body: dict[str, Any]) -> tuple[aiohttp.ClientResp
         (b'{"input": "x"}', 400, "missing_required_parameter", "model"),
         (b'{"model": "m", "generate": false}', 400, "unsupported_parameter", "generate"),
         (b'{"model": "m", "background": true}', 400, "unsupported_parameter", "background"),
-        (b'{"model": "m", "previous_response_id": "resp_nope"}', 400, "previous_response_not_found", "previous_response_id"),
+        (
+            b'{"model": "m", "previous_response_id": "resp_nope"}',
+            400,
+            "previous_response_not_found",
+            "previous_response_id",
+        ),
         (b'{"model": "m", "previous_response_id": "abc"}', 400, "invalid_value", "previous_response_id"),
-        (b'{"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}', 400, "missing_required_parameter", "input[0].call_id"),
-        (b'{"model": "m", "input": [{"type": "message", "role": "user"}]}', 400, "missing_required_parameter", "input[0].content"),
+        (
+            b'{"model": "m", "input": [{"type": "function_call_output", "output": "x"}]}',
+            400,
+            "missing_required_parameter",
+            "input[0].call_id",
+        ),
+        (
+            b'{"model": "m", "input": [{"type": "message", "role": "user"}]}',
+            400,
+            "missing_required_parameter",
+            "input[0].content",
+        ),
         (b'{"model": "m", "input": [{"role": "user", "content": 5}]}', 400, "invalid_value", "input[0].content"),
         (b'{"model": "m", "max_output_tokens": 0}', 400, "invalid_value", "max_output_tokens"),
         (b'{"model": "m", "tool_choice": "sometimes"}', 400, "invalid_value", "tool_choice"),
@@ -80,7 +95,9 @@ async def test_sse_headers_event_lines_and_done_flag() -> None:
 
 async def test_sse_error_before_stream_is_a_json_error(live: Live) -> None:
     async with aiohttp.ClientSession() as s:
-        async with s.post(live.base_url + "/responses", json={"model": "m", "stream": True, "previous_response_id": "resp_x"}) as r:
+        async with s.post(
+            live.base_url + "/responses", json={"model": "m", "stream": True, "previous_response_id": "resp_x"}
+        ) as r:
             assert r.status == 400 and r.content_type == "application/json"
             assert (await r.json())["error"]["code"] == "previous_response_not_found"
 
@@ -138,7 +155,9 @@ async def test_rebuild_keeps_function_calls_outputs_and_roles(live: Live) -> Non
     call = first["output"][0]
     assert call["type"] == "function_call"
     fco = {"type": "function_call_output", "call_id": call["call_id"], "output": "a.py"}
-    _, second = await post(live, {"model": "sim", "input": [fco], "previous_response_id": first["id"], "tools": [EXEC_TOOL]})
+    _, second = await post(
+        live, {"model": "sim", "input": [fco], "previous_response_id": first["id"], "tools": [EXEC_TOOL]}
+    )
     engine = live.app[ENGINE]
     items = await engine._load(second["id"])  # what a third turn would continue from
     kinds = [(i.view.type, i.view.role) for i in items]
@@ -166,13 +185,21 @@ async def test_instructions_are_not_inherited(live: Live) -> None:
     _, first = await post(live, {"model": "sim", "input": "x", "instructions": "SECRET RULES " * 50})
     _, second = await post(live, {"model": "sim", "input": "y", "previous_response_id": first["id"]})
     assert second["instructions"] is None
-    _, with_instr = await post(live, {"model": "sim", "input": "y", "previous_response_id": first["id"], "instructions": "SECRET RULES " * 50})
+    _, with_instr = await post(
+        live, {"model": "sim", "input": "y", "previous_response_id": first["id"], "instructions": "SECRET RULES " * 50}
+    )
     assert with_instr["usage"]["input_tokens"] > second["usage"]["input_tokens"] + 50
 
 
 async def test_string_and_list_input_are_equivalent(live: Live) -> None:
     _, a = await post(live, {"model": "sim", "input": "hello there"})
-    _, b = await post(live, {"model": "sim", "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}]})
+    _, b = await post(
+        live,
+        {
+            "model": "sim",
+            "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello there"}]}],
+        },
+    )
     assert a["usage"]["input_tokens"] == b["usage"]["input_tokens"]
     assert a["output"][0]["content"][0]["text"] == b["output"][0]["content"][0]["text"]
 
@@ -193,7 +220,18 @@ async def test_response_echoes_request_settings(live: Live) -> None:
     }
     _, r = await post(live, body)
     assert r["object"] == "response" and r["id"].startswith("resp_") and isinstance(r["created_at"], int)
-    for key in ("model", "temperature", "top_p", "metadata", "tool_choice", "tools", "max_output_tokens", "parallel_tool_calls", "user", "text"):
+    for key in (
+        "model",
+        "temperature",
+        "top_p",
+        "metadata",
+        "tool_choice",
+        "tools",
+        "max_output_tokens",
+        "parallel_tool_calls",
+        "user",
+        "text",
+    ):
         assert r[key] == body[key], key
     assert r["output"][0]["type"] == "message"  # tool_choice none: no call
     assert r["usage"]["output_tokens"] <= 64

@@ -53,7 +53,7 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
 
 @pytest.mark.parametrize("path", [p for p in modules("sim") if p.name != "realtime.py"], ids=lambda p: p.name)
 def test_sim_uses_asyncio_only_in_realtime(path: Path) -> None:
-    allowed = {"uvloop", "asyncio"} if path in ENTRY_POINTS else set()
+    allowed = IO_MODULES if path in ENTRY_POINTS else set()  # entry points compose the live server
     assert not (imports(path) & IO_MODULES) - allowed, f"{path.name} imports {imports(path) & IO_MODULES}"
 
 

@@ -235,9 +235,7 @@ async def test_paced_decode_uses_absolute_deadlines_despite_late_wakeups() -> No
     rate = 1000.0
     lateness = 0.003
     clock = ManualClock(start=10.0, wake_lateness_s=lateness)
-    model = SimulatedModel(
-        clock=clock, policy=script(message(HELLO_5000)), decode_tok_per_s=rate, model_latency_s=0.5
-    )
+    model = SimulatedModel(clock=clock, policy=script(message(HELLO_5000)), decode_tok_per_s=rate, model_latency_s=0.5)
     timed = await collect(model, make_request())
     t0 = 10.0 + 0.5
     token_times = [t for t, e in timed if isinstance(e, TokensSampled)]
@@ -276,9 +274,7 @@ async def test_paced_decode_without_lateness_is_exact() -> None:
 async def test_pacing_spans_items() -> None:
     """Token i of the turn is due at t0 + i/rate, counting across items."""
     clock = ManualClock()
-    model = SimulatedModel(
-        clock=clock, policy=script([message(" hello" * 3), call("f", "{}")]), decode_tok_per_s=10.0
-    )
+    model = SimulatedModel(clock=clock, policy=script([message(" hello" * 3), call("f", "{}")]), decode_tok_per_s=10.0)
     timed = await collect(model, make_request())
     token_times = [t for t, e in timed if isinstance(e, TokensSampled)]
     n_call = len(TOKENIZER.encode("{}"))
@@ -342,9 +338,7 @@ async def test_max_output_tokens_cut_inside_a_character() -> None:
         (None, [" a b c", " d e f"], "stop"),
     ],
 )
-async def test_max_output_tokens_across_items(
-    budget: int | None, expected_items: list[str], reason: str
-) -> None:
+async def test_max_output_tokens_across_items(budget: int | None, expected_items: list[str], reason: str) -> None:
     assert len(TOKENIZER.encode(" a b c")) == 3
     planned = [message(" a b c"), message(" d e f")]
     model = SimulatedModel(clock=ManualClock(), policy=script(planned))

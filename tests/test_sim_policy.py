@@ -152,8 +152,7 @@ def test_output_sizes_follow_the_lognormal() -> None:
         for k in range(400)
     ]
     text = [
-        len(tokenizer.encode(plan(policy, make_request(conversation_key=k, turn_index=1))[0].text))
-        for k in range(400)
+        len(tokenizer.encode(plan(policy, make_request(conversation_key=k, turn_index=1))[0].text)) for k in range(400)
     ]
     for sizes in (args, text):
         p10, p50, p90 = np.percentile(sizes, [10, 50, 90])
@@ -220,9 +219,7 @@ def test_script_turns_map_to_lines() -> None:
     ]
     assert policy.plan(make_request(turn_index=3), rng) == [PlannedItem("message", "", "Done. été 😀")]
     for turn in (4, 100):
-        assert policy.plan(make_request(turn_index=turn), rng) == [
-            PlannedItem("message", "", SCRIPT_EXHAUSTED_TEXT)
-        ]
+        assert policy.plan(make_request(turn_index=turn), rng) == [PlannedItem("message", "", SCRIPT_EXHAUSTED_TEXT)]
 
 
 def test_load_script_from_file(tmp_path: Path) -> None:

@@ -438,13 +438,9 @@ _payloads = st.lists(
     events=st.lists(st.tuples(st.one_of(st.none(), _names), _payloads), max_size=8),
     cuts=st.lists(st.integers(0, 10_000), max_size=20),
 )
-def test_round_trip_random_events_random_chunks(
-    events: list[tuple[str | None, str]], cuts: list[int]
-) -> None:
+def test_round_trip_random_events_random_chunks(events: list[tuple[str | None, str]], cuts: list[int]) -> None:
     stream = b"".join(encode_event(data.encode(), event=name) for name, data in events)
-    expected = [
-        ev(data.replace("\r\n", "\n").replace("\r", "\n"), event=name or "message") for name, data in events
-    ]
+    expected = [ev(data.replace("\r\n", "\n").replace("\r", "\n"), event=name or "message") for name, data in events]
     assert decode_all(split_at(stream, [c % (len(stream) + 1) for c in cuts])) == expected
 
 

@@ -520,9 +520,7 @@ async def test_open_store_sqlite(tmp_path: Path) -> None:
     assert Path(path).exists(), "the file is opened (created) by open_store itself"
 
 
-@pytest.mark.parametrize(
-    "spec", ["redis://127.0.0.1:6379", "redis://127.0.0.1:6379/0", "redis://cache:7000/3"]
-)
+@pytest.mark.parametrize("spec", ["redis://127.0.0.1:6379", "redis://127.0.0.1:6379/0", "redis://cache:7000/3"])
 async def test_open_store_redis(spec: str) -> None:
     store = open_store(spec)  # no connection is made: nothing needs to listen
     assert isinstance(store, RedisStore)

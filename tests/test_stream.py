@@ -9,7 +9,7 @@ import pytest
 from prototype.ids import IdFactory
 from prototype.model import ItemFinished, ItemStarted, SamplingFinished, TokensSampled
 from prototype.schemas import FunctionCall, OutputMessage, Response, encode
-from prototype.stream import INPUT_TYPES, RS, Fail, Pause, ResponseStream, Resume, Start, StreamError, _TRANSITIONS
+from prototype.stream import _TRANSITIONS, INPUT_TYPES, RS, Fail, Pause, ResponseStream, Resume, Start, StreamError
 
 
 def template() -> Response:

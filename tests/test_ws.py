@@ -75,7 +75,14 @@ async def test_codex_shaped_turns_are_accepted(live: Live) -> None:
         warm = await turn(
             ws,
             generate=False,
-            input=[{"type": "message", "id": "msg_abc", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]}],
+            input=[
+                {
+                    "type": "message",
+                    "id": "msg_abc",
+                    "role": "developer",
+                    "content": [{"type": "input_text", "text": "You are Codex."}],
+                }
+            ],
             **common,
         )
         assert [e["type"] for e in warm] == ["response.created", "response.completed"]
@@ -135,7 +142,9 @@ async def test_pipelined_creates_run_fifo_and_never_interleave(live: Live) -> No
     session, ws = await connect(live)
     async with session, ws:
         for i in range(3):
-            await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "input": f"task {i}", "metadata": {"n": str(i)}}))
+            await ws.send_str(
+                json.dumps({"type": "response.create", "model": "sim", "input": f"task {i}", "metadata": {"n": str(i)}})
+            )
         order = []
         for _ in range(3):
             events = await read_response(ws)
@@ -155,10 +164,30 @@ async def test_error_events_keep_the_socket_open(live: Live) -> None:
             (json.dumps({"type": "response.steer", "input": []}), "unsupported_event_type"),
             (json.dumps({"type": "response.append", "input": []}), "unsupported_event_type"),
             (json.dumps({"type": "response.create", "model": "sim", "background": True}), "unsupported_parameter"),
-            (json.dumps({"type": "response.create", "model": "sim", "input": [{"role": "robot", "content": "x"}]}), "invalid_value"),
-            (json.dumps({"type": "response.create", "model": "sim", "tools": [{"type": "function", "name": "f", "parameters": "nope"}]}), "invalid_function_parameters"),
-            (json.dumps({"type": "response.create", "model": "sim", "tool_choice": {"type": "function", "name": "nope"}}), "invalid_value"),
-            (json.dumps({"type": "response.create", "model": "sim", "previous_response_id": "resp_missing"}), "previous_response_not_found"),
+            (
+                json.dumps({"type": "response.create", "model": "sim", "input": [{"role": "robot", "content": "x"}]}),
+                "invalid_value",
+            ),
+            (
+                json.dumps(
+                    {
+                        "type": "response.create",
+                        "model": "sim",
+                        "tools": [{"type": "function", "name": "f", "parameters": "nope"}],
+                    }
+                ),
+                "invalid_function_parameters",
+            ),
+            (
+                json.dumps(
+                    {"type": "response.create", "model": "sim", "tool_choice": {"type": "function", "name": "nope"}}
+                ),
+                "invalid_value",
+            ),
+            (
+                json.dumps({"type": "response.create", "model": "sim", "previous_response_id": "resp_missing"}),
+                "previous_response_not_found",
+            ),
         ]
         for frame, code in cases:
             await ws.send_str(frame)
@@ -180,8 +209,18 @@ async def test_binary_frame_closes_with_1003(live: Live) -> None:
 async def test_warm_up_is_chainable_by_the_very_next_frame(live: Live) -> None:
     session, ws = await connect(live)
     async with session, ws:
-        await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "generate": False, "store": False,
-                                      "input": "system warmup", "instructions": "You are terse."}))
+        await ws.send_str(
+            json.dumps(
+                {
+                    "type": "response.create",
+                    "model": "sim",
+                    "generate": False,
+                    "store": False,
+                    "input": "system warmup",
+                    "instructions": "You are terse.",
+                }
+            )
+        )
         warm = await read_response(ws)
         warm_id = last(warm)["response"]["id"]
         assert last(warm)["response"]["output"] == []
@@ -232,7 +271,9 @@ async def test_failed_continuation_evicts_the_cache(live: Live) -> None:
     session, ws = await connect(live)
     async with session, ws:
         first = last(await turn(ws, input="hello", store=False))["response"]
-        bad = last(await turn(ws, input=[{"role": "robot", "content": "x"}], store=False, previous_response_id=first["id"]))
+        bad = last(
+            await turn(ws, input=[{"role": "robot", "content": "x"}], store=False, previous_response_id=first["id"])
+        )
         assert bad["type"] == "error" and bad["error"]["code"] == "invalid_value"
         again = last(await turn(ws, input="hello", store=False, previous_response_id=first["id"]))
         assert again["error"]["code"] == "previous_response_not_found"
@@ -276,7 +317,8 @@ async def test_lifetime_limit_closes_an_idle_socket_with_exact_error() -> None:
             err = json.loads(msg.data)
             assert err["error"]["code"] == "websocket_connection_limit_reached"
             assert err["error"]["message"] == (
-                "Responses websocket connection limit reached (0.5 seconds). Create a new websocket connection to continue."
+                "Responses websocket connection limit reached (0.5 seconds). "
+                "Create a new websocket connection to continue."
             )
             closing = await asyncio.wait_for(ws.receive(), 30)
             assert closing.type is aiohttp.WSMsgType.CLOSE and closing.data == 1001
@@ -298,7 +340,9 @@ async def test_disconnect_mid_stream_frees_the_connection() -> None:
     async with live_server(decode_tok_per_s=100.0) as server:
         session, ws = await connect(server)
         async with session:
-            await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "input": "x", "max_output_tokens": 500}))
+            await ws.send_str(
+                json.dumps({"type": "response.create", "model": "sim", "input": "x", "max_output_tokens": 500})
+            )
             while json.loads((await ws.receive()).data)["type"] != "response.output_text.delta":
                 pass
             await ws.close()
