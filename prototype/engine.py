@@ -213,11 +213,12 @@ class Engine:
                     return await self._finish(request, stream, resolved, event, emit)
                 await emit(stream.receive(event))
             raise StreamError("model ended without SamplingFinished")
-        except (StreamError, ProtocolError) as exc:
-            log.error("response %s failed: %s", template.id, exc)
-            return await self._failed(stream, emit)
-        except StoreUnavailable:
-            log.exception("store unavailable while finishing %s", template.id)
+        except ConnectionResetError:
+            raise  # the peer is gone: nothing to tell it
+        except Exception:
+            # The model, the stream core or the store failed after the first event: end the
+            # stream with `response.failed`, details only in the log.
+            log.exception("response %s failed", template.id)
             return await self._failed(stream, emit)
 
     async def _finish(
