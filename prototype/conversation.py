@@ -278,10 +278,15 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
                 code="missing_required_parameter",
                 param=f"tools[{index}].name",
             )
-        params = bytes(view.parameters)
-        if is_null(view.parameters):
+        # The model sees a canonical (compact, order-preserving) rendering of the schema, so
+        # whitespace in the client's JSON never changes the prompt: openai-python sends compact
+        # JSON over HTTP and `json.dumps` spacing over WebSocket.
+        schema = None if is_null(view.parameters) else msgspec.json.decode(view.parameters)
+        if schema is None:
             params = b'{"type":"object","properties":{}}'
-        elif not params.lstrip().startswith(b"{"):
+        elif isinstance(schema, dict):
+            params = encode(schema)
+        else:
             raise ProtocolError(
                 f"Invalid schema for function '{view.name}': schema must be a JSON Schema of 'type: \"object\"'.",
                 code="invalid_function_parameters",

@@ -243,3 +243,13 @@ async def test_healthz_and_unknown_routes(live: Live) -> None:
             assert r.status == 200
         async with s.get(live.base_url + "/nope") as r:
             assert r.status == 404
+
+
+async def test_tool_schema_whitespace_does_not_change_the_prompt(live: Live) -> None:
+    """openai-python sends compact JSON over HTTP and json.dumps spacing over WebSocket."""
+    counts = set()
+    for dumps in (lambda o: json.dumps(o, separators=(",", ":")), json.dumps, lambda o: json.dumps(o, indent=2)):
+        raw = dumps({"model": "sim", "input": "hello there", "tools": [EXEC_TOOL]}).encode()
+        _, body = await post(live, None, raw=raw)
+        counts.add(body["usage"]["input_tokens"])
+    assert len(counts) == 1
