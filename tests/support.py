@@ -16,6 +16,25 @@ from sim.accelerator import SimulatedModel
 from sim.policy import DefaultPolicy, Policy
 from sim.realtime import AsyncioClock
 
+# Codex's `exec_command` tool parameters, trimmed to the fields that matter.
+EXEC_COMMAND_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "cmd": {"type": "string"},
+        "workdir": {"type": "string"},
+        "timeout_ms": {"type": "integer", "minimum": 1},
+    },
+    "required": ["cmd"],
+}
+# What openai-agents' @function_tool generates for `def get_weather(city: str)` (strict mode).
+GET_WEATHER_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"title": "City", "type": "string"}},
+    "required": ["city"],
+    "title": "get_weather_args",
+    "additionalProperties": False,
+}
+
 EXEC_TOOL: dict[str, Any] = {
     "type": "function",
     "name": "exec_command",

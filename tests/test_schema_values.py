@@ -10,26 +10,12 @@ import pytest
 
 from sim.schema_values import sample_json, sample_prose, validate_json
 
+from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA
+
 SEEDS = range(200)
 
-# Codex's `exec_command` tool, trimmed to the fields that matter.
-EXEC_COMMAND: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "cmd": {"type": "string"},
-        "workdir": {"type": "string"},
-        "timeout_ms": {"type": "integer", "minimum": 1},
-    },
-    "required": ["cmd"],
-}
-# What openai-agents' @function_tool generates for `def get_weather(city: str)` (strict mode).
-GET_WEATHER: dict[str, Any] = {
-    "type": "object",
-    "properties": {"city": {"title": "City", "type": "string"}},
-    "required": ["city"],
-    "title": "get_weather_args",
-    "additionalProperties": False,
-}
+EXEC_COMMAND = EXEC_COMMAND_SCHEMA
+GET_WEATHER = GET_WEATHER_SCHEMA
 
 SCHEMAS: dict[str, Any] = {
     "exec_command": EXEC_COMMAND,

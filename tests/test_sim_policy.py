@@ -23,21 +23,8 @@ from sim.policy import (
 )
 from sim.schema_values import validate_json
 
-EXEC_COMMAND_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "cmd": {"type": "string"},
-        "workdir": {"type": "string"},
-        "timeout_ms": {"type": "integer", "minimum": 1},
-    },
-    "required": ["cmd"],
-}
-GET_WEATHER_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {"city": {"title": "City", "type": "string"}},
-    "required": ["city"],
-    "additionalProperties": False,
-}
+from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA
+
 EXEC_COMMAND = FunctionTool("exec_command", "Run a shell command.", msgspec.json.encode(EXEC_COMMAND_SCHEMA))
 GET_WEATHER = FunctionTool("get_weather", None, msgspec.json.encode(GET_WEATHER_SCHEMA), strict=True)
 SCHEMAS = {"exec_command": EXEC_COMMAND_SCHEMA, "get_weather": GET_WEATHER_SCHEMA}
