@@ -218,7 +218,7 @@ class WebSocketSession:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        timer = loop.call_at(loop.time() + self.conn.lifetime_s, lambda: loop.create_task(self._on_limit()))
+        timer = loop.create_task(self._limit_at(loop.time() + self.conn.lifetime_s))
         try:
             async for msg in self.ws:
                 if msg.type is WSMsgType.TEXT:
@@ -232,15 +232,18 @@ class WebSocketSession:
             timer.cancel()
             self.conn.disconnected()
             await self._flush()
-            if self.job_task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self.job_task
+            for task in (timer, self.job_task):
+                if task is not None:
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
-    async def _on_limit(self) -> None:
-        if self.ws.closed:
-            return
-        self.conn.limit_reached()
-        await self._flush()
+    async def _limit_at(self, deadline: float) -> None:
+        """The lifetime timer: the core decides what the limit means, this only arms it."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        if not self.ws.closed:
+            self.conn.limit_reached()
+            await self._flush()
 
     async def _flush(self) -> None:
         for out in self.conn.outputs_to_send():

@@ -138,13 +138,14 @@ class Engine:
         prev = request.previous_response_id
         if prev is not None and cached is not None and cached.response_id == prev:
             context = cached.context.prefix(cached.n_items)
-            reused = cached.context.n_tokens if context is cached.context else context.n_tokens
             if cached.preamble.key == request.preamble_key:
                 preamble = cached.preamble
-                reused += len(preamble.tokens)
+                reused = len(preamble.tokens) + context.n_tokens
             else:
+                # New instructions or tools: the rendered items are still reused, but the prompt's
+                # prefix changed, so no token of it counts as cached.
                 preamble = render_preamble(request, self.tokenizer)
-                reused = 0 if len(cached.preamble.tokens) else reused  # a changed prefix invalidates the KV after it
+                reused = 0
             hit = True
         else:
             context = Context()
