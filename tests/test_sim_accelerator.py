@@ -31,21 +31,13 @@ from sim.clock import MANUAL_CLOCK_EPOCH_S, ManualClock, Wakeup
 from sim.policy import DefaultPolicy, PlannedItem, Policy, ScriptPolicy
 from sim.realtime import AsyncioClock
 
+from .support import EXEC_COMMAND_SCHEMA
+
 TOKENIZER = get_tokenizer()
 EXEC_COMMAND = FunctionTool(
     "exec_command",
     "Run a shell command.",
-    msgspec.json.encode(
-        {
-            "type": "object",
-            "properties": {
-                "cmd": {"type": "string"},
-                "workdir": {"type": "string"},
-                "timeout_ms": {"type": "integer", "minimum": 1},
-            },
-            "required": ["cmd"],
-        }
-    ),
+    msgspec.json.encode(EXEC_COMMAND_SCHEMA),
 )
 MULTIBYTE = "été 😀 日本語 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ✨ 🦜🦜"  # several tokens here end mid-character
 HELLO_5000 = " hello" * 5000  # exactly 5000 o200k tokens
