@@ -89,6 +89,20 @@ class StoreStatistics:
     evictions: int
 
 
+@dataclass(slots=True)
+class _Counters:
+    """The live counters behind `StoreStatistics`, shared by every store."""
+
+    puts: int = 0
+    gets: int = 0
+    hits: int = 0
+    deletes: int = 0
+    evictions: int = 0
+
+    def snapshot(self, entries: int | None, bytes: int | None) -> StoreStatistics:
+        return StoreStatistics(entries, bytes, self.puts, self.gets, self.hits, self.deletes, self.evictions)
+
+
 @runtime_checkable
 class ResponseStore(Protocol):
     async def get(self, response_id: str) -> bytes | None:
@@ -155,16 +169,16 @@ class MemoryStore:
         # Insertion order of an OrderedDict is the recency order: first = least recent.
         self._entries: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
-        self._puts = self._gets = self._hits = self._deletes = self._evictions = 0
+        self._counts = _Counters()
         self._closed = False
 
     async def get(self, response_id: str) -> bytes | None:
         if self._closed:
             raise _closed_error(self)
-        self._gets += 1
+        self._counts.gets += 1
         value = self._entries.get(response_id)
         if value is not None:
-            self._hits += 1
+            self._counts.hits += 1
             self._entries.move_to_end(response_id)
         return value
 
@@ -179,13 +193,13 @@ class MemoryStore:
             self._bytes -= len(old)
         self._entries[response_id] = value
         self._bytes += size
-        self._puts += 1
+        self._counts.puts += 1
         # The new entry is the most recent, so it is evicted last; the size check
         # above guarantees the loop stops before reaching it.
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= len(evicted)
-            self._evictions += 1
+            self._counts.evictions += 1
 
     async def delete(self, response_id: str) -> bool:
         if self._closed:
@@ -194,7 +208,7 @@ class MemoryStore:
         if value is None:
             return False
         self._bytes -= len(value)
-        self._deletes += 1
+        self._counts.deletes += 1
         return True
 
     async def close(self) -> None:
@@ -204,15 +218,7 @@ class MemoryStore:
         self._closed = True
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(
-            entries=len(self._entries),
-            bytes=self._bytes,
-            puts=self._puts,
-            gets=self._gets,
-            hits=self._hits,
-            deletes=self._deletes,
-            evictions=self._evictions,
-        )
+        return self._counts.snapshot(len(self._entries), self._bytes)
 
 
 # --------------------------------------------------------------------------- sqlite
@@ -278,7 +284,7 @@ class SqliteStore:
         # Counting on the worker (not after the await) also keeps the counts
         # right when the awaiting coroutine is cancelled mid-operation.
         self._entries = self._bytes = 0
-        self._puts = self._gets = self._hits = self._deletes = self._evictions = 0
+        self._counts = _Counters()
         self._snapshot = self._make_snapshot()
         try:
             self._executor.submit(self._open).result()
@@ -293,15 +299,7 @@ class SqliteStore:
     # -- worker-thread side -------------------------------------------------
 
     def _make_snapshot(self) -> StoreStatistics:
-        return StoreStatistics(
-            entries=self._entries,
-            bytes=self._bytes,
-            puts=self._puts,
-            gets=self._gets,
-            hits=self._hits,
-            deletes=self._deletes,
-            evictions=self._evictions,
-        )
+        return self._counts.snapshot(self._entries, self._bytes)
 
     def _open(self) -> None:
         # isolation_level=None: autocommit; multi-statement writes use explicit BEGIN.
@@ -324,10 +322,10 @@ class SqliteStore:
 
     def _get(self, response_id: str) -> bytes | None:
         row = self._connection().execute("SELECT value FROM responses WHERE id = ?", (response_id,)).fetchone()
-        self._gets += 1
+        self._counts.gets += 1
         value: bytes | None = None if row is None else bytes(row[0])
         if value is not None:
-            self._hits += 1
+            self._counts.hits += 1
         self._snapshot = self._make_snapshot()
         return value
 
@@ -365,8 +363,8 @@ class SqliteStore:
             raise
         # Counters change only once the transaction is committed.
         self._entries, self._bytes = entries, size
-        self._puts += 1
-        self._evictions += evicted
+        self._counts.puts += 1
+        self._counts.evictions += evicted
         self._snapshot = self._make_snapshot()
 
     def _delete(self, response_id: str) -> bool:
@@ -377,7 +375,7 @@ class SqliteStore:
             return False
         self._entries -= 1
         self._bytes -= int(row[0])
-        self._deletes += 1
+        self._counts.deletes += 1
         self._snapshot = self._make_snapshot()
         return True
 
@@ -505,7 +503,7 @@ class RedisStore:
         self._client: redis.asyncio.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._puts = self._gets = self._hits = self._deletes = 0
+        self._counts = _Counters()
 
     def _redis(self) -> redis.asyncio.Redis:
         if self._closed:
@@ -533,13 +531,13 @@ class RedisStore:
             value = await client.get(self.key_prefix + response_id)
         except _REDIS_UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
-        self._gets += 1
+        self._counts.gets += 1
         if value is None:
             return None
         # decode_responses=False: redis-py hands back the stored bytes unchanged.
         if not isinstance(value, bytes):
             raise TypeError(f"redis returned {type(value).__name__}, expected bytes")
-        self._hits += 1
+        self._counts.hits += 1
         return value
 
     async def put(self, response_id: str, value: bytes) -> None:
@@ -548,7 +546,7 @@ class RedisStore:
             await client.set(self.key_prefix + response_id, value, px=self._ttl_ms)
         except _REDIS_UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
-        self._puts += 1
+        self._counts.puts += 1
 
     async def delete(self, response_id: str) -> bool:
         client = self._redis()
@@ -558,7 +556,7 @@ class RedisStore:
             raise self._unavailable(exc) from exc
         if removed == 0:
             return False
-        self._deletes += 1
+        self._counts.deletes += 1
         return True
 
     async def close(self) -> None:
@@ -568,15 +566,7 @@ class RedisStore:
             await client.aclose()
 
     def statistics(self) -> StoreStatistics:
-        return StoreStatistics(
-            entries=None,
-            bytes=None,
-            puts=self._puts,
-            gets=self._gets,
-            hits=self._hits,
-            deletes=self._deletes,
-            evictions=0,
-        )
+        return self._counts.snapshot(None, None)
 
 
 def _redact_redis_url(url: str) -> str:
