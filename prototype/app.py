@@ -24,7 +24,7 @@ from .clock import Clock
 from .connection import CancelJob, CloseSocket, Connection, Job, SendFrame, StartJob
 from .conversation import normalize_create
 from .engine import Engine
-from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body, sse_error_event
+from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
 from .schemas import DeletedResponse, ServerEvent, decode_create_params, encode
@@ -39,7 +39,6 @@ log = logging.getLogger("longrun.server")
 # Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
 # in one frame or body; 64 MiB covers a 10M-character history with room to spare.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-APPEND_BETA: Final = "responses_websockets=2026-02-04"
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +153,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         await resp.write(b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events))  # type: ignore[arg-type]
 
     outcome = await engine.run(create, None, emit)
-    if outcome.error is not None:
-        if not started:
-            return _json_error(outcome.error)
-        await resp.write(encode_event(sse_error_event(outcome.error, 0), event="error"))
+    if outcome.error is not None:  # request errors come before the first event: a plain JSON error
+        return _json_error(outcome.error)
     if request.app[CONFIG].sse_done:
         await resp.write(DONE_FRAME)
     await resp.write_eof()
@@ -250,7 +247,7 @@ class WebSocketSession:
             match out:
                 case SendFrame(data=data):
                     if not self.ws.closed:
-                        await self.ws.send_str(data.decode())
+                        await self.ws.send_frame(data, WSMsgType.TEXT)
                 case StartJob(job=job):
                     self.job_task = asyncio.get_running_loop().create_task(self._run(job))
                 case CancelJob():
@@ -264,7 +261,8 @@ class WebSocketSession:
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
-                await ws.send_str(encode(ev).decode())
+                # Text frames straight from the encoder's UTF-8 bytes (no str round trip).
+                await ws.send_frame(encode(ev), WSMsgType.TEXT)
 
         try:
             outcome = await self.engine.run(job.request, job.cached, emit)

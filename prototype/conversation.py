@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
-import numpy as np
 from msgspec import Raw
 
 from .errors import ProtocolError, from_validation_error
@@ -385,7 +384,3 @@ def generation_header(tokenizer: Tokenizer) -> TokenArray:
     if header is None:
         header = _HEADER_CACHE[tokenizer.name] = tokenizer.encode(GENERATION_HEADER)
     return header
-
-
-def empty_tokens() -> TokenArray:
-    return np.zeros(0, dtype=np.uint32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Final
 
 from .clock import Clock
 from .conversation import (
@@ -44,6 +45,9 @@ __all__ = ["CacheEntry", "Emit", "Engine", "Outcome"]
 log = logging.getLogger("longrun.engine")
 
 Emit = Callable[[list[ServerEvent]], Awaitable[None]]
+STORE_UNAVAILABLE: Final = ProtocolError(
+    "The response store is unavailable. Please retry.", code="store_unavailable", status=503
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +71,6 @@ class Outcome:
     response: Response
     entry: CacheEntry | None  # None unless the response completed (or ended incomplete)
     error: ProtocolError | None = None  # set when the request failed before streaming started
-    cache_hit: bool = False
 
     @property
     def ok(self) -> bool:
@@ -79,7 +82,6 @@ class _Resolved:
     context: Context
     preamble: Preamble
     cached_tokens: int
-    cache_hit: bool
 
 
 class Engine:
@@ -146,7 +148,6 @@ class Engine:
                 # prefix changed, so no token of it counts as cached.
                 preamble = render_preamble(request, self.tokenizer)
                 reused = 0
-            hit = True
         else:
             context = Context()
             if prev is not None:
@@ -154,18 +155,15 @@ class Engine:
                 context.extend(items, render_items(items, self.tokenizer))
             preamble = render_preamble(request, self.tokenizer)
             reused = 0
-            hit = False
         context.extend(request.items, render_items(request.items, self.tokenizer))
-        return _Resolved(context, preamble, reused, hit)
+        return _Resolved(context, preamble, reused)
 
     async def _load(self, response_id: str) -> list[Item]:
         try:
             data = await self.store.get(response_id)
         except StoreUnavailable:
             log.exception("store unavailable while loading %s", response_id)
-            raise ProtocolError(
-                "The response store is unavailable. Please retry.", code="store_unavailable", status=503
-            ) from None
+            raise STORE_UNAVAILABLE from None
         if data is None:
             raise ProtocolError(
                 f"Previous response with id '{response_id}' not found.",
@@ -236,7 +234,7 @@ class Engine:
         context.extend(outputs, render_items(outputs, self.tokenizer))
         entry = CacheEntry(response, context, len(context.items), resolved.preamble, request.store)
         await emit(events)
-        return Outcome(response, entry, cache_hit=resolved.cache_hit)
+        return Outcome(response, entry)
 
     async def _failed(self, stream: ResponseStream, emit: Emit) -> Outcome:
         await emit(stream.abort("server_error", INTERNAL_ERROR.message))
@@ -246,7 +244,8 @@ class Engine:
         try:
             data = await self.store.get(response_id)
         except StoreUnavailable:
-            raise ProtocolError("The response store is unavailable.", code="store_unavailable", status=503) from None
+            log.exception("store unavailable")
+            raise STORE_UNAVAILABLE from None
         if data is None:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
         return decode_stored(data).response
@@ -255,6 +254,7 @@ class Engine:
         try:
             deleted = await self.store.delete(response_id)
         except StoreUnavailable:
-            raise ProtocolError("The response store is unavailable.", code="store_unavailable", status=503) from None
+            log.exception("store unavailable")
+            raise STORE_UNAVAILABLE from None
         if not deleted:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)

@@ -2,9 +2,10 @@
 
 Strategy (after h11's `ProtocolError`): code deep inside the service raises a
 `ProtocolError` that carries everything the wire needs (HTTP-like status, error
-type, code, param, and a WebSocket close code for the few socket-level
-violations). The adapters never build error payloads themselves; they call
-`ws_error_event`, `sse_error_event` or `http_error_body`. Unexpected exceptions
+type, code, param). Socket-level violations (binary frames) are closes decided
+by the adapter. The adapters never build error payloads themselves; they call
+`ws_error_event` or `http_error_body` (a failure after an SSE stream started
+ends it with `response.failed`, wire-protocol 8.2). Unexpected exceptions
 become `server_error` 500 with a generic message: details go only to the log,
 never to the peer (websockets, protocol.py: "Don't include exception details,
 which may be security-sensitive").
@@ -23,7 +24,6 @@ __all__ = [
     "ProtocolError",
     "from_validation_error",
     "http_error_body",
-    "sse_error_event",
     "ws_error_event",
 ]
 
@@ -89,11 +89,6 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
 def ws_error_event(err: ProtocolError) -> bytes:
     """A WebSocket `error` frame: nested `error`, with `status` (Codex maps it like HTTP)."""
     return encode(ErrorEvent(status=err.status, error=err.body()))
-
-
-def sse_error_event(err: ProtocolError, sequence_number: int) -> bytes:
-    """The JSON of an SSE `error` event: nested form with a `sequence_number` (8.2)."""
-    return encode(ErrorEvent(error=err.body(), sequence_number=sequence_number))
 
 
 def http_error_body(err: ProtocolError) -> bytes:

@@ -74,7 +74,6 @@ __all__ = [
     "decode_create_params",
     "decode_envelope",
     "decode_item",
-    "decode_output_item",
     "decode_stored",
     "decode_tool",
     "encode",
@@ -442,6 +441,5 @@ decode_envelope: Final = msgspec.json.Decoder(_Envelope).decode
 decode_item: Final = msgspec.json.Decoder(InputItemView).decode
 decode_content: Final = msgspec.json.Decoder(str | list[ContentPartView]).decode
 decode_tool: Final = msgspec.json.Decoder(ToolView).decode
-decode_output_item: Final = msgspec.json.Decoder(OutputItem).decode
 decode_stored: Final = msgspec.json.Decoder(StoredResponse).decode
 decode_server_event: Final = msgspec.json.Decoder(ServerEvent).decode

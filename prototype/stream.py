@@ -152,10 +152,6 @@ class ResponseStream:
 
     # -- public ------------------------------------------------------------------------------------
 
-    @property
-    def next_sequence_number(self) -> int:
-        return self._seq
-
     def receive(self, event: StreamInput) -> list[ServerEvent]:
         nxt = _TRANSITIONS.get((self.state, type(event)))
         if nxt is None:
