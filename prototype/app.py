@@ -21,13 +21,23 @@ import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from .clock import Clock
-from .connection import CancelJob, CloseSocket, Connection, Job, SendFrame, StartJob
+from .connection import (
+    AbortPause,
+    ArmPauseTimer,
+    CancelJob,
+    CloseSocket,
+    Connection,
+    Job,
+    ResumeJob,
+    SendFrame,
+    StartJob,
+)
 from .conversation import normalize_create
-from .engine import Engine
+from .engine import Aborted, Engine, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
-from .schemas import DeletedResponse, ServerEvent, decode_create_params, encode
+from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, encode
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import get_tokenizer
@@ -39,6 +49,9 @@ log = logging.getLogger("longrun.server")
 # Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
 # in one frame or body; 64 MiB covers a 10M-character history with room to spare.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# Append mode is opted into per connection (wire-protocol 11.2): the historical V1 beta header
+# value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
+APPEND_BETA: Final = "responses_websockets=2026-02-04"
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +61,9 @@ class ServerConfig:
     reject_concurrent: bool = False  # 409 instead of FIFO queueing
     refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
     sse_done: bool = False  # end SSE streams with `data: [DONE]`
+    # A paused append-mode response holds KV while it waits; 300 s matches the prefix-cache
+    # retention seen for idle conversations (workloads.md 2: "kept if pause < 5 min").
+    append_timeout_s: float = 300.0
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
 
@@ -193,11 +209,12 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
         return _json_error(
             ProtocolError("WebSocket mode is disabled on this server; use HTTP.", code="upgrade_required", status=426)
         )
+    append_mode = request.query.get("mode") == "append" or APPEND_BETA in request.headers.get("OpenAI-Beta", "")
     ws = web.WebSocketResponse(max_msg_size=config.max_message_bytes, compress=True, autoping=True)
     await ws.prepare(request)
     request.app[SOCKETS].add(ws)
     try:
-        await WebSocketSession(request.app[ENGINE], config, ws).serve()
+        await WebSocketSession(request.app[ENGINE], config, ws, append_mode=append_mode).serve()
     finally:
         request.app[SOCKETS].discard(ws)
     return ws
@@ -205,13 +222,24 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
 
 class WebSocketSession:
     """Owns one socket: one reader (this coroutine), at most one job task, one
-    lifetime timer. Everything it starts it also cancels and awaits."""
+    lifetime timer and at most one pause timer. Everything it starts it also
+    cancels and awaits."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, ws: web.WebSocketResponse) -> None:
+    def __init__(
+        self, engine: Engine, config: ServerConfig, ws: web.WebSocketResponse, *, append_mode: bool = False
+    ) -> None:
         self.engine = engine
         self.ws = ws
-        self.conn = Connection(lifetime_s=config.connection_lifetime_s, reject_concurrent=config.reject_concurrent)
+        self.append_timeout_s = config.append_timeout_s
+        self.conn = Connection(
+            lifetime_s=config.connection_lifetime_s,
+            reject_concurrent=config.reject_concurrent,
+            append_mode=append_mode,
+            ids=engine.ids,
+        )
         self.job_task: asyncio.Task[None] | None = None
+        self.pause_timer: asyncio.Task[None] | None = None
+        self.resumption: asyncio.Future[Resumed | Aborted] | None = None
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -229,7 +257,8 @@ class WebSocketSession:
             timer.cancel()
             self.conn.disconnected()
             await self._flush()
-            for task in (timer, self.job_task):
+            self._disarm_pause()
+            for task in (timer, self.pause_timer, self.job_task):
                 if task is not None:
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
@@ -255,6 +284,38 @@ class WebSocketSession:
                         self.job_task.cancel()
                 case CloseSocket(code=code, reason=reason):
                     await self.ws.close(code=code, message=reason.encode())
+                case ArmPauseTimer(job=job):
+                    self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout(job))
+                case ResumeJob(items=items):
+                    self._decide(Resumed(items))
+                case AbortPause(reason=reason):
+                    self._decide(Aborted(reason))
+
+    def _decide(self, decision: Resumed | Aborted) -> None:
+        self._disarm_pause()
+        if self.resumption is not None and not self.resumption.done():
+            self.resumption.set_result(decision)
+
+    def _disarm_pause(self) -> None:
+        if self.pause_timer is not None and self.pause_timer is not asyncio.current_task():
+            self.pause_timer.cancel()
+
+    async def _pause_timeout(self, job: Job) -> None:
+        await asyncio.sleep(self.append_timeout_s)
+        self.conn.pause_timed_out(job)
+        await self._flush()
+
+    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
+        """`PauseChannel` for the job in flight: tell the core, then wait for its decision."""
+        job = self.conn.in_flight
+        assert job is not None
+        self.resumption = asyncio.get_running_loop().create_future()
+        self.conn.response_paused(job, required)
+        await self._flush()
+        try:
+            return await self.resumption
+        finally:
+            self.resumption = None
 
     async def _run(self, job: Job) -> None:
         ws = self.ws
@@ -265,7 +326,14 @@ class WebSocketSession:
                 await ws.send_frame(encode(ev), WSMsgType.TEXT)
 
         try:
-            outcome = await self.engine.run(job.request, job.cached, emit)
+            outcome = await self.engine.run(
+                job.request,
+                job.cached,
+                emit,
+                response_id=job.response_id,
+                counter=job.counter,
+                pauses=self if self.conn.append_mode else None,
+            )
         except ConnectionResetError:
             return  # the peer is gone; the reader sees the close and frees everything
         except Exception:

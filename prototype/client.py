@@ -7,12 +7,15 @@ Modes (names used everywhere):
   server loads the rest from its store.
 * `ws`: one WebSocket per rollout, `response.create` + `previous_response_id`,
   new items only; the server's connection cache holds the rest.
-* `append`: one WebSocket, one long response paused at each tool call (issue 3;
-  not available yet).
+* `append`: one WebSocket (opted in with `?mode=append`), one long response:
+  the first turn is a `response.create`, each later turn a `response.append`
+  with the tool outputs; a turn ends at the pause (`response.done`) or at the
+  terminal event.
 
 Each turn returns a `TurnResult` with client-side timings taken on an injected
 clock: TTFT is measured to the first *token-carrying* delta (workloads.md 6),
-E2E to the terminal event. The client decodes frames with the same msgspec
+E2E to the terminal event (in append mode, a segment ends at the pause). The
+turn's `output_items` are those of its `output_item.done` events. The client decodes frames with the same msgspec
 types the server encodes with.
 """
 
@@ -28,9 +31,11 @@ from .clock import Clock
 from .schemas import (
     ErrorEvent,
     FunctionCallArgumentsDelta,
+    OutputItemDone,
     OutputTextDelta,
     Response,
     ResponseCompleted,
+    ResponseDone,
     ResponseFailed,
     ResponseIncomplete,
     ServerEvent,
@@ -44,7 +49,7 @@ __all__ = ["MODES", "ClientError", "Mode", "ResponsesClient", "TurnResult", "ope
 Mode = Literal["http", "http_prev", "ws", "append"]
 MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
 TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
-TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete)
+TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
 
 
 class ClientError(Exception):
@@ -90,21 +95,23 @@ class _Tracker:
         self.bytes_sent = bytes_sent
         self.first_token_at: float | None = None
         self.events = 0
+        self.items: list[dict[str, Any]] = []
 
     def see(self, event: ServerEvent) -> TurnResult | None:
         self.events += 1
         if self.first_token_at is None and isinstance(event, TOKEN_DELTAS):
             self.first_token_at = self.clock.now()
-        if isinstance(event, TERMINALS):
-            response = event.response
+        if isinstance(event, OutputItemDone):
+            self.items.append(msgspec.to_builtins(event.item))
+        elif isinstance(event, TERMINALS):
             return TurnResult(
-                response,
+                event.response,
                 self.sent_at,
                 self.first_token_at,
                 self.clock.now(),
                 self.bytes_sent,
                 self.events,
-                [msgspec.to_builtins(o) for o in response.output],
+                self.items,
             )
         if isinstance(event, ErrorEvent):
             raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))
@@ -161,9 +168,14 @@ class HTTPClient:
 
 
 class WSClient:
-    def __init__(self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun") -> None:
-        self.mode: Mode = "ws"
+    """`ws` mode; with `append=True`, `append` mode on the same socket machinery."""
+
+    def __init__(self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun", append: bool = False) -> None:
+        self.mode: Mode = "append" if append else "ws"
         self.url = base_url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/responses"
+        if append:
+            self.url += "?mode=append"
+        self.paused_id: str | None = None  # append mode: the paused response this client continues
         self.clock = clock
         self.history = _History()
         self.api_key = api_key
@@ -175,12 +187,15 @@ class WSClient:
             self.ws = await self.session.ws_connect(
                 self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
             )
-        body = {
-            "type": "response.create",
-            **settings,
-            "input": new_items,
-            "previous_response_id": self.history.previous_id,
-        }
+        if self.paused_id is not None:
+            body: dict[str, Any] = {"type": "response.append", "response_id": self.paused_id, "input": new_items}
+        else:
+            body = {
+                "type": "response.create",
+                **settings,
+                "input": new_items,
+                "previous_response_id": self.history.previous_id,
+            }
         data = encode(body).decode()
         sent_at = self.clock.now()
         await self.ws.send_str(data)
@@ -189,8 +204,10 @@ class WSClient:
             msg = await self.ws.receive()
             if msg.type is not aiohttp.WSMsgType.TEXT:
                 raise ClientError(502, f"socket ended: {msg.type.name} {msg.data!r}")
-            result = tracker.see(decode_server_event(msg.data))
+            event = decode_server_event(msg.data)
+            result = tracker.see(event)
             if result is not None:
+                self.paused_id = event.response.id if isinstance(event, ResponseDone) else None
                 self.history.record(new_items, result)
                 return result
 
@@ -207,7 +224,9 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
         return HTTPClient(base_url, clock, chained=True, api_key=api_key)
     if mode == "ws":
         return WSClient(base_url, clock, api_key=api_key)
-    raise NotImplementedError(f"mode {mode!r} is not implemented yet (append mode: issue 3)")
+    if mode == "append":
+        return WSClient(base_url, clock, api_key=api_key, append=True)
+    raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 
 def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:

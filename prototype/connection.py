@@ -24,9 +24,29 @@ Rules (wire-protocol sections 2, 3, 6, 7, 8; the Guide's launch semantics):
 6. A disconnect (including Codex's abrupt 1006) cancels the in-flight response
    and frees the cache and the queue.
 
+Append mode (opt-in per connection; wire-protocol 11, decisions in the README):
+
+7. When a sampled turn ends in function calls the response *pauses* (PAUSED):
+   the engine has sent `response.done` with `required_input`; the core keeps the
+   pending call ids and asks the adapter to arm the pause timer.
+8. `response.append` / `response.inject` commit items atomically: every item is
+   a `function_call_output` for a pending call id or a user/developer message;
+   anything else is rejected whole. Partial appends are accepted; the response
+   resumes (ACTIVE) once every pending call is answered. Inject is acknowledged
+   with `response.inject.created` (numbered in the paused response's sequence)
+   and refused with `response.inject.failed`; append has no acknowledgement (the
+   resume shows as `response.in_progress`) and is refused with `error` events:
+   `response_not_found`, `response_already_completed`, `response_not_paused`,
+   `unknown_call_id`.
+9. A `response.create` while paused is refused (409 `response_paused`), never
+   queued: under FIFO it would wait behind a response that waits for the client.
+10. A pause that outlives the pause timeout, or the connection's lifetime, ends
+    the response `incomplete` (reasons `append_timeout`, `connection_limit`).
+
 The core reads no clock and does no I/O: the adapter feeds it client frames and
-"response ended" / "limit reached" / "disconnected" inputs, then drains
-`outputs_to_send()`: frames to write, a job to start, a job to cancel, a close.
+"response paused" / "response ended" / "pause timed out" / "limit reached" /
+"disconnected" inputs, then drains `outputs_to_send()`: frames to write, a job
+to start, resume, abort or cancel, a pause timer to arm, a close.
 All legal moves are in `_TRANSITIONS`; anything else raises `ConnectionStateError`.
 """
 
@@ -34,18 +54,37 @@ from __future__ import annotations
 
 import collections
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 
-from .conversation import CreateRequest, normalize_create
+from .conversation import CreateRequest, Item, normalize_create, parse_items
 from .engine import CacheEntry
 from .errors import ProtocolError, from_validation_error, ws_error_event
-from .schemas import ResponseAppend, ResponseCreate, ResponseInject, decode_client_event, decode_envelope
+from .ids import IdFactory
+from .schemas import (
+    InjectError,
+    RequiredInput,
+    ResponseAppend,
+    ResponseCreate,
+    ResponseInject,
+    ResponseInjectCreated,
+    ResponseInjectFailed,
+    decode_client_event,
+    decode_envelope,
+    encode,
+)
+from .stream import SequenceCounter
 
 __all__ = [
     "CS",
+    "AbortPause",
+    "AllAnswered",
+    "ArmPauseTimer",
+    "PauseTimedOut",
+    "ResponsePaused",
+    "ResumeJob",
     "AppendReceived",
     "BadFrame",
     "CancelJob",
@@ -63,11 +102,14 @@ __all__ = [
 ]
 
 CLOSE_GOING_AWAY: Final = 1001  # server shutdown or lifetime limit; triggers openai-python's auto-reconnect
+RECENT_IDS: Final = 64  # ended response ids remembered per connection, for `response_already_completed`
+APPENDABLE_ROLES: Final = frozenset({"user", "developer"})
 
 
 class CS(enum.Enum):
     IDLE = enum.auto()
-    ACTIVE = enum.auto()  # one response in flight
+    ACTIVE = enum.auto()  # one response in flight, sampling
+    PAUSED = enum.auto()  # append mode: the in-flight response waits for tool outputs
     DRAINING = enum.auto()  # lifetime limit reached while a response was in flight
     EXPIRED = enum.auto()  # limit reached and nothing in flight: closing with 1001
     CLOSED = enum.auto()
@@ -98,6 +140,22 @@ class Dequeue:
 
 
 @dataclass(frozen=True, slots=True)
+class ResponsePaused:
+    job: Job
+    required: tuple[RequiredInput, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllAnswered:
+    """Internal: every pending call of the paused response has an output."""
+
+
+@dataclass(frozen=True, slots=True)
+class PauseTimedOut:
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseEnded:
     job: Job
     entry: CacheEntry | None  # the new cache entry; None if the turn failed
@@ -114,8 +172,30 @@ class Disconnected:
     pass
 
 
-Input = CreateReceived | AppendReceived | BadFrame | Dequeue | ResponseEnded | LimitReached | Disconnected
-INPUT_TYPES: Final = (CreateReceived, AppendReceived, BadFrame, Dequeue, ResponseEnded, LimitReached, Disconnected)
+Input = (
+    CreateReceived
+    | AppendReceived
+    | BadFrame
+    | Dequeue
+    | ResponsePaused
+    | AllAnswered
+    | PauseTimedOut
+    | ResponseEnded
+    | LimitReached
+    | Disconnected
+)
+INPUT_TYPES: Final = (
+    CreateReceived,
+    AppendReceived,
+    BadFrame,
+    Dequeue,
+    ResponsePaused,
+    AllAnswered,
+    PauseTimedOut,
+    ResponseEnded,
+    LimitReached,
+    Disconnected,
+)
 
 # -- outputs ----------------------------------------------------------------------------------------
 
@@ -125,6 +205,8 @@ class Job:
     number: int  # 1, 2, … per connection
     request: CreateRequest
     cached: CacheEntry | None  # the cache entry the job may continue from (matched by id at start)
+    response_id: str = ""
+    counter: SequenceCounter = field(default_factory=SequenceCounter)  # the response's sequence numbers
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,25 +230,60 @@ class CloseSocket:
     reason: str
 
 
-Output = SendFrame | StartJob | CancelJob | CloseSocket
+@dataclass(frozen=True, slots=True)
+class ArmPauseTimer:
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeJob:
+    job: Job
+    items: tuple[Item, ...]  # everything committed while paused, in arrival order
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPause:
+    job: Job
+    reason: str  # `incomplete_details.reason` of the response
+
+
+Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause
+
+
+@dataclass(slots=True)
+class _Pause:
+    """Bookkeeping of the paused response: which calls still wait, what was committed."""
+
+    job: Job
+    pending: dict[str, str]  # call_id -> function name
+    committed: list[Item] = field(default_factory=list)
+
 
 # -- the table --------------------------------------------------------------------------------------
+
+_OPEN: Final = (CS.IDLE, CS.ACTIVE, CS.PAUSED, CS.DRAINING, CS.EXPIRED)
 
 _TRANSITIONS: Final[dict[tuple[CS, type], tuple[str, CS]]] = {
     (CS.IDLE, CreateReceived): ("_enqueue", CS.IDLE),  # then Dequeue starts it
     (CS.ACTIVE, CreateReceived): ("_enqueue", CS.ACTIVE),
+    (CS.PAUSED, CreateReceived): ("_refuse_paused", CS.PAUSED),
     (CS.DRAINING, CreateReceived): ("_refuse_expired", CS.DRAINING),
     (CS.EXPIRED, CreateReceived): ("_refuse_expired", CS.EXPIRED),
     (CS.IDLE, Dequeue): ("_start_next", CS.ACTIVE),
+    (CS.ACTIVE, ResponsePaused): ("_paused", CS.PAUSED),
+    (CS.DRAINING, ResponsePaused): ("_abort_at_limit", CS.DRAINING),
+    (CS.PAUSED, AllAnswered): ("_resume", CS.ACTIVE),
+    (CS.PAUSED, PauseTimedOut): ("_pause_timed_out", CS.ACTIVE),
+    (CS.PAUSED, LimitReached): ("_abort_paused_at_limit", CS.DRAINING),
     (CS.ACTIVE, ResponseEnded): ("_ended", CS.IDLE),
     (CS.DRAINING, ResponseEnded): ("_ended_expired", CS.EXPIRED),
     (CS.IDLE, LimitReached): ("_expire", CS.EXPIRED),
     (CS.ACTIVE, LimitReached): ("_nothing", CS.DRAINING),
     (CS.DRAINING, LimitReached): ("_nothing", CS.DRAINING),
     (CS.EXPIRED, LimitReached): ("_nothing", CS.EXPIRED),
-    **{(s, AppendReceived): ("_append_unsupported", s) for s in (CS.IDLE, CS.ACTIVE, CS.DRAINING, CS.EXPIRED)},
-    **{(s, BadFrame): ("_bad_frame", s) for s in (CS.IDLE, CS.ACTIVE, CS.DRAINING, CS.EXPIRED)},
-    **{(s, Disconnected): ("_disconnect", CS.CLOSED) for s in (CS.IDLE, CS.ACTIVE, CS.DRAINING, CS.EXPIRED)},
+    **{(s, AppendReceived): ("_append", s) for s in _OPEN},
+    **{(s, BadFrame): ("_bad_frame", s) for s in _OPEN},
+    **{(s, Disconnected): ("_disconnect", CS.CLOSED) for s in _OPEN},
     (CS.CLOSED, Disconnected): ("_nothing", CS.CLOSED),
 }
 
@@ -188,13 +305,24 @@ class Connection:
     `disconnected` calls; after each, drain `outputs_to_send()` and act on every
     output in order."""
 
-    def __init__(self, *, lifetime_s: float = 3600.0, reject_concurrent: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        lifetime_s: float = 3600.0,
+        reject_concurrent: bool = False,
+        append_mode: bool = False,
+        ids: IdFactory | None = None,
+    ) -> None:
         self.state = CS.IDLE
         self.lifetime_s = lifetime_s
         self.reject_concurrent = reject_concurrent
+        self.append_mode = append_mode
+        self.ids = ids or IdFactory()
         self.cache: CacheEntry | None = None
         self.queue: collections.deque[CreateRequest] = collections.deque()
         self.in_flight: Job | None = None
+        self.pause: _Pause | None = None
+        self.ended_ids: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
         self._jobs = 0
         self._out: list[Output] = []
         self.cache_hits = 0
@@ -208,6 +336,12 @@ class Connection:
 
     def response_ended(self, job: Job, entry: CacheEntry | None, error: ProtocolError | None = None) -> None:
         self.handle(ResponseEnded(job, entry, error))
+
+    def response_paused(self, job: Job, required: tuple[RequiredInput, ...]) -> None:
+        self.handle(ResponsePaused(job, required))
+
+    def pause_timed_out(self, job: Job) -> None:
+        self.handle(PauseTimedOut(job))
 
     def limit_reached(self) -> None:
         self.handle(LimitReached())
@@ -230,6 +364,8 @@ class Connection:
         self.state = nxt
         if self.state is CS.IDLE and self.queue:
             self.handle(Dequeue())
+        elif self.state is CS.PAUSED and self.pause is not None and not self.pause.pending:
+            self.handle(AllAnswered())
 
     def _classify(self, data: str | bytes) -> Input:
         try:
@@ -294,13 +430,14 @@ class Connection:
                 self.cache_misses += 1
             else:
                 self.cache_hits += 1
-        self.in_flight = Job(self._jobs, request, cached)
+        self.in_flight = Job(self._jobs, request, cached, self.ids.new("resp"))
         self._out.append(StartJob(self.in_flight))
 
     def _finish_job(self, event: ResponseEnded) -> None:
         if event.job is not self.in_flight:
             raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
         self.in_flight = None
+        self.ended_ids.append(event.job.response_id)
         if event.entry is not None:
             self.cache = event.entry
         else:
@@ -325,21 +462,144 @@ class Connection:
     def _refuse_expired(self, event: CreateReceived) -> None:
         self._error(ProtocolError(limit_message(self.lifetime_s), code="websocket_connection_limit_reached"))
 
-    def _append_unsupported(self, event: AppendReceived) -> None:
+    # -- append mode ---------------------------------------------------------------------------------
+
+    def _check_job(self, job: Job) -> None:
+        if job is not self.in_flight:
+            raise ConnectionStateError(f"job {job.number} is not the one in flight")
+
+    def _paused(self, event: ResponsePaused) -> None:
+        self._check_job(event.job)
+        self.pause = _Pause(event.job, {r.call_id: r.name for r in event.required})
+        self._out.append(ArmPauseTimer(event.job))
+
+    def _resume(self, event: AllAnswered) -> None:
+        assert self.pause is not None
+        self._out.append(ResumeJob(self.pause.job, tuple(self.pause.committed)))
+        self.pause = None
+
+    def _pause_timed_out(self, event: PauseTimedOut) -> None:
+        self._check_job(event.job)
+        self.pause = None
+        self._out.append(AbortPause(event.job, "append_timeout"))
+
+    def _abort_paused_at_limit(self, event: LimitReached) -> None:
+        assert self.pause is not None
+        self._out.append(AbortPause(self.pause.job, "connection_limit"))
+        self.pause = None
+
+    def _abort_at_limit(self, event: ResponsePaused) -> None:
+        self._check_job(event.job)
+        self._out.append(AbortPause(event.job, "connection_limit"))
+
+    def _refuse_paused(self, event: CreateReceived) -> None:
+        assert self.pause is not None
+        self._evict(event.request.previous_response_id)
         self._error(
             ProtocolError(
-                f"Unsupported event type: '{event.event.__struct_config__.tag}'. Append mode is not enabled "
-                "on this connection (opt in with ?mode=append or OpenAI-Beta: responses_websockets=2026-02-04).",
-                code="unsupported_event_type",
-                param="type",
+                f"Response '{self.pause.job.response_id}' is paused waiting for tool outputs; "
+                "send response.append, or open another connection.",
+                code="response_paused",
+                status=409,
             )
         )
+
+    def _append(self, event: AppendReceived) -> None:
+        append = event.event
+        if not self.append_mode:
+            self._error(
+                ProtocolError(
+                    f"Unsupported event type: '{append.__struct_config__.tag}'. Append mode is not enabled "
+                    "on this connection (opt in with ?mode=append or OpenAI-Beta: responses_websockets=2026-02-04).",
+                    code="unsupported_event_type",
+                    param="type",
+                )
+            )
+            return
+        try:
+            pause = self._target(append.response_id)
+            items = self._validate_append(pause, append)
+        except ProtocolError as err:
+            self._refuse_append(append, err)
+            return
+        for item in items:
+            if item.view.type == "function_call_output":
+                del pause.pending[str(item.view.call_id)]
+        pause.committed.extend(items)
+        if isinstance(append, ResponseInject):
+            ack = ResponseInjectCreated(sequence_number=pause.job.counter.next(), response_id=pause.job.response_id)
+            self._out.append(SendFrame(encode(ack)))
+
+    def _target(self, response_id: str | None) -> _Pause:
+        """The paused response an append is for, or the error that says why there is none."""
+        job = self.in_flight
+        if response_id is None and job is not None:
+            response_id = job.response_id
+        if response_id is None and self.ended_ids:
+            response_id = self.ended_ids[-1]
+        if job is not None and response_id == job.response_id:
+            if self.pause is None:
+                raise ProtocolError(
+                    f"Response '{response_id}' is not paused: it is still sampling.",
+                    code="response_not_paused",
+                    param="response_id",
+                )
+            return self.pause
+        if response_id in self.ended_ids:
+            raise ProtocolError(
+                f"Response '{response_id}' has already completed.",
+                code="response_already_completed",
+                param="response_id",
+            )
+        shown = f"'{response_id}'" if response_id else "to append to"
+        raise ProtocolError(f"Response {shown} not found.", code="response_not_found", param="response_id")
+
+    def _validate_append(self, pause: _Pause, append: ResponseAppend | ResponseInject) -> tuple[Item, ...]:
+        items = parse_items(append.input)
+        answered: set[str] = set()
+        for index, item in enumerate(items):
+            view = item.view
+            if view.type == "function_call_output":
+                call_id = str(view.call_id)
+                if call_id not in pause.pending or call_id in answered:
+                    raise ProtocolError(
+                        f"No pending function call with call_id '{call_id}' in response '{pause.job.response_id}'.",
+                        code="unknown_call_id",
+                        param=f"input[{index}].call_id",
+                    )
+                answered.add(call_id)
+            elif not (view.type == "message" and view.role in APPENDABLE_ROLES):
+                raise ProtocolError(
+                    f"Invalid item in 'input[{index}]': an append carries function_call_output items "
+                    "and user or developer messages only.",
+                    code="invalid_value",
+                    param=f"input[{index}]",
+                )
+        return items
+
+    def _refuse_append(self, append: ResponseAppend | ResponseInject, err: ProtocolError) -> None:
+        if isinstance(append, ResponseAppend):
+            self._error(err)
+            return
+        pause = self.pause
+        target = append.response_id or (self.in_flight.response_id if self.in_flight else "")
+        # Numbered in the response's own sequence only while it is paused (its stream is idle
+        # then); otherwise the failure belongs to no stream.
+        seq = pause.job.counter.next() if pause is not None and target == pause.job.response_id else 0
+        failed = ResponseInjectFailed(
+            sequence_number=seq,
+            response_id=target,
+            input=append.input,
+            error=InjectError(code=str(err.code), message=err.message),
+        )
+        self._out.append(SendFrame(encode(failed)))
 
     def _bad_frame(self, event: BadFrame) -> None:
         self._evict(event.previous_response_id)
         self._error(event.error)
 
     def _disconnect(self, event: Disconnected) -> None:
+        self.pause = None
         if self.in_flight is not None:
             self._out.append(CancelJob(self.in_flight))
             self.in_flight = None

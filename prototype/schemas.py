@@ -282,6 +282,9 @@ class StoredResponse(msgspec.Struct, kw_only=True):
 
     response: Response
     context: list[Raw]  # effective input items: previous context + previous output + new input
+    # Append mode: the first `output_in_context` output items already stand, interleaved with
+    # the appended tool outputs, in `context`; a continuation adds only the rest.
+    output_in_context: int = 0
 
 
 # --------------------------------------------------------------------------- server → client events

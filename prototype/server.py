@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--connection-limit", type=float, default=3600.0, metavar="SECONDS", help="WebSocket connection lifetime"
     )
     p.add_argument(
+        "--append-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="append mode: end a response paused longer than this with response.incomplete (append_timeout)",
+    )
+    p.add_argument(
         "--reject-concurrent",
         action="store_true",
         help="answer a create sent while one is in flight with 409 instead of queueing it",
@@ -92,6 +99,7 @@ async def serve(args: argparse.Namespace) -> None:
         reject_concurrent=args.reject_concurrent,
         refuse_websocket=args.refuse_websocket,
         sse_done=args.sse_done,
+        append_timeout_s=args.append_timeout,
     )
     app = make_app(model=model, store=open_store(args.store), clock=clock, config=config, seed=args.seed)
     runner = web.AppRunner(app, handle_signals=False)

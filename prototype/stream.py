@@ -67,7 +67,7 @@ from .schemas import (
     Usage,
 )
 
-__all__ = ["Fail", "Pause", "RS", "Resume", "ResponseStream", "Start", "StreamError"]
+__all__ = ["Fail", "Pause", "RS", "ResponseStream", "Resume", "SequenceCounter", "Start", "StreamError"]
 
 
 class RS(enum.Enum):
@@ -126,6 +126,22 @@ _TRANSITIONS: Final[dict[tuple[RS, type], RS]] = {
 }
 
 
+class SequenceCounter:
+    """The `sequence_number` source of one response. Shared with the connection core in
+    append mode, so inject acknowledgements sent while a response is paused take their
+    place in the same numbering."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def next(self) -> int:
+        seq = self.value
+        self.value += 1
+        return seq
+
+
 class StreamError(Exception):
     """An input the state machine cannot take: a bug in the caller or the model."""
 
@@ -138,15 +154,16 @@ class ResponseStream:
     send, in order. `response` is the latest snapshot of the Response object.
     """
 
-    def __init__(self, template: Response, ids: IdFactory) -> None:
+    def __init__(self, template: Response, ids: IdFactory, counter: SequenceCounter | None = None) -> None:
         self.response = template
         self.state = RS.QUEUED
         self.output: list[OutputItem] = []
         self.input_tokens = 0
         self.cached_tokens = 0
         self.output_tokens = 0
+        self.segment_start = 0  # index in `output` where the current segment began
         self._ids = ids
-        self._seq = 0
+        self._next = (counter or SequenceCounter()).next
         self._item: OutputMessage | FunctionCall | None = None
         self._parts: list[str] = []
 
@@ -188,21 +205,19 @@ class ResponseStream:
             total_tokens=self.input_tokens + self.output_tokens,
         )
 
+    def segment_output(self) -> list[OutputItem]:
+        """Output items of the current segment (since the start or the last resume)."""
+        return self.output[self.segment_start :]
+
     def pending_calls(self) -> list[RequiredInput]:
-        """Function calls of the last segment (append mode: what the response waits for)."""
-        calls = []
-        for item in reversed(self.output):
-            if not isinstance(item, FunctionCall):
-                break
-            calls.append(RequiredInput(call_id=item.call_id, name=item.name))
-        return calls[::-1]
+        """Function calls of the current segment (append mode: what the response waits for)."""
+        return [
+            RequiredInput(call_id=item.call_id, name=item.name)
+            for item in self.segment_output()
+            if isinstance(item, FunctionCall)
+        ]
 
     # -- transitions -------------------------------------------------------------------------------
-
-    def _next(self) -> int:
-        seq = self._seq
-        self._seq += 1
-        return seq
 
     def _start(self, event: Start) -> list[ServerEvent]:
         self.input_tokens = event.input_tokens
@@ -334,6 +349,7 @@ class ResponseStream:
         return [ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())]
 
     def _resume(self, event: Resume) -> list[ServerEvent]:
+        self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
         self.cached_tokens += event.cached_tokens
         return [ResponseInProgress(sequence_number=self._next(), response=self.response)]

@@ -5,11 +5,11 @@ Scenario: the server runs in process on loopback with the token simulator at
 and model tokens) one after another; the table reports rollout completion time,
 TTFT and bytes sent per turn, and each mode's speedup over `http`.
 
-Status: this is the live-loopback comparison of the create modes on the
-`local` cost profile (only real CPU work: JSON, validation, rendering with the
-real BPE vocabulary). Append mode (issue 3), the modeled API-stage costs of the
-`hosted` profile (issue 4) and virtual time (issue 5) are not in yet, so the
-differences printed here are those of real CPU work and bytes alone.
+Status: this is the live-loopback comparison of all four modes on the `local`
+cost profile (only real CPU work: JSON, validation, rendering with the real BPE
+vocabulary). The modeled API-stage costs of the `hosted` profile (issue 4) and
+virtual time (issue 5) are not in yet, so the differences printed here are
+those of real CPU work and bytes alone.
 """
 
 from __future__ import annotations
@@ -17,21 +17,18 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import get_args
 
 import numpy as np
 import uvloop
 from aiohttp import web
 
 from prototype.app import make_app
-from prototype.client import Mode, open_client
+from prototype.client import MODES, open_client
 from prototype.store import MemoryStore
 from sim.accelerator import SimulatedModel
 from sim.live import RolloutResult, make_spec, run_rollout
 from sim.policy import DefaultPolicy
 from sim.realtime import AsyncioClock
-
-AVAILABLE_MODES: tuple[Mode, ...] = ("http", "http_prev", "ws")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,18 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tool-time", type=float, default=0.05, metavar="SECONDS", help="median simulated tool time")
     c.add_argument("--tool-output-tokens", type=int, default=500, help="median tool output size")
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--modes", default=",".join(AVAILABLE_MODES), help="comma-separated subset of http,http_prev,ws")
+    c.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of http,http_prev,ws,append")
     return p
 
 
 async def compare(args: argparse.Namespace) -> list[RolloutResult]:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in AVAILABLE_MODES:
-            raise SystemExit(
-                f"unknown or unavailable mode {m!r}; choose from {', '.join(AVAILABLE_MODES)}"
-                f" (all modes: {', '.join(get_args(Mode))}; append is issue 3)"
-            )
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     clock = AsyncioClock()
     model = SimulatedModel(
         clock=clock,

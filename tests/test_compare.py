@@ -37,5 +37,5 @@ async def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
 
 
 def test_cli_rejects_unknown_mode() -> None:
-    with pytest.raises(SystemExit, match="unknown or unavailable mode 'append'"):
-        main(["compare", "--modes", "append", "--rollouts", "1"])
+    with pytest.raises(SystemExit, match="unknown mode 'grpc'"):
+        main(["compare", "--modes", "grpc", "--rollouts", "1"])

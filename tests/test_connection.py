@@ -12,7 +12,10 @@ from prototype.connection import (
     _TRANSITIONS,
     CS,
     INPUT_TYPES,
+    AbortPause,
+    AllAnswered,
     AppendReceived,
+    ArmPauseTimer,
     BadFrame,
     CancelJob,
     CloseSocket,
@@ -23,7 +26,10 @@ from prototype.connection import (
     Disconnected,
     Job,
     LimitReached,
+    PauseTimedOut,
     ResponseEnded,
+    ResponsePaused,
+    ResumeJob,
     SendFrame,
     StartJob,
     limit_message,
@@ -31,7 +37,7 @@ from prototype.connection import (
 from prototype.conversation import Context, Preamble, normalize_create
 from prototype.engine import CacheEntry
 from prototype.errors import ProtocolError
-from prototype.schemas import CreateParams, Response, ResponseAppend
+from prototype.schemas import CreateParams, RequiredInput, Response, ResponseAppend
 
 
 def create(**fields: object) -> str:
@@ -256,10 +262,16 @@ def test_response_ended_for_a_stale_job_is_a_bug() -> None:
 # -- every (state, input) pair ---------------------------------------------------------------------
 
 
+REQUIRED = (RequiredInput(call_id="call_1", name="exec_command"),)
+
+
 def _conn_in(state: CS) -> Connection:
-    c = Connection(lifetime_s=1)
-    if state in (CS.ACTIVE, CS.DRAINING):
+    c = Connection(lifetime_s=1, append_mode=True)
+    if state in (CS.ACTIVE, CS.DRAINING, CS.PAUSED):
         c.receive_text(create())
+    if state is CS.PAUSED:
+        assert c.in_flight is not None
+        c.response_paused(c.in_flight, REQUIRED)
     if state is CS.DRAINING:
         c.limit_reached()
     if state is CS.EXPIRED:
@@ -284,6 +296,9 @@ def _input(c: Connection, t: type) -> object:
         BadFrame: BadFrame(ProtocolError("bad", code="invalid_json")),
         Dequeue: Dequeue(),
         ResponseEnded: ResponseEnded(job, entry("resp_x")),
+        ResponsePaused: ResponsePaused(job, REQUIRED),
+        AllAnswered: AllAnswered(),
+        PauseTimedOut: PauseTimedOut(job),
         LimitReached: LimitReached(),
         Disconnected: Disconnected(),
     }[t]
@@ -308,3 +323,159 @@ def test_every_state_input_pair(state: CS, input_type: type) -> None:
     if expected is CS.IDLE and input_type is CreateReceived:
         expected = CS.ACTIVE  # the queued create starts at once
     assert c.state is expected
+
+
+# -- append mode -----------------------------------------------------------------------------------
+
+
+def paused(required: tuple[RequiredInput, ...] = REQUIRED) -> tuple[Connection, Job]:
+    c = Connection(append_mode=True)
+    c.receive_text(create())
+    job = started(c.outputs_to_send())[0]
+    assert job.response_id.startswith("resp_")
+    c.response_paused(job, required)
+    assert c.outputs_to_send() == [ArmPauseTimer(job)] and c.state is CS.PAUSED
+    return c, job
+
+
+def fco(call_id: str, output: str = "ok") -> dict[str, str]:
+    return {"type": "function_call_output", "call_id": call_id, "output": output}
+
+
+def append(**fields: object) -> str:
+    return json.dumps({"type": "response.append", **fields})
+
+
+def test_append_resumes_when_every_call_is_answered() -> None:
+    two = (RequiredInput(call_id="call_a", name="f"), RequiredInput(call_id="call_b", name="g"))
+    c, job = paused(two)
+    c.receive_text(append(input=[fco("call_b", "B")]))
+    assert c.outputs_to_send() == [] and c.state is CS.PAUSED  # partial: still waiting for call_a
+    c.receive_text(append(response_id=job.response_id, input=[{"role": "user", "content": "hurry"}, fco("call_a")]))
+    (resume,) = c.outputs_to_send()
+    assert isinstance(resume, ResumeJob) and resume.job is job and c.state is CS.ACTIVE
+    assert [json.loads(i.raw).get("call_id") or json.loads(i.raw)["content"] for i in resume.items] == [
+        "call_b",
+        "hurry",
+        "call_a",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("frame", "code", "param"),
+    [
+        (append(input=[fco("call_zzz")]), "unknown_call_id", "input[0].call_id"),
+        (append(input=[fco("call_1"), fco("call_1")]), "unknown_call_id", "input[1].call_id"),
+        (
+            append(input=[{"type": "function_call_output", "output": "x"}]),
+            "missing_required_parameter",
+            "input[0].call_id",
+        ),
+        (
+            append(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]),
+            "invalid_value",
+            "input[0]",
+        ),
+        (append(input=[{"role": "assistant", "content": "x"}]), "invalid_value", "input[0]"),
+        (append(response_id="resp_other", input=[fco("call_1")]), "response_not_found", "response_id"),
+    ],
+)
+def test_bad_appends_are_rejected_whole_and_the_pause_holds(frame: str, code: str, param: str) -> None:
+    c, _ = paused()
+    c.receive_text(frame)
+    (err,) = errors(c.outputs_to_send())
+    assert err["status"] == 400 and err["error"]["code"] == code and err["error"]["param"] == param  # type: ignore[index]
+    assert c.state is CS.PAUSED and c.pause is not None and list(c.pause.pending) == ["call_1"]
+
+
+def test_append_errors_outside_a_pause() -> None:
+    c = Connection(append_mode=True)
+    c.receive_text(append(input=[fco("call_1")]))
+    assert errors(c.outputs_to_send())[0]["error"]["code"] == "response_not_found"  # type: ignore[index]
+    c.receive_text(create())
+    job = started(c.outputs_to_send())[0]
+    c.receive_text(append(input=[fco("call_1")]))
+    assert errors(c.outputs_to_send())[0]["error"]["code"] == "response_not_paused"  # type: ignore[index]
+    c.response_ended(job, entry(job.response_id))
+    for frame in (append(input=[fco("call_1")]), append(response_id=job.response_id, input=[fco("call_1")])):
+        c.receive_text(frame)
+        err = errors(c.outputs_to_send())[0]
+        assert err["error"] == {
+            "type": "invalid_request_error",
+            "code": "response_already_completed",
+            "message": f"Response '{job.response_id}' has already completed.",
+            "param": "response_id",
+        }
+
+
+def test_inject_is_acknowledged_in_the_paused_sequence() -> None:
+    c, job = paused()
+    job.counter.value = 8  # the response emitted 0..7 before pausing
+    bad = {"type": "response.inject", "response_id": job.response_id, "input": [fco("call_9", "{}")]}
+    c.receive_text(json.dumps(bad))
+    assert errors(c.outputs_to_send()) == [
+        {
+            "type": "response.inject.failed",
+            "sequence_number": 8,
+            "response_id": job.response_id,
+            "input": [fco("call_9", "{}")],
+            "error": {
+                "code": "unknown_call_id",
+                "message": f"No pending function call with call_id 'call_9' in response '{job.response_id}'.",
+            },
+        }
+    ]
+    c.receive_text(json.dumps({**bad, "input": [fco("call_1")]}))
+    out = c.outputs_to_send()
+    assert errors(out) == [{"type": "response.inject.created", "sequence_number": 9, "response_id": job.response_id}]
+    assert isinstance(out[-1], ResumeJob) and job.counter.value == 10
+
+
+def test_inject_for_an_unknown_response_fails_with_its_input_echoed() -> None:
+    c = Connection(append_mode=True)
+    c.receive_text(json.dumps({"type": "response.inject", "response_id": "resp_123", "input": [fco("call_123")]}))
+    (failed,) = errors(c.outputs_to_send())
+    assert failed["error"] == {"code": "response_not_found", "message": "Response 'resp_123' not found."}
+    assert failed["input"] == [fco("call_123")] and failed["sequence_number"] == 0
+
+
+def test_create_while_paused_is_refused_not_queued() -> None:
+    c, job = paused()
+    c.receive_text(create(previous_response_id=job.response_id))
+    (err,) = errors(c.outputs_to_send())
+    assert err["status"] == 409 and err["error"]["code"] == "response_paused"  # type: ignore[index]
+    assert not c.queue and c.state is CS.PAUSED
+
+
+def test_pause_timeout_aborts_the_response() -> None:
+    c, job = paused()
+    c.pause_timed_out(job)
+    assert c.outputs_to_send() == [AbortPause(job, "append_timeout")] and c.state is CS.ACTIVE
+    c.response_ended(job, entry(job.response_id))
+    assert c.state is CS.IDLE and c.pause is None
+
+
+def test_limit_while_paused_ends_the_response_then_closes() -> None:
+    c, job = paused()
+    c.limit_reached()
+    assert c.outputs_to_send() == [AbortPause(job, "connection_limit")] and c.state is CS.DRAINING
+    c.response_ended(job, entry(job.response_id))
+    out = c.outputs_to_send()
+    assert [e["error"]["code"] for e in errors(out)] == ["websocket_connection_limit_reached"]  # type: ignore[index]
+    assert isinstance(out[-1], CloseSocket) and c.state is CS.EXPIRED
+
+
+def test_pause_after_the_limit_is_aborted_at_once() -> None:
+    c = Connection(append_mode=True)
+    c.receive_text(create())
+    job = started(c.outputs_to_send())[0]
+    c.limit_reached()
+    c.response_paused(job, REQUIRED)
+    assert c.outputs_to_send() == [AbortPause(job, "connection_limit")] and c.state is CS.DRAINING
+
+
+def test_disconnect_while_paused_frees_everything() -> None:
+    c, job = paused()
+    c.disconnected()
+    assert c.outputs_to_send() == [CancelJob(job)]
+    assert c.pause is None and c.in_flight is None and c.cache is None and c.state is CS.CLOSED
