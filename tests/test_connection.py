@@ -479,3 +479,11 @@ def test_disconnect_while_paused_frees_everything() -> None:
     c.disconnected()
     assert c.outputs_to_send() == [CancelJob(job)]
     assert c.pause is None and c.in_flight is None and c.cache is None and c.state is CS.CLOSED
+
+
+def test_pause_or_timeout_for_a_stale_job_is_a_bug() -> None:
+    c, job = paused()
+    stale = Job(99, job.request, None, "resp_stale")
+    with pytest.raises(ConnectionStateError, match=r"^job 99 is not the one in flight$"):
+        c.pause_timed_out(stale)
+    assert c.state is CS.PAUSED

@@ -190,3 +190,10 @@ def test_every_state_input_pair(state: RS, input_type: type) -> None:
     else:
         s.receive(_instance(input_type))  # type: ignore[arg-type]
         assert s.state is expected
+
+
+def test_warm_up_start_sends_only_created() -> None:
+    s = ResponseStream(template(), IdFactory(0))
+    events = run(s, [Start(0, 0, warm_up=True), SamplingFinished()])
+    assert types(events) == ["response.created", "response.completed"]
+    assert [e.sequence_number for e in events] == [0, 1]  # type: ignore[attr-defined]
