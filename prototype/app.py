@@ -33,10 +33,11 @@ from .connection import (
     StartJob,
 )
 from .conversation import normalize_create
-from .engine import Aborted, Engine, Resumed
+from .engine import Aborted, Arrival, Engine, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
+from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, encode
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
@@ -64,6 +65,8 @@ class ServerConfig:
     # A paused append-mode response holds KV while it waits; 300 s matches the prefix-cache
     # retention seen for idle conversations (workloads.md 2: "kept if pause < 5 min").
     append_timeout_s: float = 300.0
+    profile: CostProfile = PROFILES["local"]  # modeled waits of the API stages (pipeline.py)
+    optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS  # connection-cache switches, WebSocket only
     max_message_bytes: int = MAX_MESSAGE_BYTES
 
 
@@ -83,7 +86,15 @@ def make_app(
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
-    app[ENGINE] = Engine(model=model, store=store, clock=clock, tokenizer=get_tokenizer(), ids=IdFactory(seed))
+    app[ENGINE] = Engine(
+        model=model,
+        store=store,
+        clock=clock,
+        tokenizer=get_tokenizer(),
+        ids=IdFactory(seed),
+        profile=config.profile,
+        optimizations=config.optimizations,
+    )
     sockets: set[web.WebSocketResponse] = set()
     app[SOCKETS] = sockets
     app.router.add_post("/v1/responses", create_response)
@@ -91,6 +102,7 @@ def make_app(
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", prometheus_metrics)
     app.on_shutdown.append(_close_sockets)
     app.on_cleanup.append(_close_store)
     return app
@@ -139,19 +151,24 @@ async def healthz(request: web.Request) -> web.Response:
     return web.Response(text="ok")
 
 
+async def prometheus_metrics(request: web.Request) -> web.Response:
+    return web.Response(text=request.app[ENGINE].prometheus(), content_type="text/plain", charset="utf-8")
+
+
 # -- HTTP ------------------------------------------------------------------------------------------
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     body = await request.read()
+    arrival = Arrival(engine.clock.now(), len(body), "http")
     try:
         params = decode_create_params(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return _json_error(from_validation_error(exc))
     create = normalize_create(params, websocket=False)  # ProtocolError → middleware → JSON error body
     if not params.stream:
-        outcome = await engine.run(create, None, _discard)
+        outcome = await engine.run(create, None, _discard, arrival=arrival)
         if outcome.error is not None:
             return _json_error(outcome.error)
         if outcome.response.status == "failed":
@@ -168,7 +185,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             started = True
         await resp.write(b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events))  # type: ignore[arg-type]
 
-    outcome = await engine.run(create, None, emit)
+    outcome = await engine.run(create, None, emit, arrival=arrival)
     if outcome.error is not None:  # request errors come before the first event: a plain JSON error
         return _json_error(outcome.error)
     if request.app[CONFIG].sse_done:
@@ -240,6 +257,8 @@ class WebSocketSession:
         self.job_task: asyncio.Task[None] | None = None
         self.pause_timer: asyncio.Task[None] | None = None
         self.resumption: asyncio.Future[Resumed | Aborted] | None = None
+        self.frame = Arrival(0.0, 0, "ws")  # the frame being handled
+        self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -247,7 +266,9 @@ class WebSocketSession:
         try:
             async for msg in self.ws:
                 if msg.type is WSMsgType.TEXT:
-                    self.conn.receive_text(msg.data)
+                    now = self.engine.clock.now()
+                    self.frame = Arrival(now, len(msg.data), "ws", routed=True)
+                    self.conn.receive_text(msg.data, at=now)
                     await self._flush()
                 elif msg.type is WSMsgType.BINARY:
                     # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
@@ -287,7 +308,7 @@ class WebSocketSession:
                 case ArmPauseTimer(job=job):
                     self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout(job))
                 case ResumeJob(items=items):
-                    self._decide(Resumed(items))
+                    self._decide(Resumed(items, self.frame))
                 case AbortPause(reason=reason):
                     self._decide(Aborted(reason))
 
@@ -326,10 +347,13 @@ class WebSocketSession:
                 await ws.send_frame(encode(ev), WSMsgType.TEXT)
 
         try:
+            arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
+            self.routed = True
             outcome = await self.engine.run(
                 job.request,
                 job.cached,
                 emit,
+                arrival=arrival,
                 response_id=job.response_id,
                 counter=job.counter,
                 pauses=self if self.conn.append_mode else None,

@@ -121,6 +121,8 @@ class CS(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class CreateReceived:
     request: CreateRequest
+    at: float = 0.0  # when the frame arrived (adapter's clock)
+    body_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +209,8 @@ class Job:
     cached: CacheEntry | None  # the cache entry the job may continue from (matched by id at start)
     response_id: str = ""
     counter: SequenceCounter = field(default_factory=SequenceCounter)  # the response's sequence numbers
+    arrived_at: float = 0.0  # when its response.create frame arrived
+    body_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +323,7 @@ class Connection:
         self.append_mode = append_mode
         self.ids = ids or IdFactory()
         self.cache: CacheEntry | None = None
-        self.queue: collections.deque[CreateRequest] = collections.deque()
+        self.queue: collections.deque[CreateReceived] = collections.deque()
         self.in_flight: Job | None = None
         self.pause: _Pause | None = None
         self.ended_ids: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
@@ -330,9 +334,12 @@ class Connection:
 
     # -- adapter API ---------------------------------------------------------------------------------
 
-    def receive_text(self, data: str | bytes) -> None:
+    def receive_text(self, data: str | bytes, *, at: float = 0.0) -> None:
         """One text frame from the client."""
-        self.handle(self._classify(data))
+        event = self._classify(data)
+        if isinstance(event, CreateReceived):
+            event = CreateReceived(event.request, at, len(data))
+        self.handle(event)
 
     def response_ended(self, job: Job, entry: CacheEntry | None, error: ProtocolError | None = None) -> None:
         self.handle(ResponseEnded(job, entry, error))
@@ -416,12 +423,13 @@ class Connection:
                 )
             )
             return
-        self.queue.append(event.request)
+        self.queue.append(event)
 
     def _start_next(self, event: Dequeue) -> None:
         if not self.queue:
             raise ConnectionStateError("nothing is queued")
-        request = self.queue.popleft()
+        queued = self.queue.popleft()
+        request = queued.request
         self._jobs += 1
         prev = request.previous_response_id
         cached = self.cache if prev is not None and self.cache is not None and self.cache.response_id == prev else None
@@ -430,7 +438,9 @@ class Connection:
                 self.cache_misses += 1
             else:
                 self.cache_hits += 1
-        self.in_flight = Job(self._jobs, request, cached, self.ids.new("resp"))
+        self.in_flight = Job(
+            self._jobs, request, cached, self.ids.new("resp"), arrived_at=queued.at, body_bytes=queued.body_bytes
+        )
         self._out.append(StartJob(self.in_flight))
 
     def _finish_job(self, event: ResponseEnded) -> None:

@@ -1,25 +1,41 @@
 """The API service's work for one response, shared by HTTP, SSE and WebSocket.
 
-Order of a turn: resolve state (connection cache → store) → build the effective
-context → render new items to tokens → sample from the model while streaming
-events → post-inference (store write) → terminal event.
+Stages of a turn (`pipeline.Stage`), each timed on the injected clock:
+
+    network → parse_validate → load_state → render → safety → routing →
+    inference_hop → queue → prefill → decode → post_inference → terminal event
+
+What a stage touches depends on the path (pipeline.py has the costs):
+
+* HTTP, full history: every item is new, so rendering and classification cover
+  the whole history every turn; auth, routing and billing every turn.
+* HTTP + `previous_response_id`: the history comes from the store (one store
+  round trip), then is re-rendered and re-classified in full.
+* WebSocket + connection cache: the previous turn's items, rendered tokens and
+  classifier state come from the cache, so only new items are rendered and only
+  tokens not yet classified are classified; auth and routing happen once per
+  connection; billing is overlapped with the next request. Each of these is an
+  `Optimization` switch.
+* Append: the pre-inference stages run once over the full context, then on each
+  resume only over the appended items, with no routing, hop or queue re-entry;
+  post-inference once at the end.
 
 The store write happens *before* the terminal event, so a continuation sent the
 moment `response.completed` arrives finds it (read-after-write; LiteLLM #28587
 lost continuations for ~10 s because its write was asynchronous).
-
-This layer awaits the model and the store but reads no clock itself except
-through the injected `Clock`; protocol state lives in `connection.py` and
-`stream.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Final, Protocol
+from dataclasses import dataclass, field
+from typing import Final, Literal, Protocol
 
+from msgspec import structs
+
+from . import metrics
 from .clock import Clock
 from .conversation import (
     Context,
@@ -34,12 +50,16 @@ from .conversation import (
 )
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
-from .model import ModelRequest, SamplingFinished, TokenArray, TokenModel
+from .metrics import Histogram
+from .model import ModelRequest, Prefilled, SamplingFinished, TokenArray, TokenModel
+from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
+from .safety import ClassifierState, SafetyClassifier
 from .schemas import (
     OutputItem,
     RequiredInput,
     Response,
     ServerEvent,
+    StageReport,
     StoredResponse,
     decode_stored,
     encode,
@@ -51,6 +71,7 @@ from .tokenizer import Tokenizer
 
 __all__ = [
     "Aborted",
+    "Arrival",
     "CacheEntry",
     "Emit",
     "Engine",
@@ -69,15 +90,28 @@ STORE_UNAVAILABLE: Final = ProtocolError(
 
 
 @dataclass(frozen=True, slots=True)
+class Arrival:
+    """How a request reached the engine: when, how big, and over what."""
+
+    at: float  # clock time the request (or append frame) arrived
+    body_bytes: int = 0
+    transport: Literal["http", "ws"] = "http"
+    routed: bool = False  # auth and routing already done on this connection
+
+
+@dataclass(frozen=True, slots=True)
 class CacheEntry:
     """A connection cache entry (wire-protocol 6.2): the previous response, its
-    effective input and output items, tools, and their rendered tokens."""
+    effective input and output items, tools, their rendered tokens, and how far
+    the safety classifier has read them."""
 
     response: Response
     context: Context  # input + output items of `response`, rendered
     n_items: int  # length of `context` that belongs to this entry (Context is append-only)
     preamble: Preamble
     store: bool
+    safety: ClassifierState | None = None  # classifier state over preamble + chunks[:safety_chunks]
+    safety_chunks: int = 0
 
     @property
     def response_id(self) -> str:
@@ -96,15 +130,9 @@ class Outcome:
 
 
 @dataclass(frozen=True, slots=True)
-class _Resolved:
-    context: Context
-    preamble: Preamble
-    cached_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
 class Resumed:
     items: tuple[Item, ...]  # appended tool outputs and messages, committed in this order
+    arrival: Arrival | None = None  # the append frame that completed them
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +152,13 @@ class EngineStatistics:
 
     responses: int  # response objects created = queue entries
     model_calls: int  # sampled model turns
-    items_rendered: int  # pre-inference: items validated, rendered and tokenized
+    items_rendered: int  # pre-inference: items rendered and tokenized
     tokens_rendered: int
+    tokens_classified: int
     pauses: int  # append-mode pauses
     kv_idle_token_s: float  # Σ resident KV tokens × seconds paused
     store_writes: int  # post-inference store writes
+    stage_s: dict[str, float]  # Σ seconds per stage
 
 
 @dataclass(slots=True)
@@ -137,21 +167,71 @@ class _Counts:
     model_calls: int = 0
     items_rendered: int = 0
     tokens_rendered: int = 0
+    tokens_classified: int = 0
     pauses: int = 0
     kv_idle_token_s: float = 0.0
     store_writes: int = 0
+    stage_s: dict[str, float] = field(default_factory=dict)
+
+
+class _Stages:
+    """Times one response's stages on the clock into a `StageReport`."""
+
+    def __init__(self, clock: Clock, counts: _Counts, arrival_at: float) -> None:
+        self.clock = clock
+        self.counts = counts
+        self.report = StageReport()
+        self.segment_start = arrival_at
+        self.mark = arrival_at  # end of the last timed stage
+
+    def add(self, stage: Stage, seconds: float) -> None:
+        stages = self.report.stages_s
+        stages[stage] = stages.get(stage, 0.0) + seconds
+        self.counts.stage_s[stage] = self.counts.stage_s.get(stage, 0.0) + seconds
+
+    def lap(self, stage: Stage) -> None:
+        """Charge the time since the last mark to `stage` (real work just done)."""
+        now = self.clock.now()
+        self.add(stage, now - self.mark)
+        self.mark = now
+
+    async def wait(self, stage: Stage, seconds: float) -> None:
+        """A modeled wait: the named stage awaits the clock, then is charged as measured."""
+        if seconds > 0:
+            await self.clock.sleep_until(self.clock.now() + seconds)
+        self.lap(stage)
+
+    def end_segment(self) -> StageReport:
+        now = self.clock.now()
+        self.report.server_s += now - self.segment_start
+        return self.report
+
+    def new_segment(self, arrival_at: float) -> None:
+        self.segment_start = arrival_at
+        self.mark = arrival_at
+
+
+@dataclass(slots=True)
+class _Resolved:
+    context: Context
+    preamble: Preamble
+    safety: ClassifierState
+    safety_chunks: int  # chunks of `context` the classifier state covers
 
 
 class _Turn:
     """The model-visible prompt of a response as it grows segment by segment (append mode),
-    with how much of it the model already holds."""
+    with how much of it the model holds for this response (its KV kept across pauses)."""
 
-    def __init__(self, engine: Engine, request: CreateRequest, resolved: _Resolved, conversation_id: str) -> None:
+    def __init__(
+        self, engine: Engine, request: CreateRequest, resolved: _Resolved, conversation_id: str, *, hold_kv: bool
+    ) -> None:
         self.engine = engine
         self.request = request
         self.resolved = resolved
         self.conversation_id = conversation_id
-        self.cached_tokens = resolved.cached_tokens
+        self.hold_kv = hold_kv
+        self.held_tokens = 0  # first segment: whatever the model's prefix cache still has
         self.header = generation_header(engine.tokenizer)
         self.prompt_tokens = self._count()
         self.outputs_in_context = 0
@@ -163,16 +243,16 @@ class _Turn:
     def resident_tokens(self) -> int:
         return self._count() - len(self.header)
 
-    def add_outputs(self, output: Sequence[OutputItem]) -> None:
+    def add_outputs(self, output: Sequence[OutputItem], report: StageReport) -> None:
         """Interleave the response's output items not yet in the context (a pause's segment)."""
         items = [item_from_output(o) for o in output[self.outputs_in_context :]]
         self.outputs_in_context = len(output)
-        self.resolved.context.extend(items, self.engine._render(items))
+        self.resolved.context.extend(items, self.engine._render(items, report))
 
-    def add_input(self, items: Sequence[Item]) -> None:
-        # Everything before the appended items is resident KV: only they need prefill.
-        self.cached_tokens = self.resident_tokens
-        self.resolved.context.extend(items, self.engine._render(items))
+    def add_input(self, items: Sequence[Item], report: StageReport) -> None:
+        # Everything before the appended items is held KV: only they need prefill.
+        self.held_tokens = self.resident_tokens
+        self.resolved.context.extend(items, self.engine._render(items, report))
         self.prompt_tokens = self._count()
 
     def model_request(self) -> ModelRequest:
@@ -180,7 +260,7 @@ class _Turn:
         return ModelRequest(
             prompt=(self.resolved.preamble.tokens, *context.chunks, self.header),
             prompt_tokens=self.prompt_tokens,
-            cached_tokens=self.cached_tokens,
+            resident_tokens=self.held_tokens,
             turn_index=context.turn_index,
             conversation_key=context.conversation_key,
             tools=request.tools,
@@ -189,6 +269,7 @@ class _Turn:
             max_output_tokens=request.params.max_output_tokens,
             model=request.model,
             conversation_id=self.conversation_id,
+            hold_kv=self.hold_kv,
         )
 
 
@@ -201,13 +282,22 @@ class Engine:
         clock: Clock,
         tokenizer: Tokenizer,
         ids: IdFactory,
+        profile: CostProfile | None = None,
+        optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS,
+        classifier: SafetyClassifier | None = None,
     ) -> None:
         self.model = model
         self.store = store
         self.clock = clock
         self.tokenizer = tokenizer
         self.ids = ids
+        self.profile = profile or PROFILES["local"]
+        self.optimizations = optimizations
+        self.classifier = classifier or SafetyClassifier()
         self._counts = _Counts()
+        self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
+
+    # -- the Response object -----------------------------------------------------------------------
 
     def new_response(self, request: CreateRequest, response_id: str | None = None) -> Response:
         """The in-progress snapshot: echoes the request's settings (instructions are not inherited)."""
@@ -240,32 +330,79 @@ class Engine:
             **kwargs,  # type: ignore[arg-type]
         )
 
-    async def resolve(self, request: CreateRequest, cached: CacheEntry | None) -> _Resolved:
-        """Load the previous turn's state and append the new input, rendered.
+    # -- pre-inference -----------------------------------------------------------------------------
+
+    def _uses(self, arrival: Arrival, optimization: Optimization) -> bool:
+        return arrival.transport == "ws" and optimization in self.optimizations
+
+    async def resolve(
+        self, request: CreateRequest, cached: CacheEntry | None, arrival: Arrival, stages: _Stages
+    ) -> _Resolved:
+        """Load the previous turn's state, render what is not rendered yet, classify what
+        is not classified yet.
 
         Lookup order (wire-protocol 6.2): connection cache, then the store (only
         `store:true` responses are there), else `previous_response_not_found`.
         """
+        report = stages.report
         prev = request.previous_response_id
-        if prev is not None and cached is not None and cached.response_id == prev:
+        hit = prev is not None and cached is not None and cached.response_id == prev
+        report.connection_cache = "none" if prev is None else ("hit" if hit else "miss")
+        safety: ClassifierState | None = None
+        safety_chunks = 0
+        if hit and self._uses(arrival, Optimization.STATE_CACHE):
+            assert cached is not None
             context = cached.context.prefix(cached.n_items)
-            if cached.preamble.key == request.preamble_key:
-                preamble = cached.preamble
-                reused = len(preamble.tokens) + context.n_tokens
-            else:
-                # New instructions or tools: the rendered items are still reused, but the prompt's
-                # prefix changed, so no token of it counts as cached.
-                preamble = render_preamble(request, self.tokenizer)
-                reused = 0
+            stages.lap(Stage.LOAD_STATE)
+            if not self._uses(arrival, Optimization.TOKEN_CACHE):
+                items = context.items
+                context = Context()
+                context.extend(items, self._render(items, report))
+            same_preamble = cached.preamble.key == request.preamble_key
+            preamble = cached.preamble if same_preamble else render_preamble(request, self.tokenizer)
+            if same_preamble and cached.safety is not None and self._uses(arrival, Optimization.INCREMENTAL_SAFETY):
+                safety, safety_chunks = cached.safety, min(cached.safety_chunks, len(context.chunks))
         else:
             context = Context()
             if prev is not None:
                 items = await self._load(prev)
-                context.extend(items, self._render(items))
+                await stages.wait(Stage.LOAD_STATE, self.profile.state_load_s)
+                context.extend(items, self._render(items, report))
+            else:
+                stages.lap(Stage.LOAD_STATE)
             preamble = render_preamble(request, self.tokenizer)
-            reused = 0
-        context.extend(request.items, self._render(request.items))
-        return _Resolved(context, preamble, reused)
+        context.extend(request.items, self._render(request.items, report))
+        stages.lap(Stage.RENDER)
+        await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * report.tokens_rendered)
+        if safety is None:
+            safety = self.classifier.update(self.classifier.begin(), preamble.tokens)
+            report.tokens_classified += len(preamble.tokens)
+        resolved = _Resolved(context, preamble, safety, safety_chunks)
+        await self._classify(resolved, stages)
+        return resolved
+
+    async def _classify(self, resolved: _Resolved, stages: _Stages) -> None:
+        """Run the classifier over the context chunks it has not read yet."""
+        chunks = resolved.context.chunks
+        before = stages.report.tokens_classified
+        state = resolved.safety
+        for chunk in chunks[resolved.safety_chunks :]:
+            state = self.classifier.update(state, chunk)
+            stages.report.tokens_classified += len(chunk)
+        resolved.safety, resolved.safety_chunks = state, len(chunks)
+        n = stages.report.tokens_classified - before
+        self._counts.tokens_classified += n
+        stages.lap(Stage.SAFETY)
+        await stages.wait(Stage.SAFETY, self.profile.safety_call_s + self.profile.safety_s_per_token * n)
+
+    def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
+        chunks = render_items(items, self.tokenizer)
+        n = sum(len(c) for c in chunks)
+        self._counts.items_rendered += len(items)
+        self._counts.tokens_rendered += n
+        if report is not None:
+            report.tokens_rendered += n
+        return chunks
 
     async def _load(self, response_id: str) -> list[Item]:
         try:
@@ -284,12 +421,15 @@ class Engine:
         items.extend(item_from_output(o) for o in record.response.output[record.output_in_context :])
         return items
 
+    # -- one response ------------------------------------------------------------------------------
+
     async def run(
         self,
         request: CreateRequest,
         cached: CacheEntry | None,
         emit: Emit,
         *,
+        arrival: Arrival | None = None,
         response_id: str | None = None,
         counter: SequenceCounter | None = None,
         pauses: PauseChannel | None = None,
@@ -301,50 +441,111 @@ class Engine:
         With `pauses` (append mode) a turn that ends in function calls pauses the
         response instead of finishing it: `response.done`, then the channel says
         whether to resume with appended items or to end `incomplete`."""
+        arrival = arrival or Arrival(self.clock.now())
+        stages = _Stages(self.clock, self._counts, arrival.at)
         template = self.new_response(request, response_id)
         self._counts.responses += 1
         try:
-            resolved = await self.resolve(request, cached)
+            await stages.wait(Stage.NETWORK, self.profile.upload_s(arrival.body_bytes))
+            stages.lap(Stage.PARSE)
+            resolved = await self.resolve(request, cached, arrival, stages)
         except ProtocolError as err:
             return Outcome(template, None, err)
         stream = ResponseStream(template, self.ids, counter)
-        turn = _Turn(self, request, resolved, template.id)
+        turn = _Turn(self, request, resolved, template.id, hold_kv=pauses is not None)
         if not request.generate:
-            # Warm-up (wire-protocol 3.3): pre-inference work only, `output: []`, zero usage.
-            await emit(stream.receive(Start(input_tokens=0, cached_tokens=0, warm_up=True)))
-            return await self._finish(request, stream, resolved, stream.receive(SamplingFinished("stop")), emit)
-        await emit(stream.receive(Start(input_tokens=turn.prompt_tokens, cached_tokens=turn.cached_tokens)))
+            # Warm-up (wire-protocol 3.3): pre-inference work and a prefill of the prompt (so the
+            # model's prefix cache holds it), no decode: `output: []`, zero usage.
+            await emit(stream.receive(Start(input_tokens=0, warm_up=True)))
+            async for _ in self.model.sample(dataclasses.replace(turn.model_request(), max_output_tokens=0)):
+                pass
+            stages.lap(Stage.PREFILL)
+            events = stream.receive(SamplingFinished("stop"))
+            return await self._finish(request, stream, resolved, stages, events, emit, arrival)
+        if not (arrival.routed and self._uses(arrival, Optimization.REUSE_ROUTING)):
+            await stages.wait(Stage.ROUTING, self.profile.auth_s + self.profile.routing_s)
+        await emit(stream.receive(Start(input_tokens=turn.prompt_tokens)))
+        if self.classifier.verdict(resolved.safety).flagged:
+            events = stream.end_incomplete("content_filter")  # refused before inference
+            return await self._finish(request, stream, resolved, stages, events, emit, arrival)
         try:
+            return await self._segments(request, resolved, stream, turn, stages, emit, pauses, arrival)
+        finally:
+            if pauses is not None:
+                self.model.release(template.id)  # the held KV becomes ordinary, evictable prefix cache
+
+    async def _segments(
+        self,
+        request: CreateRequest,
+        resolved: _Resolved,
+        stream: ResponseStream,
+        turn: _Turn,
+        stages: _Stages,
+        emit: Emit,
+        pauses: PauseChannel | None,
+        arrival: Arrival,
+    ) -> Outcome:
+        try:
+            await stages.wait(Stage.INFERENCE_HOP, self.profile.inference_hop_s)
             while True:
-                done = await self._sample(turn.model_request(), stream, emit)
+                done = await self._sample(turn.model_request(), stream, stages, emit)
                 required = stream.pending_calls()
                 if pauses is None or not required or done.reason != "stop":
                     events = stream.receive(done)
-                    return await self._finish(request, stream, resolved, events, emit, turn.outputs_in_context)
+                    return await self._finish(
+                        request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
+                    )
+                turn.add_outputs(stream.output, stages.report)
+                stages.lap(Stage.RENDER)
+                stream.response = structs.replace(stream.response, longrun=stages.end_segment())
                 await emit(stream.receive(Pause()))
-                turn.add_outputs(stream.output)
                 self._counts.pauses += 1
                 paused_at = self.clock.now()
                 decision = await pauses.wait_resume(tuple(required))
                 # The response's KV stays resident while the client runs its tools.
                 self._counts.kv_idle_token_s += turn.resident_tokens * (self.clock.now() - paused_at)
                 if isinstance(decision, Aborted):
+                    stages.new_segment(self.clock.now())
                     events = stream.end_incomplete(decision.reason)
-                    return await self._finish(request, stream, resolved, events, emit, turn.outputs_in_context)
-                turn.add_input(decision.items)
-                await emit(stream.receive(Resume(input_tokens=turn.prompt_tokens, cached_tokens=turn.cached_tokens)))
+                    return await self._finish(
+                        request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
+                    )
+                resumed = decision.arrival or Arrival(self.clock.now(), transport="ws")
+                stages.new_segment(resumed.at)
+                await stages.wait(Stage.NETWORK, self.profile.upload_s(resumed.body_bytes))
+                stages.lap(Stage.PARSE)
+                before = stages.report.tokens_rendered
+                turn.add_input(decision.items, stages.report)
+                stages.lap(Stage.RENDER)
+                rendered = stages.report.tokens_rendered - before
+                await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * rendered)
+                await self._classify(resolved, stages)
+                await emit(stream.receive(Resume(input_tokens=turn.prompt_tokens)))
+                if self.classifier.verdict(resolved.safety).flagged:
+                    events = stream.end_incomplete("content_filter")
+                    return await self._finish(
+                        request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
+                    )
         except ConnectionResetError:
             raise  # the peer is gone: nothing to tell it
         except Exception:
             # The model, the stream core or the store failed after the first event: end the
             # stream with `response.failed`, details only in the log.
-            log.exception("response %s failed", template.id)
-            return await self._failed(stream, emit)
+            log.exception("response %s failed", stream.response.id)
+            await emit(stream.abort("server_error", INTERNAL_ERROR.message))
+            return Outcome(stream.response, None)
 
-    async def _sample(self, request: ModelRequest, stream: ResponseStream, emit: Emit) -> SamplingFinished:
+    async def _sample(
+        self, request: ModelRequest, stream: ResponseStream, stages: _Stages, emit: Emit
+    ) -> SamplingFinished:
         self._counts.model_calls += 1
         async for event in self.model.sample(request):
-            if isinstance(event, SamplingFinished):
+            if isinstance(event, Prefilled):
+                stages.add(Stage.QUEUE, event.queued_s)
+                stages.lap(Stage.PREFILL)
+                stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
+            elif isinstance(event, SamplingFinished):
+                stages.lap(Stage.DECODE)
                 return event
             await emit(stream.receive(event))
         raise StreamError("model ended without SamplingFinished")
@@ -354,38 +555,72 @@ class Engine:
         request: CreateRequest,
         stream: ResponseStream,
         resolved: _Resolved,
+        stages: _Stages,
         events: list[ServerEvent],
         emit: Emit,
+        arrival: Arrival,
         in_context: int = 0,  # append mode: output items already interleaved in the context
     ) -> Outcome:
-        # Post-inference, once per response: persist the final Response, then send the terminal event.
-        response = stream.response
+        # Post-inference, once per response: billing, persist the final Response, then the terminal event.
+        billing = self.profile.billing_s
+        if self._uses(arrival, Optimization.ASYNC_BILLING):
+            stages.report.overlapped_s += billing  # overlapped with the client's next request
+        else:
+            await stages.wait(Stage.POST, billing)
         context = resolved.context
         if request.store:
-            record = StoredResponse(response=response, context=context.raw_items(), output_in_context=in_context)
+            record = StoredResponse(response=stream.response, context=context.raw_items(), output_in_context=in_context)
             self._counts.store_writes += 1
-            await self.store.put(response.id, encode(record))
-        outputs = [item_from_output(o) for o in response.output[in_context:]]
+            await self.store.put(stream.response.id, encode(record))
+        stages.lap(Stage.POST)
+        outputs = [item_from_output(o) for o in stream.response.output[in_context:]]
         context.extend(outputs, self._render(outputs))
-        entry = CacheEntry(response, context, len(context.items), resolved.preamble, request.store)
+        # The terminal event carries the timings (the stored copy does not: it was written before them).
+        report = stages.end_segment()
+        for stage, seconds in report.stages_s.items():
+            self.histograms[stage].observe(seconds)
+        response = stream.response = structs.replace(stream.response, longrun=report)
+        events[-1] = structs.replace(events[-1], response=response)
+        entry = CacheEntry(
+            response,
+            context,
+            len(context.items),
+            resolved.preamble,
+            request.store,
+            resolved.safety,
+            resolved.safety_chunks,
+        )
         await emit(events)
         return Outcome(response, entry)
 
-    def _render(self, items: Sequence[Item]) -> list[TokenArray]:
-        self._counts.items_rendered += len(items)
-        chunks = render_items(items, self.tokenizer)
-        self._counts.tokens_rendered += sum(len(c) for c in chunks)
-        return chunks
+    # -- stored responses --------------------------------------------------------------------------
+
+    def prometheus(self) -> str:
+        s = self.statistics()
+        counters = {
+            "responses_total": s.responses,
+            "model_calls_total": s.model_calls,
+            "tokens_rendered_total": s.tokens_rendered,
+            "tokens_classified_total": s.tokens_classified,
+            "pauses_total": s.pauses,
+            "kv_idle_token_seconds_total": s.kv_idle_token_s,
+            "store_writes_total": s.store_writes,
+        }
+        return metrics.render(self.histograms, counters)
 
     def statistics(self) -> EngineStatistics:
         c = self._counts
         return EngineStatistics(
-            c.responses, c.model_calls, c.items_rendered, c.tokens_rendered, c.pauses, c.kv_idle_token_s, c.store_writes
+            c.responses,
+            c.model_calls,
+            c.items_rendered,
+            c.tokens_rendered,
+            c.tokens_classified,
+            c.pauses,
+            c.kv_idle_token_s,
+            c.store_writes,
+            dict(c.stage_s),
         )
-
-    async def _failed(self, stream: ResponseStream, emit: Emit) -> Outcome:
-        await emit(stream.abort("server_error", INTERNAL_ERROR.message))
-        return Outcome(stream.response, None)
 
     async def get_stored(self, response_id: str) -> Response:
         try:

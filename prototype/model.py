@@ -8,7 +8,8 @@ the simulator in `sim/` implements this protocol, and the composition root
 
 Invariants a `TokenModel` must keep (the stream core relies on them):
 
-* Events come as ``ItemStarted (TokensSampled)* ItemFinished`` groups, zero or
+* Events come as one ``Prefilled`` (how the prompt was served before the first
+  token), then ``ItemStarted (TokensSampled)* ItemFinished`` groups, zero or
   more groups, then exactly one ``SamplingFinished``.
 * The ``text`` of the `TokensSampled` events of one item concatenate to the
   item's full text (message text, or function-call arguments JSON). A token
@@ -34,6 +35,7 @@ __all__ = [
     "ItemStarted",
     "ModelEvent",
     "ModelRequest",
+    "Prefilled",
     "SamplingFinished",
     "TokenModel",
     "TokensSampled",
@@ -58,7 +60,7 @@ class ModelRequest:
 
     prompt: tuple[TokenArray, ...]  # rendered context in chunks; concatenated = model-visible prompt
     prompt_tokens: int  # sum of chunk lengths
-    cached_tokens: int  # leading prompt tokens whose KV the service says is already resident
+    resident_tokens: int  # leading prompt tokens whose KV this conversation holds (append mode: kept across a pause)
     turn_index: int  # model turns already in the context (assistant messages + function calls)
     conversation_key: int  # stable per conversation (hash of its first user message): seeds the policy
     tools: tuple[FunctionTool, ...] = ()
@@ -67,7 +69,17 @@ class ModelRequest:
     max_output_tokens: int | None = None
     model: str = ""
     conversation_id: str = ""  # opaque KV-ownership handle (e.g. the response chain); not model-visible
+    hold_kv: bool = False  # keep this conversation's KV pinned after the turn, until `release`
     extra: dict[str, str] = field(default_factory=dict)  # reserved for simulator knobs; not model-visible
+
+
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """First event of a turn: how the prompt was served before the first token."""
+
+    cached_tokens: int  # prompt tokens whose KV was reused (prefix cache or held KV), never the whole prompt
+    queued_s: float = 0.0  # waited for a decode slot
+    prefill_s: float = 0.0  # fixed model latency + uncached tokens / prefill rate
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +104,14 @@ class SamplingFinished:
     reason: Literal["stop", "max_output_tokens"] = "stop"
 
 
-ModelEvent = ItemStarted | TokensSampled | ItemFinished | SamplingFinished
+ModelEvent = Prefilled | ItemStarted | TokensSampled | ItemFinished | SamplingFinished
 
 
 class TokenModel(Protocol):
     """A token-generating model. `sample` is an async generator of `ModelEvent`."""
 
     def sample(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...
+
+    def release(self, conversation_id: str) -> None:
+        """Unpin KV held with `hold_kv` (it stays cached, evictable). Unknown ids are ignored."""
+        ...

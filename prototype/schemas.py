@@ -66,6 +66,7 @@ __all__ = [
     "ResponseInjectCreated",
     "ResponseInjectFailed",
     "ServerEvent",
+    "StageReport",
     "StoredResponse",
     "ToolView",
     "Usage",
@@ -267,6 +268,24 @@ class Response(msgspec.Struct, kw_only=True):
     user: str | None = None
     metadata: dict[str, str] = {}
     completed_at: int | None = None
+    longrun: StageReport | UnsetType = UNSET  # stage timings, on terminal and pause events only
+
+
+class StageReport(msgspec.Struct, kw_only=True):
+    """Where one response's server time went: sent as `longrun` on the Response object of
+    terminal and pause events (an extension field; SDKs keep unknown fields as extras).
+
+    `stages_s` holds seconds per stage on the critical path (prototype.pipeline.Stage);
+    `server_s` is the measured time from the request's arrival to its terminal (or
+    pause) event, summed over segments in append mode; the `tokens_*` fields count
+    the work the pre-inference stages did."""
+
+    stages_s: dict[str, float] = {}
+    server_s: float = 0.0
+    tokens_rendered: int = 0
+    tokens_classified: int = 0
+    overlapped_s: float = 0.0  # post-inference work taken off the critical path (async billing)
+    connection_cache: str = "none"  # hit | miss | none (no previous_response_id)
 
 
 class DeletedResponse(msgspec.Struct):

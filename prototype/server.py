@@ -22,6 +22,7 @@ from sim.policy import DefaultPolicy, Policy, load_script
 from sim.realtime import AsyncioClock
 
 from .app import ServerConfig, make_app
+from .pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from .store import open_store
 
 __all__ = ["build_parser", "main"]
@@ -77,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--refuse-websocket", action="store_true", help="answer WebSocket upgrades with 426 (clients fall back to HTTP)"
     )
+    p.add_argument(
+        "--profile",
+        default="local",
+        help="cost profile of the API stages: local (real CPU work only), hosted (calibrated waits), or a JSON file",
+    )
+    p.add_argument(
+        "--disable",
+        action="append",
+        default=[],
+        choices=[o.value for o in Optimization],
+        metavar="OPTIMIZATION",
+        help="switch off one connection-cache optimization (repeatable): " + ", ".join(o.value for o in Optimization),
+    )
     p.add_argument("--sse-done", action="store_true", help="end SSE streams with 'data: [DONE]'")
     p.add_argument("--log-level", default="WARNING", help="logging level")
     return p
@@ -100,6 +114,8 @@ async def serve(args: argparse.Namespace) -> None:
         refuse_websocket=args.refuse_websocket,
         sse_done=args.sse_done,
         append_timeout_s=args.append_timeout,
+        profile=load_profile(args.profile),
+        optimizations=ALL_OPTIMIZATIONS - {Optimization(o) for o in args.disable},
     )
     app = make_app(model=model, store=open_store(args.store), clock=clock, config=config, seed=args.seed)
     runner = web.AppRunner(app, handle_signals=False)

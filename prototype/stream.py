@@ -37,7 +37,7 @@ from typing import Final
 from msgspec import structs
 
 from .ids import IdFactory
-from .model import ItemFinished, ItemStarted, ModelEvent, SamplingFinished, TokensSampled
+from .model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
 from .schemas import (
     ContentPartAdded,
     ContentPartDone,
@@ -86,7 +86,6 @@ TERMINAL: Final = frozenset({RS.COMPLETED, RS.INCOMPLETE, RS.FAILED})
 @dataclass(frozen=True, slots=True)
 class Start:
     input_tokens: int
-    cached_tokens: int
     warm_up: bool = False  # `generate:false`: response.created then straight to response.completed
 
 
@@ -97,8 +96,7 @@ class Pause:
 
 @dataclass(frozen=True, slots=True)
 class Resume:
-    input_tokens: int  # tokens added to the context by the append
-    cached_tokens: int
+    input_tokens: int  # the prompt of the next segment (usage totals every segment's prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +107,11 @@ class Fail:
 
 StreamInput = Start | Pause | Resume | Fail | ModelEvent
 
-INPUT_TYPES: Final = (Start, Pause, Resume, Fail, ItemStarted, TokensSampled, ItemFinished, SamplingFinished)
+INPUT_TYPES: Final = (Start, Pause, Resume, Fail, Prefilled, ItemStarted, TokensSampled, ItemFinished, SamplingFinished)
 
 _TRANSITIONS: Final[dict[tuple[RS, type], RS]] = {
     (RS.QUEUED, Start): RS.IN_PROGRESS,
+    (RS.IN_PROGRESS, Prefilled): RS.IN_PROGRESS,  # no wire event: counted in usage.cached_tokens
     (RS.IN_PROGRESS, ItemStarted): RS.IN_ITEM,
     (RS.IN_ITEM, TokensSampled): RS.IN_ITEM,
     (RS.IN_ITEM, ItemFinished): RS.IN_PROGRESS,
@@ -180,6 +179,9 @@ class ResponseStream:
                 return self._delta(event)
             case Start():
                 out = self._start(event)
+            case Prefilled():
+                self.cached_tokens += event.cached_tokens
+                out = []
             case ItemStarted():
                 out = self._item_started(event)
             case ItemFinished():
@@ -221,7 +223,6 @@ class ResponseStream:
 
     def _start(self, event: Start) -> list[ServerEvent]:
         self.input_tokens = event.input_tokens
-        self.cached_tokens = event.cached_tokens
         snap = self.response
         created = ResponseCreated(sequence_number=self._next(), response=snap)
         if event.warm_up:
@@ -351,7 +352,6 @@ class ResponseStream:
     def _resume(self, event: Resume) -> list[ServerEvent]:
         self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
-        self.cached_tokens += event.cached_tokens
         return [ResponseInProgress(sequence_number=self._next(), response=self.response)]
 
     def _fail(self, event: Fail) -> list[ServerEvent]:

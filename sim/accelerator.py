@@ -1,30 +1,61 @@
 """The simulated accelerator: a `prototype.model.TokenModel` that paces real tokens on a `Clock`.
 
-Theory of operation. One `sample` call is one model turn:
+Theory of operation. One `sample` call is one model turn, planned in full when
+it starts (so every time below is known up front and nothing here needs
+asyncio: concurrent turns interact only through bookkeeping made at their
+start):
 
 1. **Plan.** The `Policy` decides the turn's items from the request and an rng
    seeded by ``SeedSequence([seed, conversation_key, turn_index])``: the output
-   depends only on (seed, conversation, turn), never on the transport or on
-   what else the model is doing (the "same tokens in every mode" invariant).
+   depends only on (seed, conversation, turn), never on the transport, the
+   timing options or what else the model is doing (the "same tokens in every
+   mode" invariant).
 2. **Tokenize.** Each item's text is encoded with the real o200k_base
    vocabulary, so `usage` counts are real counts. ``max_output_tokens`` caps the
    turn's total (message text and function-call arguments alike): the item
    that crosses the cap is cut at the cap, later items are dropped, and the turn
    ends with ``SamplingFinished("max_output_tokens")``.
-3. **Prefill.** The first token is due at::
+3. **Cached prefix.** ::
 
-       t0 = start + model_latency_s + (prompt_tokens - cached_tokens) / prefill_tok_per_s
+       cached = max(prefix_cache.match(prompt), min(resident_tokens, prompt_tokens - 1))
 
-   i.e. a fixed model-side latency plus linear prefill of the uncached suffix
-   (workloads.md section 2: prefill ~20K tok/s uncached, cached tokens skip
-   prefill, model-side TTFT ~0.3 s at 1K input). Both default to "free" here;
-   the caller picks the operating point.
-4. **Decode.** Token i of the turn (0-based, across items) is due at the
-   absolute time ``t0 + i / decode_tok_per_s`` (65 tok/s for GPT-5-class,
-   1,000 tok/s for the fast tier, workloads.md section 2). At each wake-up the
-   model yields every token already due, back to back with no await between
-   them, then sleeps until the next one is due. Because deadlines are absolute,
-   a late wake-up makes the next batch larger instead of shifting every later
+   `sim.kv.PrefixCache` is vLLM-style automatic prefix caching: block-granular
+   hits, at least one token recomputed (workloads.md section 2, "prefix-cache
+   granularity"). ``resident_tokens`` is KV the conversation holds across an
+   append-mode pause; the hint is trusted as is (it is block-exact already),
+   clipped so the last token is still prefilled. With ``prefix_caching=False``
+   only the hint counts. After its prefill a turn inserts its prompt into the
+   cache, pinned for ``conversation_id`` when ``hold_kv`` (until `release`, or
+   until that conversation's next insert replaces the pin).
+4. **Queue.** With ``decode_slots=N`` at most N turns run at once. Each slot
+   keeps the time it is busy until; an arriving turn takes the slot that frees
+   first, in arrival order (FIFO), and waits ``queued_s = max(0, free_at -
+   start)``. It holds the slot through prefill and decode, until ``t0 +
+   n_tokens / rate``; a turn closed early frees its slot at the close time
+   (for turns arriving later: a queued turn's wait is fixed when it arrives).
+5. **Prefill.** The first token is due at::
+
+       t0 = start + queued_s + prefill_s,  prefill_s = model_latency_s + (prompt_tokens - cached) / prefill_tok_per_s
+
+   i.e. queueing, a fixed model-side latency, and linear prefill of the
+   uncached suffix (workloads.md section 2: prefill ~20K tok/s uncached, cached
+   tokens skip prefill, model-side TTFT ~0.3 s at 1K input). Latency and
+   prefill default to "free" here; the caller picks the operating point. The
+   turn's first event, ``Prefilled(cached, queued_s, prefill_s)``, comes at t0.
+6. **Decode.** The turn's rate is fixed at t0::
+
+       rate = decode_tok_per_s * exp(N(0, decode_jitter)) / (1 + concurrency_slowdown * (k - 1))
+
+   where ``k`` counts the turns decoding at t0, this one included (batching
+   slows every sequence; Continuum, arXiv 2511.02230, workloads.md section 8),
+   and the lognormal jitter comes from its own rng,
+   ``SeedSequence([seed, conversation_key, turn_index, 1])``, so jitter never
+   changes the tokens. Token i of the turn (0-based, across items) is due at
+   the absolute time ``t0 + i / rate`` (65 tok/s for GPT-5-class, 1,000 tok/s
+   for the fast tier, workloads.md section 2). At each wake-up the model
+   yields every token already due, back to back with no await between them,
+   then sleeps until the next one is due. Because deadlines are absolute, a
+   late wake-up makes the next batch larger instead of shifting every later
    token: the long-run rate is exact whatever the loop's lateness. Relative
    sleeps (``sleep(1 / rate)`` per token) would lose the lateness on every
    token. ``decode_tok_per_s = math.inf`` means unpaced: after the prefill wait
@@ -37,14 +68,15 @@ character, so an item's texts concatenate to exactly its text (the last token
 of an item flushes the decoder, so a cut inside a character yields U+FFFD
 rather than losing bytes).
 
-`statistics()` counts requests and prompt/prefilled tokens when sampling
-starts and output tokens as they are yielded (a cancelled turn counts what it
-produced).
+`statistics()` counts requests, prompt, cached and prefilled tokens and queue
+time when sampling starts, output tokens as they are yielded (a cancelled turn
+counts what it produced), and carries the prefix cache's own statistics.
 """
 
 from __future__ import annotations
 
 import codecs
+import itertools
 import math
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -58,23 +90,31 @@ from prototype.model import (
     ItemStarted,
     ModelEvent,
     ModelRequest,
+    Prefilled,
     SamplingFinished,
     TokensSampled,
 )
 from prototype.tokenizer import Tokenizer, get_tokenizer
+from sim.kv import PrefixCache, PrefixCacheStatistics
 from sim.policy import PlannedItem, Policy
 
-__all__ = ["ModelStatistics", "SimulatedModel", "turn_rng"]
+__all__ = ["ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
 
 _U64_MASK: Final = (1 << 64) - 1
+_JITTER_STREAM: Final = 1  # 4th SeedSequence word of the decode-jitter rng (the token rng has 3 words)
 
 
 @dataclass(frozen=True, slots=True)
 class ModelStatistics:
+    """Counters of a `SimulatedModel` (a snapshot; the module docstring says when each one counts)."""
+
     requests: int = 0  # `sample` calls started
     prompt_tokens: int = 0  # sum of request.prompt_tokens
     prefilled_tokens: int = 0  # sum of uncached prompt tokens (prompt_tokens - cached_tokens)
     output_tokens: int = 0  # tokens yielded
+    cached_tokens: int = 0  # sum of Prefilled.cached_tokens (prefix-cache hits or held KV)
+    queued_s_total: float = 0.0  # sum of Prefilled.queued_s (waits for a decode slot), seconds
+    kv: PrefixCacheStatistics = PrefixCacheStatistics()  # the prefix cache's counters (zeros when off)
 
 
 def _entropy(value: int) -> int:
@@ -84,9 +124,23 @@ def _entropy(value: int) -> int:
 
 
 def turn_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.Generator:
-    """The rng of one model turn; a function of (seed, conversation, turn) only."""
+    """The rng of one model turn's tokens; a function of (seed, conversation, turn) only."""
     entropy = [_entropy(seed), _entropy(conversation_key), _entropy(turn_index)]
     return np.random.default_rng(np.random.SeedSequence(entropy))
+
+
+def jitter_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.Generator:
+    """The rng of one turn's decode-rate jitter: independent of `turn_rng`, so timing never moves tokens."""
+    entropy = [_entropy(seed), _entropy(conversation_key), _entropy(turn_index), _JITTER_STREAM]
+    return np.random.default_rng(np.random.SeedSequence(entropy))
+
+
+@dataclass(slots=True)
+class _Decoding:
+    """One turn's planned decode interval ``[start, end)``; ``end`` moves earlier if it is closed early."""
+
+    start: float
+    end: float
 
 
 class SimulatedModel:
@@ -95,8 +149,15 @@ class SimulatedModel:
     Parameters (units in the names): ``decode_tok_per_s`` > 0 (``math.inf`` =
     unpaced), ``model_latency_s`` >= 0 (fixed part of TTFT), ``prefill_tok_per_s``
     > 0 (``math.inf`` = free prefill). ``tokenizer`` defaults to the shared
-    o200k_base instance. The model keeps no per-conversation state, so one
-    instance may serve any number of concurrent turns.
+    o200k_base instance. Realism options (module docstring, steps 3-6):
+    ``prefix_cache`` (default: a fresh `PrefixCache()`; pass one to size it or
+    to share it), ``prefix_caching=False`` to switch caching off (then only
+    ``resident_tokens`` counts; passing a cache too is an error),
+    ``decode_slots`` >= 1 or None (unlimited), ``concurrency_slowdown`` >= 0,
+    ``decode_jitter`` >= 0 (sigma of the lognormal rate factor). With the
+    defaults, timing is as before the options existed except that prefix-cache
+    hits shorten prefill. One instance serves any number of concurrent turns;
+    they share the cache, the slots and the slowdown.
     """
 
     def __init__(
@@ -109,6 +170,11 @@ class SimulatedModel:
         decode_tok_per_s: float = 1000.0,
         model_latency_s: float = 0.0,
         prefill_tok_per_s: float = math.inf,
+        prefix_cache: PrefixCache | None = None,
+        prefix_caching: bool = True,
+        decode_slots: int | None = None,
+        concurrency_slowdown: float = 0.0,
+        decode_jitter: float = 0.0,
     ) -> None:
         if not decode_tok_per_s > 0:
             raise ValueError(f"decode_tok_per_s must be > 0, got {decode_tok_per_s}")
@@ -116,6 +182,14 @@ class SimulatedModel:
             raise ValueError(f"prefill_tok_per_s must be > 0, got {prefill_tok_per_s}")
         if not (model_latency_s >= 0 and math.isfinite(model_latency_s)):
             raise ValueError(f"model_latency_s must be finite and >= 0, got {model_latency_s}")
+        if prefix_cache is not None and not prefix_caching:
+            raise ValueError("prefix_cache given with prefix_caching=False")
+        if decode_slots is not None and decode_slots < 1:
+            raise ValueError(f"decode_slots must be >= 1 or None, got {decode_slots}")
+        if not (concurrency_slowdown >= 0 and math.isfinite(concurrency_slowdown)):
+            raise ValueError(f"concurrency_slowdown must be finite and >= 0, got {concurrency_slowdown}")
+        if not (decode_jitter >= 0 and math.isfinite(decode_jitter)):
+            raise ValueError(f"decode_jitter must be finite and >= 0, got {decode_jitter}")
         self.clock = clock
         self.policy = policy
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
@@ -123,9 +197,21 @@ class SimulatedModel:
         self.decode_tok_per_s = decode_tok_per_s
         self.model_latency_s = model_latency_s
         self.prefill_tok_per_s = prefill_tok_per_s
+        self.prefix_cache: PrefixCache | None = (
+            (prefix_cache if prefix_cache is not None else PrefixCache()) if prefix_caching else None
+        )
+        self.decode_slots = decode_slots
+        self.concurrency_slowdown = concurrency_slowdown
+        self.decode_jitter = decode_jitter
+        self._slot_free_at: list[float] = [-math.inf] * (decode_slots or 0)  # per slot: busy until
+        self._slot_holder: list[int] = [-1] * (decode_slots or 0)  # per slot: the turn that reserved it last
+        self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
+        self._serials = itertools.count()
         self._requests = 0
         self._prompt_tokens = 0
         self._prefilled_tokens = 0
+        self._cached_tokens = 0
+        self._queued_s = 0.0
         self._output_tokens = 0
 
     def statistics(self) -> ModelStatistics:
@@ -134,68 +220,132 @@ class SimulatedModel:
             prompt_tokens=self._prompt_tokens,
             prefilled_tokens=self._prefilled_tokens,
             output_tokens=self._output_tokens,
+            cached_tokens=self._cached_tokens,
+            queued_s_total=self._queued_s,
+            kv=self.prefix_cache.statistics() if self.prefix_cache is not None else PrefixCacheStatistics(),
         )
 
-    def first_token_delay_s(self, request: ModelRequest) -> float:
-        """Seconds from the start of `sample` to the first token (step 3 of the module docstring)."""
-        uncached = request.prompt_tokens - request.cached_tokens
-        return self.model_latency_s + uncached / self.prefill_tok_per_s
+    def release(self, conversation_id: str) -> None:
+        """Unpin the KV a ``hold_kv`` turn pinned for `conversation_id`; it stays cached, evictable."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(conversation_id, self.clock.now())
+
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """Seconds from getting a slot to the first token: latency + uncached / prefill rate (step 5)."""
+        return self.model_latency_s + (prompt_tokens - cached_tokens) / self.prefill_tok_per_s
 
     async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
-        """Stream one turn: ``(ItemStarted TokensSampled* ItemFinished)* SamplingFinished``.
+        """Stream one turn: ``Prefilled (ItemStarted TokensSampled* ItemFinished)* SamplingFinished``.
 
-        Raises `ValueError` (before any event) if ``cached_tokens`` is outside
-        ``[0, prompt_tokens]`` or ``max_output_tokens`` is negative.
+        Raises `ValueError` (before any event, touching no state) if the prompt
+        chunks do not add up to ``prompt_tokens``, ``resident_tokens`` is
+        outside ``[0, prompt_tokens]`` or ``max_output_tokens`` is negative.
         """
-        if not 0 <= request.cached_tokens <= request.prompt_tokens:
+        prompt_len = sum(len(chunk) for chunk in request.prompt)
+        if prompt_len != request.prompt_tokens:
+            raise ValueError(f"prompt chunks hold {prompt_len} tokens, prompt_tokens={request.prompt_tokens}")
+        if not 0 <= request.resident_tokens <= request.prompt_tokens:
             raise ValueError(
-                f"cached_tokens={request.cached_tokens} outside [0, prompt_tokens={request.prompt_tokens}]"
+                f"resident_tokens={request.resident_tokens} outside [0, prompt_tokens={request.prompt_tokens}]"
             )
         budget = request.max_output_tokens
         if budget is not None and budget < 0:
             raise ValueError(f"max_output_tokens must be >= 0, got {budget}")
         start = self.clock.now()
+        serial = next(self._serials)
+
+        # Step 3: the cached prefix.
+        cache = self.prefix_cache
+        prepared = None
+        cached = max(0, min(request.resident_tokens, request.prompt_tokens - 1))  # held KV, last token recomputed
+        if cache is not None:
+            prepared = cache.prepare(request.prompt)  # hashed once for the match now and the insert after prefill
+            cached = max(cache.match(prepared), cached)
         self._requests += 1
         self._prompt_tokens += request.prompt_tokens
-        self._prefilled_tokens += request.prompt_tokens - request.cached_tokens
+        self._cached_tokens += cached
+        self._prefilled_tokens += request.prompt_tokens - cached
 
+        # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
         rng = turn_rng(self.seed, request.conversation_key, request.turn_index)
-        planned = self.policy.plan(request, rng)
-        encoded = [self.tokenizer.encode_list(item.text) for item in planned]
+        items, truncated = self._cut(self.policy.plan(request, rng), budget)
+        n_tokens = sum(len(ids) for _, ids in items)
 
-        # Apply max_output_tokens up front: the plan is fixed, so the cut is too.
+        # Steps 4-6: queue, prefill, decode rate; every time known now.
+        slot = -1
+        queued_s = 0.0
+        if self.decode_slots is not None:
+            slot = min(range(self.decode_slots), key=self._slot_free_at.__getitem__)  # earliest free, lowest index
+            queued_s = max(0.0, self._slot_free_at[slot] - start)
+        prefill_s = self.prefill_s(request.prompt_tokens, cached)
+        t0 = start + queued_s + prefill_s
+        rate = self._decode_rate(request, t0, start)
+        decoding = _Decoding(t0, t0 + n_tokens / rate if math.isfinite(rate) else t0)
+        self._decoding[serial] = decoding
+        if slot >= 0:
+            self._slot_free_at[slot] = decoding.end
+            self._slot_holder[slot] = serial
+        self._queued_s += queued_s
+
+        finished = False
+        try:
+            await self.clock.sleep_until(t0)
+            if cache is not None and prepared is not None:
+                owner = request.conversation_id if request.hold_kv else None
+                cache.insert(prepared, owner=owner, now=self.clock.now())
+            yield Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=prefill_s)
+            paced = math.isfinite(rate)
+            index = 0  # token index within the turn
+            for item, ids in items:
+                yield ItemStarted(item.kind, item.name)
+                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                last = len(ids) - 1
+                for position, token_id in enumerate(ids):
+                    if paced:
+                        due = t0 + index / rate
+                        if due > self.clock.now():
+                            await self.clock.sleep_until(due)
+                    text = decoder.decode(self.tokenizer.token_bytes(token_id), final=position == last)
+                    index += 1
+                    self._output_tokens += 1
+                    yield TokensSampled((token_id,), text)
+                yield ItemFinished()
+            finished = True
+            yield SamplingFinished("max_output_tokens" if truncated else "stop")
+        finally:
+            if not finished:  # closed early: the slot and the batch lose this turn now
+                now = self.clock.now()
+                decoding.end = min(decoding.end, now)
+                if slot >= 0 and self._slot_holder[slot] == serial:
+                    self._slot_free_at[slot] = min(self._slot_free_at[slot], now)
+
+    def _cut(self, planned: list[PlannedItem], budget: int | None) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
+        """Tokenize the plan and apply ``max_output_tokens``: (items with their ids, whether cut)."""
         items: list[tuple[PlannedItem, list[int]]] = []
-        truncated = False
         left = budget
-        for item, ids in zip(planned, encoded, strict=True):
+        for item in planned:
+            ids = self.tokenizer.encode_list(item.text)
             if left is not None:
                 if left == 0 and ids:
-                    truncated = True  # nothing of this item fits
-                    break
+                    return items, True  # nothing of this item fits
                 if len(ids) > left:
-                    ids = ids[:left]
-                    truncated = True
+                    items.append((item, ids[:left]))
+                    return items, True
                 left -= len(ids)
             items.append((item, ids))
-            if truncated:
-                break
+        return items, False
 
-        t0 = start + self.first_token_delay_s(request)
-        await self.clock.sleep_until(t0)
-        paced = math.isfinite(self.decode_tok_per_s)
-        index = 0  # token index within the turn
-        for item, ids in items:
-            yield ItemStarted(item.kind, item.name)
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            last = len(ids) - 1
-            for position, token_id in enumerate(ids):
-                if paced:
-                    due = t0 + index / self.decode_tok_per_s
-                    if due > self.clock.now():
-                        await self.clock.sleep_until(due)
-                text = decoder.decode(self.tokenizer.token_bytes(token_id), final=position == last)
-                index += 1
-                self._output_tokens += 1
-                yield TokensSampled((token_id,), text)
-            yield ItemFinished()
-        yield SamplingFinished("max_output_tokens" if truncated else "stop")
+    def _decode_rate(self, request: ModelRequest, t0: float, start: float) -> float:
+        """This turn's tokens/s (step 6): jitter, then slowdown by the turns decoding at `t0`."""
+        for serial in [s for s, d in self._decoding.items() if d.end <= start]:
+            del self._decoding[serial]  # over before this turn started: cannot overlap any later t0
+        rate = self.decode_tok_per_s
+        if self.decode_jitter > 0:
+            factor = float(
+                jitter_rng(self.seed, request.conversation_key, request.turn_index).lognormal(0.0, self.decode_jitter)
+            )
+            rate *= factor
+        if self.concurrency_slowdown > 0:
+            others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
+            rate /= 1 + self.concurrency_slowdown * others
+        return rate

@@ -39,7 +39,7 @@ async def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
         assert final.input_tokens == sum(t.response.usage.input_tokens for t in per_mode["ws"])  # type: ignore[union-attr]
         assert len({t.response.id for t in per_mode["append"]}) == 1
         assert max(t.bytes_sent for t in per_mode["append"][1:]) < min(t.bytes_sent for t in per_mode["ws"][1:])
-    assert "speedup vs http" in table(results)
+    assert "time saved vs http" in table(results)
 
 
 def test_cli_rejects_unknown_mode() -> None:

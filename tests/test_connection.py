@@ -312,7 +312,7 @@ def test_every_state_input_pair(state: CS, input_type: type) -> None:
     if input_type is Dequeue and state is CS.IDLE:
         with pytest.raises(ConnectionStateError, match=r"^nothing is queued$"):
             c.handle(event)  # type: ignore[arg-type]
-        c.queue.append(event_request())
+        c.queue.append(CreateReceived(event_request()))  # type: ignore[arg-type]
     if move is None:
         with pytest.raises(ConnectionStateError, match=rf"^can't handle {input_type.__name__} in state {state.name}$"):
             c.handle(event)  # type: ignore[arg-type]

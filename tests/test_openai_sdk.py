@@ -276,7 +276,7 @@ async def test_websocket_conversation_chained_and_full_resend_agree(client: Asyn
     assert_same(chained, seen(resend_turns), "ws full resend vs ws chained")
     assert_same(baseline, chained, "ws chained vs non-streaming chained")
     cached = [t.response.usage.input_tokens_details.cached_tokens for t in chained_turns]
-    assert cached[0] == 0
+    assert cached[0] < cached[1]  # turn 1 may hit the prefix cache of earlier conversations on this server
     assert all(c > 0 for c in cached[1:]), cached
 
 

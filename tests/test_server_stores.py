@@ -30,7 +30,7 @@ async def chain_across_servers(make_store: Any) -> None:
     fco = {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}
     async with live_server(store=make_store(), tool_calls=2) as b:
         async with aiohttp.ClientSession() as s, s.get(f"{b.base_url}/responses/{first['id']}") as r:
-            assert r.status == 200 and (await r.json()) == first
+            assert r.status == 200 and (await r.json()) == {k: v for k, v in first.items() if k != "longrun"}
         status, second = await post(
             b, {"model": "sim", "input": [fco], "previous_response_id": first["id"], "tools": [EXEC_TOOL]}
         )

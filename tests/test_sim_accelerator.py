@@ -7,6 +7,7 @@ so 5 s of paced decoding takes milliseconds and the numbers are exact.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import re
 import time
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from prototype.model import (
@@ -22,12 +24,14 @@ from prototype.model import (
     ItemStarted,
     ModelEvent,
     ModelRequest,
+    Prefilled,
     SamplingFinished,
     TokensSampled,
 )
 from prototype.tokenizer import get_tokenizer
-from sim.accelerator import ModelStatistics, SimulatedModel, turn_rng
+from sim.accelerator import ModelStatistics, SimulatedModel, jitter_rng, turn_rng
 from sim.clock import MANUAL_CLOCK_EPOCH_S, ManualClock, Wakeup
+from sim.kv import PrefixCache, PrefixCacheStatistics
 from sim.policy import DefaultPolicy, PlannedItem, Policy, ScriptPolicy
 from sim.realtime import AsyncioClock
 
@@ -46,25 +50,34 @@ HELLO_5000 = " hello" * 5000  # exactly 5000 o200k tokens
 def make_request(
     *,
     prompt_tokens: int = 12,
-    cached_tokens: int = 0,
+    resident_tokens: int = 0,
     turn_index: int = 0,
     conversation_key: int = 42,
     max_output_tokens: int | None = None,
     tools: tuple[FunctionTool, ...] = (EXEC_COMMAND,),
+    prompt: tuple[npt.NDArray[np.uint32], ...] | None = None,
+    conversation_id: str = "",
+    hold_kv: bool = False,
 ) -> ModelRequest:
-    half = prompt_tokens // 2
-    prompt = (
-        np.arange(half, dtype=np.uint32),
-        np.arange(prompt_tokens - half, dtype=np.uint32),
-    )
+    """A request; the default prompt is two `arange` chunks, so prompts of different lengths share no block."""
+    if prompt is None:
+        half = prompt_tokens // 2
+        prompt = (
+            np.arange(half, dtype=np.uint32),
+            np.arange(prompt_tokens - half, dtype=np.uint32),
+        )
+    else:
+        prompt_tokens = sum(len(chunk) for chunk in prompt)
     return ModelRequest(
         prompt=prompt,
         prompt_tokens=prompt_tokens,
-        cached_tokens=cached_tokens,
+        resident_tokens=resident_tokens,
         turn_index=turn_index,
         conversation_key=conversation_key,
         tools=tools,
         max_output_tokens=max_output_tokens,
+        conversation_id=conversation_id,
+        hold_kv=hold_kv,
     )
 
 
@@ -89,12 +102,12 @@ def events_of(timed: list[tuple[float, ModelEvent]]) -> list[ModelEvent]:
     return [event for _, event in timed]
 
 
-GRAMMAR = re.compile(r"(S(T)*F)*D")
+GRAMMAR = re.compile(r"P(S(T)*F)*D")
 
 
 def assert_grammar(events: list[ModelEvent]) -> None:
-    """``(ItemStarted TokensSampled* ItemFinished)* SamplingFinished``, one token per TokensSampled."""
-    letters = {ItemStarted: "S", TokensSampled: "T", ItemFinished: "F", SamplingFinished: "D"}
+    """``Prefilled (ItemStarted TokensSampled* ItemFinished)* SamplingFinished``, one token per TokensSampled."""
+    letters = {Prefilled: "P", ItemStarted: "S", TokensSampled: "T", ItemFinished: "F", SamplingFinished: "D"}
     assert GRAMMAR.fullmatch("".join(letters[type(e)] for e in events))
     assert all(len(e.token_ids) == 1 for e in events if isinstance(e, TokensSampled))
 
@@ -150,9 +163,10 @@ async def test_empty_plan_and_empty_item() -> None:
 
     silent: Policy = Silent()
     model = SimulatedModel(clock=ManualClock(), policy=silent)
-    assert events_of(await collect(model, make_request())) == [SamplingFinished("stop")]
+    assert events_of(await collect(model, make_request())) == [Prefilled(0), SamplingFinished("stop")]
     model = SimulatedModel(clock=ManualClock(), policy=script(message("")))
     assert events_of(await collect(model, make_request())) == [
+        Prefilled(0),
         ItemStarted("message"),
         ItemFinished(),
         SamplingFinished("stop"),
@@ -180,7 +194,7 @@ async def test_tokens_depend_only_on_seed_conversation_turn() -> None:
     await collect(other, make_request(conversation_key=9, turn_index=3))  # unrelated earlier traffic
     for turn in range(4):
         a = ids(await collect(reference, make_request(turn_index=turn)))
-        b = ids(await collect(other, make_request(turn_index=turn, prompt_tokens=5000, cached_tokens=100)))
+        b = ids(await collect(other, make_request(turn_index=turn, prompt_tokens=5000, resident_tokens=100)))
         assert a == b
     seeded = SimulatedModel(clock=ManualClock(), policy=policy, seed=6)
     assert ids(await collect(seeded, make_request())) != ids(await collect(reference, make_request()))
@@ -207,12 +221,14 @@ async def test_first_token_waits_for_latency_and_uncached_prefill() -> None:
         prefill_tok_per_s=20_000.0,
         decode_tok_per_s=math.inf,
     )
-    request = make_request(prompt_tokens=8000, cached_tokens=6000)
-    t0 = 100.0 + 0.25 + 2000 / 20_000.0
-    assert model.first_token_delay_s(request) == 0.25 + 2000 / 20_000.0
+    request = make_request(prompt_tokens=8000, resident_tokens=6000)  # held KV; nothing in the prefix cache
+    prefill_s = 0.25 + 2000 / 20_000.0
+    assert model.prefill_s(8000, 6000) == prefill_s
+    t0 = 100.0 + 0.0 + prefill_s  # start + queued_s + prefill_s
     timed = await collect(model, request)
     assert clock.wakeups == [Wakeup(t0, t0)]
     assert [t for t, _ in timed] == [t0] * len(timed)
+    assert timed[0][1] == Prefilled(cached_tokens=6000, queued_s=0.0, prefill_s=prefill_s)
 
 
 async def test_first_token_at_once_when_free() -> None:
@@ -284,6 +300,227 @@ async def test_unpaced_decode_never_sleeps() -> None:
     assert sum(isinstance(e, TokensSampled) for _, e in timed) == 5000
 
 
+# --------------------------------------------------------------------------- prefix cache and held KV
+
+
+class Fixed:
+    """The same message every turn, whatever the turn index (a policy for timing tests)."""
+
+    def __init__(self, text: str = " ok") -> None:
+        self.text = text
+
+    def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
+        return [message(self.text)]
+
+
+def random_tokens(n: int, seed: int = 3) -> npt.NDArray[np.uint32]:
+    return np.random.default_rng(seed).integers(0, 200_000, size=n, dtype=np.uint32)
+
+
+async def test_prefix_cache_hits_turn_over_turn() -> None:
+    """A growing conversation resent in full (http mode): each turn hits the previous prompt's full blocks."""
+    clock = ManualClock(start=5.0)
+    model = SimulatedModel(
+        clock=clock, policy=Fixed(), model_latency_s=0.3, prefill_tok_per_s=20_000.0, decode_tok_per_s=math.inf
+    )
+    conversation = random_tokens(2_000)
+    turns = [  # (prompt chunks, cached tokens expected)
+        ((conversation[:1_000],), 0),
+        ((conversation[:1_000], conversation[1_000:1_300]), 992),  # 62 full blocks of the first prompt
+        ((conversation[:1_300], conversation[1_300:2_000]), 1_296),
+        ((conversation[:2_000],), 1_984),  # the same prompt again: the last block is recomputed
+    ]
+    for turn, (prompt, cached) in enumerate(turns):
+        start = clock.now()
+        timed = await collect(model, make_request(prompt=prompt, turn_index=turn))
+        prompt_tokens = sum(len(chunk) for chunk in prompt)
+        prefill_s = 0.3 + (prompt_tokens - cached) / 20_000.0
+        assert timed[0] == (start + 0.0 + prefill_s, Prefilled(cached_tokens=cached, queued_s=0.0, prefill_s=prefill_s))
+        clock.advance(1.0)  # a tool call
+    statistics = model.statistics()
+    assert statistics.cached_tokens == 992 + 1_296 + 1_984
+    assert statistics.prefilled_tokens == 1_000 + 1_300 + 2_000 + 2_000 - statistics.cached_tokens
+    assert statistics.kv.hit_tokens == statistics.cached_tokens
+    assert statistics.kv.resident_blocks == 2_000 // 16
+
+
+async def test_resident_hint_and_prefix_cache_combine_by_max() -> None:
+    model = SimulatedModel(clock=ManualClock(), policy=Fixed())
+    prompt = random_tokens(1_000)
+
+    async def cached(resident: int, n: int = 1_000) -> int:
+        event = (await collect(model, make_request(prompt=(prompt[:n],), resident_tokens=resident)))[0][1]
+        assert isinstance(event, Prefilled)
+        return event.cached_tokens
+
+    assert await cached(0) == 0
+    assert await cached(0) == 992  # prefix cache
+    assert await cached(995) == 995  # held KV beyond the cache's blocks: the hint is trusted as is
+    assert await cached(1_000) == 999  # ... but the last token is always recomputed
+    assert await cached(0, n=0) == 0  # an empty prompt
+
+
+async def test_prefix_caching_off_counts_only_the_hint() -> None:
+    model = SimulatedModel(clock=ManualClock(), policy=Fixed(), prefix_caching=False)
+    assert model.prefix_cache is None
+    prompt = (random_tokens(1_000),)
+    for resident in (0, 0, 500, 1_000):
+        event = (await collect(model, make_request(prompt=prompt, resident_tokens=resident)))[0][1]
+        assert event == Prefilled(cached_tokens=min(resident, 999))
+    assert model.statistics().kv == PrefixCacheStatistics()
+    assert model.statistics().cached_tokens == 500 + 999
+    model.release("anything")  # no cache: nothing to unpin
+
+
+async def test_hold_kv_pins_the_prompt_until_release() -> None:
+    clock = ManualClock()
+    cache = PrefixCache(capacity_tokens=4 * 16)
+    model = SimulatedModel(clock=clock, policy=Fixed(), prefix_cache=cache, decode_tok_per_s=math.inf)
+    held = make_request(prompt=(random_tokens(49, seed=1),), conversation_id="resp_1", hold_kv=True)
+    await collect(model, held)  # 3 blocks, pinned at t=0 (the end of its prefill)
+    for seed in (2, 3, 4):  # pressure through a 4-block cache
+        await collect(model, make_request(prompt=(random_tokens(33, seed=seed),)))
+    assert model.statistics().kv.pinned_blocks == 3
+    assert cache.match(held.prompt) == 48
+    clock.advance(2.5)  # the pause
+    model.release("resp_1")
+    model.release("resp_1")  # twice, or unknown: ignored
+    kv = model.statistics().kv
+    assert (kv.pinned_blocks, kv.kv_idle_token_s) == (0, 48 * 2.5)
+    assert model.statistics() == dataclasses.replace(model.statistics(), kv=cache.statistics())
+
+
+async def test_a_shared_cache_serves_every_model() -> None:
+    cache = PrefixCache()
+    first = SimulatedModel(clock=ManualClock(), policy=Fixed(), prefix_cache=cache)
+    second = SimulatedModel(clock=ManualClock(), policy=Fixed(), prefix_cache=cache)
+    prompt = (random_tokens(100),)
+    await collect(first, make_request(prompt=prompt))
+    event = (await collect(second, make_request(prompt=prompt)))[0][1]
+    assert event == Prefilled(cached_tokens=96)
+
+
+# --------------------------------------------------------------------------- decode slots, slowdown, jitter
+
+
+async def test_decode_slots_queue_fifo() -> None:
+    clock = ManualClock()
+    rate, latency = 10.0, 0.1
+    model = SimulatedModel(
+        clock=clock, policy=Fixed(" hello" * 5), decode_tok_per_s=rate, model_latency_s=latency, decode_slots=1
+    )
+    a = model.sample(make_request(conversation_key=1))
+    b = model.sample(make_request(conversation_key=2))
+    c = model.sample(make_request(conversation_key=3))
+    assert await anext(a) == Prefilled(0, queued_s=0.0, prefill_s=latency)  # A holds the slot
+    t0_a = 0.0 + 0.0 + latency
+    end_a = t0_a + 5 / rate  # A's 5 tokens decoded
+    arrival_b = clock.now()  # 0.1: B arrives while A holds the slot
+    assert await anext(b) == Prefilled(0, queued_s=end_a - arrival_b, prefill_s=latency)
+    t0_b = arrival_b + (end_a - arrival_b) + latency
+    assert clock.now() == t0_b
+    arrival_c = clock.now()
+    assert await anext(c) == Prefilled(0, queued_s=t0_b + 5 / rate - arrival_c, prefill_s=latency)  # behind B
+    assert model.statistics().queued_s_total == (end_a - arrival_b) + (t0_b + 5 / rate - arrival_c)
+    for stream in (a, b, c):
+        assert [e async for e in stream][-1] == SamplingFinished("stop")  # queued turns still complete
+
+
+async def test_decode_slots_take_the_earliest_free() -> None:
+    clock = ManualClock()
+    model = SimulatedModel(clock=clock, policy=Fixed(" hello" * 5), decode_tok_per_s=10.0, decode_slots=2)
+    a = model.sample(make_request(conversation_key=1))
+    b = model.sample(make_request(conversation_key=2, max_output_tokens=2))  # shorter: frees its slot first
+    c = model.sample(make_request(conversation_key=3))
+    assert await anext(a) == Prefilled(0)
+    assert await anext(b) == Prefilled(0)
+    assert await anext(c) == Prefilled(0, queued_s=2 / 10.0)
+    for stream in (a, b, c):
+        await stream.aclose()
+
+
+async def test_closing_early_frees_the_slot() -> None:
+    async def three_tokens_then(close: bool) -> Prefilled:
+        """A (50 tokens at 10/s, slot busy until 5.0) yields 3 tokens; then B arrives at 0.2."""
+        clock = ManualClock()
+        model = SimulatedModel(clock=clock, policy=Fixed(" hello" * 50), decode_tok_per_s=10.0, decode_slots=1)
+        a = model.sample(make_request(conversation_key=1))
+        seen = 0
+        async for event in a:
+            seen += isinstance(event, TokensSampled)
+            if seen == 3:
+                break
+        assert clock.now() == 2 / 10.0
+        if close:
+            await a.aclose()  # the consumer went away: the slot is free from now on
+        b = model.sample(make_request(conversation_key=2))
+        first = await anext(b)
+        assert isinstance(first, Prefilled)
+        await b.aclose()
+        await a.aclose()
+        return first
+
+    assert await three_tokens_then(close=False) == Prefilled(0, queued_s=50 / 10.0 - 2 / 10.0)
+    assert await three_tokens_then(close=True) == Prefilled(0, queued_s=0.0)
+
+
+async def test_closing_a_queued_turn_frees_its_reservation() -> None:
+    clock = ManualClock()
+    model = SimulatedModel(clock=clock, policy=Fixed(" hello" * 10), decode_tok_per_s=10.0, decode_slots=1)
+    a = model.sample(make_request(conversation_key=1))
+    assert await anext(a) == Prefilled(0)  # A holds the slot until 1.0
+    b = model.sample(make_request(conversation_key=2))
+    assert await anext(b) == Prefilled(0, queued_s=1.0)  # B queued behind A; it would hold the slot until 2.0
+    assert clock.now() == 1.0
+    await b.aclose()  # ... but is closed before its first token
+    c = model.sample(make_request(conversation_key=3))
+    assert await anext(c) == Prefilled(0, queued_s=0.0)
+    for stream in (a, c):
+        await stream.aclose()
+
+
+async def test_concurrency_slowdown() -> None:
+    clock = ManualClock()
+    rate, slowdown = 10.0, 0.5
+    model = SimulatedModel(
+        clock=clock, policy=Fixed(" hello" * 10), decode_tok_per_s=rate, concurrency_slowdown=slowdown
+    )
+    a = model.sample(make_request(conversation_key=1))
+    assert await anext(a) == Prefilled(0)  # A decodes over [0, 1.0) at the full rate
+    timed = await collect(model, make_request(conversation_key=2))  # starts at 0: 2 turns decoding
+    slowed = rate / (1 + slowdown * 1)
+    assert [t for t, e in timed if isinstance(e, TokensSampled)] == [i / slowed for i in range(10)]
+    assert [e async for e in a][-1] == SamplingFinished("stop")
+    clock.advance(1.0)  # past every planned end
+    start = clock.now()
+    timed = await collect(model, make_request(conversation_key=3))
+    assert [t for t, e in timed if isinstance(e, TokensSampled)] == [start + i / rate for i in range(10)]
+
+
+async def test_decode_jitter_moves_timing_not_tokens() -> None:
+    def ids(timed: list[tuple[float, ModelEvent]]) -> list[int]:
+        return [t for _, e in timed if isinstance(e, TokensSampled) for t in e.token_ids]
+
+    def times(timed: list[tuple[float, ModelEvent]]) -> list[float]:
+        return [t for t, e in timed if isinstance(e, TokensSampled)]
+
+    policy = DefaultPolicy(tool_calls=2)
+    plain = SimulatedModel(clock=ManualClock(), policy=policy, seed=5, decode_tok_per_s=65.0)
+    jittered = SimulatedModel(clock=ManualClock(), policy=policy, seed=5, decode_tok_per_s=65.0, decode_jitter=0.3)
+    for turn in range(4):
+        request = make_request(turn_index=turn)
+        a, b = await collect(plain, request), await collect(jittered, request)
+        assert ids(a) == ids(b)
+        start = b[0][0]
+        factor = float(jitter_rng(5, request.conversation_key, turn).lognormal(0.0, 0.3))
+        assert times(b) == [start + i / (65.0 * factor) for i in range(len(times(b)))]
+        assert times(b)[1:] != [start + t - a[0][0] for t in times(a)][1:]
+        again = SimulatedModel(
+            clock=ManualClock(start), policy=policy, seed=5, decode_tok_per_s=65.0, decode_jitter=0.3
+        )
+        assert times(await collect(again, request)) == times(b)  # the jitter is a function of the turn
+
+
 # --------------------------------------------------------------------------- max_output_tokens
 
 
@@ -346,11 +583,16 @@ async def test_max_output_tokens_across_items(budget: int | None, expected_items
 async def test_statistics() -> None:
     model = SimulatedModel(clock=ManualClock(), policy=script(message(" hello" * 7)))
     assert model.statistics() == ModelStatistics()
-    await collect(model, make_request(prompt_tokens=100, cached_tokens=60))
-    await collect(model, make_request(prompt_tokens=30, turn_index=5))  # "(script exhausted)"
+    await collect(model, make_request(prompt_tokens=100, resident_tokens=60))
+    await collect(model, make_request(prompt_tokens=30, turn_index=5))  # "(script exhausted)"; no common block
     exhausted = len(TOKENIZER.encode("(script exhausted)"))
     assert model.statistics() == ModelStatistics(
-        requests=2, prompt_tokens=130, prefilled_tokens=70, output_tokens=7 + exhausted
+        requests=2,
+        prompt_tokens=130,
+        prefilled_tokens=70,
+        output_tokens=7 + exhausted,
+        cached_tokens=60,
+        kv=PrefixCacheStatistics(lookups=2, hit_tokens=0, miss_tokens=130, resident_blocks=6 + 1),
     )
 
 
@@ -366,13 +608,16 @@ async def test_closing_early_counts_only_yielded_tokens() -> None:
     assert model.statistics().output_tokens == 4
 
 
-async def test_bad_cached_tokens_rejected_before_any_event() -> None:
+async def test_bad_requests_rejected_before_any_event() -> None:
     model = SimulatedModel(clock=ManualClock(), policy=script(message("x")))
-    with pytest.raises(ValueError, match=r"^cached_tokens=13 outside \[0, prompt_tokens=12\]$"):
-        await collect(model, make_request(prompt_tokens=12, cached_tokens=13))
+    with pytest.raises(ValueError, match=r"^resident_tokens=13 outside \[0, prompt_tokens=12\]$"):
+        await collect(model, make_request(prompt_tokens=12, resident_tokens=13))
     with pytest.raises(ValueError, match="^max_output_tokens must be >= 0, got -1$"):
         await collect(model, make_request(max_output_tokens=-1))
-    assert model.statistics().requests == 0
+    mismatched = dataclasses.replace(make_request(prompt_tokens=12), prompt_tokens=13)
+    with pytest.raises(ValueError, match="^prompt chunks hold 12 tokens, prompt_tokens=13$"):
+        await collect(model, mismatched)
+    assert model.statistics() == ModelStatistics()
 
 
 @pytest.mark.parametrize(
@@ -382,6 +627,10 @@ async def test_bad_cached_tokens_rejected_before_any_event() -> None:
         ({"prefill_tok_per_s": -1.0}, "^prefill_tok_per_s must be > 0, got -1.0$"),
         ({"model_latency_s": -0.1}, r"^model_latency_s must be finite and >= 0, got -0.1$"),
         ({"model_latency_s": math.nan}, "^model_latency_s must be finite and >= 0, got nan$"),
+        ({"prefix_cache": PrefixCache(), "prefix_caching": False}, "^prefix_cache given with prefix_caching=False$"),
+        ({"decode_slots": 0}, "^decode_slots must be >= 1 or None, got 0$"),
+        ({"concurrency_slowdown": -0.5}, "^concurrency_slowdown must be finite and >= 0, got -0.5$"),
+        ({"decode_jitter": math.inf}, "^decode_jitter must be finite and >= 0, got inf$"),
     ],
 )
 def test_constructor_checks(kwargs: dict[str, Any], message_re: str) -> None:

@@ -41,7 +41,7 @@ def make_request(
     return ModelRequest(
         prompt=prompt,
         prompt_tokens=8,
-        cached_tokens=0,
+        resident_tokens=0,
         turn_index=turn_index,
         conversation_key=conversation_key,
         tools=tools,

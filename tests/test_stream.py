@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from prototype.ids import IdFactory
-from prototype.model import ItemFinished, ItemStarted, SamplingFinished, TokensSampled
+from prototype.model import ItemFinished, ItemStarted, Prefilled, SamplingFinished, TokensSampled
 from prototype.schemas import FunctionCall, OutputMessage, Response, encode
 from prototype.stream import _TRANSITIONS, INPUT_TYPES, RS, Fail, Pause, ResponseStream, Resume, Start, StreamError
 
@@ -28,7 +28,8 @@ def types(events: list[object]) -> list[str]:
 
 
 TEXT_TURN = [
-    Start(input_tokens=10, cached_tokens=4),
+    Start(input_tokens=10),
+    Prefilled(cached_tokens=4),
     ItemStarted("message"),
     TokensSampled((1,), "Hel"),
     TokensSampled((2,), ""),  # mid-character token: no delta
@@ -72,7 +73,7 @@ def test_function_call_turn_and_item_done_equals_output() -> None:
     events = run(
         s,
         [
-            Start(input_tokens=5, cached_tokens=0),
+            Start(input_tokens=5),
             ItemStarted("function_call", name="exec_command"),
             TokensSampled((1,), '{"cmd":'),
             TokensSampled((2,), '"ls"}'),
@@ -111,7 +112,7 @@ def test_pause_and_resume_continue_indices_and_sequence() -> None:
     first = run(
         s,
         [
-            Start(input_tokens=5, cached_tokens=0),
+            Start(input_tokens=5),
             ItemStarted("function_call", name="f"),
             TokensSampled((1,), "{}"),
             ItemFinished(),
@@ -121,7 +122,7 @@ def test_pause_and_resume_continue_indices_and_sequence() -> None:
     assert types(first)[-1] == "response.done" and s.state is RS.PAUSED
     assert first[-1].response.status == "in_progress"  # type: ignore[attr-defined]
     assert [r.name for r in first[-1].required_input] == ["f"]  # type: ignore[attr-defined]
-    second = run(s, [Resume(input_tokens=3, cached_tokens=5), *TEXT_TURN[1:]])
+    second = run(s, [Resume(input_tokens=3), *TEXT_TURN[1:]])
     assert types(second)[0] == "response.in_progress"
     assert second[0].sequence_number == first[-1].sequence_number + 1  # type: ignore[attr-defined]
     assert second[1].output_index == 1  # type: ignore[attr-defined]
@@ -143,7 +144,7 @@ def test_abort_after_start_and_not_after_terminal() -> None:
 
 def test_end_incomplete_from_pause() -> None:
     s = ResponseStream(template(), IdFactory(0))
-    run(s, [Start(input_tokens=1, cached_tokens=0), Pause()])
+    run(s, [Start(input_tokens=1), Pause()])
     events = s.end_incomplete("append_timeout")
     assert events[0].response.incomplete_details.reason == "append_timeout"  # type: ignore[attr-defined]
     with pytest.raises(StreamError, match=r"^can't end incomplete in state INCOMPLETE$"):
@@ -152,9 +153,10 @@ def test_end_incomplete_from_pause() -> None:
 
 def _instance(t: type) -> object:
     return {
-        Start: Start(1, 0),
+        Start: Start(1),
         Pause: Pause(),
-        Resume: Resume(1, 0),
+        Resume: Resume(1),
+        Prefilled: Prefilled(0),
         Fail: Fail("x", "y"),
         ItemStarted: ItemStarted("message"),
         TokensSampled: TokensSampled((1,), "a"),
@@ -167,11 +169,11 @@ def _stream_in(state: RS) -> ResponseStream:
     s = ResponseStream(template(), IdFactory(0))
     path = {
         RS.QUEUED: [],
-        RS.IN_PROGRESS: [Start(1, 0)],
-        RS.IN_ITEM: [Start(1, 0), ItemStarted("message")],
-        RS.PAUSED: [Start(1, 0), Pause()],
-        RS.COMPLETED: [Start(1, 0), SamplingFinished()],
-        RS.INCOMPLETE: [Start(1, 0), SamplingFinished("max_output_tokens")],
+        RS.IN_PROGRESS: [Start(1)],
+        RS.IN_ITEM: [Start(1), ItemStarted("message")],
+        RS.PAUSED: [Start(1), Pause()],
+        RS.COMPLETED: [Start(1), SamplingFinished()],
+        RS.INCOMPLETE: [Start(1), SamplingFinished("max_output_tokens")],
         RS.FAILED: [Fail("x", "y")],
     }[state]
     run(s, path)
@@ -194,6 +196,6 @@ def test_every_state_input_pair(state: RS, input_type: type) -> None:
 
 def test_warm_up_start_sends_only_created() -> None:
     s = ResponseStream(template(), IdFactory(0))
-    events = run(s, [Start(0, 0, warm_up=True), SamplingFinished()])
+    events = run(s, [Start(0, warm_up=True), SamplingFinished()])
     assert types(events) == ["response.created", "response.completed"]
     assert [e.sequence_number for e in events] == [0, 1]  # type: ignore[attr-defined]

@@ -1,0 +1,528 @@
+"""A vLLM-style automatic prefix cache over token ids: which prompt tokens skip prefill.
+
+Theory of operation (after vLLM's automatic prefix caching, v1 ``KVCacheManager``;
+workloads.md section 2, "prefix-cache granularity", P):
+
+* **Blocks.** The KV of a prompt is cut into blocks of ``block_tokens`` tokens
+  (vLLM's default is 16). Only *full* blocks are cached; a trailing partial
+  block is always recomputed.
+* **Chained keys.** A block's key identifies the block's tokens *and its whole
+  prefix* (vLLM hashes ``(parent_hash, block_tokens)``), so a hit on block ``i``
+  means tokens ``0 .. (i+1)*block_tokens`` are identical. A lookup walks the
+  prompt's blocks from the start and stops at the first miss.
+* **At least one token is recomputed.** The model needs the logits of the last
+  prompt token, so a fully cached prompt still prefills its last token: the
+  hit is capped at ``prompt_len - 1`` and then rounded *down* to a block
+  boundary (a 32-token prompt with both blocks cached hits 16 tokens, not 31).
+* **Eviction.** Capacity is counted in blocks (``capacity_tokens //
+  block_tokens``). Unpinned blocks are evicted least recently used first. A
+  prompt's blocks are (re)queued tail block first, head block last, as vLLM
+  v1 frees a request's blocks ("in reverse order so that the tail blocks are
+  evicted first"), so under pressure a prompt loses its tail before its head and
+  what survives is still a usable prefix.
+* **Pins.** ``insert(..., owner=...)`` pins the prompt's blocks for that owner
+  (the KV a conversation holds across an append-mode pause, like vLLM blocks
+  with ``ref_cnt > 0``), replacing the owner's previous pins; ``release`` unpins
+  them and they become ordinary, evictable cache (most recently used). Pinned
+  blocks are never evicted: if only pinned blocks remain and the cache is over
+  capacity, the overflow is allowed and counted (``overflow_blocks``): held KV
+  that a real server would have had to preempt or refuse.
+* **Idle KV.** ``kv_idle_token_s`` is Σ pinned tokens × seconds pinned, each
+  owner's pinned tokens accumulated from its ``insert(owner=...)`` to its next
+  ``insert`` or ``release`` (the ``now`` arguments; this module reads no clock).
+  It is the KV-memory cost of holding a conversation (Continuum, arXiv
+  2511.02230; workloads.md section 8): only closed intervals are counted.
+
+Keys are computed with numpy, without a Python loop over blocks. A block's
+content hash is the dot product of its tokens (widened to uint64) with fixed
+odd per-offset multipliers ``a_j`` (mod 2^64), passed through the splitmix64
+finalizer. Two blocks whose token difference ``d`` has lowest 2-adic valuation
+``v`` (``v`` <= 31: tokens are uint32) collide before finalizing only if
+``2^v · Σ a_j d'_j ≡ 0 (mod 2^64)``, probability about ``2^-(64-v)`` <= 2^-33
+for random ``a_j`` and never for a single-token difference (an odd multiple of
+a non-zero number below 2^32 is non-zero mod 2^64). The chained key of block
+``i`` is ``Σ_{b<=i} h_b · m_b + p_i`` (mod 2^64, one ``cumsum``) over the
+finalized hashes ``h_b``, with odd per-position multipliers ``m_b`` and
+per-position offsets ``p_i`` (splitmix64 of the position), so the key depends
+on every block of the prefix, on their order and on the prefix length (an
+all-zero block hashes to splitmix64(0) != 0, so runs of identical blocks still
+differ by length). Treating ``h_b`` as random words, two different prefixes
+share a key with probability about 2^-64 (2^-33 in the worst case above), far
+below anything a simulation run can hit. Not cryptographic: a simulator has
+no adversary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "DEFAULT_BLOCK_TOKENS",
+    "DEFAULT_CAPACITY_TOKENS",
+    "PrefixCache",
+    "PrefixCacheStatistics",
+    "PreparedPrompt",
+    "Prompt",
+    "block_keys",
+]
+
+DEFAULT_BLOCK_TOKENS: Final = 16  # tokens per KV block: vLLM's default block size
+# KV tokens the cache holds. D (derived, sweep it): 4M tokens x ~70 KB/token (DeepSeek-V3 MLA: 576 bf16
+# values x 61 layers) = ~280 GB, the order of an 8-GPU node's HBM left after the weights.
+DEFAULT_CAPACITY_TOKENS: Final = 4_000_000
+
+_U64 = npt.NDArray[np.uint64]
+_GOLDEN: Final = np.uint64(0x9E3779B97F4A7C15)  # splitmix64 increment (2^64 / golden ratio)
+_MIX1: Final = np.uint64(0xBF58476D1CE4E5B9)  # splitmix64 finalizer multipliers
+_MIX2: Final = np.uint64(0x94D049BB133111EB)
+_ONE: Final = np.uint64(1)
+# Salts that make the per-offset multipliers, per-position multipliers and
+# per-position offsets three independent splitmix64 streams.
+_OFFSET_SALT: Final = np.uint64(0x5851F42D4C957F2D)
+_POSITION_SALT: Final = np.uint64(0x14057B7EF767814F)
+_LENGTH_SALT: Final = np.uint64(0x2545F4914F6CDD1D)
+
+
+def _mix64(x: _U64) -> _U64:
+    """splitmix64 (Steele, Lea, Flood 2014) over an array: a bijection of uint64, wrapping arithmetic."""
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    result: _U64 = z ^ (z >> np.uint64(31))
+    return result
+
+
+def _stream(salt: np.uint64, n: int) -> _U64:
+    """The first `n` words of a fixed pseudo-random stream (a pure function of the index)."""
+    return _mix64(np.arange(n, dtype=np.uint64) ^ salt)
+
+
+class _Multipliers:
+    """Per-position constants, grown on demand; entry ``i`` never changes once made."""
+
+    def __init__(self) -> None:
+        self.block: _U64 = np.empty(0, dtype=np.uint64)  # m_b, odd
+        self.length: _U64 = np.empty(0, dtype=np.uint64)  # p_i
+
+    def ensure(self, n_blocks: int) -> None:
+        if n_blocks <= len(self.block):
+            return
+        size = max(n_blocks, 2 * len(self.block), 1024)
+        self.block = _stream(_POSITION_SALT, size) | _ONE
+        self.length = _stream(_LENGTH_SALT, size)
+
+
+_POSITIONS = _Multipliers()
+_OFFSET_MULTIPLIERS: dict[int, _U64] = {}  # block_tokens -> odd per-offset multipliers
+
+
+def _concatenate(prompt_chunks: Sequence[npt.NDArray[np.uint32]]) -> npt.NDArray[np.uint32]:
+    if not prompt_chunks:
+        return np.empty(0, dtype=np.uint32)
+    return np.concatenate(prompt_chunks)
+
+
+def block_keys(prompt_chunks: Sequence[npt.NDArray[np.uint32]], block_tokens: int = DEFAULT_BLOCK_TOKENS) -> _U64:
+    """The chained keys of the prompt's full blocks (``len // block_tokens`` of them).
+
+    Key ``i`` is a function of tokens ``0 .. (i+1)*block_tokens`` only (see the
+    module docstring for the construction and the collision argument).
+    """
+    tokens = _concatenate(prompt_chunks)
+    n_blocks = len(tokens) // block_tokens
+    if n_blocks == 0:
+        return np.empty(0, dtype=np.uint64)
+    offsets = _OFFSET_MULTIPLIERS.get(block_tokens)
+    if offsets is None:
+        offsets = _OFFSET_MULTIPLIERS.setdefault(block_tokens, _stream(_OFFSET_SALT, block_tokens) | _ONE)
+    words = tokens[: n_blocks * block_tokens].astype(np.uint64).reshape(n_blocks, block_tokens)
+    content = _mix64(words @ offsets)
+    _POSITIONS.ensure(n_blocks)
+    keys: _U64 = np.cumsum(content * _POSITIONS.block[:n_blocks], dtype=np.uint64) + _POSITIONS.length[:n_blocks]
+    return keys
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PreparedPrompt:
+    """A prompt's block keys, computed once for a `match` and the `insert` that follows it (compared by identity)."""
+
+    block_tokens: int
+    prompt_tokens: int
+    keys: _U64  # chained keys of the full blocks, head first
+
+
+Prompt = Sequence[npt.NDArray[np.uint32]] | PreparedPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStatistics:
+    """Counters of a `PrefixCache` (a snapshot)."""
+
+    lookups: int = 0  # `match` calls
+    hit_tokens: int = 0  # Σ tokens `match` returned
+    miss_tokens: int = 0  # Σ (prompt tokens - hit tokens) over `match` calls
+    resident_blocks: int = 0  # blocks cached now, pinned or not
+    pinned_blocks: int = 0  # blocks pinned by at least one owner now
+    evicted_blocks: int = 0  # blocks evicted so far
+    overflow_blocks: int = 0  # blocks admitted beyond capacity because every resident block was pinned
+    kv_idle_token_s: float = 0.0  # Σ pinned tokens × seconds pinned, over closed pin intervals
+
+
+@dataclass(frozen=True, slots=True)
+class _Pin:
+    prompt: PreparedPrompt  # whose full blocks the owner pins
+    since: float  # `now` of the insert that pinned them
+
+
+def _common_prefix(a: _U64, b: _U64) -> int:
+    """Length of the common prefix of two key arrays (chained keys never re-converge)."""
+    n = min(len(a), len(b))
+    equal = a[:n] == b[:n]
+    return n if bool(equal.all()) else int(np.argmin(equal))
+
+
+_I64 = npt.NDArray[np.int64]
+_EMPTY: Final = 0  # slot states of the block table
+_FULL: Final = 1
+_DEAD: Final = 2  # a deleted key (tombstone): probing continues past it
+_FIBONACCI: Final = np.uint64(0x9E3779B97F4A7C15)  # multiplicative hashing: home slot = top bits of key * this
+_MIN_SLOTS: Final = 1 << 12
+_MAX_LOAD: Final = 0.5  # (full + dead) / slots before a rehash; linear probing stays short below this
+_REHASH_LOAD: Final = 0.25  # full / slots right after a rehash
+_MIN_LOG: Final = 1 << 12  # recency-log entries allocated at least
+_EVICT_WINDOW: Final = 256  # recency-log entries examined at least per eviction step
+_LOG_GROWTH: Final = 4  # log entries allocated per live entry at a compaction (compactions amortize over 3x)
+
+
+class _BlockTable:
+    """Resident blocks in numpy arrays: every operation is vectorised over a batch of keys.
+
+    An open-addressing hash table (linear probing, tombstones, rehash past
+    ``_MAX_LOAD``) maps a key to a slot holding its pin count and recency
+    stamp. Recency is exact LRU through an append-only log of (slot, stamp):
+    stamps only grow, so the log is in recency order, and an entry is live
+    while its slot still carries that stamp (a slot's stamp is -1 unless it is
+    resident and unpinned, so one comparison decides). Every
+    unpinned resident block has exactly one live entry (a touch stamps it anew;
+    pinning kills its entry; unpinning touches it), so the least recently used
+    unpinned blocks are the first live entries of the log. Dead entries are
+    skipped and dropped when the log is compacted.
+
+    Cost (2-core VM, 60K-token prompt = 3,750 blocks, full 4M-token cache):
+    prepare + match + insert about 1 ms warm, 2-3 ms cold with 3,750
+    evictions. Compaction and rehash are O(resident blocks) and amortized:
+    at 250K resident blocks a compaction takes ~10-30 ms about once per 100
+    such calls, a tombstone rehash ~50-70 ms once per ~260K evictions.
+    """
+
+    def __init__(self) -> None:
+        self._allocate(_MIN_SLOTS)
+        self.full = 0  # resident blocks
+        self.dead = 0  # tombstones
+        self.pinned = 0  # resident blocks with pins > 0
+        self._clock = 0  # the last recency stamp handed out
+        self._log_slot: _I64 = np.empty(_MIN_LOG, dtype=np.int64)
+        self._log_stamp: _I64 = np.empty(_MIN_LOG, dtype=np.int64)
+        self._log_head = 0  # entries before it are consumed
+        self._log_size = 0
+
+    def _allocate(self, slots: int) -> None:
+        self._shift = np.uint64(64 - (slots.bit_length() - 1))
+        self._mask = slots - 1
+        self.keys: _U64 = np.zeros(slots, dtype=np.uint64)
+        self.state = np.zeros(slots, dtype=np.int8)
+        self.pins = np.zeros(slots, dtype=np.int32)
+        self.stamp: _I64 = np.full(slots, -1, dtype=np.int64)  # -1 unless resident and unpinned
+
+    def _home(self, keys: _U64) -> _I64:
+        return ((keys * _FIBONACCI) >> self._shift).astype(np.int64)
+
+    def lookup(self, keys: _U64) -> _I64:
+        """The slot of each key, -1 where it is not resident."""
+        out = np.full(len(keys), -1, dtype=np.int64)
+        active = np.arange(len(keys))
+        pos = self._home(keys)
+        while active.size:
+            state = self.state[pos]
+            hit = (state == _FULL) & (self.keys[pos] == keys[active])
+            out[active[hit]] = pos[hit]
+            more = ~hit & (state != _EMPTY)
+            active = active[more]
+            pos = (pos[more] + 1) & self._mask
+        return out
+
+    def reserve(self, n: int) -> None:
+        """Make room for `n` more keys (rehash, growing if needed, past ``_MAX_LOAD``); slots change."""
+        slots = len(self.state)
+        if self.full + self.dead + n <= _MAX_LOAD * slots:
+            return
+        size = _MIN_SLOTS
+        while (self.full + n) > _REHASH_LOAD * size:
+            size *= 2
+        live = self._live_log()  # the recency order, by old slot
+        old = np.flatnonzero(self.state == _FULL)
+        keys, pins, stamps = self.keys[old], self.pins[old], self.stamp[old]
+        remap = np.full(slots, -1, dtype=np.int64)
+        self._allocate(size)
+        self.full = self.dead = 0
+        new = self._place_into_empty(keys)
+        self.pins[new] = pins
+        self.stamp[new] = stamps
+        remap[old] = new
+        self._log_slot[: live.size] = remap[self._log_slot[live]]
+        self._log_stamp[: live.size] = self._log_stamp[live]
+        self._log_head, self._log_size = 0, live.size
+
+    def place(self, keys: _U64) -> _I64:
+        """Insert distinct non-resident keys, unpinned and never touched; their slots. Call `reserve` first."""
+        out = np.empty(len(keys), dtype=np.int64)
+        active = np.arange(len(keys))
+        pos = self._home(keys)
+        while active.size:
+            free = np.flatnonzero(self.state[pos] != _FULL)
+            _, first = np.unique(pos[free], return_index=True)  # one key per slot per round
+            won = free[first]
+            slots = pos[won]
+            self.dead -= int(np.count_nonzero(self.state[slots] == _DEAD))
+            self.state[slots] = _FULL
+            self.keys[slots] = keys[active[won]]
+            self.pins[slots] = 0
+            self.stamp[slots] = -1  # matches no log entry
+            out[active[won]] = slots
+            rest = np.ones(active.size, dtype=bool)
+            rest[won] = False
+            active = active[rest]
+            pos = (pos[rest] + 1) & self._mask  # the slot they wanted is full now
+        self.full += len(keys)
+        return out
+
+    def _place_into_empty(self, keys: _U64) -> _I64:
+        """`place` into an empty table without rounds: in order of home slot, linear probing puts key i
+        at ``max(home_i, pos_{i-1} + 1)``, i.e. ``i + cummax(home_j - j)``; keys that would run past the
+        end wrap around through `place`."""
+        order = np.argsort(self._home(keys))
+        home = self._home(keys[order])
+        index = np.arange(len(keys), dtype=np.int64)
+        pos = index + np.maximum.accumulate(home - index) if len(keys) else index
+        inside = pos <= self._mask
+        slots, placed = pos[inside], order[inside]
+        self.state[slots] = _FULL
+        self.keys[slots] = keys[placed]
+        self.pins[slots] = 0
+        self.stamp[slots] = -1
+        self.full += slots.size
+        out = np.empty(len(keys), dtype=np.int64)
+        out[placed] = slots
+        wrapped = order[~inside]
+        if wrapped.size:
+            out[wrapped] = self.place(keys[wrapped])
+        return out
+
+    def touch(self, slots: _I64) -> None:
+        """Make the unpinned ones of `slots` (distinct) most recently used, in order: the last one most."""
+        slots = slots[self.pins[slots] == 0]
+        n = slots.size
+        if n == 0:
+            return
+        stamps = np.arange(self._clock + 1, self._clock + n + 1, dtype=np.int64)
+        self._clock += n
+        self.stamp[slots] = stamps
+        if self._log_size + n > len(self._log_slot):
+            self._compact_log(n)
+        self._log_slot[self._log_size : self._log_size + n] = slots
+        self._log_stamp[self._log_size : self._log_size + n] = stamps
+        self._log_size += n
+
+    def pin(self, slots: _I64) -> None:
+        """One more pin on each of `slots` (distinct)."""
+        self.pinned += int(np.count_nonzero(self.pins[slots] == 0))
+        self.pins[slots] += 1
+        self.stamp[slots] = -1  # kills its log entry; `unpin` stamps it anew
+
+    def unpin(self, slots: _I64) -> None:
+        """One pin fewer on each of `slots` (distinct, head first); freed blocks become most recently used,
+        tail first, so the head is the most recent."""
+        self.pins[slots] -= 1
+        freed = slots[self.pins[slots] == 0]
+        self.pinned -= freed.size
+        self.touch(freed[::-1])
+
+    def evict(self, n: int) -> None:
+        """Delete the `n` least recently used unpinned blocks (there must be that many)."""
+        while n:
+            end = min(self._log_size, self._log_head + max(2 * n, _EVICT_WINDOW))
+            if end == self._log_head:
+                raise RuntimeError("recency log has no entry for an unpinned block")
+            window = self._log_slot[self._log_head : end]
+            stamps = self._log_stamp[self._log_head : end]
+            live = np.flatnonzero(self.stamp[window] == stamps)
+            taken = live[:n]
+            self._log_head = self._log_head + int(taken[-1]) + 1 if taken.size == n else end
+            victims = window[taken]
+            self.state[victims] = _DEAD
+            self.stamp[victims] = -1
+            self.full -= victims.size
+            self.dead += victims.size
+            n -= victims.size
+
+    def _live_log(self) -> _I64:
+        """Indices of the live log entries, oldest first."""
+        index: _I64 = np.arange(self._log_head, self._log_size, dtype=np.int64)
+        slots = self._log_slot[index]
+        result: _I64 = index[self.stamp[slots] == self._log_stamp[index]]
+        return result
+
+    def _compact_log(self, extra: int) -> None:
+        """Drop dead entries, growing the log so that `extra` more fit with room to spare."""
+        live = self._live_log()
+        size = max(_MIN_LOG, _LOG_GROWTH * (live.size + extra))
+        log_slot, log_stamp = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64)
+        log_slot[: live.size] = self._log_slot[live]
+        log_stamp[: live.size] = self._log_stamp[live]
+        self._log_slot, self._log_stamp = log_slot, log_stamp
+        self._log_head, self._log_size = 0, live.size
+
+
+class PrefixCache:
+    """Automatic prefix caching over token ids; see the module docstring.
+
+    ``block_tokens`` >= 1; ``capacity_tokens`` >= ``block_tokens`` (capacity
+    is ``capacity_tokens // block_tokens`` blocks). A prompt is a sequence of
+    uint32 token-id arrays whose concatenation is the prompt
+    (`prototype.model.ModelRequest.prompt`), or a `PreparedPrompt` from
+    `prepare` (to hash once for a `match` and its `insert`). Every operation is
+    vectorised over the prompt's blocks (`_BlockTable`, which states costs): no
+    Python loop per block. Not thread-safe; no I/O, no clock.
+    """
+
+    def __init__(
+        self, block_tokens: int = DEFAULT_BLOCK_TOKENS, capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
+    ) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        if capacity_tokens < block_tokens:
+            raise ValueError(f"capacity_tokens must be >= block_tokens={block_tokens}, got {capacity_tokens}")
+        self.block_tokens = block_tokens
+        self.capacity_blocks = capacity_tokens // block_tokens
+        self._table = _BlockTable()
+        self._owners: dict[str, _Pin] = {}
+        self._lookups = 0
+        self._hit_tokens = 0
+        self._miss_tokens = 0
+        self._evicted = 0
+        self._overflow = 0
+        self._kv_idle_token_s = 0.0
+
+    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+        """The prompt's chained block keys (see `block_keys`); a `PreparedPrompt` is returned as is."""
+        if isinstance(prompt, PreparedPrompt):
+            if prompt.block_tokens != self.block_tokens:
+                raise ValueError(
+                    f"prompt prepared for {prompt.block_tokens}-token blocks, cache uses {self.block_tokens}"
+                )
+            return prompt
+        keys = block_keys(prompt, self.block_tokens)
+        return PreparedPrompt(self.block_tokens, sum(len(chunk) for chunk in prompt), keys)
+
+    def match(self, prompt: Prompt) -> int:
+        """Leading prompt tokens whose KV is cached: a multiple of ``block_tokens``, < prompt length.
+
+        Looks up the blocks of the first ``prompt_tokens - 1`` tokens and counts
+        the hits before the first miss; those become most recently used (head
+        block last). Counts one lookup, its hit and miss tokens.
+        """
+        prepared = self.prepare(prompt)
+        limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
+        slots = self._table.lookup(prepared.keys[:limit])
+        misses = np.flatnonzero(slots < 0)
+        hits = int(misses[0]) if misses.size else limit
+        self._table.touch(slots[:hits][::-1])
+        matched = hits * self.block_tokens
+        self._lookups += 1
+        self._hit_tokens += matched
+        self._miss_tokens += prepared.prompt_tokens - matched
+        return matched
+
+    def insert(self, prompt: Prompt, *, owner: str | None = None, now: float) -> None:
+        """Cache every full block of the prompt (most recently used), then evict down to capacity.
+
+        With ``owner``, pin the prompt's blocks for that owner and unpin the
+        blocks of the owner's previous insert, closing its `kv_idle_token_s`
+        interval at `now` (`ValueError`, before any change, if `now` is before
+        that insert's). Eviction takes unpinned blocks, least recently used
+        first; if none is left the cache stays over capacity and the blocks
+        admitted beyond it are counted in ``overflow_blocks``.
+        """
+        previous = None if owner is None else self._owners.get(owner)
+        if previous is not None:
+            self._check_time(previous, now)
+        prepared = self.prepare(prompt)
+        table = self._table
+        table.reserve(len(prepared.keys))
+        excess_before = self._excess()
+        slots = table.lookup(prepared.keys)
+        absent = slots < 0
+        if absent.any():
+            slots[absent] = table.place(prepared.keys[absent])
+        if owner is None:
+            table.touch(slots[::-1])  # tail first: the head ends most recently used
+        else:
+            kept = 0 if previous is None else _common_prefix(previous.prompt.keys, prepared.keys)
+            table.pin(slots[kept:])  # only the difference to the owner's previous pin changes counts
+            self._owners[owner] = _Pin(prepared, now)
+            if previous is not None:
+                self._close_pin(previous, now, kept)
+        self._evict()
+        self._overflow += max(0, self._excess() - excess_before)
+
+    def release(self, owner: str, now: float) -> None:
+        """Unpin the owner's blocks (they stay cached, most recently used) and evict down to capacity.
+
+        Closes the owner's `kv_idle_token_s` interval at `now` (`ValueError`,
+        before any change, if `now` is before the pinning insert's). Unknown
+        owners are ignored.
+        """
+        pin = self._owners.get(owner)
+        if pin is None:
+            return
+        self._check_time(pin, now)
+        del self._owners[owner]
+        self._close_pin(pin, now, 0)
+        self._evict()
+
+    def statistics(self) -> PrefixCacheStatistics:
+        return PrefixCacheStatistics(
+            lookups=self._lookups,
+            hit_tokens=self._hit_tokens,
+            miss_tokens=self._miss_tokens,
+            resident_blocks=self._table.full,
+            pinned_blocks=self._table.pinned,
+            evicted_blocks=self._evicted,
+            overflow_blocks=self._overflow,
+            kv_idle_token_s=self._kv_idle_token_s,
+        )
+
+    @staticmethod
+    def _check_time(pin: _Pin, now: float) -> None:
+        if not now >= pin.since:
+            raise ValueError(f"now={now} is before the owner's pin at {pin.since}")
+
+    def _close_pin(self, pin: _Pin, now: float, kept: int) -> None:
+        """Account the pin's idle KV up to `now` and unpin its blocks after the first `kept` (still pinned)."""
+        self._kv_idle_token_s += len(pin.prompt.keys) * self.block_tokens * (now - pin.since)
+        slots = self._table.lookup(pin.prompt.keys[kept:])  # pinned blocks are never evicted: all resident
+        self._table.unpin(slots)
+
+    def _excess(self) -> int:
+        return max(0, self._table.full - self.capacity_blocks)
+
+    def _evict(self) -> None:
+        n = min(self._excess(), self._table.full - self._table.pinned)
+        if n:
+            self._table.evict(n)
+            self._evicted += n

@@ -1,0 +1,183 @@
+"""The API stages of a turn: work counted per stage, timings that add up, switches, profiles, metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from prototype.app import ENGINE, ServerConfig
+from prototype.client import TurnResult, open_client, tool_outputs
+from prototype.pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage, load_profile
+from prototype.safety import SafetyClassifier
+from sim.realtime import AsyncioClock
+
+from .support import EXEC_TOOL, live_server
+
+TURNS = 10
+
+
+async def rollout(mode: str, config: ServerConfig | None = None, turns: int = TURNS) -> list[TurnResult]:
+    async with live_server(tool_calls=turns - 1, seed=5, config=config) as live:
+        client = open_client(mode, live.base_url, AsyncioClock())  # type: ignore[arg-type]
+        settings = {"model": "sim", "tools": [EXEC_TOOL], "instructions": "Be careful.", "store": mode == "http_prev"}
+        items: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
+        results = []
+        try:
+            for k in range(turns):
+                result = await client.turn(items, **settings)
+                results.append(result)
+                items = tool_outputs(result, "line of tool output\n" * 40)
+                if not items:
+                    break
+        finally:
+            await client.close()
+        return results
+
+
+def per_turn(results: list[TurnResult], field: str) -> list[int]:
+    """Work done in each turn; append-mode reports are cumulative over the response's segments."""
+    values = [getattr(r.response.longrun, field) for r in results]
+    if results[0].response.id == results[-1].response.id:  # append: one response
+        return [b - a for a, b in zip([0, *values], values, strict=False)]
+    return values
+
+
+def not_growing(values: list[int]) -> bool:
+    """No trend: the later half averages within 1.5× the earlier half (the model's output sizes vary)."""
+    half = len(values) // 2
+    early, late = sum(values[:half]) / half, sum(values[half:]) / (len(values) - half)
+    return late < 1.5 * early
+
+
+@pytest.mark.parametrize("field", ["tokens_rendered", "tokens_classified"])
+async def test_per_turn_work_is_flat_for_ws_and_append_and_grows_for_http(field: str) -> None:
+    work = {mode: per_turn(await rollout(mode), field) for mode in ("http", "http_prev", "ws", "append")}
+    for mode in ("http", "http_prev"):
+        growth = work[mode]
+        assert all(b > a for a, b in zip(growth[1:], growth[2:], strict=False)), (mode, growth)  # grows every turn
+        assert growth[-1] > 3 * growth[1], (mode, growth)
+    for mode in ("ws", "append"):
+        flat = work[mode][1:]  # after the first turn: only the new items (tool output + model output)
+        assert not_growing(flat), (mode, flat)
+        assert max(flat) < work["http"][-1] / 5, (mode, flat, work["http"])
+    # http and http_prev do the same rendering; ws and append the same incremental work
+    assert work["http"] == work["http_prev"]
+
+
+async def test_stage_timings_add_up_to_the_server_time() -> None:
+    scaled = CostProfile(
+        name="fast-hosted",
+        rtt_s=0.004,
+        auth_s=0.003,
+        routing_s=0.008,
+        safety_call_s=0.005,
+        safety_s_per_token=4e-7,
+        state_load_s=0.002,
+        inference_hop_s=0.002,
+        billing_s=0.007,
+    )
+    for mode in ("http", "http_prev", "ws", "append"):
+        results = await rollout(mode, ServerConfig(profile=scaled), turns=4)
+        previous = 0.0
+        for result in results:
+            report = result.response.longrun
+            assert report is not None
+            total = sum(report.stages_s.values())
+            assert abs(total - report.server_s) <= 0.05 * report.server_s, (mode, report)
+            assert set(report.stages_s) <= {s.value for s in Stage}
+            # the client saw at least the server's time (append reports are cumulative over segments)
+            segment_s = report.server_s - previous if mode == "append" else report.server_s
+            previous = report.server_s
+            assert segment_s <= result.e2e_s, (mode, segment_s, result.e2e_s)
+
+
+async def test_hosted_shape_http_pays_routing_and_billing_every_turn_ws_once() -> None:
+    scaled = CostProfile(name="scaled", auth_s=0.003, routing_s=0.008, billing_s=0.007)
+    http = await rollout("http", ServerConfig(profile=scaled), turns=3)
+    ws = await rollout("ws", ServerConfig(profile=scaled), turns=3)
+    for r in http:
+        assert r.response.longrun.stages_s["routing"] >= 0.011  # type: ignore[union-attr]
+        assert r.response.longrun.stages_s["post_inference"] >= 0.007  # type: ignore[union-attr]
+    assert ws[0].response.longrun.stages_s["routing"] >= 0.011  # type: ignore[union-attr]
+    for r in ws[1:]:
+        assert "routing" not in r.response.longrun.stages_s  # type: ignore[union-attr]  # reused on the connection
+    for r in ws:
+        assert r.response.longrun.stages_s["post_inference"] < 0.007  # type: ignore[union-attr]
+        assert r.response.longrun.overlapped_s == pytest.approx(0.007)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("disabled", "field"),
+    [(Optimization.TOKEN_CACHE, "tokens_rendered"), (Optimization.INCREMENTAL_SAFETY, "tokens_classified")],
+)
+async def test_each_switch_alone_brings_back_the_growing_work(disabled: Optimization, field: str) -> None:
+    config = ServerConfig(optimizations=ALL_OPTIMIZATIONS - {disabled})
+    grows = per_turn(await rollout("ws", config), field)
+    assert all(b > a for a, b in zip(grows[1:], grows[2:], strict=False)) and grows[-1] > 3 * grows[1], grows
+    other = "tokens_classified" if field == "tokens_rendered" else "tokens_rendered"
+    assert not_growing(per_turn(await rollout("ws", config), other)[1:])
+
+
+async def test_without_state_cache_ws_loads_like_http_prev() -> None:
+    config = ServerConfig(optimizations=ALL_OPTIMIZATIONS - {Optimization.STATE_CACHE})
+    async with live_server(tool_calls=3, seed=5, config=config) as live:
+        client = open_client("ws", live.base_url, AsyncioClock())
+        try:
+            first = await client.turn([{"role": "user", "content": "go"}], model="sim", tools=[EXEC_TOOL])
+            second = await client.turn(tool_outputs(first, "ok"), model="sim", tools=[EXEC_TOOL])
+        finally:
+            await client.close()
+    assert second.response.longrun.connection_cache == "hit"  # type: ignore[union-attr]
+    assert second.response.longrun.tokens_rendered > first.response.longrun.tokens_rendered  # type: ignore[union-attr]
+
+
+async def test_flagged_input_is_refused_before_inference() -> None:
+    async with live_server() as live:
+        engine = live.app[ENGINE]
+        blocked = int(engine.tokenizer.encode(" forbidden")[0])
+        engine.classifier = SafetyClassifier(flag_tokens=[blocked])
+        async with aiohttp.ClientSession() as s:
+            async with s.post(live.base_url + "/responses", json={"model": "m", "input": "a forbidden word"}) as r:
+                body = await r.json()
+        assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "content_filter"}
+        assert body["output"] == [] and engine.statistics().model_calls == 0
+
+
+async def test_metrics_endpoint_exposes_stage_histograms() -> None:
+    async with live_server() as live, aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(live.base_url + "/responses", json={"model": "m", "input": "hi"}) as r:
+                assert r.status == 200
+        async with s.get(live.base_url.replace("/v1", "/metrics")) as r:
+            text = await r.text()
+            assert r.content_type == "text/plain"
+    assert "# TYPE longrun_stage_seconds histogram" in text
+    assert 'longrun_stage_seconds_count{stage="render"} 2' in text
+    assert 'longrun_stage_seconds_bucket{stage="decode",le="+Inf"} 2' in text
+    assert "longrun_responses_total 2" in text and "longrun_tokens_rendered_total" in text
+
+
+def test_profiles_and_profile_files(tmp_path: Path) -> None:
+    assert load_profile("local") == PROFILES["local"] and load_profile("hosted").routing_s > 0
+    good = tmp_path / "p.json"
+    good.write_text(json.dumps({"name": "mine", "rtt_s": 0.1, "billing_s": 0.2}))
+    assert load_profile(str(good)) == CostProfile(name="mine", rtt_s=0.1, billing_s=0.2)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rtt": 0.1}))
+    with pytest.raises(ValueError, match=r"Object contains unknown field `rtt`"):
+        load_profile(str(bad))
+    with pytest.raises(ValueError, match=r"^unknown cost profile 'nope'"):
+        load_profile("nope")
+
+
+def test_hosted_profile_matches_the_calibration() -> None:
+    """workloads.md 5: ≈250 ms fixed + 10 µs/token over HTTP, ≈70 ms + 10 µs/new token over WS."""
+    p = PROFILES["hosted"]
+    http_fixed = p.auth_s + p.routing_s + p.safety_call_s + p.inference_hop_s + p.billing_s
+    ws_fixed = p.safety_call_s + p.inference_hop_s
+    assert http_fixed == pytest.approx(0.250) and ws_fixed == pytest.approx(0.070)
+    assert p.safety_s_per_token + p.validate_s_per_token == pytest.approx(10e-6)
