@@ -13,6 +13,7 @@ from prototype.app import ENGINE, ServerConfig
 from prototype.client import TurnResult, open_client, tool_outputs
 from prototype.pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage, load_profile
 from prototype.safety import SafetyClassifier
+from sim.kv import PrefixCache
 from sim.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, live_server
@@ -27,7 +28,7 @@ async def rollout(mode: str, config: ServerConfig | None = None, turns: int = TU
         items: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
         results = []
         try:
-            for k in range(turns):
+            for _ in range(turns):
                 result = await client.turn(items, **settings)
                 results.append(result)
                 items = tool_outputs(result, "line of tool output\n" * 40)
@@ -181,3 +182,53 @@ def test_hosted_profile_matches_the_calibration() -> None:
     ws_fixed = p.safety_call_s + p.inference_hop_s
     assert http_fixed == pytest.approx(0.250) and ws_fixed == pytest.approx(0.070)
     assert p.safety_s_per_token + p.validate_s_per_token == pytest.approx(10e-6)
+
+
+async def test_usage_cached_tokens_are_the_prefix_cache_hits() -> None:
+    async with live_server(tool_calls=5, seed=5) as live:
+        client = open_client("http", live.base_url, AsyncioClock())
+        items: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+        usages = []
+        try:
+            for _ in range(6):
+                result = await client.turn(items, model="sim", tools=[EXEC_TOOL], instructions="x " * 300)
+                usages.append(result.response.usage)
+                items = tool_outputs(result, "ok " * 50)
+        finally:
+            await client.close()
+        stats = live.model.statistics()
+    cached = [u.input_tokens_details.cached_tokens for u in usages]  # type: ignore[union-attr]
+    assert cached[0] == 0 and all(c > 0 for c in cached[1:])
+    assert sum(cached) == stats.cached_tokens == stats.kv.hit_tokens
+    assert all(c % 16 == 0 for c in cached)  # whole blocks
+    assert all(c < u.input_tokens for c, u in zip(cached, usages, strict=True))  # type: ignore[union-attr]
+
+
+async def test_under_kv_pressure_ws_loses_its_prefix_while_a_paused_append_keeps_its_kv() -> None:
+    """Continuum (arXiv 2511.02230): end-of-turn KV release exposes create modes to eviction."""
+    async with live_server(tool_calls=1, seed=5) as live:
+        live.model.prefix_cache = PrefixCache(capacity_tokens=3000)
+        clock = AsyncioClock()
+        appender, creator = open_client("append", live.base_url, clock), open_client("ws", live.base_url, clock)
+        flood = open_client("http", live.base_url, clock)
+        a_settings = {"model": "sim", "tools": [EXEC_TOOL], "instructions": "Follow plan A. " * 120}
+        w_settings = {"model": "sim", "tools": [EXEC_TOOL], "instructions": "Follow plan W. " * 120}
+        try:
+            a1 = await appender.turn([{"role": "user", "content": "task A"}], **a_settings)
+            w1 = await creator.turn([{"role": "user", "content": "task W"}], **w_settings)
+            for i in range(4):  # other tenants' long prompts push unpinned blocks out
+                await flood.turn([{"role": "user", "content": f"tenant {i} " + "data " * 900}], model="sim")
+            a2 = await appender.turn(tool_outputs(a1, "ok"), **a_settings)
+            w2 = await creator.turn(tool_outputs(w1, "ok"), **w_settings)
+        finally:
+            for c in (appender, creator, flood):
+                await c.close()
+    assert a1.response.usage is None and a2.response.usage is not None  # one response: paused, then completed
+    assert w1.response.usage is not None and w1.response.usage.input_tokens_details.cached_tokens == 0
+    w2_cached = w2.response.usage.input_tokens_details.cached_tokens  # type: ignore[union-attr]
+    a2_cached = a2.response.usage.input_tokens_details.cached_tokens  # segment 1 was cold: all of it is segment 2
+    assert w2_cached == 0  # the ws conversation's prefix was evicted between its turns
+    assert a2_cached > 500  # the paused response's KV (its ~600-token context) was pinned through the pressure
+    stats = live.model.statistics()
+    assert stats.kv.evicted_blocks > 0 and stats.kv.pinned_blocks == 0  # released when the response ended
+    assert live.app[ENGINE].statistics().kv_idle_token_s > 0
