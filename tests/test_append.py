@@ -248,7 +248,12 @@ async def rollout(mode: str, turns: int) -> tuple[Recorder, list[Any], Any]:
         engine.model = recorder
         clock = AsyncioClock()
         client = open_client(mode, live.base_url, clock)  # type: ignore[arg-type]
-        settings = {"model": "sim", "tools": [EXEC_TOOL], "instructions": "You are a coding agent.", "store": False}
+        settings = {
+            "model": "sim",
+            "tools": [EXEC_TOOL],
+            "instructions": "You are a coding agent.",
+            "store": mode == "http_prev",
+        }
         results = []
         items: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
         try:
@@ -318,3 +323,13 @@ async def test_store_true_append_response_is_stored_once_with_its_transcript(liv
     assert [{k: v for k, v in o.items() if k not in strip} for o in hydrated["output"]] == [
         {k: v for k, v in o.items() if k not in strip} for o in cached["output"]
     ]
+
+
+async def test_all_four_modes_feed_the_model_the_same_tokens() -> None:
+    recorders = {mode: (await rollout(mode, 8))[0] for mode in ("http", "http_prev", "ws", "append")}
+    reference = recorders["http"]
+    for mode, rec in recorders.items():
+        assert len(rec.prompts) == 8, mode
+        for k in range(8):
+            assert np.array_equal(rec.prompts[k], reference.prompts[k]), (mode, k)
+            assert rec.tokens[k] == reference.tokens[k], (mode, k)
