@@ -18,6 +18,7 @@ import uvloop
 from aiohttp import web
 
 from sim.accelerator import SimulatedModel
+from sim.kv import PrefixCache
 from sim.policy import DefaultPolicy, Policy, load_script
 from sim.realtime import AsyncioClock
 
@@ -42,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--prefill-tps", type=float, default=0.0, help="prefill tokens/s for uncached prompt tokens; 0 = instant"
+    )
+    p.add_argument("--kv-capacity", type=int, default=4_000_000, help="prefix-cache capacity in tokens (LRU)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="switch the simulator's prefix cache off")
+    p.add_argument(
+        "--decode-slots", type=int, default=0, help="turns decoding at once; more queue FIFO (0 = unlimited)"
+    )
+    p.add_argument("--decode-jitter", type=float, default=0.0, help="sigma of a per-turn lognormal decode-rate factor")
+    p.add_argument(
+        "--concurrency-slowdown", type=float, default=0.0, help="decode rate / (1 + s x (concurrent turns - 1))"
     )
     p.add_argument(
         "--tool-calls",
@@ -106,6 +116,11 @@ async def serve(args: argparse.Namespace) -> None:
         decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
         model_latency_s=args.model_latency,
         prefill_tok_per_s=args.prefill_tps if args.prefill_tps > 0 else math.inf,
+        prefix_cache=None if args.no_prefix_cache else PrefixCache(capacity_tokens=args.kv_capacity),
+        prefix_caching=not args.no_prefix_cache,
+        decode_slots=args.decode_slots or None,
+        decode_jitter=args.decode_jitter,
+        concurrency_slowdown=args.concurrency_slowdown,
     )
     config = ServerConfig(
         api_key=args.api_key,
