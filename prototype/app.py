@@ -43,7 +43,7 @@ from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import get_tokenizer
 
-__all__ = ["ENGINE", "ServerConfig", "make_app"]
+__all__ = ["ENGINE", "ServerConfig", "WebSocketSession", "make_app", "make_engine"]
 
 log = logging.getLogger("longrun.server")
 
@@ -75,6 +75,21 @@ CONFIG: Final = web.AppKey("config", ServerConfig)
 SOCKETS: Final = web.AppKey[set[web.WebSocketResponse]]("sockets")
 
 
+def make_engine(
+    *, model: TokenModel, store: ResponseStore, clock: Clock, config: ServerConfig, seed: int | None = None
+) -> Engine:
+    """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets)."""
+    return Engine(
+        model=model,
+        store=store,
+        clock=clock,
+        tokenizer=get_tokenizer(),
+        ids=IdFactory(seed),
+        profile=config.profile,
+        optimizations=config.optimizations,
+    )
+
+
 def make_app(
     *,
     model: TokenModel,
@@ -86,15 +101,7 @@ def make_app(
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
-    app[ENGINE] = Engine(
-        model=model,
-        store=store,
-        clock=clock,
-        tokenizer=get_tokenizer(),
-        ids=IdFactory(seed),
-        profile=config.profile,
-        optimizations=config.optimizations,
-    )
+    app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed)
     sockets: set[web.WebSocketResponse] = set()
     app[SOCKETS] = sockets
     app.router.add_post("/v1/responses", create_response)

@@ -21,6 +21,7 @@ types the server encodes with.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -132,43 +133,67 @@ class _History:
 
 
 class HTTPClient:
+    """`http` (full history) or, with `chained=True`, `http_prev`. Subclasses replace
+    `_exchange` to carry the same bodies over another transport."""
+
     def __init__(self, base_url: str, clock: Clock, *, chained: bool, api_key: str = "sk-longrun") -> None:
         self.mode: Mode = "http_prev" if chained else "http"
         self.url = base_url.rstrip("/") + "/responses"
         self.clock = clock
         self.chained = chained
         self.history = _History()
-        self.session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {api_key}"})
+        self.api_key = api_key
+        self.session: aiohttp.ClientSession | None = None
 
-    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+    def body(self, new_items: list[dict[str, Any]], settings: dict[str, Any]) -> bytes:
         if self.chained:
             body = {**settings, "input": new_items, "previous_response_id": self.history.previous_id, "stream": True}
         else:
             body = {**settings, "input": self.history.items + new_items, "stream": True}
-        data = encode(body)
-        sent_at = self.clock.now()
-        async with self.session.post(self.url, data=data, headers={"Content-Type": "application/json"}) as resp:
-            if resp.status != 200:
-                raise ClientError(resp.status, await resp.json())
-            tracker = _Tracker(self.clock, sent_at, len(data))
-            decoder = SSEDecoder()
-            result = None
-            async for chunk in resp.content.iter_any():
-                for sse in decoder.feed(chunk):
-                    if sse.data == "[DONE]":
-                        continue
-                    result = tracker.see(decode_server_event(sse.data)) or result
+        return encode(body)
+
+    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+        data = self.body(new_items, settings)
+        tracker = _Tracker(self.clock, self.clock.now(), len(data))
+        result = None
+        async for event in self._exchange(data):
+            result = tracker.see(event) or result
         if result is None:
             raise ClientError(502, "stream ended before a terminal event")
         self.history.record(new_items, result)
         return result
 
+    async def _exchange(self, data: bytes) -> AsyncIterator[ServerEvent]:
+        """POST the body and yield the server's events as they arrive (SSE)."""
+        if self.session is None:
+            self.session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {self.api_key}"})
+        async with self.session.post(self.url, data=data, headers={"Content-Type": "application/json"}) as resp:
+            if resp.status != 200:
+                raise ClientError(resp.status, await resp.json())
+            decoder = SSEDecoder()
+            async for chunk in resp.content.iter_any():
+                for sse in decoder.feed(chunk):
+                    if sse.data != "[DONE]":
+                        yield decode_server_event(sse.data)
+
     async def close(self) -> None:
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
+
+
+class TextSocket(Protocol):
+    """What `WSClient` needs of a WebSocket (aiohttp's client socket, or an in-process pair)."""
+
+    async def send_str(self, data: str) -> None: ...
+
+    async def receive(self) -> aiohttp.WSMessage: ...
+
+    async def close(self) -> Any: ...
 
 
 class WSClient:
-    """`ws` mode; with `append=True`, `append` mode on the same socket machinery."""
+    """`ws` mode; with `append=True`, `append` mode on the same socket machinery.
+    Subclasses replace `_connect` to use another transport."""
 
     def __init__(self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun", append: bool = False) -> None:
         self.mode: Mode = "append" if append else "ws"
@@ -179,14 +204,18 @@ class WSClient:
         self.clock = clock
         self.history = _History()
         self.api_key = api_key
+        self.session: aiohttp.ClientSession | None = None
+        self.ws: TextSocket | None = None
+
+    async def _connect(self) -> TextSocket:
         self.session = aiohttp.ClientSession()
-        self.ws: aiohttp.ClientWebSocketResponse | None = None
+        return await self.session.ws_connect(
+            self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
+        )
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
         if self.ws is None:
-            self.ws = await self.session.ws_connect(
-                self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
-            )
+            self.ws = await self._connect()
         if self.paused_id is not None:
             body: dict[str, Any] = {"type": "response.append", "response_id": self.paused_id, "input": new_items}
         else:
@@ -197,9 +226,8 @@ class WSClient:
                 "previous_response_id": self.history.previous_id,
             }
         data = encode(body).decode()
-        sent_at = self.clock.now()
+        tracker = _Tracker(self.clock, self.clock.now(), len(data))
         await self.ws.send_str(data)
-        tracker = _Tracker(self.clock, sent_at, len(data))
         while True:
             msg = await self.ws.receive()
             if msg.type is not aiohttp.WSMsgType.TEXT:
@@ -214,7 +242,8 @@ class WSClient:
     async def close(self) -> None:
         if self.ws is not None:
             await self.ws.close()
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
 
 
 def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-longrun") -> ResponsesClient:

@@ -22,15 +22,17 @@ import numpy as np
 import uvloop
 from aiohttp import web
 
-from prototype.app import ServerConfig, make_app
-from prototype.client import MODES, open_client
+from prototype.app import ServerConfig, make_app, make_engine
+from prototype.client import MODES, Mode, ResponsesClient, open_client
 from prototype.pipeline import load_profile
 from prototype.store import MemoryStore
 from sim.accelerator import SimulatedModel
+from sim.inprocess import InProcessServer
 from sim.kv import PrefixCache
 from sim.live import RolloutResult, make_spec, run_rollout
 from sim.policy import DefaultPolicy
 from sim.realtime import AsyncioClock
+from sim.virtual import VirtualClock, run_virtual
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,16 +52,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model-latency", type=float, default=0.05, metavar="SECONDS", help="fixed model latency")
     c.add_argument("--prefill-tps", type=float, default=20_000.0, help="prefill tokens/s for uncached tokens")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument(
+        "--virtual",
+        action="store_true",
+        help="run in process on a virtual clock (no sockets; waits cost no wall time)",
+    )
+    c.add_argument(
+        "--free-cpu",
+        action="store_true",
+        help="with --virtual: real CPU work costs no virtual time (results exactly reproducible)",
+    )
+    c.add_argument("--quiet", action="store_true", help="no progress line")
     c.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of http,http_prev,ws,append")
     return p
 
 
 async def compare(args: argparse.Namespace) -> list[RolloutResult]:
+    """Every mode's rollouts, one after another, against one server: live on loopback, or
+    (`args.virtual`) in process through the same engine and WebSocket adapter."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    clock = AsyncioClock()
+    clock = VirtualClock() if args.virtual else AsyncioClock()
     model = SimulatedModel(
         clock=clock,
         policy=DefaultPolicy(tool_calls=args.tool_calls),
@@ -69,12 +84,23 @@ async def compare(args: argparse.Namespace) -> list[RolloutResult]:
         prefill_tok_per_s=args.prefill_tps if args.prefill_tps > 0 else math.inf,
     )
     config = ServerConfig(profile=load_profile(args.profile))
-    app = make_app(model=model, store=MemoryStore(), clock=clock, config=config, seed=args.seed)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    store = MemoryStore()
+    runner: web.AppRunner | None = None
+    if args.virtual:
+        server = InProcessServer(make_engine(model=model, store=store, clock=clock, config=config, seed=args.seed))
+
+        def client_for(mode: Mode) -> ResponsesClient:
+            return server.client(mode, clock)
+    else:
+        runner = web.AppRunner(make_app(model=model, store=store, clock=clock, config=config, seed=args.seed))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+        def client_for(mode: Mode) -> ResponsesClient:
+            return open_client(mode, base_url, clock)
+
     results: list[RolloutResult] = []
     try:
         total = len(modes) * args.rollouts
@@ -91,15 +117,18 @@ async def compare(args: argparse.Namespace) -> list[RolloutResult]:
                     tool_time_sigma=0.8,
                     tool_output_median_tokens=args.tool_output_tokens,
                 )
-                client = open_client(mode, base_url, clock)
+                client = client_for(mode)
                 try:
                     results.append(await run_rollout(client, clock, spec, model="sim-1k"))
                 finally:
                     await client.close()
-                print(f"\r  {len(results)}/{total} rollouts", end="", file=sys.stderr, flush=True)
-        print(file=sys.stderr)
+                if not args.quiet:
+                    print(f"\r  {len(results)}/{total} rollouts", end="", file=sys.stderr, flush=True)
+        if not args.quiet:
+            print(file=sys.stderr)
     finally:
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
     return results
 
 
@@ -134,10 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"longrun compare: {args.rollouts} rollouts x {args.tool_calls} tool calls per mode, "
         f"{args.tps:g} tokens/s, tool time median {args.tool_time:g} s, seed {args.seed} "
-        f"(live loopback, {args.profile} cost profile)",
+        f"({'virtual time' if args.virtual else 'live loopback'}, {args.profile} cost profile)",
         flush=True,
     )
-    results = uvloop.run(compare(args))
+    results = run_virtual(compare(args), charge_cpu=not args.free_cpu) if args.virtual else uvloop.run(compare(args))
     print(table(results))
     return 0
 

@@ -2,7 +2,9 @@
 
 * `prototype/` imports `sim/` only in its composition root, `prototype/server.py`.
 * The sans-IO core (wire types, state machines, framing, rendering) and all of
-  `sim/` except `sim/realtime.py` import no asyncio, aiohttp or uvloop.
+  `sim/` except its async adapters (`realtime.py`: the wall clock; `virtual.py`: the
+  virtual-time loop; `inprocess.py`: the socket-less transport) import no asyncio,
+  aiohttp or uvloop.
 * uvloop is chosen only in entry points.
 """
 
@@ -51,7 +53,10 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
     assert not imports(path) & IO_MODULES, f"{path.name} imports {imports(path) & IO_MODULES}"
 
 
-@pytest.mark.parametrize("path", [p for p in modules("sim") if p.name != "realtime.py"], ids=lambda p: p.name)
+SIM_ASYNC_ADAPTERS = {"realtime.py", "virtual.py", "inprocess.py"}
+
+
+@pytest.mark.parametrize("path", [p for p in modules("sim") if p.name not in SIM_ASYNC_ADAPTERS], ids=lambda p: p.name)
 def test_sim_uses_asyncio_only_in_realtime(path: Path) -> None:
     allowed = IO_MODULES if path in ENTRY_POINTS else set()  # entry points compose the live server
     assert not (imports(path) & IO_MODULES) - allowed, f"{path.name} imports {imports(path) & IO_MODULES}"

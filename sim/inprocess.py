@@ -1,0 +1,148 @@
+"""The server's logic without sockets: in-process transports for virtual-time runs.
+
+Covers: running the same engine, connection core and WebSocket adapter
+(`prototype.app.WebSocketSession`) as the live server, with the client's frames
+and the server's events handed over in memory. Bytes are still encoded and
+decoded at both ends (that JSON work is part of what the modes cost), and the
+cost profile's `network` stage still charges the modeled round trip and upload,
+exactly as on the live server. What disappears is the kernel: no sockets, no
+waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import msgspec
+from aiohttp import WSMsgType
+
+from prototype.app import ServerConfig, WebSocketSession
+from prototype.client import ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
+from prototype.clock import Clock
+from prototype.conversation import normalize_create
+from prototype.engine import Arrival, Engine
+from prototype.errors import ProtocolError, from_validation_error
+from prototype.schemas import ServerEvent, decode_create_params, decode_server_event, encode
+
+__all__ = ["InProcessServer"]
+
+_CLOSED = aiohttp.WSMessage(WSMsgType.CLOSED, None, None)
+
+
+class _ServerSocket:
+    """The server's end of an in-process WebSocket: what `WebSocketSession` uses of aiohttp's."""
+
+    def __init__(self, inbox: asyncio.Queue[str | None], outbox: asyncio.Queue[aiohttp.WSMessage]) -> None:
+        self.inbox = inbox
+        self.outbox = outbox
+        self.closed = False
+
+    async def send_frame(self, data: bytes, opcode: WSMsgType) -> None:
+        self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, bytes(data).decode(), None))
+
+    async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
+        if not self.closed:
+            self.closed = True
+            self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.CLOSE, code, message.decode()))
+            self.inbox.put_nowait(None)
+        return True
+
+    def __aiter__(self) -> _ServerSocket:
+        return self
+
+    async def __anext__(self) -> aiohttp.WSMessage:
+        data = await self.inbox.get()
+        if data is None:
+            self.closed = True
+            raise StopAsyncIteration
+        return aiohttp.WSMessage(WSMsgType.TEXT, data, None)
+
+
+class _ClientSocket:
+    """The client's end: `TextSocket` for `WSClient`."""
+
+    def __init__(self, inbox: asyncio.Queue[aiohttp.WSMessage], outbox: asyncio.Queue[str | None]) -> None:
+        self.inbox = inbox
+        self.outbox = outbox
+        self.session_task: asyncio.Task[None] | None = None
+
+    async def send_str(self, data: str) -> None:
+        self.outbox.put_nowait(data)
+
+    async def receive(self) -> aiohttp.WSMessage:
+        return await self.inbox.get()
+
+    async def close(self) -> None:
+        self.outbox.put_nowait(None)
+        if self.session_task is not None:
+            await self.session_task
+
+
+class _InProcessHTTP(HTTPClient):
+    def __init__(self, server: InProcessServer, clock: Clock, *, chained: bool) -> None:
+        super().__init__("inprocess://", clock, chained=chained)
+        self.server = server
+
+    async def _exchange(self, data: bytes) -> AsyncIterator[ServerEvent]:
+        engine = self.server.engine
+        arrival = Arrival(engine.clock.now(), len(data), "http")
+        try:
+            params = decode_create_params(data)
+            create = normalize_create(params, websocket=False)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ClientError(400, from_validation_error(exc).body()) from None
+        except ProtocolError as err:
+            raise ClientError(err.status, err.body()) from None
+        queue: asyncio.Queue[ServerEvent | None] = asyncio.Queue()
+
+        async def emit(events: list[ServerEvent]) -> None:
+            for ev in events:
+                queue.put_nowait(decode_server_event(encode(ev)))  # the bytes a socket would carry
+
+        async def run() -> None:
+            try:
+                outcome = await engine.run(create, None, emit, arrival=arrival)
+                if outcome.error is not None:
+                    raise ClientError(outcome.error.status, outcome.error.body())
+            finally:
+                queue.put_nowait(None)
+
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            await task
+
+
+class _InProcessWS(WSClient):
+    def __init__(self, server: InProcessServer, clock: Clock, *, append: bool) -> None:
+        super().__init__("inprocess://", clock, append=append)
+        self.server = server
+        self.append_mode = append
+
+    async def _connect(self) -> TextSocket:
+        to_server: asyncio.Queue[str | None] = asyncio.Queue()
+        to_client: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
+        server_end = _ServerSocket(to_server, to_client)
+        client_end = _ClientSocket(to_client, to_server)
+        session = WebSocketSession(self.server.engine, self.server.config, server_end, append_mode=self.append_mode)  # type: ignore[arg-type]
+        client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
+        return client_end
+
+
+class InProcessServer:
+    """The server's parts, reachable without sockets. One per simulated server."""
+
+    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServerConfig()
+
+    def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
+        if mode in ("http", "http_prev"):
+            return _InProcessHTTP(self, clock, chained=mode == "http_prev")
+        if mode in ("ws", "append"):
+            return _InProcessWS(self, clock, append=mode == "append")
+        raise ValueError(f"unknown mode {mode!r}")

@@ -1,0 +1,120 @@
+"""Virtual time for asyncio: the same coroutines, no waiting.
+
+Theory of operation
+-------------------
+`asyncio.BaseEventLoop._run_once` computes how long it may block (the time to
+its next timer) and passes that to its selector. `VirtualTimeLoop` gives it a
+selector that never blocks: it polls the real file descriptors (the loop's
+self-pipe) with timeout 0 and instead *advances the loop's clock* by the timeout
+it was asked to wait. The next iteration then finds the earliest timer due. So
+`asyncio.sleep`, `loop.call_at` and everything built on them (the simulator's
+absolute-deadline pacing, the cost profile's modeled waits, tool times) run in
+virtual time, in the same order as on a real clock, without sleeping (SimPy's
+RealtimeEnvironment/Environment split, trio's autojump clock).
+
+Real CPU work still matters: the API service's rendering and classification are
+real work whose duration the comparison measures. With `charge_cpu=True` (the
+default) the wall time the loop spends running callbacks between two selector
+calls is added to virtual time, so a virtual run takes as long, in virtual
+seconds, as a live run on this machine would — minus the waiting. With
+`charge_cpu=False` CPU work is free and results are exactly reproducible.
+
+A loop with nothing ready and no timer would wait forever on a real clock; here
+that is a deadlock and raises `VirtualDeadlock` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from prototype.clock import Clock
+
+__all__ = ["VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "run_virtual"]
+
+T = TypeVar("T")
+
+EPOCH_S = 1_767_225_600.0  # 2026-01-01T00:00:00Z: `time()` of virtual t = 0
+
+
+class VirtualDeadlock(RuntimeError):
+    """Nothing can ever run again: every task waits on something no timer will bring."""
+
+
+class _VirtualSelector(selectors.BaseSelector):
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        self._real = selectors.DefaultSelector()
+        self._loop = loop
+        self._cpu_mark = time.perf_counter()
+
+    def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.register(fileobj, events, data)
+
+    def unregister(self, fileobj: Any) -> selectors.SelectorKey:
+        return self._real.unregister(fileobj)
+
+    def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
+        return self._real.modify(fileobj, events, data)
+
+    def get_map(self) -> Any:
+        return self._real.get_map()
+
+    def close(self) -> None:
+        self._real.close()
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        loop = self._loop
+        now = time.perf_counter()
+        if loop.charge_cpu:
+            loop.virtual_now += now - self._cpu_mark  # the callbacks of the last iteration took this long
+        ready = self._real.select(0)
+        if not ready:
+            if timeout is None:
+                raise VirtualDeadlock("no task is ready and no timer is pending")
+            loop.virtual_now += timeout
+        self._cpu_mark = time.perf_counter()
+        return ready
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop whose `time()` is virtual and which never blocks."""
+
+    def __init__(self, *, charge_cpu: bool = True) -> None:
+        self.virtual_now = 0.0
+        self.charge_cpu = charge_cpu
+        super().__init__(selector=_VirtualSelector(self))
+
+    def time(self) -> float:
+        return self.virtual_now
+
+
+class VirtualClock:
+    """The `Clock` of code running on a `VirtualTimeLoop` (or any loop: it reads the loop's time)."""
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def time(self) -> float:
+        return EPOCH_S + self.now()
+
+    async def sleep_until(self, deadline: float) -> None:
+        delay = deadline - self.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def run_virtual(main: Callable[[], Coroutine[Any, Any, T]] | Awaitable[T], *, charge_cpu: bool = True) -> T:
+    """Run a coroutine to completion on a fresh `VirtualTimeLoop`."""
+    loop = VirtualTimeLoop(charge_cpu=charge_cpu)
+    try:
+        coro = main() if callable(main) else main
+        return loop.run_until_complete(coro)
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+_: Clock = VirtualClock()  # VirtualClock implements the Clock protocol

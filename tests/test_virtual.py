@@ -1,0 +1,87 @@
+"""Virtual time: the same coroutines, no waiting; and the comparison's fidelity to live runs."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+
+import pytest
+
+from sim.__main__ import build_parser, compare
+from sim.virtual import VirtualClock, VirtualDeadlock, VirtualTimeLoop, run_virtual
+
+
+def test_sleeps_advance_virtual_time_in_deadline_order_without_waiting() -> None:
+    order: list[tuple[float, str]] = []
+
+    async def sleeper(name: str, delays: list[float]) -> None:
+        clock = VirtualClock()
+        for d in delays:
+            await asyncio.sleep(d)
+            order.append((round(clock.now(), 9), name))
+
+    async def main() -> float:
+        await asyncio.gather(sleeper("a", [1.0, 2.0]), sleeper("b", [0.5, 1.0, 5.0]))
+        return asyncio.get_running_loop().time()
+
+    wall = time.perf_counter()
+    end = run_virtual(main, charge_cpu=False)
+    assert time.perf_counter() - wall < 1.0  # 6.5 virtual seconds, no waiting
+    assert end == pytest.approx(6.5)
+    assert order == [(0.5, "b"), (1.0, "a"), (1.5, "b"), (3.0, "a"), (6.5, "b")]
+
+
+def test_sleep_until_is_absolute() -> None:
+    async def main() -> float:
+        clock = VirtualClock()
+        await clock.sleep_until(10.0)
+        await clock.sleep_until(3.0)  # already past: returns at once
+        return clock.now()
+
+    assert run_virtual(main, charge_cpu=False) == 10.0
+
+
+def test_a_task_waiting_forever_is_a_deadlock_not_a_hang() -> None:
+    async def main() -> None:
+        await asyncio.get_running_loop().create_future()
+
+    with pytest.raises(VirtualDeadlock, match=r"^no task is ready and no timer is pending$"):
+        run_virtual(main, charge_cpu=False)
+
+
+def test_cpu_work_is_charged_when_asked() -> None:
+    async def busy() -> float:
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+        await asyncio.sleep(0)
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(busy, charge_cpu=True) >= 0.05
+    assert run_virtual(busy, charge_cpu=False) == 0.0
+    loop = VirtualTimeLoop()
+    loop.close()
+
+
+def args(*extra: str) -> object:
+    return build_parser().parse_args(
+        ["compare", "--rollouts", "2", "--tool-calls", "6", "--tool-time", "0.05", "--quiet", *extra]
+    )
+
+
+def test_virtual_results_are_deterministic_for_a_seed() -> None:
+    runs = [run_virtual(compare(args("--virtual", "--profile", "hosted")), charge_cpu=False) for _ in range(2)]
+    times = [[r.completion_s for r in run] for run in runs]
+    assert times[0] == times[1]
+    ttfts = [[t.ttft_s for r in run for t in r.turns] for run in runs]
+    assert ttfts[0] == ttfts[1]
+
+
+def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
+    live = asyncio.run(compare(args("--profile", "hosted")))  # type: ignore[arg-type]
+    virtual = run_virtual(compare(args("--virtual", "--profile", "hosted")))  # type: ignore[arg-type]
+    for mode in ("http", "http_prev", "ws", "append"):
+        a = statistics.median(r.completion_s for r in live if r.mode == mode)
+        b = statistics.median(r.completion_s for r in virtual if r.mode == mode)
+        assert abs(a - b) <= 0.05 * a, (mode, a, b)
