@@ -69,6 +69,7 @@ class TurnResult:
     bytes_sent: int
     events: int
     output_items: list[dict[str, Any]] = field(default_factory=list)
+    event_log: list[tuple[float, str]] = field(default_factory=list)  # (clock time, event type), in order
 
     @property
     def ttft_s(self) -> float | None:
@@ -97,9 +98,11 @@ class _Tracker:
         self.first_token_at: float | None = None
         self.events = 0
         self.items: list[dict[str, Any]] = []
+        self.log: list[tuple[float, str]] = []
 
     def see(self, event: ServerEvent) -> TurnResult | None:
         self.events += 1
+        self.log.append((self.clock.now(), event.__struct_config__.tag))  # type: ignore[arg-type]
         if self.first_token_at is None and isinstance(event, TOKEN_DELTAS):
             self.first_token_at = self.clock.now()
         if isinstance(event, OutputItemDone):
@@ -113,6 +116,7 @@ class _Tracker:
                 self.bytes_sent,
                 self.events,
                 self.items,
+                self.log,
             )
         if isinstance(event, ErrorEvent):
             raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))

@@ -1,15 +1,9 @@
-"""`python -m sim compare`: the same seeded agent rollouts in each API mode, side by side.
+"""`python -m sim`: the append-vs-create comparison (`compare`) and parameter sweeps (`sweep`).
 
-Scenario: the server runs in process on loopback with the token simulator at
-`--tps`; each mode runs the same rollouts (same tasks, tool outputs, tool times
-and model tokens) one after another; the table reports rollout completion time,
-TTFT and bytes sent per turn, and the share of `http`'s rollout time each mode saves.
-
-Status: this is the live-loopback comparison of all four modes on the `local`
-cost profile (only real CPU work: JSON, validation, rendering with the real BPE
-vocabulary). The modeled API-stage costs of the `hosted` profile (issue 4) and
-virtual time (issue 5) are not in yet, so the differences printed here are
-those of real CPU work and bytes alone.
+Covers: the main job. Scenario: the same seeded agent rollouts in each API mode
+(`http`, `http_prev`, `ws`, `append`) against one server, live on loopback by
+default or in virtual time (`--virtual`); a table of the workloads.md section 6
+metrics per mode, and with `--out DIR` a run folder (sim/trace.py).
 """
 
 from __future__ import annotations
@@ -17,22 +11,35 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Any
 
-import numpy as np
+import msgspec
 import uvloop
-from aiohttp import web
 
-from prototype.app import ServerConfig, make_app, make_engine
-from prototype.client import MODES, Mode, ResponsesClient, open_client
-from prototype.pipeline import load_profile
-from prototype.store import MemoryStore
-from sim.accelerator import SimulatedModel
-from sim.inprocess import InProcessServer
-from sim.kv import PrefixCache
-from sim.live import RolloutResult, make_spec, run_rollout
-from sim.policy import DefaultPolicy
+from sim.experiment import CompareConfig, CompareResult, run_compare
+from sim.metrics import ModeSummary
 from sim.realtime import AsyncioClock
+from sim.trace import write_run
 from sim.virtual import VirtualClock, run_virtual
+
+__all__ = ["build_parser", "main", "run", "table"]
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    """One option per `CompareConfig` field, typed and documented from its JSON schema
+    (the config's help text generates the CLI, as in vidur)."""
+    schema: Any = msgspec.json.schema(CompareConfig)
+    types = {"integer": int, "number": float, "string": str}
+    for name, prop in schema["$defs"]["CompareConfig"]["properties"].items():
+        flag = "--" + name.replace("_", "-")
+        if name == "modes":
+            p.add_argument(
+                flag, default=",".join(prop["default"]), help="comma-separated subset of " + ",".join(prop["default"])
+            )
+            continue
+        kinds = [prop.get("type")] + [alt.get("type") for alt in prop.get("anyOf", [])]
+        kind = next((types[k] for k in kinds if k in types), str)
+        p.add_argument(flag, type=kind, default=prop.get("default"), help=prop.get("description", ""))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,131 +50,80 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the same rollouts in each mode and print a table",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    c.add_argument("--rollouts", type=int, default=3, help="rollouts per mode")
-    c.add_argument("--tool-calls", type=int, default=12, help="tool calls per rollout (then a text answer)")
-    c.add_argument("--tps", type=float, default=1000.0, help="decode tokens/s (0 = unpaced)")
-    c.add_argument("--tool-time", type=float, default=0.05, metavar="SECONDS", help="median simulated tool time")
-    c.add_argument("--tool-output-tokens", type=int, default=500, help="median tool output size")
-    c.add_argument("--profile", default="local", help="API cost profile: local, hosted, or a JSON file")
-    c.add_argument("--model-latency", type=float, default=0.05, metavar="SECONDS", help="fixed model latency")
-    c.add_argument("--prefill-tps", type=float, default=20_000.0, help="prefill tokens/s for uncached tokens")
-    c.add_argument("--seed", type=int, default=0)
+    _add_config_options(c)
+    c.add_argument("--virtual", action="store_true", help="in process on a virtual clock (no sockets, no waiting)")
     c.add_argument(
-        "--virtual",
-        action="store_true",
-        help="run in process on a virtual clock (no sockets; waits cost no wall time)",
+        "--free-cpu", action="store_true", help="with --virtual: CPU work costs no virtual time (exactly reproducible)"
     )
-    c.add_argument(
-        "--free-cpu",
-        action="store_true",
-        help="with --virtual: real CPU work costs no virtual time (results exactly reproducible)",
-    )
-    c.add_argument("--quiet", action="store_true", help="no progress line")
-    c.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of http,http_prev,ws,append")
+    c.add_argument("--out", metavar="DIR", help="write a run folder (config, summary, per-turn tables, plots)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
-async def compare(args: argparse.Namespace) -> list[RolloutResult]:
-    """Every mode's rollouts, one after another, against one server: live on loopback, or
-    (`args.virtual`) in process through the same engine and WebSocket adapter."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    clock = VirtualClock() if args.virtual else AsyncioClock()
-    model = SimulatedModel(
-        clock=clock,
-        policy=DefaultPolicy(tool_calls=args.tool_calls),
-        seed=args.seed,
-        decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
-        model_latency_s=args.model_latency,
-        prefill_tok_per_s=args.prefill_tps if args.prefill_tps > 0 else math.inf,
-    )
-    config = ServerConfig(profile=load_profile(args.profile))
-    store = MemoryStore()
-    runner: web.AppRunner | None = None
-    if args.virtual:
-        server = InProcessServer(make_engine(model=model, store=store, clock=clock, config=config, seed=args.seed))
-
-        def client_for(mode: Mode) -> ResponsesClient:
-            return server.client(mode, clock)
-    else:
-        runner = web.AppRunner(make_app(model=model, store=store, clock=clock, config=config, seed=args.seed))
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
-
-        def client_for(mode: Mode) -> ResponsesClient:
-            return open_client(mode, base_url, clock)
-
-    results: list[RolloutResult] = []
-    try:
-        total = len(modes) * args.rollouts
-        for mode in modes:
-            # Each mode starts from a cold prefix cache: the same prompts run in every mode, and a
-            # cache warmed by the previous mode would favour whichever runs later.
-            model.prefix_cache = PrefixCache()
-            for i in range(args.rollouts):
-                spec = make_spec(
-                    args.seed,
-                    i,
-                    max_turns=args.tool_calls,
-                    tool_time_median_s=args.tool_time,
-                    tool_time_sigma=0.8,
-                    tool_output_median_tokens=args.tool_output_tokens,
-                )
-                client = client_for(mode)
-                try:
-                    results.append(await run_rollout(client, clock, spec, model="sim-1k"))
-                finally:
-                    await client.close()
-                if not args.quiet:
-                    print(f"\r  {len(results)}/{total} rollouts", end="", file=sys.stderr, flush=True)
-        if not args.quiet:
-            print(file=sys.stderr)
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-    return results
+def config_from(args: argparse.Namespace) -> CompareConfig:
+    values = {
+        f: getattr(args, f)
+        for f in CompareConfig.__struct_fields__
+        if f != "modes" and getattr(args, f, None) is not None
+    }
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    return msgspec.convert({**values, "modes": modes}, CompareConfig)
 
 
-def table(results: list[RolloutResult]) -> str:
-    modes = list(dict.fromkeys(r.mode for r in results))
-    base = float(np.median([r.completion_s for r in results if r.mode == "http"])) if "http" in modes else None
-    rows = [
-        f"{'mode':<10} {'rollout p50 s':>13} {'p90 s':>8} {'TTFT p50 ms':>12} {'bytes/turn':>11} "
-        f"{'cached tok %':>12} {'time saved vs http':>19}"
-    ]
-    for mode in modes:
-        rs = [r for r in results if r.mode == mode]
-        comp = np.array([r.completion_s for r in rs])
-        turns = [t for r in rs for t in r.turns]
-        ttft = np.array([t.ttft_s for t in turns if t.ttft_s is not None]) * 1000
-        sent = np.mean([t.bytes_sent for t in turns])
-        usage = [t.response.usage for t in turns if t.response.usage is not None]
-        cached = (
-            100 * sum(u.input_tokens_details.cached_tokens for u in usage) / max(1, sum(u.input_tokens for u in usage))
+def run(config: CompareConfig, *, virtual: bool, free_cpu: bool = False, progress: bool = False) -> CompareResult:
+    if virtual:
+        return run_virtual(
+            run_compare(config, VirtualClock(), virtual=True, progress=progress), charge_cpu=not free_cpu
         )
-        p50 = float(np.median(comp))
-        speed = f"{(1 - p50 / base) * 100:.1f}%" if base else "-"
+    return uvloop.run(run_compare(config, AsyncioClock(), virtual=False, progress=progress))
+
+
+def _ms(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 1000:.0f}"
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 100:.1f}%"
+
+
+def table(summary: list[ModeSummary]) -> str:
+    head = (
+        f"{'mode':<10} {'rollout p50 s':>13} {'p90 s':>7} {'TTFT ms':>8} {'tool→token ms':>14} {'overhead':>9} "
+        f"{'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} {'tok hit':>8} {'KV idle tok·s':>14} "
+        f"{'time saved vs http':>19}"
+    )
+    rows = [head]
+    for s in summary:
         rows.append(
-            f"{mode:<10} {p50:>13.3f} {np.percentile(comp, 90):>8.3f} {np.median(ttft):>12.1f} "
-            f"{sent:>11.0f} {cached:>12.1f} {speed:>19}"
+            f"{s.mode:<10} {s.completion_p50_s:>13.3f} {s.completion_p90_s:>7.3f} {_ms(s.ttft_p50_s):>8} "
+            f"{_ms(s.tool_to_token_p50_s):>14} {_pct(s.overhead_share):>9} {s.bytes_per_turn:>11.0f} "
+            f"{s.tokens_rendered_per_turn:>14.0f} {_pct(s.connection_cache_hit_rate):>9} {_pct(s.token_hit_rate):>8} "
+            f"{s.kv_idle_token_s:>14.0f} {_pct(s.saved_vs_http):>19}"
         )
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        config = config_from(args)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    for m in config.modes:
+        if m not in ("http", "http_prev", "ws", "append"):
+            raise SystemExit(f"unknown mode {m!r}; choose from http, http_prev, ws, append")
+    where = "virtual time" if args.virtual else "live loopback"
     print(
-        f"longrun compare: {args.rollouts} rollouts x {args.tool_calls} tool calls per mode, "
-        f"{args.tps:g} tokens/s, tool time median {args.tool_time:g} s, seed {args.seed} "
-        f"({'virtual time' if args.virtual else 'live loopback'}, {args.profile} cost profile)",
+        f"longrun compare: {config.rollouts} rollouts x {config.tool_calls} tool calls per mode, "
+        f"{config.tps:g} tokens/s, tool time median {config.tool_time_s:g} s, seed {config.seed} "
+        f"({where}, {config.profile} cost profile)",
         flush=True,
     )
-    results = run_virtual(compare(args), charge_cpu=not args.free_cpu) if args.virtual else uvloop.run(compare(args))
-    print(table(results))
+    result = run(config, virtual=args.virtual, free_cpu=args.free_cpu, progress=not args.quiet)
+    print(table(result.summary))
+    if args.out:
+        path = write_run(result, args.out)
+        print(f"run folder: {path}", file=sys.stderr)
     return 0
 
 

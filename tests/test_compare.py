@@ -1,18 +1,22 @@
-"""The main job's harness: the same rollouts in every mode, same model-visible tokens."""
+"""The main job: the same rollouts in every mode, same model-visible tokens; its metrics and run folder."""
 
 from __future__ import annotations
 
+import csv
+import json
+from pathlib import Path
+
 import pytest
 
-from sim.__main__ import build_parser, compare, main, table
+from sim.__main__ import main, run, table
+from sim.experiment import CompareConfig
+
+SMALL = CompareConfig(rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7)
 
 
-async def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
-    args = build_parser().parse_args(
-        ["compare", "--rollouts", "2", "--tool-calls", "4", "--tps", "0", "--tool-time", "0", "--seed", "7"]
-    )
-    results = await compare(args)
-    by_mode = {m: [r for r in results if r.mode == m] for m in ("http", "http_prev", "ws", "append")}
+def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
+    result = run(SMALL, virtual=False)
+    by_mode = {m: [r for r in result.rollouts if r.mode == m] for m in ("http", "http_prev", "ws", "append")}
     assert all(len(v) == 2 for v in by_mode.values())
     for i in range(2):
         per_mode = {m: rs[i].turns for m, rs in by_mode.items()}
@@ -32,16 +36,45 @@ async def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
         for mode in ("ws", "http_prev"):
             sent = [t.bytes_sent for t in per_mode[mode]]
             assert abs(sent[0] - http_bytes[0]) < 100 and max(sent) < http_bytes[-1]
-        assert all(t.response.usage.input_tokens_details.cached_tokens > 0 for t in per_mode["ws"][1:])  # type: ignore[union-attr]
         # append: one response whose usage totals the ws turns'; pauses carry usage null
         final = per_mode["append"][-1].response.usage
         assert final is not None and all(t.response.usage is None for t in per_mode["append"][:-1])
         assert final.input_tokens == sum(t.response.usage.input_tokens for t in per_mode["ws"])  # type: ignore[union-attr]
         assert len({t.response.id for t in per_mode["append"]}) == 1
         assert max(t.bytes_sent for t in per_mode["append"][1:]) < min(t.bytes_sent for t in per_mode["ws"][1:])
-    assert "time saved vs http" in table(results)
+    summary = {s.mode: s for s in result.summary}
+    assert summary["ws"].connection_cache_hit_rate == 1.0 and summary["http_prev"].connection_cache_hit_rate == 0.0
+    assert summary["append"].kv_idle_token_s > 0 and summary["ws"].kv_idle_token_s == 0
+    assert summary["http"].tokens_rendered_per_turn > 2 * summary["ws"].tokens_rendered_per_turn
+    assert "time saved vs http" in table(result.summary)
 
 
-def test_cli_rejects_unknown_mode() -> None:
+def test_cli_rejects_unknown_mode_and_bad_values() -> None:
     with pytest.raises(SystemExit, match="unknown mode 'grpc'"):
         main(["compare", "--modes", "grpc", "--rollouts", "1"])
+    with pytest.raises(SystemExit, match=r"invalid option: Expected `int` >= 1"):
+        main(["compare", "--rollouts", "0"])
+
+
+def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert (
+        main(
+            ["compare", "--virtual", "--free-cpu", "--rollouts", "1", "--tool-calls", "3", "--quiet", "--out", str(out)]
+        )
+        == 0
+    )
+    assert "time saved vs http" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["config"]["seed"] == 0 and config["virtual"] is True and len(config["git_sha"]) >= 7
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"http", "http_prev", "ws", "append"}
+    assert summary["http"]["completion_p50_s"] > 0
+    with (out / "turns.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert events[0]["type"] == "response.created" and {e["mode"] for e in events} == set(summary)
+    assert (out / "turns.parquet").stat().st_size > 0
+    assert (out / "rollout_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "stages.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

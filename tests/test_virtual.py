@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 
 import pytest
 
-from sim.__main__ import build_parser, compare
+from sim.__main__ import run
+from sim.experiment import CompareConfig
 from sim.virtual import VirtualClock, VirtualDeadlock, VirtualTimeLoop, run_virtual
 
 
@@ -64,24 +64,20 @@ def test_cpu_work_is_charged_when_asked() -> None:
     loop.close()
 
 
-def args(*extra: str) -> object:
-    return build_parser().parse_args(
-        ["compare", "--rollouts", "2", "--tool-calls", "6", "--tool-time", "0.05", "--quiet", *extra]
-    )
+SMALL = CompareConfig(rollouts=2, tool_calls=6, tool_time_s=0.05, profile="hosted")
 
 
 def test_virtual_results_are_deterministic_for_a_seed() -> None:
-    runs = [run_virtual(compare(args("--virtual", "--profile", "hosted")), charge_cpu=False) for _ in range(2)]
-    times = [[r.completion_s for r in run] for run in runs]
+    runs = [run(SMALL, virtual=True, free_cpu=True) for _ in range(2)]
+    times = [[r.completion_s for r in result.rollouts] for result in runs]
     assert times[0] == times[1]
-    ttfts = [[t.ttft_s for r in run for t in r.turns] for run in runs]
+    ttfts = [[t.ttft_s for r in result.rollouts for t in r.turns] for result in runs]
     assert ttfts[0] == ttfts[1]
+    assert runs[0].summary == runs[1].summary
 
 
 def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
-    live = asyncio.run(compare(args("--profile", "hosted")))  # type: ignore[arg-type]
-    virtual = run_virtual(compare(args("--virtual", "--profile", "hosted")))  # type: ignore[arg-type]
-    for mode in ("http", "http_prev", "ws", "append"):
-        a = statistics.median(r.completion_s for r in live if r.mode == mode)
-        b = statistics.median(r.completion_s for r in virtual if r.mode == mode)
-        assert abs(a - b) <= 0.05 * a, (mode, a, b)
+    live, virtual = run(SMALL, virtual=False), run(SMALL, virtual=True)
+    for a_mode, b_mode in zip(live.summary, virtual.summary, strict=True):
+        a, b = a_mode.completion_p50_s, b_mode.completion_p50_s
+        assert abs(a - b) <= 0.05 * a, (a_mode.mode, a, b)

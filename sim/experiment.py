@@ -1,0 +1,139 @@
+"""The append-vs-create comparison as a value: a `CompareConfig` (with its seed) in, results out.
+
+Covers: one server, every selected mode in turn, the same seeded rollouts in
+each (same tasks, tool outputs, tool times, model tokens). Scenario: an agent
+loop against the Responses API at a given decode speed, with the API's stage
+costs from a cost profile. Live runs use real sockets on loopback and the event
+loop's clock; virtual runs use the in-process transport on a `VirtualTimeLoop`,
+through the same engine and WebSocket adapter.
+
+Each mode starts from a cold prefix cache: the same prompts run in every mode,
+and a cache warmed by the previous mode would favour whichever runs later.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from typing import Annotated
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta, structs
+
+from prototype.app import ENGINE, ServerConfig, make_app, make_engine
+from prototype.client import MODES, Mode, ResponsesClient, open_client
+from prototype.clock import Clock
+from prototype.pipeline import load_profile
+from prototype.store import MemoryStore
+
+from .accelerator import SimulatedModel
+from .inprocess import InProcessServer
+from .kv import PrefixCache
+from .live import RolloutResult, make_spec, run_rollout
+from .metrics import ModeSummary, summarize
+from .policy import DefaultPolicy
+
+__all__ = ["CompareConfig", "CompareResult", "run_compare"]
+
+
+class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    rollouts: Annotated[int, Meta(ge=1, description="rollouts per mode")] = 3
+    tool_calls: Annotated[int, Meta(ge=0, description="tool calls per rollout, then a text answer")] = 12
+    tps: Annotated[float, Meta(ge=0, description="decode tokens/s (0 = unpaced)")] = 1000.0
+    tool_time_s: Annotated[float, Meta(ge=0, description="median simulated tool time")] = 0.05
+    tool_time_sigma: Annotated[float, Meta(ge=0, description="lognormal sigma of tool time")] = 0.8
+    tool_output_tokens: Annotated[int, Meta(ge=1, description="median tool output size")] = 500
+    profile: Annotated[str, Meta(description="API cost profile: local, hosted, or a JSON file")] = "local"
+    rtt_s: Annotated[float | None, Meta(description="override the profile's round trip")] = None
+    model_latency_s: Annotated[float, Meta(ge=0, description="fixed model latency")] = 0.05
+    prefill_tok_per_s: Annotated[float, Meta(ge=0, description="prefill tokens/s (0 = free)")] = 20_000.0
+    seed: int = 0
+    modes: tuple[str, ...] = MODES
+
+
+@dataclass(frozen=True, slots=True)
+class CompareResult:
+    config: CompareConfig
+    virtual: bool
+    rollouts: list[RolloutResult]
+    summary: list[ModeSummary]
+
+
+def _server_config(config: CompareConfig) -> ServerConfig:
+    profile = load_profile(config.profile)
+    if config.rtt_s is not None:
+        profile = structs.replace(profile, rtt_s=config.rtt_s)
+    return ServerConfig(profile=profile)
+
+
+async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, progress: bool = False) -> CompareResult:
+    """Run every mode of `config` against one server (see the module docstring)."""
+    for m in config.modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    model = SimulatedModel(
+        clock=clock,
+        policy=DefaultPolicy(tool_calls=config.tool_calls),
+        seed=config.seed,
+        decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
+        model_latency_s=config.model_latency_s,
+        prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
+    )
+    server_config = _server_config(config)
+    store = MemoryStore()
+    runner: web.AppRunner | None = None
+    if virtual:
+        engine = make_engine(model=model, store=store, clock=clock, config=server_config, seed=config.seed)
+        server = InProcessServer(engine, server_config)
+
+        def client_for(mode: Mode) -> ResponsesClient:
+            return server.client(mode, clock)
+    else:
+        app = make_app(model=model, store=store, clock=clock, config=server_config, seed=config.seed)
+        engine = app[ENGINE]
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+
+        def client_for(mode: Mode) -> ResponsesClient:
+            return open_client(mode, base_url, clock)
+
+    results: list[RolloutResult] = []
+    kv_idle: dict[str, float] = {}
+    total = len(config.modes) * config.rollouts
+    try:
+        for mode in config.modes:
+            model.prefix_cache = PrefixCache()
+            idle_before = engine.statistics().kv_idle_token_s
+            for i in range(config.rollouts):
+                spec = make_spec(
+                    config.seed,
+                    i,
+                    max_turns=config.tool_calls,
+                    tool_time_median_s=config.tool_time_s,
+                    tool_time_sigma=config.tool_time_sigma,
+                    tool_output_median_tokens=config.tool_output_tokens,
+                )
+                client = client_for(mode)  # type: ignore[arg-type]
+                try:
+                    results.append(await run_rollout(client, clock, spec, model="sim"))
+                finally:
+                    await client.close()
+                if progress:
+                    _progress(len(results), total)
+            kv_idle[mode] = engine.statistics().kv_idle_token_s - idle_before
+        if progress:
+            print(file=sys.stderr)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+    return CompareResult(config, virtual, results, summarize(results, kv_idle))
+
+
+def _progress(done: int, total: int, width: int = 30) -> None:
+    filled = width * done // total
+    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} rollouts", end="", file=sys.stderr, flush=True)
