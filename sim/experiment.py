@@ -39,13 +39,14 @@ __all__ = ["CompareConfig", "CompareResult", "run_compare"]
 
 
 class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    rollouts: Annotated[int, Meta(ge=1, description="rollouts per mode")] = 3
-    tool_calls: Annotated[int, Meta(ge=0, description="tool calls per rollout, then a text answer")] = 12
+    rollouts: Annotated[int, Meta(ge=1, description="rollouts per mode")] = 2
+    tool_calls: Annotated[int, Meta(ge=0, description="tool calls per rollout, then a text answer")] = 20
     tps: Annotated[float, Meta(ge=0, description="decode tokens/s (0 = unpaced)")] = 1000.0
-    tool_time_s: Annotated[float, Meta(ge=0, description="median simulated tool time")] = 0.05
+    tool_time_s: Annotated[float, Meta(ge=0, description="median simulated tool time (Codex-interactive: 0.3)")] = 0.3
     tool_time_sigma: Annotated[float, Meta(ge=0, description="lognormal sigma of tool time")] = 0.8
-    tool_output_tokens: Annotated[int, Meta(ge=1, description="median tool output size")] = 500
-    profile: Annotated[str, Meta(description="API cost profile: local, hosted, or a JSON file")] = "local"
+    tool_output_tokens: Annotated[int, Meta(ge=1, description="median tool output size (lognormal, sigma 1.1)")] = 500
+    system_prompt_tokens: Annotated[int, Meta(ge=1, description="initial context: system prompt size")] = 6000
+    profile: Annotated[str, Meta(description="API cost profile: local, hosted, or a JSON file")] = "hosted"
     rtt_s: Annotated[float | None, Meta(description="override the profile's round trip")] = None
     model_latency_s: Annotated[float, Meta(ge=0, description="fixed model latency")] = 0.05
     prefill_tok_per_s: Annotated[float, Meta(ge=0, description="prefill tokens/s (0 = free)")] = 20_000.0
@@ -117,6 +118,7 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
                     tool_time_median_s=config.tool_time_s,
                     tool_time_sigma=config.tool_time_sigma,
                     tool_output_median_tokens=config.tool_output_tokens,
+                    system_prompt_tokens=config.system_prompt_tokens,
                 )
                 client = client_for(mode)  # type: ignore[arg-type]
                 try:

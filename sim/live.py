@@ -35,10 +35,16 @@ EXEC_TOOL: Final[dict[str, Any]] = {
     },
     "strict": False,
 }
-INSTRUCTIONS: Final = (
+_INSTRUCTION_LINE: Final = (
     "You are a coding agent working in a repository. Use exec_command to inspect and change files; "
     "keep going until the task is done, then summarise what you did.\n"
-) * 40  # ~1.3K tokens of system prompt; Codex's is ~5.5K (workloads.md 1)
+)  # 34 o200k tokens
+
+
+def instructions(tokens: int) -> str:
+    """A system prompt of about `tokens` tokens (workloads.md 1: C0 ≈ 6K, Codex's prompt ≈ 5.5K)."""
+    return _INSTRUCTION_LINE * max(1, round(tokens / 34))
+
 
 _WORDS: Final = (
     "src tests lib def return import class self value error config test assert path file line "
@@ -53,6 +59,7 @@ class RolloutSpec:
     task: str
     tool_times_s: tuple[float, ...]  # one per possible tool turn
     tool_outputs: tuple[str, ...]
+    instructions: str = _INSTRUCTION_LINE
 
 
 @dataclass(slots=True)
@@ -84,6 +91,7 @@ def make_spec(
     tool_time_median_s: float,
     tool_time_sigma: float,
     tool_output_median_tokens: int,
+    system_prompt_tokens: int = 34,
 ) -> RolloutSpec:
     rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
     times = (
@@ -93,11 +101,17 @@ def make_spec(
     )
     sizes = np.minimum(rng.lognormal(np.log(tool_output_median_tokens), 1.1, size=max_turns), 10_000).astype(int)
     outputs = tuple(tool_output_text(rng, int(n)) for n in sizes)
-    return RolloutSpec(index, seed, f"Task {index}: fix the failing test in module {index % 7}.", tuple(times), outputs)
+    task = f"Task {index}: fix the failing test in module {index % 7}."
+    return RolloutSpec(index, seed, task, tuple(times), outputs, instructions(system_prompt_tokens))
 
 
 async def run_rollout(client: ResponsesClient, clock: Clock, spec: RolloutSpec, *, model: str) -> RolloutResult:
-    settings = {"model": model, "instructions": INSTRUCTIONS, "tools": [EXEC_TOOL], "store": client.mode == "http_prev"}
+    settings = {
+        "model": model,
+        "instructions": spec.instructions,
+        "tools": [EXEC_TOOL],
+        "store": client.mode == "http_prev",
+    }
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
     for turn in range(len(spec.tool_times_s) + 1):

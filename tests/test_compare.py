@@ -11,7 +11,7 @@ import pytest
 from sim.__main__ import main, run, table
 from sim.experiment import CompareConfig
 
-SMALL = CompareConfig(rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7)
+SMALL = CompareConfig(rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7, profile="local", system_prompt_tokens=500)
 
 
 def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
