@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import msgspec
@@ -19,7 +22,8 @@ import uvloop
 from sim.experiment import CompareConfig, CompareResult, run_compare
 from sim.metrics import ModeSummary
 from sim.realtime import AsyncioClock
-from sim.trace import write_run
+from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
+from sim.trace import write_run, write_table
 from sim.virtual import VirtualClock, run_virtual
 
 __all__ = ["build_parser", "main", "run", "table"]
@@ -57,7 +61,68 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument("--out", metavar="DIR", help="write a run folder (config, summary, per-turn tables, plots)")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    w = sub.add_parser(
+        "sweep",
+        help="a grid of comparisons in virtual time, one tidy table",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    defaults = SweepConfig()
+    for axis in AXES:
+        w.add_argument(
+            "--" + axis.replace("_", "-"), default=",".join(map(str, getattr(defaults, axis))), help="comma list"
+        )
+    w.add_argument("--modes", default=",".join(defaults.modes), help="comma list of modes")
+    w.add_argument("--rollouts", type=int, default=defaults.base.rollouts, help="rollouts per mode and point")
+    w.add_argument("--seed", type=int, default=defaults.base.seed)
+    w.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
+    w.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
+    w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
+    w.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def sweep_from(args: argparse.Namespace) -> SweepConfig:
+    def floats(text: str) -> list[float]:
+        return [float(x) for x in text.split(",") if x.strip()]
+
+    return msgspec.convert(
+        {
+            "tps": floats(args.tps),
+            "tool_calls": [int(x) for x in floats(args.tool_calls)],
+            "tool_time_s": floats(args.tool_time_s),
+            "rtt_s": floats(args.rtt_s),
+            "profile": [x.strip() for x in args.profile.split(",") if x.strip()],
+            "modes": [x.strip() for x in args.modes.split(",") if x.strip()],
+            "base": msgspec.to_builtins(CompareConfig(rollouts=args.rollouts, seed=args.seed)),
+        },
+        SweepConfig,
+    )
+
+
+def sweep_main(args: argparse.Namespace) -> int:
+    sweep = sweep_from(args)
+    progress = None if args.quiet else _progress_bar("points")
+    if args.dask:
+        with dask_executor(args.dask, workers=args.workers) as executor:
+            rows = run_sweep(sweep, executor, on_point=progress)
+    else:
+        with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            rows = run_sweep(sweep, pool, on_point=progress)
+    path = write_table(rows, args.out)
+    print(f"{len(rows)} rows ({len(points(sweep))} points x {len(sweep.modes)} modes) written to {path}")
+    return 0
+
+
+def _progress_bar(unit: str) -> Callable[[int, int], None]:
+    def show(done: int, total: int, width: int = 30) -> None:
+        filled = width * done // total
+        end = "\n" if done == total else ""
+        print(
+            f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {unit}", end=end, file=sys.stderr, flush=True
+        )
+
+    return show
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:
@@ -105,6 +170,8 @@ def table(summary: list[ModeSummary]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "sweep":
+        return sweep_main(args)
     try:
         config = config_from(args)
     except msgspec.ValidationError as exc:

@@ -26,7 +26,7 @@ import pyarrow.parquet as pq
 from .experiment import CompareResult
 from .metrics import per_turn_work
 
-__all__ = ["turn_rows", "write_run"]
+__all__ = ["turn_rows", "write_run", "write_table"]
 
 
 def _git_sha() -> str:
@@ -92,6 +92,21 @@ def write_run(result: CompareResult, directory: str | Path) -> Path:
                     )
                     f.write("\n")
     _plots(result, rows, path)
+    return path
+
+
+def write_table(rows: list[dict[str, Any]], target: str | Path) -> Path:
+    """A tidy table as CSV, or Parquet when the name ends in `.parquet`."""
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    if path.suffix == ".parquet":
+        _write_parquet(rows, columns, path)
+    else:
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
     return path
 
 

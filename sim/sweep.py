@@ -1,0 +1,95 @@
+"""Parameter sweeps in virtual time: a grid of comparisons, one tidy table.
+
+Covers: tokens/s × tool calls × tool time × RTT × cost profile, every mode at
+each point. Scenario: each grid point is one `CompareConfig` (same seed, so the
+same rollouts at every point), run in process on a `VirtualTimeLoop` with CPU
+work free, so a point's result depends only on its config and the table is
+reproducible; points run in parallel on any `concurrent.futures.Executor`: local
+processes by default, or a Dask distributed cluster (`Client.get_executor()`).
+
+Rows: one per (point, mode), the point's parameters first, then the metrics of
+`sim.metrics.ModeSummary`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor
+from typing import Any
+
+import msgspec
+from msgspec import structs
+
+from prototype.client import MODES
+
+from .experiment import CompareConfig, run_compare
+from .virtual import VirtualClock, run_virtual
+
+__all__ = ["AXES", "SweepConfig", "dask_executor", "points", "run_point", "run_sweep"]
+
+AXES = ("tps", "tool_calls", "tool_time_s", "rtt_s", "profile")
+
+
+class SweepConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    tps: tuple[float, ...] = (65.0, 1000.0, 4000.0)
+    tool_calls: tuple[int, ...] = (5, 20, 50)
+    tool_time_s: tuple[float, ...] = (0.3, 4.5)  # Codex-interactive median; SWE-bench-like mean (workloads.md 1)
+    rtt_s: tuple[float, ...] = (0.04,)
+    profile: tuple[str, ...] = ("hosted",)
+    modes: tuple[str, ...] = MODES
+    base: CompareConfig = CompareConfig(rollouts=2)  # everything else
+
+
+def points(sweep: SweepConfig) -> list[CompareConfig]:
+    """The grid, in a fixed order (the last axis varies fastest)."""
+    grid = itertools.product(sweep.tps, sweep.tool_calls, sweep.tool_time_s, sweep.rtt_s, sweep.profile)
+    return [
+        structs.replace(
+            sweep.base, tps=tps, tool_calls=calls, tool_time_s=tool, rtt_s=rtt, profile=profile, modes=sweep.modes
+        )
+        for tps, calls, tool, rtt, profile in grid
+    ]
+
+
+def run_point(config: CompareConfig) -> list[dict[str, Any]]:
+    """One grid point in virtual time with free CPU: rows for its modes. Picklable for process pools."""
+    result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
+    params = {axis: getattr(config, axis) for axis in AXES}
+    return [{**params, **msgspec.to_builtins(s)} for s in result.summary]
+
+
+def run_sweep(
+    sweep: SweepConfig,
+    executor: Executor | None = None,
+    *,
+    on_point: Callable[[int, int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every point of the grid; in parallel on `executor` if given."""
+    grid = points(sweep)
+    results: Iterable[list[dict[str, Any]]] = executor.map(run_point, grid) if executor else map(run_point, grid)
+    rows: list[dict[str, Any]] = []
+    for done, point_rows in enumerate(results, 1):
+        rows.extend(point_rows)
+        if on_point is not None:
+            on_point(done, len(grid))
+    return rows
+
+
+@contextlib.contextmanager
+def dask_executor(address: str, *, workers: int = 2) -> Iterator[Executor]:
+    """A `concurrent.futures` executor on a Dask cluster: `address` of a running scheduler,
+    or "local" for a cluster of `workers` processes on loopback (closed on exit)."""
+    # Imported here: Dask is the optional `cluster` extra, needed only by this function.
+    from distributed import Client, LocalCluster
+
+    if address == "local":
+        cluster = LocalCluster(  # type: ignore[no-untyped-call]
+            n_workers=workers, threads_per_worker=1, host="127.0.0.1", dashboard_address=None
+        )
+        with cluster, Client(cluster) as client:  # type: ignore[no-untyped-call]
+            yield client.get_executor()
+    else:
+        with Client(address) as client:  # type: ignore[no-untyped-call]
+            yield client.get_executor()
