@@ -1,0 +1,94 @@
+"""Metric definitions (workloads.md 6) on synthetic rollouts: exact numbers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prototype.client import TurnResult
+from prototype.schemas import InputTokensDetails, OutputTokensDetails, Response, StageReport, Usage
+from sim.live import RolloutResult
+from sim.metrics import summarize
+
+
+def turn(
+    rid: str,
+    sent: float,
+    first: float | None,
+    done: float,
+    *,
+    stages: dict[str, float],
+    rendered: int,
+    cache: str = "none",
+    inp: int = 100,
+    cached: int = 0,
+    usage: bool = True,
+    nbytes: int = 1000,
+) -> TurnResult:
+    u = (
+        Usage(
+            input_tokens=inp,
+            input_tokens_details=InputTokensDetails(cached_tokens=cached),
+            output_tokens=10,
+            output_tokens_details=OutputTokensDetails(),
+            total_tokens=inp + 10,
+        )
+        if usage
+        else None
+    )
+    report = StageReport(
+        stages_s=stages, server_s=sum(stages.values()), tokens_rendered=rendered, connection_cache=cache
+    )
+    response = Response(id=rid, created_at=0, status="completed", model="m", usage=u, longrun=report)
+    return TurnResult(response, sent, first, done, nbytes, 5)
+
+
+def test_create_mode_metrics() -> None:
+    r = RolloutResult("http", 0, started_at=0.0, finished_at=10.0, tool_time_s=4.0)
+    r.turns = [
+        turn("resp_1", 0.0, 0.5, 2.0, stages={"decode": 1.0, "prefill": 0.5, "routing": 0.5}, rendered=100),
+        turn(
+            "resp_2",
+            6.0,
+            6.7,
+            8.0,
+            stages={"decode": 1.0, "prefill": 0.3, "queue": 0.2},
+            rendered=300,
+            cache="hit",
+            cached=60,
+            nbytes=3000,
+        ),
+    ]
+    (s,) = summarize([r])
+    assert s.completion_p50_s == 10.0 and s.turns == 2
+    assert s.ttft_p50_s == pytest.approx(0.6)  # median of 0.5 and 0.7
+    assert s.tool_to_token_p50_s == pytest.approx(0.7)  # the second turn starts when the tool result is ready
+    assert s.overhead_share == pytest.approx((10.0 - 3.0 - 4.0) / 10.0)  # model = queue + prefill + decode
+    assert s.bytes_per_turn == 2000 and s.tokens_rendered_per_turn == 200
+    assert s.connection_cache_hit_rate == 1.0 and s.token_hit_rate == pytest.approx(60 / 200)
+    assert s.saved_vs_http == 0.0 and math.isnan(s.kv_idle_token_s)
+
+
+def test_append_reports_are_cumulative_per_response() -> None:
+    r = RolloutResult("append", 0, started_at=0.0, finished_at=5.0, tool_time_s=1.0)
+    r.turns = [
+        turn("resp_A", 0.0, 0.2, 1.0, stages={"decode": 0.5, "render": 0.1}, rendered=1000, usage=False),
+        turn("resp_A", 2.0, 2.1, 3.0, stages={"decode": 1.2, "render": 0.15}, rendered=1100, inp=300, cached=250),
+    ]
+    (s,) = summarize([r], {"append": 42.0})
+    assert s.tokens_rendered_per_turn == (1000 + 100) / 2  # the second report adds 100 rendered tokens
+    assert s.overhead_share == pytest.approx((5.0 - 1.2 - 1.0) / 5.0)  # decode 1.2 total, not 0.5 + 1.2
+    assert s.token_hit_rate == pytest.approx(250 / 300) and s.kv_idle_token_s == 42.0
+    assert math.isnan(s.connection_cache_hit_rate) and math.isnan(s.saved_vs_http)
+
+
+def test_saving_is_relative_to_http_median() -> None:
+    def rollout(mode: str, t: float) -> RolloutResult:
+        r = RolloutResult(mode, 0, started_at=0.0, finished_at=t)  # type: ignore[arg-type]
+        r.turns = [turn("resp", 0.0, 0.1, t, stages={"decode": 0.1}, rendered=1)]
+        return r
+
+    summary = {s.mode: s for s in summarize([rollout("http", 10.0), rollout("http", 12.0), rollout("ws", 6.6)])}
+    assert summary["ws"].saved_vs_http == pytest.approx(0.4)
+    assert summary["http"].completion_p90_s == pytest.approx(11.8)
