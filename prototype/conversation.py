@@ -51,6 +51,7 @@ from .tokenizer import Tokenizer
 
 __all__ = [
     "Context",
+    "conversation_key",
     "CreateRequest",
     "Item",
     "Preamble",
@@ -66,6 +67,12 @@ MESSAGE_ROLES: Final = frozenset({"user", "assistant", "system", "developer"})
 MODEL_ITEM_TYPES: Final = frozenset({"function_call", "reasoning", "custom_tool_call"})
 GENERATION_HEADER: Final = "<|start|>assistant"
 TOOL_CHOICES: Final = frozenset({"auto", "none", "required"})
+
+
+def conversation_key(first_user_text: str) -> int:
+    """What seeds the model's policy for a conversation: its first user message, hashed.
+    A harness that knows its tasks can compute it too (sim/workload.py does)."""
+    return zlib.crc32(first_user_text.encode()) or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +112,7 @@ class Context:
                 self.turn_index += 1
             self.last_was_model = model
             if self.conversation_key == 0 and item.view.type == "message" and item.view.role == "user":
-                self.conversation_key = zlib.crc32(_text_of(item.view).encode()) or 1
+                self.conversation_key = conversation_key(_text_of(item.view))
             self.items.append(item)
             self.chunks.append(chunk)
             self.n_tokens += len(chunk)

@@ -180,10 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         if m not in ("http", "http_prev", "ws", "append"):
             raise SystemExit(f"unknown mode {m!r}; choose from http, http_prev, ws, append")
     where = "virtual time" if args.virtual else "live loopback"
+    shape = (
+        f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
+        if config.workload == "custom"
+        else f"workload {config.workload}"
+    )
     print(
-        f"longrun compare: {config.rollouts} rollouts x {config.tool_calls} tool calls per mode, "
-        f"{config.tps:g} tokens/s, tool time median {config.tool_time_s:g} s, seed {config.seed} "
-        f"({where}, {config.profile} cost profile)",
+        f"longrun compare: {config.rollouts} rollouts per mode, {shape}, {config.tps:g} tokens/s, "
+        f"seed {config.seed} ({where}, {config.profile} cost profile)",
         flush=True,
     )
     result = run(config, virtual=args.virtual, free_cpu=args.free_cpu, progress=not args.quiet)

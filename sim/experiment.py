@@ -31,9 +31,10 @@ from prototype.store import MemoryStore
 from .accelerator import SimulatedModel
 from .inprocess import InProcessServer
 from .kv import PrefixCache
-from .live import RolloutResult, make_spec, run_rollout
+from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy
+from .workload import WORKLOADS, draw_rollouts
 
 __all__ = ["CompareConfig", "CompareResult", "run_compare"]
 
@@ -50,6 +51,10 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     rtt_s: Annotated[float | None, Meta(description="override the profile's round trip")] = None
     model_latency_s: Annotated[float, Meta(ge=0, description="fixed model latency")] = 0.05
     prefill_tok_per_s: Annotated[float, Meta(ge=0, description="prefill tokens/s (0 = free)")] = 20_000.0
+    workload: Annotated[
+        str,
+        Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
+    ] = "custom"
     seed: int = 0
     modes: tuple[str, ...] = MODES
 
@@ -74,9 +79,10 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
     for m in config.modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    specs, per_conversation = _rollouts(config)
     model = SimulatedModel(
         clock=clock,
-        policy=DefaultPolicy(tool_calls=config.tool_calls),
+        policy=DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation),
         seed=config.seed,
         decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
         model_latency_s=config.model_latency_s,
@@ -105,21 +111,12 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
 
     results: list[RolloutResult] = []
     kv_idle: dict[str, float] = {}
-    total = len(config.modes) * config.rollouts
+    total = len(config.modes) * len(specs)
     try:
         for mode in config.modes:
             model.prefix_cache = PrefixCache()
             idle_before = engine.statistics().kv_idle_token_s
-            for i in range(config.rollouts):
-                spec = make_spec(
-                    config.seed,
-                    i,
-                    max_turns=config.tool_calls,
-                    tool_time_median_s=config.tool_time_s,
-                    tool_time_sigma=config.tool_time_sigma,
-                    tool_output_median_tokens=config.tool_output_tokens,
-                    system_prompt_tokens=config.system_prompt_tokens,
-                )
+            for spec in specs:
                 client = client_for(mode)  # type: ignore[arg-type]
                 try:
                     results.append(await run_rollout(client, clock, spec, model="sim"))
@@ -134,6 +131,27 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
         if runner is not None:
             await runner.cleanup()
     return CompareResult(config, virtual, results, summarize(results, kv_idle))
+
+
+def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], dict[int, int]]:
+    """The rollouts every mode runs, and tool calls per conversation for the policy."""
+    if config.workload != "custom":
+        if config.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
+        return draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
+    specs = [
+        make_spec(
+            config.seed,
+            i,
+            max_turns=config.tool_calls,
+            tool_time_median_s=config.tool_time_s,
+            tool_time_sigma=config.tool_time_sigma,
+            tool_output_median_tokens=config.tool_output_tokens,
+            system_prompt_tokens=config.system_prompt_tokens,
+        )
+        for i in range(config.rollouts)
+    ]
+    return specs, {}
 
 
 def _progress(done: int, total: int, width: int = 30) -> None:

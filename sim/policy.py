@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
 import msgspec
@@ -112,6 +112,9 @@ class DefaultPolicy:
     """
 
     tool_calls: int = 10
+    # Tool calls per conversation, by `ModelRequest.conversation_key`, overriding `tool_calls`:
+    # how a workload gives each rollout its own length (sim/workload.py).
+    per_conversation: Mapping[int, int] = field(default_factory=dict)
     text_tokens_median: int = 120
     arguments_tokens_median: int = 120
     tokens_sigma: float = 0.8
@@ -135,7 +138,8 @@ class DefaultPolicy:
         named = [t for t in tools if t.name == choice]
         if named:
             return named[0]
-        if choice == "required" or request.turn_index < self.tool_calls:
+        limit = self.per_conversation.get(request.conversation_key, self.tool_calls)
+        if choice == "required" or request.turn_index < limit:
             return tools[int(rng.integers(len(tools)))]
         return None
 

@@ -79,3 +79,18 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert (out / "turns.parquet").stat().st_size > 0
     assert (out / "rollout_time.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "stages.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_profiles_give_each_rollout_its_own_length() -> None:
+    from sim.workload import WORKLOADS, draw_rollouts
+
+    specs, per_conversation = draw_rollouts(WORKLOADS["short"], seed=3, count=20)
+    calls = sorted(per_conversation.values())
+    assert len(per_conversation) == 20 and len(set(calls)) > 3 and max(calls) <= 49
+    assert 12 <= calls[10] <= 24  # median near 18 turns
+    assert [len(s.tool_times_s) for s in specs] == [per_conversation[k] for k in per_conversation]
+    config = CompareConfig(workload="short", rollouts=2, tps=0, profile="local", seed=3, modes=("ws", "append"))
+    result = run(config, virtual=True, free_cpu=True)
+    for mode in ("ws", "append"):
+        lengths = [len(r.turns) for r in result.rollouts if r.mode == mode]
+        assert lengths == [per_conversation[k] + 1 for k in list(per_conversation)[:2]]

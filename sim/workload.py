@@ -1,0 +1,92 @@
+"""Workload profiles (workloads.md section 1): what one agent rollout looks like.
+
+Covers: turns per rollout, initial context, tool output sizes and tool execution
+times, drawn per rollout from a seed. Scenario: a rollout's task text fixes its
+conversation key, so the server's policy can be told how many tool calls that
+conversation makes (`DefaultPolicy.per_conversation`) while every API mode sees
+the same rollout.
+
+* interactive: turns median 20 (σ 0.3); tools lognormal(0.3 s, 0.8). Codex-interactive, "20+ tool calls".
+* swe-long: turns median 55 (σ 0.5, cap 250); tools 97 % lognormal(0.5 s, 1.0) + 3 % lognormal(30 s, 1.5),
+  cap 900 s. SWE-Bench Pro with SWE-agent (NIL).
+* medium: turns median 30 (σ 0.15); tools as swe-long. SWE-smith, nebius SWE-agent.
+* short: turns median 18 (σ 0.15, cap 50); tools as swe-long. OpenHands-style (SWE-Gym, R2E-Gym).
+
+All: initial context ≈ 6,000 tokens, tool output lognormal(median 500 tokens,
+σ 1.1) capped at 10,000 (the cap is named and applied, never silent).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from prototype.conversation import conversation_key
+
+from .live import RolloutSpec, instructions, tool_output_text
+
+__all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts"]
+
+TOOL_OUTPUT_CAP_TOKENS: Final = 10_000  # the Vercel demo truncates tool output at 10,000 characters
+
+
+class ToolTime(msgspec.Struct, frozen=True):
+    """One lognormal component of a tool-time mixture."""
+
+    weight: float
+    median_s: float
+    sigma: float
+
+
+class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    turns_median: float
+    turns_sigma: float
+    turns_cap: int = 250
+    tool_time: tuple[ToolTime, ...]
+    tool_time_cap_s: float = 900.0
+    tool_output_median_tokens: int = 500
+    tool_output_sigma: float = 1.1
+    system_prompt_tokens: int = 6000
+
+
+_SWE_TOOLS: Final = (ToolTime(0.97, 0.5, 1.0), ToolTime(0.03, 30.0, 1.5))
+
+WORKLOADS: Final[dict[str, Workload]] = {
+    "interactive": Workload(name="interactive", turns_median=20, turns_sigma=0.3, tool_time=(ToolTime(1.0, 0.3, 0.8),)),
+    "swe-long": Workload(name="swe-long", turns_median=55, turns_sigma=0.5, tool_time=_SWE_TOOLS),
+    "medium": Workload(name="medium", turns_median=30, turns_sigma=0.15, tool_time=_SWE_TOOLS),
+    "short": Workload(name="short", turns_median=18, turns_sigma=0.15, turns_cap=50, tool_time=_SWE_TOOLS),
+}
+
+
+def _tool_times(w: Workload, rng: np.random.Generator, n: int) -> npt.NDArray[np.float64]:
+    weights = np.array([c.weight for c in w.tool_time])
+    which = rng.choice(len(w.tool_time), size=n, p=weights / weights.sum())
+    medians = np.array([c.median_s for c in w.tool_time])[which]
+    sigmas = np.array([c.sigma for c in w.tool_time])[which]
+    times: npt.NDArray[np.float64] = np.minimum(medians * np.exp(sigmas * rng.standard_normal(n)), w.tool_time_cap_s)
+    return times
+
+
+def draw_rollouts(w: Workload, seed: int, count: int) -> tuple[list[RolloutSpec], dict[int, int]]:
+    """`count` rollouts and, by conversation key, how many tool calls each makes (turns − 1)."""
+    specs, per_conversation = [], {}
+    prompt = instructions(w.system_prompt_tokens)
+    for index in range(count):
+        rng = np.random.default_rng(np.random.SeedSequence([seed, index, 2]))
+        turns = int(min(max(1, round(w.turns_median * np.exp(w.turns_sigma * rng.standard_normal()))), w.turns_cap))
+        calls = turns - 1
+        times = _tool_times(w, rng, calls)
+        sizes = np.minimum(
+            w.tool_output_median_tokens * np.exp(w.tool_output_sigma * rng.standard_normal(calls)),
+            TOOL_OUTPUT_CAP_TOKENS,
+        ).astype(int)
+        task = f"Task {seed}.{index} ({w.name}): fix the failing test in module {index % 7}."
+        outputs = tuple(tool_output_text(rng, max(1, int(n))) for n in sizes)
+        specs.append(RolloutSpec(index, seed, task, tuple(float(t) for t in times), outputs, prompt))
+        per_conversation[conversation_key(task)] = calls
+    return specs, per_conversation
