@@ -180,11 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         if m not in ("http", "http_prev", "ws", "append"):
             raise SystemExit(f"unknown mode {m!r}; choose from http, http_prev, ws, append")
     where = "virtual time" if args.virtual else "live loopback"
-    shape = (
-        f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
-        if config.workload == "custom"
-        else f"workload {config.workload}"
-    )
+    if config.trace is not None:
+        shape = f"trace {config.trace}"
+    elif config.workload != "custom":
+        shape = f"workload {config.workload}"
+    else:
+        shape = f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
     print(
         f"longrun compare: {config.rollouts} rollouts per mode, {shape}, {config.tps:g} tokens/s, "
         f"seed {config.seed} ({where}, {config.profile} cost profile)",

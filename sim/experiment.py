@@ -33,7 +33,8 @@ from .inprocess import InProcessServer
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
 from .metrics import ModeSummary, summarize
-from .policy import DefaultPolicy
+from .policy import DefaultPolicy, Policy
+from .replay import load_trace, replay_plan
 from .workload import WORKLOADS, draw_rollouts
 
 __all__ = ["CompareConfig", "CompareResult", "run_compare"]
@@ -55,6 +56,9 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         str,
         Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
     ] = "custom"
+    trace: Annotated[
+        str | None, Meta(description="replay a recorded trace (JSONL, see sim/replay.py) instead of a workload")
+    ] = None
     seed: int = 0
     modes: tuple[str, ...] = MODES
 
@@ -79,10 +83,10 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
     for m in config.modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
-    specs, per_conversation = _rollouts(config)
+    specs, policy = _rollouts(config)
     model = SimulatedModel(
         clock=clock,
-        policy=DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation),
+        policy=policy,
         seed=config.seed,
         decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
         model_latency_s=config.model_latency_s,
@@ -133,12 +137,15 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
     return CompareResult(config, virtual, results, summarize(results, kv_idle))
 
 
-def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], dict[int, int]]:
-    """The rollouts every mode runs, and tool calls per conversation for the policy."""
+def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], Policy]:
+    """The rollouts every mode runs, and the policy of the server's model."""
+    if config.trace is not None:
+        return replay_plan(load_trace(config.trace), config.seed)
     if config.workload != "custom":
         if config.workload not in WORKLOADS:
             raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
-        return draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
+        specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
+        return specs, DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation)
     specs = [
         make_spec(
             config.seed,
@@ -151,7 +158,7 @@ def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], dict[int, int]]
         )
         for i in range(config.rollouts)
     ]
-    return specs, {}
+    return specs, DefaultPolicy(tool_calls=config.tool_calls)
 
 
 def _progress(done: int, total: int, width: int = 30) -> None:

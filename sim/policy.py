@@ -209,6 +209,39 @@ def _parse_call(call: object, where: str) -> PlannedItem:
     return PlannedItem("function_call", name, text)
 
 
+def parse_turn(entry: dict[str, object], where: str) -> tuple[PlannedItem, ...]:
+    """One model turn in the script-line format (`load_script`); errors name `where`."""
+    keys = set(entry) & _LINE_KEYS
+    unknown = sorted(set(entry) - _LINE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}")
+    if len(keys) != 1:
+        raise ValueError(f"{where}: expected exactly one of 'text', 'tool_call', 'tool_calls'")
+    if "text" in entry:
+        text = entry["text"]
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'text' must be a string")
+        return (PlannedItem("message", "", text),)
+    if "tool_call" in entry:
+        return (_parse_call(entry["tool_call"], where),)
+    calls = entry["tool_calls"]
+    if not isinstance(calls, list) or not calls:
+        raise ValueError(f"{where}: 'tool_calls' must be a non-empty list")
+    return tuple(_parse_call(c, f"{where}: tool_calls[{i}]") for i, c in enumerate(calls))
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationPolicy:
+    """A policy per conversation (by `ModelRequest.conversation_key`), a fallback for the rest:
+    how a recorded trace replays each rollout's own assistant turns (sim/replay.py)."""
+
+    by_conversation: Mapping[int, Policy]
+    fallback: Policy
+
+    def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
+        return self.by_conversation.get(request.conversation_key, self.fallback).plan(request, rng)
+
+
 def parse_script(source: str, *, origin: str = "<script>") -> ScriptPolicy:
     """Parse script text (format in `load_script`); errors name ``origin:line``."""
     turns: list[tuple[PlannedItem, ...]] = []
@@ -223,24 +256,7 @@ def parse_script(source: str, *, origin: str = "<script>") -> ScriptPolicy:
             raise ValueError(f"{where}: not valid JSON ({exc})") from None
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: expected a JSON object, got {type(entry).__name__}")
-        keys = set(entry) & _LINE_KEYS
-        unknown = sorted(set(entry) - _LINE_KEYS)
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}")
-        if len(keys) != 1:
-            raise ValueError(f"{where}: expected exactly one of 'text', 'tool_call', 'tool_calls'")
-        if "text" in entry:
-            text = entry["text"]
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: 'text' must be a string")
-            turns.append((PlannedItem("message", "", text),))
-        elif "tool_call" in entry:
-            turns.append((_parse_call(entry["tool_call"], where),))
-        else:
-            calls = entry["tool_calls"]
-            if not isinstance(calls, list) or not calls:
-                raise ValueError(f"{where}: 'tool_calls' must be a non-empty list")
-            turns.append(tuple(_parse_call(c, f"{where}: tool_calls[{i}]") for i, c in enumerate(calls)))
+        turns.append(parse_turn(entry, where))
     return ScriptPolicy(turns)
 
 
