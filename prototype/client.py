@@ -79,6 +79,11 @@ class TurnResult:
     def e2e_s(self) -> float:
         return self.done_at - self.sent_at
 
+    @property
+    def call_ids(self) -> list[str]:
+        """The function calls the client owes an output for."""
+        return [item["call_id"] for item in self.output_items if item.get("type") == "function_call"]
+
 
 class ResponsesClient(Protocol):
     mode: Mode
@@ -264,8 +269,4 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
 
 def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:
     """`function_call_output` items answering every call of a turn."""
-    return [
-        {"type": "function_call_output", "call_id": item["call_id"], "output": output_text}
-        for item in result.output_items
-        if item.get("type") == "function_call"
-    ]
+    return [{"type": "function_call_output", "call_id": call_id, "output": output_text} for call_id in result.call_ids]

@@ -41,6 +41,9 @@ def _add_config_options(p: argparse.ArgumentParser) -> None:
                 flag, default=",".join(prop["default"]), help="comma-separated subset of " + ",".join(prop["default"])
             )
             continue
+        if prop.get("type") == "boolean":
+            p.add_argument(flag, action="store_true", help=prop.get("description", ""))
+            continue
         kinds = [prop.get("type")] + [alt.get("type") for alt in prop.get("anyOf", [])]
         kind = next((types[k] for k in kinds if k in types), str)
         p.add_argument(flag, type=kind, default=prop.get("default"), help=prop.get("description", ""))
@@ -179,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     for m in config.modes:
         if m not in ("http", "http_prev", "ws", "append"):
             raise SystemExit(f"unknown mode {m!r}; choose from http, http_prev, ws, append")
+    if args.virtual and (config.real_tools or config.tool_command is not None):
+        raise SystemExit("--real-tools and --tool-command run on the real clock: not with --virtual")
     where = "virtual time" if args.virtual else "live loopback"
     if config.trace is not None:
         shape = f"trace {config.trace}"

@@ -35,6 +35,7 @@ from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy, Policy
 from .replay import load_trace, replay_plan
+from .tools import tool_runner
 from .workload import WORKLOADS, draw_rollouts
 
 __all__ = ["CompareConfig", "CompareResult", "run_compare"]
@@ -58,6 +59,12 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ] = "custom"
     trace: Annotated[
         str | None, Meta(description="replay a recorded trace (JSONL, see sim/replay.py) instead of a workload")
+    ] = None
+    real_tools: Annotated[
+        bool, Meta(description="live only: a real subprocess per tool step (drawn time, drawn output)")
+    ] = False
+    tool_command: Annotated[
+        str | None, Meta(description="live only: run this shell command per tool step and send back its output")
     ] = None
     seed: int = 0
     modes: tuple[str, ...] = MODES
@@ -83,6 +90,7 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
     for m in config.modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, policy = _rollouts(config)
     model = SimulatedModel(
         clock=clock,
@@ -123,7 +131,7 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
             for spec in specs:
                 client = client_for(mode)  # type: ignore[arg-type]
                 try:
-                    results.append(await run_rollout(client, clock, spec, model="sim"))
+                    results.append(await run_rollout(client, clock, spec, model="sim", tools=tools))
                 finally:
                     await client.close()
                 if progress:

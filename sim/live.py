@@ -1,8 +1,8 @@
 """Closed-loop agent rollouts against a live server on loopback, one mode at a time.
 
 Covers: the rollout loop shared by every mode. Scenario: an agent sends a task,
-streams the response, "runs" each tool call it receives (a simulated tool time
-drawn from the workload, then a tool output of a drawn size), sends the outputs
+streams the response, runs each tool call it receives (sim/tools.py: a simulated tool
+time drawn from the workload and a tool output of a drawn size, or a real subprocess), sends the outputs
 and repeats until the model answers with text. The next turn starts at the
 previous turn's end plus tool time (closed loop, never a trace timestamp).
 
@@ -21,6 +21,8 @@ import numpy as np
 
 from prototype.client import Mode, ResponsesClient, TurnResult, tool_outputs
 from prototype.clock import Clock
+
+from .tools import SimulatedTools, ToolRunner
 
 __all__ = ["RolloutResult", "RolloutSpec", "run_rollout", "tool_output_text"]
 
@@ -105,7 +107,10 @@ def make_spec(
     return RolloutSpec(index, seed, task, tuple(times), outputs, instructions(system_prompt_tokens))
 
 
-async def run_rollout(client: ResponsesClient, clock: Clock, spec: RolloutSpec, *, model: str) -> RolloutResult:
+async def run_rollout(
+    client: ResponsesClient, clock: Clock, spec: RolloutSpec, *, model: str, tools: ToolRunner | None = None
+) -> RolloutResult:
+    tools = tools or SimulatedTools()
     settings = {
         "model": model,
         "instructions": spec.instructions,
@@ -119,11 +124,10 @@ async def run_rollout(client: ResponsesClient, clock: Clock, spec: RolloutSpec, 
         result.turns.append(outcome)
         if turn == len(spec.tool_times_s):
             break
-        items = tool_outputs(outcome, spec.tool_outputs[turn])
-        if not items:
+        if not outcome.call_ids:
             break
-        tool_s = float(spec.tool_times_s[turn])
+        output, tool_s = await tools.run(clock, float(spec.tool_times_s[turn]), spec.tool_outputs[turn])
         result.tool_time_s += tool_s
-        await clock.sleep_until(clock.now() + tool_s)
+        items = tool_outputs(outcome, output)
     result.finished_at = clock.now()
     return result

@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from sim.__main__ import main, run, table
@@ -94,3 +95,28 @@ def test_workload_profiles_give_each_rollout_its_own_length() -> None:
     for mode in ("ws", "append"):
         lengths = [len(r.turns) for r in result.rollouts if r.mode == mode]
         assert lengths == [per_conversation[k] + 1 for k in list(per_conversation)[:2]]
+
+
+def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
+    config = CompareConfig(
+        rollouts=1, tool_calls=2, tps=0, tool_time_s=0.02, seed=5, profile="local", system_prompt_tokens=200
+    )
+    simulated = run(config, virtual=True, free_cpu=True)
+    real = run(msgspec.structs.replace(config, real_tools=True), virtual=False)
+    for mode in ("http", "ws", "append"):
+        sim_r, real_r = (next(r for r in res.rollouts if r.mode == mode) for res in (simulated, real))
+        assert [t.bytes_sent for t in real_r.turns] == [t.bytes_sent for t in sim_r.turns]
+        assert real_r.turns[-1].response.usage == sim_r.turns[-1].response.usage
+        assert real_r.tool_time_s >= sim_r.tool_time_s  # a real process takes at least its drawn time
+    with pytest.raises(ValueError, match="not with virtual time"):
+        run(msgspec.structs.replace(config, real_tools=True), virtual=True)
+    with pytest.raises(SystemExit, match="not with --virtual"):
+        main(["compare", "--virtual", "--tool-command", "true"])
+
+
+async def test_tool_command_output_and_exit_status_go_back() -> None:
+    from sim.realtime import AsyncioClock
+    from sim.tools import CommandTools
+
+    output, seconds = await CommandTools("echo out-$((1 + 1)); echo err >&2; exit 3").run(AsyncioClock(), 9.0, "x")
+    assert output == "out-2\nerr\n\n[exit status 3]" and 0 < seconds < 9.0
