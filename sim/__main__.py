@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 import uvloop
 
-from sim.experiment import CompareConfig, CompareResult, run_compare
+from sim.experiment import CompareConfig, CompareResult, check, run_compare
 from sim.metrics import ModeSummary
 from sim.realtime import AsyncioClock
 from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
@@ -36,10 +36,9 @@ def _add_config_options(p: argparse.ArgumentParser) -> None:
     types = {"integer": int, "number": float, "string": str}
     for name, prop in schema["$defs"]["CompareConfig"]["properties"].items():
         flag = "--" + name.replace("_", "-")
-        if name == "modes":
-            p.add_argument(
-                flag, default=",".join(prop["default"]), help="comma-separated subset of " + ",".join(prop["default"])
-            )
+        if prop.get("type") == "array":  # comma-separated on the command line
+            default = ",".join(prop.get("default", ()))
+            p.add_argument(flag, default=default, help=prop.get("description", "comma-separated subset of " + default))
             continue
         if prop.get("type") == "boolean":
             p.add_argument(flag, action="store_true", help=prop.get("description", ""))
@@ -129,13 +128,10 @@ def _progress_bar(unit: str) -> Callable[[int, int], None]:
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:
-    values = {
-        f: getattr(args, f)
-        for f in CompareConfig.__struct_fields__
-        if f != "modes" and getattr(args, f, None) is not None
-    }
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    return msgspec.convert({**values, "modes": modes}, CompareConfig)
+    values = {f: getattr(args, f) for f in CompareConfig.__struct_fields__ if getattr(args, f, None) is not None}
+    for f in ("modes", "disable"):
+        values[f] = tuple(x.strip() for x in values[f].split(",") if x.strip())
+    return msgspec.convert(values, CompareConfig)
 
 
 def run(config: CompareConfig, *, virtual: bool, free_cpu: bool = False, progress: bool = False) -> CompareResult:
@@ -179,11 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from(args)
     except msgspec.ValidationError as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    for m in config.modes:
-        if m not in ("http", "http_prev", "ws", "append"):
-            raise SystemExit(f"unknown mode {m!r}; choose from http, http_prev, ws, append")
-    if args.virtual and (config.real_tools or config.tool_command is not None):
-        raise SystemExit("--real-tools and --tool-command run on the real clock: not with --virtual")
+    try:
+        check(config, virtual=args.virtual)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
     where = "virtual time" if args.virtual else "live loopback"
     if config.trace is not None:
         shape = f"trace {config.trace}"

@@ -13,6 +13,7 @@ and a cache warmed by the previous mode would favour whichever runs later.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from msgspec import Meta, structs
 from prototype.app import ENGINE, ServerConfig, make_app, make_engine
 from prototype.client import MODES, Mode, ResponsesClient, open_client
 from prototype.clock import Clock
-from prototype.pipeline import load_profile
+from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
 
 from .accelerator import SimulatedModel
@@ -38,7 +39,7 @@ from .replay import load_trace, replay_plan
 from .tools import tool_runner
 from .workload import WORKLOADS, draw_rollouts
 
-__all__ = ["CompareConfig", "CompareResult", "run_compare"]
+__all__ = ["CompareConfig", "CompareResult", "check", "run_compare"]
 
 
 class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -60,6 +61,15 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     trace: Annotated[
         str | None, Meta(description="replay a recorded trace (JSONL, see sim/replay.py) instead of a workload")
     ] = None
+    concurrency: Annotated[int, Meta(ge=1, description="rollouts of a mode in flight at once")] = 1
+    kv_capacity_tokens: Annotated[int, Meta(ge=0, description="prefix-cache (KV) capacity in tokens (0 = default)")] = 0
+    decode_slots: Annotated[int, Meta(ge=0, description="turns decoding at once (0 = unlimited)")] = 0
+    concurrency_slowdown: Annotated[
+        float, Meta(ge=0, description="decode slows by 1 + this x (other turns decoding)")
+    ] = 0.0
+    disable: Annotated[
+        tuple[str, ...], Meta(description="connection-cache optimizations to switch off (ablation), comma-separated")
+    ] = ()
     real_tools: Annotated[
         bool, Meta(description="live only: a real subprocess per tool step (drawn time, drawn output)")
     ] = False
@@ -82,14 +92,31 @@ def _server_config(config: CompareConfig) -> ServerConfig:
     profile = load_profile(config.profile)
     if config.rtt_s is not None:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
-    return ServerConfig(profile=profile)
+    disabled = {Optimization(name) for name in config.disable}
+    return ServerConfig(profile=profile, optimizations=ALL_OPTIMIZATIONS - disabled)
+
+
+def check(config: CompareConfig, *, virtual: bool) -> None:
+    """Raise ValueError, with the choices, for a name the config gets wrong (before anything runs)."""
+    for m in config.modes:
+        if m not in MODES:
+            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    if config.workload != "custom" and config.workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
+    for name in config.disable:
+        if name not in ALL_OPTIMIZATIONS:
+            raise ValueError(f"unknown optimization {name!r}; choose from {', '.join(Optimization)}")
+    load_profile(config.profile)
+    tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
+
+
+def _prefix_cache(config: CompareConfig) -> PrefixCache:
+    return PrefixCache(capacity_tokens=config.kv_capacity_tokens) if config.kv_capacity_tokens else PrefixCache()
 
 
 async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, progress: bool = False) -> CompareResult:
     """Run every mode of `config` against one server (see the module docstring)."""
-    for m in config.modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    check(config, virtual=virtual)
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, policy = _rollouts(config)
     model = SimulatedModel(
@@ -99,6 +126,8 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
         decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
         model_latency_s=config.model_latency_s,
         prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
+        decode_slots=config.decode_slots or None,
+        concurrency_slowdown=config.concurrency_slowdown,
     )
     server_config = _server_config(config)
     store = MemoryStore()
@@ -124,18 +153,28 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
     results: list[RolloutResult] = []
     kv_idle: dict[str, float] = {}
     total = len(config.modes) * len(specs)
+    finished = 0
+    gate = asyncio.Semaphore(config.concurrency)
+
+    async def one(mode: Mode, spec: RolloutSpec) -> RolloutResult:
+        nonlocal finished
+        async with gate:
+            client = client_for(mode)
+            try:
+                result = await run_rollout(client, clock, spec, model="sim", tools=tools)
+            finally:
+                await client.close()
+        finished += 1
+        if progress:
+            _progress(finished, total)
+        return result
+
     try:
         for mode in config.modes:
-            model.prefix_cache = PrefixCache()
+            model.prefix_cache = _prefix_cache(config)
             idle_before = engine.statistics().kv_idle_token_s
-            for spec in specs:
-                client = client_for(mode)  # type: ignore[arg-type]
-                try:
-                    results.append(await run_rollout(client, clock, spec, model="sim", tools=tools))
-                finally:
-                    await client.close()
-                if progress:
-                    _progress(len(results), total)
+            # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
+            results.extend(await asyncio.gather(*(one(mode, spec) for spec in specs)))  # type: ignore[arg-type]
             kv_idle[mode] = engine.statistics().kv_idle_token_s - idle_before
         if progress:
             print(file=sys.stderr)
@@ -150,8 +189,6 @@ def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], Policy]:
     if config.trace is not None:
         return replay_plan(load_trace(config.trace), config.seed)
     if config.workload != "custom":
-        if config.workload not in WORKLOADS:
-            raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
         specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
         return specs, DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation)
     specs = [

@@ -56,6 +56,10 @@ def test_cli_rejects_unknown_mode_and_bad_values() -> None:
         main(["compare", "--modes", "grpc", "--rollouts", "1"])
     with pytest.raises(SystemExit, match=r"invalid option: Expected `int` >= 1"):
         main(["compare", "--rollouts", "0"])
+    with pytest.raises(SystemExit, match="invalid option: unknown optimization 'magic'; choose from state_cache"):
+        main(["compare", "--disable", "token_cache,magic"])
+    with pytest.raises(SystemExit, match="invalid option: unknown cost profile 'cloud'"):
+        main(["compare", "--profile", "cloud"])
 
 
 def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -110,7 +114,7 @@ def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
         assert real_r.tool_time_s >= sim_r.tool_time_s  # a real process takes at least its drawn time
     with pytest.raises(ValueError, match="not with virtual time"):
         run(msgspec.structs.replace(config, real_tools=True), virtual=True)
-    with pytest.raises(SystemExit, match="not with --virtual"):
+    with pytest.raises(SystemExit, match="invalid option: .*not with virtual time"):
         main(["compare", "--virtual", "--tool-command", "true"])
 
 
@@ -120,3 +124,35 @@ async def test_tool_command_output_and_exit_status_go_back() -> None:
 
     output, seconds = await CommandTools("echo out-$((1 + 1)); echo err >&2; exit 3").run(AsyncioClock(), 9.0, "x")
     assert output == "out-2\nerr\n\n[exit status 3]" and 0 < seconds < 9.0
+
+
+def test_concurrent_rollouts_under_kv_pressure_keep_tokens_and_lose_ws_prefixes() -> None:
+    base = CompareConfig(
+        rollouts=6, tool_calls=6, seed=2, system_prompt_tokens=1500, decode_slots=3, modes=("ws", "append")
+    )
+    sequential = run(base, virtual=True, free_cpu=True)
+    tight = msgspec.structs.replace(base, concurrency=6, kv_capacity_tokens=20_000)
+    crowded = run(tight, virtual=True, free_cpu=True)
+    roomy = run(msgspec.structs.replace(tight, kv_capacity_tokens=1_000_000), virtual=True, free_cpu=True)
+    for a, b in zip(sequential.rollouts, crowded.rollouts, strict=True):
+        assert (a.mode, a.index) == (b.mode, b.index)
+        assert [t.bytes_sent for t in a.turns] == [t.bytes_sent for t in b.turns]  # same rollouts, any interleaving
+        assert a.turns[-1].response.usage.output_tokens == b.turns[-1].response.usage.output_tokens  # type: ignore[union-attr]
+    hit = {r: {s.mode: s.token_hit_rate for s in res.summary} for r, res in (("crowded", crowded), ("roomy", roomy))}
+    assert hit["crowded"]["ws"] < hit["roomy"]["ws"]  # evicted between turns while others ran
+    assert hit["crowded"]["append"] > hit["crowded"]["ws"]  # paused responses keep their KV
+    turns = {s.mode: s.turns for s in crowded.summary}
+    started = sorted(r.started_at for r in crowded.rollouts if r.mode == "ws")
+    assert started[-1] < min(r.finished_at for r in crowded.rollouts if r.mode == "ws") and turns["ws"] == 6 * 7
+
+
+def test_ablation_switches_off_one_optimization() -> None:
+    config = CompareConfig(rollouts=1, tool_calls=5, seed=1, system_prompt_tokens=1000, modes=("http", "ws"))
+    full = {s.mode: s for s in run(config, virtual=True, free_cpu=True).summary}
+    ablated = run(msgspec.structs.replace(config, disable=("token_cache",)), virtual=True, free_cpu=True)
+    no_tokens = {s.mode: s for s in ablated.summary}
+    assert full["ws"].tokens_rendered_per_turn < full["http"].tokens_rendered_per_turn / 2
+    assert no_tokens["ws"].tokens_rendered_per_turn == no_tokens["http"].tokens_rendered_per_turn
+    assert no_tokens["ws"].connection_cache_hit_rate == 1.0  # the state cache still serves
+    with pytest.raises(ValueError, match="unknown optimization"):
+        run(msgspec.structs.replace(config, disable=("magic",)), virtual=True, free_cpu=True)
