@@ -28,7 +28,7 @@ from prototype.client import TurnResult
 
 from .live import RolloutResult
 
-__all__ = ["MODEL_STAGES", "ModeSummary", "per_turn_work", "summarize"]
+__all__ = ["MODEL_STAGES", "ModeSummary", "per_turn_work", "summarize", "timeline"]
 
 MODEL_STAGES = ("queue", "prefill", "decode")
 
@@ -72,6 +72,35 @@ def _reports_per_turn(turns: Sequence[TurnResult]) -> list[dict[str, float]]:
 
 def per_turn_work(result: RolloutResult) -> list[dict[str, float]]:
     return _reports_per_turn(result.turns)
+
+
+def timeline(result: RolloutResult) -> list[dict[str, float | str | int]]:
+    """One rollout as consecutive segments: per turn the server's stages in pipeline order
+    (network first), then `client` (the rest of the turn's client-side time: the stream's
+    transfer and parsing, E2E − Σ stages), then `tool` until the next request is sent.
+    Times in seconds from the rollout's start. Server stages of a turn are laid end to end,
+    so overlap between decode and the stream's transfer shows as a shorter `client`."""
+    rows: list[dict[str, float | str | int]] = []
+    for k, (turn, work) in enumerate(zip(result.turns, per_turn_work(result), strict=True)):
+        at = turn.sent_at - result.started_at
+        stages = [(key[6:], value) for key, value in work.items() if key.startswith("stage:") and value > 0]
+        stages.append(("client", max(0.0, turn.e2e_s - sum(v for _, v in stages))))
+        end_of_turn = turn.done_at - result.started_at
+        next_sent = result.turns[k + 1].sent_at - result.started_at if k + 1 < len(result.turns) else end_of_turn
+        stages.append(("tool", max(0.0, next_sent - end_of_turn)))
+        for name, seconds in stages:
+            rows.append(
+                {
+                    "mode": result.mode,
+                    "rollout": result.index,
+                    "turn": k,
+                    "segment": name,
+                    "start_s": at,
+                    "end_s": at + seconds,
+                }
+            )
+            at += seconds
+    return rows
 
 
 def summarize(results: Sequence[RolloutResult], kv_idle_token_s: dict[str, float] | None = None) -> list[ModeSummary]:

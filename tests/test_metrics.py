@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -92,3 +93,21 @@ def test_saving_is_relative_to_http_median() -> None:
     summary = {s.mode: s for s in summarize([rollout("http", 10.0), rollout("http", 12.0), rollout("ws", 6.6)])}
     assert summary["ws"].saved_vs_http == pytest.approx(0.4)
     assert summary["http"].completion_p90_s == pytest.approx(11.8)
+
+
+def test_timeline_tiles_each_rollout_with_stages_and_tool_time() -> None:
+    from sim.__main__ import run
+    from sim.experiment import CompareConfig
+    from sim.metrics import timeline
+
+    result = run(CompareConfig(rollouts=1, tool_calls=3, seed=4), virtual=True, free_cpu=True)
+    for rollout in result.rollouts:
+        rows = timeline(rollout)
+        assert rows[0]["start_s"] == 0.0 and rows[-1]["end_s"] == pytest.approx(rollout.completion_s)
+        assert all(a["end_s"] == b["start_s"] for a, b in itertools.pairwise(rows))  # contiguous
+        tool = sum(float(r["end_s"]) - float(r["start_s"]) for r in rows if r["segment"] == "tool")
+        assert tool == pytest.approx(rollout.tool_time_s)
+        decode_turns = {r["turn"] for r in rows if r["segment"] == "decode"}
+        assert decode_turns == set(range(4))
+        routed = [r["turn"] for r in rows if r["segment"] == "routing"]
+        assert routed == ([0] if rollout.mode in ("ws", "append") else [0, 1, 2, 3])  # routing reused on a connection
