@@ -43,7 +43,7 @@ from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import get_tokenizer
 
-__all__ = ["ENGINE", "ServerConfig", "WebSocketSession", "make_app", "make_engine"]
+__all__ = ["ENGINE", "ServerConfig", "Slots", "WebSocketSession", "make_app", "make_engine"]
 
 log = logging.getLogger("longrun.server")
 
@@ -53,6 +53,11 @@ MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 # Append mode is opted into per connection (wire-protocol 11.2): the historical V1 beta header
 # value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
 APPEND_BETA: Final = "responses_websockets=2026-02-04"
+# Per-connection and per-server limits (ServerConfig; None = unlimited). Codex never queues
+# more than one create; a cache entry of a 10M-character history is about 20 MiB.
+MAX_QUEUED_CREATES: Final = 64
+MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
+MAX_CONNECTIONS: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +72,49 @@ class ServerConfig:
     append_timeout_s: float = 300.0
     profile: CostProfile = PROFILES["local"]  # modeled waits of the API stages (pipeline.py)
     optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS  # connection-cache switches, WebSocket only
-    max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # larger frames close the socket with 1009, larger bodies get 413
+    max_queued_creates: int | None = MAX_QUEUED_CREATES  # per connection, behind the one in flight: 429 beyond
+    max_cache_bytes: int | None = MAX_CACHE_BYTES  # per connection: a larger entry is not cached
+    max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
+
+
+class Slots:
+    """Open WebSocket connections against `ServerConfig.max_connections`. A slot is taken
+    before the upgrade, so concurrent upgrades cannot overshoot the limit."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.taken = 0
+
+    def acquire(self) -> bool:
+        if self.limit is not None and self.taken >= self.limit:
+            return False
+        self.taken += 1
+        return True
+
+    def release(self) -> None:
+        self.taken -= 1
+
+
+class _Socket(web.WebSocketResponse):
+    """aiohttp closes on an oversize frame (1009) or invalid UTF-8 (1007) by itself, with an
+    empty reason; this fills in a clear one for those codes."""
+
+    def __init__(self, *, max_msg_size: int) -> None:
+        super().__init__(max_msg_size=max_msg_size, compress=True, autoping=True)
+        self._reasons: dict[int, bytes] = {
+            WSCloseCode.MESSAGE_TOO_BIG: f"message larger than {max_msg_size} bytes".encode(),
+            WSCloseCode.INVALID_TEXT: b"text frame is not valid UTF-8",
+        }
+
+    async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
+        return await super().close(code=code, message=message or self._reasons.get(code, b""), drain=drain)
 
 
 ENGINE: Final = web.AppKey("engine", Engine)
 CONFIG: Final = web.AppKey("config", ServerConfig)
 SOCKETS: Final = web.AppKey[set[web.WebSocketResponse]]("sockets")
+SLOTS: Final = web.AppKey("slots", Slots)
 
 
 def make_engine(
@@ -104,6 +146,7 @@ def make_app(
     app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed)
     sockets: set[web.WebSocketResponse] = set()
     app[SOCKETS] = sockets
+    app[SLOTS] = Slots(config.max_connections)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses", websocket_or_405)
     app.router.add_get("/v1/responses/{response_id}", get_response)
@@ -167,7 +210,13 @@ async def prometheus_metrics(request: web.Request) -> web.Response:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    body = await request.read()
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[CONFIG].max_message_bytes
+        return _json_error(
+            ProtocolError(f"The request body is larger than {limit} bytes.", code="request_too_large", status=413)
+        )
     arrival = Arrival(engine.clock.now(), len(body), "http")
     try:
         params = decode_create_params(body)
@@ -233,14 +282,27 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
         return _json_error(
             ProtocolError("WebSocket mode is disabled on this server; use HTTP.", code="upgrade_required", status=426)
         )
-    append_mode = request.query.get("mode") == "append" or APPEND_BETA in request.headers.get("OpenAI-Beta", "")
-    ws = web.WebSocketResponse(max_msg_size=config.max_message_bytes, compress=True, autoping=True)
-    await ws.prepare(request)
-    request.app[SOCKETS].add(ws)
+    slots = request.app[SLOTS]
+    if not slots.acquire():
+        return _json_error(
+            ProtocolError(
+                f"Too many open WebSocket connections on this server (at most {slots.limit}). "
+                "Retry later, or use HTTP.",
+                code="too_many_connections",
+                status=503,
+            )
+        )
     try:
-        await WebSocketSession(request.app[ENGINE], config, ws, append_mode=append_mode).serve()
+        append_mode = request.query.get("mode") == "append" or APPEND_BETA in request.headers.get("OpenAI-Beta", "")
+        ws = _Socket(max_msg_size=config.max_message_bytes)
+        await ws.prepare(request)
+        request.app[SOCKETS].add(ws)
+        try:
+            await WebSocketSession(request.app[ENGINE], config, ws, append_mode=append_mode).serve()
+        finally:
+            request.app[SOCKETS].discard(ws)
     finally:
-        request.app[SOCKETS].discard(ws)
+        slots.release()
     return ws
 
 
@@ -260,6 +322,8 @@ class WebSocketSession:
             reject_concurrent=config.reject_concurrent,
             append_mode=append_mode,
             ids=engine.ids,
+            max_queued=config.max_queued_creates,
+            max_cache_bytes=config.max_cache_bytes,
         )
         self.job_task: asyncio.Task[None] | None = None
         self.pause_timer: asyncio.Task[None] | None = None

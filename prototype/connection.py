@@ -23,13 +23,20 @@ Rules (wire-protocol sections 2, 3, 6, 7, 8; the Guide's launch semantics):
    create after the limit (queued or new) gets that error instead of starting.
 6. A disconnect (including Codex's abrupt 1006) cancels the in-flight response
    and frees the cache and the queue.
+7. Limits (all optional): at most `max_queued` creates wait behind the one in
+   flight; one more is refused with 429 `queued_requests_limit_reached` (the
+   socket stays open, the referenced cache entry is evicted as for any failed
+   turn). A response whose cache entry would hold more than `max_cache_bytes`
+   is not cached: the cache is left empty (the entry it would have replaced is
+   dropped too), so a continuation from it loads from the store (`store:true`)
+   or gets `previous_response_not_found`.
 
 Append mode (opt-in per connection; wire-protocol 11, decisions in the README):
 
-7. When a sampled turn ends in function calls the response *pauses* (PAUSED):
+8. When a sampled turn ends in function calls the response *pauses* (PAUSED):
    the engine has sent `response.done` with `required_input`; the core keeps the
    pending call ids and asks the adapter to arm the pause timer.
-8. `response.append` / `response.inject` commit items atomically: every item is
+9. `response.append` / `response.inject` commit items atomically: every item is
    a `function_call_output` for a pending call id or a user/developer message;
    anything else is rejected whole. Partial appends are accepted; the response
    resumes (ACTIVE) once every pending call is answered. Inject is acknowledged
@@ -38,9 +45,9 @@ Append mode (opt-in per connection; wire-protocol 11, decisions in the README):
    resume shows as `response.in_progress`) and is refused with `error` events:
    `response_not_found`, `response_already_completed`, `response_not_paused`,
    `unknown_call_id`.
-9. A `response.create` while paused is refused (409 `response_paused`), never
+10. A `response.create` while paused is refused (409 `response_paused`), never
    queued: under FIFO it would wait behind a response that waits for the client.
-10. A pause that outlives the pause timeout, or the connection's lifetime, ends
+11. A pause that outlives the pause timeout, or the connection's lifetime, ends
     the response `incomplete` (reasons `append_timeout`, `connection_limit`).
 
 The core reads no clock and does no I/O: the adapter feeds it client frames and
@@ -316,11 +323,15 @@ class Connection:
         reject_concurrent: bool = False,
         append_mode: bool = False,
         ids: IdFactory | None = None,
+        max_queued: int | None = None,
+        max_cache_bytes: int | None = None,
     ) -> None:
         self.state = CS.IDLE
         self.lifetime_s = lifetime_s
         self.reject_concurrent = reject_concurrent
         self.append_mode = append_mode
+        self.max_queued = max_queued
+        self.max_cache_bytes = max_cache_bytes
         self.ids = ids or IdFactory()
         self.cache: CacheEntry | None = None
         self.queue: collections.deque[CreateReceived] = collections.deque()
@@ -331,6 +342,7 @@ class Connection:
         self._out: list[Output] = []
         self.cache_hits = 0
         self.cache_misses = 0
+        self.cache_refused = 0  # entries over `max_cache_bytes`, not cached
 
     # -- adapter API ---------------------------------------------------------------------------------
 
@@ -423,6 +435,17 @@ class Connection:
                 )
             )
             return
+        if self.state is CS.ACTIVE and self.max_queued is not None and len(self.queue) >= self.max_queued:
+            self._evict(event.request.previous_response_id)
+            self._error(
+                ProtocolError(
+                    f"Too many queued response.create events on this connection (at most {self.max_queued} "
+                    "wait behind the response in progress). Wait for a response to finish, or open another connection.",
+                    code="queued_requests_limit_reached",
+                    status=429,
+                )
+            )
+            return
         self.queue.append(event)
 
     def _start_next(self, event: Dequeue) -> None:
@@ -449,7 +472,11 @@ class Connection:
         self.in_flight = None
         self.ended_ids.append(event.job.response_id)
         if event.entry is not None:
-            self.cache = event.entry
+            if self.max_cache_bytes is not None and event.entry.nbytes > self.max_cache_bytes:
+                self.cache = None
+                self.cache_refused += 1
+            else:
+                self.cache = event.entry
         else:
             self._evict(event.job.request.previous_response_id)
             if event.error is not None:

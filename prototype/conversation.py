@@ -43,11 +43,14 @@ from .schemas import (
     OutputMessage,
     decode_content,
     decode_item,
+    decode_json,
     decode_tool,
     encode,
+    guarded_decoder,
     is_null,
 )
 from .tokenizer import Tokenizer
+from .tool_schema import check_parameters
 
 __all__ = [
     "Context",
@@ -287,17 +290,12 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
         # The model sees a canonical (compact, order-preserving) rendering of the schema, so
         # whitespace in the client's JSON never changes the prompt: openai-python sends compact
         # JSON over HTTP and `json.dumps` spacing over WebSocket.
-        schema = None if is_null(view.parameters) else msgspec.json.decode(view.parameters)
+        schema = None if is_null(view.parameters) else decode_json(view.parameters)
         if schema is None:
             params = b'{"type":"object","properties":{}}'
-        elif isinstance(schema, dict):
-            params = encode(schema)
         else:
-            raise ProtocolError(
-                f"Invalid schema for function '{view.name}': schema must be a JSON Schema of 'type: \"object\"'.",
-                code="invalid_function_parameters",
-                param=f"tools[{index}].parameters",
-            )
+            check_parameters(schema, function=view.name, param=f"tools[{index}].parameters")
+            params = encode(schema)
         if view.name in seen:
             raise ProtocolError(
                 f"Duplicate tool name: '{view.name}'.", code="invalid_value", param=f"tools[{index}].name"
@@ -312,11 +310,14 @@ class _NamedChoice(msgspec.Struct):
     name: str | None = None
 
 
+_decode_tool_choice: Final = guarded_decoder(msgspec.json.Decoder(str | _NamedChoice))
+
+
 def _parse_tool_choice(raw: Raw, tools: tuple[FunctionTool, ...]) -> str:
     if is_null(raw):
         return "auto"
     try:
-        value = msgspec.json.decode(raw, type=str | _NamedChoice)
+        value = _decode_tool_choice(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"Invalid 'tool_choice': {exc}", code="invalid_value", param="tool_choice") from None
     if isinstance(value, str):

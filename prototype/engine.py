@@ -117,6 +117,14 @@ class CacheEntry:
     def response_id(self) -> str:
         return self.response.id
 
+    @property
+    def nbytes(self) -> int:
+        """What the entry holds: its items' JSON, their tokens and the rendered preamble."""
+        ctx = self.context
+        items = sum(len(item.raw) for item in ctx.items[: self.n_items])
+        tokens = sum(chunk.nbytes for chunk in ctx.chunks[: self.n_items])
+        return items + tokens + len(self.preamble.key) + self.preamble.tokens.nbytes
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:

@@ -17,7 +17,7 @@ from typing import Final
 
 import msgspec
 
-from .schemas import ErrorBody, ErrorEvent, HTTPErrorBody, encode
+from .schemas import ErrorBody, ErrorEvent, HTTPErrorBody, NestingTooDeep, encode
 
 __all__ = [
     "INTERNAL_ERROR",
@@ -76,6 +76,8 @@ INTERNAL_ERROR: Final = ProtocolError(
 def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ProtocolError:
     """Map a msgspec failure to a 400 whose `param` is the JSON path msgspec names."""
     text = str(exc)
+    if isinstance(exc, NestingTooDeep):
+        return ProtocolError(f"Invalid request: {text}", code="invalid_json", param=None)
     if isinstance(exc, msgspec.ValidationError):
         param = None
         if " - at `$." in text:

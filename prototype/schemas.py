@@ -20,10 +20,13 @@ Input is tolerant, output is exact:
 
 from __future__ import annotations
 
-from typing import Final, Literal
+from collections.abc import Callable
+from typing import Final, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
+
+T = TypeVar("T")
 
 __all__ = [
     "NULL",
@@ -69,15 +72,18 @@ __all__ = [
     "StageReport",
     "StoredResponse",
     "ToolView",
+    "NestingTooDeep",
     "Usage",
     "decode_client_event",
     "decode_content",
+    "decode_json",
     "decode_create_params",
     "decode_envelope",
     "decode_item",
     "decode_stored",
     "decode_tool",
     "encode",
+    "guarded_decoder",
 ]
 
 # --------------------------------------------------------------------------- client → server
@@ -456,12 +462,33 @@ ServerEvent = (
 
 # --------------------------------------------------------------------------- codecs, built once
 
+
+class NestingTooDeep(msgspec.DecodeError):
+    """Valid JSON nested deeper than the decoder's recursion limit (about 1000 levels),
+    raised instead of the `RecursionError` msgspec throws, so every caller's
+    `except msgspec.DecodeError` turns it into a 400."""
+
+
+def guarded_decoder(decoder: msgspec.json.Decoder[T]) -> Callable[[bytes | str], T]:
+    """`decoder.decode` that raises `NestingTooDeep` instead of `RecursionError`."""
+    decode = decoder.decode
+
+    def guarded(data: bytes | str) -> T:
+        try:
+            return decode(data)
+        except RecursionError:
+            raise NestingTooDeep("JSON arrays or objects are nested too deeply.") from None
+
+    return guarded
+
+
 encode: Final = msgspec.json.Encoder().encode
-decode_client_event: Final = msgspec.json.Decoder(ClientEvent).decode
-decode_create_params: Final = msgspec.json.Decoder(CreateParams).decode
-decode_envelope: Final = msgspec.json.Decoder(_Envelope).decode
-decode_item: Final = msgspec.json.Decoder(InputItemView).decode
-decode_content: Final = msgspec.json.Decoder(str | list[ContentPartView]).decode
-decode_tool: Final = msgspec.json.Decoder(ToolView).decode
-decode_stored: Final = msgspec.json.Decoder(StoredResponse).decode
-decode_server_event: Final = msgspec.json.Decoder(ServerEvent).decode
+decode_json: Final = guarded_decoder(msgspec.json.Decoder())
+decode_client_event: Final = guarded_decoder(msgspec.json.Decoder(ClientEvent))
+decode_create_params: Final = guarded_decoder(msgspec.json.Decoder(CreateParams))
+decode_envelope: Final = guarded_decoder(msgspec.json.Decoder(_Envelope))
+decode_item: Final = guarded_decoder(msgspec.json.Decoder(InputItemView))
+decode_content: Final = guarded_decoder(msgspec.json.Decoder(str | list[ContentPartView]))
+decode_tool: Final = guarded_decoder(msgspec.json.Decoder(ToolView))
+decode_stored: Final = guarded_decoder(msgspec.json.Decoder(StoredResponse))
+decode_server_event: Final = guarded_decoder(msgspec.json.Decoder(ServerEvent))

@@ -22,7 +22,7 @@ from sim.kv import PrefixCache
 from sim.policy import DefaultPolicy, Policy, load_script
 from sim.realtime import AsyncioClock
 
-from .app import ServerConfig, make_app
+from .app import MAX_CACHE_BYTES, MAX_CONNECTIONS, MAX_MESSAGE_BYTES, MAX_QUEUED_CREATES, ServerConfig, make_app
 from .pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from .store import open_store
 
@@ -102,6 +102,34 @@ def build_parser() -> argparse.ArgumentParser:
         help="switch off one connection-cache optimization (repeatable): " + ", ".join(o.value for o in Optimization),
     )
     p.add_argument("--sse-done", action="store_true", help="end SSE streams with 'data: [DONE]'")
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=MAX_MESSAGE_BYTES,
+        metavar="BYTES",
+        help="largest request body (413 beyond) and WebSocket frame (close 1009 beyond)",
+    )
+    p.add_argument(
+        "--max-queued-creates",
+        type=int,
+        default=MAX_QUEUED_CREATES,
+        metavar="N",
+        help="per connection: creates waiting behind the one in flight; one more gets a 429 error event (0 = no limit)",
+    )
+    p.add_argument(
+        "--max-cache-bytes",
+        type=int,
+        default=MAX_CACHE_BYTES,
+        metavar="BYTES",
+        help="per connection: a response whose cache entry is larger is not cached (0 = no limit)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help="open WebSocket connections; further upgrades get HTTP 503 (0 = no limit)",
+    )
     p.add_argument("--log-level", default="WARNING", help="logging level")
     return p
 
@@ -131,6 +159,10 @@ async def serve(args: argparse.Namespace) -> None:
         append_timeout_s=args.append_timeout,
         profile=load_profile(args.profile),
         optimizations=ALL_OPTIMIZATIONS - {Optimization(o) for o in args.disable},
+        max_message_bytes=args.max_message_bytes,
+        max_queued_creates=args.max_queued_creates or None,
+        max_cache_bytes=args.max_cache_bytes or None,
+        max_connections=args.max_connections or None,
     )
     app = make_app(model=model, store=open_store(args.store), clock=clock, config=config, seed=args.seed)
     runner = web.AppRunner(app, handle_signals=False)
