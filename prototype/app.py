@@ -33,7 +33,7 @@ from .connection import (
     StartJob,
 )
 from .conversation import normalize_create
-from .engine import Aborted, Arrival, Engine, Resumed
+from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Engine, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
@@ -228,7 +228,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if outcome.error is not None:
             return _json_error(outcome.error)
         if outcome.response.status == "failed":
-            return _json_error(INTERNAL_ERROR)
+            failure = outcome.response.error
+            store_down = failure is not None and failure.code == STORE_UNAVAILABLE.code
+            return _json_error(STORE_UNAVAILABLE if store_down else INTERNAL_ERROR)
         return web.Response(body=encode(outcome.response), content_type="application/json")
 
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
@@ -241,12 +243,15 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             started = True
         await resp.write(b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events))  # type: ignore[arg-type]
 
-    outcome = await engine.run(create, None, emit, arrival=arrival)
-    if outcome.error is not None:  # request errors come before the first event: a plain JSON error
-        return _json_error(outcome.error)
-    if request.app[CONFIG].sse_done:
-        await resp.write(DONE_FRAME)
-    await resp.write_eof()
+    try:
+        outcome = await engine.run(create, None, emit, arrival=arrival)
+        if outcome.error is not None:  # request errors come before the first event: a plain JSON error
+            return _json_error(outcome.error)
+        if request.app[CONFIG].sse_done:
+            await resp.write(DONE_FRAME)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client went away mid-stream: the engine stopped sampling and freed the turn
     return resp
 
 

@@ -27,6 +27,7 @@ lost continuations for ~10 s because its write was asynchronous).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -58,6 +59,10 @@ from .schemas import (
     OutputItem,
     RequiredInput,
     Response,
+    ResponseCompleted,
+    ResponseError,
+    ResponseFailed,
+    ResponseIncomplete,
     ServerEvent,
     StageReport,
     StoredResponse,
@@ -79,6 +84,7 @@ __all__ = [
     "Outcome",
     "PauseChannel",
     "Resumed",
+    "STORE_UNAVAILABLE",
 ]
 
 log = logging.getLogger("longrun.engine")
@@ -465,8 +471,10 @@ class Engine:
             # Warm-up (wire-protocol 3.3): pre-inference work and a prefill of the prompt (so the
             # model's prefix cache holds it), no decode: `output: []`, zero usage.
             await emit(stream.receive(Start(input_tokens=0, warm_up=True)))
-            async for _ in self.model.sample(dataclasses.replace(turn.model_request(), max_output_tokens=0)):
-                pass
+            warm_up = dataclasses.replace(turn.model_request(), max_output_tokens=0)
+            async with contextlib.aclosing(self.model.sample(warm_up)) as prefill:
+                async for _ in prefill:
+                    pass
             stages.lap(Stage.PREFILL)
             events = stream.receive(SamplingFinished("stop"))
             return await self._finish(request, stream, resolved, stages, events, emit, arrival)
@@ -547,15 +555,18 @@ class Engine:
         self, request: ModelRequest, stream: ResponseStream, stages: _Stages, emit: Emit
     ) -> SamplingFinished:
         self._counts.model_calls += 1
-        async for event in self.model.sample(request):
-            if isinstance(event, Prefilled):
-                stages.add(Stage.QUEUE, event.queued_s)
-                stages.lap(Stage.PREFILL)
-                stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
-            elif isinstance(event, SamplingFinished):
-                stages.lap(Stage.DECODE)
-                return event
-            await emit(stream.receive(event))
+        # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
+        # not whenever the suspended generator is garbage-collected.
+        async with contextlib.aclosing(self.model.sample(request)) as events:
+            async for event in events:
+                if isinstance(event, Prefilled):
+                    stages.add(Stage.QUEUE, event.queued_s)
+                    stages.lap(Stage.PREFILL)
+                    stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
+                elif isinstance(event, SamplingFinished):
+                    stages.lap(Stage.DECODE)
+                    return event
+                await emit(stream.receive(event))
         raise StreamError("model ended without SamplingFinished")
 
     async def _finish(
@@ -579,7 +590,11 @@ class Engine:
         if request.store:
             record = StoredResponse(response=stream.response, context=context.raw_items(), output_in_context=in_context)
             self._counts.store_writes += 1
-            await self.store.put(stream.response.id, encode(record))
+            try:
+                await self.store.put(stream.response.id, encode(record))
+            except StoreUnavailable:
+                log.exception("store unavailable: response %s not stored", stream.response.id)
+                return await self._unstored(stream, events, emit)
         stages.lap(Stage.POST)
         outputs = [item_from_output(o) for o in stream.response.output[in_context:]]
         context.extend(outputs, self._render(outputs))
@@ -600,6 +615,23 @@ class Engine:
         )
         await emit(events)
         return Outcome(response, entry)
+
+    @staticmethod
+    async def _unstored(stream: ResponseStream, events: list[ServerEvent], emit: Emit) -> Outcome:
+        """The store write failed: the terminal event, not sent yet, becomes `response.failed`
+        (`store_unavailable`) at the same sequence number, so nothing claims a stored response."""
+        failed = stream.response = structs.replace(
+            stream.response,
+            status="failed",
+            error=ResponseError(code=STORE_UNAVAILABLE.code or "", message=STORE_UNAVAILABLE.message),
+            incomplete_details=None,
+            completed_at=None,
+        )
+        terminal = events[-1]
+        assert isinstance(terminal, ResponseCompleted | ResponseIncomplete)
+        events[-1] = ResponseFailed(sequence_number=terminal.sequence_number, response=failed)
+        await emit(events)
+        return Outcome(failed, None)
 
     # -- stored responses --------------------------------------------------------------------------
 

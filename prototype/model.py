@@ -22,7 +22,7 @@ Invariants a `TokenModel` must keep (the stream core relies on them):
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -108,9 +108,10 @@ ModelEvent = Prefilled | ItemStarted | TokensSampled | ItemFinished | SamplingFi
 
 
 class TokenModel(Protocol):
-    """A token-generating model. `sample` is an async generator of `ModelEvent`."""
+    """A token-generating model. `sample` is an async generator of `ModelEvent`; the service
+    closes it (`aclose`) when it stops early, so cleanup in its `finally` runs at once."""
 
-    def sample(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...
+    def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]: ...
 
     def release(self, conversation_id: str) -> None:
         """Unpin KV held with `hold_kv` (it stays cached, evictable). Unknown ids are ignored."""
