@@ -15,7 +15,7 @@ import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -38,7 +38,7 @@ from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_e
 from .ids import IdFactory
 from .model import TokenModel
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
-from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, encode
+from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, decode_text, encode
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import get_tokenizer
@@ -219,7 +219,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     arrival = Arrival(engine.clock.now(), len(body), "http")
     try:
-        params = decode_create_params(body)
+        params = decode_create_params(decode_text(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return _json_error(from_validation_error(exc))
     create = normalize_create(params, websocket=False)  # ProtocolError → middleware → JSON error body
@@ -302,13 +302,77 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
         ws = _Socket(max_msg_size=config.max_message_bytes)
         await ws.prepare(request)
         request.app[SOCKETS].add(ws)
+        transport = request.transport
+        writer: FrameSender = ws
+        if not ws.compress and transport is not None:
+            writer = BatchedFrames(transport, request.writer.drain)
         try:
-            await WebSocketSession(request.app[ENGINE], config, ws, append_mode=append_mode).serve()
+            await WebSocketSession(request.app[ENGINE], config, ws, append_mode=append_mode, writer=writer).serve()
         finally:
             request.app[SOCKETS].discard(ws)
     finally:
         slots.release()
     return ws
+
+
+class FrameSender(Protocol):
+    """Where a session's text frames go: the socket itself (aiohttp, one write per frame) or a
+    `BatchedFrames` in front of its transport."""
+
+    async def send_frame(self, message: bytes, opcode: WSMsgType, compress: int | None = None) -> None: ...
+
+
+# Frames gathered before a write is forced mid wake-up (an unpaced turn never yields on its own).
+BATCH_BYTES: Final = 64 * 1024
+
+
+class BatchedFrames:
+    """Text frames of an uncompressed socket, written in one go per event-loop wake-up.
+
+    Every frame due at a wake-up (all the tokens a paced model releases at once) is
+    framed here (RFC 6455 5.2: FIN, opcode, payload length; server frames are not
+    masked) and appended to one buffer; a callback scheduled with the first frame writes
+    the buffer with one `transport.write` once the sending task yields. Past
+    `BATCH_BYTES` the buffer is written at once and the sender waits for the
+    transport to drain (flow control), as it does at the start of each batch. A session
+    writes every frame through here and calls `flush` before closing, so frames keep their order.
+    """
+
+    def __init__(self, transport: asyncio.Transport, drain: Callable[[], Awaitable[None]]) -> None:
+        self.transport = transport
+        self.drain = drain
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    async def send_frame(self, message: bytes, opcode: WSMsgType = WSMsgType.TEXT, compress: int | None = None) -> None:
+        if self.transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        if not self.parts:
+            if self.transport.get_write_buffer_size() > BATCH_BYTES:
+                await self.drain()
+            asyncio.get_running_loop().call_soon(self.flush)
+        n = len(message)
+        if n < 126:
+            head = bytes((0x80 | opcode, n))
+        elif n < 65536:
+            head = bytes((0x80 | opcode, 126)) + n.to_bytes(2)
+        else:
+            head = bytes((0x80 | opcode, 127)) + n.to_bytes(8)
+        self.parts.append(head)
+        self.parts.append(message)
+        self.size += n
+        if self.size > BATCH_BYTES:
+            self.flush()
+            await self.drain()
+
+    def flush(self) -> None:
+        """Write what is gathered (nothing if a write already took it)."""
+        if self.parts:
+            data = b"".join(self.parts)
+            self.parts.clear()
+            self.size = 0
+            if not self.transport.is_closing():
+                self.transport.write(data)
 
 
 class WebSocketSession:
@@ -317,10 +381,17 @@ class WebSocketSession:
     cancels and awaits."""
 
     def __init__(
-        self, engine: Engine, config: ServerConfig, ws: web.WebSocketResponse, *, append_mode: bool = False
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        ws: web.WebSocketResponse,
+        *,
+        append_mode: bool = False,
+        writer: FrameSender | None = None,
     ) -> None:
         self.engine = engine
         self.ws = ws
+        self.writer = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
         self.append_timeout_s = config.append_timeout_s
         self.conn = Connection(
             lifetime_s=config.connection_lifetime_s,
@@ -348,6 +419,7 @@ class WebSocketSession:
                     await self._flush()
                 elif msg.type is WSMsgType.BINARY:
                     # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
+                    self._flush_frames()
                     await self.ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"binary frames are not supported")
                     break
         finally:
@@ -373,13 +445,14 @@ class WebSocketSession:
             match out:
                 case SendFrame(data=data):
                     if not self.ws.closed:
-                        await self.ws.send_frame(data, WSMsgType.TEXT)
+                        await self.writer.send_frame(data, WSMsgType.TEXT)
                 case StartJob(job=job):
                     self.job_task = asyncio.get_running_loop().create_task(self._run(job))
                 case CancelJob():
                     if self.job_task is not None:
                         self.job_task.cancel()
                 case CloseSocket(code=code, reason=reason):
+                    self._flush_frames()
                     await self.ws.close(code=code, message=reason.encode())
                 case ArmPauseTimer(job=job):
                     self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout(job))
@@ -387,6 +460,10 @@ class WebSocketSession:
                     self._decide(Resumed(items, self.frame))
                 case AbortPause(reason=reason):
                     self._decide(Aborted(reason))
+
+    def _flush_frames(self) -> None:
+        if isinstance(self.writer, BatchedFrames):
+            self.writer.flush()
 
     def _decide(self, decision: Resumed | Aborted) -> None:
         self._disarm_pause()
@@ -415,12 +492,12 @@ class WebSocketSession:
             self.resumption = None
 
     async def _run(self, job: Job) -> None:
-        ws = self.ws
+        send = self.writer.send_frame
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
                 # Text frames straight from the encoder's UTF-8 bytes (no str round trip).
-                await ws.send_frame(encode(ev), WSMsgType.TEXT)
+                await send(encode(ev), WSMsgType.TEXT)
 
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)

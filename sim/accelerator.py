@@ -78,7 +78,9 @@ from __future__ import annotations
 import codecs
 import itertools
 import math
-from collections.abc import AsyncGenerator
+import time
+from array import array
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -98,7 +100,7 @@ from prototype.tokenizer import Tokenizer, get_tokenizer
 from sim.kv import PrefixCache, PrefixCacheStatistics
 from sim.policy import PlannedItem, Policy
 
-__all__ = ["ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
+__all__ = ["LatenessRecorder", "ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
 
 _U64_MASK: Final = (1 << 64) - 1
 _JITTER_STREAM: Final = 1  # 4th SeedSequence word of the decode-jitter rng (the token rng has 3 words)
@@ -133,6 +135,34 @@ def jitter_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.G
     """The rng of one turn's decode-rate jitter: independent of `turn_rng`, so timing never moves tokens."""
     entropy = [_entropy(seed), _entropy(conversation_key), _entropy(turn_index), _JITTER_STREAM]
     return np.random.default_rng(np.random.SeedSequence(entropy))
+
+
+class LatenessRecorder:
+    """Per-token lateness of paced decoding, for benchmarks: when each token was handed on
+    (its consumer, i.e. the writer, done with it) minus when it was due; and per turn the
+    tokens, the planned rate and the first and last hand-on times.
+
+    ``now`` must read the time base of the model's clock at full resolution: the asyncio
+    loop's ``time()`` is ``time.monotonic()`` (uvloop's truncated to the millisecond), so
+    the default fits both. Off (``SimulatedModel(lateness=None)``) it costs one test per token.
+    """
+
+    __slots__ = ("late_s", "now", "turns")
+
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        self.now = now
+        self.late_s = array("d")
+        self.turns: list[tuple[int, float, float, float]] = []  # (tokens, planned rate, first, last hand-on)
+
+    def token(self, due: float) -> float:
+        """Record one token due at `due`; returns its hand-on time."""
+        now = self.now()
+        self.late_s.append(now - due)
+        return now
+
+    def clear(self) -> None:
+        self.late_s = array("d")
+        self.turns = []
 
 
 @dataclass(slots=True)
@@ -175,6 +205,7 @@ class SimulatedModel:
         decode_slots: int | None = None,
         concurrency_slowdown: float = 0.0,
         decode_jitter: float = 0.0,
+        lateness: LatenessRecorder | None = None,
     ) -> None:
         if not decode_tok_per_s > 0:
             raise ValueError(f"decode_tok_per_s must be > 0, got {decode_tok_per_s}")
@@ -203,6 +234,7 @@ class SimulatedModel:
         self.decode_slots = decode_slots
         self.concurrency_slowdown = concurrency_slowdown
         self.decode_jitter = decode_jitter
+        self.lateness = lateness
         self._slot_free_at: list[float] = [-math.inf] * (decode_slots or 0)  # per slot: busy until
         self._slot_holder: list[int] = [-1] * (decode_slots or 0)  # per slot: the turn that reserved it last
         self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
@@ -296,6 +328,8 @@ class SimulatedModel:
             yield Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=prefill_s)
             paced = math.isfinite(rate)
             index = 0  # token index within the turn
+            lateness = self.lateness if paced else None
+            handed_first = handed_last = 0.0
             for item, ids in items:
                 yield ItemStarted(item.kind, item.name)
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -309,7 +343,12 @@ class SimulatedModel:
                     index += 1
                     self._output_tokens += 1
                     yield TokensSampled((token_id,), text)
+                    if lateness is not None:  # resumed: the consumer has written this token
+                        handed_last = lateness.token(due)
+                        handed_first = handed_first or handed_last
                 yield ItemFinished()
+            if lateness is not None and index:
+                lateness.turns.append((index, rate, handed_first, handed_last))
             finished = True
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
         finally:

@@ -1,0 +1,383 @@
+"""`python -m sim.bench [--only T ...]`: the performance targets of issue 7, each against its floor.
+
+Targets (``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
+``virtual`` (5), ``memory`` (6). The server (`sim.bench.server`) is a separate process
+pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
+figure, floor measured in the same run, ratio, target, verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final
+
+import aiohttp
+import msgspec
+import uvloop
+
+from prototype.client import open_client
+from prototype.schemas import decode_server_event, encode
+
+from ..experiment import CompareConfig, run_compare
+from ..live import EXEC_TOOL, RolloutSpec, run_rollout, tool_output_text
+from ..sweep import SweepConfig, run_sweep
+from ..virtual import VirtualClock, run_virtual
+from .server import delta_event
+from .wsclient import FrameCounter, connect
+
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory")
+SERVER_CORE: Final = 1
+CLIENT_CORE: Final = 0
+DELTA: Final = b'{"type":"response.output_text.delta"'
+ENDS: Final = (
+    b'{"type":"response.completed"',
+    b'{"type":"response.incomplete"',
+    b'{"type":"response.failed"',
+    b'{"type":"error"',
+    b'{"type":"end"',
+)
+SSE_DELTA: Final = b"event: response.output_text.delta\n"
+
+
+@dataclass
+class Row:
+    target: str
+    figure: str
+    value: float
+    floor: float
+    ratio: float
+    goal: str
+    ok: bool | None  # None: reported only
+
+    def line(self) -> str:
+        verdict = "report" if self.ok is None else ("PASS" if self.ok else "FAIL")
+        return (
+            f"{self.target:<10} {self.figure:<46} {self.value:>12.4g} {self.floor:>12.4g} "
+            f"{self.ratio:>8.3f}  {self.goal:<14} {verdict}"
+        )
+
+
+ROWS: list[Row] = []
+
+
+def report(target: str, figure: str, value: float, floor: float, ratio: float, goal: str, ok: bool | None) -> None:
+    row = Row(target, figure, value, floor, ratio, goal, ok)
+    ROWS.append(row)
+    print(row.line(), flush=True)
+
+
+class PerfClock:
+    """`Clock` on `time.perf_counter` (full resolution, for client-side timings)."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def time(self) -> float:
+        return time.time()
+
+    async def sleep_until(self, deadline: float) -> None:
+        delay = deadline - self.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+@contextlib.contextmanager
+def bench_server(*args: str) -> Iterator[int]:
+    """A `sim.bench.server` process pinned to the server core; yields its port."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sim.bench.server", *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+    )
+    try:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(proc.pid, {SERVER_CORE})
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("port "):
+            raise RuntimeError(f"bench server did not start: {line!r}")
+        yield int(line.split()[1])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+async def get_json(port: int, path: str) -> Any:
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}{path}") as r:
+        return await r.json()
+
+
+def create_frame(n_tokens: int) -> bytes:
+    return encode(
+        {"type": "response.create", "model": "sim", "input": "go", "max_output_tokens": n_tokens, "store": False}
+    )
+
+
+async def ws_stream(port: int, path: str, request: bytes) -> FrameCounter:
+    counter = FrameCounter(DELTA, ENDS, time.perf_counter)
+    conn = await connect(port, path, counter)
+    conn.send_text(request)
+    await counter.done
+    conn.close()
+    return counter
+
+
+async def sse_stream(port: int, path: str, body: bytes | None) -> tuple[int, float]:
+    """Delta events counted in an SSE body, and their rate (first to last chunk holding one)."""
+    count, first, last, tail = 0, 0.0, 0.0, b""
+    async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}{path}", data=body) as r:
+        async for chunk in r.content.iter_any():
+            data = tail + chunk
+            k = data.count(SSE_DELTA)
+            if k:
+                last = time.perf_counter()
+                first = first or last
+                count += k
+            tail = data[-(len(SSE_DELTA) - 1) :] if not k else data[data.rfind(SSE_DELTA) + len(SSE_DELTA) :][-40:]
+    return count, (count - 1) / (last - first) if last > first else 0.0
+
+
+# -- 1. throughput --------------------------------------------------------------------------------
+
+
+async def throughput(n: int, repeats: int) -> None:
+    with bench_server("--tps", "0") as port:
+        await ws_stream(port, "/v1/responses", create_frame(1000))  # warm-up (tokenizer, caches)
+        ours_ws, raw_ws, ours_sse, raw_sse = [], [], [], []
+        body = encode({"model": "sim", "input": "go", "max_output_tokens": n, "stream": True, "store": False})
+        for _ in range(repeats):
+            raw = await ws_stream(port, "/bench/raw_ws", str(n).encode())
+            raw_ws.append(raw.rate)
+            ours = await ws_stream(port, "/v1/responses", create_frame(n))
+            assert ours.count == n, (ours.count, n)
+            last = decode_server_event(ours.last_frame)
+            assert last.sequence_number == ours.frames - 1  # full events, numbered
+            ours_ws.append(ours.rate)
+            raw_sse.append((await sse_stream(port, f"/bench/raw_sse?n={n}", None))[1])
+            count, rate = await sse_stream(port, "/v1/responses", body)
+            assert count == n, (count, n)
+            ours_sse.append(rate)
+    for name, ours_r, raw_r in (("WebSocket", ours_ws, raw_ws), ("SSE", ours_sse, raw_sse)):
+        o, r = statistics.median(ours_r), statistics.median(raw_r)
+        report("1", f"{name} delta events/s, 1 conn, unpaced", o, r, o / r, ">= 0.6", o / r >= 0.6)
+
+
+# -- 2. pacing ------------------------------------------------------------------------------------
+
+
+async def pacing(rates: list[float], seconds: float) -> None:
+    for rate in rates:
+        with bench_server("--tps", str(rate)) as port:
+            n = max(200, int(rate * seconds))
+            await ws_stream(port, "/v1/responses", create_frame(50))  # warm-up
+            floor = await get_json(port, f"/bench/timer?rate={rate}&n={min(n, max(200, int(rate * 2)))}")
+            await get_json(port, "/bench/lateness")  # clear
+            counter = await ws_stream(port, "/v1/responses", create_frame(n))
+            rep = await get_json(port, "/bench/lateness")
+        turn = rep["turns"][-1]
+        err = abs(turn["achieved"] / rate - 1)
+        client_err = abs(counter.rate / rate - 1)
+        report("2", f"{rate:g} tok/s: rate error (server; client {client_err:.2%})", err, 0.0, err, "<= 0.5%", err <= 0.005)
+        p99, fp99 = rep["late_s"]["p99"] * 1e3, floor["p99"] * 1e3
+        report("2", f"{rate:g} tok/s: p99 token lateness ms", p99, fp99, p99 / fp99, "<= 2 ms", p99 <= 2.0)
+
+
+# -- 3. fan-out -----------------------------------------------------------------------------------
+
+
+async def fanout(conns: int, rates: list[float], seconds: float) -> None:
+    for rate in rates:
+        n = int(rate * seconds)
+        with bench_server("--tps", str(rate)) as port:
+            await ws_stream(port, "/v1/responses", create_frame(50))
+            floor = await get_json(port, f"/bench/timer?rate={rate}&n={int(rate)}")
+            await get_json(port, "/bench/lateness")
+            counters = await asyncio.gather(
+                *(ws_stream(port, "/v1/responses", create_frame(n)) for _ in range(conns))
+            )
+            rep = await get_json(port, "/bench/lateness")
+        assert all(c.count == n for c in counters)
+        worst = min(t["achieved"] for t in rep["turns"]) / rate
+        p99, fp99 = rep["late_s"]["p99"] * 1e3, floor["p99"] * 1e3
+        if rate <= 1000:
+            report("3", f"{conns} x {rate:g} tok/s: slowest stream / rate", worst, 1.0, worst, ">= 0.99", worst >= 0.99)
+            report("3", f"{conns} x {rate:g} tok/s: p99 lateness ms", p99, fp99, p99 / fp99, "<= 3 ms", p99 <= 3.0)
+        else:
+            report("3", f"{conns} x {rate:g} tok/s: slowest stream / rate", worst, 1.0, worst, "keeps up >=0.99", worst >= 0.99)
+            report("3", f"{conns} x {rate:g} tok/s: p99 lateness ms", p99, fp99, p99 / fp99, "report", None)
+
+
+# -- 4. per-turn overhead -------------------------------------------------------------------------
+
+
+async def raw_rtt(port: int, size: int, n: int) -> float:
+    got: asyncio.Queue[bytes] = asyncio.Queue()
+    conn = await connect(port, "/bench/raw_ws", got.put_nowait)
+    payload = b"x" * size
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        conn.send_text(payload)
+        await got.get()
+        times.append(time.perf_counter() - t)
+    conn.close()
+    return statistics.median(times)
+
+
+def first_event_s(turn: Any) -> float:
+    return float(turn.event_log[0][0] - turn.sent_at)
+
+
+async def turns(n_turns: int, output_tokens: int, http_every: int) -> None:
+    clock = PerfClock()
+    import numpy as np
+
+    text = tool_output_text(np.random.default_rng(0), output_tokens)
+    spec = RolloutSpec(0, 0, "Task 0: fix the failing test.", (0.0,) * n_turns, (text,) * n_turns)
+    with bench_server("--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10)) as port:
+        base = f"http://127.0.0.1:{port}/v1"
+        rtt = await raw_rtt(port, len(text) + 200, 200)
+        report("4", "raw WebSocket round trip ms (tool-output size)", rtt * 1e3, rtt * 1e3, 1.0, "floor", None)
+        for mode in ("ws", "append", "http"):
+            client = open_client(mode, base, clock)  # type: ignore[arg-type]
+            try:
+                result = await run_rollout(client, clock, spec, model="sim")
+            finally:
+                await client.close()
+            firsts = [first_event_s(t) for t in result.turns]  # index k: after k tool outputs
+            early = statistics.median(firsts[1:11])
+            late = statistics.median(firsts[n_turns - 9 : n_turns + 1])
+            ratio = late / early
+            if mode == "http":
+                curve = ", ".join(f"t{k}={firsts[k] * 1e3:.2f}" for k in range(1, n_turns + 1, http_every))
+                print(f"           http time to first event by turn (ms): {curve}", flush=True)
+                report("4", f"http: turn {n_turns} / turn 1 first event", late * 1e3, early * 1e3, ratio, "report", None)
+            else:
+                report("4", f"{mode}: turn {n_turns} / turn 1 first event", late * 1e3, early * 1e3, ratio, "<= 1.5", ratio <= 1.5)
+                report("4", f"{mode}: turn {n_turns} first event / raw RTT", late * 1e3, rtt * 1e3, late / rtt, "report", None)
+
+
+# -- 5. virtual time ------------------------------------------------------------------------------
+
+
+def _encode_decode_floor(events: int) -> float:
+    """The JSON work any transport simulation does: encode and decode `events` delta events."""
+    evs = [delta_event(i) for i in range(events)]
+    t = time.perf_counter()
+    for ev in evs:
+        decode_server_event(encode(ev))
+    return time.perf_counter() - t
+
+
+async def _virtual_rollout(mode: str) -> Any:
+    config = CompareConfig(rollouts=1, tool_calls=50, modes=(mode,), workload="custom")
+    return await run_compare(config, VirtualClock(), virtual=True)
+
+
+def virtual(points: int) -> None:
+    for mode in ("ws", "append", "http"):
+        run_virtual(_virtual_rollout(mode), charge_cpu=False)  # warm-up
+        t = time.perf_counter()
+        result = run_virtual(_virtual_rollout(mode), charge_cpu=False)
+        wall = time.perf_counter() - t
+        events = sum(turn.events for r in result.rollouts for turn in r.turns)
+        floor = _encode_decode_floor(events)
+        ms = wall * 1e3
+        report("5", f"virtual 50-turn rollout ms ({mode}, {events} events)", ms, floor * 1e3, wall / floor, "<= 20 ms", ms <= 20)
+    tps = tuple(float(x) for x in (65, 250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000))
+    calls = (1, 2, 3, 5, 8, 10, 15, 20, 30, 50)
+    tools = (0.1, 0.3, 1.0, 4.5, 10.0, 0.2, 0.5, 2.0, 3.0, 6.0)
+    sweep = SweepConfig(tps=tps, tool_calls=calls, tool_time_s=tools, base=CompareConfig(rollouts=1))
+    grid_n = len(tps) * len(calls) * len(tools)
+    if points < grid_n:  # a sample of the grid: the first `points` tool-time values scale down
+        per = max(1, points // (len(tps) * len(calls)))
+        sweep = msgspec.structs.replace(sweep, tool_time_s=tools[:per])
+    n = len(sweep.tps) * len(sweep.tool_calls) * len(sweep.tool_time_s)
+    t = time.perf_counter()
+    with ProcessPoolExecutor(2) as pool:
+        run_sweep(sweep, pool)
+    wall = time.perf_counter() - t
+    est = wall * grid_n / n
+    report("5", f"{grid_n}-point sweep s, 2 procs (measured {n} points)", est, 60.0, est / 60.0, "< 60 s", est < 60)
+
+
+# -- 6. memory ------------------------------------------------------------------------------------
+
+
+async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None:
+    clock = PerfClock()
+    import numpy as np
+
+    text = tool_output_text(np.random.default_rng(0), output_tokens)
+    spec = RolloutSpec(0, 0, "Task 0: fix the failing test.", (0.0,) * n_turns, (text,) * n_turns)
+    args = ["--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10), "--max-cache-bytes", str(cap)]
+    with bench_server(*args) as port:
+        base = f"http://127.0.0.1:{port}/v1"
+        warm = open_client("ws", base, clock)
+        await run_rollout(warm, clock, RolloutSpec(0, 0, "warm", (0.0,) * 5, (text,) * 5), model="sim")
+        await warm.close()
+        before = (await get_json(port, "/bench/memory"))["rss_bytes"]
+        clients = []
+        history_bytes = 0
+        for _ in range(conns):
+            client = open_client("ws", base, clock)
+            clients.append(client)
+            await run_rollout(client, clock, spec, model="sim")
+            history_bytes = len(encode(client.history.items))  # type: ignore[attr-defined]
+        after = (await get_json(port, "/bench/memory"))["rss_bytes"]
+        for client in clients:
+            await client.close()
+    per = (after - before) / conns
+    what = f"bytes per idle ws conn, {n_turns}-turn cache" + (f" (cap {cap})" if cap else "")
+    report("6", what, per, history_bytes, per / history_bytes, "report; capped", None if not cap else per <= cap * 1.5)
+
+
+# -- CLI ------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--only", action="append", choices=TARGETS, help="run only these targets (repeatable)")
+    p.add_argument("--tokens", type=int, default=20_000, help="1: tokens per unpaced stream")
+    p.add_argument("--repeats", type=int, default=3, help="1: runs of each stream (median)")
+    p.add_argument("--seconds", type=float, default=5.0, help="2: seconds per paced stream")
+    p.add_argument("--conns", type=int, default=100, help="3: connections")
+    p.add_argument("--fanout-seconds", type=float, default=3.0, help="3: seconds per stream")
+    p.add_argument("--turns", type=int, default=150, help="4: tool turns per rollout")
+    p.add_argument("--sweep-points", type=int, default=100, help="5: points actually run (1000 = the whole grid)")
+    p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
+    p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
+    p.add_argument("--cap", type=int, default=0, help="6: also run with this max_cache_bytes (0 = skip)")
+    args = p.parse_args(argv)
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {CLIENT_CORE})
+    only = args.only or list(TARGETS)
+    print(f"{'target':<10} {'figure':<46} {'value':>12} {'floor':>12} {'ratio':>8}  {'goal':<14} verdict")
+    jobs: dict[str, Callable[[], Any]] = {
+        "throughput": lambda: uvloop.run(throughput(args.tokens, args.repeats)),
+        "pacing": lambda: uvloop.run(pacing([65.0, 1000.0, 4000.0], args.seconds)),
+        "fanout": lambda: uvloop.run(fanout(args.conns, [1000.0, 4000.0], args.fanout_seconds)),
+        "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
+        "virtual": lambda: virtual(args.sweep_points),
+        "memory": lambda: [
+            uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
+        ],
+    }
+    for name in TARGETS:
+        if name in only:
+            jobs[name]()
+    failed = [r for r in ROWS if r.ok is False]
+    print(f"{len(ROWS) - len(failed)} rows ok or reported, {len(failed)} failed")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""The benchmark's server process: `python -m sim.bench.server` (started and pinned by `sim.bench`).
+
+It serves the longrun app (the same `make_app` as `prototype.server`, on uvloop)
+with the simulator, plus the raw floors measured in the same process:
+
+* ``GET /bench/raw_ws``: a WebSocket that, for a text frame ``"N"``, sends N text
+  frames, each an `OutputTextDelta` encoded by msgspec and sent by aiohttp, then
+  ``{"type":"end"}``; any other text frame is echoed (the round-trip floor).
+* ``POST /bench/raw_sse?n=N``: N SSE frames of the same event, one write each.
+* ``GET /bench/timer?rate=R&n=N``: an asyncio task sleeping to absolute deadlines
+  ``i / R`` (no writes): the p50/p99/max lateness of the loop's timer itself.
+* ``GET /bench/lateness``: the simulator's per-token lateness and per-turn rates
+  since the last call (`sim.accelerator.LatenessRecorder`), then cleared.
+* ``GET /bench/memory``: the process's resident bytes and the connection caches' sizes.
+
+`BenchPolicy` answers every turn with a text of exactly ``max_output_tokens`` one-token
+words, so a client chooses the stream length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import signal
+import time
+from typing import Final
+
+import msgspec
+import numpy as np
+import uvloop
+from aiohttp import WSMsgType, web
+
+from prototype.app import ServerConfig, make_app
+from prototype.model import ModelRequest
+from prototype.pipeline import load_profile
+from prototype.schemas import OutputTextDelta, encode
+from prototype.sse import SSE_HEADERS, encode_event
+from prototype.store import open_store
+from sim.accelerator import LatenessRecorder, SimulatedModel
+from sim.policy import DefaultPolicy, PlannedItem, Policy
+from sim.realtime import AsyncioClock
+
+__all__ = ["BenchPolicy", "delta_event", "main"]
+
+WORDS: Final = (" the", " value", " return", " file", " test", " line", " data", " and", " of", " model")
+DEFAULT_TOKENS: Final = 100
+
+
+class BenchPolicy:
+    """Every turn: one message of ``max_output_tokens`` (default 100) one-token words."""
+
+    def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
+        n = request.max_output_tokens or DEFAULT_TOKENS
+        return [PlannedItem("message", "", "".join(WORDS[i % len(WORDS)] for i in range(n)))]
+
+
+def delta_event(seq: int, word: str = " value") -> OutputTextDelta:
+    """A delta event of the size longrun sends (same type, same id lengths)."""
+    return OutputTextDelta(
+        sequence_number=seq,
+        item_id="msg_" + "0" * 32,
+        output_index=0,
+        content_index=0,
+        delta=word,
+    )
+
+
+async def raw_ws(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(max_msg_size=0)
+    await ws.prepare(request)
+    async for msg in ws:
+        if msg.type is not WSMsgType.TEXT:
+            break
+        if msg.data.isdigit():
+            for i in range(int(msg.data)):
+                await ws.send_frame(encode(delta_event(i, WORDS[i % len(WORDS)])), WSMsgType.TEXT)
+            await ws.send_frame(b'{"type":"end"}', WSMsgType.TEXT)
+        else:
+            await ws.send_str(msg.data)
+    return ws
+
+
+async def raw_sse(request: web.Request) -> web.StreamResponse:
+    n = int(request.query["n"])
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    await resp.prepare(request)
+    for i in range(n):
+        ev = delta_event(i, WORDS[i % len(WORDS)])
+        await resp.write(encode_event(encode(ev), event="response.output_text.delta"))
+    await resp.write(encode_event(b'{"type":"end"}', event="end"))
+    await resp.write_eof()
+    return resp
+
+
+def _quantiles(values: np.ndarray) -> dict[str, float]:
+    if len(values) == 0:
+        return {"n": 0, "p50": math.nan, "p99": math.nan, "max": math.nan}
+    return {
+        "n": int(len(values)),
+        "p50": float(np.quantile(values, 0.5)),
+        "p99": float(np.quantile(values, 0.99)),
+        "max": float(values.max()),
+    }
+
+
+async def timer_floor(request: web.Request) -> web.Response:
+    rate, n = float(request.query["rate"]), int(request.query["n"])
+    loop = asyncio.get_running_loop()
+    clock = AsyncioClock()
+    late = np.empty(n)
+    t0 = loop.time()
+    for i in range(n):
+        due = t0 + i / rate
+        await clock.sleep_until(due)
+        late[i] = time.monotonic() - due
+    return web.json_response(_quantiles(late))
+
+
+def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessRecorder]:
+    clock = AsyncioClock()
+    lateness = LatenessRecorder()
+    policy: Policy = BenchPolicy() if args.policy == "bench" else DefaultPolicy(tool_calls=args.tool_calls)
+    model = SimulatedModel(
+        clock=clock,
+        policy=policy,
+        decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
+        lateness=lateness,
+    )
+    config = ServerConfig(profile=load_profile(args.profile))
+    app = make_app(model=model, store=open_store("memory"), clock=clock, config=config, seed=0)
+
+    async def lateness_report(request: web.Request) -> web.Response:
+        late = np.frombuffer(lateness.late_s, dtype=np.float64) if len(lateness.late_s) else np.empty(0)
+        turns = [
+            {"tokens": n, "rate": rate, "achieved": (n - 1) / (last - first) if last > first else math.nan}
+            for n, rate, first, last in lateness.turns
+        ]
+        body = {"late_s": _quantiles(late), "turns": turns}
+        lateness.clear()
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+
+    async def memory(request: web.Request) -> web.Response:
+        with open("/proc/self/statm") as f:
+            rss_pages = int(f.read().split()[1])
+        import resource
+
+        return web.json_response({"rss_bytes": rss_pages * resource.getpagesize()})
+
+    app.router.add_get("/bench/raw_ws", raw_ws)
+    app.router.add_post("/bench/raw_sse", raw_sse)
+    app.router.add_get("/bench/timer", timer_floor)
+    app.router.add_get("/bench/lateness", lateness_report)
+    app.router.add_get("/bench/memory", memory)
+    return app, lateness
+
+
+async def serve(args: argparse.Namespace) -> None:
+    app, _ = make_bench_app(args)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", args.port)
+    await site.start()
+    print(f"port {runner.addresses[0][1]}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.bench.server")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--tps", type=float, default=0.0, help="decode tokens/s; 0 = unpaced")
+    p.add_argument("--policy", choices=("bench", "agent"), default="bench")
+    p.add_argument("--tool-calls", type=int, default=1000, help="agent policy: tool calls before the text answer")
+    p.add_argument("--profile", default="local")
+    p.add_argument("--max-cache-bytes", type=int, default=0, help="per-connection cache cap (0 = none)")
+    uvloop.run(serve(p.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
