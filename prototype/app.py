@@ -38,7 +38,7 @@ from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_e
 from .ids import IdFactory
 from .model import TokenModel
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
-from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, decode_text, encode
+from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, encode
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import get_tokenizer
@@ -219,7 +219,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     arrival = Arrival(engine.clock.now(), len(body), "http")
     try:
-        params = decode_create_params(decode_text(body))
+        params = decode_create_params(body)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return _json_error(from_validation_error(exc))
     create = normalize_create(params, websocket=False)  # ProtocolError → middleware → JSON error body
