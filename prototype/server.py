@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import sys
 
@@ -24,9 +25,11 @@ from sim.realtime import AsyncioClock
 
 from .app import MAX_CACHE_BYTES, MAX_CONNECTIONS, MAX_MESSAGE_BYTES, MAX_QUEUED_CREATES, ServerConfig, make_app
 from .pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
-from .store import open_store
+from .store import MemoryStore, open_store
 
-__all__ = ["build_parser", "main"]
+__all__ = ["PID_HEADER", "build_parser", "main"]
+
+PID_HEADER = "X-Longrun-Pid"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sse-done", action="store_true", help="end SSE streams with 'data: [DONE]'")
     p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind with SO_REUSEPORT (Linux), so several server processes share one port; give them a redis store",
+    )
+    p.add_argument(
         "--max-message-bytes",
         type=int,
         default=MAX_MESSAGE_BYTES,
@@ -164,10 +172,15 @@ async def serve(args: argparse.Namespace) -> None:
         max_cache_bytes=args.max_cache_bytes or None,
         max_connections=args.max_connections or None,
     )
-    app = make_app(model=model, store=open_store(args.store), clock=clock, config=config, seed=args.seed)
+    store = open_store(args.store)
+    # Seeded ids repeat on every start. A store that outlives the process (sqlite, redis) would
+    # then see a restarted or second process reissue stored ids and overwrite them: random ids there.
+    id_seed = args.seed if isinstance(store, MemoryStore) else None
+    app = make_app(model=model, store=store, clock=clock, config=config, seed=id_seed)
+    app.on_response_prepare.append(_pid_header)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
+    site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
     await site.start()
     port = runner.addresses[0][1]
     print(f"longrun server listening on http://{args.host}:{port}/v1", flush=True)
@@ -179,6 +192,11 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
+
+
+async def _pid_header(request: web.Request, response: web.StreamResponse) -> None:
+    """Name the process that answered (several may share a port with --reuse-port)."""
+    response.headers[PID_HEADER] = str(os.getpid())
 
 
 def main(argv: list[str] | None = None) -> int:

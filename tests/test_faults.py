@@ -1,4 +1,5 @@
-"""Faults over real loopback sockets: disconnects, a restart on SQLite, a Redis outage, a slow consumer.
+"""Faults over real loopback sockets: disconnects, a Redis outage, a slow consumer (a restart on
+SQLite and several processes are in test_processes.py).
 
 Cleanup is checked by awaiting the server's own tasks (every task started since the
 client connected) and then looking at what is left: tasks, sessions, open model
@@ -13,7 +14,6 @@ import gc
 import json
 import socket
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,7 +22,7 @@ from aiohttp import web_protocol
 
 from prototype.app import ENGINE, SOCKETS, ServerConfig, WebSocketSession
 from prototype.model import ModelEvent, ModelRequest
-from prototype.store import RedisStore, SqliteStore
+from prototype.store import RedisStore
 from prototype.tokenizer import get_tokenizer
 from sim.accelerator import SimulatedModel
 from sim.policy import DefaultPolicy, PlannedItem, ScriptPolicy
@@ -182,40 +182,6 @@ async def test_pause_timeout_and_lifetime_limit_release_the_held_kv(ending: str)
                 assert end["response"]["incomplete_details"] == {"reason": ending}
                 assert live.model.statistics().kv.pinned_blocks == 0
                 assert live.app[ENGINE].statistics().kv_idle_token_s > 0
-
-
-# -- restart on SQLite -----------------------------------------------------------------------------
-
-
-async def test_sqlite_restart_keeps_stored_responses_and_drops_connection_caches(tmp_path: Path) -> None:
-    path = str(tmp_path / "responses.sqlite3")
-    async with live_server(store=SqliteStore(path), tool_calls=1) as before:
-        async with aiohttp.ClientSession() as session, session.ws_connect(before.ws_url) as ws:
-            await send(ws, type="response.create", model="sim", input="kept", tools=[EXEC_TOOL], store=True)
-            kept = (await read_until(ws, of_type(*TERMINAL)))[-1]["response"]
-            await send(ws, type="response.create", model="sim", input="not kept", tools=[EXEC_TOOL], store=False)
-            unkept = (await read_until(ws, of_type(*TERMINAL)))[-1]["response"]
-    assert kept["status"] == unkept["status"] == "completed"
-
-    async with live_server(store=SqliteStore(path), tool_calls=1) as after, aiohttp.ClientSession() as session:
-        async with session.get(f"{after.base_url}/responses/{kept['id']}") as resp:
-            assert resp.status == 200
-            assert await resp.json() == {k: v for k, v in kept.items() if k != "longrun"}
-        async with session.get(f"{after.base_url}/responses/{unkept['id']}") as resp:
-            assert resp.status == 404
-        async with session.ws_connect(after.ws_url) as ws:
-            fco = {"type": "function_call_output", "call_id": kept["output"][0]["call_id"], "output": "ok"}
-            await send(ws, type="response.create", model="sim", input=[fco], previous_response_id=kept["id"])
-            hydrated = (await read_until(ws, of_type(*TERMINAL)))[-1]
-            assert hydrated["type"] == "response.completed"
-            assert hydrated["response"]["longrun"]["connection_cache"] == "miss"  # loaded from the store
-            assert hydrated["response"]["usage"]["input_tokens"] > kept["usage"]["input_tokens"]
-            fco["call_id"] = unkept["output"][0]["call_id"]
-            await send(ws, type="response.create", model="sim", input=[fco], previous_response_id=unkept["id"])
-            error = (await read_until(ws, of_type(*TERMINAL)))[-1]
-            assert error["type"] == "error" and error["status"] == 400
-            assert error["error"]["code"] == "previous_response_not_found"
-            assert error["error"]["param"] == "previous_response_id"
 
 
 # -- Redis outage ----------------------------------------------------------------------------------
