@@ -52,7 +52,7 @@ from .conversation import (
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
 from .metrics import Histogram
-from .model import ModelRequest, Prefilled, SamplingFinished, TokenArray, TokenModel
+from .model import ModelRequest, Prefilled, SamplingFinished, TokenArray, TokenModel, TokensSampled
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
 from .safety import ClassifierState, SafetyClassifier
 from .schemas import (
@@ -558,15 +558,17 @@ class Engine:
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.model.sample(request)) as events:
+            receive = stream.receive
             async for event in events:
-                if isinstance(event, Prefilled):
-                    stages.add(Stage.QUEUE, event.queued_s)
-                    stages.lap(Stage.PREFILL)
-                    stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
-                elif isinstance(event, SamplingFinished):
-                    stages.lap(Stage.DECODE)
-                    return event
-                await emit(stream.receive(event))
+                if type(event) is not TokensSampled:  # the per-token hot path skips these tests
+                    if isinstance(event, Prefilled):
+                        stages.add(Stage.QUEUE, event.queued_s)
+                        stages.lap(Stage.PREFILL)
+                        stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
+                    elif isinstance(event, SamplingFinished):
+                        stages.lap(Stage.DECODE)
+                        return event
+                await emit(receive(event))
         raise StreamError("model ended without SamplingFinished")
 
     async def _finish(

@@ -169,6 +169,8 @@ class ResponseStream:
     # -- public ------------------------------------------------------------------------------------
 
     def receive(self, event: StreamInput) -> list[ServerEvent]:
+        if self.state is RS.IN_ITEM and type(event) is TokensSampled:  # hot path: (IN_ITEM, TokensSampled) -> IN_ITEM
+            return self._delta(event)
         nxt = _TRANSITIONS.get((self.state, type(event)))
         if nxt is None:
             before = self.state

@@ -245,6 +245,7 @@ class SimulatedModel:
         self._cached_tokens = 0
         self._queued_s = 0.0
         self._output_tokens = 0
+        self._texts: dict[int, str] = {}  # token id -> its text, for tokens that decode whole on their own
 
     def statistics(self) -> ModelStatistics:
         return ModelStatistics(
@@ -330,16 +331,25 @@ class SimulatedModel:
             index = 0  # token index within the turn
             lateness = self.lateness if paced else None
             handed_first = handed_last = 0.0
+            clock_now, sleep_until = self.clock.now, self.clock.sleep_until
+            token_bytes, texts = self.tokenizer.token_bytes, self._texts
+            due = t0
             for item, ids in items:
                 yield ItemStarted(item.kind, item.name)
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                pending = False  # the decoder holds the start of a multi-byte character
                 last = len(ids) - 1
                 for position, token_id in enumerate(ids):
                     if paced:
                         due = t0 + index / rate
-                        if due > self.clock.now():
-                            await self.clock.sleep_until(due)
-                    text = decoder.decode(self.tokenizer.token_bytes(token_id), final=position == last)
+                        if due > clock_now():
+                            await sleep_until(due)
+                    text = None if pending else texts.get(token_id)
+                    if text is None:
+                        text = decoder.decode(token_bytes(token_id), final=position == last)
+                        was_pending, pending = pending, bool(decoder.getstate()[0])
+                        if not (was_pending or pending or position == last):
+                            texts[token_id] = text  # whole characters on its own: same text from a clean state
                     index += 1
                     self._output_tokens += 1
                     yield TokensSampled((token_id,), text)
