@@ -131,7 +131,7 @@ def check(mode: Mode, events: list[ServerEvent], tally: Tally) -> None:
     assert starts[0] == 0
     for begin, end in zip(starts, starts[1:], strict=False):
         response = events[begin:end]
-        seqs = [e.sequence_number for e in response]  # type: ignore[union-attr]
+        seqs = [e.sequence_number for e in response]
         assert seqs == list(range(len(seqs))), (mode, seqs)
         final = response[-1]
         assert isinstance(final, TERMINALS), (mode, type(final).__name__)
