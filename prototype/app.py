@@ -38,7 +38,16 @@ from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_e
 from .ids import IdFactory
 from .model import TokenModel
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
-from .schemas import DeletedResponse, RequiredInput, ServerEvent, decode_create_params, encode
+from .schemas import (
+    DeletedResponse,
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
+    RequiredInput,
+    ServerEvent,
+    decode_create_params,
+    decode_text,
+    encode,
+)
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import get_tokenizer
@@ -219,7 +228,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         )
     arrival = Arrival(engine.clock.now(), len(body), "http")
     try:
-        params = decode_create_params(body)
+        params = decode_create_params(decode_text(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return _json_error(from_validation_error(exc))
     create = normalize_create(params, websocket=False)  # ProtocolError → middleware → JSON error body
@@ -322,6 +331,7 @@ class FrameSender(Protocol):
     async def send_frame(self, message: bytes, opcode: WSMsgType, compress: int | None = None) -> None: ...
 
 
+TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 # Frames gathered before a write is forced mid wake-up (an unpaced turn never yields on its own).
 BATCH_BYTES: Final = 64 * 1024
 
@@ -493,11 +503,14 @@ class WebSocketSession:
 
     async def _run(self, job: Job) -> None:
         send = self.writer.send_frame
+        flush = self.writer.flush if isinstance(self.writer, BatchedFrames) else None
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
                 # Text frames straight from the encoder's UTF-8 bytes (no str round trip).
                 await send(encode(ev), WSMsgType.TEXT)
+            if flush is not None and events and type(events[-1]) not in TOKEN_DELTAS:
+                flush()  # token deltas wait for the wake-up's end; other events go now
 
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)

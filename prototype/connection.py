@@ -80,6 +80,7 @@ from .schemas import (
     ResponseInjectFailed,
     decode_client_event,
     decode_envelope,
+    decode_text,
     encode,
 )
 from .stream import SequenceCounter
@@ -388,7 +389,7 @@ class Connection:
 
     def _classify(self, data: str | bytes) -> Input:
         try:
-            event = decode_client_event(data)
+            event = decode_client_event(decode_text(data))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return self._bad(data, exc)
         if isinstance(event, ResponseCreate):

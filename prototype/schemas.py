@@ -81,6 +81,7 @@ __all__ = [
     "decode_envelope",
     "decode_item",
     "decode_stored",
+    "decode_text",
     "decode_tool",
     "encode",
     "guarded_decoder",
@@ -480,6 +481,17 @@ def guarded_decoder(decoder: msgspec.json.Decoder[T]) -> Callable[[bytes | str],
             raise NestingTooDeep("JSON arrays or objects are nested too deeply.") from None
 
     return guarded
+
+
+def decode_text(data: bytes | str) -> str:
+    """A body or frame as text. msgspec checks UTF-8 only in the strings it decodes, never in
+    `Raw` parts (items, tools) that are kept and echoed verbatim, so the whole is checked here."""
+    if isinstance(data, str):
+        return data
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise msgspec.DecodeError("Invalid UTF-8 encoded string") from None
 
 
 encode: Final = msgspec.json.Encoder().encode

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
@@ -33,7 +33,7 @@ def create(**fields: object) -> str:
     return json.dumps({"type": "response.create", "model": "sim", "input": "hi", **fields})
 
 
-def frames(outputs: list[object]) -> list[dict[str, Any]]:
+def frames(outputs: Sequence[object]) -> list[dict[str, Any]]:
     return [json.loads(o.data) for o in outputs if isinstance(o, SendFrame)]
 
 
@@ -113,7 +113,7 @@ class GatedModel:
         self.gate = asyncio.Event()
         self.entered = asyncio.Event()
 
-    async def sample(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+    async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         self.entered.set()
         await self.gate.wait()
         async for event in self.inner.sample(request):
