@@ -354,7 +354,10 @@ class ResponseStream:
     def _resume(self, event: Resume) -> list[ServerEvent]:
         self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
-        return [ResponseInProgress(sequence_number=self._next(), response=self.response)]
+        # As every in-progress snapshot (wire-protocol 5): `output: []`. The pause's `response.done`
+        # carried the items so far; repeating them here would grow each resume with the rollout.
+        snapshot = structs.replace(self.response, output=[])
+        return [ResponseInProgress(sequence_number=self._next(), response=snapshot)]
 
     def _fail(self, event: Fail) -> list[ServerEvent]:
         self.response = structs.replace(
