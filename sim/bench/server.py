@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import math
 import signal
 import time
@@ -128,6 +129,8 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
         lateness=lateness,
     )
     config = ServerConfig(profile=load_profile(args.profile))
+    if args.max_cache_bytes:
+        config = dataclasses.replace(config, max_cache_bytes=args.max_cache_bytes)
     app = make_app(model=model, store=open_store("memory"), clock=clock, config=config, seed=0)
 
     async def lateness_report(request: web.Request) -> web.Response:
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=("bench", "agent"), default="bench")
     p.add_argument("--tool-calls", type=int, default=1000, help="agent policy: tool calls before the text answer")
     p.add_argument("--profile", default="local")
-    p.add_argument("--max-cache-bytes", type=int, default=0, help="per-connection cache cap (0 = none)")
+    p.add_argument("--max-cache-bytes", type=int, default=0, help="per-connection cache cap (0 = the default)")
     uvloop.run(serve(p.parse_args(argv)))
     return 0
 
