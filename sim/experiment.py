@@ -114,8 +114,12 @@ def _prefix_cache(config: CompareConfig) -> PrefixCache:
     return PrefixCache(capacity_tokens=config.kv_capacity_tokens) if config.kv_capacity_tokens else PrefixCache()
 
 
-async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, progress: bool = False) -> CompareResult:
-    """Run every mode of `config` against one server (see the module docstring)."""
+async def run_compare(
+    config: CompareConfig, clock: Clock, *, virtual: bool, progress: bool = False, pace_by_turn: bool = False
+) -> CompareResult:
+    """Run every mode of `config` against one server (see the module docstring). `pace_by_turn`:
+    the model waits only for each turn's first and last token (`SimulatedModel`), for summaries
+    in virtual time without a wake-up per token."""
     check(config, virtual=virtual)
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, policy = _rollouts(config)
@@ -128,6 +132,7 @@ async def run_compare(config: CompareConfig, clock: Clock, *, virtual: bool, pro
         prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
         decode_slots=config.decode_slots or None,
         concurrency_slowdown=config.concurrency_slowdown,
+        pace_by_turn=pace_by_turn,
     )
     server_config = _server_config(config)
     store = MemoryStore()

@@ -1,0 +1,52 @@
+"""`SimulatedModel(pace_by_turn=True)`, what sweeps run on: same tokens, same first token and turn end,
+no clock wake-up per token; and a sweep point's summary equals the per-token-paced run's."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from prototype.model import ModelEvent, ModelRequest, TokensSampled
+from sim.accelerator import SimulatedModel
+from sim.clock import ManualClock
+from sim.experiment import CompareConfig, run_compare
+from sim.policy import PlannedItem, ScriptPolicy
+from sim.sweep import run_point
+from sim.virtual import VirtualClock, run_virtual
+
+TEXT = " hello" * 200  # 200 o200k tokens
+
+
+def _request() -> ModelRequest:
+    prompt = (np.arange(8, dtype=np.uint32),)
+    return ModelRequest(prompt=prompt, prompt_tokens=8, resident_tokens=0, turn_index=0, conversation_key=1)
+
+
+async def _timed(pace_by_turn: bool) -> tuple[list[tuple[float, ModelEvent]], int]:
+    clock = ManualClock(start=5.0)
+    policy = ScriptPolicy([[PlannedItem("function_call", "f", '{"a": 1}'), PlannedItem("message", "", TEXT)]])
+    model = SimulatedModel(
+        clock=clock, policy=policy, decode_tok_per_s=100.0, model_latency_s=0.5, pace_by_turn=pace_by_turn
+    )
+    timed = [(clock.now(), event) async for event in model.sample(_request())]
+    return timed, len(clock.wakeups)
+
+
+async def test_same_tokens_first_token_and_end_with_two_waits() -> None:
+    per_token, token_waits = await _timed(False)
+    by_turn, turn_waits = await _timed(True)
+    assert [e for _, e in by_turn] == [e for _, e in per_token]  # same events, same tokens, same texts
+    t0 = 5.5
+    times = [t for t, e in by_turn if isinstance(e, TokensSampled)]
+    n = len(times)
+    assert times[0] == t0 and all(t == t0 for t in times[:-1])
+    assert times[-1] == t0 + (n - 1) / 100.0 == [t for t, e in per_token if isinstance(e, TokensSampled)][-1]
+    assert per_token[-1][0] == by_turn[-1][0]  # SamplingFinished at the same time
+    assert turn_waits == 2 and token_waits == n  # prefill + last token, against one per token
+
+
+def test_a_sweep_point_summarises_like_per_token_pacing() -> None:
+    config = CompareConfig(rollouts=1, tool_calls=3, tps=500.0, system_prompt_tokens=200, tool_time_s=0.2)
+    per_token = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
+    rows = run_point(config)
+    assert rows == [{**rows[i], **msgspec.to_builtins(s)} for i, s in enumerate(per_token.summary)]
