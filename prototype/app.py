@@ -33,7 +33,7 @@ from .connection import (
     StartJob,
 )
 from .conversation import normalize_create
-from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Engine, Resumed
+from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
@@ -336,6 +336,13 @@ TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 BATCH_BYTES: Final = 64 * 1024
 
 
+_TEXT_HEADS: Final = [bytes((0x81, n)) for n in range(126)]  # FIN + text opcode, 7-bit length
+
+
+def _text_head(n: int) -> bytes:
+    return bytes((0x81, 126)) + n.to_bytes(2) if n < 65536 else bytes((0x81, 127)) + n.to_bytes(8)
+
+
 class BatchedFrames:
     """Text frames of an uncompressed socket, written in one go per event-loop wake-up.
 
@@ -355,25 +362,27 @@ class BatchedFrames:
         self.size = 0
 
     async def send_frame(self, message: bytes, opcode: WSMsgType = WSMsgType.TEXT, compress: int | None = None) -> None:
+        """A text frame (the only kind a session sends), as `web.WebSocketResponse.send_frame`."""
+        if self.push(message):
+            await self.drain()
+
+    def push(self, message: bytes) -> bool:
+        """Add one text frame; True when the caller should `await drain()` (flow control)."""
         if self.transport.is_closing():
             raise ConnectionResetError("Cannot write to closing transport")
-        if not self.parts:
-            if self.transport.get_write_buffer_size() > BATCH_BYTES:
-                await self.drain()
+        parts = self.parts
+        wait = False
+        if not parts:  # the first frame of this wake-up
             asyncio.get_running_loop().call_soon(self.flush)
+            wait = self.transport.get_write_buffer_size() > BATCH_BYTES
         n = len(message)
-        if n < 126:
-            head = bytes((0x80 | opcode, n))
-        elif n < 65536:
-            head = bytes((0x80 | opcode, 126)) + n.to_bytes(2)
-        else:
-            head = bytes((0x80 | opcode, 127)) + n.to_bytes(8)
-        self.parts.append(head)
-        self.parts.append(message)
+        parts.append(_TEXT_HEADS[n] if n < 126 else _text_head(n))
+        parts.append(message)
         self.size += n
         if self.size > BATCH_BYTES:
             self.flush()
-            await self.drain()
+            return True
+        return wait
 
     def flush(self) -> None:
         """Write what is gathered (nothing if a write already took it)."""
@@ -502,15 +511,24 @@ class WebSocketSession:
             self.resumption = None
 
     async def _run(self, job: Job) -> None:
-        send = self.writer.send_frame
-        flush = self.writer.flush if isinstance(self.writer, BatchedFrames) else None
+        writer = self.writer
+        emit: Emit
+        if isinstance(writer, BatchedFrames):
+            push, drain, flush = writer.push, writer.drain, writer.flush
 
-        async def emit(events: list[ServerEvent]) -> None:
-            for ev in events:
-                # Text frames straight from the encoder's UTF-8 bytes (no str round trip).
-                await send(encode(ev), WSMsgType.TEXT)
-            if flush is not None and events and type(events[-1]) not in TOKEN_DELTAS:
-                flush()  # token deltas wait for the wake-up's end; other events go now
+            async def emit(events: list[ServerEvent]) -> None:
+                for ev in events:
+                    if push(encode(ev)):  # text frames straight from the encoder's UTF-8 bytes
+                        await drain()
+                if events and type(events[-1]) not in TOKEN_DELTAS:
+                    flush()  # token deltas wait for the wake-up's end; other events go now
+
+        else:
+            send = writer.send_frame
+
+            async def emit(events: list[ServerEvent]) -> None:
+                for ev in events:
+                    await send(encode(ev), WSMsgType.TEXT)
 
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
