@@ -9,6 +9,8 @@ with the simulator, plus the raw floors measured in the same process:
 * ``POST /bench/raw_sse?n=N``: N SSE frames of the same event, one write each.
 * ``GET /bench/timer?rate=R&n=N``: an asyncio task sleeping to absolute deadlines
   ``i / R`` (no writes): the p50/p99/max lateness of the loop's timer itself.
+* ``"paced N R"`` on ``/bench/raw_ws``: N frames paced at R/s by absolute deadlines, one
+  aiohttp send each; ``GET /bench/raw_lateness`` reports them like `/bench/lateness`.
 * ``GET /bench/lateness``: the simulator's per-token lateness and per-turn rates
   since the last call (`sim.accelerator.LatenessRecorder`), then cleared.
 * ``GET /bench/memory``: the process's resident bytes and the connection caches' sizes.
@@ -67,13 +69,36 @@ def delta_event(seq: int, word: str = " value") -> OutputTextDelta:
     )
 
 
+RAW_LATENESS: Final = LatenessRecorder()  # the raw paced sender's, for `/bench/raw_lateness`
+
+
+async def raw_paced(ws: web.WebSocketResponse, n: int, rate: float) -> None:
+    """N frames paced by absolute deadlines, one aiohttp send each: the floor of paced streaming."""
+    clock = AsyncioClock()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first = last = 0.0
+    for i in range(n):
+        due = t0 + i / rate
+        if due > loop.time():
+            await clock.sleep_until(due)
+        await ws.send_frame(encode(delta_event(i, WORDS[i % len(WORDS)])), WSMsgType.TEXT)
+        last = RAW_LATENESS.token(due)
+        first = first or last
+    RAW_LATENESS.turns.append((n, rate, first, last))
+    await ws.send_frame(b'{"type":"end"}', WSMsgType.TEXT)
+
+
 async def raw_ws(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(max_msg_size=0)
     await ws.prepare(request)
     async for msg in ws:
         if msg.type is not WSMsgType.TEXT:
             break
-        if msg.data.isdigit():
+        if msg.data.startswith("paced "):
+            _, n, rate = msg.data.split()
+            await raw_paced(ws, int(n), float(rate))
+        elif msg.data.isdigit():
             for i in range(int(msg.data)):
                 await ws.send_frame(encode(delta_event(i, WORDS[i % len(WORDS)])), WSMsgType.TEXT)
             await ws.send_frame(b'{"type":"end"}', WSMsgType.TEXT)
@@ -133,15 +158,20 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
         config = dataclasses.replace(config, max_cache_bytes=args.max_cache_bytes)
     app = make_app(model=model, store=open_store("memory"), clock=clock, config=config, seed=0)
 
-    async def lateness_report(request: web.Request) -> web.Response:
-        late = np.frombuffer(lateness.late_s, dtype=np.float64) if len(lateness.late_s) else np.empty(0)
+    def lateness_body(recorder: LatenessRecorder) -> bytes:
+        late = np.frombuffer(recorder.late_s, dtype=np.float64) if len(recorder.late_s) else np.empty(0)
         turns = [
             {"tokens": n, "rate": rate, "achieved": (n - 1) / (last - first) if last > first else math.nan}
-            for n, rate, first, last in lateness.turns
+            for n, rate, first, last in recorder.turns
         ]
-        body = {"late_s": _quantiles(late), "turns": turns}
-        lateness.clear()
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json")
+        recorder.clear()
+        return msgspec.json.encode({"late_s": _quantiles(late), "turns": turns})
+
+    async def lateness_report(request: web.Request) -> web.Response:
+        return web.Response(body=lateness_body(lateness), content_type="application/json")
+
+    async def raw_lateness_report(request: web.Request) -> web.Response:
+        return web.Response(body=lateness_body(RAW_LATENESS), content_type="application/json")
 
     async def memory(request: web.Request) -> web.Response:
         with open("/proc/self/statm") as f:
@@ -154,6 +184,7 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
     app.router.add_post("/bench/raw_sse", raw_sse)
     app.router.add_get("/bench/timer", timer_floor)
     app.router.add_get("/bench/lateness", lateness_report)
+    app.router.add_get("/bench/raw_lateness", raw_lateness_report)
     app.router.add_get("/bench/memory", memory)
     return app, lateness
 
