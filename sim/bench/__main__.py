@@ -178,10 +178,14 @@ async def pacing(rates: list[float], seconds: float) -> None:
         with bench_server("--tps", str(rate)) as port:
             n = max(200, int(rate * seconds))
             await ws_stream(port, "/v1/responses", create_frame(50))  # warm-up
-            floor = await get_json(port, f"/bench/timer?rate={rate}&n={min(n, max(200, int(rate * 2)))}")
+            timer = await get_json(port, f"/bench/timer?rate={rate}&n={min(n, max(200, int(rate * 2)))}")
+            await get_json(port, "/bench/raw_lateness")
+            await ws_stream(port, "/bench/raw_ws", f"paced {n} {rate}".encode())
+            floor = (await get_json(port, "/bench/raw_lateness"))["late_s"]  # a raw aiohttp sender, same pacing
             await get_json(port, "/bench/lateness")  # clear
             counter = await ws_stream(port, "/v1/responses", create_frame(n))
             rep = await get_json(port, "/bench/lateness")
+        print(f"           {rate:g} tok/s: loop timer alone p99 {timer['p99'] * 1e3:.3f} ms", flush=True)
         turn = rep["turns"][-1]
         err = abs(turn["achieved"] / rate - 1)
         client_err = abs(counter.rate / rate - 1)
