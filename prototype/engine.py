@@ -360,11 +360,16 @@ class Engine:
         """
         report = stages.report
         prev = request.previous_response_id
-        hit = prev is not None and cached is not None and cached.response_id == prev
+        hit = (
+            prev is not None
+            and cached is not None
+            and cached.response_id == prev
+            and self._uses(arrival, Optimization.STATE_CACHE)
+        )
         report.connection_cache = "none" if prev is None else ("hit" if hit else "miss")
         safety: ClassifierState | None = None
         safety_chunks = 0
-        if hit and self._uses(arrival, Optimization.STATE_CACHE):
+        if hit:
             assert cached is not None
             context = cached.context.prefix(cached.n_items)
             stages.lap(Stage.LOAD_STATE)
@@ -600,6 +605,7 @@ class Engine:
         stages.lap(Stage.POST)
         outputs = [item_from_output(o) for o in stream.response.output[in_context:]]
         context.extend(outputs, self._render(outputs))
+        stages.lap(Stage.RENDER)  # the output, rendered for the next turn's cache
         # The terminal event carries the timings (the stored copy does not: it was written before them).
         report = stages.end_segment()
         for stage, seconds in report.stages_s.items():

@@ -292,7 +292,7 @@ class StageReport(msgspec.Struct, kw_only=True):
     tokens_rendered: int = 0
     tokens_classified: int = 0
     overlapped_s: float = 0.0  # post-inference work taken off the critical path (async billing)
-    connection_cache: str = "none"  # hit | miss | none (no previous_response_id)
+    connection_cache: str = "none"  # hit (served from the connection cache) | miss | none (no previous_response_id)
 
 
 class DeletedResponse(msgspec.Struct):

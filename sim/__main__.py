@@ -19,12 +19,10 @@ from typing import Any
 import msgspec
 import uvloop
 
-from sim.experiment import CompareConfig, CompareResult, check, run_compare
+from sim.experiment import CompareConfig, CompareResult, check, compare
 from sim.metrics import ModeSummary
-from sim.realtime import AsyncioClock
 from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.trace import write_run, write_table
-from sim.virtual import VirtualClock, run_virtual
 
 __all__ = ["build_parser", "main", "run", "table"]
 
@@ -135,11 +133,8 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
 
 
 def run(config: CompareConfig, *, virtual: bool, free_cpu: bool = False, progress: bool = False) -> CompareResult:
-    if virtual:
-        return run_virtual(
-            run_compare(config, VirtualClock(), virtual=True, progress=progress), charge_cpu=not free_cpu
-        )
-    return uvloop.run(run_compare(config, AsyncioClock(), virtual=False, progress=progress))
+    """`sim.experiment.compare`, live runs on uvloop."""
+    return compare(config, virtual=virtual, free_cpu=free_cpu, progress=progress, loop_factory=uvloop.new_event_loop)
 
 
 def _ms(x: float) -> str:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -35,11 +37,13 @@ from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy, Policy
+from .realtime import AsyncioClock
 from .replay import load_trace, replay_plan
 from .tools import tool_runner
+from .virtual import VirtualClock, run_virtual
 from .workload import WORKLOADS, draw_rollouts
 
-__all__ = ["CompareConfig", "CompareResult", "check", "run_compare"]
+__all__ = ["CompareConfig", "CompareResult", "check", "compare", "run_compare"]
 
 
 class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -94,6 +98,33 @@ def _server_config(config: CompareConfig) -> ServerConfig:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
     disabled = {Optimization(name) for name in config.disable}
     return ServerConfig(profile=profile, optimizations=ALL_OPTIMIZATIONS - disabled)
+
+
+def compare(
+    config: CompareConfig,
+    *,
+    virtual: bool = True,
+    free_cpu: bool = False,
+    progress: bool = False,
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
+) -> CompareResult:
+    """Run `config` to completion: in virtual time (CPU work charged unless `free_cpu`), or live
+    on loopback on a fresh event loop from `loop_factory`. Callable where an event loop already
+    runs in this thread (a notebook's): the run then goes to a worker thread."""
+
+    def go() -> CompareResult:
+        if virtual:
+            main = run_compare(config, VirtualClock(), virtual=True, progress=progress)
+            return run_virtual(main, charge_cpu=not free_cpu)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(run_compare(config, AsyncioClock(), virtual=False, progress=progress))
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return go()
+    with ThreadPoolExecutor(max_workers=1) as worker:
+        return worker.submit(go).result()
 
 
 def check(config: CompareConfig, *, virtual: bool) -> None:
@@ -166,7 +197,9 @@ async def run_compare(
         async with gate:
             client = client_for(mode)
             try:
-                result = await run_rollout(client, clock, spec, model="sim", tools=tools)
+                # Without the state cache, `ws` continues from the store, so it must store.
+                store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
+                result = await run_rollout(client, clock, spec, model="sim", tools=tools, store=store)
             finally:
                 await client.close()
         finished += 1

@@ -108,14 +108,21 @@ def make_spec(
 
 
 async def run_rollout(
-    client: ResponsesClient, clock: Clock, spec: RolloutSpec, *, model: str, tools: ToolRunner | None = None
+    client: ResponsesClient,
+    clock: Clock,
+    spec: RolloutSpec,
+    *,
+    model: str,
+    tools: ToolRunner | None = None,
+    store: bool | None = None,
 ) -> RolloutResult:
+    """One rollout; `store` defaults to what the mode needs (only `http_prev` chains through the store)."""
     tools = tools or SimulatedTools()
     settings = {
         "model": model,
         "instructions": spec.instructions,
         "tools": [EXEC_TOOL],
-        "store": client.mode == "http_prev",
+        "store": client.mode == "http_prev" if store is None else store,
     }
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]

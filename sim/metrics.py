@@ -9,7 +9,8 @@ Times are the client's, from `TurnResult` (taken on the run's clock):
 * E2E per turn: request sent → terminal event (append: the segment's pause).
 * Rollout completion: first request sent → final terminal event, tools included.
 * Overhead share: (rollout − model time − tool time) / rollout, where model time
-  is Σ(queue + prefill + decode) as the server's stage report measured it.
+  is Σ(queue + prefill + decode) as the server's stage report measured it; model
+  share: model time / rollout.
 * Tokens re-rendered per turn: the server's `tokens_rendered` for the turn.
 * Connection-cache hit rate: continuations served from the connection cache /
   all continuations (a store hydration is a miss); token hit rate:
@@ -42,6 +43,7 @@ class ModeSummary(msgspec.Struct, frozen=True, kw_only=True):
     ttft_p50_s: float
     tool_to_token_p50_s: float  # tool result ready → next first token
     overhead_share: float
+    model_share: float  # Σ(queue + prefill + decode) / rollout time
     bytes_per_turn: float
     tokens_rendered_per_turn: float
     connection_cache_hit_rate: float  # NaN when no turn continued a previous response
@@ -132,6 +134,7 @@ def summarize(results: Sequence[RolloutResult], kv_idle_token_s: dict[str, float
                 ttft_p50_s=float(np.median(ttft)) if ttft else math.nan,
                 tool_to_token_p50_s=float(np.median(later)) if later else math.nan,
                 overhead_share=(total_s - model_s - tool_s) / total_s if total_s > 0 else math.nan,
+                model_share=model_s / total_s if total_s > 0 else math.nan,
                 bytes_per_turn=float(np.mean([t.bytes_sent for t in turns])),
                 tokens_rendered_per_turn=float(np.mean([w.get("tokens_rendered", 0.0) for w in work])),
                 connection_cache_hit_rate=(

@@ -156,3 +156,13 @@ def test_ablation_switches_off_one_optimization() -> None:
     assert no_tokens["ws"].connection_cache_hit_rate == 1.0  # the state cache still serves
     with pytest.raises(ValueError, match="unknown optimization"):
         run(msgspec.structs.replace(config, disable=("magic",)), virtual=True, free_cpu=True)
+
+
+async def test_compare_runs_where_an_event_loop_already_runs() -> None:
+    """As in a notebook: `compare` is called from a thread whose event loop is running."""
+    from sim.experiment import compare
+
+    config = CompareConfig(rollouts=1, tool_calls=2, tps=0, seed=3, profile="local", modes=("ws", "append"))
+    here = compare(config, virtual=True, free_cpu=True)
+    assert [len(r.turns) for r in here.rollouts] == [3, 3]
+    assert here.summary == run(config, virtual=True, free_cpu=True).summary  # deterministic in virtual time

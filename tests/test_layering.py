@@ -4,7 +4,7 @@
 * The sans-IO core (wire types, state machines, framing, rendering) and all of
   `sim/` except its async adapters (`realtime.py`: the wall clock; `virtual.py`: the
   virtual-time loop; `inprocess.py`: the socket-less transport; `experiment.py`: composes
-  a live or in-process server) import no asyncio,
+  a live or in-process server; `tools.py`: tool subprocesses) import no asyncio,
   aiohttp or uvloop.
 * uvloop is chosen only in entry points.
 """
@@ -54,7 +54,8 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
     assert not imports(path) & IO_MODULES, f"{path.name} imports {imports(path) & IO_MODULES}"
 
 
-SIM_ASYNC_ADAPTERS = {"realtime.py", "virtual.py", "inprocess.py", "experiment.py"}  # experiment: composes servers
+# experiment: composes servers; tools: real tool subprocesses
+SIM_ASYNC_ADAPTERS = {"realtime.py", "virtual.py", "inprocess.py", "experiment.py", "tools.py"}
 
 
 @pytest.mark.parametrize("path", [p for p in modules("sim") if p.name not in SIM_ASYNC_ADAPTERS], ids=lambda p: p.name)
