@@ -28,7 +28,8 @@ async def chain_across_servers(make_store: Any) -> None:
         _, first = await post(a, {"model": "sim", "input": "fix it", "tools": [EXEC_TOOL]})
     call = first["output"][0]
     fco = {"type": "function_call_output", "call_id": call["call_id"], "output": "ok"}
-    async with live_server(store=make_store(), tool_calls=2) as b:
+    # Another process draws other ids (prototype/server.py ids randomly on a persistent store).
+    async with live_server(store=make_store(), tool_calls=2, seed=1) as b:
         async with aiohttp.ClientSession() as s, s.get(f"{b.base_url}/responses/{first['id']}") as r:
             assert r.status == 200 and (await r.json()) == {k: v for k, v in first.items() if k != "longrun"}
         status, second = await post(
@@ -36,6 +37,9 @@ async def chain_across_servers(make_store: Any) -> None:
         )
         assert status == 200 and second["status"] == "completed"
         assert second["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+        assert second["id"] != first["id"]
+        async with aiohttp.ClientSession() as s, s.get(f"{b.base_url}/responses/{first['id']}") as r:
+            assert r.status == 200 and (await r.json())["id"] == first["id"]  # not overwritten
 
 
 async def test_sqlite_store_survives_a_server_restart(tmp_path: Path) -> None:
