@@ -14,9 +14,10 @@ trip over it mid-stream (a 500). Checked, at every subschema:
   bounds finite numbers within ±`MAX_BOUND`, each min no greater than its max,
   and an integer range holds an integer;
 * at most `MAX_DEPTH` nested subschemas (the real API's strict-mode limit is 10
-  levels of nesting; this is looser), and arguments that the schema *forces*
-  to be large (`minLength`, `minItems` of required parts) stay under
-  `MAX_FORCED_CHARS`.
+  levels of nesting; this is looser), and the arguments the simulator may write
+  for the schema (every property, `minLength`, `minItems` plus a few items, the
+  largest branch) stay under `MAX_ARGUMENT_CHARS`: a schema that asks for more
+  would make the model write megabytes.
 
 Everything else (`$ref`, `format`, `pattern`, unknown keywords) passes through.
 """
@@ -28,12 +29,16 @@ from typing import Final
 
 from .errors import ProtocolError
 
-__all__ = ["MAX_BOUND", "MAX_DEPTH", "MAX_FORCED_CHARS", "check_parameters"]
+__all__ = ["MAX_ARGUMENT_CHARS", "MAX_BOUND", "MAX_DEPTH", "check_parameters"]
 
 JSON_TYPES: Final = frozenset({"object", "string", "integer", "number", "boolean", "array", "null"})
 MAX_DEPTH: Final = 32
 MAX_BOUND: Final = 1e15  # numeric bounds beyond this are refused (the sampler works in int64 / float)
-MAX_FORCED_CHARS: Final = 1 << 20  # the smallest valid arguments may be at most 1 MiB of JSON
+MAX_ARGUMENT_CHARS: Final = 1 << 20  # the arguments the simulator may write for a schema: at most 1 MiB of JSON
+# How the simulator samples (sim/schema_values.py), for the size estimate: a string leaf is about
+# this long past its `minLength`, and an array holds at most this many items past `minItems`.
+_LEAF_CHARS: Final = 26
+EXTRA_ITEMS: Final = 3
 _SIZE_PAIRS: Final = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minProperties", "maxProperties"))
 _SCHEMA_LISTS: Final = ("anyOf", "oneOf", "allOf")
 
@@ -52,9 +57,8 @@ def check_parameters(schema: object, *, function: str, param: str) -> None:
             raise _Invalid("", "schema must be a JSON Schema of 'type: \"object\"'")
         if schema.get("type", "object") != "object":
             raise _Invalid("type", "schema must be a JSON Schema of 'type: \"object\"'")
-        forced = _check(schema, "", 0)
-        if forced > MAX_FORCED_CHARS:
-            raise _Invalid("", f"the smallest valid arguments would exceed {MAX_FORCED_CHARS} characters")
+        if _check(schema, "", 0) > MAX_ARGUMENT_CHARS:
+            raise _Invalid("", f"arguments for it can be longer than {MAX_ARGUMENT_CHARS} characters")
     except _Invalid as bad:
         at = f" at '{bad.where}'" if bad.where else ""
         raise ProtocolError(
@@ -65,7 +69,7 @@ def check_parameters(schema: object, *, function: str, param: str) -> None:
 
 
 def _check(node: object, where: str, depth: int) -> int:
-    """Check one subschema; return a lower bound on its values' JSON length."""
+    """Check one subschema; return an estimate of the longest JSON the simulator writes for it."""
     if node is True:
         return 1
     if node is False:
@@ -97,42 +101,39 @@ def _check(node: object, where: str, depth: int) -> int:
         _check(extra, f"{at}additionalProperties", depth + 1)
     elif not isinstance(extra, bool):
         raise _Invalid(f"{at}additionalProperties", "'additionalProperties' must be a boolean or a schema")
-    forced = _forced_by_branches(node, at, depth)
+    size = _branches_size(node, at, depth)
     props = node.get("properties", {})
     if not isinstance(props, dict):
         raise _Invalid(f"{at}properties", "'properties' must be an object of schemas")
-    required = set(node.get("required", ()))
-    object_size = 2
-    for name, sub in props.items():
-        size = _check(sub, f"{at}properties.{name}", depth + 1)
-        if name in required:
-            object_size += len(name) + 4 + size
+    object_size = 2 + sum(
+        len(name) + 4 + _check(sub, f"{at}properties.{name}", depth + 1) for name, sub in props.items()
+    )
+    object_size += sum(len(name) + 4 + _LEAF_CHARS for name in set(node.get("required", ())) - set(props))
     items = node.get("items", True)
     subs = items if isinstance(items, list) else [items]
     item_size = max((_check(sub, f"{at}items", depth + 1) for sub in subs), default=1)
     if "enum" in node or "const" in node:
-        return forced
-    kind = types if isinstance(types, str) else None
-    if kind == "object" or (kind is None and ("properties" in node or "required" in node)):
-        forced = max(forced, object_size)
-    elif kind == "array" or (kind is None and "items" in node):
-        forced = max(forced, 2 + (_count(node, "minItems", at) or 0) * (item_size + 1))
-    elif kind == "string":
-        forced = max(forced, 2 + (_count(node, "minLength", at) or 0))
-    return min(forced, MAX_FORCED_CHARS + 1)
+        return size  # a value from the schema itself: bounded by the request
+    names = types if isinstance(types, list) else [types]
+    size = max(size, _LEAF_CHARS + (_count(node, "minLength", at) or 0))
+    if "object" in names or "properties" in node or "required" in node:
+        size = max(size, object_size)
+    if "array" in names or "items" in node:
+        most = max(_count(node, "minItems", at) or 0, 1) + EXTRA_ITEMS
+        size = max(size, 2 + most * (item_size + 1))
+    return min(size, MAX_ARGUMENT_CHARS + 1)
 
 
-def _forced_by_branches(node: dict[str, object], at: str, depth: int) -> int:
-    forced = 1
+def _branches_size(node: dict[str, object], at: str, depth: int) -> int:
+    size = 1
     for key in _SCHEMA_LISTS:
         if key not in node:
             continue
         branches = node[key]
         if not isinstance(branches, list) or not branches:
             raise _Invalid(f"{at}{key}", f"'{key}' must be a non-empty list of schemas")
-        sizes = [_check(sub, f"{at}{key}[{i}]", depth + 1) for i, sub in enumerate(branches)]
-        forced = max(forced, max(sizes) if key == "allOf" else min(sizes))
-    return forced
+        size = max(size, *(_check(sub, f"{at}{key}[{i}]", depth + 1) for i, sub in enumerate(branches)))
+    return size
 
 
 def _count(node: dict[str, object], key: str, at: str) -> int | None:
