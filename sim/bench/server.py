@@ -144,7 +144,7 @@ async def timer_floor(request: web.Request) -> web.Response:
 
 
 def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessRecorder]:
-    clock = AsyncioClock()
+    clock = AsyncioClock(tick_s=0.001)  # as prototype.server
     lateness = LatenessRecorder()
     policy: Policy = BenchPolicy() if args.policy == "bench" else DefaultPolicy(tool_calls=args.tool_calls)
     model = SimulatedModel(
