@@ -199,25 +199,33 @@ async def pacing(rates: list[float], seconds: float) -> None:
 # -- 3. fan-out -----------------------------------------------------------------------------------
 
 
-async def fanout(conns: int, rates: list[float], seconds: float) -> None:
+async def _staggered(k: int, spread_s: float, port: int, path: str, request: bytes) -> FrameCounter:
+    await asyncio.sleep(k * spread_s)  # arrivals spread out, as independent clients' are
+    return await ws_stream(port, path, request)
+
+
+async def fanout(conns: int, rates: list[float], seconds: float, spread_s: float) -> None:
+    """`spread_s`: seconds between two streams' starts (0: all at once, every turn's setup in one burst)."""
     for rate in rates:
         n = int(rate * seconds)
         with bench_server("--tps", str(rate)) as port:
             await ws_stream(port, "/v1/responses", create_frame(50))
             # Floor: the same streams from a raw aiohttp sender paced the same way, in the same process.
             await get_json(port, "/bench/raw_lateness")
-            await asyncio.gather(
-                *(ws_stream(port, "/bench/raw_ws", f"paced {n} {rate}".encode()) for _ in range(conns))
-            )
+            paced = f"paced {n} {rate}".encode()
+            await asyncio.gather(*(_staggered(k, spread_s, port, "/bench/raw_ws", paced) for k in range(conns)))
             raw = await get_json(port, "/bench/raw_lateness")
             await get_json(port, "/bench/lateness")
-            counters = await asyncio.gather(*(ws_stream(port, "/v1/responses", create_frame(n)) for _ in range(conns)))
+            create = create_frame(n)
+            counters = await asyncio.gather(
+                *(_staggered(k, spread_s, port, "/v1/responses", create) for k in range(conns))
+            )
             rep = await get_json(port, "/bench/lateness")
         assert all(c.count == n for c in counters)
         worst = min(t["achieved"] for t in rep["turns"]) / rate
         raw_worst = min(t["achieved"] for t in raw["turns"]) / rate
         p99, fp99 = rep["late_s"]["p99"] * 1e3, raw["late_s"]["p99"] * 1e3
-        name = f"{conns} x {rate:g} tok/s"
+        name = f"{conns} x {rate:g} tok/s" + (f", starts {spread_s * 1e3:g} ms apart" if spread_s else "")
         if rate <= 1000:
             report("3", f"{name}: slowest stream / rate", worst, raw_worst, worst / raw_worst, ">= 0.99", worst >= 0.99)
             report("3", f"{name}: p99 lateness ms", p99, fp99, p99 / fp99, "<= 3 ms", p99 <= 3.0)
@@ -405,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     jobs: dict[str, Callable[[], Any]] = {
         "throughput": lambda: uvloop.run(throughput(args.tokens, args.repeats)),
         "pacing": lambda: uvloop.run(pacing([65.0, 1000.0, 4000.0], args.seconds)),
-        "fanout": lambda: uvloop.run(fanout(args.conns, [1000.0, 4000.0], args.fanout_seconds)),
+        "fanout": lambda: [
+            uvloop.run(fanout(args.conns, [1000.0, 4000.0], args.fanout_seconds, spread)) for spread in (0.0, 0.01)
+        ],
         "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
         "virtual": lambda: virtual(args.sweep_points),
         "memory": lambda: [
