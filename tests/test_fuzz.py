@@ -541,6 +541,7 @@ def test_invalid_utf8_inside_a_kept_verbatim_part_is_a_400() -> None:
         ({"type": "object", "properties": {"a": {"type": "strnig"}}}, "type"),
         ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3, "maxItems": 1}}}, "minItems"),
         ({"type": "object", "properties": {"a": {"type": "string", "minLength": 10**9}}, "required": ["a"]}, ""),
+        ({"type": "object", "properties": {"a": {"minLength": 10**9}}}, "longer than"),  # untyped, optional
         ({"type": "object", "properties": {"a": {"anyOf": []}}}, "anyOf"),
         ({"type": "object", "properties": {"a": {"type": "number", "maximum": 1e300}}}, "maximum"),
         ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
