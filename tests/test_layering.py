@@ -19,7 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 IO_MODULES = {"asyncio", "aiohttp", "uvloop"}
 PURE_CORE = {"schemas", "connection", "stream", "sse", "conversation", "model", "errors", "ids", "clock", "tokenizer"}
-ENTRY_POINTS = {ROOT / "prototype" / "server.py", ROOT / "sim" / "__main__.py"}
+ENTRY_POINTS = {
+    ROOT / "prototype" / "server.py",
+    ROOT / "sim" / "__main__.py",
+    ROOT / "sim" / "bench" / "__main__.py",  # the benchmark's load generator
+    ROOT / "sim" / "bench" / "server.py",  # the benchmark's server process
+}
 
 
 def imports(path: Path) -> set[str]:
@@ -54,8 +59,8 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
     assert not imports(path) & IO_MODULES, f"{path.name} imports {imports(path) & IO_MODULES}"
 
 
-# experiment: composes servers; tools: real tool subprocesses
-SIM_ASYNC_ADAPTERS = {"realtime.py", "virtual.py", "inprocess.py", "experiment.py", "tools.py"}
+# experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client
+SIM_ASYNC_ADAPTERS = {"realtime.py", "virtual.py", "inprocess.py", "experiment.py", "tools.py", "wsclient.py"}
 
 
 @pytest.mark.parametrize("path", [p for p in modules("sim") if p.name not in SIM_ASYNC_ADAPTERS], ids=lambda p: p.name)
