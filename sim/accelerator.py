@@ -290,7 +290,6 @@ class SimulatedModel:
         budget = request.max_output_tokens
         if budget is not None and budget < 0:
             raise ValueError(f"max_output_tokens must be >= 0, got {budget}")
-        start = self.clock.now()
         serial = next(self._serials)
 
         # Step 3: the cached prefix.
@@ -310,7 +309,9 @@ class SimulatedModel:
         items, truncated = self._cut(self.policy.plan(request, rng), budget)
         n_tokens = sum(len(ids) for _, ids in items)
 
-        # Steps 4-6: queue, prefill, decode rate; every time known now.
+        # Steps 4-6: queue, prefill, decode rate; every time known now. The turn starts once
+        # planned: the simulator's own work (hashing, planning, tokenizing) is not model time.
+        start = self.clock.now()
         slot = -1
         queued_s = 0.0
         if self.decode_slots is not None:

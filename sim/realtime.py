@@ -26,10 +26,11 @@ class AsyncioClock:
     built before the loop exists (e.g. before uvloop is installed).
 
     With ``tick_s`` (the servers use 1 ms, uvloop's timer resolution) concurrent
-    sleeps share timers: a deadline waits for the end of its tick, and one loop timer
-    per tick wakes every sleeper of that tick. A hundred streams paced at 1000
-    tokens/s then cost one timer per millisecond, not a hundred; a token is never
-    early and, as with uvloop's own timers, at most one tick late.
+    sleeps share timers: while another sleep is in progress, a deadline waits for the
+    end of its tick, and one loop timer per tick wakes every sleeper of that tick. A
+    hundred streams paced at 1000 tokens/s then cost one timer per millisecond, not a
+    hundred, for at most one tick of extra lateness; a lone sleeper keeps an exact timer.
+    Never early.
     """
 
     def __init__(self, *, tick_s: float | None = None) -> None:
@@ -37,6 +38,7 @@ class AsyncioClock:
             raise ValueError(f"tick_s must be > 0, got {tick_s}")
         self.tick_s = tick_s
         self._ticks: dict[tuple[asyncio.AbstractEventLoop, int], list[asyncio.Future[None]]] = {}
+        self._sleeping = 0  # sleeps in progress: a lone sleeper keeps its own exact timer
 
     def now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -47,24 +49,27 @@ class AsyncioClock:
     async def sleep_until(self, deadline: float) -> None:
         """Return once `now() >= deadline`; at once, without yielding, if it already is."""
         loop = asyncio.get_running_loop()
-        tick_s = self.tick_s
         # A loop: call_at may fire up to one clock resolution early.
         while loop.time() < deadline:
             future: asyncio.Future[None] = loop.create_future()
-            if tick_s is not None:
-                key = (loop, math.ceil(deadline / tick_s))
-                waiters = self._ticks.get(key)
-                if waiters is None:
-                    waiters = self._ticks[key] = []
-                    loop.call_at(max(key[1] * tick_s, deadline), self._wake_tick, key)
-                waiters.append(future)
-                await future  # cancelled: the tick's callback skips it
-                continue
-            handle = loop.call_at(deadline, _wake, future)
+            self._sleeping += 1
             try:
-                await future
+                if self.tick_s is not None and self._sleeping > 1:  # others sleep too: share their ticks
+                    key = (loop, math.ceil(deadline / self.tick_s))
+                    waiters = self._ticks.get(key)
+                    if waiters is None:
+                        waiters = self._ticks[key] = []
+                        loop.call_at(max(key[1] * self.tick_s, deadline), self._wake_tick, key)
+                    waiters.append(future)
+                    await future  # cancelled: the tick's callback skips it
+                    continue
+                handle = loop.call_at(deadline, _wake, future)
+                try:
+                    await future
+                finally:
+                    handle.cancel()  # no-op once fired; frees the timer if we were cancelled
             finally:
-                handle.cancel()  # no-op once fired; frees the timer if we were cancelled
+                self._sleeping -= 1
 
     def _wake_tick(self, key: tuple[asyncio.AbstractEventLoop, int]) -> None:
         for future in self._ticks.pop(key):

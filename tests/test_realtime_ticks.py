@@ -45,3 +45,13 @@ async def test_a_cancelled_sleeper_leaves_the_rest_of_its_tick() -> None:
 def test_tick_must_be_positive() -> None:
     with pytest.raises(ValueError):
         AsyncioClock(tick_s=0.0)
+
+
+async def test_a_lone_sleeper_keeps_its_own_timer() -> None:
+    clock = AsyncioClock(tick_s=0.001)
+    deadline = clock.now() + 0.002
+    task = asyncio.create_task(clock.sleep_until(deadline))
+    await asyncio.sleep(0)
+    assert not clock._ticks  # no tick rounding without company
+    await task
+    assert clock.now() >= deadline
