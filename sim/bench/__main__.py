@@ -1,6 +1,6 @@
-"""`python -m sim.bench [--only T ...]`: the performance targets of issue 7, each against its floor.
+"""`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
 
-Targets (``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
+Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
 ``virtual`` (5), ``memory`` (6). The server (`sim.bench.server`) is a separate process
 pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
@@ -186,6 +186,13 @@ async def pacing(rates: list[float], seconds: float) -> None:
             counter = await ws_stream(port, "/v1/responses", create_frame(n))
             rep = await get_json(port, "/bench/lateness")
         print(f"           {rate:g} tok/s: loop timer alone p99 {timer['p99'] * 1e3:.3f} ms", flush=True)
+        late = rep["late_s"]
+        print(
+            f"           {rate:g} tok/s: achieved/target {rep['turns'][-1]['achieved'] / rate:.5f} (server), "
+            f"{counter.rate / rate:.5f} (client); token lateness p50 {late['p50'] * 1e3:.3f} ms, "
+            f"p99 {late['p99'] * 1e3:.3f} ms",
+            flush=True,
+        )
         turn = rep["turns"][-1]
         err = abs(turn["achieved"] / rate - 1)
         client_err = abs(counter.rate / rate - 1)
@@ -394,6 +401,7 @@ async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
+    p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
     p.add_argument("--only", action="append", choices=TARGETS, help="run only these targets (repeatable)")
     p.add_argument("--tokens", type=int, default=20_000, help="1: tokens per unpaced stream")
     p.add_argument("--repeats", type=int, default=3, help="1: runs of each stream (median)")
@@ -406,9 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
     args = p.parse_args(argv)
+    unknown = [t for t in args.targets if t not in TARGETS]
+    if unknown:
+        p.error(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, {CLIENT_CORE})
-    only = args.only or list(TARGETS)
+    only = args.targets + (args.only or []) or list(TARGETS)
     print(f"{'target':<10} {'figure':<46} {'value':>12} {'floor':>12} {'ratio':>8}  {'goal':<14} verdict")
     jobs: dict[str, Callable[[], Any]] = {
         "throughput": lambda: uvloop.run(throughput(args.tokens, args.repeats)),
