@@ -429,22 +429,22 @@ class Connection:
 
     def _enqueue(self, event: CreateReceived) -> None:
         if self.state is CS.ACTIVE and self.reject_concurrent:
-            self._evict(event.request.previous_response_id)
-            self._error(
+            self._refuse(
+                event,
                 ProtocolError(
                     "Another response is in progress on this connection.", code="concurrent_request", status=409
-                )
+                ),
             )
             return
         if self.state is CS.ACTIVE and self.max_queued is not None and len(self.queue) >= self.max_queued:
-            self._evict(event.request.previous_response_id)
-            self._error(
+            self._refuse(
+                event,
                 ProtocolError(
                     f"Too many queued response.create events on this connection (at most {self.max_queued} "
                     "wait behind the response in progress). Wait for a response to finish, or open another connection.",
                     code="queued_requests_limit_reached",
                     status=429,
-                )
+                ),
             )
             return
         self.queue.append(event)
@@ -530,16 +530,22 @@ class Connection:
         self._check_job(event.job)
         self._out.append(AbortPause(event.job, "connection_limit"))
 
+    def _refuse(self, event: CreateReceived, error: ProtocolError) -> None:
+        """A create that will not run: an error event, and its previous response is evicted
+        from the cache, as for any failed turn."""
+        self._evict(event.request.previous_response_id)
+        self._error(error)
+
     def _refuse_paused(self, event: CreateReceived) -> None:
         assert self.pause is not None
-        self._evict(event.request.previous_response_id)
-        self._error(
+        self._refuse(
+            event,
             ProtocolError(
                 f"Response '{self.pause.job.response_id}' is paused waiting for tool outputs; "
                 "send response.append, or open another connection.",
                 code="response_paused",
                 status=409,
-            )
+            ),
         )
 
     def _append(self, event: AppendReceived) -> None:

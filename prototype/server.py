@@ -184,6 +184,11 @@ async def serve(args: argparse.Namespace) -> None:
     await site.start()
     port = runner.addresses[0][1]
     print(f"longrun server listening on http://{args.host}:{port}/v1", flush=True)
+    await serve_until_stopped(runner)
+
+
+async def serve_until_stopped(runner: web.AppRunner) -> None:
+    """Serve until SIGINT or SIGTERM, then shut the app down (sockets closed, store closed)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import dataclasses
 import math
-import signal
 import time
 from typing import Final
 
@@ -38,6 +37,7 @@ from prototype.app import ServerConfig, make_app
 from prototype.model import ModelRequest
 from prototype.pipeline import load_profile
 from prototype.schemas import OutputTextDelta, encode
+from prototype.server import serve_until_stopped
 from prototype.sse import SSE_HEADERS, encode_event
 from prototype.store import open_store
 from sim.accelerator import LatenessRecorder, SimulatedModel
@@ -196,14 +196,7 @@ async def serve(args: argparse.Namespace) -> None:
     site = web.TCPSite(runner, "127.0.0.1", args.port)
     await site.start()
     print(f"port {runner.addresses[0][1]}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await serve_until_stopped(runner)
 
 
 def main(argv: list[str] | None = None) -> int:
