@@ -188,10 +188,11 @@ class SimulatedModel:
     defaults, timing is as before the options existed except that prefix-cache
     hits shorten prefill. One instance serves any number of concurrent turns;
     they share the cache, the slots and the slowdown. ``pace_by_turn=True`` (for
-    virtual-time sweeps) waits only for a turn's first and last token: the tokens
-    between come at once with the first, so the first token, the turn's end and
-    everything planned at its start are as with per-token pacing, with two clock
-    wake-ups per turn instead of one per token.
+    virtual-time sweeps) waits only for a turn's first and last token: every token
+    but the last comes at once with the first, one `TokensSampled` per item (so one
+    delta event, not one per token), so the tokens, their text, the first token, the
+    turn's end and everything planned at its start are as with per-token pacing, with
+    two clock wake-ups and a few events per turn instead of one of each per token.
     """
 
     def __init__(
@@ -345,10 +346,28 @@ class SimulatedModel:
             for item, ids in items:
                 yield ItemStarted(item.kind, item.name)
                 decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                if by_turn:  # every token but the turn's last in one event, at once; the last at the end
+                    last_of_turn = index + len(ids) == n_tokens
+                    head = ids[:-1] if last_of_turn else ids
+                    if head:
+                        text = decoder.decode(b"".join(map(token_bytes, head)), final=not last_of_turn)
+                        index += len(head)
+                        self._output_tokens += len(head)
+                        yield TokensSampled(tuple(head), text)
+                    if last_of_turn and ids:
+                        if paced:
+                            due = t0 + index / rate
+                            if due > clock_now():
+                                await sleep_until(due)
+                        index += 1
+                        self._output_tokens += 1
+                        yield TokensSampled((ids[-1],), decoder.decode(token_bytes(ids[-1]), final=True))
+                    yield ItemFinished()
+                    continue
                 pending = False  # the decoder holds the start of a multi-byte character
                 last = len(ids) - 1
                 for position, token_id in enumerate(ids):
-                    if paced and not (by_turn and index < n_tokens - 1):
+                    if paced:
                         due = t0 + index / rate
                         if due > clock_now():
                             await sleep_until(due)

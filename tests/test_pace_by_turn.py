@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from prototype.model import ModelEvent, ModelRequest, TokensSampled
+from prototype.model import ItemStarted, ModelEvent, ModelRequest, TokensSampled
 from sim.accelerator import SimulatedModel
 from sim.clock import ManualClock
 from sim.experiment import CompareConfig, run_compare
@@ -32,17 +32,42 @@ async def _timed(pace_by_turn: bool) -> tuple[list[tuple[float, ModelEvent]], in
     return timed, len(clock.wakeups)
 
 
-async def test_same_tokens_first_token_and_end_with_two_waits() -> None:
+def _items(timed: list[tuple[float, ModelEvent]]) -> list[tuple[tuple[int, ...], str]]:
+    """Per item: its token ids and text, however they were split into events."""
+    out: list[tuple[tuple[int, ...], str]] = []
+    for _, e in timed:
+        if isinstance(e, ItemStarted):
+            out.append(((), ""))
+        elif isinstance(e, TokensSampled):
+            ids, text = out[-1]
+            out[-1] = (ids + e.token_ids, text + e.text)
+    return out
+
+
+async def test_same_tokens_first_token_and_end_with_two_waits_and_few_events() -> None:
     per_token, token_waits = await _timed(False)
     by_turn, turn_waits = await _timed(True)
-    assert [e for _, e in by_turn] == [e for _, e in per_token]  # same events, same tokens, same texts
+    assert _items(by_turn) == _items(per_token)  # same tokens, same texts
+    assert [type(e) for _, e in by_turn if not isinstance(e, TokensSampled)] == [
+        type(e) for _, e in per_token if not isinstance(e, TokensSampled)
+    ]
     t0 = 5.5
-    times = [t for t, e in by_turn if isinstance(e, TokensSampled)]
-    n = len(times)
-    assert times[0] == t0 and all(t == t0 for t in times[:-1])
-    assert times[-1] == t0 + (n - 1) / 100.0 == [t for t, e in per_token if isinstance(e, TokensSampled)][-1]
+    sampled = [(t, e) for t, e in by_turn if isinstance(e, TokensSampled)]
+    n = sum(len(e.token_ids) for _, e in sampled)
+    assert len(sampled) == 3  # the call's arguments; the message's tokens but the last; the last
+    assert all(t == t0 for t, _ in sampled[:-1]) and len(sampled[-1][1].token_ids) == 1
+    assert sampled[-1][0] == t0 + (n - 1) / 100.0 == [t for t, e in per_token if isinstance(e, TokensSampled)][-1]
     assert per_token[-1][0] == by_turn[-1][0]  # SamplingFinished at the same time
     assert turn_waits == 2 and token_waits == n  # prefill + last token, against one per token
+
+
+async def test_multibyte_text_decodes_whole_when_coalesced() -> None:
+    clock = ManualClock()
+    text = "résumé ✓ 日本語テキスト"
+    policy = ScriptPolicy([[PlannedItem("message", "", text)]])
+    model = SimulatedModel(clock=clock, policy=policy, decode_tok_per_s=100.0, pace_by_turn=True)
+    timed = [(clock.now(), e) async for e in model.sample(_request())]
+    assert _items(timed)[0][1] == text
 
 
 def test_a_sweep_point_summarises_like_per_token_pacing() -> None:
