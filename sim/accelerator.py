@@ -350,10 +350,10 @@ class SimulatedModel:
                     last_of_turn = index + len(ids) == n_tokens
                     head = ids[:-1] if last_of_turn else ids
                     if head:
-                        text = decoder.decode(b"".join(map(token_bytes, head)), final=not last_of_turn)
                         index += len(head)
                         self._output_tokens += len(head)
-                        yield TokensSampled(tuple(head), text)
+                        head_text = decoder.decode(b"".join(map(token_bytes, head)), final=not last_of_turn)
+                        yield TokensSampled(tuple(head), head_text)
                     if last_of_turn and ids:
                         if paced:
                             due = t0 + index / rate
