@@ -14,7 +14,9 @@ trip over it mid-stream (a 500). Checked, at every subschema:
   bounds finite numbers within ±`MAX_BOUND`, each min no greater than its max,
   and an integer range holds an integer;
 * at most `MAX_DEPTH` nested subschemas (the real API's strict-mode limit is 10
-  levels of nesting; this is looser), and the arguments the simulator may write
+  levels of nesting; this is looser), the schema's JSON (unknown keywords included)
+  at most `MAX_NESTING` arrays and objects deep (so every later reader, the
+  simulator's included, decodes it at any stack depth), and the arguments the simulator may write
   for the schema (every property, `minLength`, `minItems` plus a few items, the
   largest branch) stay under `MAX_ARGUMENT_CHARS`: a schema that asks for more
   would make the model write megabytes.
@@ -29,10 +31,11 @@ from typing import Final
 
 from .errors import ProtocolError
 
-__all__ = ["MAX_ARGUMENT_CHARS", "MAX_BOUND", "MAX_DEPTH", "check_parameters"]
+__all__ = ["MAX_ARGUMENT_CHARS", "MAX_BOUND", "MAX_DEPTH", "MAX_NESTING", "check_parameters"]
 
 JSON_TYPES: Final = frozenset({"object", "string", "integer", "number", "boolean", "array", "null"})
 MAX_DEPTH: Final = 32
+MAX_NESTING: Final = 128  # JSON arrays/objects inside `parameters`, wherever they are
 MAX_BOUND: Final = 1e15  # numeric bounds beyond this are refused (the sampler works in int64 / float)
 MAX_ARGUMENT_CHARS: Final = 1 << 20  # the arguments the simulator may write for a schema: at most 1 MiB of JSON
 # How the simulator samples (sim/schema_values.py), for the size estimate: a string leaf is about
@@ -57,6 +60,8 @@ def check_parameters(schema: object, *, function: str, param: str) -> None:
             raise _Invalid("", "schema must be a JSON Schema of 'type: \"object\"'")
         if schema.get("type", "object") != "object":
             raise _Invalid("type", "schema must be a JSON Schema of 'type: \"object\"'")
+        if _nesting(schema) > MAX_NESTING:
+            raise _Invalid("", f"its JSON nests deeper than {MAX_NESTING} arrays and objects")
         if _check(schema, "", 0) > MAX_ARGUMENT_CHARS:
             raise _Invalid("", f"arguments for it can be longer than {MAX_ARGUMENT_CHARS} characters")
     except _Invalid as bad:
@@ -66,6 +71,22 @@ def check_parameters(schema: object, *, function: str, param: str) -> None:
             code="invalid_function_parameters",
             param=param,
         ) from None
+
+
+def _nesting(value: object) -> int:
+    """How many arrays and objects deep `value` goes (without recursion: it may be deep)."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if deepest > MAX_NESTING:
+            break
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def _check(node: object, where: str, depth: int) -> int:
