@@ -31,7 +31,7 @@ from typing import Final
 
 from .errors import ProtocolError
 
-__all__ = ["MAX_ARGUMENT_CHARS", "MAX_BOUND", "MAX_DEPTH", "MAX_NESTING", "check_parameters"]
+__all__ = ["EXTRA_ITEMS", "MAX_ARGUMENT_CHARS", "MAX_BOUND", "MAX_DEPTH", "MAX_NESTING", "check_parameters"]
 
 JSON_TYPES: Final = frozenset({"object", "string", "integer", "number", "boolean", "array", "null"})
 MAX_DEPTH: Final = 32

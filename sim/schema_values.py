@@ -47,6 +47,10 @@ from typing import Final
 
 import numpy as np
 
+# Sampled arrays hold at most this many items past their minimum: the server's schema check
+# (prototype/tool_schema.py) sizes the arguments the simulator may write with the same number.
+from prototype.tool_schema import EXTRA_ITEMS
+
 __all__ = ["OPTIONAL_PROPERTY_P", "sample_json", "sample_prose", "validate_json"]
 
 OPTIONAL_PROPERTY_P: Final = 0.5  # chance an optional object property is present
@@ -57,7 +61,6 @@ _SHORT_STRING_CHARS: Final = 24  # budget for a string leaf that gets no share o
 _OBJECT_BRACES_CHARS: Final = 2  # "{" and "}"
 _PROPERTY_FRAMING_CHARS: Final = 4  # two quotes around the key, ":" and ","
 _STRING_QUOTES_CHARS: Final = 2
-_EXTRA_ITEMS: Final = 3  # sampled arrays hold at most this many items past their minimum
 _HEREDOC_MIN_CHARS: Final = 240  # below this a heredoc looks silly; chain commands instead
 _HEREDOC_P: Final = 0.4  # chance a long command is "write a file" rather than a command chain
 _INT_DEFAULT_SPAN: Final = 100  # integers with at most one bound range over this many values
@@ -695,12 +698,12 @@ def _sample_array(
 ) -> list[object]:
     lo = max(_as_int(schema.get("minItems"), 0), 0)
     hi_raw = schema.get("maxItems")
-    hi = _as_int(hi_raw, 0) if hi_raw is not None else lo + _EXTRA_ITEMS
+    hi = _as_int(hi_raw, 0) if hi_raw is not None else lo + EXTRA_ITEMS
     if hi < lo:
         raise ValueError(f"array schema for {name!r} admits no value: {schema!r}")
     first = min(max(lo, 1), hi)  # an empty list is legal but a dull argument
     # A few items past the minimum: a huge `maxItems` must not make a huge argument.
-    n = int(rng.integers(first, min(hi, first + _EXTRA_ITEMS) + 1))
+    n = int(rng.integers(first, min(hi, first + EXTRA_ITEMS) + 1))
     items = schema.get("items", True)
     singular = name[:-1] if name.endswith("s") and len(name) > 1 else name  # "paths" items are paths
     share = max((target - 2) // max(n, 1) - 1, 1)
