@@ -80,7 +80,8 @@ class RolloutResult:
 
 def tool_output_text(rng: np.random.Generator, n_tokens: int) -> str:
     """Plausible command output of about `n_tokens` tokens (~1 token per short word)."""
-    words = rng.choice(_WORDS, size=max(1, n_tokens))
+    # The same draws as rng.choice(_WORDS, size): indices, then the words (≈ 6 × faster than choice).
+    words = [_WORDS[i] for i in rng.integers(0, len(_WORDS), size=max(1, n_tokens)).tolist()]
     lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
     return "\n".join(lines)
 
