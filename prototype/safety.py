@@ -210,7 +210,7 @@ class SafetyClassifier:
             return state
         weight_sum, ngrams = self._read(state.tail, tokens)
         keep = self._ngram - 1
-        tail = (state.tail + tuple(int(t) for t in tokens[-keep:]))[-keep:] if keep else ()
+        tail = (state.tail + tuple(tokens[-keep:].tolist()))[-keep:] if keep else ()
         return ClassifierState(
             tail=tail,
             weight_sum=state.weight_sum + weight_sum,

@@ -42,6 +42,10 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes(self._enc.decode_single_token_bytes(token_id))
 
+    def decode_bytes(self, token_ids: list[int]) -> bytes:
+        """The bytes of `token_ids` in order (may end inside a multi-byte character)."""
+        return bytes(self._enc.decode_bytes(token_ids))
+
     def decode(self, token_ids: list[int] | TokenArray) -> str:
         return str(self._enc.decode([int(t) for t in token_ids]))
 

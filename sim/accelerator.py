@@ -341,7 +341,7 @@ class SimulatedModel:
             by_turn = self.pace_by_turn
             handed_first = handed_last = 0.0
             clock_now, sleep_until = self.clock.now, self.clock.sleep_until
-            token_bytes, texts = self.tokenizer.token_bytes, self._texts
+            token_bytes, decode_bytes, texts = self.tokenizer.token_bytes, self.tokenizer.decode_bytes, self._texts
             due = t0
             for item, ids in items:
                 yield ItemStarted(item.kind, item.name)
@@ -352,7 +352,7 @@ class SimulatedModel:
                     if head:
                         index += len(head)
                         self._output_tokens += len(head)
-                        head_text = decoder.decode(b"".join(map(token_bytes, head)), final=not last_of_turn)
+                        head_text = decoder.decode(decode_bytes(head), final=not last_of_turn)
                         yield TokensSampled(tuple(head), head_text)
                     if last_of_turn and ids:
                         if paced:
