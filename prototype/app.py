@@ -38,6 +38,7 @@ from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_e
 from .ids import IdFactory
 from .model import TokenModel
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
+from .safety import SafetyClassifier
 from .schemas import (
     DeletedResponse,
     FunctionCallArgumentsDelta,
@@ -50,7 +51,7 @@ from .schemas import (
 )
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
-from .tokenizer import get_tokenizer
+from .tokenizer import Tokenizer, get_tokenizer
 
 __all__ = ["ENGINE", "ServerConfig", "Slots", "WebSocketSession", "make_app", "make_engine"]
 
@@ -127,17 +128,26 @@ SLOTS: Final = web.AppKey("slots", Slots)
 
 
 def make_engine(
-    *, model: TokenModel, store: ResponseStore, clock: Clock, config: ServerConfig, seed: int | None = None
+    *,
+    model: TokenModel,
+    store: ResponseStore,
+    clock: Clock,
+    config: ServerConfig,
+    seed: int | None = None,
+    tokenizer: Tokenizer | None = None,
+    classifier: SafetyClassifier | None = None,
 ) -> Engine:
-    """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets)."""
+    """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets).
+    `tokenizer` and `classifier` replace the defaults (the simulator's memoizing ones, `sim.memo`)."""
     return Engine(
         model=model,
         store=store,
         clock=clock,
-        tokenizer=get_tokenizer(),
+        tokenizer=tokenizer or get_tokenizer(),
         ids=IdFactory(seed),
         profile=config.profile,
         optimizations=config.optimizations,
+        classifier=classifier,
     )
 
 

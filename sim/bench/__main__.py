@@ -325,7 +325,7 @@ def _encode_decode_floor(events: int) -> float:
 
 async def _virtual_rollout(mode: str, pace_by_turn: bool) -> Any:
     config = CompareConfig(rollouts=1, tool_calls=50, modes=(mode,), workload="custom")
-    return await run_compare(config, VirtualClock(), virtual=True, pace_by_turn=pace_by_turn)
+    return await run_compare(config, VirtualClock(), virtual=True, pace_by_turn=pace_by_turn, memoize=True)
 
 
 def virtual(points: int) -> None:

@@ -1,0 +1,120 @@
+"""Memoized pure work, for virtual runs whose CPU time is free (sweeps, `compare(free_cpu=True)`).
+
+Scenario: a sweep runs the same seeded rollouts at every grid point and every mode,
+so the server tokenizes the same tool outputs, and the `http` modes re-tokenize and
+re-classify the same history, hundreds of times. That work is honest in a live run and
+in virtual time with `charge_cpu=True`, where its duration is part of what is measured.
+With CPU free its duration is not measured at all, only its results are used, and those
+are pure functions of the input: tokenizing a text, reading a token chunk into the
+classifier. `MemoTokenizer` and `MemoClassifier` return the same results from a
+per-process table instead of recomputing them, so every count, token and verdict is
+identical (tests/test_memo.py compares whole results) and a sweep point costs a fraction
+of the wall time.
+
+Never use them where CPU is charged or the run is live: the re-processing a mode does is
+then exactly what the comparison measures. `run_compare(memoize=True)` refuses a live run.
+
+Both tables are bounded (least recently used out first) and shared by everything in the
+process, so consecutive sweep points in one worker reuse each other's work.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+from typing import Final
+
+from prototype.safety import SafetyClassifier
+from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
+
+__all__ = ["MemoClassifier", "MemoTokenizer", "memo_classifier", "memo_tokenizer"]
+
+TOKENIZER_BUDGET: Final = 4_000_000  # cached tokens (≈ 16 MB of arrays, plus their texts)
+CLASSIFIER_BUDGET: Final = 16_000_000  # bytes of token chunks used as keys
+
+
+class _Lru:
+    """An `OrderedDict` bounded by a sum of per-entry costs."""
+
+    __slots__ = ("_budget", "_cost", "_table", "hits", "misses")
+
+    def __init__(self, budget: int) -> None:
+        self._table: OrderedDict[object, tuple[object, int]] = OrderedDict()
+        self._budget = budget
+        self._cost = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: object) -> object | None:
+        entry = self._table.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._table.move_to_end(key)
+        return entry[0]
+
+    def put(self, key: object, value: object, cost: int) -> None:
+        if cost > self._budget:
+            return
+        self._table[key] = (value, cost)
+        self._cost += cost
+        while self._cost > self._budget:
+            _, (_, dropped) = self._table.popitem(last=False)
+            self._cost -= dropped
+
+
+class MemoTokenizer(Tokenizer):
+    """A `Tokenizer` that looks up texts it has encoded before (read-only arrays)."""
+
+    def __init__(self, name: str = ENCODING_NAME, budget_tokens: int = TOKENIZER_BUDGET) -> None:
+        super().__init__(name)
+        self._memo = _Lru(budget_tokens)
+
+    def encode(self, text: str) -> TokenArray:
+        tokens = self._memo.get(text)
+        if tokens is None:
+            tokens = super().encode(text)
+            tokens.flags.writeable = False  # shared by every caller: nobody may change it
+            self._memo.put(text, tokens, max(1, tokens.size))
+        return tokens  # type: ignore[return-value]
+
+    def encode_list(self, text: str) -> list[int]:
+        return self.encode(text).tolist()  # type: ignore[no-any-return]
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self._memo.hits + self._memo.misses
+        return self._memo.hits / seen if seen else 0.0
+
+
+class MemoClassifier(SafetyClassifier):
+    """A `SafetyClassifier` (default settings) that looks up chunks it has read before.
+
+    The classifier's work per chunk, `_read(tail, tokens)`, is a pure function of the
+    tail carried over from the previous chunk and the chunk's tokens; keyed on both,
+    a repeated chunk costs one hash of its bytes."""
+
+    def __init__(self, budget_bytes: int = CLASSIFIER_BUDGET) -> None:
+        super().__init__()
+        self._memo = _Lru(budget_bytes)
+
+    def _read(self, tail: tuple[int, ...], tokens: TokenArray) -> tuple[int, int]:
+        key = (tail, tokens.tobytes())
+        found = self._memo.get(key)
+        if found is None:
+            found = super()._read(tail, tokens)
+            self._memo.put(key, found, len(key[1]) + 64)
+        return found  # type: ignore[return-value]
+
+
+@functools.cache
+def memo_tokenizer() -> MemoTokenizer:
+    """The process's memoizing tokenizer (o200k_base)."""
+    return MemoTokenizer()
+
+
+@functools.cache
+def memo_classifier() -> MemoClassifier:
+    """The process's memoizing classifier (the engine's default settings)."""
+    return MemoClassifier()
