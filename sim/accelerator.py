@@ -308,6 +308,7 @@ class SimulatedModel:
         # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
         rng = turn_rng(self.seed, request.conversation_key, request.turn_index)
         items, truncated = self._cut(self.policy.plan(request, rng), budget)
+        cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
         n_tokens = sum(len(ids) for _, ids in items)
 
         # Steps 4-6: queue, prefill, decode rate; every time known now. The turn starts once
@@ -352,7 +353,13 @@ class SimulatedModel:
                     if head:
                         index += len(head)
                         self._output_tokens += len(head)
-                        head_text = decoder.decode(decode_bytes(head), final=not last_of_turn)
+                        if truncated and item is cut_item:  # ids are a prefix of the text's tokens
+                            data = decode_bytes(head)
+                        else:  # ids are the text's tokens: its bytes without decoding token by token
+                            data = item.text.encode()
+                            if last_of_turn:
+                                data = data[: len(data) - len(token_bytes(ids[-1]))]
+                        head_text = decoder.decode(data, final=not last_of_turn)
                         yield TokensSampled(tuple(head), head_text)
                     if last_of_turn and ids:
                         if paced:

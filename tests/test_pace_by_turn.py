@@ -3,6 +3,8 @@ no clock wake-up per token; and a sweep point's summary equals the per-token-pac
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import numpy as np
 
@@ -68,6 +70,21 @@ async def test_multibyte_text_decodes_whole_when_coalesced() -> None:
     model = SimulatedModel(clock=clock, policy=policy, decode_tok_per_s=100.0, pace_by_turn=True)
     timed = [(clock.now(), e) async for e in model.sample(_request())]
     assert _items(timed)[0][1] == text
+
+
+async def test_a_turn_cut_by_max_output_tokens_keeps_the_same_tokens_and_text() -> None:
+    text = "résumé ✓ 日本語テキスト and more words after it"
+    script = [[PlannedItem("function_call", "f", '{"a": "✓✓"}'), PlannedItem("message", "", text)]]
+    n_call = len(SimulatedModel(clock=ManualClock(), policy=ScriptPolicy([])).tokenizer.encode_list('{"a": "✓✓"}'))
+    for budget in (n_call - 1, n_call, n_call + 1, n_call + 5, n_call + 100):
+        got = []
+        for by_turn in (False, True):
+            model = SimulatedModel(
+                clock=ManualClock(), policy=ScriptPolicy(script), decode_tok_per_s=100.0, pace_by_turn=by_turn
+            )
+            request = dataclasses.replace(_request(), max_output_tokens=budget)
+            got.append(_items([(0.0, e) async for e in model.sample(request)]))
+        assert got[1] == got[0], budget
 
 
 def test_a_sweep_point_summarises_like_per_token_pacing() -> None:
