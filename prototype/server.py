@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency-slowdown", type=float, default=0.0, help="decode rate / (1 + s x (concurrent turns - 1))"
     )
     p.add_argument(
+        "--delta-per-token",
+        action="store_true",
+        help="one delta event per token even when late (default: a late wake-up sends the tokens due in one delta)",
+    )
+    p.add_argument(
         "--tool-calls",
         type=int,
         default=10,
@@ -157,6 +162,7 @@ async def serve(args: argparse.Namespace) -> None:
         decode_slots=args.decode_slots or None,
         decode_jitter=args.decode_jitter,
         concurrency_slowdown=args.concurrency_slowdown,
+        coalesce_due=not args.delta_per_token,
     )
     config = ServerConfig(
         api_key=args.api_key,

@@ -85,6 +85,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
+import numpy.typing as npt
 
 from prototype.clock import Clock
 from prototype.model import (
@@ -147,22 +148,45 @@ class LatenessRecorder:
     the default fits both. Off (``SimulatedModel(lateness=None)``) it costs one test per token.
     """
 
-    __slots__ = ("late_s", "now", "turns")
+    __slots__ = ("_groups", "now", "turns")
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self.now = now
-        self.late_s = array("d")
+        self._groups = array("d")  # per hand-on: (time, first token's due time, tokens, interval)
         self.turns: list[tuple[int, float, float, float]] = []  # (tokens, planned rate, first, last hand-on)
 
     def token(self, due: float) -> float:
         """Record one token due at `due`; returns its hand-on time."""
+        return self.tokens(due, 1, 0.0)
+
+    def tokens(self, first_due: float, count: int, interval: float) -> float:
+        """Record `count` tokens handed on together, due at `first_due` + k x `interval`; returns the hand-on time."""
         now = self.now()
-        self.late_s.append(now - due)
+        self._groups.extend((now, first_due, count, interval))
         return now
 
+    @property
+    def late_s(self) -> npt.NDArray[np.float64]:
+        """Every recorded token's lateness (hand-on minus due), in order."""
+        g = np.frombuffer(self._groups, dtype=np.float64).reshape(-1, 4) if self._groups else np.empty((0, 4))
+        counts = g[:, 2].astype(np.int64)
+        k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # index within group
+        return np.repeat(g[:, 0] - g[:, 1], counts) - k * np.repeat(g[:, 3], counts)
+
     def clear(self) -> None:
-        self.late_s = array("d")
+        self._groups = array("d")
         self.turns = []
+
+
+def _due_by(now: float, t0: float, rate: float, index: int, most: int) -> int:
+    """How many tokens from `index` on (at least 1, at most `most`) are due by `now`: token i is
+    due at exactly ``t0 + i / rate``, the expression the pacing uses, so none is early."""
+    j = max(index, int((now - t0) * rate))  # the last token due, give or take rounding
+    while j + 1 < index + most and t0 + (j + 1) / rate <= now:
+        j += 1
+    while j > index and t0 + j / rate > now:
+        j -= 1
+    return min(most, j - index + 1)
 
 
 @dataclass(slots=True)
@@ -193,6 +217,12 @@ class SimulatedModel:
     delta event, not one per token), so the tokens, their text, the first token, the
     turn's end and everything planned at its start are as with per-token pacing, with
     two clock wake-ups and a few events per turn instead of one of each per token.
+    ``coalesce_due=True`` (the default): a paced token's wake-up that comes late also
+    takes the item's next tokens already due, in one `TokensSampled` (one delta event),
+    as a server that fell behind sends what it has; the tokens, their texts and the
+    times they were due do not change, only how many events carry them. A wake-up on
+    time carries one token, so on a virtual clock with free CPU nothing changes; with
+    ``False`` every token is its own event however late.
     """
 
     def __init__(
@@ -212,6 +242,7 @@ class SimulatedModel:
         decode_jitter: float = 0.0,
         lateness: LatenessRecorder | None = None,
         pace_by_turn: bool = False,
+        coalesce_due: bool = True,
     ) -> None:
         if not decode_tok_per_s > 0:
             raise ValueError(f"decode_tok_per_s must be > 0, got {decode_tok_per_s}")
@@ -242,6 +273,7 @@ class SimulatedModel:
         self.decode_jitter = decode_jitter
         self.lateness = lateness
         self.pace_by_turn = pace_by_turn
+        self.coalesce_due = coalesce_due
         self._slot_free_at: list[float] = [-math.inf] * (decode_slots or 0)  # per slot: busy until
         self._slot_holder: list[int] = [-1] * (decode_slots or 0)  # per slot: the turn that reserved it last
         self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
@@ -339,7 +371,7 @@ class SimulatedModel:
             paced = math.isfinite(rate)
             index = 0  # token index within the turn
             lateness = self.lateness if paced else None
-            by_turn = self.pace_by_turn
+            by_turn, coalesce = self.pace_by_turn, self.coalesce_due
             handed_first = handed_last = 0.0
             clock_now, sleep_until = self.clock.now, self.clock.sleep_until
             token_bytes, decode_bytes, texts = self.tokenizer.token_bytes, self.tokenizer.decode_bytes, self._texts
@@ -373,23 +405,35 @@ class SimulatedModel:
                     continue
                 pending = False  # the decoder holds the start of a multi-byte character
                 last = len(ids) - 1
-                for position, token_id in enumerate(ids):
+                position = 0
+                while position <= last:
+                    end = position + 1  # this event's tokens: ids[position:end]
                     if paced:
                         due = t0 + index / rate
-                        if due > clock_now():
+                        now = clock_now()
+                        if due > now:
                             await sleep_until(due)
-                    text = None if pending else texts.get(token_id)
-                    if text is None:
-                        text = decoder.decode(token_bytes(token_id), final=position == last)
-                        was_pending, pending = pending, bool(decoder.getstate()[0])
-                        if not (was_pending or pending or position == last):
-                            texts[token_id] = text  # whole characters on its own: same text from a clean state
-                    index += 1
-                    self._output_tokens += 1
-                    yield TokensSampled((token_id,), text)
-                    if lateness is not None:  # resumed: the consumer has written this token
-                        handed_last = lateness.token(due)
+                            now = clock_now()
+                        if coalesce:  # woke late: the item's tokens due by now go in this event too
+                            end = position + _due_by(now, t0, rate, index, last - position + 1)
+                    parts = []
+                    for p in range(position, end):
+                        token_id = ids[p]
+                        text = None if pending else texts.get(token_id)
+                        if text is None:
+                            text = decoder.decode(token_bytes(token_id), final=p == last)
+                            was_pending, pending = pending, bool(decoder.getstate()[0])
+                            if not (was_pending or pending or p == last):
+                                texts[token_id] = text  # whole characters on its own: same text from a clean state
+                        parts.append(text)
+                    group = tuple(ids[position:end])
+                    self._output_tokens += len(group)
+                    yield TokensSampled(group, parts[0] if len(parts) == 1 else "".join(parts))
+                    if lateness is not None:  # resumed: the consumer has written these tokens
+                        handed_last = lateness.tokens(due, len(group), 1.0 / rate)
                         handed_first = handed_first or handed_last
+                    index += len(group)
+                    position = end
                 yield ItemFinished()
             if lateness is not None and index:
                 lateness.turns.append((index, rate, handed_first, handed_last))

@@ -251,6 +251,7 @@ def test_help_lists_every_option() -> None:
         "--store",
         "--api-key",
         "--connection-limit",
+        "--delta-per-token",
     ):
         assert re.search(rf"(^|\s){re.escape(option)}\b", done.stdout), (option, done.stdout)
 

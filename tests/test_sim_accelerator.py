@@ -29,7 +29,7 @@ from prototype.model import (
     TokensSampled,
 )
 from prototype.tokenizer import get_tokenizer
-from sim.accelerator import ModelStatistics, SimulatedModel, jitter_rng, turn_rng
+from sim.accelerator import LatenessRecorder, ModelStatistics, SimulatedModel, _due_by, jitter_rng, turn_rng
 from sim.clock import MANUAL_CLOCK_EPOCH_S, ManualClock, Wakeup
 from sim.kv import PrefixCache, PrefixCacheStatistics
 from sim.policy import DefaultPolicy, PlannedItem, Policy, ScriptPolicy
@@ -246,7 +246,7 @@ async def test_paced_decode_uses_absolute_deadlines_despite_late_wakeups() -> No
     model = SimulatedModel(clock=clock, policy=script(message(HELLO_5000)), decode_tok_per_s=rate, model_latency_s=0.5)
     timed = await collect(model, make_request())
     t0 = 10.0 + 0.5
-    token_times = [t for t, e in timed if isinstance(e, TokensSampled)]
+    token_times = [t for t, e in timed if isinstance(e, TokensSampled) for _ in e.token_ids]
     n = len(token_times)
     assert n == 5000
     due = [t0 + i / rate for i in range(n)]
@@ -268,6 +268,38 @@ async def test_paced_decode_uses_absolute_deadlines_despite_late_wakeups() -> No
         if end < n:
             assert due[end] > token_times[start]
     assert len(batch_starts) < n / 3  # ~4 tokens per wake-up at 3 ms lateness, 1 ms spacing
+    # ... and each batch is one event (one delta on the wire), unless coalescing is off.
+    assert sum(isinstance(e, TokensSampled) for _, e in timed) == len(batch_starts)
+    clock = ManualClock(start=10.0, wake_lateness_s=lateness)
+    model = SimulatedModel(
+        clock=clock,
+        policy=script(message(HELLO_5000)),
+        decode_tok_per_s=rate,
+        model_latency_s=0.5,
+        coalesce_due=False,
+    )
+    separate = await collect(model, make_request())
+    assert [len(e.token_ids) for _, e in separate if isinstance(e, TokensSampled)] == [1] * n
+    assert [t for t, e in separate if isinstance(e, TokensSampled)] == token_times
+    assert "".join(e.text for _, e in separate if isinstance(e, TokensSampled)) == "".join(
+        e.text for _, e in timed if isinstance(e, TokensSampled)
+    )
+
+
+async def test_coalesced_late_tokens_keep_ids_and_text_across_multibyte_characters() -> None:
+    text = "日本語のテキスト ✓ résumé — naïve café; " * 40  # characters split across tokens
+    got = []
+    for coalesce in (True, False):
+        clock = ManualClock(wake_lateness_s=0.0037)
+        model = SimulatedModel(
+            clock=clock, policy=script(message(text)), decode_tok_per_s=1000.0, coalesce_due=coalesce
+        )
+        sampled = [e for _, e in await collect(model, make_request()) if isinstance(e, TokensSampled)]
+        got.append(sampled)
+        assert "".join(e.text for e in sampled) == text
+    coalesced, separate = got
+    assert [t for e in coalesced for t in e.token_ids] == [t for e in separate for t in e.token_ids]
+    assert len(coalesced) < len(separate) / 2
 
 
 async def test_paced_decode_without_lateness_is_exact() -> None:
@@ -682,3 +714,44 @@ async def test_model_runs_on_the_asyncio_clock_unpaced() -> None:
     events = [event async for event in model.sample(make_request())]
     assert_grammar(events)
     assert items_of(events)[0][2] == MULTIBYTE
+
+
+# --------------------------------------------------------------------------- late tokens, lateness
+
+
+def test_due_by_counts_exactly_the_tokens_the_pacing_calls_due() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(2_000):
+        t0 = float(rng.uniform(0, 1e6))
+        rate = float(rng.choice([65.0, 1000.0, 3999.7, 4000.0, 1e5]))
+        index = int(rng.integers(0, 5_000))
+        most = int(rng.integers(1, 50))
+        now = t0 + (index + float(rng.uniform(-1, most + 3))) / rate
+        if rng.random() < 0.3:
+            now = t0 + (index + int(rng.integers(0, most + 3))) / rate  # exactly on a token's due time
+        brute = 1
+        while brute < most and t0 + (index + brute) / rate <= now:
+            brute += 1
+        assert _due_by(now, t0, rate, index, most) == brute, (t0, rate, index, most, now)
+
+
+def test_lateness_recorder_expands_groups_in_order() -> None:
+    times = iter([10.0, 10.5, 11.0])
+    rec = LatenessRecorder(now=lambda: next(times))
+    assert rec.token(9.0) == 10.0
+    assert rec.tokens(10.0, 3, 0.25) == 10.5
+    assert rec.tokens(11.0, 1, 0.25) == 11.0
+    assert rec.late_s.tolist() == [1.0, 0.5, 0.25, 0.0, 0.0]
+    rec.clear()
+    assert rec.late_s.size == 0
+
+
+async def test_recorded_lateness_is_each_tokens_hand_on_minus_due() -> None:
+    clock = ManualClock(start=3.0, wake_lateness_s=0.0025)
+    rec = LatenessRecorder(now=clock.now)
+    model = SimulatedModel(clock=clock, policy=script(message(" hello" * 300)), decode_tok_per_s=1000.0, lateness=rec)
+    timed = await collect(model, make_request())
+    handed = [t for t, e in timed if isinstance(e, TokensSampled) for _ in e.token_ids]
+    due = [3.0 + i / 1000.0 for i in range(len(handed))]
+    assert np.allclose(rec.late_s, np.subtract(handed, due), atol=1e-12)
+    assert rec.turns == [(300, 1000.0, handed[0], handed[-1])]

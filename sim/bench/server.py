@@ -41,6 +41,7 @@ from prototype.server import serve_until_stopped
 from prototype.sse import SSE_HEADERS, encode_event
 from prototype.store import open_store
 from sim.accelerator import LatenessRecorder, SimulatedModel
+from sim.memo import memo_tokenizer
 from sim.policy import DefaultPolicy, PlannedItem, Policy
 from sim.realtime import AsyncioClock
 
@@ -72,19 +73,29 @@ def delta_event(seq: int, word: str = " value") -> OutputTextDelta:
 RAW_LATENESS: Final = LatenessRecorder()  # the raw paced sender's, for `/bench/raw_lateness`
 
 
-async def raw_paced(ws: web.WebSocketResponse, n: int, rate: float) -> None:
-    """N frames paced by absolute deadlines, one aiohttp send each: the floor of paced streaming."""
+async def raw_paced(ws: web.WebSocketResponse, n: int, rate: float, coalesce: bool) -> None:
+    """N tokens paced by absolute deadlines, one aiohttp send per frame: the floor of paced
+    streaming. One token per frame, or with `coalesce` every token due at a wake-up in one."""
     clock = AsyncioClock()
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     first = last = 0.0
-    for i in range(n):
+    i = seq = 0
+    while i < n:
         due = t0 + i / rate
-        if due > loop.time():
+        now = loop.time()
+        if due > now:
             await clock.sleep_until(due)
-        await ws.send_frame(encode(delta_event(i, WORDS[i % len(WORDS)])), WSMsgType.TEXT)
-        last = RAW_LATENESS.token(due)
+            now = loop.time()
+        end = i + 1
+        while coalesce and end < n and t0 + end / rate <= now:
+            end += 1
+        word = "".join(WORDS[k % len(WORDS)] for k in range(i, end))
+        await ws.send_frame(encode(delta_event(seq, word)), WSMsgType.TEXT)
+        for k in range(i, end):
+            last = RAW_LATENESS.token(t0 + k / rate)
         first = first or last
+        i, seq = end, seq + 1
     RAW_LATENESS.turns.append((n, rate, first, last))
     await ws.send_frame(b'{"type":"end"}', WSMsgType.TEXT)
 
@@ -96,8 +107,8 @@ async def raw_ws(request: web.Request) -> web.WebSocketResponse:
         if msg.type is not WSMsgType.TEXT:
             break
         if msg.data.startswith("paced "):
-            _, n, rate = msg.data.split()
-            await raw_paced(ws, int(n), float(rate))
+            _, n, rate, *how = msg.data.split()
+            await raw_paced(ws, int(n), float(rate), how == ["coalesce"])
         elif msg.data.isdigit():
             for i in range(int(msg.data)):
                 await ws.send_frame(encode(delta_event(i, WORDS[i % len(WORDS)])), WSMsgType.TEXT)
@@ -150,8 +161,12 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
     model = SimulatedModel(
         clock=clock,
         policy=policy,
+        # Every stream plans the same text: the simulator tokenizes it once, not once per stream
+        # (its planning is a stand-in's work, not the server's; the server's tokenizer is not memoized).
+        tokenizer=memo_tokenizer() if args.policy == "bench" else None,
         decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
         lateness=lateness,
+        coalesce_due=not args.delta_per_token,
     )
     config = ServerConfig(profile=load_profile(args.profile))
     if args.max_cache_bytes:
@@ -159,7 +174,7 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
     app = make_app(model=model, store=open_store("memory"), clock=clock, config=config, seed=0)
 
     def lateness_body(recorder: LatenessRecorder) -> bytes:
-        late = np.frombuffer(recorder.late_s, dtype=np.float64) if len(recorder.late_s) else np.empty(0)
+        late = recorder.late_s
         turns = [
             {"tokens": n, "rate": rate, "achieved": (n - 1) / (last - first) if last > first else math.nan}
             for n, rate, first, last in recorder.turns
@@ -206,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", choices=("bench", "agent"), default="bench")
     p.add_argument("--tool-calls", type=int, default=1000, help="agent policy: tool calls before the text answer")
     p.add_argument("--profile", default="local")
+    p.add_argument("--delta-per-token", action="store_true", help="one delta per token even when late")
     p.add_argument("--max-cache-bytes", type=int, default=0, help="per-connection cache cap (0 = the default)")
     uvloop.run(serve(p.parse_args(argv)))
     return 0

@@ -97,13 +97,17 @@ async def connect(port: int, path: str, on_frame: Callable[[bytes], None]) -> WS
 
 class FrameCounter:
     """Counts frames starting with `counted` (first and last arrival times) until one
-    starting with any of `ends`; `done` resolves then."""
+    starting with any of `ends`; `done` resolves then. `tokens` counts the spaces in
+    them: the benchmark's words are one token each, with a leading space, and nothing
+    else in a delta event holds a space, so a delta carrying k tokens counts k."""
 
     def __init__(self, counted: bytes, ends: tuple[bytes, ...], now: Callable[[], float]) -> None:
         self.counted = counted
         self.ends = ends
         self.now = now
         self.count = 0
+        self.tokens = 0
+        self.first_tokens = 0
         self.frames = 0
         self.first = self.last = 0.0
         self.last_frame = b""
@@ -113,13 +117,16 @@ class FrameCounter:
         self.frames += 1
         if payload.startswith(self.counted):
             self.last = self.now()
+            k = payload.count(b" ")
             if not self.count:
-                self.first = self.last
+                self.first, self.first_tokens = self.last, k
             self.count += 1
+            self.tokens += k
         elif payload.startswith(self.ends) and not self.done.done():
             self.last_frame = payload
             self.done.set_result(None)
 
     @property
     def rate(self) -> float:
-        return (self.count - 1) / (self.last - self.first) if self.last > self.first else 0.0
+        """Tokens per second from the first delta's arrival to the last's."""
+        return (self.tokens - self.first_tokens) / (self.last - self.first) if self.last > self.first else 0.0
