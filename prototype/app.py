@@ -253,24 +253,30 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return web.Response(body=encode(outcome.response), content_type="application/json")
 
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
-    started = False
+    writer: BatchedSSE | None = None
 
     async def emit(events: list[ServerEvent]) -> None:
-        nonlocal started
-        if not started:
+        nonlocal writer
+        if writer is None:
             await resp.prepare(request)
-            started = True
-        await resp.write(b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events))  # type: ignore[arg-type]
+            writer = BatchedSSE(resp)
+        data = b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events)  # type: ignore[arg-type]
+        await writer.send(data, urgent=not events or type(events[-1]) not in TOKEN_DELTAS)
 
     try:
         outcome = await engine.run(create, None, emit, arrival=arrival)
         if outcome.error is not None:  # request errors come before the first event: a plain JSON error
             return _json_error(outcome.error)
+        if writer is not None:
+            await writer.close()
         if request.app[CONFIG].sse_done:
             await resp.write(DONE_FRAME)
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the client went away mid-stream: the engine stopped sampling and freed the turn
+    finally:
+        if writer is not None:
+            writer.cancel()
     return resp
 
 
@@ -402,6 +408,74 @@ class BatchedFrames:
             self.size = 0
             if not self.transport.is_closing():
                 self.transport.write(data)
+
+
+class BatchedSSE:
+    """The SSE frames of one streaming response, written with one `resp.write` per
+    event-loop wake-up (the `BatchedFrames` idea over aiohttp's public API).
+
+    `send` appends; a writer task takes everything appended before it runs and writes
+    it, so the frames of one wake-up (all the tokens a paced model releases at once, or
+    an unpaced turn's run of deltas) become one write and one chunk. Token deltas
+    return at once unless `BATCH_BYTES` are waiting (flow control: they wait for the
+    write, which waits for the transport to drain); every other event (`urgent`) waits
+    until it is written. Order is kept: there is one writer.
+    """
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.written = 0  # batches written
+        self.queued = 0  # batches taken or waiting
+        self.error: BaseException | None = None
+        self.wake = asyncio.Event()
+        self.progress = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def send(self, data: bytes, *, urgent: bool) -> None:
+        if self.error is not None:
+            raise ConnectionResetError("the SSE stream is broken") from self.error
+        if not self.parts:
+            self.queued += 1  # a new batch
+        self.parts.append(data)
+        self.size += len(data)
+        self.wake.set()
+        if urgent or self.size > BATCH_BYTES:
+            await self._until_written(self.queued)
+
+    async def close(self) -> None:
+        """Write what is left and stop the writer."""
+        await self._until_written(self.queued)
+        self.task.cancel()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+    async def _until_written(self, batch: int) -> None:
+        while self.written < batch:
+            if self.error is not None:
+                raise ConnectionResetError("the SSE stream is broken") from self.error
+            self.progress.clear()
+            await self.progress.wait()
+
+    async def _write_loop(self) -> None:
+        try:
+            while True:
+                await self.wake.wait()
+                self.wake.clear()
+                if not self.parts:
+                    continue
+                data = b"".join(self.parts)
+                self.parts.clear()
+                self.size = 0
+                batch = self.queued
+                await self.resp.write(data)
+                self.written = batch
+                self.progress.set()
+        except Exception as exc:  # a reset peer, or anything else: senders must not hang
+            self.error = exc
+            self.progress.set()
 
 
 class WebSocketSession:

@@ -67,6 +67,9 @@ def encode_event(data: bytes, *, event: str | None = None) -> bytes:
         if "\r" in event or "\n" in event:
             raise ValueError(f"SSE event name must not contain CR or LF: {event!r}")
         parts.append(b"event: " + event.encode("utf-8") + b"\n")
+    if b"\n" not in data and b"\r" not in data:  # one line: compact JSON always is
+        parts.append(b"data: " + data + b"\n\n")
+        return b"".join(parts)
     for line in _NEWLINE.split(data):
         parts.append(b"data: " + line + b"\n")
     parts.append(b"\n")

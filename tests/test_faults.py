@@ -293,3 +293,35 @@ async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: py
     deltas = sum(e["type"] == "response.output_text.delta" for e in events)
     assert deltas == events[-1]["response"]["usage"]["output_tokens"] == len(get_tokenizer().encode_list(text))
     assert waits and max(waits) <= SERVER_BUFFER_BOUND
+
+
+async def test_slow_sse_consumer_is_bounded_then_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same over HTTP streaming: SSE frames are batched per wake-up (`BatchedSSE`) and a
+    batch waits for the peer to drain, so a client that reads nothing holds the server to a bound."""
+    waits: list[int] = []
+    waited = asyncio.Event()
+    drain_helper = web_protocol.RequestHandler._drain_helper
+
+    async def record_and_drain(self: web_protocol.RequestHandler) -> None:
+        if self._paused and self.transport is not None:
+            waits.append(self.transport.get_write_buffer_size())
+            waited.set()
+        await drain_helper(self)
+
+    monkeypatch.setattr(web_protocol.RequestHandler, "_drain_helper", record_and_drain)
+    text = "word " * SLOW_TOKENS
+    policy = ScriptPolicy([PlannedItem("message", "", text)])
+    connector = aiohttp.TCPConnector(socket_factory=small_receive_buffer)
+    body = {"model": "sim", "input": "a long answer", "store": False, "stream": True}
+    async with live_server(policy=policy) as live, aiohttp.ClientSession(connector=connector) as session:
+        async with session.post(f"{live.base_url}/responses", json=body) as resp:
+            assert resp.status == 200
+            await asyncio.wait_for(waited.wait(), SETTLE_TIMEOUT_S)  # the client reads nothing until the server waits
+            assert live.model.statistics().output_tokens < len(get_tokenizer().encode_list(text)) / 2  # not run ahead
+            raw = await resp.read()
+    events = [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert events[-1]["type"] == "response.completed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(deltas) == text and len(deltas) == events[-1]["response"]["usage"]["output_tokens"]
+    assert waits and max(waits) <= SERVER_BUFFER_BOUND

@@ -7,11 +7,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from prototype.app import ENGINE, ServerConfig
 from prototype.conversation import Context, parse_items, render_items
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
+from sim.policy import PlannedItem, ScriptPolicy
 
 from .support import EXEC_TOOL, Live, live_server
 
@@ -256,3 +258,31 @@ async def test_tool_schema_whitespace_does_not_change_the_prompt(live: Live) -> 
         _, body = await post(live, None, raw=raw)
         counts.add(body["usage"]["input_tokens"])
     assert len(counts) == 1
+
+
+async def test_sse_frames_of_a_wake_up_go_out_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unpaced turn releases its deltas without yielding: they are written in batches
+    (`BatchedSSE`), in order, and every non-delta event is written before the next one."""
+    writes: list[bytes] = []
+    write = web.StreamResponse.write
+
+    async def counting_write(self: web.StreamResponse, data: bytes) -> None:
+        writes.append(bytes(data))
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", counting_write)
+    text = " value" * 3000
+    async with live_server(policy=ScriptPolicy([PlannedItem("message", "", text)])) as live:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": "sim", "input": "go", "stream": True}
+            async with session.post(f"{live.base_url}/responses", json=body) as resp:
+                raw = await resp.read()
+    decoder = SSEDecoder()
+    events = [json.loads(e.data) for e in decoder.feed(raw)]
+    deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+    assert len(deltas) == 3000 and "".join(deltas) == text
+    assert b"".join(writes) == raw  # nothing written around the batches, nothing reordered
+    assert len(writes) < len(events) / 20
+    first_delta = next(i for i, w in enumerate(writes) if b"output_text.delta" in w)
+    assert b"response.created" in writes[0] and b"output_text.delta" not in writes[0]  # not held for the deltas
+    assert b"response.completed" in writes[-1] and first_delta > 0
