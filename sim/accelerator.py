@@ -178,6 +178,32 @@ class LatenessRecorder:
         self.turns = []
 
 
+class _ItemText:
+    """The texts of one item's tokens, in order: an incremental UTF-8 decoder over their
+    bytes, with the texts of tokens that decode whole on their own taken from `texts`
+    (shared by the model's turns) while no character is pending."""
+
+    __slots__ = ("_decoder", "_ids", "_last", "_pending", "_texts", "_token_bytes")
+
+    def __init__(self, ids: list[int], token_bytes: Callable[[int], bytes], texts: dict[int, str]) -> None:
+        self._ids, self._token_bytes, self._texts = ids, token_bytes, texts
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = False  # the decoder holds the start of a multi-byte character
+        self._last = len(ids) - 1
+
+    def text(self, position: int) -> str:
+        """Token `position`'s text; call for positions 0, 1, ... in order."""
+        token_id = self._ids[position]
+        text = None if self._pending else self._texts.get(token_id)
+        if text is None:
+            last = position == self._last
+            text = self._decoder.decode(self._token_bytes(token_id), final=last)
+            was_pending, self._pending = self._pending, bool(self._decoder.getstate()[0])
+            if not (was_pending or self._pending or last):
+                self._texts[token_id] = text  # whole characters on its own: same text from a clean state
+        return text
+
+
 def _due_by(now: float, t0: float, rate: float, index: int, most: int) -> int:
     """How many tokens from `index` on (at least 1, at most `most`) are due by `now`: token i is
     due at exactly ``t0 + i / rate``, the expression the pacing uses, so none is early."""
@@ -378,8 +404,8 @@ class SimulatedModel:
             due = t0
             for item, ids in items:
                 yield ItemStarted(item.kind, item.name)
-                decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
                 if by_turn:  # every token but the turn's last in one event, at once; the last at the end
+                    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
                     last_of_turn = index + len(ids) == n_tokens
                     head = ids[:-1] if last_of_turn else ids
                     if head:
@@ -403,8 +429,8 @@ class SimulatedModel:
                         yield TokensSampled((ids[-1],), decoder.decode(token_bytes(ids[-1]), final=True))
                     yield ItemFinished()
                     continue
-                pending = False  # the decoder holds the start of a multi-byte character
                 last = len(ids) - 1
+                token_text = _ItemText(ids, token_bytes, texts).text
                 position = 0
                 while position <= last:
                     end = position + 1  # this event's tokens: ids[position:end]
@@ -416,19 +442,14 @@ class SimulatedModel:
                             now = clock_now()
                         if coalesce:  # woke late: the item's tokens due by now go in this event too
                             end = position + _due_by(now, t0, rate, index, last - position + 1)
-                    parts = []
-                    for p in range(position, end):
-                        token_id = ids[p]
-                        text = None if pending else texts.get(token_id)
-                        if text is None:
-                            text = decoder.decode(token_bytes(token_id), final=p == last)
-                            was_pending, pending = pending, bool(decoder.getstate()[0])
-                            if not (was_pending or pending or p == last):
-                                texts[token_id] = text  # whole characters on its own: same text from a clean state
-                        parts.append(text)
-                    group = tuple(ids[position:end])
+                    if end == position + 1:  # the per-token path
+                        group: tuple[int, ...] = (ids[position],)
+                        text = token_text(position)
+                    else:
+                        group = tuple(ids[position:end])
+                        text = "".join([token_text(p) for p in range(position, end)])
                     self._output_tokens += len(group)
-                    yield TokensSampled(group, parts[0] if len(parts) == 1 else "".join(parts))
+                    yield TokensSampled(group, text)
                     if lateness is not None:  # resumed: the consumer has written these tokens
                         handed_last = lateness.tokens(due, len(group), 1.0 / rate)
                         handed_first = handed_first or handed_last
