@@ -267,8 +267,10 @@ def small_receive_buffer(addr_info: Any) -> socket.socket:
     return sock
 
 
-async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: pytest.MonkeyPatch) -> None:
-    waits: list[int] = []  # the server's write-buffer bytes each time a writer had to wait for the peer
+def record_drain_waits(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], asyncio.Event]:
+    """The server's write-buffer bytes each time a writer had to wait for the peer, and an
+    event set at the first such wait."""
+    waits: list[int] = []
     waited = asyncio.Event()
     drain_helper = web_protocol.RequestHandler._drain_helper
 
@@ -279,6 +281,11 @@ async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: py
         await drain_helper(self)
 
     monkeypatch.setattr(web_protocol.RequestHandler, "_drain_helper", record_and_drain)
+    return waits, waited
+
+
+async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits, waited = record_drain_waits(monkeypatch)
     text = "word " * SLOW_TOKENS
     policy = ScriptPolicy([PlannedItem("message", "", text)])
     connector = aiohttp.TCPConnector(socket_factory=small_receive_buffer)
@@ -298,17 +305,7 @@ async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: py
 async def test_slow_sse_consumer_is_bounded_then_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same over HTTP streaming: SSE frames are batched per wake-up (`BatchedSSE`) and a
     batch waits for the peer to drain, so a client that reads nothing holds the server to a bound."""
-    waits: list[int] = []
-    waited = asyncio.Event()
-    drain_helper = web_protocol.RequestHandler._drain_helper
-
-    async def record_and_drain(self: web_protocol.RequestHandler) -> None:
-        if self._paused and self.transport is not None:
-            waits.append(self.transport.get_write_buffer_size())
-            waited.set()
-        await drain_helper(self)
-
-    monkeypatch.setattr(web_protocol.RequestHandler, "_drain_helper", record_and_drain)
+    waits, waited = record_drain_waits(monkeypatch)
     text = "word " * SLOW_TOKENS
     policy = ScriptPolicy([PlannedItem("message", "", text)])
     connector = aiohttp.TCPConnector(socket_factory=small_receive_buffer)
