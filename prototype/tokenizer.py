@@ -25,11 +25,17 @@ ENCODING_NAME: Final = "o200k_base"
 TokenArray = npt.NDArray[np.uint32]
 
 
+@functools.cache
+def _encoding(name: str) -> bpe_openai.Encoding:
+    """The vocabulary, loaded once per process (~200k ranks) and shared by every `Tokenizer`."""
+    return bpe_openai.get_encoding(name)
+
+
 class Tokenizer:
-    """Thin, typed wrapper; one instance per process (building it loads ~200k ranks)."""
+    """Thin, typed wrapper over the process's shared vocabulary."""
 
     def __init__(self, name: str = ENCODING_NAME) -> None:
-        self._enc = bpe_openai.get_encoding(name)
+        self._enc = _encoding(name)
         self.name = name
 
     def encode(self, text: str) -> TokenArray:
