@@ -370,21 +370,17 @@ def _rand(rng: np.random.Generator | _Rand) -> _Rand:
     return rng if isinstance(rng, _Rand) else _Rand(rng)
 
 
-def _pick(rng: _Rand, options: Sequence[str]) -> str:
-    return rng.pick(options)
-
-
 def _ident(rng: _Rand) -> str:
-    return f"{_pick(rng, _IDENT_WORDS)}_{_pick(rng, _IDENT_WORDS)}"
+    return f"{rng.pick(_IDENT_WORDS)}_{rng.pick(_IDENT_WORDS)}"
 
 
 def _path(rng: _Rand) -> str:
-    directory = _pick(rng, _DIRS[1:])  # a file directly under "." reads oddly in a command
-    return f"{directory}/{_ident(rng)}{_pick(rng, _EXTENSIONS)}"
+    directory = rng.pick(_DIRS[1:])  # a file directly under "." reads oddly in a command
+    return f"{directory}/{_ident(rng)}{rng.pick(_EXTENSIONS)}"
 
 
 def _test_path(rng: _Rand) -> str:
-    return f"tests/test_{_pick(rng, _IDENT_WORDS)}.py"
+    return f"tests/test_{rng.pick(_IDENT_WORDS)}.py"
 
 
 def _fields(templates: tuple[str, ...]) -> tuple[frozenset[str], ...]:
@@ -400,11 +396,11 @@ def _command(rng: _Rand) -> str:
     need = _COMMAND_FIELDS[k]  # draw only what the template uses
     values: dict[str, object] = {}
     if "dir" in need:
-        values["dir"] = _pick(rng, _DIRS)
+        values["dir"] = rng.pick(_DIRS)
     if "path" in need:
         values["path"] = _path(rng)
     if "word" in need:
-        values["word"] = _pick(rng, _IDENT_WORDS)
+        values["word"] = rng.pick(_IDENT_WORDS)
     if "test" in need:
         values["test"] = _test_path(rng)
     if "n" in need:
@@ -413,9 +409,9 @@ def _command(rng: _Rand) -> str:
         a = values["a"] = rng.integers(1, 200)
         values["b"] = a + rng.integers(20, 200)
     if "ext" in need:
-        values["ext"] = _pick(rng, _EXTENSIONS)
+        values["ext"] = rng.pick(_EXTENSIONS)
     if "module" in need:
-        values["module"] = _pick(rng, _MODULES)
+        values["module"] = rng.pick(_MODULES)
     return _COMMAND_TEMPLATES[k].format_map(values)
 
 
@@ -428,14 +424,14 @@ def _code_line(rng: _Rand) -> str:
         values["Ident"] = "".join(part.capitalize() for part in ident.split("_"))
     for name in ("arg", "arg2"):
         if name in need:
-            values[name] = _pick(rng, _IDENT_WORDS)
+            values[name] = rng.pick(_IDENT_WORDS)
     for name in ("word", "word2", "word3"):
         if name in need:
-            values[name] = _pick(rng, _WORDS)
+            values[name] = rng.pick(_WORDS)
     if "n" in need:
         values["n"] = rng.integers(1, 64)
     if "module" in need:
-        values["module"] = _pick(rng, _MODULES)
+        values["module"] = rng.pick(_MODULES)
     return _CODE_TEMPLATES[k].format_map(values)
 
 
@@ -480,9 +476,9 @@ def sample_prose(rng: np.random.Generator | _Rand, target_chars: int) -> str:
                 parts[-1] += "."
                 length += 1
             left_in_sentence = int(rng.integers(5, 18))
-            word = _pick(rng, _WORDS).capitalize()
+            word = rng.pick(_WORDS).capitalize()
         else:
-            word = f"`{_ident(rng)}`" if rng.random() < 0.05 else _pick(rng, _WORDS)
+            word = f"`{_ident(rng)}`" if rng.random() < 0.05 else rng.pick(_WORDS)
         parts.append(word)
         length += len(word) + 1
         left_in_sentence -= 1
@@ -553,7 +549,7 @@ def _free_text_weight(schema: object, name: str, depth: int = 0) -> float:
 def _fit_length(text: str, lo: int, hi: int | None, rng: _Rand) -> str:
     """Pad with words to at least `lo` code points, then cut to at most `hi`."""
     while len(text) < lo:
-        text = f"{text} {_pick(rng, _WORDS)}" if text else _pick(rng, _WORDS)
+        text = f"{text} {rng.pick(_WORDS)}" if text else rng.pick(_WORDS)
     if hi is not None and len(text) > hi:
         text = text[:hi]
         stripped = text.rstrip()
@@ -576,9 +572,9 @@ def _sample_string(schema: dict[str, object], name: str, rng: _Rand, target: int
         if fmt == "date-time":
             text += f"T{int(rng.integers(10, 24))}:00:00Z"
     elif fmt == "email":
-        text = f"{_pick(rng, _IDENT_WORDS)}@example.com"
+        text = f"{rng.pick(_IDENT_WORDS)}@example.com"
     elif fmt in ("uri", "url"):
-        text = f"https://example.com/{_pick(rng, _IDENT_WORDS)}/{_pick(rng, _IDENT_WORDS)}"
+        text = f"https://example.com/{rng.pick(_IDENT_WORDS)}/{rng.pick(_IDENT_WORDS)}"
     elif fmt == "uuid":
         text = "-".join("".join(f"{rng.integers(16):x}" for _ in range(n)) for n in (8, 4, 4, 4, 12))
     else:
@@ -586,9 +582,9 @@ def _sample_string(schema: dict[str, object], name: str, rng: _Rand, target: int
         if kind == "command":
             text = _shell(rng, target)
         elif kind == "path":
-            text = f"/workspace/{_pick(rng, _REPOS)}" if name.lower() in ("workdir", "cwd") else _path(rng)
+            text = f"/workspace/{rng.pick(_REPOS)}" if name.lower() in ("workdir", "cwd") else _path(rng)
         elif kind == "place":
-            text = _pick(rng, _CITIES)
+            text = rng.pick(_CITIES)
         elif kind == "code":
             text = _code(rng, target)
         else:
@@ -709,7 +705,7 @@ def _sample(schema: object, name: str, rng: _Rand, target: int, depth: int) -> o
             return None if "null" in known else _sample_string(schema, name, rng, target)
         if "null" in known and rng.random() < NULL_IN_TYPE_LIST_P:
             return None
-        return _sample({**schema, "type": _pick(rng, non_null)}, name, rng, target, depth + 1)
+        return _sample({**schema, "type": rng.pick(non_null)}, name, rng, target, depth + 1)
     if types is None:
         if "properties" in schema or "required" in schema:
             types = "object"
