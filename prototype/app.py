@@ -268,7 +268,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if outcome.error is not None:  # request errors come before the first event: a plain JSON error
             return _json_error(outcome.error)
         if writer is not None:
-            await writer.close()
+            await writer.flush()
         if request.app[CONFIG].sse_done:
             await resp.write(DONE_FRAME)
         await resp.write_eof()
@@ -444,12 +444,12 @@ class BatchedSSE:
         if urgent or self.size > BATCH_BYTES:
             await self._until_written(self.queued)
 
-    async def close(self) -> None:
-        """Write what is left and stop the writer."""
+    async def flush(self) -> None:
+        """Return once everything sent so far is written."""
         await self._until_written(self.queued)
-        self.task.cancel()
 
     def cancel(self) -> None:
+        """Stop the writer (whatever it has not written is dropped)."""
         self.task.cancel()
 
     async def _until_written(self, batch: int) -> None:
