@@ -440,7 +440,8 @@ class SimulatedModel:
                         if due > now:
                             await sleep_until(due)
                             now = clock_now()
-                        if coalesce:  # woke late: the item's tokens due by now go in this event too
+                        if coalesce and position < last and t0 + (index + 1) / rate <= now:
+                            # Woke late: the item's tokens due by now go in this event too.
                             end = position + _due_by(now, t0, rate, index, last - position + 1)
                     if end == position + 1:  # the per-token path
                         group: tuple[int, ...] = (ids[position],)

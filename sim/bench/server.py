@@ -9,8 +9,9 @@ with the simulator, plus the raw floors measured in the same process:
 * ``POST /bench/raw_sse?n=N``: N SSE frames of the same event, one write each.
 * ``GET /bench/timer?rate=R&n=N``: an asyncio task sleeping to absolute deadlines
   ``i / R`` (no writes): the p50/p99/max lateness of the loop's timer itself.
-* ``"paced N R"`` on ``/bench/raw_ws``: N frames paced at R/s by absolute deadlines, one
-  aiohttp send each; ``GET /bench/raw_lateness`` reports them like `/bench/lateness`.
+* ``"paced N R"`` on ``/bench/raw_ws``: N tokens paced at R/s by absolute deadlines, one
+  frame and one aiohttp send each (``"paced N R coalesce"``: the tokens due at a wake-up
+  in one frame); ``GET /bench/raw_lateness`` reports them like `/bench/lateness`.
 * ``GET /bench/lateness``: the simulator's per-token lateness and per-turn rates
   since the last call (`sim.accelerator.LatenessRecorder`), then cleared.
 * ``GET /bench/memory``: the process's resident bytes and the connection caches' sizes.
@@ -92,8 +93,7 @@ async def raw_paced(ws: web.WebSocketResponse, n: int, rate: float, coalesce: bo
             end += 1
         word = "".join(WORDS[k % len(WORDS)] for k in range(i, end))
         await ws.send_frame(encode(delta_event(seq, word)), WSMsgType.TEXT)
-        for k in range(i, end):
-            last = RAW_LATENESS.token(t0 + k / rate)
+        last = RAW_LATENESS.tokens(due, end - i, 1.0 / rate)
         first = first or last
         i, seq = end, seq + 1
     RAW_LATENESS.turns.append((n, rate, first, last))
