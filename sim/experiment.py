@@ -35,7 +35,7 @@ from .accelerator import SimulatedModel
 from .inprocess import InProcessServer
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
-from .memo import memo_classifier, memo_tokenizer
+from .memo import MemoPolicy, memo_classifier, memo_tokenizer
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
@@ -157,7 +157,7 @@ async def run_compare(
 ) -> CompareResult:
     """Run every mode of `config` against one server (see the module docstring). `pace_by_turn`:
     the model waits only for each turn's first and last token (`SimulatedModel`), for summaries
-    in virtual time without a wake-up per token. `memoize`: tokenizing and classifying look up
+    in virtual time without a wake-up per token. `memoize`: planning, tokenizing and classifying look up
     work done before in this process (`sim.memo`); only for virtual time with CPU free, where
     that work's duration is not measured (same results, less wall time)."""
     check(config, virtual=virtual)
@@ -165,6 +165,8 @@ async def run_compare(
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, policy = _rollouts(config)
+    if memoize:
+        policy = MemoPolicy(policy)
     model = SimulatedModel(
         clock=clock,
         policy=policy,

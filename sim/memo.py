@@ -1,12 +1,13 @@
 """Memoized pure work, for virtual runs whose CPU time is free (sweeps, `compare(free_cpu=True)`).
 
 Scenario: a sweep runs the same seeded rollouts at every grid point and every mode,
-so the server tokenizes the same tool outputs, and the `http` modes re-tokenize and
-re-classify the same history, hundreds of times. That work is honest in a live run and
+so the model plans the same turns, the server tokenizes the same tool outputs, and the
+`http` modes re-tokenize and re-classify the same history, hundreds of times. That work is honest in a live run and
 in virtual time with `charge_cpu=True`, where its duration is part of what is measured.
 With CPU free its duration is not measured at all, only its results are used, and those
 are pure functions of the input: tokenizing a text, reading a token chunk into the
-classifier. `MemoTokenizer` and `MemoClassifier` return the same results from a
+classifier, planning a turn from the request and the turn's rng. `MemoTokenizer`,
+`MemoClassifier` and `MemoPolicy` return the same results from a
 per-process table instead of recomputing them, so every count, token and verdict is
 identical (tests/test_memo.py compares whole results) and a sweep point costs a fraction
 of the wall time.
@@ -14,7 +15,7 @@ of the wall time.
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
 then exactly what the comparison measures. `run_compare(memoize=True)` refuses a live run.
 
-Both tables are bounded (least recently used out first) and shared by everything in the
+The tables are bounded (least recently used out first) and shared by everything in the
 process, so consecutive sweep points in one worker reuse each other's work.
 """
 
@@ -22,15 +23,22 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
-from typing import Final
+from collections.abc import Hashable, Mapping
+from typing import Any, Final
 
+import numpy as np
+
+from prototype.model import ModelRequest
 from prototype.safety import SafetyClassifier
 from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 
-__all__ = ["MemoClassifier", "MemoTokenizer", "memo_classifier", "memo_tokenizer"]
+from .policy import PlannedItem, Policy
+
+__all__ = ["MemoClassifier", "MemoPolicy", "MemoTokenizer", "memo_classifier", "memo_tokenizer"]
 
 TOKENIZER_BUDGET: Final = 4_000_000  # cached tokens (≈ 16 MB of arrays, plus their texts)
 CLASSIFIER_BUDGET: Final = 16_000_000  # bytes of token chunks used as keys
+PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 
 
 class _Lru:
@@ -106,6 +114,56 @@ class MemoClassifier(SafetyClassifier):
             found = super()._read(tail, tokens)
             self._memo.put(key, found, len(key[1]) + 64)
         return found  # type: ignore[return-value]
+
+
+class MemoPolicy:
+    """A `Policy` that looks up turns it has planned before, for policies that say what a plan
+    depends on: ``plan_key(request)`` (hashable, or None for "do not memoize this turn").
+
+    The key is that, the policy's type, and the state of the turn's rng before the plan: a
+    plan is a function of the request fields its key names and of the draws it makes. A hit
+    leaves the rng as the real plan would have (its state after is stored too). Policies
+    without ``plan_key`` (a replayed trace) are always planned.
+    """
+
+    def __init__(self, policy: Policy, table: _Lru | None = None) -> None:
+        self.policy = policy
+        self._key_of = getattr(policy, "plan_key", None)
+        self._memo = table if table is not None else _plans()
+
+    def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
+        if self._key_of is None:
+            return self.policy.plan(request, rng)
+        own = self._key_of(request)
+        if own is None:
+            return self.policy.plan(request, rng)
+        bits = rng.bit_generator
+        before = bits.state
+        key = (type(self.policy), own, _frozen(before))
+        found = self._memo.get(key)
+        if found is None:
+            items = tuple(self.policy.plan(request, rng))
+            found = (items, bits.state)
+            self._memo.put(key, found, 64 + sum(len(i.text) + len(i.name) for i in items))
+        else:
+            bits.state = found[1]  # type: ignore[index]
+        return list(found[0])  # type: ignore[index]
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self._memo.hits + self._memo.misses
+        return self._memo.hits / seen if seen else 0.0
+
+
+def _frozen(state: Mapping[str, Any]) -> Hashable:
+    """A bit generator's state dict (nested dicts of names and ints) as a hashable value."""
+    return tuple((k, _frozen(v) if isinstance(v, Mapping) else v) for k, v in sorted(state.items()))
+
+
+@functools.cache
+def _plans() -> _Lru:
+    """The process's table of planned turns (shared by every `MemoPolicy`)."""
+    return _Lru(PLAN_BUDGET)
 
 
 @functools.cache

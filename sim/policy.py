@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
@@ -82,7 +82,11 @@ class PlannedItem:
 class Policy(Protocol):
     def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
         """The items of one model turn, in order. Must depend only on the model-visible
-        fields of `request` and on `rng` (drawn from in a fixed order)."""
+        fields of `request` and on `rng` (drawn from in a fixed order).
+
+        A policy may also define ``plan_key(request) -> Hashable | None``: the request
+        fields (and its own settings) its plan reads, so that runs with free CPU can
+        look plans up (`sim.memo.MemoPolicy`); None, or no such method, plans every time."""
         ...
 
 
@@ -142,6 +146,21 @@ class DefaultPolicy:
         if choice == "required" or request.turn_index < limit:
             return tools[int(rng.integers(len(tools)))]
         return None
+
+    def plan_key(self, request: ModelRequest) -> Hashable:
+        """What `plan` reads besides the rng: for `sim.memo.MemoPolicy` (a plan is the same
+        for equal keys and equal rng states)."""
+        limit = self.per_conversation.get(request.conversation_key, self.tool_calls)
+        return (
+            limit,
+            self.text_tokens_median,
+            self.arguments_tokens_median,
+            self.tokens_sigma,
+            self.max_item_tokens,
+            request.turn_index,
+            request.tools,
+            request.tool_choice,
+        )
 
     def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
         tool = self._choose_tool(request, rng)

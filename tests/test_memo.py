@@ -9,10 +9,14 @@ import pytest
 
 from prototype.safety import SafetyClassifier
 from prototype.tokenizer import get_tokenizer
+from sim.accelerator import turn_rng
 from sim.experiment import CompareConfig, run_compare
-from sim.memo import MemoClassifier, MemoTokenizer
+from sim.memo import MemoClassifier, MemoPolicy, MemoTokenizer, _Lru
+from sim.policy import DefaultPolicy, ScriptPolicy
 from sim.realtime import AsyncioClock
 from sim.virtual import VirtualClock, run_virtual
+
+from .test_sim_policy import EXEC_COMMAND, GET_WEATHER, make_request
 
 CONFIG = CompareConfig(rollouts=2, tool_calls=4, tps=1000.0, system_prompt_tokens=300, tool_time_s=0.2)
 
@@ -76,3 +80,36 @@ def test_tables_are_bounded() -> None:
 async def test_a_live_run_refuses_to_memoize() -> None:
     with pytest.raises(ValueError, match="memoize"):
         await run_compare(CONFIG, AsyncioClock(), virtual=False, memoize=True)
+
+
+def test_plans_equal_the_real_plan_and_leave_the_rng_where_it_would_be() -> None:
+    real, table = DefaultPolicy(tool_calls=3), _Lru(1_000_000)
+    memo = MemoPolicy(real, table)
+    requests = [
+        make_request(turn_index=turn, conversation_key=key, tools=tools, tool_choice=choice)
+        for turn in (0, 2, 3, 5)  # calls on turns 0-2, then text
+        for key in (1, 2)
+        for tools in ((EXEC_COMMAND, GET_WEATHER), (GET_WEATHER,))
+        for choice in ("auto", "required", "get_weather")
+    ]
+    for seed in (0, 1):
+        for _ in range(2):  # cold, then every plan looked up
+            for request in requests:
+                rng_a = turn_rng(seed, request.conversation_key, request.turn_index)
+                rng_b = turn_rng(seed, request.conversation_key, request.turn_index)
+                assert memo.plan(request, rng_b) == real.plan(request, rng_a)
+                assert rng_b.integers(1 << 62) == rng_a.integers(1 << 62)  # the same draws come next
+    assert memo.hit_rate == pytest.approx(0.5)  # each (seed, request) planned once, looked up once
+
+    other = MemoPolicy(DefaultPolicy(tool_calls=1), table)  # another setting, one table: its own plans
+    request = make_request(turn_index=2)
+    assert other.plan(request, turn_rng(0, 1234, 2))[0].kind == "message"
+    assert memo.plan(request, turn_rng(0, 1234, 2))[0].kind == "function_call"
+
+
+def test_a_policy_that_names_no_key_is_planned_every_time() -> None:
+    script = ScriptPolicy([])  # no plan_key: nothing to memoize on
+    memo = MemoPolicy(script, _Lru(1_000))
+    for _ in range(3):
+        assert memo.plan(make_request(), turn_rng(0, 1, 0)) == script.plan(make_request(), turn_rng(0, 1, 0))
+    assert memo.hit_rate == 0.0
