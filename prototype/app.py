@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
+import os
+import threading
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -68,6 +72,7 @@ APPEND_BETA: Final = "responses_websockets=2026-02-04"
 MAX_QUEUED_CREATES: Final = 64
 MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
 MAX_CONNECTIONS: Final = 1024
+RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stays as started)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +91,8 @@ class ServerConfig:
     max_queued_creates: int | None = MAX_QUEUED_CREATES  # per connection, behind the one in flight: 429 beyond
     max_cache_bytes: int | None = MAX_CACHE_BYTES  # per connection: a larger entry is not cached
     max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
+    # Threads that tokenize long texts (>= engine.OFFLOAD_CHARS) off the event loop; 0: inline.
+    render_threads: int = 1
 
 
 class Slots:
@@ -136,9 +143,12 @@ def make_engine(
     seed: int | None = None,
     tokenizer: Tokenizer | None = None,
     classifier: SafetyClassifier | None = None,
+    render_executor: Executor | None = None,
 ) -> Engine:
     """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets).
-    `tokenizer` and `classifier` replace the defaults (the simulator's memoizing ones, `sim.memo`)."""
+    `tokenizer` and `classifier` replace the defaults (the simulator's memoizing ones, `sim.memo`).
+    Without `render_executor` every text is tokenized on the event loop (virtual time, where the
+    loop charges that CPU to the clock)."""
     return Engine(
         model=model,
         store=store,
@@ -148,6 +158,7 @@ def make_engine(
         profile=config.profile,
         optimizations=config.optimizations,
         classifier=classifier,
+        render_executor=render_executor,
     )
 
 
@@ -162,7 +173,13 @@ def make_app(
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
-    app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed)
+    executor = None
+    if config.render_threads > 0:
+        executor = ThreadPoolExecutor(
+            config.render_threads, thread_name_prefix="longrun-render", initializer=_background_thread
+        )
+        app.on_cleanup.append(functools.partial(_stop_executor, executor))
+    app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed, render_executor=executor)
     sockets: set[web.WebSocketResponse] = set()
     app[SOCKETS] = sockets
     app[SLOTS] = Slots(config.max_connections)
@@ -181,6 +198,17 @@ async def _close_sockets(app: web.Application) -> None:
     sockets = app[SOCKETS]
     for ws in list(sockets):
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+
+def _background_thread() -> None:
+    """Tokenizer threads yield the CPU to the event loop: nice 19 (Linux: per thread), so
+    a burst of long renders on a busy core does not delay the streams' paced tokens."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RENDER_NICE)
+
+
+async def _stop_executor(executor: Executor, app: web.Application) -> None:
+    executor.shutdown(wait=True, cancel_futures=True)  # a render in flight is short: let it end
 
 
 async def _close_store(app: web.Application) -> None:

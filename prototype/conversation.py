@@ -62,6 +62,7 @@ __all__ = [
     "normalize_create",
     "parse_items",
     "render_items",
+    "render_texts",
     "render_preamble",
 ]
 
@@ -368,8 +369,13 @@ def _render_text(view: InputItemView) -> str:
     return ""  # reasoning (encrypted), item references, tool-list items: nothing model-visible here
 
 
+def render_texts(items: Sequence[Item]) -> list[str]:
+    """Each item's model-visible text (harmony-style), to be tokenized."""
+    return [_render_text(item.view) for item in items]
+
+
 def render_items(items: Sequence[Item], tokenizer: Tokenizer) -> list[TokenArray]:
-    return [tokenizer.encode(_render_text(item.view)) for item in items]
+    return [tokenizer.encode(text) for text in render_texts(items)]
 
 
 def render_preamble(request: CreateRequest, tokenizer: Tokenizer) -> Preamble:

@@ -27,10 +27,12 @@ lost continuations for ~10 s because its write was asynchronous).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
@@ -46,8 +48,8 @@ from .conversation import (
     generation_header,
     item_from_output,
     parse_items,
-    render_items,
     render_preamble,
+    render_texts,
 )
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
@@ -93,6 +95,13 @@ Emit = Callable[[list[ServerEvent]], Awaitable[None]]
 STORE_UNAVAILABLE: Final = ProtocolError(
     "The response store is unavailable. Please retry.", code="store_unavailable", status=503
 )
+# Texts at least this long are tokenized off the event loop when the engine has a render
+# executor: ≈ 0.6 ms of BPE here, against ≈ 50 µs for the hop to a thread and back.
+OFFLOAD_CHARS: Final = 8_192
+
+
+def _encode_all(tokenizer: Tokenizer, texts: Sequence[str]) -> list[TokenArray]:
+    return [tokenizer.encode(text) for text in texts]
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,16 +266,16 @@ class _Turn:
     def resident_tokens(self) -> int:
         return self._count() - len(self.header)
 
-    def add_outputs(self, output: Sequence[OutputItem], report: StageReport) -> None:
+    async def add_outputs(self, output: Sequence[OutputItem], report: StageReport) -> None:
         """Interleave the response's output items not yet in the context (a pause's segment)."""
         items = [item_from_output(o) for o in output[self.outputs_in_context :]]
         self.outputs_in_context = len(output)
-        self.resolved.context.extend(items, self.engine._render(items, report))
+        self.resolved.context.extend(items, await self.engine._render(items, report))
 
-    def add_input(self, items: Sequence[Item], report: StageReport) -> None:
+    async def add_input(self, items: Sequence[Item], report: StageReport) -> None:
         # Everything before the appended items is held KV: only they need prefill.
         self.held_tokens = self.resident_tokens
-        self.resolved.context.extend(items, self.engine._render(items, report))
+        self.resolved.context.extend(items, await self.engine._render(items, report))
         self.prompt_tokens = self._count()
 
     def model_request(self) -> ModelRequest:
@@ -299,6 +308,8 @@ class Engine:
         profile: CostProfile | None = None,
         optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS,
         classifier: SafetyClassifier | None = None,
+        render_executor: Executor | None = None,
+        offload_chars: int = OFFLOAD_CHARS,
     ) -> None:
         self.model = model
         self.store = store
@@ -308,6 +319,8 @@ class Engine:
         self.profile = profile or PROFILES["local"]
         self.optimizations = optimizations
         self.classifier = classifier or SafetyClassifier()
+        self.render_executor = render_executor  # None: tokenize inline (virtual time charges it to the loop)
+        self.offload_chars = offload_chars
         self._counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
@@ -376,7 +389,7 @@ class Engine:
             if not self._uses(arrival, Optimization.TOKEN_CACHE):
                 items = context.items
                 context = Context()
-                context.extend(items, self._render(items, report))
+                context.extend(items, await self._render(items, report))
             same_preamble = cached.preamble.key == request.preamble_key
             preamble = cached.preamble if same_preamble else render_preamble(request, self.tokenizer)
             if same_preamble and cached.safety is not None and self._uses(arrival, Optimization.INCREMENTAL_SAFETY):
@@ -386,11 +399,11 @@ class Engine:
             if prev is not None:
                 items = await self._load(prev)
                 await stages.wait(Stage.LOAD_STATE, self.profile.state_load_s)
-                context.extend(items, self._render(items, report))
+                context.extend(items, await self._render(items, report))
             else:
                 stages.lap(Stage.LOAD_STATE)
             preamble = render_preamble(request, self.tokenizer)
-        context.extend(request.items, self._render(request.items, report))
+        context.extend(request.items, await self._render(request.items, report))
         stages.lap(Stage.RENDER)
         await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * report.tokens_rendered)
         if safety is None:
@@ -414,8 +427,15 @@ class Engine:
         stages.lap(Stage.SAFETY)
         await stages.wait(Stage.SAFETY, self.profile.safety_call_s + self.profile.safety_s_per_token * n)
 
-    def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
-        chunks = render_items(items, self.tokenizer)
+    async def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
+        """The items' tokens. A long text is tokenized on `render_executor` if there is one
+        (the BPE releases the GIL): the event loop keeps pacing other streams meanwhile."""
+        texts = render_texts(items)
+        if self.render_executor is not None and sum(map(len, texts)) >= self.offload_chars:
+            loop = asyncio.get_running_loop()
+            chunks = await loop.run_in_executor(self.render_executor, _encode_all, self.tokenizer, texts)
+        else:
+            chunks = _encode_all(self.tokenizer, texts)
         n = sum(len(c) for c in chunks)
         self._counts.items_rendered += len(items)
         self._counts.tokens_rendered += n
@@ -516,7 +536,7 @@ class Engine:
                     return await self._finish(
                         request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
                     )
-                turn.add_outputs(stream.output, stages.report)
+                await turn.add_outputs(stream.output, stages.report)
                 stages.lap(Stage.RENDER)
                 stream.response = structs.replace(stream.response, longrun=stages.end_segment())
                 await emit(stream.receive(Pause()))
@@ -536,7 +556,7 @@ class Engine:
                 await stages.wait(Stage.NETWORK, self.profile.upload_s(resumed.body_bytes))
                 stages.lap(Stage.PARSE)
                 before = stages.report.tokens_rendered
-                turn.add_input(decision.items, stages.report)
+                await turn.add_input(decision.items, stages.report)
                 stages.lap(Stage.RENDER)
                 rendered = stages.report.tokens_rendered - before
                 await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * rendered)
@@ -604,7 +624,7 @@ class Engine:
                 return await self._unstored(stream, events, emit)
         stages.lap(Stage.POST)
         outputs = [item_from_output(o) for o in stream.response.output[in_context:]]
-        context.extend(outputs, self._render(outputs))
+        context.extend(outputs, await self._render(outputs))
         stages.lap(Stage.RENDER)  # the output, rendered for the next turn's cache
         # The terminal event carries the timings (the stored copy does not: it was written before them).
         report = stages.end_segment()

@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="one delta event per token even when late (default: a late wake-up sends the tokens due in one delta)",
     )
     p.add_argument(
+        "--render-threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="threads that tokenize long texts off the event loop (0: tokenize on the loop)",
+    )
+    p.add_argument(
         "--tool-calls",
         type=int,
         default=10,
@@ -177,6 +184,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_queued_creates=args.max_queued_creates or None,
         max_cache_bytes=args.max_cache_bytes or None,
         max_connections=args.max_connections or None,
+        render_threads=args.render_threads,
     )
     store = open_store(args.store)
     # Seeded ids repeat on every start. A store that outlives the process (sqlite, redis) would

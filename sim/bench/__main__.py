@@ -35,6 +35,7 @@ from ..virtual import VirtualClock, run_virtual
 from .server import delta_event
 from .wsclient import FrameCounter, connect
 
+SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
 TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
@@ -94,9 +95,8 @@ class PerfClock:
 @contextlib.contextmanager
 def bench_server(*args: str) -> Iterator[int]:
     """A `sim.bench.server` process pinned to the server core; yields its port."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sim.bench.server", *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
-    )
+    command = [sys.executable, "-m", "sim.bench.server", *args, *SERVER_ARGS]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
     try:
         with contextlib.suppress(OSError):
             os.sched_setaffinity(proc.pid, {SERVER_CORE})
@@ -438,7 +438,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="pass ARG to every bench server, for A/B runs (e.g. --server-arg=--render-threads=0)",
+    )
     args = p.parse_args(argv)
+    SERVER_ARGS[:] = args.server_arg
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")

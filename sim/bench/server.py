@@ -168,7 +168,7 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
         lateness=lateness,
         coalesce_due=not args.delta_per_token,
     )
-    config = ServerConfig(profile=load_profile(args.profile))
+    config = ServerConfig(profile=load_profile(args.profile), render_threads=args.render_threads)
     if args.max_cache_bytes:
         config = dataclasses.replace(config, max_cache_bytes=args.max_cache_bytes)
     app = make_app(model=model, store=open_store("memory"), clock=clock, config=config, seed=0)
@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tool-calls", type=int, default=1000, help="agent policy: tool calls before the text answer")
     p.add_argument("--profile", default="local")
     p.add_argument("--delta-per-token", action="store_true", help="one delta per token even when late")
+    p.add_argument("--render-threads", type=int, default=1, help="tokenizer threads off the loop (0: on the loop)")
     p.add_argument("--max-cache-bytes", type=int, default=0, help="per-connection cache cap (0 = the default)")
     uvloop.run(serve(p.parse_args(argv)))
     return 0
