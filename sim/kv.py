@@ -224,6 +224,9 @@ class _BlockTable:
         self._allocate(_MIN_SLOTS)
         self.full = 0  # resident blocks
         self.dead = 0  # tombstones
+        # Bumped whenever a key is added, deleted or moved (place, evict, rehash): slots looked up
+        # under one layout stay valid while it lasts (touch, pin and unpin leave it).
+        self.layout = 0
         self.pinned = 0  # resident blocks with pins > 0
         self._clock = 0  # the last recency stamp handed out
         self._log_slot: _I64 = np.empty(_MIN_LOG, dtype=np.int64)
@@ -268,6 +271,7 @@ class _BlockTable:
         old = np.flatnonzero(self.state == _FULL)
         keys, pins, stamps = self.keys[old], self.pins[old], self.stamp[old]
         remap = np.full(slots, -1, dtype=np.int64)
+        self.layout += 1
         self._allocate(size)
         self.full = self.dead = 0
         new = self._place_into_empty(keys)
@@ -280,6 +284,7 @@ class _BlockTable:
 
     def place(self, keys: _U64) -> _I64:
         """Insert distinct non-resident keys, unpinned and never touched; their slots. Call `reserve` first."""
+        self.layout += 1
         out = np.empty(len(keys), dtype=np.int64)
         active = np.arange(len(keys))
         pos = self._home(keys)
@@ -354,6 +359,7 @@ class _BlockTable:
 
     def evict(self, n: int) -> None:
         """Delete the `n` least recently used unpinned blocks (there must be that many)."""
+        self.layout += 1
         while n:
             end = min(self._log_size, self._log_head + max(2 * n, _EVICT_WINDOW))
             if end == self._log_head:
@@ -417,6 +423,9 @@ class PrefixCache:
         self._evicted = 0
         self._overflow = 0
         self._kv_idle_token_s = 0.0
+        # The last `match`: its prompt, the table layout then, and the slots it found, so the
+        # `insert` after a prefill reuses them if nothing was added or deleted in between.
+        self._matched: tuple[PreparedPrompt, int, _I64] | None = None
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         """The prompt's chained block keys (see `block_keys`); a `PreparedPrompt` is returned as is."""
@@ -439,6 +448,7 @@ class PrefixCache:
         prepared = self.prepare(prompt)
         limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
         slots = self._table.lookup(prepared.keys[:limit])
+        self._matched = (prepared, self._table.layout, slots)
         misses = np.flatnonzero(slots < 0)
         hits = int(misses[0]) if misses.size else limit
         self._table.touch(slots[:hits][::-1])
@@ -465,7 +475,7 @@ class PrefixCache:
         table = self._table
         table.reserve(len(prepared.keys))
         excess_before = self._excess()
-        slots = table.lookup(prepared.keys)
+        slots = self._slots(prepared)
         absent = slots < 0
         if absent.any():
             slots[absent] = table.place(prepared.keys[absent])
@@ -506,6 +516,15 @@ class PrefixCache:
             overflow_blocks=self._overflow,
             kv_idle_token_s=self._kv_idle_token_s,
         )
+
+    def _slots(self, prepared: PreparedPrompt) -> _I64:
+        """`lookup` of the prompt's keys, reusing the last `match`'s if the layout is unchanged."""
+        matched, self._matched = self._matched, None
+        table = self._table
+        if matched is None or matched[0] is not prepared or matched[1] != table.layout:
+            return table.lookup(prepared.keys)
+        head = matched[2]
+        return np.concatenate((head, table.lookup(prepared.keys[len(head) :])))
 
     @staticmethod
     def _check_time(pin: _Pin, now: float) -> None:

@@ -344,6 +344,25 @@ class ReferenceCache:
             self.evicted += 1
 
 
+def test_an_insert_reuses_its_match_only_while_the_table_has_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model turn matches, then inserts the same prepared prompt; the insert reuses the match's
+    slots unless blocks moved in between (here: the insert itself grows the table)."""
+    monkeypatch.setattr(kv, "_MIN_SLOTS", 16)
+    cache = PrefixCache(B, capacity_tokens=1_000 * B)
+    prompt = tokens(12 * B + 1)
+    cache.insert((prompt[: 6 * B],), owner="a", now=0.0)  # 6 blocks in 16 slots
+    prepared = cache.prepare((prompt,))
+    assert cache.match(prepared) == 6 * B
+    layout = cache._table.layout
+    cache.insert(prepared, owner="b", now=1.0)  # 12 more keys: past the load limit, the table rehashes
+    assert cache._table.layout != layout
+    assert cache.statistics().pinned_blocks == 12
+    cache.release("a", now=2.0)
+    cache.release("b", now=2.0)
+    assert (cache.statistics().pinned_blocks, cache.statistics().resident_blocks) == (0, 12)
+    assert cache.match((prompt,)) == 12 * B
+
+
 @pytest.mark.parametrize("tiny_table", [False, True], ids=["default-table", "tiny-table"])
 def test_matches_a_reference_model(tiny_table: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if tiny_table:  # rehash, log compaction and multi-window eviction on almost every call
@@ -368,9 +387,19 @@ def test_matches_a_reference_model(tiny_table: bool, monkeypatch: pytest.MonkeyP
         elif operation < 0.7:
             cache.insert(chunks(prompt, *cuts), now=float(step))
             reference.insert(listed, None)
-        elif operation < 0.9:
+        elif operation < 0.85:
             cache.insert(chunks(prompt, *cuts), owner=owner, now=float(step))
             reference.insert(listed, owner)
+        elif operation < 0.93:  # a model turn: match, maybe another turn's insert, then insert (one prepare)
+            prepared = cache.prepare(chunks(prompt, *cuts))
+            assert cache.match(prepared) == reference.match(listed), step
+            if rng.random() < 0.5:  # another owner lets go between the two: evictions move the table
+                other = f"o{int(rng.integers(4))}"
+                cache.release(other, now=float(step))
+                reference.release(other)
+            holder = owner if rng.random() < 0.5 else None
+            cache.insert(prepared, owner=holder, now=float(step))
+            reference.insert(listed, holder)
         else:
             cache.release(owner, now=float(step))
             reference.release(owner)
