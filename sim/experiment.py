@@ -35,7 +35,7 @@ from .accelerator import SimulatedModel
 from .inprocess import InProcessServer
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
-from .memo import MemoPolicy, memo_classifier, memo_tokenizer
+from .memo import MemoPolicy, MemoPrefixCache, memo_classifier, memo_tokenizer
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
@@ -142,8 +142,9 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
     tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
 
 
-def _prefix_cache(config: CompareConfig) -> PrefixCache:
-    return PrefixCache(capacity_tokens=config.kv_capacity_tokens) if config.kv_capacity_tokens else PrefixCache()
+def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
+    kind = MemoPrefixCache if memoize else PrefixCache
+    return kind(capacity_tokens=config.kv_capacity_tokens) if config.kv_capacity_tokens else kind()
 
 
 async def run_compare(
@@ -157,9 +158,10 @@ async def run_compare(
 ) -> CompareResult:
     """Run every mode of `config` against one server (see the module docstring). `pace_by_turn`:
     the model waits only for each turn's first and last token (`SimulatedModel`), for summaries
-    in virtual time without a wake-up per token. `memoize`: planning, tokenizing and classifying look up
-    work done before in this process (`sim.memo`); only for virtual time with CPU free, where
-    that work's duration is not measured (same results, less wall time)."""
+    in virtual time without a wake-up per token. `memoize`: planning, tokenizing, classifying and
+    hashing KV blocks look up work done before in this process (`sim.memo`); only for virtual
+    time with CPU free, where that work's duration is not measured (same results, less wall
+    time)."""
     check(config, virtual=virtual)
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
@@ -231,7 +233,7 @@ async def run_compare(
 
     try:
         for mode in config.modes:
-            model.prefix_cache = _prefix_cache(config)
+            model.prefix_cache = _prefix_cache(config, memoize)
             idle_before = engine.statistics().kv_idle_token_s
             # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
             results.extend(await asyncio.gather(*(one(mode, spec) for spec in specs)))  # type: ignore[arg-type]

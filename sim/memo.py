@@ -6,8 +6,9 @@ so the model plans the same turns, the server tokenizes the same tool outputs, a
 in virtual time with `charge_cpu=True`, where its duration is part of what is measured.
 With CPU free its duration is not measured at all, only its results are used, and those
 are pure functions of the input: tokenizing a text, reading a token chunk into the
-classifier, planning a turn from the request and the turn's rng. `MemoTokenizer`,
-`MemoClassifier` and `MemoPolicy` return the same results from a
+classifier, planning a turn from the request and the turn's rng, hashing a prompt's KV
+blocks. `MemoTokenizer`, `MemoClassifier`, `MemoPolicy` and `MemoPrefixCache` return the
+same results from a
 per-process table instead of recomputing them, so every count, token and verdict is
 identical (tests/test_memo.py compares whole results) and a sweep point costs a fraction
 of the wall time.
@@ -32,13 +33,22 @@ from prototype.model import ModelRequest
 from prototype.safety import SafetyClassifier
 from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 
+from .kv import PrefixCache, PreparedPrompt, Prompt
 from .policy import PlannedItem, Policy
 
-__all__ = ["MemoClassifier", "MemoPolicy", "MemoTokenizer", "memo_classifier", "memo_tokenizer"]
+__all__ = [
+    "MemoClassifier",
+    "MemoPolicy",
+    "MemoPrefixCache",
+    "MemoTokenizer",
+    "memo_classifier",
+    "memo_tokenizer",
+]
 
 TOKENIZER_BUDGET: Final = 4_000_000  # cached tokens (≈ 16 MB of arrays, plus their texts)
 CLASSIFIER_BUDGET: Final = 16_000_000  # bytes of token chunks used as keys
 PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
+PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 
 
 class _Lru:
@@ -158,6 +168,39 @@ class MemoPolicy:
 def _frozen(state: Mapping[str, Any]) -> Hashable:
     """A bit generator's state dict (nested dicts of names and ints) as a hashable value."""
     return tuple((k, _frozen(v) if isinstance(v, Mapping) else v) for k, v in sorted(state.items()))
+
+
+class MemoPrefixCache(PrefixCache):
+    """A `PrefixCache` whose `prepare` looks up prompts made of the same read-only chunks.
+
+    With `MemoTokenizer` every rendered item, preamble and header is a shared read-only
+    array, so the same prompt (every mode of a sweep point renders the same tokens, and
+    every point with the same seed) is the same tuple of array objects. The table keys on
+    their identities and keeps the arrays alive, so an identity is never reused while its
+    entry lasts; a prompt with a writeable chunk is hashed every time. Matching, inserting
+    and eviction are this cache's own, as in `PrefixCache`.
+    """
+
+    def __init__(self, *args: Any, table: _Lru | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._memo = table if table is not None else _prepared()
+
+    def prepare(self, prompt: Prompt) -> PreparedPrompt:
+        if isinstance(prompt, PreparedPrompt) or any(chunk.flags.writeable for chunk in prompt):
+            return super().prepare(prompt)
+        key = (self.block_tokens, tuple(map(id, prompt)))
+        found = self._memo.get(key)
+        if found is None:
+            prepared = super().prepare(prompt)
+            self._memo.put(key, (prepared, tuple(prompt)), len(prepared.keys) + len(prompt))
+            return prepared
+        return found[0]  # type: ignore[index,no-any-return]
+
+
+@functools.cache
+def _prepared() -> _Lru:
+    """The process's table of prepared prompts (shared by every `MemoPrefixCache`)."""
+    return _Lru(PREPARED_BUDGET)
 
 
 @functools.cache

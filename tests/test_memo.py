@@ -11,7 +11,8 @@ from prototype.safety import SafetyClassifier
 from prototype.tokenizer import get_tokenizer
 from sim.accelerator import turn_rng
 from sim.experiment import CompareConfig, run_compare
-from sim.memo import MemoClassifier, MemoPolicy, MemoTokenizer, _Lru
+from sim.kv import PrefixCache
+from sim.memo import MemoClassifier, MemoPolicy, MemoPrefixCache, MemoTokenizer, _Lru
 from sim.policy import DefaultPolicy, ScriptPolicy
 from sim.realtime import AsyncioClock
 from sim.virtual import VirtualClock, run_virtual
@@ -113,3 +114,23 @@ def test_a_policy_that_names_no_key_is_planned_every_time() -> None:
     for _ in range(3):
         assert memo.plan(make_request(), turn_rng(0, 1, 0)) == script.plan(make_request(), turn_rng(0, 1, 0))
     assert memo.hit_rate == 0.0
+
+
+def test_prepared_prompts_are_looked_up_by_their_read_only_chunks() -> None:
+    rng = np.random.default_rng(5)
+    head, tail = (rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (1_000, 37))
+    head.flags.writeable = tail.flags.writeable = False  # as MemoTokenizer's arrays are
+    table = _Lru(1_000_000)
+    memo, plain = MemoPrefixCache(table=table), PrefixCache()
+    first = memo.prepare((head, tail))
+    assert np.array_equal(first.keys, plain.prepare((head, tail)).keys)
+    assert first.prompt_tokens == plain.prepare((head, tail)).prompt_tokens
+    assert MemoPrefixCache(table=table).prepare((head, tail)) is first  # another cache, same table: a hit
+    assert np.array_equal(memo.prepare((head,)).keys, plain.prepare((head,)).keys)  # other chunks: hashed
+
+    mutable = head.copy()  # writeable: its content may change under the same identity
+    before = memo.prepare((mutable,))
+    mutable[0] += 1
+    after = memo.prepare((mutable,))
+    assert not np.array_equal(before.keys, after.keys)
+    assert np.array_equal(after.keys, plain.prepare((mutable,)).keys)
