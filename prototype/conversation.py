@@ -83,9 +83,6 @@ def conversation_key(first_user_text: str) -> int:
 class Item:
     raw: bytes  # verbatim JSON of the item
     view: InputItemView
-    # The decoded text of a message's content or a tool output's parts, once validated
-    # (None: not decoded yet, or nothing to decode), so rendering does not decode it again.
-    text: str | None = None
 
     @property
     def is_model_output(self) -> bool:
@@ -119,7 +116,7 @@ class Context:
                 self.turn_index += 1
             self.last_was_model = model
             if self.conversation_key == 0 and item.view.type == "message" and item.view.role == "user":
-                self.conversation_key = conversation_key(_text_of(item))
+                self.conversation_key = conversation_key(_text_of(item.view))
             self.items.append(item)
             self.chunks.append(chunk)
             self.n_tokens += len(chunk)
@@ -215,12 +212,12 @@ def parse_items(value: str | list[Raw]) -> tuple[Item, ...]:
             err = from_validation_error(exc)
             err.param = f"input[{index}]" + (f".{err.param}" if err.param else "")
             raise err from None
-        out.append(Item(data, view, _check_item(view, index)))
+        _check_item(view, index)
+        out.append(Item(data, view))
     return tuple(out)
 
 
-def _check_item(view: InputItemView, index: int) -> str | None:
-    """Raise `ProtocolError` for an invalid item; its decoded content or output text, if any."""
+def _check_item(view: InputItemView, index: int) -> None:
     where = f"input[{index}]"
     if view.type == "message":
         if view.role not in MESSAGE_ROLES:
@@ -236,8 +233,8 @@ def _check_item(view: InputItemView, index: int) -> str | None:
                 code="missing_required_parameter",
                 param=f"{where}.content",
             )
-        return _decode_parts(view.content, f"{where}.content")
-    if view.type == "function_call":
+        _decode_parts(view.content, f"{where}.content")
+    elif view.type == "function_call":
         for name in ("call_id", "name", "arguments"):
             if getattr(view, name) is None:
                 raise ProtocolError(
@@ -253,9 +250,8 @@ def _check_item(view: InputItemView, index: int) -> str | None:
                 code="missing_required_parameter",
                 param=f"{where}.{missing}",
             )
-        return _decode_parts(view.output, f"{where}.output")
+        _decode_parts(view.output, f"{where}.output")
     # Other item types (reasoning, additional_tools, custom_tool_call, item_reference, …) pass through.
-    return None
 
 
 def _decode_parts(raw: Raw, param: str) -> str:
@@ -268,11 +264,9 @@ def _decode_parts(raw: Raw, param: str) -> str:
     return "".join(p.text or p.refusal or f"[{p.type}]" for p in value)
 
 
-def _text_of(item: Item) -> str:
-    if item.text is not None:
-        return item.text
-    if not is_null(item.view.content):
-        return _decode_parts(item.view.content, "content")
+def _text_of(view: InputItemView) -> str:
+    if not is_null(view.content):
+        return _decode_parts(view.content, "content")
     return ""
 
 
@@ -353,23 +347,21 @@ def item_from_output(item: OutputItem) -> Item:
         view = InputItemView(
             type="function_call", id=item.id, call_id=item.call_id, name=item.name, arguments=item.arguments
         )
-        return Item(raw, view)
-    assert isinstance(item, OutputMessage)
-    text = "".join(part.text for part in item.content)
-    view = InputItemView(type="message", id=item.id, role="assistant", content=Raw(encode(text)))
-    return Item(raw, view, text)
+    else:
+        assert isinstance(item, OutputMessage)
+        text = "".join(part.text for part in item.content)
+        view = InputItemView(type="message", id=item.id, role="assistant", content=Raw(encode(text)))
+    return Item(raw, view)
 
 
-def _render_text(item: Item) -> str:
-    view = item.view
+def _render_text(view: InputItemView) -> str:
     t = view.type
     if t == "message":
-        return f"<|start|>{view.role}<|message|>{_text_of(item)}<|end|>"
+        return f"<|start|>{view.role}<|message|>{_text_of(view)}<|end|>"
     if t == "function_call":
         return f"<|start|>assistant to=functions.{view.name}<|message|>{view.arguments}<|call|>"
     if t == "function_call_output":
-        output = item.text if item.text is not None else _decode_parts(view.output, "output")
-        return f"<|start|>tool<|message|>{output}<|end|>"
+        return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     if t == "custom_tool_call":
         return f"<|start|>assistant to=functions.{view.name}<|message|>{view.input or ''}<|call|>"
     if t == "custom_tool_call_output" and not is_null(view.output):
@@ -379,7 +371,7 @@ def _render_text(item: Item) -> str:
 
 def render_texts(items: Sequence[Item]) -> list[str]:
     """Each item's model-visible text (harmony-style), to be tokenized."""
-    return [_render_text(item) for item in items]
+    return [_render_text(item.view) for item in items]
 
 
 def render_items(items: Sequence[Item], tokenizer: Tokenizer) -> list[TokenArray]:
