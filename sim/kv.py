@@ -227,6 +227,10 @@ class _BlockTable:
         # Bumped whenever a key is added, deleted or moved (place, evict, rehash): slots looked up
         # under one layout stay valid while it lasts (touch, pin and unpin leave it).
         self.layout = 0
+        # Bumped whenever a resident key is deleted or moved (evict, rehash): adding keys never
+        # moves others (linear probing fills free slots), so a resident key's slot found under
+        # one count stays its slot while the count lasts.
+        self.moves = 0
         self.pinned = 0  # resident blocks with pins > 0
         self._clock = 0  # the last recency stamp handed out
         self._log_slot: _I64 = np.empty(_MIN_LOG, dtype=np.int64)
@@ -272,6 +276,7 @@ class _BlockTable:
         keys, pins, stamps = self.keys[old], self.pins[old], self.stamp[old]
         remap = np.full(slots, -1, dtype=np.int64)
         self.layout += 1
+        self.moves += 1
         self._allocate(size)
         self.full = self.dead = 0
         new = self._place_into_empty(keys)
@@ -360,6 +365,7 @@ class _BlockTable:
     def evict(self, n: int) -> None:
         """Delete the `n` least recently used unpinned blocks (there must be that many)."""
         self.layout += 1
+        self.moves += 1
         while n:
             end = min(self._log_size, self._log_head + max(2 * n, _EVICT_WINDOW))
             if end == self._log_head:
@@ -426,6 +432,10 @@ class PrefixCache:
         # The last `match`: its prompt, the table layout then, and the slots it found, so the
         # `insert` after a prefill reuses them if nothing was added or deleted in between.
         self._matched: tuple[PreparedPrompt, int, _I64] | None = None
+        # The last `insert`: its keys, the table's move count after it and their slots (all
+        # resident then), so the next `match` (a conversation's next turn, usually) looks up
+        # only the keys past their common prefix.
+        self._inserted: tuple[_U64, int, _I64] | None = None
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         """The prompt's chained block keys (see `block_keys`); a `PreparedPrompt` is returned as is."""
@@ -447,7 +457,7 @@ class PrefixCache:
         """
         prepared = self.prepare(prompt)
         limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
-        slots = self._table.lookup(prepared.keys[:limit])
+        slots = self._lookup_after_insert(prepared.keys[:limit])
         self._matched = (prepared, self._table.layout, slots)
         misses = np.flatnonzero(slots < 0)
         hits = int(misses[0]) if misses.size else limit
@@ -487,6 +497,7 @@ class PrefixCache:
             self._owners[owner] = _Pin(prepared, now)
             if previous is not None:
                 self._close_pin(previous, now, kept)
+        self._inserted = (prepared.keys, table.moves, slots)  # an eviction just below voids it
         self._evict()
         self._overflow += max(0, self._excess() - excess_before)
 
@@ -516,6 +527,17 @@ class PrefixCache:
             overflow_blocks=self._overflow,
             kv_idle_token_s=self._kv_idle_token_s,
         )
+
+    def _lookup_after_insert(self, keys: _U64) -> _I64:
+        """`lookup`, taking the slots of the keys it shares with the last insert's prompt if no
+        resident key moved or went since."""
+        table = self._table
+        inserted = self._inserted
+        if inserted is not None and inserted[1] == table.moves:
+            common = _common_prefix(inserted[0], keys)
+            if common:
+                return np.concatenate((inserted[2][:common], table.lookup(keys[common:])))
+        return table.lookup(keys)
 
     def _slots(self, prepared: PreparedPrompt) -> _I64:
         """`lookup` of the prompt's keys, reusing the last `match`'s if the layout is unchanged."""

@@ -363,6 +363,27 @@ def test_an_insert_reuses_its_match_only_while_the_table_has_not_moved(monkeypat
     assert cache.match((prompt,)) == 12 * B
 
 
+def test_a_match_after_an_insert_sees_the_blocks_evicted_since() -> None:
+    """The next match reuses the last insert's slots for their common prefix, unless a
+    resident block went in between: here the inserted blocks themselves, at a release."""
+    cache = PrefixCache(B, capacity_tokens=8 * B)
+    other, prompt = tokens(8 * B, seed=1), tokens(4 * B + 1, seed=2)
+    cache.insert((other,), owner="b", now=0.0)
+    cache.insert((prompt[: 4 * B],), owner="a", now=0.0)  # 12 blocks pinned: over capacity, admitted
+    cache.release("a", now=1.0)  # its 4 blocks are the only unpinned ones: evicted
+    assert cache.statistics().evicted_blocks == 4
+    assert cache.match((prompt,)) == 0
+
+
+def test_a_match_after_an_insert_that_evicted_its_own_tail() -> None:
+    cache = PrefixCache(B, capacity_tokens=8 * B)
+    cache.insert((tokens(6 * B, seed=1),), owner="x", now=0.0)
+    prompt = tokens(4 * B + 1, seed=2)
+    cache.insert((prompt[: 4 * B],), now=0.0)  # 10 blocks: its own 2 tail blocks go at once
+    assert cache.statistics().evicted_blocks == 2
+    assert cache.match((prompt,)) == 2 * B
+
+
 @pytest.mark.parametrize("tiny_table", [False, True], ids=["default-table", "tiny-table"])
 def test_matches_a_reference_model(tiny_table: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if tiny_table:  # rehash, log compaction and multi-window eviction on almost every call
