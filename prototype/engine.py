@@ -428,8 +428,9 @@ class Engine:
         await stages.wait(Stage.SAFETY, self.profile.safety_call_s + self.profile.safety_s_per_token * n)
 
     async def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
-        """The items' tokens. A long text is tokenized on `render_executor` if there is one
-        (the BPE releases the GIL): the event loop keeps pacing other streams meanwhile."""
+        """The items' tokens. Items whose texts add up to `offload_chars` or more are tokenized
+        on `render_executor` if there is one (the BPE releases the GIL): the event loop keeps
+        pacing other streams meanwhile."""
         texts = render_texts(items)
         if self.render_executor is not None and sum(map(len, texts)) >= self.offload_chars:
             loop = asyncio.get_running_loop()

@@ -432,9 +432,9 @@ class PrefixCache:
         # The last `match`: its prompt, the table layout then, and the slots it found, so the
         # `insert` after a prefill reuses them if nothing was added or deleted in between.
         self._matched: tuple[PreparedPrompt, int, _I64] | None = None
-        # The last `insert`: its keys, the table's move count after it and their slots (all
-        # resident then), so the next `match` (a conversation's next turn, usually) looks up
-        # only the keys past their common prefix.
+        # The last `insert`: its keys, the table's move count before its evictions, and their
+        # slots (all resident then), so the next `match` (a conversation's next turn, usually)
+        # looks up only the keys past their common prefix.
         self._inserted: tuple[_U64, int, _I64] | None = None
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:

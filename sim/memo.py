@@ -2,16 +2,15 @@
 
 Scenario: a sweep runs the same seeded rollouts at every grid point and every mode,
 so the model plans the same turns, the server tokenizes the same tool outputs, and the
-`http` modes re-tokenize and re-classify the same history, hundreds of times. That work is honest in a live run and
-in virtual time with `charge_cpu=True`, where its duration is part of what is measured.
-With CPU free its duration is not measured at all, only its results are used, and those
-are pure functions of the input: tokenizing a text, reading a token chunk into the
-classifier, planning a turn from the request and the turn's rng, hashing a prompt's KV
-blocks. `MemoTokenizer`, `MemoClassifier`, `MemoPolicy` and `MemoPrefixCache` return the
-same results from a
-per-process table instead of recomputing them, so every count, token and verdict is
-identical (tests/test_memo.py compares whole results) and a sweep point costs a fraction
-of the wall time.
+`http` modes re-tokenize and re-classify the same history, hundreds of times. That work
+is honest in a live run and in virtual time with `charge_cpu=True`, where its duration
+is part of what is measured. With CPU free its duration is not measured at all, only its
+results are used, and those are pure functions of the input: tokenizing a text, reading
+a token chunk into the classifier, planning a turn from the request and the turn's rng,
+hashing a prompt's KV blocks. `MemoTokenizer`, `MemoClassifier`, `MemoPolicy` and
+`MemoPrefixCache` return the same results from a per-process table instead of
+recomputing them, so every count, token and verdict is identical (tests/test_memo.py
+compares whole results) and a sweep point costs a fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
 then exactly what the comparison measures. `run_compare(memoize=True)` refuses a live run.
