@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import math
 import time
 from typing import Final
@@ -56,8 +57,15 @@ class BenchPolicy:
     """Every turn: one message of ``max_output_tokens`` (default 100) one-token words."""
 
     def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
-        n = request.max_output_tokens or DEFAULT_TOKENS
-        return [PlannedItem("message", "", "".join(WORDS[i % len(WORDS)] for i in range(n)))]
+        return [PlannedItem("message", "", _bench_text(request.max_output_tokens or DEFAULT_TOKENS))]
+
+
+@functools.lru_cache(maxsize=16)
+def _bench_text(n: int) -> str:
+    """The same text for every stream of n tokens, built once: planning is the stand-in model's
+    work, which a real accelerator does elsewhere (12,000 words took 1.5 ms of the server's core
+    per stream, 150 ms for 100 streams started together)."""
+    return "".join(WORDS[i % len(WORDS)] for i in range(n))
 
 
 def delta_event(seq: int, word: str = " value") -> OutputTextDelta:
