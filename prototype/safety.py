@@ -62,6 +62,7 @@ __all__ = [
     "ClassifierState",
     "SafetyClassifier",
     "Verdict",
+    "check_tokens",
 ]
 
 TokenArray = npt.NDArray[np.uint32]
@@ -126,7 +127,8 @@ class Verdict:
     tokens_read: int
 
 
-def _check_tokens(tokens: object) -> TokenArray:
+def check_tokens(tokens: object) -> TokenArray:
+    """`tokens` if it is a one-dimensional uint32 array, else `TypeError`/`ValueError`."""
     if not isinstance(tokens, np.ndarray):
         raise TypeError(f"tokens must be a numpy.ndarray of uint32, got {type(tokens).__name__}")
     if tokens.dtype != np.uint32:
@@ -203,7 +205,7 @@ class SafetyClassifier:
 
     def update(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
         """Read only ``tokens`` (the new input) and return the state after them. O(len(tokens))."""
-        tokens = _check_tokens(tokens)
+        tokens = check_tokens(tokens)
         if len(state.tail) >= self._ngram:
             raise ValueError("state does not belong to this classifier (tail longer than ngram - 1)")
         if tokens.size == 0:

@@ -29,7 +29,7 @@ from typing import Any, Final
 import numpy as np
 
 from prototype.model import ModelRequest
-from prototype.safety import SafetyClassifier
+from prototype.safety import ClassifierState, SafetyClassifier, check_tokens
 from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 
 from .kv import PrefixCache, PreparedPrompt, Prompt
@@ -108,21 +108,35 @@ class MemoTokenizer(Tokenizer):
 class MemoClassifier(SafetyClassifier):
     """A `SafetyClassifier` (default settings) that looks up chunks it has read before.
 
-    The classifier's work per chunk, `_read(tail, tokens)`, is a pure function of the
-    tail carried over from the previous chunk and the chunk's tokens; keyed on both,
-    a repeated chunk costs one hash of its bytes."""
+    Reading a chunk changes a state by amounts that depend only on the tail carried over
+    from the previous chunk and the chunk's tokens: the weight sum and n-gram count grow
+    by what the chunk adds, the blocked flag is or-ed with the chunk's, the tail becomes
+    a function of both. So `update` looks those up keyed on (tail, chunk) and adds them to
+    any state. A read-only chunk (`MemoTokenizer`'s arrays) is keyed on its identity and
+    kept alive by its entry; any other chunk on its bytes."""
 
     def __init__(self, budget_bytes: int = CLASSIFIER_BUDGET) -> None:
         super().__init__()
         self._memo = _Lru(budget_bytes)
 
-    def _read(self, tail: tuple[int, ...], tokens: TokenArray) -> tuple[int, int]:
-        key = (tail, tokens.tobytes())
+    def update(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
+        tokens = check_tokens(tokens)
+        if len(state.tail) >= self.ngram or tokens.size == 0:
+            return super().update(state, tokens)  # its error, or the state unchanged
+        shared = not tokens.flags.writeable
+        key = (state.tail, id(tokens) if shared else tokens.tobytes())
         found = self._memo.get(key)
         if found is None:
-            found = super()._read(tail, tokens)
-            self._memo.put(key, found, len(key[1]) + 64)
-        return found  # type: ignore[return-value]
+            found = (super().update(ClassifierState(tail=state.tail), tokens), tokens if shared else None)
+            self._memo.put(key, found, tokens.nbytes + 64)
+        step: ClassifierState = found[0]  # type: ignore[index]
+        return ClassifierState(
+            tail=step.tail,
+            weight_sum=state.weight_sum + step.weight_sum,
+            ngrams=state.ngrams + step.ngrams,
+            tokens_read=state.tokens_read + step.tokens_read,
+            blocked=state.blocked or step.blocked,
+        )
 
 
 class MemoPolicy:

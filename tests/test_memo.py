@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from prototype.safety import SafetyClassifier
+from prototype.safety import ClassifierState, SafetyClassifier
 from prototype.tokenizer import get_tokenizer
 from sim.accelerator import turn_rng
 from sim.experiment import CompareConfig, run_compare
@@ -64,6 +64,27 @@ def test_classifier_verdicts_equal_over_any_split() -> None:
         a = real.update(real.update(real.begin(), head), chunk)
         b = memo.update(memo.update(memo.begin(), head), chunk)
         assert a == b
+
+
+def test_classifier_keys_read_only_chunks_on_identity_and_others_on_content() -> None:
+    rng = np.random.default_rng(4)
+    real, memo = SafetyClassifier(), MemoClassifier()
+    chunks = [rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (300, 1, 2_000)]
+    for chunk in chunks:
+        chunk.flags.writeable = False  # as MemoTokenizer's shared arrays
+    for _ in range(2):  # the second pass: every chunk looked up by identity
+        a, b = real.begin(), memo.begin()
+        for chunk in chunks:
+            a, b = real.update(a, chunk), memo.update(b, chunk)
+        assert a == b
+    assert memo._memo.hits == len(chunks)
+
+    mutable = chunks[0].copy()  # writeable: its content may change under the same identity
+    before = memo.update(memo.begin(), mutable)
+    mutable[:] = chunks[2][:300]
+    assert memo.update(memo.begin(), mutable) == real.update(real.begin(), mutable) != before
+    with pytest.raises(ValueError, match="tail"):  # a state from another classifier: the real check
+        memo.update(ClassifierState(tail=tuple(range(memo.ngram))), chunks[0])
 
 
 def test_tables_are_bounded() -> None:
