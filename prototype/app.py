@@ -531,6 +531,7 @@ class WebSocketSession:
             ids=engine.ids,
             max_queued=config.max_queued_creates,
             max_cache_bytes=config.max_cache_bytes,
+            reuse_tools=Optimization.STATE_CACHE in config.optimizations,
         )
         self.job_task: asyncio.Task[None] | None = None
         self.pause_timer: asyncio.Task[None] | None = None

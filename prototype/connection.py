@@ -66,7 +66,7 @@ from typing import Final
 
 import msgspec
 
-from .conversation import CreateRequest, Item, normalize_create, parse_items
+from .conversation import CreateRequest, Item, ToolCache, normalize_create, parse_items
 from .engine import CacheEntry
 from .errors import ProtocolError, from_validation_error, ws_error_event
 from .ids import IdFactory
@@ -326,6 +326,7 @@ class Connection:
         ids: IdFactory | None = None,
         max_queued: int | None = None,
         max_cache_bytes: int | None = None,
+        reuse_tools: bool = True,
     ) -> None:
         self.state = CS.IDLE
         self.lifetime_s = lifetime_s
@@ -344,6 +345,7 @@ class Connection:
         self.cache_hits = 0
         self.cache_misses = 0
         self.cache_refused = 0  # entries over `max_cache_bytes`, not cached
+        self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
 
     # -- adapter API ---------------------------------------------------------------------------------
 
@@ -395,7 +397,7 @@ class Connection:
         if isinstance(event, ResponseCreate):
             params = event.response if event.response is not None else event
             try:
-                return CreateReceived(normalize_create(params, websocket=True))
+                return CreateReceived(normalize_create(params, websocket=True, tool_cache=self.tools))
             except ProtocolError as err:
                 return BadFrame(err, params.previous_response_id)
         return AppendReceived(event)

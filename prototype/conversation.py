@@ -59,6 +59,7 @@ __all__ = [
     "Item",
     "Preamble",
     "item_from_output",
+    "ToolCache",
     "normalize_create",
     "parse_items",
     "render_items",
@@ -152,8 +153,31 @@ class CreateRequest:
         return self.params.previous_response_id
 
 
-def normalize_create(params: CreateParams, *, websocket: bool) -> CreateRequest:
-    """Validate one create; raise `ProtocolError` with the offending `param`."""
+class ToolCache:
+    """The last tool list a connection validated, by its exact bytes: a client resends the
+    same definitions every turn (Codex does), and validating them again would touch input
+    that is not new. A list that differs in any byte is validated in full."""
+
+    __slots__ = ("_raw", "_tools", "hits")
+
+    def __init__(self) -> None:
+        self._raw: tuple[bytes, ...] | None = None
+        self._tools: tuple[FunctionTool, ...] = ()
+        self.hits = 0
+
+    def parse(self, tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
+        raw = tuple(bytes(t) for t in tools_raw)
+        if raw == self._raw:
+            self.hits += 1
+            return self._tools
+        tools = _parse_tools(tools_raw)  # raises on a bad list: the cache keeps the last good one
+        self._raw, self._tools = raw, tools
+        return tools
+
+
+def normalize_create(params: CreateParams, *, websocket: bool, tool_cache: ToolCache | None = None) -> CreateRequest:
+    """Validate one create; raise `ProtocolError` with the offending `param`. With `tool_cache`
+    (a WebSocket connection's), a tool list identical to the last one is not validated again."""
     if params.background:
         raise ProtocolError(
             "Background responses are not supported over this server.",
@@ -177,7 +201,7 @@ def normalize_create(params: CreateParams, *, websocket: bool) -> CreateRequest:
         )
     items = parse_items(params.input)
     tools_raw = tuple(params.tools or ())
-    tools = _parse_tools(tools_raw)
+    tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
     generate = True if params.generate is msgspec.UNSET else bool(params.generate)
     key = encode((params.instructions, [bytes(t) for t in tools_raw]))

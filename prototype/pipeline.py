@@ -71,7 +71,8 @@ class Stage(enum.StrEnum):
 class Optimization(enum.StrEnum):
     """What the WebSocket connection cache (and append mode) may skip, each a switch."""
 
-    STATE_CACHE = "state_cache"  # continue from the connection cache instead of the store
+    # Continue from the connection cache instead of the store; a resent tool list is not re-validated.
+    STATE_CACHE = "state_cache"
     TOKEN_CACHE = "token_cache"  # reuse rendered tokens; render only new items
     INCREMENTAL_SAFETY = "incremental_safety"  # classify only new tokens
     REUSE_ROUTING = "reuse_routing"  # auth and routing once per connection

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from prototype import conversation
 from prototype.connection import (
     _TRANSITIONS,
     CS,
@@ -105,6 +106,43 @@ def test_miss_is_counted_and_job_gets_no_entry() -> None:
     c.receive_text(create(previous_response_id="resp_zzz"))
     job = started(c.outputs_to_send())[0]
     assert job.cached is None and (c.cache_hits, c.cache_misses) == (0, 1)
+
+
+TOOL = {"type": "function", "name": "ls", "parameters": {"type": "object", "properties": {"p": {"type": "string"}}}}
+
+
+def test_a_resent_tool_list_is_validated_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked: list[str] = []
+    real = conversation.check_parameters
+
+    def counting(schema: object, *, function: str, param: str) -> None:
+        checked.append(function)
+        real(schema, function=function, param=param)
+
+    monkeypatch.setattr(conversation, "check_parameters", counting)
+    c = Connection()
+    other = {**TOOL, "name": "cat"}
+    bad = {**TOOL, "name": "bad", "parameters": {"type": "object", "properties": {"p": {"type": 7}}}}
+    tool_lists = [[TOOL], [TOOL], [TOOL, other], [bad], [TOOL, other]]
+    refused = []
+    for tools in tool_lists:
+        c.receive_text(create(tools=tools))
+        outputs = c.outputs_to_send()
+        refused.append([e["error"]["param"] for e in errors(outputs)])
+        for job in started(outputs):
+            assert [t.name for t in job.request.tools] == [t["name"] for t in tools]
+            c.response_ended(job, entry(f"resp_{len(checked)}"))
+    assert refused == [[], [], [], ["tools[0].parameters"], []]  # the bad list is still refused
+    # Validated: the first list, the changed list, the bad one; the resends are not.
+    assert checked == ["ls", "ls", "cat", "bad"] and c.tools is not None and c.tools.hits == 2
+
+    checked.clear()
+    plain = Connection(reuse_tools=False)  # without the state cache (`--disable state_cache`)
+    for _ in range(2):
+        plain.receive_text(create(tools=[TOOL]))
+        for job in started(plain.outputs_to_send()):
+            plain.response_ended(job, entry("resp_x"))
+    assert checked == ["ls", "ls"]
 
 
 def test_failed_turn_evicts_referenced_id() -> None:
