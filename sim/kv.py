@@ -224,9 +224,6 @@ class _BlockTable:
         self._allocate(_MIN_SLOTS)
         self.full = 0  # resident blocks
         self.dead = 0  # tombstones
-        # Bumped whenever a key is added, deleted or moved (place, evict, rehash): slots looked up
-        # under one layout stay valid while it lasts (touch, pin and unpin leave it).
-        self.layout = 0
         # Bumped whenever a resident key is deleted or moved (evict, rehash): adding keys never
         # moves others (linear probing fills free slots), so a resident key's slot found under
         # one count stays its slot while the count lasts.
@@ -275,7 +272,6 @@ class _BlockTable:
         old = np.flatnonzero(self.state == _FULL)
         keys, pins, stamps = self.keys[old], self.pins[old], self.stamp[old]
         remap = np.full(slots, -1, dtype=np.int64)
-        self.layout += 1
         self.moves += 1
         self._allocate(size)
         self.full = self.dead = 0
@@ -289,7 +285,6 @@ class _BlockTable:
 
     def place(self, keys: _U64) -> _I64:
         """Insert distinct non-resident keys, unpinned and never touched; their slots. Call `reserve` first."""
-        self.layout += 1
         out = np.empty(len(keys), dtype=np.int64)
         active = np.arange(len(keys))
         pos = self._home(keys)
@@ -364,7 +359,6 @@ class _BlockTable:
 
     def evict(self, n: int) -> None:
         """Delete the `n` least recently used unpinned blocks (there must be that many)."""
-        self.layout += 1
         self.moves += 1
         while n:
             end = min(self._log_size, self._log_head + max(2 * n, _EVICT_WINDOW))
@@ -429,8 +423,8 @@ class PrefixCache:
         self._evicted = 0
         self._overflow = 0
         self._kv_idle_token_s = 0.0
-        # The last `match`: its prompt, the table layout then, and the slots it found, so the
-        # `insert` after a prefill reuses them if nothing was added or deleted in between.
+        # The last `match`: its prompt, the table's move count then, and the slots it found, so
+        # the `insert` after a prefill reuses them if no resident block went or moved in between.
         self._matched: tuple[PreparedPrompt, int, _I64] | None = None
         # The last `insert`: its keys, the table's move count before its evictions, and their
         # slots (all resident then), so the next `match` (a conversation's next turn, usually)
@@ -458,7 +452,7 @@ class PrefixCache:
         prepared = self.prepare(prompt)
         limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
         slots = self._lookup_after_insert(prepared.keys[:limit])
-        self._matched = (prepared, self._table.layout, slots)
+        self._matched = (prepared, self._table.moves, slots)
         misses = np.flatnonzero(slots < 0)
         hits = int(misses[0]) if misses.size else limit
         self._table.touch(slots[:hits][::-1])
@@ -540,10 +534,12 @@ class PrefixCache:
         return table.lookup(keys)
 
     def _slots(self, prepared: PreparedPrompt) -> _I64:
-        """`lookup` of the prompt's keys, reusing the last `match`'s if the layout is unchanged."""
+        """`lookup` of the prompt's keys, reusing the last `match`'s while no resident block went
+        or moved. Its misses stay misses: keys are only added by an insert, and every insert
+        clears the last match."""
         matched, self._matched = self._matched, None
         table = self._table
-        if matched is None or matched[0] is not prepared or matched[1] != table.layout:
+        if matched is None or matched[0] is not prepared or matched[1] != table.moves:
             return table.lookup(prepared.keys)
         head = matched[2]
         return np.concatenate((head, table.lookup(prepared.keys[len(head) :])))

@@ -353,9 +353,9 @@ def test_an_insert_reuses_its_match_only_while_the_table_has_not_moved(monkeypat
     cache.insert((prompt[: 6 * B],), owner="a", now=0.0)  # 6 blocks in 16 slots
     prepared = cache.prepare((prompt,))
     assert cache.match(prepared) == 6 * B
-    layout = cache._table.layout
+    moves = cache._table.moves
     cache.insert(prepared, owner="b", now=1.0)  # 12 more keys: past the load limit, the table rehashes
-    assert cache._table.layout != layout
+    assert cache._table.moves != moves
     assert cache.statistics().pinned_blocks == 12
     cache.release("a", now=2.0)
     cache.release("b", now=2.0)
