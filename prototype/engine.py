@@ -309,7 +309,6 @@ class Engine:
         optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS,
         classifier: SafetyClassifier | None = None,
         render_executor: Executor | None = None,
-        offload_chars: int = OFFLOAD_CHARS,
     ) -> None:
         self.model = model
         self.store = store
@@ -320,7 +319,6 @@ class Engine:
         self.optimizations = optimizations
         self.classifier = classifier or SafetyClassifier()
         self.render_executor = render_executor  # None: tokenize inline (virtual time charges it to the loop)
-        self.offload_chars = offload_chars
         self._counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
@@ -428,11 +426,11 @@ class Engine:
         await stages.wait(Stage.SAFETY, self.profile.safety_call_s + self.profile.safety_s_per_token * n)
 
     async def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
-        """The items' tokens. Items whose texts add up to `offload_chars` or more are tokenized
+        """The items' tokens. Items whose texts add up to `OFFLOAD_CHARS` or more are tokenized
         on `render_executor` if there is one (the BPE releases the GIL): the event loop keeps
         pacing other streams meanwhile."""
         texts = render_texts(items)
-        if self.render_executor is not None and sum(map(len, texts)) >= self.offload_chars:
+        if self.render_executor is not None and sum(map(len, texts)) >= OFFLOAD_CHARS:
             loop = asyncio.get_running_loop()
             chunks = await loop.run_in_executor(self.render_executor, _encode_all, self.tokenizer, texts)
         else:

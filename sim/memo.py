@@ -71,6 +71,11 @@ class _Lru:
         self._table.move_to_end(key)
         return entry[0]
 
+    @property
+    def hit_rate(self) -> float:
+        seen = self.hits + self.misses
+        return self.hits / seen if seen else 0.0
+
     def put(self, key: object, value: object, cost: int) -> None:
         if cost > self._budget:
             return
@@ -101,8 +106,7 @@ class MemoTokenizer(Tokenizer):
 
     @property
     def hit_rate(self) -> float:
-        seen = self._memo.hits + self._memo.misses
-        return self._memo.hits / seen if seen else 0.0
+        return self._memo.hit_rate
 
 
 class MemoClassifier(SafetyClassifier):
@@ -174,8 +178,7 @@ class MemoPolicy:
 
     @property
     def hit_rate(self) -> float:
-        seen = self._memo.hits + self._memo.misses
-        return self._memo.hits / seen if seen else 0.0
+        return self._memo.hit_rate
 
 
 def _frozen(state: Mapping[str, Any]) -> Hashable:
