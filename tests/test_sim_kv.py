@@ -344,6 +344,77 @@ class ReferenceCache:
             self.evicted += 1
 
 
+@pytest.mark.parametrize("window", [1, 2, 8])
+def test_probing_finds_every_resident_key_and_no_other(window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hash table alone against a dict, in a crowded table: long runs of full slots and
+    tombstones, keys that share a home slot, probing that wraps past the last slot."""
+    monkeypatch.setattr(kv, "_MIN_SLOTS", 64)
+    monkeypatch.setattr(kv, "_PROBE_WINDOW", window)
+    rng = np.random.default_rng(3)
+    table = kv._BlockTable()
+    home = rng.integers(0, 2**63, size=8, dtype=np.uint64)
+    # Keys in few home slots: the top bits of key * multiplier pick the slot, so keys that
+    # differ only in their low bits after the multiply land together.
+    inverse = pow(int(kv._FIBONACCI), -1, 2**64)
+    pool = [((int(h) + i) * inverse) % 2**64 for h in home for i in range(12)]
+    pool += rng.integers(0, 2**63, size=40, dtype=np.uint64).tolist()
+    resident: dict[int, int] = {}
+    for step in range(300):
+        absent = [k for k in pool if k not in resident]
+        batch = rng.choice(len(absent), size=min(len(absent), int(rng.integers(1, 6))), replace=False)
+        keys = np.array([absent[i] for i in batch], dtype=np.uint64)
+        table.reserve(len(keys))  # may rehash: every resident key moves
+        if table.moves:
+            resident = dict(zip(resident, table.lookup(np.array(list(resident), dtype=np.uint64)).tolist()))
+        slots = table.place(keys)
+        assert len(set(slots.tolist())) == len(keys) and not set(slots.tolist()) & set(resident.values()), step
+        resident.update(zip(keys.tolist(), slots.tolist()))
+        table.touch(slots)
+        if len(resident) > 30:  # evict the least recently used: tombstones in the runs
+            table.evict(int(rng.integers(1, 8)))
+        probe = np.array(pool, dtype=np.uint64)
+        found = table.lookup(probe)
+        live = {int(k): int(s) for k, s in zip(probe, found) if s >= 0}
+        assert set(live) <= set(resident) and len(live) == table.full, step
+        assert all(table.keys[s] == k for k, s in live.items()), step
+        resident = live
+
+
+def test_touching_the_most_recent_blocks_again_keeps_the_order() -> None:
+    """A conversation's next turn matches the blocks its last insert made most recent, in the
+    same order: the order stays, and the next eviction still takes the oldest blocks."""
+    cache = PrefixCache(B, capacity_tokens=6 * B)
+    old, conversation = tokens(3 * B, seed=1), tokens(3 * B + 1, seed=2)
+    cache.insert((old,), now=0.0)
+    cache.insert((conversation[: 3 * B],), now=1.0)
+    log_size = cache._table._log_size
+    assert cache.match((conversation,)) == 3 * B  # already the 3 most recent, in this order
+    assert cache._table._log_size == log_size
+    assert cache.match((old[: 2 * B + 1],)) == 2 * B  # not: the old prompt's head moves up
+    assert cache._table._log_size == log_size + 2
+    cache.insert((tokens(2 * B, seed=3),), now=2.0)  # 2 over capacity: the oldest two go
+    assert cache.match((conversation,)) == 2 * B  # its tail block was the oldest
+    assert cache.match((old[: 2 * B + 1],)) == 2 * B
+    assert cache.statistics().evicted_blocks == 2
+
+
+def test_blocks_placed_where_evicted_ones_were_are_touched_anew() -> None:
+    """New keys in the slots of evicted ones, touched in the same order as those were: the old
+    entries are behind the log's head, so the touch is not taken for a repeat."""
+    table = kv._BlockTable()
+    inverse = pow(int(kv._FIBONACCI), -1, 2**64)
+    first = np.array([(i << 60) * inverse % 2**64 for i in (1, 2)], dtype=np.uint64)  # homes far apart
+    second = np.array([((i << 60) + 1) * inverse % 2**64 for i in (1, 2)], dtype=np.uint64)  # same homes
+    table.reserve(2)
+    slots = table.place(first)
+    table.touch(slots)
+    table.evict(2)
+    assert table.place(second).tolist() == slots.tolist()  # into the tombstones
+    table.touch(slots)
+    table.evict(1)  # the new blocks have log entries: the older of them goes
+    assert table.lookup(second).tolist() == [-1, slots[1]]
+
+
 def test_an_insert_reuses_its_match_only_while_the_table_has_not_moved(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model turn matches, then inserts the same prepared prompt; the insert reuses the match's
     slots unless blocks moved in between (here: the insert itself grows the table)."""
@@ -390,6 +461,7 @@ def test_matches_a_reference_model(tiny_table: bool, monkeypatch: pytest.MonkeyP
         monkeypatch.setattr(kv, "_MIN_SLOTS", 16)
         monkeypatch.setattr(kv, "_MIN_LOG", 4)
         monkeypatch.setattr(kv, "_EVICT_WINDOW", 1)
+        monkeypatch.setattr(kv, "_PROBE_WINDOW", 2)  # probing runs past several windows
     rng = np.random.default_rng(7)
     cache, reference = PrefixCache(B, capacity_tokens=24 * B), ReferenceCache(24)
     # Prompts from a small alphabet sharing prefixes: conversations that grow, fork and repeat.
