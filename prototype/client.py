@@ -129,15 +129,19 @@ class _Tracker:
 
 
 class _History:
-    """What a client that resends everything keeps: input so far + outputs so far."""
+    """What a client that resends everything keeps: input so far + outputs so far; with
+    `encoded`, each item's JSON too, made once, so a body that resends them copies bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, encoded: bool = False) -> None:
         self.items: list[dict[str, Any]] = []
+        self.encoded: list[msgspec.Raw] | None = [] if encoded else None
         self.previous_id: str | None = None
 
     def record(self, sent: list[dict[str, Any]], result: TurnResult) -> None:
         self.items.extend(sent)
         self.items.extend(result.output_items)
+        if self.encoded is not None:
+            self.encoded.extend(msgspec.Raw(encode(item)) for item in (*sent, *result.output_items))
         self.previous_id = result.response.id
 
 
@@ -150,7 +154,7 @@ class HTTPClient:
         self.url = base_url.rstrip("/") + "/responses"
         self.clock = clock
         self.chained = chained
-        self.history = _History()
+        self.history = _History(encoded=not chained)
         self.api_key = api_key
         self.session: aiohttp.ClientSession | None = None
 
@@ -158,7 +162,8 @@ class HTTPClient:
         if self.chained:
             body = {**settings, "input": new_items, "previous_response_id": self.history.previous_id, "stream": True}
         else:
-            body = {**settings, "input": self.history.items + new_items, "stream": True}
+            assert self.history.encoded is not None
+            body = {**settings, "input": [*self.history.encoded, *new_items], "stream": True}
         return encode(body)
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:

@@ -82,7 +82,8 @@ class PlannedItem:
 class Policy(Protocol):
     def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
         """The items of one model turn, in order. Must depend only on the model-visible
-        fields of `request` and on `rng` (drawn from in a fixed order).
+        fields of `request` and on `rng` (drawn from in a fixed order). The model reuses
+        one generator for every turn: a policy must not keep `rng` past the call.
 
         A policy may also define ``plan_key(request) -> Hashable | None``: the request
         fields (and its own settings) its plan reads, so that runs with free CPU can

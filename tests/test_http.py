@@ -286,3 +286,19 @@ async def test_sse_frames_of_a_wake_up_go_out_in_one_write(monkeypatch: pytest.M
     first_delta = next(i for i, w in enumerate(writes) if b"output_text.delta" in w)
     assert b"response.created" in writes[0] and b"output_text.delta" not in writes[0]  # not held for the deltas
     assert b"response.completed" in writes[-1] and first_delta > 0
+
+
+def test_the_full_history_client_resends_the_items_json_as_first_encoded() -> None:
+    """`http` keeps each item's JSON from when it was first recorded; the body is the bytes a
+    client re-encoding its whole history would send."""
+    from prototype.client import HTTPClient, TurnResult
+    from prototype.schemas import Response, encode
+
+    client = HTTPClient("http://127.0.0.1:1", clock=None, chained=False)  # type: ignore[arg-type]
+    sent = [{"type": "message", "role": "user", "content": "héllo \"there\""}]
+    output = [{"type": "function_call", "call_id": "c1", "name": "exec", "arguments": "{\"cmd\": \"ls\"}"}]
+    response = Response(id="resp_1", created_at=0, status="completed", model="m")
+    client.history.record(sent, TurnResult(response, 0.0, None, 0.0, 0, 0, output_items=output))
+    new = [{"type": "function_call_output", "call_id": "c1", "output": "a\nb"}]
+    settings = {"model": "m", "tools": []}
+    assert client.body(new, settings) == encode({**settings, "input": [*sent, *output, *new], "stream": True})

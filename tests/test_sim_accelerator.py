@@ -202,6 +202,23 @@ async def test_tokens_depend_only_on_seed_conversation_turn() -> None:
     assert ids(await collect(reference, other_key)) != ids(await collect(reference, make_request()))
 
 
+async def test_each_plan_draws_from_its_turns_rng() -> None:
+    """The model reuses one generator, reset for each turn to `turn_rng(seed, conversation, turn)`:
+    a plan's draws are that rng's, whatever turns came before (the same key twice included)."""
+    drawn: list[int] = []
+
+    class Recording:
+        def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
+            drawn.append(int(rng.integers(1 << 62)))
+            return [message("ok")]
+
+    model = SimulatedModel(clock=ManualClock(), policy=Recording(), seed=9)
+    keys = [(42, 0), (43, 0), (42, 1), (42, 0), (-5, 3)]
+    for conversation, turn in keys:
+        await collect(model, make_request(conversation_key=conversation, turn_index=turn))
+    assert drawn == [int(turn_rng(9, c, t).integers(1 << 62)) for c, t in keys]
+
+
 def test_turn_rng_accepts_negative_keys() -> None:
     a = turn_rng(0, -1, 0).integers(1 << 62)
     b = turn_rng(0, (1 << 64) - 1, 0).integers(1 << 62)
