@@ -36,7 +36,7 @@ from .connection import (
     SendFrame,
     StartJob,
 )
-from .conversation import normalize_create
+from .conversation import ItemParser, normalize_create, parse_items
 from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
@@ -144,9 +144,11 @@ def make_engine(
     tokenizer: Tokenizer | None = None,
     classifier: SafetyClassifier | None = None,
     render_executor: Executor | None = None,
+    item_parser: ItemParser = parse_items,
 ) -> Engine:
     """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets).
-    `tokenizer` and `classifier` replace the defaults (the simulator's memoizing ones, `sim.memo`).
+    `tokenizer`, `classifier` and `item_parser` replace the defaults (the simulator's memoizing
+    ones, `sim.memo`).
     Without `render_executor` every text is tokenized on the event loop (virtual time, where the
     loop charges that CPU to the clock)."""
     return Engine(
@@ -159,6 +161,7 @@ def make_engine(
         optimizations=config.optimizations,
         classifier=classifier,
         render_executor=render_executor,
+        item_parser=item_parser,
     )
 
 
@@ -269,7 +272,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         params = decode_create_params(decode_text(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return _json_error(from_validation_error(exc))
-    create = normalize_create(params, websocket=False)  # ProtocolError → middleware → JSON error body
+    # ProtocolError → middleware → JSON error body
+    create = normalize_create(params, websocket=False, parse=engine.item_parser)
     if not params.stream:
         outcome = await engine.run(create, None, _discard, arrival=arrival)
         if outcome.error is not None:

@@ -26,7 +26,7 @@ first, so an old holder never observes items appended after it.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -59,9 +59,12 @@ __all__ = [
     "Item",
     "Preamble",
     "item_from_output",
+    "ItemParser",
     "ToolCache",
     "normalize_create",
+    "parse_item",
     "parse_items",
+    "text_input",
     "render_items",
     "render_texts",
     "render_preamble",
@@ -175,9 +178,45 @@ class ToolCache:
         return tools
 
 
-def normalize_create(params: CreateParams, *, websocket: bool, tool_cache: ToolCache | None = None) -> CreateRequest:
+class _UserMessage(msgspec.Struct, tag_field="type", tag="message"):
+    role: str
+    content: str
+
+
+ItemParser = Callable[[str | list[Raw]], tuple[Item, ...]]  # `parse_items`, or one that looks items up
+
+
+def parse_items(value: str | list[Raw]) -> tuple[Item, ...]:
+    """An `input`: a string (one user message) or a list of items, each validated."""
+    if isinstance(value, str):
+        return (text_input(value),)
+    return tuple(parse_item(bytes(raw), index) for index, raw in enumerate(value))
+
+
+def text_input(value: str) -> Item:
+    """A string `input` as the user message it stands for."""
+    raw = encode(_UserMessage(role="user", content=value))
+    return Item(raw, InputItemView(role="user", content=Raw(encode(value))))
+
+
+def parse_item(data: bytes, index: int) -> Item:
+    """One input item's JSON, validated; errors name it as ``input[index]``."""
+    try:
+        view = decode_item(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        err = from_validation_error(exc)
+        err.param = f"input[{index}]" + (f".{err.param}" if err.param else "")
+        raise err from None
+    _check_item(view, index)
+    return Item(data, view)
+
+
+def normalize_create(
+    params: CreateParams, *, websocket: bool, tool_cache: ToolCache | None = None, parse: ItemParser = parse_items
+) -> CreateRequest:
     """Validate one create; raise `ProtocolError` with the offending `param`. With `tool_cache`
-    (a WebSocket connection's), a tool list identical to the last one is not validated again."""
+    (a WebSocket connection's), a tool list identical to the last one is not validated again;
+    `parse` validates the input items (`sim.memo` passes one that looks them up)."""
     if params.background:
         raise ProtocolError(
             "Background responses are not supported over this server.",
@@ -199,7 +238,7 @@ def normalize_create(params: CreateParams, *, websocket: bool, tool_cache: ToolC
             code="invalid_value",
             param="previous_response_id",
         )
-    items = parse_items(params.input)
+    items = parse(params.input)
     tools_raw = tuple(params.tools or ())
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
@@ -216,29 +255,6 @@ def normalize_create(params: CreateParams, *, websocket: bool, tool_cache: ToolC
         generate=generate,
         preamble_key=key,
     )
-
-
-class _UserMessage(msgspec.Struct, tag_field="type", tag="message"):
-    role: str
-    content: str
-
-
-def parse_items(value: str | list[Raw]) -> tuple[Item, ...]:
-    if isinstance(value, str):
-        raw = encode(_UserMessage(role="user", content=value))
-        return (Item(raw, InputItemView(role="user", content=Raw(encode(value)))),)
-    out = []
-    for index, raw in enumerate(value):
-        data = bytes(raw)
-        try:
-            view = decode_item(data)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            err = from_validation_error(exc)
-            err.param = f"input[{index}]" + (f".{err.param}" if err.param else "")
-            raise err from None
-        _check_item(view, index)
-        out.append(Item(data, view))
-    return tuple(out)
 
 
 def _check_item(view: InputItemView, index: int) -> None:

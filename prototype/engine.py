@@ -44,6 +44,7 @@ from .conversation import (
     Context,
     CreateRequest,
     Item,
+    ItemParser,
     Preamble,
     generation_header,
     item_from_output,
@@ -309,6 +310,7 @@ class Engine:
         optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS,
         classifier: SafetyClassifier | None = None,
         render_executor: Executor | None = None,
+        item_parser: ItemParser = parse_items,
     ) -> None:
         self.model = model
         self.store = store
@@ -319,6 +321,7 @@ class Engine:
         self.optimizations = optimizations
         self.classifier = classifier or SafetyClassifier()
         self.render_executor = render_executor  # None: tokenize inline (virtual time charges it to the loop)
+        self.item_parser = item_parser  # validates the items of HTTP bodies and of loaded contexts
         self._counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
@@ -455,7 +458,7 @@ class Engine:
                 param="previous_response_id",
             )
         record = decode_stored(data)
-        items = list(parse_items(record.context))
+        items = list(self.item_parser(record.context))
         items.extend(item_from_output(o) for o in record.response.output[record.output_in_context :])
         return items
 

@@ -81,7 +81,7 @@ import itertools
 import math
 import time
 from array import array
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -134,10 +134,9 @@ def turn_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.Gen
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _turn_state(seed: int, conversation_key: int, turn_index: int) -> dict[str, Any]:
+def _turn_state(seed: int, conversation_key: int, turn_index: int) -> Mapping[str, Any]:
     """`turn_rng`'s initial bit-generator state (a SeedSequence costs ~40 µs, setting a state ~3)."""
-    state: dict[str, Any] = turn_rng(seed, conversation_key, turn_index).bit_generator.state
-    return state
+    return turn_rng(seed, conversation_key, turn_index).bit_generator.state
 
 
 def jitter_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.Generator:
@@ -376,7 +375,7 @@ class SimulatedModel:
         # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
         # `turn_rng(seed, conversation, turn)`, as one generator reset to that state: the plan
         # draws from it before anything else runs, and a policy keeps no rng past `plan`.
-        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)
+        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
         rng = self._rng
         items, truncated = self._cut(self.policy.plan(request, rng), budget)
         cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut

@@ -28,6 +28,7 @@ from msgspec import Meta, structs
 from prototype.app import ENGINE, ServerConfig, make_app, make_engine
 from prototype.client import MODES, Mode, ResponsesClient, open_client
 from prototype.clock import Clock
+from prototype.conversation import ToolCache, parse_items
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
 
@@ -35,7 +36,7 @@ from .accelerator import SimulatedModel
 from .inprocess import InProcessServer
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
-from .memo import MemoPolicy, MemoPrefixCache, memo_classifier, memo_tokenizer
+from .memo import MemoItems, MemoPolicy, MemoPrefixCache, memo_classifier, memo_tokenizer
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
@@ -193,8 +194,10 @@ async def run_compare(
             seed=config.seed,
             tokenizer=memo_tokenizer() if memoize else None,
             classifier=memo_classifier() if memoize else None,
+            item_parser=MemoItems() if memoize else parse_items,
         )
-        server = InProcessServer(engine, server_config)
+        # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
+        server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None)
 
         def client_for(mode: Mode) -> ResponsesClient:
             return server.client(mode, clock)

@@ -21,7 +21,7 @@ from aiohttp import WSMsgType
 from prototype.app import ServerConfig, WebSocketSession
 from prototype.client import ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from prototype.clock import Clock
-from prototype.conversation import normalize_create
+from prototype.conversation import ToolCache, normalize_create
 from prototype.engine import Arrival, Engine
 from prototype.errors import ProtocolError, from_validation_error
 from prototype.schemas import ServerEvent, decode_create_params, decode_server_event, encode
@@ -90,7 +90,9 @@ class _InProcessHTTP(HTTPClient):
         arrival = Arrival(engine.clock.now(), len(data), "http")
         try:
             params = decode_create_params(data)
-            create = normalize_create(params, websocket=False)
+            create = normalize_create(
+                params, websocket=False, tool_cache=self.server.tool_cache, parse=engine.item_parser
+            )
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ClientError(400, from_validation_error(exc).body()) from None
         except ProtocolError as err:
@@ -136,9 +138,15 @@ class _InProcessWS(WSClient):
 class InProcessServer:
     """The server's parts, reachable without sockets. One per simulated server."""
 
-    def __init__(self, engine: Engine, config: ServerConfig | None = None) -> None:
+    def __init__(
+        self, engine: Engine, config: ServerConfig | None = None, *, tool_cache: ToolCache | None = None
+    ) -> None:
+        """`tool_cache`: shared by every HTTP request (`sim.memo`, where CPU is free), so a tool
+        list identical to the last one is not validated again; the engine's `item_parser`
+        validates their input items."""
         self.engine = engine
         self.config = config or ServerConfig()
+        self.tool_cache = tool_cache
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):

@@ -7,9 +7,9 @@ is honest in a live run and in virtual time with `charge_cpu=True`, where its du
 is part of what is measured. With CPU free its duration is not measured at all, only its
 results are used, and those are pure functions of the input: tokenizing a text, reading
 a token chunk into the classifier, planning a turn from the request and the turn's rng,
-hashing a prompt's KV blocks. `MemoTokenizer`, `MemoClassifier`, `MemoPolicy` and
-`MemoPrefixCache` return the same results from a per-process table instead of
-recomputing them, so every count, token and verdict is identical (tests/test_memo.py
+hashing a prompt's KV blocks, validating an input item. `MemoTokenizer`, `MemoClassifier`,
+`MemoPolicy`, `MemoPrefixCache` and `MemoItems` return the same results from a per-process
+table instead of recomputing them, so every count, token and verdict is identical (tests/test_memo.py
 compares whole results) and a sweep point costs a fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
@@ -27,7 +27,9 @@ from collections.abc import Hashable, Mapping
 from typing import Any, Final
 
 import numpy as np
+from msgspec import Raw
 
+from prototype.conversation import Item, parse_item, parse_items
 from prototype.model import ModelRequest
 from prototype.safety import ClassifierState, SafetyClassifier, check_tokens
 from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
@@ -37,6 +39,7 @@ from .policy import PlannedItem, Policy
 
 __all__ = [
     "MemoClassifier",
+    "MemoItems",
     "MemoPolicy",
     "MemoPrefixCache",
     "MemoTokenizer",
@@ -48,6 +51,7 @@ TOKENIZER_BUDGET: Final = 4_000_000  # cached tokens (≈ 16 MB of arrays, plus 
 CLASSIFIER_BUDGET: Final = 16_000_000  # bytes of token chunks used as keys
 PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
+ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
 
 
 class _Lru:
@@ -186,6 +190,33 @@ def _frozen(state: Mapping[str, Any]) -> Hashable:
     return tuple((k, _frozen(v) if isinstance(v, Mapping) else v) for k, v in sorted(state.items()))
 
 
+class MemoItems:
+    """An `ItemParser` (`prototype.conversation`) that looks up items by their JSON bytes: an
+    item that validated once parses to the same `Item` wherever it comes again (the history
+    every `http` request resends, every context `http_prev` loads). Misses are validated by
+    `parse_item`, so an invalid item raises exactly as without the table."""
+
+    def __init__(self, table: _Lru | None = None) -> None:
+        self._memo = table if table is not None else _items()
+
+    def __call__(self, value: str | list[Raw]) -> tuple[Item, ...]:
+        if isinstance(value, str):
+            return parse_items(value)
+        get, out = self._memo.get, []
+        for index, raw in enumerate(value):
+            data = bytes(raw)
+            item = get(data)
+            if item is None:
+                item = parse_item(data, index)
+                self._memo.put(data, item, len(data))
+            out.append(item)
+        return tuple(out)  # type: ignore[arg-type]
+
+    @property
+    def hit_rate(self) -> float:
+        return self._memo.hit_rate
+
+
 class MemoPrefixCache(PrefixCache):
     """A `PrefixCache` whose `prepare` looks up prompts made of the same read-only chunks.
 
@@ -217,6 +248,12 @@ class MemoPrefixCache(PrefixCache):
 def _prepared() -> _Lru:
     """The process's table of prepared prompts (shared by every `MemoPrefixCache`)."""
     return _Lru(PREPARED_BUDGET)
+
+
+@functools.cache
+def _items() -> _Lru:
+    """The process's table of parsed input items (shared by every `MemoItems`)."""
+    return _Lru(ITEMS_BUDGET)
 
 
 @functools.cache

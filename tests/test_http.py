@@ -295,8 +295,8 @@ def test_the_full_history_client_resends_the_items_json_as_first_encoded() -> No
     from prototype.schemas import Response, encode
 
     client = HTTPClient("http://127.0.0.1:1", clock=None, chained=False)  # type: ignore[arg-type]
-    sent = [{"type": "message", "role": "user", "content": "héllo \"there\""}]
-    output = [{"type": "function_call", "call_id": "c1", "name": "exec", "arguments": "{\"cmd\": \"ls\"}"}]
+    sent = [{"type": "message", "role": "user", "content": 'héllo "there"'}]
+    output = [{"type": "function_call", "call_id": "c1", "name": "exec", "arguments": '{"cmd": "ls"}'}]
     response = Response(id="resp_1", created_at=0, status="completed", model="m")
     client.history.record(sent, TurnResult(response, 0.0, None, 0.0, 0, 0, output_items=output))
     new = [{"type": "function_call_output", "call_id": "c1", "output": "a\nb"}]

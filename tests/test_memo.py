@@ -155,3 +155,27 @@ def test_prepared_prompts_are_looked_up_by_their_read_only_chunks() -> None:
     after = memo.prepare((mutable,))
     assert not np.array_equal(before.keys, after.keys)
     assert np.array_equal(after.keys, plain.prepare((mutable,)).keys)
+
+
+def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
+    from msgspec import Raw
+
+    from prototype.conversation import parse_items
+    from prototype.errors import ProtocolError
+    from sim.memo import MemoItems
+
+    good = Raw(b'{"type":"function_call_output","call_id":"c1","output":"ok \\u00e9"}')
+    message = Raw(b'{"type":"message","role":"user","content":[{"type":"input_text","text":"hi"}]}')
+    bad = Raw(b'{"type":"message","role":"robot","content":"x"}')
+    memo = MemoItems(_Lru(1 << 20))
+    assert memo([good, message]) == parse_items([good, message])
+    assert memo([message, good, message]) == parse_items([message, good, message])
+    assert memo._memo.hits == 3 and memo._memo.misses == 2
+    assert memo("just text") == parse_items("just text")
+    for value in ([good, bad], [bad, good]):  # a known good item before or after: the bad one still fails
+        with pytest.raises(ProtocolError) as memoized:
+            memo(value)
+        with pytest.raises(ProtocolError) as plain:
+            parse_items(value)
+        assert memoized.value.body() == plain.value.body()
+        assert memoized.value.param == plain.value.param == f"input[{value.index(bad)}].role"

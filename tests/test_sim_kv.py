@@ -365,16 +365,17 @@ def test_probing_finds_every_resident_key_and_no_other(window: int, monkeypatch:
         keys = np.array([absent[i] for i in batch], dtype=np.uint64)
         table.reserve(len(keys))  # may rehash: every resident key moves
         if table.moves:
-            resident = dict(zip(resident, table.lookup(np.array(list(resident), dtype=np.uint64)).tolist()))
+            moved = table.lookup(np.array(list(resident), dtype=np.uint64))
+            resident = dict(zip(resident, moved.tolist(), strict=True))
         slots = table.place(keys)
         assert len(set(slots.tolist())) == len(keys) and not set(slots.tolist()) & set(resident.values()), step
-        resident.update(zip(keys.tolist(), slots.tolist()))
+        resident.update(zip(keys.tolist(), slots.tolist(), strict=True))
         table.touch(slots)
         if len(resident) > 30:  # evict the least recently used: tombstones in the runs
             table.evict(int(rng.integers(1, 8)))
         probe = np.array(pool, dtype=np.uint64)
         found = table.lookup(probe)
-        live = {int(k): int(s) for k, s in zip(probe, found) if s >= 0}
+        live = {int(k): int(s) for k, s in zip(probe, found, strict=True) if s >= 0}
         assert set(live) <= set(resident) and len(live) == table.full, step
         assert all(table.keys[s] == k for k, s in live.items()), step
         resident = live
