@@ -54,6 +54,7 @@ no adversary.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -187,52 +188,46 @@ def _common_prefix(a: _U64, b: _U64) -> int:
 
 
 _I64 = npt.NDArray[np.int64]
-_EMPTY: Final = 0  # slot states of the block table
-_FULL: Final = 1
-_DEAD: Final = 2  # a deleted key (tombstone): probing continues past it
-_FIBONACCI: Final = np.uint64(0x9E3779B97F4A7C15)  # multiplicative hashing: home slot = top bits of key * this
-_MIN_SLOTS: Final = 1 << 12
-_PROBE_WINDOW: Final = 8  # slots a probing round examines per key (2.5 expected at the highest load)
-_MAX_LOAD: Final = 0.5  # (full + dead) / slots before a rehash; linear probing stays short below this
-_REHASH_LOAD: Final = 0.25  # full / slots right after a rehash
+_MIN_SLOTS: Final = 1 << 12  # block slots allocated at least (the arrays double when full)
 _MIN_LOG: Final = 1 << 12  # recency-log entries allocated at least
 _EVICT_WINDOW: Final = 256  # recency-log entries examined at least per eviction step
 _LOG_GROWTH: Final = 4  # log entries allocated per live entry at a compaction (compactions amortize over 3x)
 
 
 class _BlockTable:
-    """Resident blocks in numpy arrays: every operation is vectorised over a batch of keys.
+    """Resident blocks: a dict from key to slot, and per-slot numpy arrays (pin count, recency
+    stamp) that every operation updates vectorised over a batch of slots.
 
-    An open-addressing hash table (linear probing, tombstones, rehash past
-    ``_MAX_LOAD``) maps a key to a slot holding its pin count and recency
-    stamp. Recency is exact LRU through an append-only log of (slot, stamp):
-    stamps only grow, so the log is in recency order, and an entry is live
-    while its slot still carries that stamp (a slot's stamp is -1 unless it is
-    resident and unpinned, so one comparison decides). Every
-    unpinned resident block has exactly one live entry (a touch stamps it anew;
-    pinning kills its entry; unpinning touches it), so the least recently used
-    unpinned blocks are the first live entries of the log. Dead entries are
-    skipped and dropped when the log is compacted.
+    Recency is exact LRU through an append-only log of (slot, stamp): stamps
+    only grow, so the log is in recency order, and an entry is live while its
+    slot still carries that stamp (a slot's stamp is -1 unless it is resident
+    and unpinned, so one comparison decides). Every unpinned resident block has
+    exactly one live entry (a touch stamps it anew; pinning kills its entry;
+    unpinning touches it), so the least recently used unpinned blocks are the
+    first live entries of the log. Dead entries are skipped and dropped when the
+    log is compacted.
 
-    Probing examines ``_PROBE_WINDOW`` slots per key per round, so a batch
-    takes one or two rounds of a dozen numpy calls each (on this VM a numpy call
-    costs 2-3 µs whatever its size up to a few thousand elements: the call
-    count, not the array length, is what a turn's few new blocks pay for).
+    Why a dict: a turn looks up and adds a few dozen keys (its new blocks), and on
+    this VM a numpy call costs 2-3 µs whatever its size up to a few thousand
+    elements, so a vectorised open-addressing table spent 30-60 calls per turn on
+    probing; a dict does a key in ~0.1 µs (a whole 3,750-key prompt is slower
+    than a vectorised probe, ~0.6 ms against ~0.2, but a conversation's next turn
+    reuses its last insert's slots and looks up only its new blocks). Slots are
+    taken from a free stack and never move; the arrays double when it runs out.
 
-    Cost (2-core VM, 60K-token prompt = 3,750 blocks, full 4M-token cache):
-    prepare + match + insert about 0.6 ms warm, 2.5 ms cold with 3,750
-    evictions. Compaction and rehash are O(resident blocks) and amortized:
-    at 250K resident blocks a compaction takes ~10-30 ms about once per 100
-    such calls, a tombstone rehash ~50-70 ms once per ~260K evictions.
+    Cost (2-core VM, 60K-token prompt = 3,750 blocks): prepare + match + insert
+    about 0.8 ms warm, 2.2-2.4 ms cold, 3.5 ms cold into a full 4M-token cache
+    (3,750 evictions; 2.3 ms with the vectorised table, whose small batches cost
+    5x more). Log compaction is O(resident blocks) and amortized: at 250K
+    resident blocks it takes ~10-30 ms about once per 100 such calls.
     """
 
     def __init__(self) -> None:
+        self.index: dict[int, int] = {}  # resident key -> its slot
         self._allocate(_MIN_SLOTS)
-        self.full = 0  # resident blocks
-        self.dead = 0  # tombstones
-        # Bumped whenever a resident key is deleted or moved (evict, rehash): adding keys never
-        # moves others (linear probing fills free slots), so a resident key's slot found under
-        # one count stays its slot while the count lasts.
+        # Bumped whenever a resident key is deleted (evict): its slot may then hold another key.
+        # Adding keys never moves others, so a key's slot found under one count stays its slot
+        # while the count lasts.
         self.moves = 0
         self.pinned = 0  # resident blocks with pins > 0
         self._clock = 0  # the last recency stamp handed out
@@ -242,126 +237,49 @@ class _BlockTable:
         self._log_size = 0
 
     def _allocate(self, slots: int) -> None:
-        self._shift = np.uint64(64 - (slots.bit_length() - 1))
-        self._mask = slots - 1
         self.keys: _U64 = np.zeros(slots, dtype=np.uint64)
-        self.state = np.zeros(slots, dtype=np.int8)
         self.pins = np.zeros(slots, dtype=np.int32)
         self.stamp: _I64 = np.full(slots, -1, dtype=np.int64)  # -1 unless resident and unpinned
-        self._claim: _I64 = np.empty(slots, dtype=np.int64)  # scratch of `place`: which key claims a slot
-        self._offsets: _I64 = np.arange(_PROBE_WINDOW, dtype=np.int64)
+        self._free: _I64 = np.arange(slots - 1, -1, -1, dtype=np.int64)  # a stack of free slots, top at the end
+        self._free_top = slots
 
-    def _home(self, keys: _U64) -> _I64:
-        home: _I64 = ((keys * _FIBONACCI) >> self._shift).view(np.int64)  # below 2^63 after the shift
-        return home
-
-    def _window(self, pos: _I64) -> _I64:
-        """The ``_PROBE_WINDOW`` slots from each of `pos` on, one row per position."""
-        window: _I64 = (pos[:, None] + self._offsets) & self._mask
-        return window
+    @property
+    def full(self) -> int:
+        """Resident blocks."""
+        return len(self.index)
 
     def lookup(self, keys: _U64) -> _I64:
         """The slot of each key, -1 where it is not resident."""
-        if not len(keys):
+        n = len(keys)
+        if not n:
             return np.empty(0, dtype=np.int64)
-        out = np.empty(len(keys), dtype=np.int64)
-        out.fill(-1)
-        pos = self._home(keys)
-        state = self.state[pos]  # one probe for all: most resident keys sit in their home slot
-        hit = (state == _FULL) & (self.keys[pos] == keys)
-        out[hit] = pos[hit]
-        active = (~hit & (state != _EMPTY)).nonzero()[0]
-        pos = (pos[active] + 1) & self._mask
-        while active.size:  # the rest a window at a time: the first slot holding the key or empty ends it
-            window = self._window(pos)
-            state = self.state[window]
-            hit = (state == _FULL) & (self.keys[window] == keys[active, None])
-            stop = hit | (state == _EMPTY)
-            first = stop.argmax(axis=1)
-            rows = np.arange(active.size)
-            found = hit[rows, first]  # False where the window holds no stop, too
-            out[active[found]] = window[rows[found], first[found]]
-            more = ~stop[rows, first]
-            active = active[more]
-            pos = (pos[more] + len(self._offsets)) & self._mask
-        return out
+        return np.fromiter(map(self.index.get, keys.tolist(), itertools.repeat(-1, n)), dtype=np.int64, count=n)
 
     def reserve(self, n: int) -> None:
-        """Make room for `n` more keys (rehash, growing if needed, past ``_MAX_LOAD``); slots change."""
-        slots = len(self.state)
-        if self.full + self.dead + n <= _MAX_LOAD * slots:
+        """Make room for `n` more keys: the slot arrays double (or more) when too few slots are free.
+        Resident keys keep their slots."""
+        if n <= self._free_top:
             return
-        size = _MIN_SLOTS
-        while (self.full + n) > _REHASH_LOAD * size:
-            size *= 2
-        live = self._live_log()  # the recency order, by old slot
-        old = np.flatnonzero(self.state == _FULL)
-        keys, pins, stamps = self.keys[old], self.pins[old], self.stamp[old]
-        remap = np.full(slots, -1, dtype=np.int64)
-        self.moves += 1
+        old = len(self.pins)
+        size = max(2 * old, old + n)
+        keys, pins, stamp, free = self.keys, self.pins, self.stamp, self._free[: self._free_top]
         self._allocate(size)
-        self.full = self.dead = 0
-        new = self._place_into_empty(keys)
-        self.pins[new] = pins
-        self.stamp[new] = stamps
-        remap[old] = new
-        self._log_slot[: live.size] = remap[self._log_slot[live]]
-        self._log_stamp[: live.size] = self._log_stamp[live]
-        self._log_head, self._log_size = 0, live.size
+        self.keys[:old], self.pins[:old], self.stamp[:old] = keys, pins, stamp
+        self._free[: size - old] = np.arange(size - 1, old - 1, -1, dtype=np.int64)
+        self._free[size - old : size - old + free.size] = free
+        self._free_top = size - old + free.size
 
     def place(self, keys: _U64) -> _I64:
-        """Insert distinct non-resident keys, unpinned and never touched; their slots. Call `reserve` first."""
-        out = np.empty(len(keys), dtype=np.int64)
-        active = np.arange(len(keys))
-        pos = self._home(keys)
-        while active.size:  # each key takes the first slot not full in its window
-            window = self._window(pos)
-            free = self.state[window] != _FULL
-            first = free.argmax(axis=1)
-            rows = np.arange(active.size)
-            want = window[rows, first]
-            seen = free[rows, first]  # False where the whole window is full
-            candidates = seen.nonzero()[0]
-            wanted = want[candidates]
-            self._claim[wanted] = candidates  # one key per slot per round: whichever write lands
-            won = candidates[self._claim[wanted] == candidates]
-            slots = want[won]
-            self.dead -= int(np.count_nonzero(self.state[slots] == _DEAD))
-            self.state[slots] = _FULL
-            self.keys[slots] = keys[active[won]]
-            self.pins[slots] = 0
-            self.stamp[slots] = -1  # matches no log entry
-            out[active[won]] = slots
-            # Losers go on from the slot they wanted (full now); keys with a full window, past it.
-            pos = np.where(seen, want, pos + len(self._offsets)) & self._mask
-            placed = np.zeros(active.size, dtype=bool)
-            placed[won] = True
-            rest = ~placed
-            active, pos = active[rest], pos[rest]
-        self.full += len(keys)
-        return out
-
-    def _place_into_empty(self, keys: _U64) -> _I64:
-        """`place` into an empty table without rounds: in order of home slot, linear probing puts key i
-        at ``max(home_i, pos_{i-1} + 1)``, i.e. ``i + cummax(home_j - j)``; keys that would run past the
-        end wrap around through `place`."""
-        order = np.argsort(self._home(keys))
-        home = self._home(keys[order])
-        index = np.arange(len(keys), dtype=np.int64)
-        pos = index + np.maximum.accumulate(home - index) if len(keys) else index
-        inside = pos <= self._mask
-        slots, placed = pos[inside], order[inside]
-        self.state[slots] = _FULL
-        self.keys[slots] = keys[placed]
+        """Insert distinct non-resident keys, unpinned and never touched; their slots."""
+        self.reserve(len(keys))
+        top = self._free_top - len(keys)
+        slots = self._free[top : self._free_top].copy()
+        self._free_top = top
+        self.keys[slots] = keys
         self.pins[slots] = 0
-        self.stamp[slots] = -1
-        self.full += slots.size
-        out = np.empty(len(keys), dtype=np.int64)
-        out[placed] = slots
-        wrapped = order[~inside]
-        if wrapped.size:
-            out[wrapped] = self.place(keys[wrapped])
-        return out
+        self.stamp[slots] = -1  # matches no log entry
+        self.index.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        return slots
 
     def touch(self, slots: _I64) -> None:
         """Make the unpinned ones of `slots` (distinct) most recently used, in order: the last one most."""
@@ -417,10 +335,12 @@ class _BlockTable:
             taken = live[:n]
             self._log_head = self._log_head + int(taken[-1]) + 1 if taken.size == n else end
             victims = window[taken]
-            self.state[victims] = _DEAD
             self.stamp[victims] = -1
-            self.full -= victims.size
-            self.dead += victims.size
+            index = self.index
+            for key in self.keys[victims].tolist():
+                del index[key]
+            self._free[self._free_top : self._free_top + victims.size] = victims
+            self._free_top += victims.size
             n -= victims.size
 
     def _live_log(self) -> _I64:
@@ -524,7 +444,6 @@ class PrefixCache:
             self._check_time(previous, now)
         prepared = self.prepare(prompt)
         table = self._table
-        table.reserve(len(prepared.keys))
         excess_before = self._excess()
         slots = self._slots(prepared)
         absent = slots < 0
