@@ -37,7 +37,7 @@ from .connection import (
     StartJob,
 )
 from .conversation import ItemParser, normalize_create, parse_items
-from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, Resumed
+from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, RenderedItems, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
@@ -145,10 +145,11 @@ def make_engine(
     classifier: SafetyClassifier | None = None,
     render_executor: Executor | None = None,
     item_parser: ItemParser = parse_items,
+    rendered: RenderedItems | None = None,
 ) -> Engine:
     """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets).
-    `tokenizer`, `classifier` and `item_parser` replace the defaults (the simulator's memoizing
-    ones, `sim.memo`).
+    `tokenizer`, `classifier`, `item_parser` and `rendered` replace the defaults (the simulator's
+    memoizing ones, `sim.memo`).
     Without `render_executor` every text is tokenized on the event loop (virtual time, where the
     loop charges that CPU to the clock)."""
     return Engine(
@@ -162,6 +163,7 @@ def make_engine(
         classifier=classifier,
         render_executor=render_executor,
         item_parser=item_parser,
+        rendered=rendered,
     )
 
 

@@ -101,6 +101,14 @@ STORE_UNAVAILABLE: Final = ProtocolError(
 OFFLOAD_CHARS: Final = 8_192
 
 
+class RenderedItems(Protocol):
+    """Tokens of items rendered before, by item (`sim.memo.MemoRendered`, where CPU is free)."""
+
+    def get(self, item: Item) -> TokenArray | None: ...
+
+    def put(self, item: Item, tokens: TokenArray) -> None: ...
+
+
 def _encode_all(tokenizer: Tokenizer, texts: Sequence[str]) -> list[TokenArray]:
     return [tokenizer.encode(text) for text in texts]
 
@@ -311,6 +319,7 @@ class Engine:
         classifier: SafetyClassifier | None = None,
         render_executor: Executor | None = None,
         item_parser: ItemParser = parse_items,
+        rendered: RenderedItems | None = None,
     ) -> None:
         self.model = model
         self.store = store
@@ -322,6 +331,7 @@ class Engine:
         self.classifier = classifier or SafetyClassifier()
         self.render_executor = render_executor  # None: tokenize inline (virtual time charges it to the loop)
         self.item_parser = item_parser  # validates the items of HTTP bodies and of loaded contexts
+        self.rendered = rendered  # None: every item is rendered and tokenized when used
         self._counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
@@ -432,18 +442,31 @@ class Engine:
         """The items' tokens. Items whose texts add up to `OFFLOAD_CHARS` or more are tokenized
         on `render_executor` if there is one (the BPE releases the GIL): the event loop keeps
         pacing other streams meanwhile."""
-        texts = render_texts(items)
-        if self.render_executor is not None and sum(map(len, texts)) >= OFFLOAD_CHARS:
-            loop = asyncio.get_running_loop()
-            chunks = await loop.run_in_executor(self.render_executor, _encode_all, self.tokenizer, texts)
-        else:
-            chunks = _encode_all(self.tokenizer, texts)
+        rendered = self.rendered
+        if rendered is None:
+            chunks = await self._tokenize(render_texts(items))
+        else:  # items rendered before are looked up; the rest rendered and recorded
+            found = [rendered.get(item) for item in items]
+            missing = [item for item, tokens in zip(items, found, strict=True) if tokens is None]
+            fresh = iter(await self._tokenize(render_texts(missing)) if missing else ())
+            chunks = []
+            for item, tokens in zip(items, found, strict=True):
+                if tokens is None:
+                    tokens = next(fresh)
+                    rendered.put(item, tokens)
+                chunks.append(tokens)
         n = sum(len(c) for c in chunks)
         self._counts.items_rendered += len(items)
         self._counts.tokens_rendered += n
         if report is not None:
             report.tokens_rendered += n
         return chunks
+
+    async def _tokenize(self, texts: list[str]) -> list[TokenArray]:
+        if self.render_executor is not None and sum(map(len, texts)) >= OFFLOAD_CHARS:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self.render_executor, _encode_all, self.tokenizer, texts)
+        return _encode_all(self.tokenizer, texts)
 
     async def _load(self, response_id: str) -> list[Item]:
         try:

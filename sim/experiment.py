@@ -36,7 +36,7 @@ from .accelerator import SimulatedModel
 from .inprocess import InProcessServer
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
-from .memo import MemoItems, MemoPolicy, MemoPrefixCache, memo_classifier, memo_tokenizer
+from .memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from .metrics import ModeSummary, summarize
 from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
@@ -195,6 +195,7 @@ async def run_compare(
             tokenizer=memo_tokenizer() if memoize else None,
             classifier=memo_classifier() if memoize else None,
             item_parser=MemoItems() if memoize else parse_items,
+            rendered=MemoRendered() if memoize else None,
         )
         # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
         server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None)

@@ -7,9 +7,9 @@ is honest in a live run and in virtual time with `charge_cpu=True`, where its du
 is part of what is measured. With CPU free its duration is not measured at all, only its
 results are used, and those are pure functions of the input: tokenizing a text, reading
 a token chunk into the classifier, planning a turn from the request and the turn's rng,
-hashing a prompt's KV blocks, validating an input item. `MemoTokenizer`, `MemoClassifier`,
-`MemoPolicy`, `MemoPrefixCache` and `MemoItems` return the same results from a per-process
-table instead of recomputing them, so every count, token and verdict is identical (tests/test_memo.py
+hashing a prompt's KV blocks, validating an input item and rendering it. `MemoTokenizer`, `MemoClassifier`,
+`MemoPolicy`, `MemoPrefixCache`, `MemoItems` and `MemoRendered` return the same results from
+a per-process table instead of recomputing them, so every count, token and verdict is identical (tests/test_memo.py
 compares whole results) and a sweep point costs a fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
@@ -40,6 +40,7 @@ from .policy import PlannedItem, Policy
 __all__ = [
     "MemoClassifier",
     "MemoItems",
+    "MemoRendered",
     "MemoPolicy",
     "MemoPrefixCache",
     "MemoTokenizer",
@@ -51,6 +52,7 @@ TOKENIZER_BUDGET: Final = 4_000_000  # cached tokens (≈ 16 MB of arrays, plus 
 CLASSIFIER_BUDGET: Final = 16_000_000  # bytes of token chunks used as keys
 PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
+RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
 ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
 
 
@@ -217,6 +219,31 @@ class MemoItems:
         return self._memo.hit_rate
 
 
+class MemoRendered:
+    """`prototype.engine.RenderedItems`: an item's tokens, keyed on the item's identity (the
+    table keeps the item alive, so an identity is never reused while its entry lasts). With
+    `MemoItems` an item that comes again is the same object, so the history an `http` request
+    resends is neither decoded to text again nor looked up by its text; the tokens are the
+    tokenizer's, made read-only."""
+
+    def __init__(self, table: _Lru | None = None) -> None:
+        self._memo = table if table is not None else _rendered()
+
+    def get(self, item: Item) -> TokenArray | None:
+        entry: tuple[Item, TokenArray] | None = self._memo.get(id(item))  # type: ignore[assignment]
+        if entry is None or entry[0] is not item:
+            return None
+        return entry[1]
+
+    def put(self, item: Item, tokens: TokenArray) -> None:
+        tokens.flags.writeable = False
+        self._memo.put(id(item), (item, tokens), max(1, tokens.size))
+
+    @property
+    def hit_rate(self) -> float:
+        return self._memo.hit_rate
+
+
 class MemoPrefixCache(PrefixCache):
     """A `PrefixCache` whose `prepare` looks up prompts made of the same read-only chunks.
 
@@ -248,6 +275,12 @@ class MemoPrefixCache(PrefixCache):
 def _prepared() -> _Lru:
     """The process's table of prepared prompts (shared by every `MemoPrefixCache`)."""
     return _Lru(PREPARED_BUDGET)
+
+
+@functools.cache
+def _rendered() -> _Lru:
+    """The process's table of rendered items (shared by every `MemoRendered`)."""
+    return _Lru(RENDERED_BUDGET)
 
 
 @functools.cache

@@ -179,3 +179,20 @@ def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
             parse_items(value)
         assert memoized.value.body() == plain.value.body()
         assert memoized.value.param == plain.value.param == f"input[{value.index(bad)}].role"
+
+
+def test_rendered_items_are_looked_up_by_identity() -> None:
+    from msgspec import Raw
+
+    from prototype.conversation import parse_items
+    from sim.memo import MemoRendered
+
+    raw = Raw(b'{"type":"function_call_output","call_id":"c1","output":"ok"}')
+    (item,) = parse_items([raw])
+    (equal,) = parse_items([raw])  # equal, not the same object
+    rendered = MemoRendered(_Lru(1 << 20))
+    tokens = get_tokenizer().encode("<|start|>tool<|message|>ok<|end|>")
+    assert rendered.get(item) is None
+    rendered.put(item, tokens)
+    assert rendered.get(item) is tokens and not tokens.flags.writeable
+    assert rendered.get(equal) is None
