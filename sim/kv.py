@@ -181,10 +181,13 @@ class _Pin:
 
 
 def _common_prefix(a: _U64, b: _U64) -> int:
-    """Length of the common prefix of two key arrays (chained keys never re-converge)."""
+    """Length of the common prefix of two key arrays. Chained keys never re-converge, so equal
+    last keys mean equal prefixes (the usual case: a conversation's prompt grew)."""
     n = min(len(a), len(b))
+    if n == 0 or a[n - 1] == b[n - 1]:
+        return n
     equal = a[:n] == b[:n]
-    return n if bool(equal.all()) else int(np.argmin(equal))
+    return int(np.argmin(equal))
 
 
 _I64 = npt.NDArray[np.int64]
@@ -283,7 +286,8 @@ class _BlockTable:
 
     def touch(self, slots: _I64) -> None:
         """Make the unpinned ones of `slots` (distinct) most recently used, in order: the last one most."""
-        slots = slots[self.pins[slots] == 0]
+        if self.pinned:
+            slots = slots[self.pins[slots] == 0]
         n = slots.size
         if n == 0 or self._is_recent(slots):
             return
@@ -306,7 +310,13 @@ class _BlockTable:
         (`slots` are unpinned) or evicted (eviction moves the head past the victims' entries).
         """
         start = self._log_size - slots.size
-        return start >= self._log_head and bool(np.array_equal(self._log_slot[start : self._log_size], slots))
+        log = self._log_slot
+        return (
+            start >= self._log_head
+            and log[start] == slots[0]  # two cheap rejections first: a grown prompt differs at its tail
+            and log[self._log_size - 1] == slots[-1]
+            and bool((log[start : self._log_size] == slots).all())
+        )
 
     def pin(self, slots: _I64) -> None:
         """One more pin on each of `slots` (distinct)."""
@@ -331,7 +341,7 @@ class _BlockTable:
                 raise RuntimeError("recency log has no entry for an unpinned block")
             window = self._log_slot[self._log_head : end]
             stamps = self._log_stamp[self._log_head : end]
-            live = np.flatnonzero(self.stamp[window] == stamps)
+            live = (self.stamp[window] == stamps).nonzero()[0]
             taken = live[:n]
             self._log_head = self._log_head + int(taken[-1]) + 1 if taken.size == n else end
             victims = window[taken]
@@ -420,7 +430,7 @@ class PrefixCache:
         limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
         slots = self._lookup_after_insert(prepared.keys[:limit])
         self._matched = (prepared, self._table.moves, slots)
-        misses = np.flatnonzero(slots < 0)
+        misses = (slots < 0).nonzero()[0]
         hits = int(misses[0]) if misses.size else limit
         self._table.touch(slots[:hits][::-1])
         matched = hits * self.block_tokens
