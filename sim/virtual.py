@@ -26,9 +26,10 @@ that is a deadlock and raises `VirtualDeadlock` instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import selectors
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from typing import Any, TypeVar
 
 from prototype.clock import Clock
@@ -101,9 +102,68 @@ class VirtualClock:
         return EPOCH_S + self.now()
 
     async def sleep_until(self, deadline: float) -> None:
-        delay = deadline - self.now()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        loop = asyncio.get_running_loop()
+        if deadline > loop.time():
+            await _Alarm(loop, deadline)
+
+
+class _Alarm:
+    """What `VirtualClock.sleep_until` awaits: a future-like object (asyncio's duck-typed
+    protocol: ``_asyncio_future_blocking``, ``get_loop``, ``add_done_callback``, ``result``,
+    ``cancel``) whose timer calls the waiting task's wake-up itself. `asyncio.sleep` costs two
+    callbacks in two loop iterations (the timer sets a future, whose callback then wakes the
+    task); this costs one, and a virtual rollout waits 7 times a turn. The task wakes at the
+    same virtual time as with `asyncio.sleep`."""
+
+    __slots__ = ("_asyncio_future_blocking", "_cancelled", "_context", "_handle", "_loop", "_message", "_wake", "_when")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        self._loop = loop
+        self._when = when
+        self._asyncio_future_blocking = False
+        self._handle: asyncio.TimerHandle | None = None
+        self._wake: Callable[[_Alarm], object] | None = None
+        self._context: contextvars.Context | None = None
+        self._cancelled = False
+        self._message: object = None
+
+    def __await__(self) -> Generator[_Alarm, None, None]:
+        self._asyncio_future_blocking = True
+        yield self  # the task calls add_done_callback(its wake-up); result() raises if cancelled
+
+    def get_loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def add_done_callback(self, fn: Callable[[_Alarm], object], *, context: contextvars.Context | None = None) -> None:
+        if self._wake is not None:
+            raise RuntimeError("an alarm wakes one task")
+        self._wake, self._context = fn, context
+        self._handle = self._loop.call_at(self._when, fn, self, context=context)
+
+    def remove_done_callback(self, fn: Callable[[_Alarm], object]) -> int:
+        if self._wake is None or fn != self._wake:
+            return 0
+        if self._handle is not None:
+            self._handle.cancel()
+        self._wake = self._handle = None
+        return 1
+
+    def result(self) -> None:
+        if self._cancelled:
+            raise asyncio.CancelledError(*(() if self._message is None else (self._message,)))
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self, msg: object = None) -> bool:
+        """The task is being cancelled while it waits (its wake-up has not run: then it would not
+        wait any more): wake it now, with `CancelledError`."""
+        if self._cancelled or self._handle is None or self._wake is None:
+            return False
+        self._handle.cancel()
+        self._cancelled, self._message = True, msg
+        self._loop.call_soon(self._wake, self, context=self._context)
+        return True
 
 
 def run_virtual(main: Callable[[], Coroutine[Any, Any, T]] | Awaitable[T], *, charge_cpu: bool = True) -> T:

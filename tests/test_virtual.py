@@ -42,6 +42,61 @@ def test_sleep_until_is_absolute() -> None:
     assert run_virtual(main, charge_cpu=False) == 10.0
 
 
+def test_clock_sleeps_interleave_with_asyncio_sleeps_in_deadline_order() -> None:
+    """`VirtualClock.sleep_until` wakes its task from the timer itself (one callback, not two):
+    tasks still wake in deadline order, whichever way they sleep."""
+    order: list[tuple[float, str]] = []
+
+    async def sleeper(name: str, deadlines: list[float], clock_sleeps: bool) -> None:
+        clock = VirtualClock()
+        for deadline in deadlines:
+            if clock_sleeps:
+                await clock.sleep_until(deadline)
+            else:
+                await asyncio.sleep(deadline - clock.now())
+            order.append((round(clock.now(), 9), name))
+
+    async def main() -> None:
+        await asyncio.gather(sleeper("a", [1.0, 3.0], True), sleeper("b", [1.5, 2.5], False), sleeper("c", [2.0], True))
+
+    run_virtual(main, charge_cpu=False)
+    assert order == [(1.0, "a"), (1.5, "b"), (2.0, "c"), (2.5, "b"), (3.0, "a")]
+
+
+@pytest.mark.parametrize("how", ["cancel", "wait_for", "timeout"])
+def test_a_clock_sleep_can_be_cancelled(how: str) -> None:
+    """Cancelled while it waits, the task gets CancelledError at once (with the message), and the
+    abandoned timer wakes nothing later."""
+
+    async def main() -> tuple[float, str]:
+        clock = VirtualClock()
+        loop = asyncio.get_running_loop()
+        if how == "cancel":
+            task = loop.create_task(clock.sleep_until(10.0))
+            await asyncio.sleep(2.0)
+            task.cancel("enough")
+            try:
+                await task
+            except asyncio.CancelledError as exc:
+                message = str(exc)
+        elif how == "wait_for":
+            try:
+                await asyncio.wait_for(clock.sleep_until(10.0), timeout=2.0)
+            except TimeoutError:
+                message = "timed out"
+        else:
+            try:
+                async with asyncio.timeout(2.0):
+                    await clock.sleep_until(10.0)
+            except TimeoutError:
+                message = "timed out"
+        cancelled_at = clock.now()
+        await asyncio.sleep(20.0)  # past the abandoned deadline: nothing may wake or fail
+        return cancelled_at, message
+
+    assert run_virtual(main, charge_cpu=False) == (2.0, "enough" if how == "cancel" else "timed out")
+
+
 def test_a_task_waiting_forever_is_a_deadlock_not_a_hang() -> None:
     async def main() -> None:
         await asyncio.get_running_loop().create_future()
