@@ -33,7 +33,7 @@ from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
 
 from .accelerator import SimulatedModel
-from .inprocess import InProcessServer
+from .inprocess import InProcessServer, Tap
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
 from .memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
@@ -156,13 +156,14 @@ async def run_compare(
     progress: bool = False,
     pace_by_turn: bool = False,
     memoize: bool = False,
+    tap: Tap | None = None,
 ) -> CompareResult:
     """Run every mode of `config` against one server (see the module docstring). `pace_by_turn`:
     the model waits only for each turn's first and last token (`SimulatedModel`), for summaries
     in virtual time without a wake-up per token. `memoize`: planning, tokenizing, classifying and
     hashing KV blocks look up work done before in this process (`sim.memo`); only for virtual
     time with CPU free, where that work's duration is not measured (same results, less wall
-    time)."""
+    time). `tap` (virtual only) sees every body and frame the in-process transports carry."""
     check(config, virtual=virtual)
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
@@ -198,7 +199,7 @@ async def run_compare(
             rendered=MemoRendered() if memoize else None,
         )
         # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
-        server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None)
+        server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None, tap=tap)
 
         def client_for(mode: Mode) -> ResponsesClient:
             return server.client(mode, clock)

@@ -12,7 +12,8 @@ waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Literal
 
 import aiohttp
 import msgspec
@@ -26,20 +27,26 @@ from prototype.engine import Arrival, Engine
 from prototype.errors import ProtocolError, from_validation_error
 from prototype.schemas import ServerEvent, decode_create_params, decode_server_event, encode
 
-__all__ = ["InProcessServer"]
+__all__ = ["InProcessServer", "Tap"]
 
 _CLOSED = aiohttp.WSMessage(WSMsgType.CLOSED, None, None)
+Tap = Callable[[Literal["up", "down"], bytes], None]
 
 
 class _ServerSocket:
     """The server's end of an in-process WebSocket: what `WebSocketSession` uses of aiohttp's."""
 
-    def __init__(self, inbox: asyncio.Queue[str | None], outbox: asyncio.Queue[aiohttp.WSMessage]) -> None:
+    def __init__(
+        self, inbox: asyncio.Queue[str | None], outbox: asyncio.Queue[aiohttp.WSMessage], tap: Tap | None
+    ) -> None:
         self.inbox = inbox
         self.outbox = outbox
         self.closed = False
+        self.tap = tap
 
     async def send_frame(self, data: bytes, opcode: WSMsgType) -> None:
+        if self.tap is not None:
+            self.tap("down", bytes(data))
         self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, bytes(data).decode(), None))
 
     async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
@@ -63,12 +70,17 @@ class _ServerSocket:
 class _ClientSocket:
     """The client's end: `TextSocket` for `WSClient`."""
 
-    def __init__(self, inbox: asyncio.Queue[aiohttp.WSMessage], outbox: asyncio.Queue[str | None]) -> None:
+    def __init__(
+        self, inbox: asyncio.Queue[aiohttp.WSMessage], outbox: asyncio.Queue[str | None], tap: Tap | None
+    ) -> None:
         self.inbox = inbox
         self.outbox = outbox
         self.session_task: asyncio.Task[None] | None = None
+        self.tap = tap
 
     async def send_str(self, data: str) -> None:
+        if self.tap is not None:
+            self.tap("up", data.encode())
         self.outbox.put_nowait(data)
 
     async def receive(self) -> aiohttp.WSMessage:
@@ -86,7 +98,9 @@ class _InProcessHTTP(HTTPClient):
         self.server = server
 
     async def _exchange(self, data: bytes) -> AsyncIterator[ServerEvent]:
-        engine = self.server.engine
+        engine, tap = self.server.engine, self.server.tap
+        if tap is not None:
+            tap("up", data)
         arrival = Arrival(engine.clock.now(), len(data), "http")
         try:
             params = decode_create_params(data)
@@ -101,7 +115,10 @@ class _InProcessHTTP(HTTPClient):
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
-                queue.put_nowait(decode_server_event(encode(ev)))  # the bytes a socket would carry
+                data = encode(ev)  # the bytes a socket would carry
+                if tap is not None:
+                    tap("down", data)
+                queue.put_nowait(decode_server_event(data))
 
         async def run() -> None:
             try:
@@ -128,8 +145,8 @@ class _InProcessWS(WSClient):
     async def _connect(self) -> TextSocket:
         to_server: asyncio.Queue[str | None] = asyncio.Queue()
         to_client: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
-        server_end = _ServerSocket(to_server, to_client)
-        client_end = _ClientSocket(to_client, to_server)
+        server_end = _ServerSocket(to_server, to_client, self.server.tap)
+        client_end = _ClientSocket(to_client, to_server, self.server.tap)
         session = WebSocketSession(self.server.engine, self.server.config, server_end, append_mode=self.append_mode)  # type: ignore[arg-type]
         client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
         return client_end
@@ -139,14 +156,21 @@ class InProcessServer:
     """The server's parts, reachable without sockets. One per simulated server."""
 
     def __init__(
-        self, engine: Engine, config: ServerConfig | None = None, *, tool_cache: ToolCache | None = None
+        self,
+        engine: Engine,
+        config: ServerConfig | None = None,
+        *,
+        tool_cache: ToolCache | None = None,
+        tap: Tap | None = None,
     ) -> None:
         """`tool_cache`: shared by every HTTP request (`sim.memo`, where CPU is free), so a tool
         list identical to the last one is not validated again; the engine's `item_parser`
-        validates their input items."""
+        validates their input items. `tap`: called with ("up" or "down", bytes) for every
+        request body, client frame, event and server frame carried (to count or time them)."""
         self.engine = engine
         self.config = config or ServerConfig()
         self.tool_cache = tool_cache
+        self.tap = tap
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):

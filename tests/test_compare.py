@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 from pathlib import Path
 
@@ -166,3 +167,25 @@ async def test_compare_runs_where_an_event_loop_already_runs() -> None:
     here = compare(config, virtual=True, free_cpu=True)
     assert [len(r.turns) for r in here.rollouts] == [3, 3]
     assert here.summary == run(config, virtual=True, free_cpu=True).summary  # deterministic in virtual time
+
+
+def _record(frames: list[tuple[str, bytes]], direction: str, data: bytes) -> None:
+    frames.append((direction, data))
+
+
+def test_the_tap_sees_what_each_client_sent_and_every_event() -> None:
+    """`run_compare(tap=...)`: every body and frame the in-process transports carry, as bytes."""
+    from sim.experiment import run_compare
+    from sim.virtual import VirtualClock, run_virtual
+
+    for mode in ("http", "http_prev", "ws", "append"):
+        frames: list[tuple[str, bytes]] = []
+        config = msgspec.structs.replace(SMALL, rollouts=1, modes=(mode,))
+        main = run_compare(config, VirtualClock(), virtual=True, tap=functools.partial(_record, frames))
+        result = run_virtual(main, charge_cpu=False)
+        turns = result.rollouts[0].turns
+        up = [data for direction, data in frames if direction == "up"]
+        down = [data for direction, data in frames if direction == "down"]
+        assert [len(data) for data in up] == [t.bytes_sent for t in turns], mode
+        assert len(down) == sum(t.events for t in turns), mode
+        assert msgspec.json.decode(down[-1])["type"] == "response.completed", mode
