@@ -378,9 +378,11 @@ class PrefixCache:
     is ``capacity_tokens // block_tokens`` blocks). A prompt is a sequence of
     uint32 token-id arrays whose concatenation is the prompt
     (`prototype.model.ModelRequest.prompt`), or a `PreparedPrompt` from
-    `prepare` (to hash once for a `match` and its `insert`). Every operation is
-    vectorised over the prompt's blocks (`_BlockTable`, which states costs): no
-    Python loop per block. Not thread-safe; no I/O, no clock.
+    `prepare` (to hash once for a `match` and its `insert`). Hashing and the
+    recency bookkeeping are vectorised over the prompt's blocks; keys are found
+    and added through a dict (`_BlockTable`, which states costs), and a
+    conversation's next turn looks up only its new blocks. Not thread-safe; no
+    I/O, no clock.
     """
 
     def __init__(

@@ -7,10 +7,11 @@ is honest in a live run and in virtual time with `charge_cpu=True`, where its du
 is part of what is measured. With CPU free its duration is not measured at all, only its
 results are used, and those are pure functions of the input: tokenizing a text, reading
 a token chunk into the classifier, planning a turn from the request and the turn's rng,
-hashing a prompt's KV blocks, validating an input item and rendering it. `MemoTokenizer`, `MemoClassifier`,
-`MemoPolicy`, `MemoPrefixCache`, `MemoItems` and `MemoRendered` return the same results from
-a per-process table instead of recomputing them, so every count, token and verdict is identical (tests/test_memo.py
-compares whole results) and a sweep point costs a fraction of the wall time.
+hashing a prompt's KV blocks, validating an input item and rendering it. `MemoTokenizer`,
+`MemoClassifier`, `MemoPolicy`, `MemoPrefixCache`, `MemoItems` and `MemoRendered` return
+the same results from a per-process table instead of recomputing them, so every count,
+token and verdict is identical (tests/test_memo.py compares whole results) and a sweep
+point costs a fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
 then exactly what the comparison measures. `run_compare(memoize=True)` refuses a live run.
