@@ -28,7 +28,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 from msgspec import Raw
@@ -70,6 +70,7 @@ __all__ = [
     "render_preamble",
 ]
 
+T = TypeVar("T")
 MESSAGE_ROLES: Final = frozenset({"user", "assistant", "system", "developer"})
 # Item types produced by the model: a run of them is one model turn.
 MODEL_ITEM_TYPES: Final = frozenset({"function_call", "reasoning", "custom_tool_call"})
@@ -201,14 +202,19 @@ def text_input(value: str) -> Item:
 
 def parse_item(data: bytes, index: int) -> Item:
     """One input item's JSON, validated; errors name it as ``input[index]``."""
-    try:
-        view = decode_item(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        err = from_validation_error(exc)
-        err.param = f"input[{index}]" + (f".{err.param}" if err.param else "")
-        raise err from None
+    view = _decode_at(decode_item, data, f"input[{index}]")
     _check_item(view, index)
     return Item(data, view)
+
+
+def _decode_at(decode: Callable[[bytes | Raw], T], data: bytes | Raw, where: str) -> T:
+    """`decode(data)`; a decode or validation error names its place under `where`."""
+    try:
+        return decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        err = from_validation_error(exc)
+        err.param = where + (f".{err.param}" if err.param else "")
+        raise err from None
 
 
 def normalize_create(
@@ -314,12 +320,7 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
     tools = []
     seen: set[str] = set()
     for index, raw in enumerate(tools_raw):
-        try:
-            view = decode_tool(raw)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            err = from_validation_error(exc)
-            err.param = f"tools[{index}]" + (f".{err.param}" if err.param else "")
-            raise err from None
+        view = _decode_at(decode_tool, raw, f"tools[{index}]")
         if view.type != "function":
             continue  # namespace, web_search, custom, …: accepted and echoed, never called by the simulator
         if not view.name:
