@@ -14,12 +14,13 @@ and a cache warmed by the previous mode would favour whichever runs later.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
 from aiohttp import web
@@ -168,7 +169,7 @@ async def run_compare(
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
-    specs, policy = _rollouts(config)
+    specs, policy = _rollouts(config, memoize=memoize)
     if memoize:
         policy = MemoPolicy(policy)
     model = SimulatedModel(
@@ -251,15 +252,18 @@ async def run_compare(
     return CompareResult(config, virtual, results, summarize(results, kv_idle))
 
 
-def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], Policy]:
-    """The rollouts every mode runs, and the policy of the server's model."""
+def _rollouts(config: CompareConfig, *, memoize: bool = False) -> tuple[list[RolloutSpec], Policy]:
+    """The rollouts every mode runs, and the policy of the server's model. With `memoize`, a
+    custom rollout drawn before in this process is reused (a spec is immutable): the points
+    of a sweep that differ only in speed share it, texts and all."""
     if config.trace is not None:
         return replay_plan(load_trace(config.trace), config.seed)
     if config.workload != "custom":
         specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
         return specs, DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation)
+    make = _memo_spec if memoize else make_spec
     specs = [
-        make_spec(
+        make(
             config.seed,
             i,
             max_turns=config.tool_calls,
@@ -271,6 +275,9 @@ def _rollouts(config: CompareConfig) -> tuple[list[RolloutSpec], Policy]:
         for i in range(config.rollouts)
     ]
     return specs, DefaultPolicy(tool_calls=config.tool_calls)
+
+
+_memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
 
 
 def _progress(done: int, total: int, width: int = 30) -> None:
