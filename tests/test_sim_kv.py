@@ -410,7 +410,7 @@ def test_blocks_placed_where_evicted_ones_were_are_touched_anew() -> None:
 def test_growing_between_a_match_and_its_insert_moves_no_block(monkeypatch: pytest.MonkeyPatch) -> None:
     """A model turn matches, then inserts the same prepared prompt; here the insert's new blocks
     outgrow the slot arrays, which moves no resident block, so the match's slots stay valid.
-    (An eviction in between does void them: the reference walk below releases between the two.)"""
+    (An eviction in between does void them: the next test.)"""
     monkeypatch.setattr(kv, "_MIN_SLOTS", 8)
     cache = PrefixCache(B, capacity_tokens=1_000 * B)
     prompt = tokens(12 * B + 1)
