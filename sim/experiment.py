@@ -161,13 +161,16 @@ async def run_compare(
 ) -> CompareResult:
     """Run every mode of `config` against one server (see the module docstring). `pace_by_turn`:
     the model waits only for each turn's first and last token (`SimulatedModel`), for summaries
-    in virtual time without a wake-up per token. `memoize`: planning, tokenizing, classifying and
-    hashing KV blocks look up work done before in this process (`sim.memo`); only for virtual
-    time with CPU free, where that work's duration is not measured (same results, less wall
-    time). `tap` (virtual only) sees every body and frame the in-process transports carry."""
+    in virtual time without a wake-up per token. `memoize`: planning, tokenizing, classifying,
+    hashing KV blocks, validating and rendering input items and drawing rollout specs look up
+    work done before in this process (`sim.memo`); only for virtual time with CPU free, where
+    that work's duration is not measured (same results, less wall time). `tap` (virtual only)
+    sees every body and frame the in-process transports carry."""
     check(config, virtual=virtual)
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
+    if tap is not None and not virtual:
+        raise ValueError("tap= sees the in-process transport of a virtual run; a live run uses sockets")
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, policy = _rollouts(config, memoize=memoize)
     if memoize:

@@ -104,6 +104,11 @@ async def test_a_live_run_refuses_to_memoize() -> None:
         await run_compare(CONFIG, AsyncioClock(), virtual=False, memoize=True)
 
 
+async def test_a_live_run_refuses_a_tap() -> None:
+    with pytest.raises(ValueError, match="tap"):
+        await run_compare(CONFIG, AsyncioClock(), virtual=False, tap=lambda direction, data: None)
+
+
 def test_plans_equal_the_real_plan_and_leave_the_rng_where_it_would_be() -> None:
     real, table = DefaultPolicy(tool_calls=3), _Lru(1_000_000)
     memo = MemoPolicy(real, table)
