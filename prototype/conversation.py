@@ -64,7 +64,6 @@ __all__ = [
     "normalize_create",
     "parse_item",
     "parse_items",
-    "text_input",
     "render_items",
     "render_texts",
     "render_preamble",
@@ -190,14 +189,9 @@ ItemParser = Callable[[str | list[Raw]], tuple[Item, ...]]  # `parse_items`, or 
 def parse_items(value: str | list[Raw]) -> tuple[Item, ...]:
     """An `input`: a string (one user message) or a list of items, each validated."""
     if isinstance(value, str):
-        return (text_input(value),)
+        raw = encode(_UserMessage(role="user", content=value))
+        return (Item(raw, InputItemView(role="user", content=Raw(encode(value)))),)
     return tuple(parse_item(bytes(raw), index) for index, raw in enumerate(value))
-
-
-def text_input(value: str) -> Item:
-    """A string `input` as the user message it stands for."""
-    raw = encode(_UserMessage(role="user", content=value))
-    return Item(raw, InputItemView(role="user", content=Raw(encode(value))))
 
 
 def parse_item(data: bytes, index: int) -> Item:

@@ -447,14 +447,13 @@ class Engine:
             chunks = await self._tokenize(render_texts(items))
         else:  # items rendered before are looked up; the rest rendered and recorded
             found = [rendered.get(item) for item in items]
-            missing = [item for item, tokens in zip(items, found, strict=True) if tokens is None]
-            fresh = iter(await self._tokenize(render_texts(missing)) if missing else ())
-            chunks = []
-            for item, tokens in zip(items, found, strict=True):
-                if tokens is None:
-                    tokens = next(fresh)
-                    rendered.put(item, tokens)
-                chunks.append(tokens)
+            missing = [i for i, tokens in enumerate(found) if tokens is None]
+            if missing:
+                fresh = await self._tokenize(render_texts([items[i] for i in missing]))
+                for i, tokens in zip(missing, fresh, strict=True):
+                    found[i] = tokens
+                    rendered.put(items[i], tokens)
+            chunks = found  # type: ignore[assignment]  # no None left
         n = sum(len(c) for c in chunks)
         self._counts.items_rendered += len(items)
         self._counts.tokens_rendered += n

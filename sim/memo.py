@@ -55,6 +55,12 @@ PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
 ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
+_BUDGETS: Final = {
+    "plans": PLAN_BUDGET,
+    "prepared": PREPARED_BUDGET,
+    "rendered": RENDERED_BUDGET,
+    "items": ITEMS_BUDGET,
+}
 
 
 class _Lru:
@@ -163,7 +169,7 @@ class MemoPolicy:
     def __init__(self, policy: Policy, table: _Lru | None = None) -> None:
         self.policy = policy
         self._key_of = getattr(policy, "plan_key", None)
-        self._memo = table if table is not None else _plans()
+        self._memo = table if table is not None else _shared("plans")
 
     def plan(self, request: ModelRequest, rng: np.random.Generator) -> list[PlannedItem]:
         if self._key_of is None:
@@ -200,7 +206,7 @@ class MemoItems:
     `parse_item`, so an invalid item raises exactly as without the table."""
 
     def __init__(self, table: _Lru | None = None) -> None:
-        self._memo = table if table is not None else _items()
+        self._memo = table if table is not None else _shared("items")
 
     def __call__(self, value: str | list[Raw]) -> tuple[Item, ...]:
         if isinstance(value, str):
@@ -228,7 +234,7 @@ class MemoRendered:
     tokenizer's, made read-only."""
 
     def __init__(self, table: _Lru | None = None) -> None:
-        self._memo = table if table is not None else _rendered()
+        self._memo = table if table is not None else _shared("rendered")
 
     def get(self, item: Item) -> TokenArray | None:
         entry: tuple[Item, TokenArray] | None = self._memo.get(id(item))  # type: ignore[assignment]
@@ -258,7 +264,7 @@ class MemoPrefixCache(PrefixCache):
 
     def __init__(self, *args: Any, table: _Lru | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._memo = table if table is not None else _prepared()
+        self._memo = table if table is not None else _shared("prepared")
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         if isinstance(prompt, PreparedPrompt) or any(chunk.flags.writeable for chunk in prompt):
@@ -273,27 +279,10 @@ class MemoPrefixCache(PrefixCache):
 
 
 @functools.cache
-def _prepared() -> _Lru:
-    """The process's table of prepared prompts (shared by every `MemoPrefixCache`)."""
-    return _Lru(PREPARED_BUDGET)
-
-
-@functools.cache
-def _rendered() -> _Lru:
-    """The process's table of rendered items (shared by every `MemoRendered`)."""
-    return _Lru(RENDERED_BUDGET)
-
-
-@functools.cache
-def _items() -> _Lru:
-    """The process's table of parsed input items (shared by every `MemoItems`)."""
-    return _Lru(ITEMS_BUDGET)
-
-
-@functools.cache
-def _plans() -> _Lru:
-    """The process's table of planned turns (shared by every `MemoPolicy`)."""
-    return _Lru(PLAN_BUDGET)
+def _shared(kind: str) -> _Lru:
+    """The process's table for one kind of work, shared by every memoizing object of that
+    kind that is not given its own table."""
+    return _Lru(_BUDGETS[kind])
 
 
 @functools.cache

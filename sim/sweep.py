@@ -56,7 +56,7 @@ def points(sweep: SweepConfig) -> list[CompareConfig]:
 def run_point(config: CompareConfig) -> list[dict[str, Any]]:
     """One grid point in virtual time with free CPU: rows for its modes. Picklable for process pools."""
     # Summaries need each turn's first token and end only: no clock wake-up per token. CPU is
-    # free, so planning, tokenizing, classifying and block hashing may look up earlier work (`sim.memo`).
+    # free, so the pure work of a turn may be looked up from earlier points (`sim.memo`).
     main = run_compare(config, VirtualClock(), virtual=True, pace_by_turn=True, memoize=True)
     result = run_virtual(main, charge_cpu=False)
     params = {axis: getattr(config, axis) for axis in AXES}
