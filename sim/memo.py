@@ -51,6 +51,7 @@ __all__ = [
 
 TOKENIZER_BUDGET: Final = 4_000_000  # cached tokens (≈ 16 MB of arrays, plus their texts)
 CLASSIFIER_BUDGET: Final = 16_000_000  # bytes of token chunks used as keys
+CHAIN_ENTRIES: Final = 200_000  # classifier steps kept by (state, chunk) identity (≈ 40 MB at most)
 PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
@@ -130,13 +131,38 @@ class MemoClassifier(SafetyClassifier):
     by what the chunk adds, the blocked flag is or-ed with the chunk's, the tail becomes
     a function of both. So `update` looks those up keyed on (tail, chunk) and adds them to
     any state. A read-only chunk (`MemoTokenizer`'s arrays) is keyed on its identity and
-    kept alive by its entry; any other chunk on its bytes."""
+    kept alive by its entry; any other chunk on its bytes.
 
-    def __init__(self, budget_bytes: int = CLASSIFIER_BUDGET) -> None:
+    States are immutable, so the state after a read-only chunk is also kept by the
+    identities of (state, chunk): the history an `http` request resends is read again from
+    the same `begin()` state through the same chunks each turn, and each step is then one
+    dict lookup that returns the very state object of last time. That chain table holds
+    up to `chain_entries` steps (it starts over when full) and keeps its states and chunks
+    alive, so an identity is never reused while its entry lasts."""
+
+    def __init__(self, budget_bytes: int = CLASSIFIER_BUDGET, chain_entries: int = CHAIN_ENTRIES) -> None:
         super().__init__()
         self._memo = _Lru(budget_bytes)
+        self._start = ClassifierState()
+        self._chain: dict[tuple[int, int], tuple[ClassifierState, TokenArray, ClassifierState]] = {}
+        self._chain_entries = chain_entries
+
+    def begin(self) -> ClassifierState:
+        return self._start  # one object, so every stream's chain starts at the same identity
 
     def update(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
+        link = (id(state), id(tokens))
+        entry = self._chain.get(link)
+        if entry is not None and entry[0] is state and entry[1] is tokens:
+            return entry[2]
+        after = self._step(state, tokens)
+        if isinstance(tokens, np.ndarray) and not tokens.flags.writeable:
+            if len(self._chain) >= self._chain_entries:
+                self._chain.clear()
+            self._chain[link] = (state, tokens, after)
+        return after
+
+    def _step(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
         tokens = check_tokens(tokens)
         if len(state.tail) >= self.ngram or tokens.size == 0:
             return super().update(state, tokens)  # its error, or the state unchanged

@@ -72,12 +72,24 @@ def test_classifier_keys_read_only_chunks_on_identity_and_others_on_content() ->
     chunks = [rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (300, 1, 2_000)]
     for chunk in chunks:
         chunk.flags.writeable = False  # as MemoTokenizer's shared arrays
-    for _ in range(2):  # the second pass: every chunk looked up by identity
+    passes = []
+    for _ in range(2):  # the second pass: every step looked up by the identities of (state, chunk)
         a, b = real.begin(), memo.begin()
+        states = []
         for chunk in chunks:
             a, b = real.update(a, chunk), memo.update(b, chunk)
+            states.append(b)
         assert a == b
-    assert memo._memo.hits == len(chunks)
+        passes.append(states)
+    assert all(x is y for x, y in zip(*passes, strict=True))  # the very states of the first pass
+    assert memo._memo.misses == len(chunks) and memo._memo.hits == 0  # the chain answered the second
+    after_2 = memo.update(memo.begin(), chunks[2])  # a known chunk after another state: computed
+    other = memo.update(after_2, chunks[1])
+    assert other == real.update(real.update(real.begin(), chunks[2]), chunks[1])
+    assert memo._memo.hits == 0 and memo._memo.misses == len(chunks) + 2
+    again = memo.update(ClassifierState(tail=after_2.tail, tokens_read=7), chunks[1])  # same tail, new state
+    assert memo._memo.hits == 1  # the step is looked up by (tail, chunk) and added to this state
+    assert again == real.update(ClassifierState(tail=after_2.tail, tokens_read=7), chunks[1])
 
     mutable = chunks[0].copy()  # writeable: its content may change under the same identity
     before = memo.update(memo.begin(), mutable)
@@ -201,3 +213,17 @@ def test_rendered_items_are_looked_up_by_identity() -> None:
     rendered.put(item, tokens)
     assert rendered.get(item) is tokens and not tokens.flags.writeable
     assert rendered.get(equal) is None
+
+
+def test_classifier_chain_table_is_bounded_and_still_exact() -> None:
+    rng = np.random.default_rng(5)
+    real, memo = SafetyClassifier(), MemoClassifier(chain_entries=3)
+    chunks = [rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (50, 60, 70, 80, 90)]
+    for chunk in chunks:
+        chunk.flags.writeable = False
+    for _ in range(3):
+        a, b = real.begin(), memo.begin()
+        for chunk in chunks:
+            a, b = real.update(a, chunk), memo.update(b, chunk)
+            assert len(memo._chain) <= 3
+        assert a == b
