@@ -26,7 +26,9 @@ that is a deadlock and raises `VirtualDeadlock` instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextvars
+import heapq
 import selectors
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
@@ -38,6 +40,10 @@ __all__ = ["VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "run_virtual"]
 
 T = TypeVar("T")
 
+_MAX_WAIT_S = 86_400.0  # asyncio's MAXIMUM_SELECT_TIMEOUT: the most one iteration waits
+_MIN_SCHEDULED = 100  # asyncio's _MIN_SCHEDULED_TIMER_HANDLES
+_CANCELLED_FRACTION = 0.5  # asyncio's _MIN_CANCELLED_TIMER_HANDLES_FRACTION
+
 EPOCH_S = 1_767_225_600.0  # 2026-01-01T00:00:00Z: `time()` of virtual t = 0
 
 
@@ -48,14 +54,19 @@ class VirtualDeadlock(RuntimeError):
 class _VirtualSelector(selectors.BaseSelector):
     def __init__(self, loop: VirtualTimeLoop) -> None:
         self._real = selectors.DefaultSelector()
+        self.polled = False  # a descriptor besides the loop's self-pipe is registered
         self._loop = loop
         self._cpu_mark = time.perf_counter()
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
-        return self._real.register(fileobj, events, data)
+        key = self._real.register(fileobj, events, data)
+        self.polled = len(self._real.get_map()) > 1
+        return key
 
     def unregister(self, fileobj: Any) -> selectors.SelectorKey:
-        return self._real.unregister(fileobj)
+        key = self._real.unregister(fileobj)
+        self.polled = len(self._real.get_map()) > 1
+        return key
 
     def modify(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         return self._real.modify(fileobj, events, data)
@@ -86,10 +97,65 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, *, charge_cpu: bool = True) -> None:
         self.virtual_now = 0.0
         self.charge_cpu = charge_cpu
-        super().__init__(selector=_VirtualSelector(self))
+        self._virtual_selector = _VirtualSelector(self)
+        super().__init__(selector=self._virtual_selector)
 
     def time(self) -> float:
         return self.virtual_now
+
+    def _run_once(self) -> None:
+        """One iteration of `asyncio.BaseEventLoop._run_once` (CPython 3.11-3.13), leaner: the
+        real file descriptors are polled only when no callback is ready (asyncio polls them,
+        with timeout 0, every iteration). Same timers, same order, same virtual times; with
+        debug on, asyncio's own iteration runs (it times slow callbacks)."""
+        if self._debug:
+            return super()._run_once()  # type: ignore[misc]
+        scheduled: list[asyncio.TimerHandle] = self._scheduled  # type: ignore[attr-defined]
+        ready: collections.deque[asyncio.Handle] = self._ready  # type: ignore[attr-defined]
+        if self._timer_cancelled_count:  # type: ignore[attr-defined]
+            self._drop_cancelled(scheduled)
+        selector = self._virtual_selector
+        if self.charge_cpu:
+            now = time.perf_counter()
+            self.virtual_now += now - selector._cpu_mark
+        if not ready and not self._stopping:  # type: ignore[attr-defined]
+            events = selector._real.select(0) if selector.polled else None
+            if events:
+                self._process_events(events)  # type: ignore[attr-defined]
+            elif scheduled:
+                self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
+            else:
+                raise VirtualDeadlock("no task is ready and no timer is pending")
+        if self.charge_cpu:
+            selector._cpu_mark = time.perf_counter()
+        end = self.virtual_now + self._clock_resolution  # type: ignore[attr-defined]
+        while scheduled and scheduled[0]._when < end:
+            handle = heapq.heappop(scheduled)
+            handle._scheduled = False  # type: ignore[attr-defined]
+            ready.append(handle)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:  # type: ignore[attr-defined]
+                handle._run()  # type: ignore[attr-defined]
+        handle = None  # type: ignore[assignment]  # breaks cycles when a callback raised
+
+    def _drop_cancelled(self, scheduled: list[asyncio.TimerHandle]) -> None:
+        """asyncio's clean-up of cancelled timers: all of them once they are half of many, else those at the head."""
+        count = len(scheduled)
+        if count > _MIN_SCHEDULED and self._timer_cancelled_count / count > _CANCELLED_FRACTION:  # type: ignore[attr-defined]
+            kept = []
+            for handle in scheduled:
+                if handle._cancelled:  # type: ignore[attr-defined]
+                    handle._scheduled = False  # type: ignore[attr-defined]
+                else:
+                    kept.append(handle)
+            heapq.heapify(kept)
+            self._scheduled = kept  # type: ignore[attr-defined]
+            self._timer_cancelled_count = 0  # type: ignore[attr-defined]
+            return
+        while scheduled and scheduled[0]._cancelled:  # type: ignore[attr-defined]
+            self._timer_cancelled_count -= 1  # type: ignore[attr-defined]
+            heapq.heappop(scheduled)._scheduled = False  # type: ignore[attr-defined]
 
 
 class VirtualClock:

@@ -119,6 +119,58 @@ def test_cpu_work_is_charged_when_asked() -> None:
     loop.close()
 
 
+def test_cancelled_timers_never_fire_and_the_rest_keep_their_times() -> None:
+    fired: list[tuple[int, float]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        handles = [loop.call_at(1.0 + i, lambda i=i: fired.append((i, loop.time()))) for i in range(300)]
+        for i, handle in enumerate(handles):
+            if i % 4:  # three quarters cancelled: past half of >100 timers, asyncio's bulk clean-up
+                handle.cancel()
+        handles[0].cancel()  # and one at the head of the heap
+        await asyncio.sleep(400.0)
+
+    run_virtual(main, charge_cpu=False)
+    assert fired == [(i, 1.0 + i) for i in range(4, 300, 4)]
+
+
+def test_real_descriptors_are_read_before_time_jumps_to_the_next_timer() -> None:
+    import socket
+
+    async def main() -> tuple[bytes, float, float]:
+        loop = asyncio.get_running_loop()
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        try:
+            sleeper = asyncio.create_task(asyncio.sleep(100.0))
+            receiving = asyncio.create_task(loop.sock_recv(a, 16))
+            await asyncio.sleep(0)  # the receiver found nothing and waits on the descriptor
+            b.send(b"ping")
+            data = await receiving
+            got_at = loop.time()
+            await sleeper
+            return data, got_at, loop.time()
+        finally:
+            a.close()
+            b.close()
+
+    assert run_virtual(main, charge_cpu=False) == (b"ping", 0.0, 100.0)
+
+
+def test_a_debug_loop_runs_asyncios_own_iteration_in_virtual_time() -> None:
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        loop.set_debug(True)
+        clock, times = VirtualClock(), []
+        for deadline in (0.5, 2.0, 2.0, 7.25):
+            await clock.sleep_until(deadline)
+            times.append(loop.time())
+        return times
+
+    assert run_virtual(main, charge_cpu=False) == [0.5, 2.0, 2.0, 7.25]
+
+
 SMALL = CompareConfig(rollouts=2, tool_calls=6, tool_time_s=0.05, profile="hosted")
 
 
