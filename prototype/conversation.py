@@ -109,6 +109,7 @@ class Context:
     items: list[Item] = field(default_factory=list)
     chunks: list[TokenArray] = field(default_factory=list)
     n_tokens: int = 0
+    held_bytes: int = 0  # the items' JSON and their token arrays (what a connection cache entry holds)
     turn_index: int = 0  # model turns in the context
     conversation_key: int = 0  # crc32 of the first user message; 0 until there is one
     last_was_model: bool = False
@@ -124,6 +125,7 @@ class Context:
             self.items.append(item)
             self.chunks.append(chunk)
             self.n_tokens += len(chunk)
+            self.held_bytes += len(item.raw) + chunk.nbytes
 
     def prefix(self, n_items: int) -> Context:
         """This context as it was when it held `n_items` items: shared if unchanged, else a copy."""

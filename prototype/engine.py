@@ -145,9 +145,12 @@ class CacheEntry:
     def nbytes(self) -> int:
         """What the entry holds: its items' JSON, their tokens and the rendered preamble."""
         ctx = self.context
-        items = sum(len(item.raw) for item in ctx.items[: self.n_items])
-        tokens = sum(chunk.nbytes for chunk in ctx.chunks[: self.n_items])
-        return items + tokens + len(self.preamble.key) + self.preamble.tokens.nbytes
+        if self.n_items == len(ctx.items):
+            held = ctx.held_bytes
+        else:  # the context grew past this entry
+            held = sum(len(item.raw) for item in ctx.items[: self.n_items])
+            held += sum(chunk.nbytes for chunk in ctx.chunks[: self.n_items])
+        return held + len(self.preamble.key) + self.preamble.tokens.nbytes
 
 
 @dataclass(frozen=True, slots=True)

@@ -348,7 +348,7 @@ class SimulatedModel:
         chunks do not add up to ``prompt_tokens``, ``resident_tokens`` is
         outside ``[0, prompt_tokens]`` or ``max_output_tokens`` is negative.
         """
-        prompt_len = sum(len(chunk) for chunk in request.prompt)
+        prompt_len = sum(map(len, request.prompt))
         if prompt_len != request.prompt_tokens:
             raise ValueError(f"prompt chunks hold {prompt_len} tokens, prompt_tokens={request.prompt_tokens}")
         if not 0 <= request.resident_tokens <= request.prompt_tokens:

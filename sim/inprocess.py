@@ -12,8 +12,9 @@ waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work
 from __future__ import annotations
 
 import asyncio
+import collections
 from collections.abc import AsyncIterator, Callable
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import aiohttp
 import msgspec
@@ -31,13 +32,43 @@ __all__ = ["InProcessServer", "Tap"]
 
 _CLOSED = aiohttp.WSMessage(WSMsgType.CLOSED, None, None)
 Tap = Callable[[Literal["up", "down"], bytes], None]
+T = TypeVar("T")
+
+
+class _Channel(Generic[T]):
+    """An unbounded queue with one consumer: what `asyncio.Queue` does here, in half its steps
+    (a transport's every frame goes through one)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[T] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: T) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> T:
+        items = self._items
+        while not items:
+            if self._waiter is not None and not self._waiter.done():
+                raise RuntimeError("a channel has one consumer")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return items.popleft()
 
 
 class _ServerSocket:
     """The server's end of an in-process WebSocket: what `WebSocketSession` uses of aiohttp's."""
 
     def __init__(
-        self, inbox: asyncio.Queue[str | None], outbox: asyncio.Queue[aiohttp.WSMessage], tap: Tap | None
+        self, inbox: _Channel[str | None], outbox: _Channel[aiohttp.WSMessage], tap: Tap | None
     ) -> None:
         self.inbox = inbox
         self.outbox = outbox
@@ -71,7 +102,7 @@ class _ClientSocket:
     """The client's end: `TextSocket` for `WSClient`."""
 
     def __init__(
-        self, inbox: asyncio.Queue[aiohttp.WSMessage], outbox: asyncio.Queue[str | None], tap: Tap | None
+        self, inbox: _Channel[aiohttp.WSMessage], outbox: _Channel[str | None], tap: Tap | None
     ) -> None:
         self.inbox = inbox
         self.outbox = outbox
@@ -111,7 +142,7 @@ class _InProcessHTTP(HTTPClient):
             raise ClientError(400, from_validation_error(exc).body()) from None
         except ProtocolError as err:
             raise ClientError(err.status, err.body()) from None
-        queue: asyncio.Queue[ServerEvent | None] = asyncio.Queue()
+        queue: _Channel[ServerEvent | None] = _Channel()
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
@@ -143,8 +174,8 @@ class _InProcessWS(WSClient):
         self.append_mode = append
 
     async def _connect(self) -> TextSocket:
-        to_server: asyncio.Queue[str | None] = asyncio.Queue()
-        to_client: asyncio.Queue[aiohttp.WSMessage] = asyncio.Queue()
+        to_server: _Channel[str | None] = _Channel()
+        to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
         client_end = _ClientSocket(to_client, to_server, self.server.tap)
         session = WebSocketSession(self.server.engine, self.server.config, server_end, append_mode=self.append_mode)  # type: ignore[arg-type]

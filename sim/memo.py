@@ -23,6 +23,7 @@ process, so consecutive sweep points in one worker reuse each other's work.
 from __future__ import annotations
 
 import functools
+import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping
 from typing import Any, Final
@@ -56,6 +57,7 @@ PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
 ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
+_writeable: Final = operator.attrgetter("flags.writeable")
 _BUDGETS: Final = {
     "plans": PLAN_BUDGET,
     "prepared": PREPARED_BUDGET,
@@ -293,7 +295,7 @@ class MemoPrefixCache(PrefixCache):
         self._memo = table if table is not None else _shared("prepared")
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
-        if isinstance(prompt, PreparedPrompt) or any(chunk.flags.writeable for chunk in prompt):
+        if isinstance(prompt, PreparedPrompt) or any(map(_writeable, prompt)):
             return super().prepare(prompt)
         key = (self.block_tokens, tuple(map(id, prompt)))
         found = self._memo.get(key)

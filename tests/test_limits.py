@@ -84,6 +84,10 @@ def test_queue_refusal_evicts_the_referenced_cache_entry() -> None:
 
 def test_cache_entry_bytes_count_items_tokens_and_preamble() -> None:
     assert entry("resp_a", raw_bytes=100, tokens=10).nbytes == 100 + 40 + 3 + 8
+    grown = entry("resp_b", raw_bytes=100, tokens=10)
+    grown.context.extend([Item(b"y" * 7, InputItemView(role="user"))], [np.zeros(5, dtype=np.uint32)])
+    assert grown.nbytes == 100 + 40 + 3 + 8  # the entry holds its first item only
+    assert grown.context.held_bytes == 100 + 40 + 7 + 20
 
 
 def test_an_entry_over_the_cache_limit_is_not_cached() -> None:
