@@ -188,3 +188,30 @@ def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
     for a_mode, b_mode in zip(live.summary, virtual.summary, strict=True):
         a, b = a_mode.completion_p50_s, b_mode.completion_p50_s
         assert abs(a - b) <= 0.05 * a, (a_mode.mode, a, b)
+
+
+def test_an_in_process_channel_keeps_order_survives_a_cancelled_get_and_has_one_consumer() -> None:
+    from sim.inprocess import _Channel
+
+    async def main() -> list[object]:
+        channel: _Channel[int] = _Channel()
+        got: list[object] = []
+        channel.put_nowait(1)
+        got.append(await channel.get())  # ready: no wait
+        waiting = asyncio.create_task(channel.get())
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="one consumer"):
+            await channel.get()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        later = asyncio.create_task(channel.get())
+        await asyncio.sleep(1.0)
+        channel.put_nowait(2)
+        channel.put_nowait(3)
+        got.append(await later)
+        got.append(await channel.get())
+        got.append(asyncio.get_running_loop().time())
+        return got
+
+    assert run_virtual(main, charge_cpu=False) == [1, 2, 3, 1.0]
