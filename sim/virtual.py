@@ -2,21 +2,23 @@
 
 Theory of operation
 -------------------
-`asyncio.BaseEventLoop._run_once` computes how long it may block (the time to
-its next timer) and passes that to its selector. `VirtualTimeLoop` gives it a
-selector that never blocks: it polls the real file descriptors (the loop's
-self-pipe) with timeout 0 and instead *advances the loop's clock* by the timeout
-it was asked to wait. The next iteration then finds the earliest timer due. So
-`asyncio.sleep`, `loop.call_at` and everything built on them (the simulator's
-absolute-deadline pacing, the cost profile's modeled waits, tool times) run in
-virtual time, in the same order as on a real clock, without sleeping (SimPy's
+An asyncio loop iteration (`asyncio.BaseEventLoop._run_once`) computes how long it
+may block (the time to its next timer), blocks that long in its selector, then runs
+the timers due and the callbacks ready. `VirtualTimeLoop` runs the same iteration
+but never blocks: when no callback is ready it *advances the loop's clock* to the
+next timer instead of waiting for it (after polling the real file descriptors with
+timeout 0, if any besides the loop's self-pipe are registered). So `asyncio.sleep`,
+`loop.call_at` and everything built on them (the simulator's absolute-deadline
+pacing, the cost profile's modeled waits, tool times) run in virtual time, in the
+same order as on a real clock, without sleeping (SimPy's
 RealtimeEnvironment/Environment split, trio's autojump clock).
 
 Real CPU work still matters: the API service's rendering and classification are
 real work whose duration the comparison measures. With `charge_cpu=True` (the
-default) the wall time the loop spends running callbacks between two selector
-calls is added to virtual time, so a virtual run takes as long, in virtual
-seconds, as a live run on this machine would — minus the waiting. With
+default) the wall time the loop spends running callbacks is added to virtual time
+before the clock moves on, so a timer due during that work fires when it is done and
+one due later fires on time, as on a real clock, and a virtual run takes as long, in
+virtual seconds, as a live run on this machine would — minus the waiting. With
 `charge_cpu=False` CPU work is free and results are exactly reproducible.
 
 A loop with nothing ready and no timer would wait forever on a real clock; here
@@ -78,15 +80,18 @@ class _VirtualSelector(selectors.BaseSelector):
         self._real.close()
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        """asyncio's own iteration (a debug loop) asks to wait `timeout` from the time it read
+        before this call: the clock moves to that deadline, or stays where the charged CPU
+        work took it if that is later."""
         loop = self._loop
-        now = time.perf_counter()
+        before = loop.virtual_now
         if loop.charge_cpu:
-            loop.virtual_now += now - self._cpu_mark  # the callbacks of the last iteration took this long
+            loop.virtual_now += time.perf_counter() - self._cpu_mark  # the last callbacks took this long
         ready = self._real.select(0)
         if not ready:
             if timeout is None:
                 raise VirtualDeadlock("no task is ready and no timer is pending")
-            loop.virtual_now += timeout
+            loop.virtual_now = max(loop.virtual_now, before + timeout)
         self._cpu_mark = time.perf_counter()
         return ready
 
@@ -105,9 +110,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def _run_once(self) -> None:
         """One iteration of `asyncio.BaseEventLoop._run_once` (CPython 3.11-3.13), leaner: the
-        real file descriptors are polled only when no callback is ready (asyncio polls them,
-        with timeout 0, every iteration). Same timers, same order, same virtual times; with
-        debug on, asyncio's own iteration runs (it times slow callbacks)."""
+        real file descriptors are polled only when no callback is ready and something besides
+        the self-pipe is registered (asyncio polls them every iteration; the self-pipe only
+        wakes a blocked selector, and `call_soon_threadsafe` queues its callback before
+        writing to it). Same timers, same order. With debug on, asyncio's own iteration runs
+        (it times slow callbacks) over `_VirtualSelector`."""
         if self._debug:
             return super()._run_once()  # type: ignore[misc]
         scheduled: list[asyncio.TimerHandle] = self._scheduled  # type: ignore[attr-defined]

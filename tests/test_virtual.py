@@ -119,6 +119,25 @@ def test_cpu_work_is_charged_when_asked() -> None:
     loop.close()
 
 
+@pytest.mark.parametrize("debug", [False, True], ids=["lean-iteration", "asyncio-iteration"])
+def test_charged_cpu_delays_a_timer_only_past_its_deadline_as_on_a_real_clock(debug: bool) -> None:
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        loop.set_debug(debug)
+        fired: list[float] = []
+        loop.call_at(0.01, lambda: fired.append(loop.time()))  # due during the work below
+        loop.call_at(0.5, lambda: fired.append(loop.time()))  # due well after it
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+        await asyncio.sleep(1.0)
+        return fired
+
+    early, late = run_virtual(main, charge_cpu=True)
+    assert 0.05 <= early < 0.5  # fires when the work is done, not 0.01 after it
+    assert late == pytest.approx(0.5, abs=1e-9)  # the work is part of the wait, not added to it
+
+
 def test_cancelled_timers_never_fire_and_the_rest_keep_their_times() -> None:
     fired: list[tuple[int, float]] = []
 
