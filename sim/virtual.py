@@ -120,7 +120,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         scheduled: list[asyncio.TimerHandle] = self._scheduled  # type: ignore[attr-defined]
         ready: collections.deque[asyncio.Handle] = self._ready  # type: ignore[attr-defined]
         if self._timer_cancelled_count:  # type: ignore[attr-defined]
-            self._drop_cancelled(scheduled)
+            scheduled = self._drop_cancelled(scheduled)
         selector = self._virtual_selector
         if self.charge_cpu:
             now = time.perf_counter()
@@ -146,8 +146,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 handle._run()  # type: ignore[attr-defined]
         handle = None  # type: ignore[assignment]  # breaks cycles when a callback raised
 
-    def _drop_cancelled(self, scheduled: list[asyncio.TimerHandle]) -> None:
-        """asyncio's clean-up of cancelled timers: all of them once they are half of many, else those at the head."""
+    def _drop_cancelled(self, scheduled: list[asyncio.TimerHandle]) -> list[asyncio.TimerHandle]:
+        """asyncio's clean-up of cancelled timers: all of them once they are half of many (into a
+        new heap, returned), else those at the head."""
         count = len(scheduled)
         if count > _MIN_SCHEDULED and self._timer_cancelled_count / count > _CANCELLED_FRACTION:  # type: ignore[attr-defined]
             kept = []
@@ -159,10 +160,11 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             heapq.heapify(kept)
             self._scheduled = kept  # type: ignore[attr-defined]
             self._timer_cancelled_count = 0  # type: ignore[attr-defined]
-            return
+            return kept
         while scheduled and scheduled[0]._cancelled:  # type: ignore[attr-defined]
             self._timer_cancelled_count -= 1  # type: ignore[attr-defined]
             heapq.heappop(scheduled)._scheduled = False  # type: ignore[attr-defined]
+        return scheduled
 
 
 class VirtualClock:
