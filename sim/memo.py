@@ -155,8 +155,8 @@ class MemoClassifier(SafetyClassifier):
     def update(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
         link = (id(state), id(tokens))
         entry = self._chain.get(link)
-        if entry is not None and entry[0] is state and entry[1] is tokens:
-            return entry[2]
+        if entry is not None and entry[0] is state and entry[1] is tokens and not tokens.flags.writeable:
+            return entry[2]  # (made writeable again, its content may have changed: computed below)
         after = self._step(state, tokens)
         if isinstance(tokens, np.ndarray) and not tokens.flags.writeable:
             if len(self._chain) >= self._chain_entries:

@@ -91,6 +91,13 @@ def test_classifier_keys_read_only_chunks_on_identity_and_others_on_content() ->
     assert memo._memo.hits == 1  # the step is looked up by (tail, chunk) and added to this state
     assert again == real.update(ClassifierState(tail=after_2.tail, tokens_read=7), chunks[1])
 
+    reopened = chunks[1].copy()
+    reopened.flags.writeable = False
+    after = memo.update(memo.begin(), reopened)  # chained by identity...
+    reopened.flags.writeable = True
+    reopened[:] = 7
+    assert memo.update(memo.begin(), reopened) == real.update(real.begin(), reopened) != after  # ...not any more
+
     mutable = chunks[0].copy()  # writeable: its content may change under the same identity
     before = memo.update(memo.begin(), mutable)
     mutable[:] = chunks[2][:300]
