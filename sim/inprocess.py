@@ -67,9 +67,7 @@ class _Channel(Generic[T]):
 class _ServerSocket:
     """The server's end of an in-process WebSocket: what `WebSocketSession` uses of aiohttp's."""
 
-    def __init__(
-        self, inbox: _Channel[str | None], outbox: _Channel[aiohttp.WSMessage], tap: Tap | None
-    ) -> None:
+    def __init__(self, inbox: _Channel[str | None], outbox: _Channel[aiohttp.WSMessage], tap: Tap | None) -> None:
         self.inbox = inbox
         self.outbox = outbox
         self.closed = False
@@ -101,9 +99,7 @@ class _ServerSocket:
 class _ClientSocket:
     """The client's end: `TextSocket` for `WSClient`."""
 
-    def __init__(
-        self, inbox: _Channel[aiohttp.WSMessage], outbox: _Channel[str | None], tap: Tap | None
-    ) -> None:
+    def __init__(self, inbox: _Channel[aiohttp.WSMessage], outbox: _Channel[str | None], tap: Tap | None) -> None:
         self.inbox = inbox
         self.outbox = outbox
         self.session_task: asyncio.Task[None] | None = None

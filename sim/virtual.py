@@ -115,55 +115,58 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         wakes a blocked selector, and `call_soon_threadsafe` queues its callback before
         writing to it). Same timers, same order. With debug on, asyncio's own iteration runs
         (it times slow callbacks) over `_VirtualSelector`."""
-        if self._debug:
-            return super()._run_once()  # type: ignore[misc]
-        scheduled: list[asyncio.TimerHandle] = self._scheduled  # type: ignore[attr-defined]
-        ready: collections.deque[asyncio.Handle] = self._ready  # type: ignore[attr-defined]
-        if self._timer_cancelled_count:  # type: ignore[attr-defined]
+        base: Any = self  # asyncio's private loop state, which its stubs do not (all) declare
+        if base._debug:
+            base_run_once: Callable[[], None] = super()._run_once  # type: ignore[misc]
+            base_run_once()
+            return
+        scheduled: list[Any] = base._scheduled  # TimerHandles, a heap on `_when`
+        ready: collections.deque[Any] = base._ready
+        if base._timer_cancelled_count:
             scheduled = self._drop_cancelled(scheduled)
         selector = self._virtual_selector
         if self.charge_cpu:
-            now = time.perf_counter()
-            self.virtual_now += now - selector._cpu_mark
-        if not ready and not self._stopping:  # type: ignore[attr-defined]
+            self.virtual_now += time.perf_counter() - selector._cpu_mark
+        if not ready and not base._stopping:
             events = selector._real.select(0) if selector.polled else None
             if events:
-                self._process_events(events)  # type: ignore[attr-defined]
+                base._process_events(events)
             elif scheduled:
                 self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
             else:
                 raise VirtualDeadlock("no task is ready and no timer is pending")
         if self.charge_cpu:
             selector._cpu_mark = time.perf_counter()
-        end = self.virtual_now + self._clock_resolution  # type: ignore[attr-defined]
+        end = self.virtual_now + base._clock_resolution
         while scheduled and scheduled[0]._when < end:
-            handle = heapq.heappop(scheduled)
-            handle._scheduled = False  # type: ignore[attr-defined]
-            ready.append(handle)
+            timer = heapq.heappop(scheduled)
+            timer._scheduled = False
+            ready.append(timer)
         for _ in range(len(ready)):
             handle = ready.popleft()
-            if not handle._cancelled:  # type: ignore[attr-defined]
-                handle._run()  # type: ignore[attr-defined]
-        handle = None  # type: ignore[assignment]  # breaks cycles when a callback raised
+            if not handle._cancelled:
+                handle._run()
+        handle = None  # breaks cycles when a callback raised
 
-    def _drop_cancelled(self, scheduled: list[asyncio.TimerHandle]) -> list[asyncio.TimerHandle]:
+    def _drop_cancelled(self, scheduled: list[Any]) -> list[Any]:
         """asyncio's clean-up of cancelled timers: all of them once they are half of many (into a
         new heap, returned), else those at the head."""
+        base: Any = self
         count = len(scheduled)
-        if count > _MIN_SCHEDULED and self._timer_cancelled_count / count > _CANCELLED_FRACTION:  # type: ignore[attr-defined]
+        if count > _MIN_SCHEDULED and base._timer_cancelled_count / count > _CANCELLED_FRACTION:
             kept = []
-            for handle in scheduled:
-                if handle._cancelled:  # type: ignore[attr-defined]
-                    handle._scheduled = False  # type: ignore[attr-defined]
+            for timer in scheduled:
+                if timer._cancelled:
+                    timer._scheduled = False
                 else:
-                    kept.append(handle)
+                    kept.append(timer)
             heapq.heapify(kept)
-            self._scheduled = kept  # type: ignore[attr-defined]
-            self._timer_cancelled_count = 0  # type: ignore[attr-defined]
+            base._scheduled = kept
+            base._timer_cancelled_count = 0
             return kept
-        while scheduled and scheduled[0]._cancelled:  # type: ignore[attr-defined]
-            self._timer_cancelled_count -= 1  # type: ignore[attr-defined]
-            heapq.heappop(scheduled)._scheduled = False  # type: ignore[attr-defined]
+        while scheduled and scheduled[0]._cancelled:
+            base._timer_cancelled_count -= 1
+            heapq.heappop(scheduled)._scheduled = False
         return scheduled
 
 
