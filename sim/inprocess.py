@@ -74,9 +74,10 @@ class _ServerSocket:
         self.tap = tap
 
     async def send_frame(self, data: bytes, opcode: WSMsgType) -> None:
+        frame = bytes(data)  # the writer may hand over a view of its buffer
         if self.tap is not None:
-            self.tap("down", bytes(data))
-        self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, bytes(data).decode(), None))
+            self.tap("down", frame)
+        self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, frame.decode(), None))
 
     async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
         if not self.closed:
