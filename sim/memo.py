@@ -153,15 +153,16 @@ class MemoClassifier(SafetyClassifier):
         return self._start  # one object, so every stream's chain starts at the same identity
 
     def update(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
+        if not isinstance(tokens, np.ndarray) or tokens.flags.writeable:
+            return self._step(state, tokens)  # its content may change under its identity: never chained
         link = (id(state), id(tokens))
         entry = self._chain.get(link)
-        if entry is not None and entry[0] is state and entry[1] is tokens and not tokens.flags.writeable:
-            return entry[2]  # (made writeable again, its content may have changed: computed below)
+        if entry is not None and entry[0] is state and entry[1] is tokens:
+            return entry[2]
         after = self._step(state, tokens)
-        if isinstance(tokens, np.ndarray) and not tokens.flags.writeable:
-            if len(self._chain) >= self._chain_entries:
-                self._chain.clear()
-            self._chain[link] = (state, tokens, after)
+        if len(self._chain) >= self._chain_entries:
+            self._chain.clear()
+        self._chain[link] = (state, tokens, after)
         return after
 
     def _step(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
