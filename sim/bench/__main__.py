@@ -1,9 +1,10 @@
-"""`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
+"""`python -m sim.bench [TARGET ...]`: the performance targets, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6). The server (`sim.bench.server`) is a separate process
-pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
-figure, floor measured in the same run, ratio, target, verdict.
+``virtual`` (5), ``memory`` (6); docs/performance.md says what each one measures. The server
+(`sim.bench.server`) is a separate process pinned to core 1; this process (the load generator)
+pins itself to core 0. Each line: figure, floor measured in the same run, ratio, target, verdict.
+``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime
 import math
 import os
 import statistics
@@ -20,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
@@ -34,6 +37,7 @@ from ..inprocess import Tap
 from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
+from . import report as page
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
@@ -62,14 +66,19 @@ class Row:
     ok: bool | None  # None: reported only
 
     def line(self) -> str:
-        verdict = "report" if self.ok is None else ("PASS" if self.ok else "FAIL")
         return (
             f"{self.target:<10} {self.figure:<46} {self.value:>12.4g} {self.floor:>12.4g} "
-            f"{self.ratio:>8.3f}  {self.goal:<14} {verdict}"
+            f"{self.ratio:>8.3f}  {self.goal:<14} {page.verdict(self.ok)}"
         )
 
 
 ROWS: list[Row] = []
+NOTES: list[str] = []  # the detail lines printed beside the rows, kept for --report
+
+
+def note(text: str) -> None:
+    NOTES.append(text)
+    print(f"           {text}", flush=True)
 
 
 def report(target: str, figure: str, value: float, floor: float, ratio: float, goal: str, ok: bool | None) -> None:
@@ -186,13 +195,12 @@ async def pacing(rates: list[float], seconds: float) -> None:
             await get_json(port, "/bench/lateness")  # clear
             counter = await ws_stream(port, "/v1/responses", create_frame(n))
             rep = await get_json(port, "/bench/lateness")
-        print(f"           {rate:g} tok/s: loop timer alone p99 {timer['p99'] * 1e3:.3f} ms", flush=True)
+        note(f"{rate:g} tok/s: loop timer alone p99 {timer['p99'] * 1e3:.3f} ms")
         late = rep["late_s"]
-        print(
-            f"           {rate:g} tok/s: achieved/target {rep['turns'][-1]['achieved'] / rate:.5f} (server), "
+        note(
+            f"{rate:g} tok/s: achieved/target {rep['turns'][-1]['achieved'] / rate:.5f} (server), "
             f"{counter.rate / rate:.5f} (client); token lateness p50 {late['p50'] * 1e3:.3f} ms, "
             f"p99 {late['p99'] * 1e3:.3f} ms",
-            flush=True,
         )
         turn = rep["turns"][-1]
         err = abs(turn["achieved"] / rate - 1)
@@ -241,7 +249,7 @@ async def fanout(conns: int, rates: list[float], seconds: float, spread_s: float
         p99, fp99 = rep["late_s"]["p99"] * 1e3, raw["late_s"]["p99"] * 1e3
         name = f"{conns} x {rate:g} tok/s" + (f", starts {spread_s * 1e3:g} ms apart" if spread_s else "")
         name += ", delta per token" if per_token else ""
-        print(f"           {name}: delta events per token {frames:.3f} (raw sender {raw_frames:.3f})", flush=True)
+        note(f"{name}: delta events per token {frames:.3f} (raw sender {raw_frames:.3f})")
         if per_token:  # the reference rows: what coalescing buys
             report("3", f"{name}: slowest stream / rate", worst, raw_worst, worst / raw_worst, "report", None)
             report("3", f"{name}: p99 lateness ms", p99, fp99, p99 / fp99, "report", None)
@@ -298,7 +306,7 @@ async def turns(n_turns: int, output_tokens: int, http_every: int) -> None:
             ratio = late / early
             if mode == "http":
                 curve = ", ".join(f"t{k}={firsts[k] * 1e3:.2f}" for k in range(1, n_turns + 1, http_every))
-                print(f"           http time to first event by turn (ms): {curve}", flush=True)
+                note(f"http time to first event by turn (ms): {curve}")
                 report(
                     "4", f"http: turn {n_turns} / turn 1 first event", late * 1e3, early * 1e3, ratio, "report", None
                 )
@@ -459,6 +467,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="pass ARG to every bench server, for A/B runs (e.g. --server-arg=--render-threads=0)",
     )
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="PAGE",
+        help="write this run (date, machine, commit, every row) into PAGE, e.g. docs/performance.md",
+    )
     args = p.parse_args(argv)
     SERVER_ARGS[:] = args.server_arg
     unknown = [t for t in args.targets if t not in TARGETS]
@@ -481,12 +495,18 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
     }
+    started = datetime.datetime.now(datetime.UTC)
+    about = page.machine()  # the load average before the run's own load
     for name in TARGETS:
         if name in only:
             jobs[name]()
     failed = [r for r in ROWS if r.ok is False]
     print(f"{len(ROWS) - len(failed)} rows ok or reported, {len(failed)} failed")
-    return 0
+    if args.report is not None:
+        command = " ".join(["python -m sim.bench", *(argv if argv is not None else sys.argv[1:])])
+        page.write(args.report, page.block(ROWS, NOTES, command, started, about))
+        print(f"wrote {args.report}")
+    return page.exit_status(ROWS)
 
 
 if __name__ == "__main__":
