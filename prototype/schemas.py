@@ -245,7 +245,7 @@ DEFAULT_TOOL_CHOICE: Final = Raw(b'"auto"')
 
 
 class Response(msgspec.Struct, kw_only=True):
-    """The Response object (wire-protocol section 5), field order as OpenAI sends it."""
+    """The Response object (`Response` in the openai-openapi spec), field order as OpenAI sends it."""
 
     id: str
     object: Literal["response"] = "response"
@@ -304,7 +304,7 @@ class DeletedResponse(msgspec.Struct):
 class StoredResponse(msgspec.Struct, kw_only=True):
     """What a store keeps per `store:true` response: the object, and the full
     effective input of that turn (so a continuation loads O(1) records, never
-    walks the chain; wire-protocol 6.1)."""
+    walks the chain; docs/protocol.md, "Store writes")."""
 
     response: Response
     context: list[Raw]  # effective input items: previous context + previous output + new input
@@ -347,7 +347,7 @@ class RequiredInput(msgspec.Struct):
 
 
 class ResponseDone(_ServerEvent, tag="response.done"):
-    """Append mode only: the response paused for client tool outputs (wire-protocol 11.2)."""
+    """Append mode only: the response paused for client tool outputs (docs/protocol.md, "Append mode")."""
 
     response: Response
     required_input: list[RequiredInput]
@@ -429,8 +429,8 @@ class ErrorBody(msgspec.Struct):
 
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
-    """WebSocket `error` (nested form, with `status`: wire-protocol 8.1). Over SSE
-    the same Struct is sent with `sequence_number` and without `status` (8.2)."""
+    """WebSocket `error` (nested form, with `status`: `ResponseWsError` in the openai-openapi spec).
+    Over SSE the same Struct is sent with `sequence_number` and without `status`."""
 
     status: int | UnsetType = UNSET
     error: ErrorBody

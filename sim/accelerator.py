@@ -20,8 +20,7 @@ start):
        cached = max(prefix_cache.match(prompt), min(resident_tokens, prompt_tokens - 1))
 
    `sim.kv.PrefixCache` is vLLM-style automatic prefix caching: block-granular
-   hits, at least one token recomputed (workloads.md section 2, "prefix-cache
-   granularity"). ``resident_tokens`` is KV the conversation holds across an
+   hits, at least one token recomputed (docs/simulator.md). ``resident_tokens`` is KV the conversation holds across an
    append-mode pause; the hint is trusted as is (it is block-exact already),
    clipped so the last token is still prefilled. With ``prefix_caching=False``
    only the hint counts. After its prefill a turn inserts its prompt into the
@@ -38,8 +37,8 @@ start):
        t0 = start + queued_s + prefill_s,  prefill_s = model_latency_s + (prompt_tokens - cached) / prefill_tok_per_s
 
    i.e. queueing, a fixed model-side latency, and linear prefill of the
-   uncached suffix (workloads.md section 2: prefill ~20K tok/s uncached, cached
-   tokens skip prefill, model-side TTFT ~0.3 s at 1K input). Latency and
+   uncached suffix (cached tokens skip prefill; the operating points and their
+   sources are in docs/pipeline.md, "Calibration"). Latency and
    prefill default to "free" here; the caller picks the operating point. The
    turn's first event, ``Prefilled(cached, queued_s, prefill_s)``, comes at t0.
 6. **Decode.** The turn's rate is fixed at t0::
@@ -47,12 +46,13 @@ start):
        rate = decode_tok_per_s * exp(N(0, decode_jitter)) / (1 + concurrency_slowdown * (k - 1))
 
    where ``k`` counts the turns decoding at t0, this one included (batching
-   slows every sequence; Continuum, arXiv 2511.02230, workloads.md section 8),
+   slows every sequence; Continuum, arXiv 2511.02230),
    and the lognormal jitter comes from its own rng,
    ``SeedSequence([seed, conversation_key, turn_index, 1])``, so jitter never
    changes the tokens. Token i of the turn (0-based, across items) is due at
    the absolute time ``t0 + i / rate`` (65 tok/s for GPT-5-class, 1,000 tok/s
-   for the fast tier, workloads.md section 2). At each wake-up the model
+   for the fast tier, as OpenAI's post on WebSocket mode gives them; see
+   docs/pipeline.md). At each wake-up the model
    yields every token already due, back to back with no await between them,
    then sleeps until the next one is due. Because deadlines are absolute, a
    late wake-up makes the next batch larger instead of shifting every later
@@ -135,7 +135,8 @@ def turn_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.Gen
 
 @functools.lru_cache(maxsize=1 << 16)
 def _turn_state(seed: int, conversation_key: int, turn_index: int) -> Mapping[str, Any]:
-    """`turn_rng`'s initial bit-generator state (a SeedSequence costs ~40 µs, setting a state ~3)."""
+    """`turn_rng`'s initial bit-generator state: building a SeedSequence per turn costs far more
+    than setting a saved state."""
     return turn_rng(seed, conversation_key, turn_index).bit_generator.state
 
 

@@ -1,7 +1,7 @@
 """A vLLM-style automatic prefix cache over token ids: which prompt tokens skip prefill.
 
-Theory of operation (after vLLM's automatic prefix caching, v1 ``KVCacheManager``;
-workloads.md section 2, "prefix-cache granularity", P):
+Theory of operation (after vLLM's automatic prefix caching, v1 ``KVCacheManager``; design notes at
+https://docs.vllm.ai/en/latest/design/prefix_caching/, and docs/simulator.md):
 
 * **Blocks.** The KV of a prompt is cut into blocks of ``block_tokens`` tokens
   (vLLM's default is 16). Only *full* blocks are cached; a trailing partial
@@ -31,7 +31,7 @@ workloads.md section 2, "prefix-cache granularity", P):
   owner's pinned tokens accumulated from its ``insert(owner=...)`` to its next
   ``insert`` or ``release`` (the ``now`` arguments; this module reads no clock).
   It is the KV-memory cost of holding a conversation (Continuum, arXiv
-  2511.02230; workloads.md section 8): only closed intervals are counted.
+  2511.02230): only closed intervals are counted.
 
 Keys are computed with numpy, without a Python loop over blocks. A block's
 content hash is the dot product of its tokens (widened to uint64) with fixed
@@ -210,19 +210,15 @@ class _BlockTable:
     first live entries of the log. Dead entries are skipped and dropped when the
     log is compacted.
 
-    Why a dict: a turn looks up and adds a few dozen keys (its new blocks), and on
-    this VM a numpy call costs 2-3 µs whatever its size up to a few thousand
-    elements, so a vectorised open-addressing table spent 30-60 calls per turn on
-    probing; a dict does a key in ~0.1 µs (a whole 3,750-key prompt is slower
-    than a vectorised probe, ~0.6 ms against ~0.2, but a conversation's next turn
-    reuses its last insert's slots and looks up only its new blocks). Slots are
-    taken from a free stack and never move; the arrays double when it runs out.
-
-    Cost (2-core VM, 60K-token prompt = 3,750 blocks): prepare + match + insert
-    about 0.8 ms warm, 2.2-2.4 ms cold, 3.5 ms cold into a full 4M-token cache
-    (3,750 evictions; 2.3 ms with the vectorised table, whose small batches cost
-    5x more). Log compaction is O(resident blocks) and amortized: at 250K
-    resident blocks it takes ~10-30 ms about once per 100 such calls.
+    Why a dict: a turn looks up and adds a few dozen keys (its new blocks). A numpy
+    call has a fixed cost that dwarfs the work on a few dozen elements, so a
+    vectorised open-addressing table would spend tens of calls per turn on probing,
+    while a dict does each key in one cheap step. A whole cold prompt of thousands
+    of keys is the one case where a vectorised probe would win, and it is rare: a
+    conversation's next turn reuses its last insert's slots and looks up only its
+    new blocks. Slots are taken from a free stack and never move; the arrays double
+    when it runs out. Log compaction is O(resident blocks) and amortized over many
+    calls.
     """
 
     def __init__(self) -> None:

@@ -12,9 +12,9 @@ Two policies:
   calls one of the request's function tools with arguments sampled from that
   tool's JSON schema (`sim.schema_values.sample_json`); afterwards it answers
   with an English-ish text message. Output size per turn is lognormal, median
-  120 tokens, sigma 0.8 (workloads.md section 1, "visible output tokens per
-  turn", fitted to [NIL]: about 110 tokens/turn for GPT-5, nearly all tool-call
-  arguments).
+  120 tokens, sigma 0.8, fitted to SWE-Bench Pro runs (about 110 tokens a turn
+  for GPT-5, nearly all tool-call arguments; sources in docs/pipeline.md,
+  "Calibration").
 * `ScriptPolicy`: replays a JSON Lines script, one line per model turn (format
   in `load_script`). For demos and for tests of client behaviour.
 """
@@ -49,7 +49,7 @@ __all__ = [
 # converted with average o200k_base ratios measured on this module's own output
 # (tests/test_sim_policy.py checks the resulting medians): compact JSON with
 # shell commands and paths tokenizes densely (~3.5 chars/token); English-ish prose
-# at ~5 chars/token (4.7 bytes/token on real prose, workloads.md section 3).
+# at ~5 chars/token.
 ARGUMENTS_CHARS_PER_TOKEN: Final = 3.5
 TEXT_CHARS_PER_TOKEN: Final = 5.2
 SCRIPT_EXHAUSTED_TEXT: Final = "(script exhausted)"

@@ -342,8 +342,8 @@ _CODE_NAMES: Final = frozenset({"code", "content", "contents", "patch", "input",
 
 class _Rand:
     """The samplers' random source: a `random.Random` seeded by one draw from the caller's
-    numpy Generator. A value per call costs ≈ 0.1-0.6 µs instead of `Generator.integers`'
-    ≈ 3.5 µs (argument planning made ≈ 200 picks per tool call); the same Generator state
+    numpy Generator: a `random.Random` call is much cheaper than a `Generator.integers` call,
+    and argument planning makes hundreds of picks per tool call; the same Generator state
     still gives the same values."""
 
     __slots__ = ("_random", "_randrange", "_uniform")

@@ -79,7 +79,7 @@ def test_queue_refusal_evicts_the_referenced_cache_entry() -> None:
     c.outputs_to_send()
     c.receive_text(create(previous_response_id="resp_a"))  # nothing may wait: refused
     assert frames(c.outputs_to_send())[0]["error"]["code"] == "queued_requests_limit_reached"
-    assert c.cache is None  # a failed turn evicts the id it named (wire-protocol 6.2)
+    assert c.cache is None  # a failed turn evicts the id it named (docs/protocol.md)
 
 
 def test_cache_entry_bytes_count_items_tokens_and_preamble() -> None:

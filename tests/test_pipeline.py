@@ -176,7 +176,7 @@ def test_profiles_and_profile_files(tmp_path: Path) -> None:
 
 
 def test_hosted_profile_matches_the_calibration() -> None:
-    """workloads.md 5: ≈250 ms fixed + 10 µs/token over HTTP, ≈70 ms + 10 µs/new token over WS."""
+    """docs/pipeline.md, "Calibration": ≈250 ms fixed + 10 µs/token over HTTP, ≈70 ms + 10 µs/new token over WS."""
     p = PROFILES["hosted"]
     http_fixed = p.auth_s + p.routing_s + p.safety_call_s + p.inference_hop_s + p.billing_s
     ws_fixed = p.safety_call_s + p.inference_hop_s

@@ -130,7 +130,7 @@ def test_deterministic_per_seed_key_turn() -> None:
 
 
 def test_output_sizes_follow_the_lognormal() -> None:
-    """Median ~120 tokens, sigma 0.8 (workloads.md section 1), measured in real o200k tokens."""
+    """Median ~120 tokens, sigma 0.8 (docs/pipeline.md, "Calibration"), measured in real o200k tokens."""
     tokenizer = get_tokenizer()
     policy = DefaultPolicy(tool_calls=1)
     exec_only = (EXEC_COMMAND,)

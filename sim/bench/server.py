@@ -63,8 +63,8 @@ class BenchPolicy:
 @functools.lru_cache(maxsize=16)
 def _bench_text(n: int) -> str:
     """The same text for every stream of n tokens, built once: planning is the stand-in model's
-    work, which a real accelerator does elsewhere (12,000 words took 1.5 ms of the server's core
-    per stream, 150 ms for 100 streams started together)."""
+    work, which a real accelerator does elsewhere; rebuilding it per stream would load the
+    server's core in a burst when 100 streams start together."""
     return "".join(WORDS[i % len(WORDS)] for i in range(n))
 
 
