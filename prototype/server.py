@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--script",
         metavar="FILE",
-        help="replay per-turn outputs from a JSONL script (see README) instead of the default policy",
+        help="replay per-turn outputs from a JSONL script (format: docs/simulator.md) instead of the default policy",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for the simulator and ids")
     p.add_argument("--store", default="memory", help="response store: memory | sqlite:PATH | redis://HOST:PORT[/DB]")
