@@ -35,7 +35,7 @@ SESSIONS = re.compile(
 )
 SESSION_EXEMPT = re.compile(r"websocket|aiohttp|clientsession|soak", re.IGNORECASE)
 HISTORY = re.compile(
-    r"\bpreviously\b|\bthe previous (code|version|implementation|run)\b|\bused to\b|\bno longer\b"
+    r"\bpreviously\b|\bthe previous (code|version|implementation|run)\b|\bused to (be|have|send|answer)\b"
     r"|\bwe (changed|replaced|rewrote|fixed|switched|moved)\b|\bnow fixed\b|\bwhat was changed\b"
     r"|\bfirst run of\b|\bstarting code\b|\bafter the fix\b|\bbefore (→|->) after\b"
     # a measured figure turned into another: "0.97 → 0.99", "714 → 206 ms", "9 ms → 1.1 ms"
@@ -136,6 +136,18 @@ def test_code_cites_no_file_outside_the_repository() -> None:
         if OUTSIDE.search(line)
     ]
     assert not hits, "cite a public source or a page under docs/ instead:\n" + "\n".join(hits)
+
+
+def test_code_narrates_no_work_sessions() -> None:
+    hits = [
+        f"{_relative(path)}:{number}: {line.strip()[:100]}"
+        for top in ("prototype", "sim", "tests", "notebooks")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if path.name != "test_docs.py"
+        for number, line in enumerate(_lines(path), 1)
+        if SESSIONS.search(line) and not SESSION_EXEMPT.search(line)
+    ]
+    assert not hits, "history belongs in the git log:\n" + "\n".join(hits)
 
 
 def test_code_cites_docs_pages_that_exist() -> None:
