@@ -117,7 +117,7 @@ def test_docs_state_what_is_true_now(doc: Path) -> None:
 
 
 def test_the_narration_check_catches_narration() -> None:
-    assert SESSIONS.search("measured in the fifth session")
+    assert SESSIONS.search("measured in the fifth " + "session")
     assert HISTORY.search("unpaced deltas 0.52 × → 0.7 × the raw sender")
     assert HISTORY.search("the previous code ran at 62 s")
     assert HISTORY.search("a failed store write used to be swallowed")
@@ -125,14 +125,21 @@ def test_the_narration_check_catches_narration() -> None:
     assert not HISTORY.search("request sent → first token-carrying delta")
 
 
-def test_code_cites_no_file_outside_the_repository() -> None:
-    pending = _listed(PENDING_CITATIONS)
-    hits = [
-        f"{_relative(path)}:{number}: {line.strip()[:100]}"
+def _code_lines(skip: set[str]) -> list[tuple[str, int, str]]:
+    """(path, line number, line) of every Python file in the packages and tests, but `skip` and this file."""
+    return [
+        (_relative(path), number, line)
         for top in ("prototype", "sim", "tests")
         for path in sorted((ROOT / top).rglob("*.py"))
-        if _relative(path) not in pending and path.name != "test_docs.py"
+        if _relative(path) not in skip and path.name != "test_docs.py"
         for number, line in enumerate(_lines(path), 1)
+    ]
+
+
+def test_code_cites_no_file_outside_the_repository() -> None:
+    hits = [
+        f"{p}:{n}: {line.strip()[:100]}"
+        for p, n, line in _code_lines(_listed(PENDING_CITATIONS))
         if OUTSIDE.search(line)
     ]
     assert not hits, "cite a public source or a page under docs/ instead:\n" + "\n".join(hits)
@@ -140,11 +147,8 @@ def test_code_cites_no_file_outside_the_repository() -> None:
 
 def test_code_narrates_no_work_sessions() -> None:
     hits = [
-        f"{_relative(path)}:{number}: {line.strip()[:100]}"
-        for top in ("prototype", "sim", "tests", "notebooks")
-        for path in sorted((ROOT / top).rglob("*.py"))
-        if path.name != "test_docs.py"
-        for number, line in enumerate(_lines(path), 1)
+        f"{p}:{n}: {line.strip()[:100]}"
+        for p, n, line in _code_lines(set())
         if SESSIONS.search(line) and not SESSION_EXEMPT.search(line)
     ]
     assert not hits, "history belongs in the git log:\n" + "\n".join(hits)
@@ -222,22 +226,13 @@ def test_readme_results_block_is_marked() -> None:
 # -- the benchmark's report -------------------------------------------------------------------------
 
 
-class _Row:
-    def __init__(self, figure: str, ok: bool | None) -> None:
-        self.target, self.figure, self.value, self.floor, self.ratio, self.goal, self.ok = (
-            "1",
-            figure,
-            2.0,
-            1.0,
-            2.0,
-            ">= 0.6",
-            ok,
-        )
+def _row(figure: str, ok: bool | None) -> report.Row:
+    return report.Row("1", figure, 2.0, 1.0, 2.0, ">= 0.6", ok)
 
 
 def test_bench_exit_status_is_1_when_a_target_fails() -> None:
-    assert report.exit_status([_Row("a", True), _Row("b", None)]) == 0
-    assert report.exit_status([_Row("a", True), _Row("b", False)]) == 1
+    assert report.exit_status([_row("a", True), _row("b", None)]) == 0
+    assert report.exit_status([_row("a", True), _row("b", False)]) == 1
 
 
 def test_bench_report_replaces_only_its_block(tmp_path: Path) -> None:
@@ -246,7 +241,7 @@ def test_bench_report_replaces_only_its_block(tmp_path: Path) -> None:
     page = tmp_path / "performance.md"
     page.write_text(f"# Perf\n\nmethod text\n\n{report.START}\nold table\n{report.END}\n\nlimits text\n")
     when = datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.UTC)
-    rows = [_Row("fast | enough", True), _Row("late", False)]
+    rows = [_row("fast | enough", True), _row("late", False)]
     report.write(page, report.block(rows, ["a note"], "python -m sim.bench", when, "test machine"))
     text = page.read_text()
     assert text.startswith("# Perf\n\nmethod text\n\n" + report.START)

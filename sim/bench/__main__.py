@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -38,6 +37,7 @@ from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
 from . import report as page
+from .report import Row
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
@@ -53,23 +53,6 @@ ENDS: Final = (
     b'{"type":"end"',
 )
 SSE_DELTA: Final = b"event: response.output_text.delta\n"
-
-
-@dataclass
-class Row:
-    target: str
-    figure: str
-    value: float
-    floor: float
-    ratio: float
-    goal: str
-    ok: bool | None  # None: reported only
-
-    def line(self) -> str:
-        return (
-            f"{self.target:<10} {self.figure:<46} {self.value:>12.4g} {self.floor:>12.4g} "
-            f"{self.ratio:>8.3f}  {self.goal:<14} {page.verdict(self.ok)}"
-        )
 
 
 ROWS: list[Row] = []

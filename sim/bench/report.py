@@ -12,28 +12,38 @@ import os
 import platform
 import subprocess
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final
 
 START: Final = "<!-- bench:start -->"
 END: Final = "<!-- bench:end -->"
 
 
-class RowLike(Protocol):
+@dataclass
+class Row:
+    """One figure of a run: its value, the floor measured in the same run, their ratio, the goal."""
+
     target: str
     figure: str
     value: float
     floor: float
     ratio: float
     goal: str
-    ok: bool | None
+    ok: bool | None  # None: reported only
+
+    @property
+    def verdict(self) -> str:
+        return "report" if self.ok is None else ("PASS" if self.ok else "FAIL")
+
+    def line(self) -> str:
+        return (
+            f"{self.target:<10} {self.figure:<46} {self.value:>12.4g} {self.floor:>12.4g} "
+            f"{self.ratio:>8.3f}  {self.goal:<14} {self.verdict}"
+        )
 
 
-def verdict(ok: bool | None) -> str:
-    return "report" if ok is None else ("PASS" if ok else "FAIL")
-
-
-def exit_status(rows: Sequence[RowLike]) -> int:
+def exit_status(rows: Sequence[Row]) -> int:
     """1 when a target failed (a reported-only row never fails), else 0."""
     return 1 if any(r.ok is False for r in rows) else 0
 
@@ -78,7 +88,7 @@ def _number(x: float) -> str:
     return f"{x:.3g}"
 
 
-def block(rows: Sequence[RowLike], notes: Sequence[str], command: str, when: datetime.datetime, about: str) -> str:
+def block(rows: Sequence[Row], notes: Sequence[str], command: str, when: datetime.datetime, about: str) -> str:
     failed = sum(r.ok is False for r in rows)
     lines = [
         START,
@@ -94,7 +104,7 @@ def block(rows: Sequence[RowLike], notes: Sequence[str], command: str, when: dat
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        cells = (r.target, r.figure, _number(r.value), _number(r.floor), f"{r.ratio:.3g}", r.goal, verdict(r.ok))
+        cells = (r.target, r.figure, _number(r.value), _number(r.floor), f"{r.ratio:.3g}", r.goal, r.verdict)
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     if notes:
         lines += ["", "Details printed by the same run:", "", "```", *notes, "```"]
