@@ -20,9 +20,10 @@ start):
        cached = max(prefix_cache.match(prompt), min(resident_tokens, prompt_tokens - 1))
 
    `sim.kv.PrefixCache` is vLLM-style automatic prefix caching: block-granular
-   hits, at least one token recomputed (docs/simulator.md). ``resident_tokens`` is KV the conversation holds across an
-   append-mode pause; the hint is trusted as is (it is block-exact already),
-   clipped so the last token is still prefilled. With ``prefix_caching=False``
+   hits, at least one token recomputed (docs/simulator.md). ``resident_tokens``
+   is KV the conversation holds across an append-mode pause; the hint is
+   trusted as is (it is block-exact already), clipped so the last token is
+   still prefilled. With ``prefix_caching=False``
    only the hint counts. After its prefill a turn inserts its prompt into the
    cache, pinned for ``conversation_id`` when ``hold_kv`` (until `release`, or
    until that conversation's next insert replaces the pin).

@@ -242,7 +242,7 @@ def test_bench_report_replaces_only_its_block(tmp_path: Path) -> None:
     page.write_text(f"# Perf\n\nmethod text\n\n{report.START}\nold table\n{report.END}\n\nlimits text\n")
     when = datetime.datetime(2026, 1, 2, 3, 4, tzinfo=datetime.UTC)
     rows = [_row("fast | enough", True), _row("late", False)]
-    report.write(page, report.block(rows, ["a note"], "python -m sim.bench", when, "test machine"))
+    report.write(page, report.block(rows, ["a note"], "python -m sim.bench", when, "test machine", "abc123"))
     text = page.read_text()
     assert text.startswith("# Perf\n\nmethod text\n\n" + report.START)
     assert text.endswith(report.END + "\n\nlimits text\n")
@@ -250,7 +250,7 @@ def test_bench_report_replaces_only_its_block(tmp_path: Path) -> None:
     assert "| 1 | fast \\| enough | 2 | 1 | 2 | >= 0.6 | PASS |" in text
     assert "| 1 | late | 2 | 1 | 2 | >= 0.6 | FAIL |" in text
     assert "2026-01-02 03:04 UTC" in text and "test machine" in text and "the bench exits 1" in text
-    assert "a note" in text
+    assert "a note" in text and "- commit: `abc123`" in text
 
 
 def test_performance_page_holds_a_generated_run() -> None:

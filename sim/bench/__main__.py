@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         ],
     }
     started = datetime.datetime.now(datetime.UTC)
-    about = page.machine()  # the load average before the run's own load
+    about, revision = page.machine(), page.commit()  # the load average before the run's own load
     for name in TARGETS:
         if name in only:
             jobs[name]()
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(ROWS) - len(failed)} rows ok or reported, {len(failed)} failed")
     if args.report is not None:
         command = " ".join(["python -m sim.bench", *(argv if argv is not None else sys.argv[1:])])
-        page.write(args.report, page.block(ROWS, NOTES, command, started, about))
+        page.write(args.report, page.block(ROWS, NOTES, command, started, about, revision))
         print(f"wrote {args.report}")
     return page.exit_status(ROWS)
 
