@@ -56,9 +56,18 @@ async def test_codex_shaped_turns_are_accepted(live: Live) -> None:
     async with session, ws:
         tools = [
             EXEC_TOOL,
-            {"type": "namespace", "name": "mcp", "tools": [{"type": "function", "name": "x", "parameters": {}}]},
+            {
+                "type": "namespace",
+                "name": "mcp",
+                "description": "Tools of one MCP server.",
+                "tools": [{"type": "function", "name": "x", "parameters": {}}],
+            },
             {"type": "web_search", "external_web_access": False},
-            {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}},
+            {
+                "type": "custom",
+                "name": "apply_patch",
+                "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+            },
         ]
         common = {
             "stream": True,
