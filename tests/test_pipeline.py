@@ -23,6 +23,7 @@ from sim.policy import DefaultPolicy
 from sim.realtime import AsyncioClock
 from sim.virtual import VirtualClock, run_virtual
 
+from .strict import STREAM_EVENT, WS_EVENT, Checker
 from .support import EXEC_TOOL, live_server
 
 TURNS = 10
@@ -115,7 +116,7 @@ def expected_stages(mode: str, turn: int, *, last: bool = False) -> tuple[dict[s
     return stages, overlapped
 
 
-async def known_waits_rollout(mode: str, clock: VirtualClock, turns: int) -> list[TurnResult]:
+async def known_waits_rollout(mode: str, clock: VirtualClock, turns: int, wire: Checker) -> list[TurnResult]:
     model = SimulatedModel(
         clock=clock,
         policy=DefaultPolicy(tool_calls=turns - 1),
@@ -125,7 +126,13 @@ async def known_waits_rollout(mode: str, clock: VirtualClock, turns: int) -> lis
     )
     config = ServerConfig(profile=KNOWN_WAITS)
     engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=5)
-    client = InProcessServer(engine, config).client(mode, clock)  # type: ignore[arg-type]
+    kind = STREAM_EVENT if mode.startswith("http") else WS_EVENT
+
+    def check(direction: str, data: bytes) -> None:  # what the in-process transports carry down, checked
+        if direction == "down":
+            wire.check_json(kind, data, where=f"in-process {mode}")
+
+    client = InProcessServer(engine, config, tap=check).client(mode, clock)  # type: ignore[arg-type]
     items: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
     results = []
     try:
@@ -138,14 +145,14 @@ async def known_waits_rollout(mode: str, clock: VirtualClock, turns: int) -> lis
 
 
 @pytest.mark.parametrize("mode", ["http", "http_prev", "ws", "append"])
-def test_each_stage_holds_exactly_its_modeled_waits(mode: str) -> None:
+def test_each_stage_holds_exactly_its_modeled_waits(mode: str, wire: Checker) -> None:
     """Virtual time with free CPU: a stage's time is the modeled waits it is charged, exactly.
     The expectation comes from the profile's fields and the pipeline's rules, not from the
     report (its stages summing to `server_s` is true by construction and proves nothing)."""
     turns = 3
     clock = VirtualClock()
-    results = run_virtual(known_waits_rollout(mode, clock, turns), charge_cpu=False)
-    assert len(results) == turns
+    results = run_virtual(known_waits_rollout(mode, clock, turns, wire), charge_cpu=False)
+    assert len(results) == turns and wire.counts[STREAM_EVENT if mode.startswith("http") else WS_EVENT] > 0
     previous = 0.0
     for turn, result in enumerate(results):
         report = result.response.longrun
