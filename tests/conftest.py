@@ -333,8 +333,8 @@ def pytest_configure(config: pytest.Config) -> None:
     aiohttp.ClientWebSocketResponse.receive = _receive  # type: ignore[method-assign,assignment]
     httpx2.AsyncHTTPTransport.handle_async_request = _handle_async  # type: ignore[method-assign]
     httpx2.HTTPTransport.handle_request = _handle_sync  # type: ignore[method-assign]
-    websockets.asyncio.connection.Connection.recv = _recv_async  # type: ignore[method-assign,assignment]
-    websockets.sync.connection.Connection.recv = _recv_sync  # type: ignore[method-assign,assignment]
+    websockets.asyncio.connection.Connection.recv = _recv_async  # type: ignore[method-assign]
+    websockets.sync.connection.Connection.recv = _recv_sync  # type: ignore[method-assign]
 
 
 @pytest.fixture

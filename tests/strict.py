@@ -23,10 +23,11 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import pydantic
 import referencing
-from jsonschema.exceptions import ValidationError, relevance
+import referencing.jsonschema
+from jsonschema.exceptions import ValidationError, relevance  # type: ignore[import-untyped]
 from openai.types.responses import Response, ResponsesServerEvent, ResponseStreamEvent
 from openai.types.shared import ErrorObject
 

@@ -13,7 +13,15 @@ import pytest
 
 from prototype.app import ENGINE, ServerConfig, make_engine
 from prototype.client import TurnResult, open_client, tool_outputs
-from prototype.pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage, load_profile
+from prototype.pipeline import (
+    ALL_OPTIMIZATIONS,
+    PROFILES,
+    CostProfile,
+    Optimization,
+    Stage,
+    StageReport,
+    load_profile,
+)
 from prototype.safety import SafetyClassifier
 from prototype.store import MemoryStore
 from sim.accelerator import SimulatedModel
@@ -156,7 +164,7 @@ def test_each_stage_holds_exactly_its_modeled_waits(mode: str, wire: Checker) ->
     previous = 0.0
     for turn, result in enumerate(results):
         report = result.response.longrun
-        assert report is not None
+        assert isinstance(report, StageReport)
         stages, overlapped = expected_stages(mode, turn, last=turn == turns - 1)
         assert set(report.stages_s) <= {s.value for s in Stage}
         got = {name: value for name, value in report.stages_s.items() if value != 0.0}
@@ -174,14 +182,14 @@ async def test_on_the_live_server_each_stage_waits_at_least_its_modeled_waits() 
     for mode in ("http", "ws"):
         async with live_server(tool_calls=2, seed=5, config=ServerConfig(profile=KNOWN_WAITS)) as live:
             live.model.model_latency_s = MODEL_LATENCY
-            client = open_client(mode, live.base_url, AsyncioClock())  # type: ignore[arg-type]
+            client = open_client(mode, live.base_url, AsyncioClock())
             items: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
             try:
                 for turn in range(3):
                     result = await client.turn(items, model="sim", tools=[EXEC_TOOL])
                     items = tool_outputs(result, "ok")
                     report = result.response.longrun
-                    assert report is not None
+                    assert isinstance(report, StageReport)
                     stages, overlapped = expected_stages(mode, turn)
                     for name, wait in stages.items():
                         assert report.stages_s.get(name, 0.0) >= wait - 1e-9, (mode, turn, name, report)

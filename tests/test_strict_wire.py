@@ -25,7 +25,7 @@ from aiohttp import web
 from . import strict, support
 from .support import EXEC_TOOL, Live, live_server
 
-BODY = {"model": "sim", "input": "hello", "tools": [EXEC_TOOL]}
+BODY: dict[str, Any] = {"model": "sim", "input": "hello", "tools": [EXEC_TOOL]}
 
 
 @pytest.fixture
