@@ -253,9 +253,9 @@ async def impostor() -> AsyncIterator[str]:
     async def socket(request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse()
         await ws.prepare(request)
-        await ws.receive()
+        await ws.receive(timeout=support.RECEIVE_TIMEOUT_S)
         await ws.send_str(json.dumps(DELTA_WITHOUT_ITEM))
-        await ws.receive()  # until the client goes
+        await ws.receive(timeout=support.RECEIVE_TIMEOUT_S)  # until the client goes
         return ws
 
     app = web.Application()
@@ -293,7 +293,7 @@ async def test_a_bad_payload_fails_on_every_client_path(impostor: str, wire: str
         async def ws_frame() -> None:
             async with s.ws_connect(f"ws://{impostor}/v1/responses") as ws:
                 await ws.send_str("{}")
-                await ws.receive()
+                await ws.receive(timeout=support.RECEIVE_TIMEOUT_S)
 
         for what, run in (("aiohttp JSON", json_body), ("aiohttp SSE", sse_body), ("aiohttp WS", ws_frame)):
             await caught(what, run)
