@@ -216,6 +216,9 @@ OutputItem = OutputMessage | FunctionCall
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
+    # Required by the API's Usage object. The simulator models no billed cache writes
+    # (its prefix cache is implicit), so it reports none.
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct):

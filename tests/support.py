@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from prototype.app import ServerConfig, make_app
@@ -90,3 +93,25 @@ async def live_server(
         yield Live(app, runner.addresses[0][1], model)
     finally:
         await runner.cleanup()
+
+
+RECEIVE_TIMEOUT_S = 30.0
+"""Upper bound on one WebSocket read in a test. Frames the test waits for come in
+milliseconds; this only turns a missing frame into a failure instead of a hung run.
+conftest.py applies it to every client read that names no timeout of its own."""
+
+REQUIRE_ALL_ENV = "LONGRUN_REQUIRE_ALL"
+"""Set to 1 (CI and `make test` do) and a test that would skip for want of a service or
+client fails instead, naming what is missing."""
+
+
+def require_all() -> bool:
+    return os.environ.get(REQUIRE_ALL_ENV, "") not in ("", "0")
+
+
+async def receive_event(ws: aiohttp.ClientWebSocketResponse, timeout: float = RECEIVE_TIMEOUT_S) -> dict[str, Any]:
+    """The next server event (a JSON text frame) within `timeout` seconds."""
+    msg = await ws.receive(timeout=timeout)
+    assert msg.type is aiohttp.WSMsgType.TEXT, f"expected a text frame, got {msg.type.name}: {msg.data!r}"
+    event: dict[str, Any] = json.loads(msg.data)
+    return event

@@ -17,7 +17,7 @@ from prototype.model import ModelEvent, ModelRequest, Prefilled, TokenModel, Tok
 from sim.policy import PlannedItem, ScriptPolicy
 from sim.realtime import AsyncioClock
 
-from .support import EXEC_TOOL, Live, live_server
+from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
 
 STOPS = {"response.done", "response.completed", "response.incomplete", "response.failed", "error"}
 
@@ -133,7 +133,7 @@ async def test_append_while_sampling_is_not_paused() -> None:
     async with live_server(tool_calls=3, decode_tok_per_s=100.0) as live:
         async with aiohttp.ClientSession() as session, await connect(live, session) as ws:
             await send(ws, type="response.create", model="sim", input="go", tools=[EXEC_TOOL])
-            while json.loads((await ws.receive()).data)["type"] != "response.function_call_arguments.delta":
+            while (await receive_event(ws))["type"] != "response.function_call_arguments.delta":
                 pass
             await send(ws, type="response.append", input=[])
             events = await read_until_stop(ws)
@@ -154,7 +154,7 @@ async def test_parallel_calls_wait_for_every_output_and_inject_acks() -> None:
             rid = done["response"]["id"]
             first, second = outputs_for(done)
             await send(ws, type="response.inject", response_id=rid, input=[first])
-            ack = json.loads((await ws.receive()).data)
+            ack = json.loads((await ws.receive(timeout=RECEIVE_TIMEOUT_S)).data)
             assert ack == {
                 "type": "response.inject.created",
                 "response_id": rid,
@@ -162,11 +162,11 @@ async def test_parallel_calls_wait_for_every_output_and_inject_acks() -> None:
             }
             # One output is not enough: the response stays paused (nothing else arrives) until the second.
             await send(ws, type="response.inject", response_id=rid, input=[first])
-            failed = json.loads((await ws.receive()).data)
+            failed = json.loads((await ws.receive(timeout=RECEIVE_TIMEOUT_S)).data)
             assert failed["type"] == "response.inject.failed" and failed["error"]["code"] == "unknown_call_id"
             assert failed["input"] == [first] and failed["sequence_number"] == ack["sequence_number"] + 1
             await send(ws, type="response.inject", response_id=rid, input=[second])
-            assert json.loads((await ws.receive()).data)["type"] == "response.inject.created"
+            assert json.loads((await ws.receive(timeout=RECEIVE_TIMEOUT_S)).data)["type"] == "response.inject.created"
             rest = await read_until_stop(ws)
             assert rest[0]["type"] == "response.in_progress"
             assert rest[-1]["type"] == "response.completed"
@@ -213,9 +213,9 @@ async def test_lifetime_limit_while_paused() -> None:
             end = (await read_until_stop(ws))[-1]
             assert end["type"] == "response.incomplete"
             assert end["response"]["incomplete_details"] == {"reason": "connection_limit"}
-            err = json.loads((await ws.receive()).data)
+            err = json.loads((await ws.receive(timeout=RECEIVE_TIMEOUT_S)).data)
             assert err["error"]["code"] == "websocket_connection_limit_reached"
-            assert (await ws.receive()).data == 1001
+            assert (await ws.receive(timeout=RECEIVE_TIMEOUT_S)).data == 1001
 
 
 class Recorder:

@@ -486,6 +486,7 @@ def exchange(port: int, frame: str | bytes, *, binary: bool = False) -> tuple[li
     return events, None, ""
 
 
+@pytest.mark.timeout(600)  # 60 examples, each a real socket round trip
 @fuzz(60)
 @given(frame=st.one_of(text_frames, st.integers(MAX_FRAME + 1, 2 * MAX_FRAME).map(lambda n: "x" * n)))
 def test_websocket_text_frames_end_to_end(port: int, frame: str) -> None:

@@ -14,7 +14,7 @@ from prototype.app import ENGINE
 from prototype.model import ItemStarted, ModelEvent, ModelRequest, TokensSampled
 from prototype.store import RedisStore, SqliteStore
 
-from .support import EXEC_TOOL, Live, live_server
+from .support import EXEC_TOOL, Live, live_server, receive_event
 
 
 async def post(live: Live, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -80,9 +80,9 @@ async def test_mid_stream_failure_ends_with_response_failed_and_no_detail() -> N
                 await ws.send_str(json.dumps({"type": "response.create", "model": "m", "input": "x"}))
                 types = []
                 while not types or types[-1] not in ("response.failed", "response.completed"):
-                    types.append(json.loads((await ws.receive()).data)["type"])
+                    types.append((await receive_event(ws))["type"])
                 assert types[-1] == "response.failed"
                 await ws.send_str(
                     json.dumps({"type": "response.create", "model": "m", "input": "x", "generate": False})
                 )
-                assert json.loads((await ws.receive()).data)["type"] == "response.created"
+                assert (await receive_event(ws))["type"] == "response.created"

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import aiohttp
 import msgspec
+import pytest
 
 from prototype.app import SOCKETS
 from prototype.client import MODES, HTTPClient, Mode, TextSocket, WSClient, tool_outputs
@@ -189,6 +190,7 @@ def traced_bytes() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.timeout(SOAK_SECONDS + 300)  # a manual soak runs as long as it is asked to
 async def test_soak_all_modes_concurrently() -> None:
     per_mode_turns = ROLLOUTS_PER_MODE * (TOOL_CALLS + 1)
     expected_responses = 3 * per_mode_turns + ROLLOUTS_PER_MODE  # append: one response per rollout

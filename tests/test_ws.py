@@ -12,7 +12,7 @@ import pytest
 from prototype.app import ServerConfig
 from prototype.store import MemoryStore
 
-from .support import EXEC_TOOL, Live, live_server
+from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
 
@@ -56,9 +56,18 @@ async def test_codex_shaped_turns_are_accepted(live: Live) -> None:
     async with session, ws:
         tools = [
             EXEC_TOOL,
-            {"type": "namespace", "name": "mcp", "tools": [{"type": "function", "name": "x", "parameters": {}}]},
+            {
+                "type": "namespace",
+                "name": "mcp",
+                "description": "Tools of one MCP server.",
+                "tools": [{"type": "function", "name": "x", "parameters": {}}],
+            },
             {"type": "web_search", "external_web_access": False},
-            {"type": "custom", "name": "apply_patch", "format": {"type": "grammar"}},
+            {
+                "type": "custom",
+                "name": "apply_patch",
+                "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+            },
         ]
         common = {
             "stream": True,
@@ -191,7 +200,7 @@ async def test_error_events_keep_the_socket_open(live: Live) -> None:
         ]
         for frame, code in cases:
             await ws.send_str(frame)
-            msg = json.loads((await ws.receive()).data)
+            msg = json.loads((await ws.receive(timeout=RECEIVE_TIMEOUT_S)).data)
             assert msg["type"] == "error" and msg["status"] == 400, msg
             assert msg["error"]["code"] == code and msg["error"]["type"] == "invalid_request_error", msg
             assert "Traceback" not in msg["error"]["message"]
@@ -202,7 +211,7 @@ async def test_binary_frame_closes_with_1003(live: Live) -> None:
     session, ws = await connect(live)
     async with session, ws:
         await ws.send_bytes(b"\x00\x01")
-        msg = await ws.receive()
+        msg = await ws.receive(timeout=RECEIVE_TIMEOUT_S)
         assert msg.type is aiohttp.WSMsgType.CLOSE and msg.data == 1003
 
 
@@ -344,7 +353,7 @@ async def test_disconnect_mid_stream_frees_the_connection() -> None:
             await ws.send_str(
                 json.dumps({"type": "response.create", "model": "sim", "input": "x", "max_output_tokens": 500})
             )
-            while json.loads((await ws.receive()).data)["type"] != "response.output_text.delta":
+            while (await receive_event(ws))["type"] != "response.output_text.delta":
                 pass
             await ws.close()
         # the server's reader saw the close, cancelled the sampling task and dropped the socket

@@ -1,0 +1,67 @@
+"""Rebuild `openapi-responses.json` from a full copy of the openai/openai-openapi spec.
+
+    python tests/data/extract_openapi.py path/to/openapi.json
+
+Keeps `components.schemas` entries reachable (through `$ref`) from the schemas the
+Responses API's replies use, byte-for-byte values otherwise, so that the pinned file
+is small and its provenance (`openapi-responses.source.json`) says where it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOTS = ("Response", "ResponseStreamEvent", "ResponsesServerEvent", "ResponseWsError", "ErrorResponse", "Error")
+PREFIX = "#/components/schemas/"
+HERE = Path(__file__).parent
+
+
+def refs(node: Any) -> set[str]:
+    """Every component name a `$ref` under `node` points to."""
+    found: set[str] = set()
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref.startswith(PREFIX):
+                found.add(ref[len(PREFIX) :])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
+
+
+def extract(spec: dict[str, Any]) -> dict[str, Any]:
+    schemas = spec["components"]["schemas"]
+    keep: set[str] = set()
+    todo = list(ROOTS)
+    while todo:
+        name = todo.pop()
+        if name not in keep:
+            keep.add(name)
+            todo.extend(refs(schemas[name]) - keep)
+    return {
+        "openapi": spec["openapi"],
+        "info": {"title": spec["info"]["title"], "version": spec["info"]["version"]},
+        "components": {"schemas": {name: schemas[name] for name in sorted(keep)}},
+    }
+
+
+def main(source: str) -> None:
+    raw = Path(source).read_bytes()
+    out = json.dumps(extract(json.loads(raw)), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    (HERE / "openapi-responses.json").write_text(out, encoding="utf-8")
+    provenance = json.loads((HERE / "openapi-responses.source.json").read_text())
+    provenance["source_sha256"] = hashlib.sha256(raw).hexdigest()
+    provenance["extract_sha256"] = hashlib.sha256(out.encode()).hexdigest()
+    provenance["roots"] = list(ROOTS)
+    (HERE / "openapi-responses.source.json").write_text(json.dumps(provenance, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
