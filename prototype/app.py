@@ -72,6 +72,8 @@ APPEND_BETA: Final = "responses_websockets=2026-02-04"
 MAX_QUEUED_CREATES: Final = 64
 MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
 MAX_CONNECTIONS: Final = 1024
+CONTEXT_WINDOW: Final = 400_000
+MAX_OUTPUT_TOKENS: Final = 128_000
 RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stays as started)
 
 
@@ -93,6 +95,10 @@ class ServerConfig:
     max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
     # Threads that tokenize long texts (>= engine.OFFLOAD_CHARS) off the event loop; 0: inline.
     render_threads: int = 1
+    # The simulated model's context window and output limit, in tokens (gpt-5's: docs/contract.md).
+    # A prompt longer than the difference is a 400 context_length_exceeded; None: unbounded.
+    context_window: int | None = CONTEXT_WINDOW
+    max_output_tokens: int | None = MAX_OUTPUT_TOKENS
 
 
 class Slots:
@@ -164,6 +170,8 @@ def make_engine(
         render_executor=render_executor,
         item_parser=item_parser,
         rendered=rendered,
+        context_window=config.context_window,
+        output_token_limit=config.max_output_tokens,
     )
 
 
@@ -247,6 +255,9 @@ async def _auth_middleware(
         raise
     except ProtocolError as err:
         return _json_error(err)
+    except Exception:  # a bug, never the input's fault: the JSON 500, details only in the log
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        return _json_error(INTERNAL_ERROR)
 
 
 async def healthz(request: web.Request) -> web.Response:

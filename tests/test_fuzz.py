@@ -442,7 +442,7 @@ def post(port: int, body: bytes) -> tuple[int, bytes]:
 # decoder's limit was accepted, then the simulator, decoding it deeper in the stack, hit the
 # recursion limit mid-stream: a 500. Now the schema's nesting is bounded: a 400.
 DEEP_SCHEMA = (
-    b'{"type":"response.create","model":"sim","tools":[{"type":"function","name":"f","parameters":'
+    b'{"model":"sim","input":"x","tools":[{"type":"function","name":"f","parameters":'
     b'{"type":"object","properties":' + b'{"a":' * 980 + b"1" + b"}" * 980 + b"}}]}"
 )
 
