@@ -44,6 +44,7 @@ __all__ = [
     "check_params",
     "check_string_length",
     "moved_parameter",
+    "unsupported_message",
 ]
 
 # Every top-level parameter of `CreateResponse` in the spec (and openai-python 3.57's
@@ -110,19 +111,21 @@ def moved_parameter(name: str) -> ProtocolError | None:
 # Real-API features the simulator does not implement: refused with a 400 naming the feature,
 # never silently ignored (a client relying on them would get wrong results).
 UNSUPPORTED_FEATURES: Final = {
-    "background": "Background responses",
-    "conversation": "Conversations (the `conversation` parameter)",
-    "prompt": "Prompt templates (the `prompt` parameter)",
-    "context_management": "Server-side compaction (the `context_management` parameter)",
+    "background": "Background mode",
+    "conversation": "Conversation state kept on the server",
+    "prompt": "A prompt template",
+    "context_management": "Server-side compaction",
 }
 
 
-def _unsupported(name: str) -> ProtocolError:
-    return ProtocolError(
-        f"{UNSUPPORTED_FEATURES[name]} are not supported by this server (a simulator of the Responses API).",
-        code="unsupported_parameter",
-        param=name,
+def unsupported_message(name: str) -> str:
+    return (
+        f"{UNSUPPORTED_FEATURES[name]} ('{name}') is not supported by this server (a simulator of the Responses API)."
     )
+
+
+def _unsupported(name: str) -> ProtocolError:
+    return ProtocolError(unsupported_message(name), code="unsupported_parameter", param=name)
 
 
 @dataclass(frozen=True, slots=True)

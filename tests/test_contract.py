@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from prototype.app import ServerConfig
-from prototype.contract import CONTEXT_LENGTH_MESSAGE, KNOWN_PARAMETERS, STRING_MAX
+from prototype.contract import CONTEXT_LENGTH_MESSAGE, KNOWN_PARAMETERS, STRING_MAX, unsupported_message
 from prototype.store import MemoryStore
 
 from .support import EXEC_TOOL, Live, live_server
@@ -271,7 +271,8 @@ RULES = [
         {"model": "sim", "input": [{"role": "robot", "content": "x"}]},
         "invalid_value",
         "input[0].role",
-        "Invalid value for 'input[0].role': 'robot'. Supported values are: 'assistant', 'developer', 'system', and 'user'.",
+        "Invalid value for 'input[0].role': 'robot'. "
+        "Supported values are: 'assistant', 'developer', 'system', and 'user'.",
     ),
     # -- metadata
     Rule(
@@ -287,7 +288,8 @@ RULES = [
         body(metadata={"k" * 65: "v"}),
         "string_above_max_length",
         "metadata",
-        "Invalid 'metadata': key too long. Expected a key with maximum length 64, but got a key with length 65 instead.",
+        "Invalid 'metadata': key too long. Expected a key with maximum length 64, "
+        "but got a key with length 65 instead.",
     ),
     Rule(
         "metadata value length",
@@ -339,36 +341,36 @@ RULES = [
         body(previous_response_id="resp_1", conversation="conv_1"),
         "mutually_exclusive_parameters",
         "conversation",
-        "Mutually exclusive parameters: Ensure you are only providing one of: 'previous_response_id' or 'conversation'.",
+        "Mutually exclusive parameters: Ensure you are only providing one of: "
+        "'previous_response_id' or 'conversation'.",
     ),
     Rule(
         "conversation",
         body(conversation="conv_1"),
         "unsupported_parameter",
         "conversation",
-        "Conversations (the `conversation` parameter) are not supported by this server (a simulator of the Responses API).",
+        unsupported_message("conversation"),
     ),
     Rule(
         "background",
         body(background=True),
         "unsupported_parameter",
         "background",
-        "Background responses are not supported by this server (a simulator of the Responses API).",
+        unsupported_message("background"),
     ),
     Rule(
         "prompt",
         body(prompt={"id": "pmpt_1"}),
         "unsupported_parameter",
         "prompt",
-        "Prompt templates (the `prompt` parameter) are not supported by this server (a simulator of the Responses API).",
+        unsupported_message("prompt"),
     ),
     Rule(
         "context_management",
         body(context_management=[{"type": "compaction"}]),
         "unsupported_parameter",
         "context_management",
-        "Server-side compaction (the `context_management` parameter) are not supported by this server "
-        "(a simulator of the Responses API).",
+        unsupported_message("context_management"),
     ),
     Rule(
         "hosted tool forced",
