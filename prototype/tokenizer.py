@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Final
 
 import numpy as np
@@ -29,7 +29,7 @@ with warnings.catch_warnings():
     import bpe_openai
     from bpe_openai.errors import TokenLimitError
 
-__all__ = ["ENCODING_NAME", "PIECE_CHARS", "Tokenizer", "get_tokenizer", "pieces"]
+__all__ = ["ENCODING_NAME", "PIECE_CHARS", "Tokenizer", "get_tokenizer", "split_text"]
 
 ENCODING_NAME: Final = "o200k_base"
 # What one library call accepts: fewer than 1,000,000 characters, at most 200,000 tokens. A piece
@@ -70,17 +70,22 @@ def _cut_before(text: str, start: int, end: int) -> int:
     return -1
 
 
-def pieces(text: str, limit: int = PIECE_CHARS) -> Iterator[str]:
-    """`text` in pieces of at most `limit` characters, cut at pre-token starts where there are any."""
+def split_text(text: str, limit: int = PIECE_CHARS) -> tuple[list[str], bool]:
+    """`text` in pieces of at most `limit` characters, cut at pre-token starts where there are
+    any; and whether every cut is at one (then the pieces' tokens are the whole text's)."""
+    out: list[str] = []
+    exact = True
     start, n = 0, len(text)
     while n - start > limit:
         cut = _cut_before(text, start, start + limit)
         if cut <= start:
             cut = start + limit  # a run without a safe place: no one-pass tokenization exists for it
-        yield text[start:cut]
+            exact = False
+        out.append(text[start:cut])
         start = cut
     if start < n:
-        yield text[start:]
+        out.append(text[start:])
+    return out, exact
 
 
 class Tokenizer:
@@ -107,9 +112,14 @@ class Tokenizer:
             except TokenLimitError:
                 pass  # more than 200,000 tokens: in pieces, which give the same tokens
         tokens: list[int] = []
-        for piece in pieces(text):
+        for piece in split_text(text)[0]:
             tokens.extend(encode(piece))
         return tokens
+
+    def encode_once(self, text: str) -> list[int]:
+        """The library's own single call (it refuses texts past its limits): what `encode`
+        must agree with wherever this succeeds."""
+        return list(self._enc.encode_ordinary(text))
 
     def token_bytes(self, token_id: int) -> bytes:
         return bytes(self._enc.decode_single_token_bytes(token_id))
