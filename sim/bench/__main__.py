@@ -1,9 +1,9 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6). The server (`sim.bench.server`) is a separate process
-pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
-figure, floor measured in the same run, ratio, target, verdict.
+``virtual`` (5), ``memory`` (6), ``contract`` (what the request checks cost a turn, `sim.bench.contract`).
+The server (`sim.bench.server`) is a separate process pinned to core 1; this process (the load
+generator) pins itself to core 0. Each line: figure, floor measured in the same run, ratio, target, verdict.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from ..inprocess import Tap
 from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
+from .contract import contract_rows
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -438,6 +439,30 @@ async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None
 # -- CLI ------------------------------------------------------------------------------------------
 
 
+def contract(baseline: str, n_turns: int, rounds: int) -> None:
+    rows = uvloop.run(contract_rows(baseline, n_turns, rounds, SERVER_CORE))
+    new, old = rows["turn"]
+    report(
+        "contract",
+        f"ws continuation turn ms (median), vs {baseline}",
+        new * 1e3,
+        old * 1e3,
+        new / old,
+        "< 1.05",
+        new / old < 1.05,
+    )
+    new, old = rows["server"]
+    report(
+        "contract",
+        f"ws continuation server_s ms (mean), vs {baseline}",
+        new * 1e3,
+        old * 1e3,
+        new / old,
+        "report",
+        None,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
@@ -452,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
+    p.add_argument("--baseline", default="main", help="contract: the git revision without the checks")
+    p.add_argument("--contract-turns", type=int, default=100, help="contract: continuation turns per rollout")
+    p.add_argument("--contract-rounds", type=int, default=6, help="contract: rollouts per code, alternating")
     p.add_argument(
         "--server-arg",
         action="append",
@@ -480,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
+        "contract": lambda: contract(args.baseline, args.contract_turns, args.contract_rounds),
     }
     for name in TARGETS:
         if name in only:
