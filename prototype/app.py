@@ -38,7 +38,14 @@ from .connection import (
 )
 from .conversation import ItemParser, normalize_create, parse_items
 from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, RenderedItems, Resumed
-from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
+from .errors import (
+    IN_STREAM_CODES,
+    INTERNAL_ERROR,
+    ProtocolError,
+    from_validation_error,
+    http_error_body,
+    sse_error_events,
+)
 from .ids import IdFactory
 from .model import TokenModel
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
@@ -310,7 +317,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     try:
         outcome = await engine.run(create, None, emit, arrival=arrival)
-        if outcome.error is not None:  # request errors come before the first event: a plain JSON error
+        if outcome.error is not None and outcome.error.code in IN_STREAM_CODES:
+            await emit(sse_error_events(outcome.response, outcome.error))  # as the real API: inside the stream
+        elif outcome.error is not None:  # other request errors come before the first event: a plain JSON error
             return _json_error(outcome.error)
         if writer is not None:
             await writer.flush()

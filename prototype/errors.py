@@ -18,13 +18,25 @@ from typing import Final
 
 import msgspec
 
-from .schemas import ErrorBody, ErrorEvent, HTTPErrorBody, NestingTooDeep, encode
+from .schemas import (
+    ErrorBody,
+    ErrorEvent,
+    HTTPErrorBody,
+    NestingTooDeep,
+    Response,
+    ResponseCreated,
+    ResponseInProgress,
+    ServerEvent,
+    encode,
+)
 
 __all__ = [
     "INTERNAL_ERROR",
     "ProtocolError",
     "from_validation_error",
     "http_error_body",
+    "IN_STREAM_CODES",
+    "sse_error_events",
     "ws_error_event",
 ]
 
@@ -145,3 +157,19 @@ def ws_error_event(err: ProtocolError) -> bytes:
 
 def http_error_body(err: ProtocolError) -> bytes:
     return encode(HTTPErrorBody(error=err.body()))
+
+
+# Errors the real API reports inside an SSE stream it has already begun (`response.created`,
+# `response.in_progress`, then `error`), where a request error before the stream is a plain
+# JSON 400: the context window is checked once the input is read (a capture in
+# anomalyco/opencode#6071 has the `error` at sequence number 2).
+IN_STREAM_CODES: Final = frozenset({"context_length_exceeded"})
+
+
+def sse_error_events(response: Response, err: ProtocolError) -> list[ServerEvent]:
+    """The SSE events of a response refused after its stream began."""
+    return [
+        ResponseCreated(sequence_number=0, response=response),
+        ResponseInProgress(sequence_number=1, response=response),
+        ErrorEvent(error=err.body(), sequence_number=2),
+    ]

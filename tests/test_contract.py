@@ -15,6 +15,7 @@ import pytest
 
 from prototype.app import ServerConfig
 from prototype.contract import CONTEXT_LENGTH_MESSAGE, KNOWN_PARAMETERS, STRING_MAX, unsupported_message
+from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
 
 from .support import EXEC_TOOL, Live, live_server
@@ -638,8 +639,20 @@ async def test_context_window(small_window: Live, transport: str) -> None:
                     continue
                 assert event["type"] == "error" and event["status"] == 400
                 error = event["error"]
+            elif transport == "sse":  # as the real API: the stream begins, then the error event
+                async with s.post(small_window.base_url + "/responses", json={**payload, "stream": True}) as r:
+                    assert r.status == 200
+                    decoder = SSEDecoder()
+                    events = decoder.feed(await r.read()) + decoder.close()
+                names = [e.event for e in events]
+                if ok:
+                    assert names[-1] == "response.completed"
+                    continue
+                assert names == ["response.created", "response.in_progress", "error"]
+                error_event = json.loads(events[-1].data)
+                assert error_event["sequence_number"] == 2 and error_event["type"] == "error"
+                error = error_event["error"]
             else:
-                payload["stream"] = transport == "sse"
                 async with s.post(small_window.base_url + "/responses", json=payload) as r:
                     if ok:
                         assert r.status == 200

@@ -103,8 +103,10 @@ async def reply(live: Live, session: aiohttp.ClientSession, transport: str, text
         if transport == "http":
             return 200, await r.json()
         body = await r.text()
-        last = [line for line in body.splitlines() if line.startswith("data: ")][-1]
-        return 200, json.loads(last[6:])["response"]
+        last = json.loads([line for line in body.splitlines() if line.startswith("data: ")][-1][6:])
+        if last["type"] == "error":  # refused once the stream began (the context window), as the real API
+            return 400, last["error"]
+        return 200, last["response"]
 
 
 @pytest.fixture
