@@ -268,6 +268,27 @@ RULES = [
         "Invalid value for 'tool_choice': 'sometimes'. Supported values are: 'none', 'auto', and 'required'.",
     ),
     Rule(
+        "tool_choice function not in tools",
+        body(tools=[TOOL], tool_choice={"type": "function", "name": "g"}),
+        "invalid_value",
+        "tool_choice",
+        "Tool choice 'g' not found in 'tools' parameter.",
+    ),
+    Rule(
+        "previous_response_id format",
+        body(previous_response_id="abc"),
+        "invalid_value",
+        "previous_response_id",
+        "Invalid 'previous_response_id': 'abc'. Expected an ID that begins with 'resp_'.",
+    ),
+    Rule(
+        "previous_response_id unknown",
+        body(previous_response_id="resp_nope"),
+        "previous_response_not_found",
+        "previous_response_id",
+        "Previous response with id 'resp_nope' not found.",
+    ),
+    Rule(
         "message role",
         {"model": "sim", "input": [{"role": "robot", "content": "x"}]},
         "invalid_value",
@@ -328,6 +349,20 @@ RULES = [
         "string_above_max_length",
         "tools[0].name",
         too_long("tools[0].name", 129, 128),
+    ),
+    Rule(
+        "tool names unique",
+        body(tools=[TOOL, TOOL]),
+        "invalid_value",
+        "tools[1].name",
+        "Duplicate tool name: 'f'.",
+    ),
+    Rule(
+        "tool parameters schema",
+        body(tools=[{**TOOL, "parameters": {"type": "string"}}]),
+        "invalid_function_parameters",
+        "tools[0].parameters",
+        "Invalid schema for function 'f' at 'type': schema must be a JSON Schema of 'type: \"object\"'.",
     ),
     Rule(
         "tool name missing",
