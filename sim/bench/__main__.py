@@ -1,9 +1,9 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6), ``contract`` (what the request checks cost a turn, `sim.bench.contract`).
-The server (`sim.bench.server`) is a separate process pinned to core 1; this process (the load
-generator) pins itself to core 0. Each line: figure, floor measured in the same run, ratio, target, verdict.
+``virtual`` (5), ``memory`` (6), ``contract``. The server (`sim.bench.server`) is a separate process
+pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
+figure, floor measured in the same run, ratio, target, verdict.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ..inprocess import Tap
 from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
-from .contract import contract_rows
+from .contract import contract_rows_report
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
@@ -439,30 +439,6 @@ async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None
 # -- CLI ------------------------------------------------------------------------------------------
 
 
-def contract(baseline: str, n_turns: int, rounds: int) -> None:
-    rows = uvloop.run(contract_rows(baseline, n_turns, rounds, SERVER_CORE))
-    new, old = rows["turn"]
-    report(
-        "contract",
-        f"ws continuation turn ms (median), vs {baseline}",
-        new * 1e3,
-        old * 1e3,
-        new / old,
-        "< 1.05",
-        new / old < 1.05,
-    )
-    new, old = rows["server"]
-    report(
-        "contract",
-        f"ws continuation server_s ms (mean), vs {baseline}",
-        new * 1e3,
-        old * 1e3,
-        new / old,
-        "report",
-        None,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
@@ -508,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
-        "contract": lambda: contract(args.baseline, args.contract_turns, args.contract_rounds),
+        "contract": lambda: contract_rows_report(
+            report, args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE
+        ),
     }
     for name in TARGETS:
         if name in only:

@@ -22,13 +22,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import uvloop
 
-__all__ = ["contract_rows"]
+__all__ = ["contract_rows", "contract_rows_report"]
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 TOOL: Final = {
@@ -147,3 +148,35 @@ async def contract_rows(baseline: str, n_turns: int, rounds: int, core: int) -> 
         "turn": (statistics.median(turns["new"]), statistics.median(turns["old"])),
         "server": (statistics.fmean(server_s["new"]), statistics.fmean(server_s["old"])),
     }
+
+
+def contract_rows_report(
+    report: Callable[[str, str, float, float, float, str, bool | None], None],
+    baseline: str,
+    n_turns: int,
+    rounds: int,
+    core: int,
+) -> None:
+    """The target's rows, through `sim.bench`'s `report`."""
+    rows = uvloop.run(contract_rows(baseline, n_turns, rounds, core))
+    new, old = rows["turn"]
+    ratio = new / old
+    report(
+        "contract",
+        f"ws continuation turn ms (median), vs {baseline}",
+        new * 1e3,
+        old * 1e3,
+        ratio,
+        "< 1.05",
+        ratio < 1.05,
+    )
+    new, old = rows["server"]
+    report(
+        "contract",
+        f"ws continuation server_s ms (mean), vs {baseline}",
+        new * 1e3,
+        old * 1e3,
+        new / old,
+        "report",
+        None,
+    )
