@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from prototype.app import ServerConfig
 from prototype.contract import CONTEXT_LENGTH_MESSAGE, STRING_MAX
 from prototype.tokenizer import PIECE_CHARS, get_tokenizer, split_text
+from sim.policy import PlannedItem, ScriptPolicy
 
 from .support import Live, live_server
 
@@ -140,3 +141,18 @@ async def test_a_window_large_enough_serves_them(session: aiohttp.ClientSession,
             status, response = await reply(live, session, transport, text)
             assert status == 200 and response["status"] == "completed", response
             assert response["usage"]["input_tokens"] > len(tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("transport", ["http", "sse", "ws"])
+async def test_a_script_with_a_huge_output_is_sampled(session: aiohttp.ClientSession, transport: str) -> None:
+    """A script (`ScriptPolicy`, as loaded from a script file) may ask the model to write a
+    text past the tokenizer library's limits: it is tokenized in pieces and sampled up to the
+    model's output limit."""
+    text = "word " * 300_000  # 1.5M characters, ~300k tokens
+    policy = ScriptPolicy([PlannedItem("message", "", text)])
+    async with live_server(policy=policy) as live:
+        status, response = await reply(live, session, transport, "write")
+    assert status == 200
+    assert response["status"] == "incomplete" and response["incomplete_details"]["reason"] == "max_output_tokens"
+    assert response["usage"]["output_tokens"] == 128_000
+    assert response["output"][0]["content"][0]["text"] == text[: len(response["output"][0]["content"][0]["text"])]
