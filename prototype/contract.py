@@ -47,11 +47,15 @@ __all__ = [
     "unsupported_message",
 ]
 
-# Every top-level parameter of `CreateResponse` in the spec (and openai-python 3.57's
-# ResponseCreateParams). A body naming anything else over HTTP is refused.
+# Every top-level parameter of `CreateResponse` in the spec, and of openai-python 3.57's
+# `ResponseCreateParams` (which adds `access_programs`, `background_options`, `image`). A body
+# naming anything else over HTTP is refused.
 KNOWN_PARAMETERS: Final = frozenset(
     {
+        "access_programs",
         "background",
+        "background_options",
+        "image",
         "context_management",
         "conversation",
         "include",

@@ -138,6 +138,9 @@ class CreateParams(msgspec.Struct, kw_only=True):
     conversation: Raw = NULL  # not implemented: 400
     prompt: Raw = NULL  # not implemented: 400
     context_management: Raw = NULL  # not implemented: 400
+    access_programs: Raw = NULL
+    background_options: Raw = NULL  # only meaningful with background, which is refused
+    image: Raw = NULL
 
 
 class HTTPCreateParams(CreateParams, kw_only=True, forbid_unknown_fields=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import typing
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -606,13 +607,23 @@ async def test_continuation_rules_read_the_history(live: Live, session: aiohttp.
             assert (await ws_create(ws, ok))["type"] == "response.completed"
 
 
+def sdk_parameters() -> set[str]:
+    """The parameters of `client.responses.create` in the installed openai-python."""
+    from openai.types.responses import response_create_params as params
+
+    return set(typing.get_type_hints(params.ResponseCreateParamsStreaming))
+
+
 async def test_every_known_parameter_is_accepted(live: Live, session: aiohttp.ClientSession) -> None:
     """A body with every parameter the real API knows (set to a value the simulator can
     honour, or the value that means 'off' for the features it lacks) is served."""
     payload: dict[str, Any] = {
         "model": "sim",
         "input": "hi",
+        "access_programs": {"cyber": "standard"},
         "background": False,
+        "background_options": {"completion_window": "soonest"},
+        "image": {"context_compression": "auto"},
         "context_management": None,
         "conversation": None,
         "include": ["reasoning.encrypted_content"],
@@ -642,7 +653,7 @@ async def test_every_known_parameter_is_accepted(live: Live, session: aiohttp.Cl
         "truncation": "disabled",
         "user": "u",
     }
-    assert set(payload) == KNOWN_PARAMETERS
+    assert set(payload) == KNOWN_PARAMETERS == sdk_parameters()
     status, reply = await post(session, live, payload)
     assert status == 200, reply
     async with session.ws_connect(live.ws_url) as ws:
