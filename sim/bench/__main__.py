@@ -34,7 +34,7 @@ from ..inprocess import Tap
 from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
-from .contract import contract_rows_report
+from .contract import contract_rows, contract_rows_report
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
@@ -485,7 +485,9 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
         "contract": lambda: contract_rows_report(
-            report, args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE
+            report,
+            uvloop.run(contract_rows(args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE)),
+            args.baseline,
         ),
     }
     for name in TARGETS:

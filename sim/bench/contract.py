@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import uvloop
 
 __all__ = ["contract_rows", "contract_rows_report"]
 
@@ -152,13 +151,10 @@ async def contract_rows(baseline: str, n_turns: int, rounds: int, core: int) -> 
 
 def contract_rows_report(
     report: Callable[[str, str, float, float, float, str, bool | None], None],
+    rows: dict[str, tuple[float, float]],
     baseline: str,
-    n_turns: int,
-    rounds: int,
-    core: int,
 ) -> None:
-    """The target's rows, through `sim.bench`'s `report`."""
-    rows = uvloop.run(contract_rows(baseline, n_turns, rounds, core))
+    """`contract_rows`' figures through `sim.bench`'s `report`."""
     new, old = rows["turn"]
     ratio = new / old
     report(
