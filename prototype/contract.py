@@ -11,7 +11,8 @@ Every check here reads only the request's own parameters (a few scalars and shor
 lists), never the input items' history, so it is O(parameters) per request. Item rules
 are in `conversation.py` (checked once per item, when the item is new), continuation
 rules (`function_call` / `function_call_output` pairing, duplicate ids) in
-`check_continuation`, which reads only the new items and the context's running sets.
+`conversation.check_continuation`, which reads only the new items and the context's
+running sets.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ STRING_MAX: Final = 10_485_760  # the longest text part, string input or tool ou
 CALL_ID_MAX: Final = 64
 FUNCTION_NAME_MAX: Final = 128  # FunctionToolParam.name in the spec (Chat Completions allows 64)
 FUNCTION_NAME_PATTERN: Final = "^[a-zA-Z0-9_-]+$"
-_FUNCTION_NAME: Final = re.compile(FUNCTION_NAME_PATTERN)
+_FUNCTION_NAME: Final = re.compile(r"[a-zA-Z0-9_-]+")  # the pattern, matched in full (no trailing newline)
 CONTEXT_LENGTH_MESSAGE: Final = (
     "Your input exceeds the context window of this model. Please adjust your input and try again."
 )
@@ -235,7 +236,7 @@ def check_string_length(param: str, value: str, maximum: int) -> None:
 
 def check_function_name(name: str, param: str) -> None:
     check_string_length(param, name, FUNCTION_NAME_MAX)
-    if not _FUNCTION_NAME.match(name):
+    if not _FUNCTION_NAME.fullmatch(name):
         raise ProtocolError(
             f"Invalid '{param}': string does not match pattern. Expected a string that matches the pattern "
             f"'{FUNCTION_NAME_PATTERN}'.",

@@ -345,6 +345,14 @@ RULES = [
         "'^[a-zA-Z0-9_-]+$'.",
     ),
     Rule(
+        "tool name with a trailing newline",
+        body(tools=[{**TOOL, "name": "f\n"}]),
+        "invalid_value",
+        "tools[0].name",
+        "Invalid 'tools[0].name': string does not match pattern. Expected a string that matches the pattern "
+        "'^[a-zA-Z0-9_-]+$'.",
+    ),
+    Rule(
         "tool name length",
         body(tools=[{**TOOL, "name": "n" * 129}]),
         "string_above_max_length",
