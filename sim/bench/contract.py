@@ -117,62 +117,87 @@ class _Rollout:
         return took, float(response["longrun"]["server_s"])
 
 
-async def contract_rows(baseline: str, n_turns: int, rounds: int, core: int) -> dict[str, tuple[float, float]]:
-    """{"turn": (median turn seconds with the checks, the baseline's), "server": (mean server
-    seconds, the baseline's)}. Both servers run at once on the same core and the two
-    rollouts advance in lockstep, a turn on each in alternating order, so that load on the
-    machine falls on both alike."""
+async def _lockstep(trees: dict[str, Path], n_turns: int, rounds: int, core: int) -> dict[str, list[list[float]]]:
+    """Per tree: [turn seconds, server seconds] of every continuation turn, the two servers
+    running at once on `core` and their rollouts advancing a turn each, in alternating order."""
     output = "ok\n" + "src/module.py:12: assert result == expected\n" * 40  # a ~500-token tool output
-    turns: dict[str, list[float]] = {"new": [], "old": []}
-    server_s: dict[str, list[float]] = {"new": [], "old": []}
-    with exported(baseline) as old_tree, contextlib.ExitStack() as stack:
-        trees = {"new": ROOT, "old": old_tree}
+    samples: dict[str, list[list[float]]] = {which: [[], []] for which in trees}
+    with contextlib.ExitStack() as stack:
         ports = {which: stack.enter_context(server(tree, n_turns * rounds, core)) for which, tree in trees.items()}
-        for which, port in ports.items():
-            if await _checks_unknown_parameters(port) != (which == "new"):
-                raise RuntimeError(f"the {which} server does not run the code it should ({trees[which]})")
         async with aiohttp.ClientSession() as session:
             for _ in range(rounds):
                 sockets = {w: await session.ws_connect(f"ws://127.0.0.1:{p}/v1/responses") for w, p in ports.items()}
                 rollouts = {w: _Rollout(ws, output) for w, ws in sockets.items()}
+                order = list(trees)
                 for k in range(n_turns + 1):
-                    for which in ("new", "old") if k % 2 == 0 else ("old", "new"):
+                    for which in order if k % 2 == 0 else order[::-1]:
                         took, spent = await rollouts[which].turn()
                         if k > 0:  # the first turn is not a continuation
-                            turns[which].append(took)
-                            server_s[which].append(spent)
+                            samples[which][0].append(took)
+                            samples[which][1].append(spent)
                 for ws in sockets.values():
                     await ws.close()
+    return samples
+
+
+def _paired(a: list[float], b: list[float]) -> float:
+    """The median of the turn-by-turn ratios: turn k of one rollout over turn k of the other,
+    run back to back under the same load."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+async def contract_rows(baseline: str, n_turns: int, rounds: int, core: int) -> dict[str, tuple[float, float, float]]:
+    """{figure: (this checkout, the baseline, ratio)}: "turn", the median turn time and the
+    median paired ratio; "server", the mean `server_s`; "noise" and "server_noise", the same
+    figures of the baseline against a second copy of itself (what the machine's load alone does)."""
+    with exported(baseline) as old_tree:
+        trees = {"new": ROOT, "old": old_tree}
+        for which, tree in trees.items():
+            with server(tree, 1, core) as port:
+                if await _checks_unknown_parameters(port) != (which == "new"):
+                    raise RuntimeError(f"the {which} server does not run the code it should ({tree})")
+        main = await _lockstep(trees, n_turns, rounds, core)
+        twin = await _lockstep({"old": old_tree, "again": old_tree}, n_turns, rounds, core)
+    (new_turn, new_server), (old_turn, old_server) = main["new"], main["old"]
     return {
-        "turn": (statistics.median(turns["new"]), statistics.median(turns["old"])),
-        "server": (statistics.fmean(server_s["new"]), statistics.fmean(server_s["old"])),
+        "turn": (statistics.median(new_turn), statistics.median(old_turn), _paired(new_turn, old_turn)),
+        "server": (
+            statistics.fmean(new_server),
+            statistics.fmean(old_server),
+            statistics.fmean(new_server) / statistics.fmean(old_server),
+        ),
+        "server_noise": (
+            statistics.fmean(twin["old"][1]),
+            statistics.fmean(twin["again"][1]),
+            statistics.fmean(twin["old"][1]) / statistics.fmean(twin["again"][1]),
+        ),
+        "noise": (
+            statistics.median(twin["old"][0]),
+            statistics.median(twin["again"][0]),
+            _paired(twin["old"][0], twin["again"][0]),
+        ),
     }
 
 
 def contract_rows_report(
     report: Callable[[str, str, float, float, float, str, bool | None], None],
-    rows: dict[str, tuple[float, float]],
+    rows: dict[str, tuple[float, float, float]],
     baseline: str,
 ) -> None:
     """`contract_rows`' figures through `sim.bench`'s `report`."""
-    new, old = rows["turn"]
-    ratio = new / old
+    new, old, ratio = rows["turn"]
     report(
         "contract",
-        f"ws continuation turn ms (median), vs {baseline}",
+        f"ws continuation turn ms, paired vs {baseline}",
         new * 1e3,
         old * 1e3,
         ratio,
         "< 1.05",
         ratio < 1.05,
     )
-    new, old = rows["server"]
-    report(
-        "contract",
-        f"ws continuation server_s ms (mean), vs {baseline}",
-        new * 1e3,
-        old * 1e3,
-        new / old,
-        "report",
-        None,
-    )
+    new, old, ratio = rows["server"]
+    report("contract", f"ws continuation server_s ms (mean) vs {baseline}", new * 1e3, old * 1e3, ratio, "report", None)
+    new, old, ratio = rows["server_noise"]
+    report("contract", f"{baseline} against itself, server_s (noise)", new * 1e3, old * 1e3, ratio, "report", None)
+    new, old, ratio = rows["noise"]
+    report("contract", f"{baseline} against itself, paired (noise)", new * 1e3, old * 1e3, ratio, "report", None)
