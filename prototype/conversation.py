@@ -269,7 +269,7 @@ def _decode_at(decode: Callable[[bytes | Raw], T], data: bytes | Raw, where: str
     try:
         return decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _relocate(from_validation_error(exc), where) from None
+        raise _relocate(from_validation_error(exc, part=True), where) from None
 
 
 def _relocate(err: ProtocolError, where: str) -> ProtocolError:

@@ -97,6 +97,7 @@ _TYPE_NAMES: Final = {
 }
 _EXPECTED: Final = re.compile(r"^Expected `([^`]*)`, got `([^`]*)`(?: - at `\$\.?(.*)`)?$")
 _UNKNOWN: Final = re.compile(r"^Object contains unknown field `([^`]*)`(?: - at `\$\.?(.*)`)?$")
+_MISSING: Final = re.compile(r"^Object missing required field `([^`]*)`(?: - at `\$\.?(.*)`)?$")
 _AT: Final = re.compile(r" - at `\$\.?(.*)`$")
 
 
@@ -112,10 +113,10 @@ def _type_phrase(names: str) -> str:
     return "one of " + ", ".join(kinds[:-1]) + " or " + kinds[-1]
 
 
-def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> ProtocolError:
+def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError, *, part: bool = False) -> ProtocolError:
     """Map a msgspec failure to the real API's 400: `invalid_type` with the parameter's path,
-    `unknown_parameter` (or a moved parameter's hint, `contract.MOVED_PARAMETERS`), else
-    `invalid_value` / `invalid_json`."""
+    `unknown_parameter` (or a moved parameter's hint, `contract.MOVED_PARAMETERS`),
+    `missing_required_parameter`, else `invalid_value` / `invalid_json`."""
     text = str(exc)
     if isinstance(exc, NestingTooDeep):
         return ProtocolError(f"Invalid request: {text}", code="invalid_json", param=None)
@@ -138,6 +139,13 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
 
             return moved_parameter(name) or ProtocolError(
                 f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name
+            )
+        # A required field missing inside the body, or in a part decoded on its own (`part`: a
+        # tool, an item); a WebSocket event's own missing fields stay `invalid_value`.
+        if (m := _MISSING.match(text)) and (part or m.group(2)):
+            name = ".".join(p for p in (_param(m.group(2) or ""), m.group(1)) if p)
+            return ProtocolError(
+                f"Missing required parameter: '{name}'.", code="missing_required_parameter", param=name
             )
         param = None
         if m := _AT.search(text):

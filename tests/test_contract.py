@@ -360,6 +360,13 @@ RULES = [
         too_long("tools[0].name", 129, 128),
     ),
     Rule(
+        "tool type missing",
+        body(tools=[{"name": "f"}]),
+        "missing_required_parameter",
+        "tools[0].type",
+        "Missing required parameter: 'tools[0].type'.",
+    ),
+    Rule(
         "tool names unique",
         body(tools=[TOOL, TOOL]),
         "invalid_value",
