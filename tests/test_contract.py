@@ -18,6 +18,7 @@ from prototype.app import ServerConfig
 from prototype.contract import CONTEXT_LENGTH_MESSAGE, KNOWN_PARAMETERS, STRING_MAX, unsupported_message
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
+from sim.policy import PlannedItem, ScriptPolicy
 
 from .support import EXEC_TOOL, Live, live_server
 
@@ -679,24 +680,31 @@ async def test_every_known_parameter_is_accepted(live: Live, session: aiohttp.Cl
 @pytest.fixture
 async def small_window() -> AsyncIterator[Live]:
     config = ServerConfig(context_window=3_000, max_output_tokens=1_000)
-    async with live_server(tool_calls=0, config=config) as server:
+    policy = ScriptPolicy([PlannedItem("message", "", " word" * 5_000)])  # wants 5k tokens
+    async with live_server(policy=policy, config=config) as server:
         yield server
 
 
 @pytest.mark.parametrize("transport", ["http", "sse", "ws"])
 async def test_context_window(small_window: Live, transport: str) -> None:
-    """A prompt longer than the window minus the output limit is refused before inference,
-    with the real message; one that fits is served, and its output stays within the window."""
+    """A prompt longer than the window minus the output limit is refused before inference
+    (the model never sees it), with the real message; one that fits is served, its output cut
+    at the output limit, so prompt and output stay within the window."""
     fits, too_long_ = " word" * 1_500, " word" * 2_100  # about 1.5k and 2.1k tokens
+    model = small_window.model
     async with aiohttp.ClientSession() as s:
         for text, ok in ((too_long_, False), (fits, True)):
             payload = {"model": "sim", "input": text}
+            before = model.statistics().requests
             if transport == "ws":
                 async with s.ws_connect(small_window.ws_url) as ws:
                     event = await ws_create(ws, payload)
                 if ok:
-                    usage = event["response"]["usage"]
-                    assert usage["input_tokens"] + usage["output_tokens"] <= 3_000
+                    response = event["response"]
+                    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+                    usage = response["usage"]
+                    assert usage["output_tokens"] == 1_000 and usage["input_tokens"] + usage["output_tokens"] <= 3_000
+                    assert model.statistics().requests == before + 1
                     continue
                 assert event["type"] == "error" and event["status"] == 400
                 error = event["error"]
@@ -707,7 +715,7 @@ async def test_context_window(small_window: Live, transport: str) -> None:
                     events = decoder.feed(await r.read()) + decoder.close()
                 names = [e.event for e in events]
                 if ok:
-                    assert names[-1] == "response.completed"
+                    assert names[-1] == "response.incomplete"
                     continue
                 assert names == ["response.created", "response.in_progress", "error"]
                 error_event = json.loads(events[-1].data)
@@ -726,3 +734,4 @@ async def test_context_window(small_window: Live, transport: str) -> None:
                 "param": "input",
                 "message": CONTEXT_LENGTH_MESSAGE,
             }
+            assert model.statistics().requests == before  # refused before inference
