@@ -40,7 +40,7 @@ from msgspec import structs
 
 from . import metrics
 from .clock import Clock
-from .contract import check_context_window
+from .contract import CONTEXT_LENGTH_MESSAGE, check_context_window
 from .conversation import (
     Context,
     CreateRequest,
@@ -610,6 +610,9 @@ class Engine:
                 before = stages.report.tokens_rendered
                 await turn.add_input(decision.items, stages.report)
                 stages.lap(Stage.RENDER)
+                if self.input_token_limit is not None and turn.prompt_tokens > self.input_token_limit:
+                    await emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE))  # never sampled
+                    return Outcome(stream.response, None)
                 rendered = stages.report.tokens_rendered - before
                 await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * rendered)
                 await self._classify(resolved, stages)

@@ -527,11 +527,11 @@ async def post(session: aiohttp.ClientSession, live: Live, payload: dict[str, An
 
 
 async def ws_create(ws: aiohttp.ClientWebSocketResponse, payload: dict[str, Any]) -> dict[str, Any]:
-    """Send one create; the `error` event, or the terminal event of the response."""
+    """Send one create; the `error` event, or the terminal (or, in append mode, pause) event."""
     await ws.send_str(json.dumps({"type": "response.create", **payload}))
     while True:
         event = json.loads((await ws.receive(timeout=60)).data)
-        if event["type"] in ("error", "response.completed", "response.incomplete", "response.failed"):
+        if event["type"] in ("error", "response.completed", "response.incomplete", "response.failed", "response.done"):
             return event
 
 
@@ -735,3 +735,25 @@ async def test_context_window(small_window: Live, transport: str) -> None:
                 "message": CONTEXT_LENGTH_MESSAGE,
             }
             assert model.statistics().requests == before  # refused before inference
+
+
+async def test_an_append_past_the_window_fails_the_response_before_sampling() -> None:
+    """Append mode: tool outputs appended to a paused response that take its prompt past the
+    window end it with `response.failed` (code `context_length_exceeded`); the model is not
+    asked to read them."""
+    config = ServerConfig(context_window=3_000, max_output_tokens=1_000)
+    async with live_server(tool_calls=5, config=config) as live, aiohttp.ClientSession() as s:
+        async with s.ws_connect(live.ws_url + "?mode=append") as ws:
+            done = await ws_create(ws, body(tools=[EXEC_TOOL]))
+            assert done["type"] == "response.done", done
+            before = live.model.statistics().requests
+            call = done["response"]["output"][-1]
+            output = [{"type": "function_call_output", "call_id": call["call_id"], "output": " word" * 2_500}]
+            await ws.send_str(json.dumps({"type": "response.append", "input": output}))
+            while True:
+                event = json.loads((await ws.receive(timeout=60)).data)
+                if event["type"] in ("response.failed", "response.done", "response.completed", "error"):
+                    break
+            assert event["type"] == "response.failed", event
+            assert event["response"]["error"] == {"code": "context_length_exceeded", "message": CONTEXT_LENGTH_MESSAGE}
+            assert live.model.statistics().requests == before
