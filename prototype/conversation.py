@@ -87,6 +87,7 @@ TOOL_CHOICES: Final = frozenset({"auto", "none", "required"})
 # Items that call a client tool, and the items that answer them (paired by `call_id`).
 CALL_TYPES: Final = frozenset({"function_call", "custom_tool_call"})
 OUTPUT_TYPES: Final = frozenset({"function_call_output", "custom_tool_call_output"})
+REFERENCE_TYPE: Final = "item_reference"
 # tool_choice types the simulator honours; a forced hosted tool is a feature it lacks.
 TOOL_CHOICE_TYPES: Final = frozenset({"function", "allowed_tools"})
 
@@ -136,7 +137,7 @@ class Context:
     def extend(self, items: Sequence[Item], chunks: Sequence[TokenArray]) -> None:
         for item, chunk in zip(items, chunks, strict=True):
             view = item.view
-            if view.id is not None:
+            if view.id is not None and view.type != REFERENCE_TYPE:
                 self.item_ids.add(view.id)
             if view.call_id is not None:
                 if view.type in CALL_TYPES:
@@ -176,7 +177,7 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
     pending = dict(context.pending)
     for item in items:
         view = item.view
-        if view.id is not None:
+        if view.id is not None and view.type != REFERENCE_TYPE:  # a reference names another item's id
             if view.id in ids or view.id in context.item_ids:
                 raise ProtocolError(
                     f"Duplicate item found with id {view.id}. Remove duplicate items from your input and try again.",

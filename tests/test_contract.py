@@ -12,10 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 import pytest
+from msgspec import Raw
 
 from prototype.app import ServerConfig
 from prototype.contract import CONTEXT_LENGTH_MESSAGE, KNOWN_PARAMETERS, STRING_MAX, unsupported_message
+from prototype.conversation import Context, check_continuation, parse_items
+from prototype.errors import ProtocolError
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
 from sim.policy import PlannedItem, ScriptPolicy
@@ -757,3 +761,17 @@ async def test_an_append_past_the_window_fails_the_response_before_sampling() ->
             assert event["type"] == "response.failed", event
             assert event["response"]["error"] == {"code": "context_length_exceeded", "message": CONTEXT_LENGTH_MESSAGE}
             assert live.model.statistics().requests == before
+
+
+def test_an_item_reference_names_an_item_and_is_no_duplicate() -> None:
+    """`item_reference` items carry the id of the item they stand for: they never collide
+    with it, in the new input or against the history."""
+    history = parse_items([Raw(json.dumps({"id": "msg_9", "role": "user", "content": "a"}).encode())])
+    context = Context()
+    context.extend(history, [np.zeros(1, dtype=np.uint32)])
+    reference = parse_items([Raw(b'{"type": "item_reference", "id": "msg_9"}')])
+    check_continuation(context, reference)
+    context.extend(reference, [np.zeros(0, dtype=np.uint32)])
+    again = parse_items([Raw(json.dumps({"id": "msg_9", "role": "user", "content": "b"}).encode())])
+    with pytest.raises(ProtocolError, match=r"^Duplicate item found with id msg_9\."):
+        check_continuation(context, again)
