@@ -175,6 +175,9 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
     ids: set[str] = set()
     calls: set[str] = set()
     pending = dict(context.pending)
+    # A referenced item is not resolved here (the simulator does not render references), so
+    # an output after a reference may answer the call it stands for.
+    referenced = any(item.view.type == REFERENCE_TYPE for item in items)
     for item in items:
         view = item.view
         if view.id is not None and view.type != REFERENCE_TYPE:  # a reference names another item's id
@@ -192,7 +195,7 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
             calls.add(call_id)
             pending[call_id] = None
         elif view.type in OUTPUT_TYPES:
-            if call_id not in calls and call_id not in context.call_ids:
+            if call_id not in calls and call_id not in context.call_ids and not referenced:
                 raise ProtocolError(
                     f"No tool call found for function call output with call_id {call_id}.", code=None, param="input"
                 )

@@ -775,3 +775,11 @@ def test_an_item_reference_names_an_item_and_is_no_duplicate() -> None:
     again = parse_items([Raw(json.dumps({"id": "msg_9", "role": "user", "content": "b"}).encode())])
     with pytest.raises(ProtocolError, match=r"^Duplicate item found with id msg_9\."):
         check_continuation(context, again)
+    # an output after a reference may answer the call the reference stands for
+    answer = parse_items(
+        [
+            Raw(b'{"type": "item_reference", "id": "fc_1"}'),
+            Raw(b'{"type": "function_call_output", "call_id": "call_1", "output": "ok"}'),
+        ]
+    )
+    check_continuation(Context(), answer)
