@@ -38,7 +38,14 @@ from .connection import (
 )
 from .conversation import ItemParser, normalize_create, parse_items
 from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, RenderedItems, Resumed
-from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
+from .errors import (
+    IN_STREAM_CODES,
+    INTERNAL_ERROR,
+    ProtocolError,
+    from_validation_error,
+    http_error_body,
+    sse_error_events,
+)
 from .ids import IdFactory
 from .model import TokenModel
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
@@ -72,6 +79,8 @@ APPEND_BETA: Final = "responses_websockets=2026-02-04"
 MAX_QUEUED_CREATES: Final = 64
 MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
 MAX_CONNECTIONS: Final = 1024
+CONTEXT_WINDOW: Final = 400_000
+MAX_OUTPUT_TOKENS: Final = 128_000
 RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stays as started)
 
 
@@ -93,6 +102,10 @@ class ServerConfig:
     max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
     # Threads that tokenize long texts (>= engine.OFFLOAD_CHARS) off the event loop; 0: inline.
     render_threads: int = 1
+    # The simulated model's context window and output limit, in tokens (gpt-5's: docs/contract.md).
+    # A prompt longer than the difference is a 400 context_length_exceeded; None: unbounded.
+    context_window: int | None = CONTEXT_WINDOW
+    max_output_tokens: int | None = MAX_OUTPUT_TOKENS
 
 
 class Slots:
@@ -164,6 +177,8 @@ def make_engine(
         render_executor=render_executor,
         item_parser=item_parser,
         rendered=rendered,
+        context_window=config.context_window,
+        output_token_limit=config.max_output_tokens,
     )
 
 
@@ -247,6 +262,9 @@ async def _auth_middleware(
         raise
     except ProtocolError as err:
         return _json_error(err)
+    except Exception:  # a bug, never the input's fault: the JSON 500, details only in the log
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        return _json_error(INTERNAL_ERROR)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -299,7 +317,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     try:
         outcome = await engine.run(create, None, emit, arrival=arrival)
-        if outcome.error is not None:  # request errors come before the first event: a plain JSON error
+        if outcome.error is not None and outcome.error.code in IN_STREAM_CODES:
+            await emit(sse_error_events(outcome.response, outcome.error))  # as the real API: inside the stream
+        elif outcome.error is not None:  # other request errors come before the first event: a plain JSON error
             return _json_error(outcome.error)
         if writer is not None:
             await writer.flush()

@@ -33,6 +33,14 @@ from typing import Final, TypeVar
 import msgspec
 from msgspec import Raw
 
+from .contract import (
+    CALL_ID_MAX,
+    STRING_MAX,
+    check_function_name,
+    check_has_input,
+    check_params,
+    check_string_length,
+)
 from .errors import ProtocolError, from_validation_error
 from .model import FunctionTool, TokenArray
 from .schemas import (
@@ -54,6 +62,7 @@ from .tool_schema import check_parameters
 
 __all__ = [
     "Context",
+    "check_continuation",
     "conversation_key",
     "CreateRequest",
     "Item",
@@ -75,6 +84,12 @@ MESSAGE_ROLES: Final = frozenset({"user", "assistant", "system", "developer"})
 MODEL_ITEM_TYPES: Final = frozenset({"function_call", "reasoning", "custom_tool_call"})
 GENERATION_HEADER: Final = "<|start|>assistant"
 TOOL_CHOICES: Final = frozenset({"auto", "none", "required"})
+# Items that call a client tool, and the items that answer them (paired by `call_id`).
+CALL_TYPES: Final = frozenset({"function_call", "custom_tool_call"})
+OUTPUT_TYPES: Final = frozenset({"function_call_output", "custom_tool_call_output"})
+REFERENCE_TYPE: Final = "item_reference"
+# tool_choice types the simulator honours; a forced hosted tool is a feature it lacks.
+TOOL_CHOICE_TYPES: Final = frozenset({"function", "allowed_tools"})
 
 
 def conversation_key(first_user_text: str) -> int:
@@ -113,9 +128,23 @@ class Context:
     turn_index: int = 0  # model turns in the context
     conversation_key: int = 0  # crc32 of the first user message; 0 until there is one
     last_was_model: bool = False
+    # Running sets for `check_continuation`, kept up to date item by item, so that checking a
+    # continuation reads only its new items.
+    item_ids: set[str] = field(default_factory=set)
+    call_ids: set[str] = field(default_factory=set)  # every call in the context
+    pending: dict[str, None] = field(default_factory=dict)  # calls without an output yet, in order
 
     def extend(self, items: Sequence[Item], chunks: Sequence[TokenArray]) -> None:
         for item, chunk in zip(items, chunks, strict=True):
+            view = item.view
+            if view.id is not None and view.type != REFERENCE_TYPE:
+                self.item_ids.add(view.id)
+            if view.call_id is not None:
+                if view.type in CALL_TYPES:
+                    self.call_ids.add(view.call_id)
+                    self.pending[view.call_id] = None
+                elif view.type in OUTPUT_TYPES:
+                    self.pending.pop(view.call_id, None)
             model = item.is_model_output
             if model and not self.last_was_model:
                 self.turn_index += 1
@@ -137,6 +166,42 @@ class Context:
 
     def raw_items(self) -> list[Raw]:
         return [Raw(i.raw) for i in self.items]
+
+
+def check_continuation(context: Context, items: Sequence[Item]) -> None:
+    """The rules that relate new input to the context it extends (history from the cache or
+    the store, then the new items in order): item ids are unique; every tool output answers a
+    call; no call is left without an output. Reads only `items` and the context's sets."""
+    ids: set[str] = set()
+    calls: set[str] = set()
+    pending = dict(context.pending)
+    # A referenced item is not resolved here (the simulator does not render references), so
+    # an output after a reference may answer the call it stands for.
+    referenced = any(item.view.type == REFERENCE_TYPE for item in items)
+    for item in items:
+        view = item.view
+        if view.id is not None and view.type != REFERENCE_TYPE:  # a reference names another item's id
+            if view.id in ids or view.id in context.item_ids:
+                raise ProtocolError(
+                    f"Duplicate item found with id {view.id}. Remove duplicate items from your input and try again.",
+                    code=None,
+                    param="input",
+                )
+            ids.add(view.id)
+        call_id = view.call_id
+        if call_id is None:
+            continue
+        if view.type in CALL_TYPES:
+            calls.add(call_id)
+            pending[call_id] = None
+        elif view.type in OUTPUT_TYPES:
+            if call_id not in calls and call_id not in context.call_ids and not referenced:
+                raise ProtocolError(
+                    f"No tool call found for function call output with call_id {call_id}.", code=None, param="input"
+                )
+            pending.pop(call_id, None)
+    if pending:
+        raise ProtocolError(f"No tool output found for function call {next(iter(pending))}.", code=None, param="input")
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +273,19 @@ def _decode_at(decode: Callable[[bytes | Raw], T], data: bytes | Raw, where: str
     try:
         return decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        err = from_validation_error(exc)
-        err.param = where + (f".{err.param}" if err.param else "")
-        raise err from None
+        raise _relocate(from_validation_error(exc, part=True), where) from None
+
+
+def _relocate(err: ProtocolError, where: str) -> ProtocolError:
+    """An error about a part decoded on its own, named by its place in the request."""
+    sub = err.param or ""
+    path = where + (sub if sub.startswith("[") or not sub else f".{sub}")
+    if sub:
+        err.message = err.message.replace(f"'{sub}'", f"'{path}'", 1)
+    elif err.code == "invalid_type":
+        err.message = err.message.replace("Invalid request body:", f"Invalid type for '{path}':", 1)
+    err.param = path
+    return err
 
 
 def normalize_create(
@@ -218,21 +293,10 @@ def normalize_create(
 ) -> CreateRequest:
     """Validate one create; raise `ProtocolError` with the offending `param`. With `tool_cache`
     (a WebSocket connection's), a tool list identical to the last one is not validated again;
-    `parse` validates the input items (`sim.memo` passes one that looks them up)."""
-    if params.background:
-        raise ProtocolError(
-            "Background responses are not supported over this server.",
-            code="unsupported_parameter",
-            param="background",
-        )
-    if not websocket and params.generate is not msgspec.UNSET:
-        raise ProtocolError("Unsupported parameter: generate", code="unsupported_parameter", param="generate")
-    if not params.model:
-        raise ProtocolError("Missing required parameter: 'model'.", code="missing_required_parameter", param="model")
-    if params.max_output_tokens is not None and params.max_output_tokens < 1:
-        raise ProtocolError(
-            "Invalid 'max_output_tokens': must be at least 1.", code="invalid_value", param="max_output_tokens"
-        )
+    `parse` validates the input items (`sim.memo` passes one that looks them up). The
+    top-level rules are `contract.check_params`; the item rules are checked per item here."""
+    check_params(params, websocket=websocket)
+    assert params.model is not None  # check_params refuses a create without one
     prev = params.previous_response_id
     if prev is not None and not prev.startswith("resp_"):
         raise ProtocolError(
@@ -244,6 +308,7 @@ def normalize_create(
     tools_raw = tuple(params.tools or ())
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
+    check_has_input(params)
     generate = True if params.generate is msgspec.UNSET else bool(params.generate)
     key = encode((params.instructions, [bytes(t) for t in tools_raw]))
     return CreateRequest(
@@ -261,6 +326,8 @@ def normalize_create(
 
 def _check_item(view: InputItemView, index: int) -> None:
     where = f"input[{index}]"
+    if view.call_id is not None:
+        check_string_length(f"{where}.call_id", view.call_id, CALL_ID_MAX)
     if view.type == "message":
         if view.role not in MESSAGE_ROLES:
             raise ProtocolError(
@@ -300,9 +367,17 @@ def _decode_parts(raw: Raw, param: str) -> str:
     try:
         value = decode_content(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        err = from_validation_error(exc)
+        if err.code == "invalid_type":
+            raise _relocate(err, param) from None
         raise ProtocolError(f"Invalid '{param}': {exc}", code="invalid_value", param=param) from None
     if isinstance(value, str):
+        check_string_length(param, value, STRING_MAX)
         return value
+    for i, part in enumerate(value):
+        for text in (part.text, part.refusal):
+            if text is not None:
+                check_string_length(f"{param}[{i}].text", text, STRING_MAX)
     return "".join(p.text or p.refusal or f"[{p.type}]" for p in value)
 
 
@@ -325,6 +400,7 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
                 code="missing_required_parameter",
                 param=f"tools[{index}].name",
             )
+        check_function_name(view.name, f"tools[{index}].name")
         # The model sees a canonical (compact, order-preserving) rendering of the schema, so
         # whitespace in the client's JSON never changes the prompt: openai-python sends compact
         # JSON over HTTP and `json.dumps` spacing over WebSocket.
@@ -374,7 +450,14 @@ def _parse_tool_choice(raw: Raw, tools: tuple[FunctionTool, ...]) -> str:
                 param="tool_choice",
             )
         return str(value.name)
-    return "auto"  # allowed_tools, hosted tool types: the simulator treats them as auto
+    if value.type not in TOOL_CHOICE_TYPES:
+        raise ProtocolError(
+            f"Forcing the tool type '{value.type}' with 'tool_choice' is not supported by this server "
+            "(a simulator of the Responses API: its model calls function tools only).",
+            code="unsupported_parameter",
+            param="tool_choice",
+        )
+    return "auto"  # allowed_tools: the simulator treats it as auto
 
 
 def item_from_output(item: OutputItem) -> Item:

@@ -40,12 +40,14 @@ from msgspec import structs
 
 from . import metrics
 from .clock import Clock
+from .contract import CONTEXT_LENGTH_MESSAGE, check_context_window
 from .conversation import (
     Context,
     CreateRequest,
     Item,
     ItemParser,
     Preamble,
+    check_continuation,
     generation_header,
     item_from_output,
     parse_items,
@@ -290,6 +292,19 @@ class _Turn:
         self.resolved.context.extend(items, await self.engine._render(items, report))
         self.prompt_tokens = self._count()
 
+    def _output_budget(self) -> int | None:
+        """The request's `max_output_tokens`, within the model's output limit and what is left
+        of its context window: the model never reads more than the window."""
+        engine, budget = self.engine, self.request.params.max_output_tokens
+        caps = []
+        if engine.output_token_limit is not None:
+            caps.append(engine.output_token_limit)
+        if engine.context_window is not None:
+            caps.append(max(0, engine.context_window - self.prompt_tokens))
+        if caps:
+            budget = min(caps) if budget is None else min(budget, *caps)
+        return budget
+
     def model_request(self) -> ModelRequest:
         request, context = self.request, self.resolved.context
         return ModelRequest(
@@ -301,7 +316,7 @@ class _Turn:
             tools=request.tools,
             tool_choice=request.tool_choice,
             parallel_tool_calls=request.params.parallel_tool_calls is not False,
-            max_output_tokens=request.params.max_output_tokens,
+            max_output_tokens=self._output_budget(),
             model=request.model,
             conversation_id=self.conversation_id,
             hold_kv=self.hold_kv,
@@ -323,6 +338,8 @@ class Engine:
         render_executor: Executor | None = None,
         item_parser: ItemParser = parse_items,
         rendered: RenderedItems | None = None,
+        context_window: int | None = None,
+        output_token_limit: int | None = None,
     ) -> None:
         self.model = model
         self.store = store
@@ -335,6 +352,11 @@ class Engine:
         self.render_executor = render_executor  # None: tokenize inline (virtual time charges it to the loop)
         self.item_parser = item_parser  # validates the items of HTTP bodies and of loaded contexts
         self.rendered = rendered  # None: every item is rendered and tokenized when used
+        # The model's context window and output limit (tokens; None: unbounded): a prompt longer
+        # than the window minus the output limit is refused before inference (contract.py).
+        self.context_window = context_window
+        self.output_token_limit = output_token_limit
+        self.input_token_limit = None if context_window is None else context_window - (output_token_limit or 0)
         self._counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
@@ -417,7 +439,10 @@ class Engine:
             else:
                 stages.lap(Stage.LOAD_STATE)
             preamble = render_preamble(request, self.tokenizer)
+        check_continuation(context, request.items)  # new items only, against the context's sets
         context.extend(request.items, await self._render(request.items, report))
+        prompt = len(preamble.tokens) + context.n_tokens + len(generation_header(self.tokenizer))
+        check_context_window(prompt, self.input_token_limit)
         stages.lap(Stage.RENDER)
         await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * report.tokens_rendered)
         if safety is None:
@@ -585,6 +610,9 @@ class Engine:
                 before = stages.report.tokens_rendered
                 await turn.add_input(decision.items, stages.report)
                 stages.lap(Stage.RENDER)
+                if self.input_token_limit is not None and turn.prompt_tokens > self.input_token_limit:
+                    await emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE))  # never sampled
+                    return Outcome(stream.response, None)
                 rendered = stages.report.tokens_rendered - before
                 await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * rendered)
                 await self._classify(resolved, stages)

@@ -6,9 +6,11 @@ and 11.
 
 Input is tolerant, output is exact:
 
-* Client Structs ignore unknown fields (msgspec's default), because real clients
-  send many (`client_metadata`, `include`, `prompt_cache_key`, ...; wire-protocol
-  3.1). Input *items* are kept as `msgspec.Raw` so that whatever a client sends
+* The HTTP body (`HTTPCreateParams`) refuses unknown top-level fields, as the real
+  API does; WebSocket frames ignore them (msgspec's default), because real clients
+  send some (`client_metadata`). Every parameter the real API knows is a field
+  (prototype/contract.py has the rules, docs/contract.md the table). Input *items*
+  are kept as `msgspec.Raw` so that whatever a client sends
   (its own `fco_…`/`msg_…` ids, replayed `status`/`annotations`/`logprobs`,
   `reasoning` items with `encrypted_content`) is stored and replayed verbatim;
   `InputItemView` is a flat, tolerant view of one item for validation and
@@ -36,6 +38,7 @@ __all__ = [
     "ContentPartDone",
     "ContentPartView",
     "CreateParams",
+    "HTTPCreateParams",
     "DeletedResponse",
     "ErrorBody",
     "ErrorEvent",
@@ -122,7 +125,28 @@ class CreateParams(msgspec.Struct, kw_only=True):
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    stream_id: str | None = None  # lanes are not implemented; accepted and ignored
+    stream_id: str | None = None  # WebSocket lanes; HTTP refuses it as unknown
+    # Known to the real API, changing nothing in the simulator (docs/contract.md), or refused
+    # by `contract.check_params` because the simulator does not implement them.
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    safety_identifier: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Raw = NULL
+    stream_options: Raw = NULL
+    moderation: Raw = NULL
+    conversation: Raw = NULL  # not implemented: 400
+    prompt: Raw = NULL  # not implemented: 400
+    context_management: Raw = NULL  # not implemented: 400
+    access_programs: Raw = NULL
+    background_options: Raw = NULL  # only meaningful with background, which is refused
+    image: Raw = NULL
+
+
+class HTTPCreateParams(CreateParams, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/responses`: the real API refuses a parameter it does not know
+    (`unknown_parameter`). Over WebSocket unknown fields are ignored, as real clients send
+    some (Codex's `client_metadata`)."""
 
 
 class _ClientEvent(msgspec.Struct, tag_field="type", kw_only=True):
@@ -500,7 +524,7 @@ def decode_text(data: bytes | str) -> str:
 encode: Final = msgspec.json.Encoder().encode
 decode_json: Final = guarded_decoder(msgspec.json.Decoder())
 decode_client_event: Final = guarded_decoder(msgspec.json.Decoder(ClientEvent))
-decode_create_params: Final = guarded_decoder(msgspec.json.Decoder(CreateParams))
+decode_create_params: Final = guarded_decoder(msgspec.json.Decoder(HTTPCreateParams))
 decode_envelope: Final = guarded_decoder(msgspec.json.Decoder(_Envelope))
 decode_item: Final = guarded_decoder(msgspec.json.Decoder(InputItemView))
 decode_content: Final = guarded_decoder(msgspec.json.Decoder(str | list[ContentPartView]))

@@ -23,7 +23,16 @@ from sim.kv import PrefixCache
 from sim.policy import DefaultPolicy, Policy, load_script
 from sim.realtime import AsyncioClock
 
-from .app import MAX_CACHE_BYTES, MAX_CONNECTIONS, MAX_MESSAGE_BYTES, MAX_QUEUED_CREATES, ServerConfig, make_app
+from .app import (
+    CONTEXT_WINDOW,
+    MAX_CACHE_BYTES,
+    MAX_CONNECTIONS,
+    MAX_MESSAGE_BYTES,
+    MAX_OUTPUT_TOKENS,
+    MAX_QUEUED_CREATES,
+    ServerConfig,
+    make_app,
+)
 from .pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from .store import MemoryStore, open_store
 
@@ -130,6 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest request body (413 beyond) and WebSocket frame (close 1009 beyond)",
     )
     p.add_argument(
+        "--context-window",
+        type=int,
+        default=CONTEXT_WINDOW,
+        metavar="TOKENS",
+        help="the simulated model's context window (gpt-5: 400000); a prompt longer than it minus "
+        "--max-output-tokens is a 400 context_length_exceeded (0 = unbounded)",
+    )
+    p.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=MAX_OUTPUT_TOKENS,
+        metavar="TOKENS",
+        help="the simulated model's output limit (gpt-5: 128000), kept free in the context window (0 = none)",
+    )
+    p.add_argument(
         "--max-queued-creates",
         type=int,
         default=MAX_QUEUED_CREATES,
@@ -185,6 +209,8 @@ async def serve(args: argparse.Namespace) -> None:
         max_cache_bytes=args.max_cache_bytes or None,
         max_connections=args.max_connections or None,
         render_threads=args.render_threads,
+        context_window=args.context_window or None,
+        max_output_tokens=args.max_output_tokens or None,
     )
     store = open_store(args.store)
     # Seeded ids repeat on every start. A store that outlives the process (sqlite, redis) would

@@ -191,7 +191,7 @@ def test_invalid_frame_naming_other_id_keeps_cache() -> None:
         ('{"model": "x"}', "missing_required_parameter", "type", "Missing required parameter: 'type'."),
         ('{"type": "response.steer"}', "unsupported_event_type", "type", "Unsupported event type: 'response.steer'."),
         ('{"type": "session.update"}', "unsupported_event_type", "type", "Unsupported event type: 'session.update'."),
-        ('{"type": "response.create", "model": "m", "store": "yes"}', "invalid_value", "store", None),
+        ('{"type": "response.create", "model": "m", "store": "yes"}', "invalid_type", "store", None),
         (
             '{"type": "response.create", "input": "x"}',
             "missing_required_parameter",
@@ -292,7 +292,7 @@ def test_response_ended_for_a_stale_job_is_a_bug() -> None:
     c = Connection()
     c.receive_text(create())
     c.outputs_to_send()
-    stale = Job(99, normalize_create(CreateParams(model="m"), websocket=True), None)
+    stale = Job(99, normalize_create(CreateParams(model="m", input="x"), websocket=True), None)
     with pytest.raises(ConnectionStateError, match=r"^job 99 is not the one in flight$"):
         c.response_ended(stale, None)
 

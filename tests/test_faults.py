@@ -161,7 +161,7 @@ async def test_disconnect_cancels_sampling_and_frees_everything(
         assert not [o for o in gc.get_objects() if isinstance(o, WebSocketSession)]  # with its cache and pause
         # The decode slot is free at once: the next request does not queue behind the dropped turn.
         async with aiohttp.ClientSession() as session:
-            body = {"model": "sim", "input": "next", "max_output_tokens": 2, "store": False}
+            body = {"model": "sim", "input": "next", "max_output_tokens": 16, "store": False}
             async with session.post(live.base_url + "/responses", json=body) as resp:
                 assert resp.status == 200
                 assert (await resp.json())["longrun"]["stages_s"]["queue"] == 0.0

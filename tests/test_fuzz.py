@@ -107,6 +107,18 @@ FIELDS = (
     "prompt_cache_key",
     "stream_id",
     "response",
+    "include",
+    "top_logprobs",
+    "safety_identifier",
+    "prompt_cache_retention",
+    "prompt_cache_options",
+    "stream_options",
+    "moderation",
+    "conversation",
+    "prompt",
+    "context_management",
+    "messages",
+    "foo",
 )
 
 
@@ -185,6 +197,38 @@ def huge(draw: st.DrawFn) -> str:
     else:
         body[where] = big
     return json.dumps(body)
+
+
+# Pre-tokenizer material for long texts: words, CJK, digits, contractions, every kind of
+# whitespace, '/', punctuation; in runs long enough that tokenization goes piece by piece.
+PRETOKEN_MATERIAL = ("word ", "Word", "é", "漢字", "123", "'s", " ", "\t", "\n", "\r\n", "/", "!?", "-")
+
+
+@st.composite
+def long_text_body(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid create with one long text (50k to 240k characters) in one of its text slots."""
+    unit = "".join(draw(st.lists(st.sampled_from(PRETOKEN_MATERIAL), min_size=1, max_size=12)))
+    n = draw(st.integers(50_000, 240_000))
+    text = (unit * (n // len(unit) + 1))[:n]
+    while len(json.dumps(text).encode()) > MAX_FRAME - 4096:  # within the message limit
+        text = text[: len(text) * 7 // 8]
+    body = valid_create()
+    body.pop("type")
+    where = draw(st.sampled_from(("input", "content", "output", "instructions", "description", "arguments")))
+    if where == "input":
+        body["input"] = text
+    elif where == "content":
+        body["input"][0]["content"][0]["text"] = text
+    elif where in ("output", "arguments"):
+        call = {"type": "function_call", "call_id": "c1", "name": "exec_command", "arguments": "{}"}
+        output = {"type": "function_call_output", "call_id": "c1", "output": "ok"}
+        (call if where == "arguments" else output)["arguments" if where == "arguments" else "output"] = text
+        body["input"] += [call, output]
+    elif where == "description":
+        body["tools"][0] = {**EXEC_TOOL, "description": text}
+    else:
+        body[where] = text
+    return body
 
 
 @st.composite
@@ -442,7 +486,7 @@ def post(port: int, body: bytes) -> tuple[int, bytes]:
 # decoder's limit was accepted, then the simulator, decoding it deeper in the stack, hit the
 # recursion limit mid-stream: a 500. Now the schema's nesting is bounded: a 400.
 DEEP_SCHEMA = (
-    b'{"type":"response.create","model":"sim","tools":[{"type":"function","name":"f","parameters":'
+    b'{"model":"sim","input":"x","tools":[{"type":"function","name":"f","parameters":'
     b'{"type":"object","properties":' + b'{"a":' * 980 + b"1" + b"}" * 980 + b"}}]}"
 )
 
@@ -523,6 +567,27 @@ def _valid_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisWarning")  # the examples' repr is long
+@fuzz(12)
+@given(body=long_text_body(), ws=st.booleans())
+def test_long_texts_anywhere_get_a_response_over_http_and_websocket(port: int, body: dict[str, Any], ws: bool) -> None:
+    """Texts long enough to be tokenized in pieces, in every text slot, within the message
+    limit: the response is served (never a 5xx, a hang or a dropped socket)."""
+    TRIED["long texts end to end"] += 1
+    if not ws:
+        status, data = post(port, json.dumps(body).encode())
+        assert status == 200, data[:300]
+        assert msgspec.json.decode(data)["status"] in ("completed", "incomplete")
+        return
+    with ws_connect(f"ws://127.0.0.1:{port}/v1/responses", max_size=None) as sock:
+        sock.send(json.dumps({"type": "response.create", **body}))
+        while True:
+            event = json.loads(sock.recv(timeout=60))
+            assert event["type"] != "error", event
+            if event["type"] in ("response.completed", "response.incomplete"):
+                break
 
 
 # -- regressions found by the fuzzer --------------------------------------------------------------------

@@ -46,7 +46,7 @@ async def post_sse(live: Live, body: dict[str, Any]) -> tuple[aiohttp.ClientResp
     ("raw", "status", "code", "param"),
     [
         (b"{nope", 400, "invalid_json", None),
-        (b'{"model": 3}', 400, "invalid_value", "model"),
+        (b'{"model": 3}', 400, "invalid_type", "model"),
         (b'{"input": "x"}', 400, "missing_required_parameter", "model"),
         (b'{"model": "m", "generate": false}', 400, "unsupported_parameter", "generate"),
         (b'{"model": "m", "background": true}', 400, "unsupported_parameter", "background"),
@@ -69,9 +69,9 @@ async def post_sse(live: Live, body: dict[str, Any]) -> tuple[aiohttp.ClientResp
             "missing_required_parameter",
             "input[0].content",
         ),
-        (b'{"model": "m", "input": [{"role": "user", "content": 5}]}', 400, "invalid_value", "input[0].content"),
-        (b'{"model": "m", "max_output_tokens": 0}', 400, "invalid_value", "max_output_tokens"),
-        (b'{"model": "m", "tool_choice": "sometimes"}', 400, "invalid_value", "tool_choice"),
+        (b'{"model": "m", "input": [{"role": "user", "content": 5}]}', 400, "invalid_type", "input[0].content"),
+        (b'{"model": "m", "max_output_tokens": 0}', 400, "integer_below_min_value", "max_output_tokens"),
+        (b'{"model": "m", "input": "x", "tool_choice": "sometimes"}', 400, "invalid_value", "tool_choice"),
     ],
 )
 async def test_error_bodies(live: Live, raw: bytes, status: int, code: str, param: str | None) -> None:

@@ -1,7 +1,7 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6); docs/performance.md says what each one measures. The server
+``virtual`` (5), ``memory`` (6), ``contract``; docs/performance.md says what each one measures. The server
 (`sim.bench.server`) is a separate process pinned to core 1; this process (the load generator)
 pins itself to core 0. Each line: figure, floor measured in the same run, ratio, target, verdict.
 ``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails.
@@ -37,11 +37,12 @@ from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
 from . import report as page
+from .contract import contract_rows, contract_rows_report
 from .report import Row
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -443,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
+    p.add_argument("--baseline", default="main", help="contract: the git revision without the checks")
+    p.add_argument("--contract-turns", type=int, default=100, help="contract: continuation turns per rollout")
+    p.add_argument("--contract-rounds", type=int, default=6, help="contract: rollouts per code, alternating")
     p.add_argument(
         "--server-arg",
         action="append",
@@ -477,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
+        "contract": lambda: contract_rows_report(
+            report,
+            uvloop.run(contract_rows(args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE)),
+            args.baseline,
+        ),
     }
     started = datetime.datetime.now(datetime.UTC)
     about, revision = page.machine(), page.commit()  # the load average before the run's own load

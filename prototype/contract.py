@@ -1,0 +1,354 @@
+"""The Responses API's request contract, as data: what a create may say, and the error
+the real API answers when it says something else.
+
+Sources (docs/contract.md has the table with one row per rule): the `CreateResponse`
+schema of the openai-openapi spec (ranges, enums, `maxLength`, `pattern`, metadata
+limits), openai-python's `ResponseCreateParams`, and error bodies captured in public
+client code and issues (messages, codes and params of the real API). Where no capture
+was found the message follows the same family of validation messages, and the doc says so.
+
+Every check here reads only the request's own parameters (a few scalars and short
+lists), never the input items' history, so it is O(parameters) per request. Item rules
+are in `conversation.py` (checked once per item, when the item is new), continuation
+rules (`function_call` / `function_call_output` pairing, duplicate ids) in
+`conversation.check_continuation`, which reads only the new items and the context's
+running sets.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+import msgspec
+from msgspec import Raw
+
+from .errors import ProtocolError, from_validation_error
+from .schemas import CreateParams, is_null
+
+__all__ = [
+    "CALL_ID_MAX",
+    "CONTEXT_LENGTH_MESSAGE",
+    "FUNCTION_NAME_MAX",
+    "KNOWN_PARAMETERS",
+    "METADATA_KEYS_MAX",
+    "MOVED_PARAMETERS",
+    "RANGES",
+    "STRING_MAX",
+    "UNSUPPORTED_FEATURES",
+    "check_context_window",
+    "check_function_name",
+    "check_has_input",
+    "check_params",
+    "check_string_length",
+    "moved_parameter",
+    "unsupported_message",
+]
+
+# Every top-level parameter of `CreateResponse` in the spec, and of openai-python 3.57's
+# `ResponseCreateParams` (which adds `access_programs`, `background_options`, `image`). A body
+# naming anything else over HTTP is refused.
+KNOWN_PARAMETERS: Final = frozenset(
+    {
+        "access_programs",
+        "background",
+        "background_options",
+        "image",
+        "context_management",
+        "conversation",
+        "include",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "max_tool_calls",
+        "metadata",
+        "model",
+        "moderation",
+        "parallel_tool_calls",
+        "previous_response_id",
+        "prompt",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "reasoning",
+        "safety_identifier",
+        "service_tier",
+        "store",
+        "stream",
+        "stream_options",
+        "temperature",
+        "text",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "truncation",
+        "user",
+    }
+)
+
+# Chat Completions parameters whose Responses counterpart has another name: the real API names
+# the new place (captures: openai/codex users, vim-ai #162, public client code).
+MOVED_PARAMETERS: Final = {
+    "messages": "input",
+    "response_format": "text.format",
+    "max_completion_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
+}
+
+
+def moved_parameter(name: str) -> ProtocolError | None:
+    target = MOVED_PARAMETERS.get(name)
+    if target is None:
+        return None
+    return ProtocolError(
+        f"Unsupported parameter: '{name}'. In the Responses API, this parameter has moved to '{target}'. "
+        "Try again with the new parameter. See the API documentation for more information: "
+        "https://platform.openai.com/docs/api-reference/responses/create.",
+        code="unsupported_parameter",
+        param=None,
+    )
+
+
+# Real-API features the simulator does not implement: refused with a 400 naming the feature,
+# never silently ignored (a client relying on them would get wrong results).
+UNSUPPORTED_FEATURES: Final = {
+    "background": "Background mode",
+    "conversation": "Conversation state kept on the server",
+    "prompt": "A prompt template",
+    "context_management": "Server-side compaction",
+}
+
+
+def unsupported_message(name: str) -> str:
+    return (
+        f"{UNSUPPORTED_FEATURES[name]} ('{name}') is not supported by this server (a simulator of the Responses API)."
+    )
+
+
+def _unsupported(name: str) -> ProtocolError:
+    return ProtocolError(unsupported_message(name), code="unsupported_parameter", param=name)
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    name: str
+    minimum: float | None
+    maximum: float | None
+    kind: str  # "integer" | "decimal": the word the API's message uses
+
+
+RANGES: Final = (
+    Range("temperature", 0, 2, "decimal"),
+    Range("top_p", 0, 1, "decimal"),
+    Range("max_output_tokens", 16, None, "integer"),
+    Range("max_tool_calls", 0, None, "integer"),
+    Range("top_logprobs", 0, 20, "integer"),
+)
+
+ENUMS: Final = (
+    ("truncation", ("auto", "disabled")),
+    ("service_tier", ("auto", "default", "flex", "scale", "priority", "fast", "ultrafast")),
+    ("prompt_cache_retention", ("in_memory", "24h")),
+)
+INCLUDABLE: Final = (
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+)
+REASONING_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+VERBOSITIES: Final = ("low", "medium", "high")
+
+METADATA_KEYS_MAX: Final = 16
+METADATA_KEY_MAX: Final = 64
+METADATA_VALUE_MAX: Final = 512
+SAFETY_IDENTIFIER_MAX: Final = 64
+STRING_MAX: Final = 10_485_760  # the longest text part, string input or tool output the spec allows
+CALL_ID_MAX: Final = 64
+FUNCTION_NAME_MAX: Final = 128  # FunctionToolParam.name in the spec (Chat Completions allows 64)
+FUNCTION_NAME_PATTERN: Final = "^[a-zA-Z0-9_-]+$"
+_FUNCTION_NAME: Final = re.compile(r"[a-zA-Z0-9_-]+")  # the pattern, matched in full (no trailing newline)
+CONTEXT_LENGTH_MESSAGE: Final = (
+    "Your input exceeds the context window of this model. Please adjust your input and try again."
+)
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 1e16 else repr(value)
+
+
+def _check_range(rule: Range, value: float) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(
+            f"Invalid '{rule.name}': expected a finite number, but got {value!r} instead.",
+            code="invalid_value",
+            param=rule.name,
+        )
+    if rule.minimum is not None and value < rule.minimum:
+        raise ProtocolError(
+            f"Invalid '{rule.name}': {rule.kind} below minimum value. Expected a value >= {_num(rule.minimum)}, "
+            f"but got {_num(value)} instead.",
+            code=f"{rule.kind}_below_min_value",
+            param=rule.name,
+        )
+    if rule.maximum is not None and value > rule.maximum:
+        raise ProtocolError(
+            f"Invalid '{rule.name}': {rule.kind} above maximum value. Expected a value <= {_num(rule.maximum)}, "
+            f"but got {_num(value)} instead.",
+            code=f"{rule.kind}_above_max_value",
+            param=rule.name,
+        )
+
+
+def _supported_values(values: Iterable[str]) -> str:
+    quoted = [f"'{v}'" for v in values]
+    if len(quoted) <= 2:
+        return " and ".join(quoted)
+    return ", ".join(quoted[:-1]) + ", and " + quoted[-1]
+
+
+def _check_enum(param: str, value: str, values: tuple[str, ...]) -> None:
+    if value not in values:
+        raise ProtocolError(
+            f"Invalid value: '{value}'. Supported values are: {_supported_values(values)}.",
+            code="invalid_value",
+            param=param,
+        )
+
+
+def check_string_length(param: str, value: str, maximum: int) -> None:
+    if len(value) > maximum:
+        raise ProtocolError(
+            f"Invalid '{param}': string too long. Expected a string with maximum length {maximum}, "
+            f"but got a string with length {len(value)} instead.",
+            code="string_above_max_length",
+            param=param,
+        )
+
+
+def check_function_name(name: str, param: str) -> None:
+    check_string_length(param, name, FUNCTION_NAME_MAX)
+    if not _FUNCTION_NAME.fullmatch(name):
+        raise ProtocolError(
+            f"Invalid '{param}': string does not match pattern. Expected a string that matches the pattern "
+            f"'{FUNCTION_NAME_PATTERN}'.",
+            code="invalid_value",
+            param=param,
+        )
+
+
+def _check_metadata(metadata: dict[str, str]) -> None:
+    if len(metadata) > METADATA_KEYS_MAX:
+        raise ProtocolError(
+            f"Invalid 'metadata': too many properties. Expected an object with at most {METADATA_KEYS_MAX} "
+            f"properties, but got an object with {len(metadata)} properties instead.",
+            code="object_above_max_properties",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_MAX:
+            raise ProtocolError(
+                f"Invalid 'metadata': key too long. Expected a key with maximum length {METADATA_KEY_MAX}, "
+                f"but got a key with length {len(key)} instead.",
+                code="string_above_max_length",
+                param="metadata",
+            )
+        check_string_length(f"metadata.{key}", value, METADATA_VALUE_MAX)
+
+
+class _Reasoning(msgspec.Struct):
+    effort: str | None = None
+
+
+class _Text(msgspec.Struct):
+    verbosity: str | None = None
+
+
+_decode_reasoning: Final = msgspec.json.Decoder(_Reasoning).decode
+_decode_text: Final = msgspec.json.Decoder(_Text).decode
+
+
+T = TypeVar("T")
+
+
+def _nested(decode: Callable[[Raw], T], raw: Raw, param: str) -> T:
+    """A nested object decoded on its own; a type error names its place under `param`."""
+    try:
+        return decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        err = from_validation_error(exc)
+        sub = err.param
+        err.param = param if not sub else f"{param}.{sub}"
+        if sub:
+            err.message = err.message.replace(f"'{sub}'", f"'{err.param}'", 1)
+        elif err.code == "invalid_type":
+            err.message = err.message.replace("Invalid request body:", f"Invalid type for '{param}':", 1)
+        raise err from None
+
+
+def check_params(params: CreateParams, *, websocket: bool) -> None:
+    """The top-level rules: required parameters, exclusive pairs, features not implemented,
+    ranges, enums, lengths, metadata. Raise the first broken rule's `ProtocolError`."""
+    if not params.model:
+        raise ProtocolError("Missing required parameter: 'model'.", code="missing_required_parameter", param="model")
+    if params.previous_response_id is not None and not is_null(params.conversation):
+        raise ProtocolError(
+            "Mutually exclusive parameters: Ensure you are only providing one of: 'previous_response_id' or "
+            "'conversation'.",
+            code="mutually_exclusive_parameters",
+            param="conversation",
+        )
+    if params.background:
+        raise _unsupported("background")
+    for name in ("conversation", "prompt", "context_management"):
+        if not is_null(getattr(params, name)):
+            raise _unsupported(name)
+    if not websocket and params.generate is not msgspec.UNSET:
+        raise ProtocolError("Unsupported parameter: generate", code="unsupported_parameter", param="generate")
+    if not websocket and params.stream_id is not None:
+        raise ProtocolError("Unknown parameter: 'stream_id'.", code="unknown_parameter", param="stream_id")
+    for rule in RANGES:
+        value = getattr(params, rule.name)
+        if value is not None:
+            _check_range(rule, value)
+    for name, values in ENUMS:
+        value = getattr(params, name)
+        if value is not None:
+            _check_enum(name, value, values)
+    for index, value in enumerate(params.include or ()):
+        _check_enum(f"include[{index}]", value, INCLUDABLE)
+    if params.safety_identifier is not None:
+        check_string_length("safety_identifier", params.safety_identifier, SAFETY_IDENTIFIER_MAX)
+    if params.metadata:
+        _check_metadata(params.metadata)
+    if not is_null(params.reasoning):
+        effort = _nested(_decode_reasoning, params.reasoning, "reasoning").effort
+        if effort is not None:
+            _check_enum("reasoning.effort", effort, REASONING_EFFORTS)
+    if not is_null(params.text):
+        verbosity = _nested(_decode_text, params.text, "text").verbosity
+        if verbosity is not None:
+            _check_enum("text.verbosity", verbosity, VERBOSITIES)
+    if isinstance(params.input, str):
+        check_string_length("input", params.input, STRING_MAX)
+
+
+def check_has_input(params: CreateParams) -> None:
+    """A create says what to respond to: `input`, or a `previous_response_id` to continue.
+    Checked after the other parameters (tools, tool_choice) have been read."""
+    if not params.input and params.previous_response_id is None:
+        raise ProtocolError("Missing required parameter: 'input'.", code="missing_required_parameter", param="input")
+
+
+def check_context_window(input_tokens: int, limit: int | None) -> None:
+    """400 `context_length_exceeded` when a prompt is longer than the model may read."""
+    if limit is not None and input_tokens > limit:
+        raise ProtocolError(CONTEXT_LENGTH_MESSAGE, code="context_length_exceeded", param="input")
