@@ -176,8 +176,9 @@ IN_STREAM_CODES: Final = frozenset({"context_length_exceeded"})
 
 def sse_error_events(response: Response, err: ProtocolError) -> list[ServerEvent]:
     """The SSE events of a response refused after its stream began."""
+    body = err.body()
     return [
         ResponseCreated(sequence_number=0, response=response),
         ResponseInProgress(sequence_number=1, response=response),
-        ErrorEvent(error=err.body(), sequence_number=2),
+        ErrorEvent(code=body.code, message=body.message, param=body.param, error=body, sequence_number=2),
     ]

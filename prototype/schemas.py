@@ -457,9 +457,15 @@ class ErrorBody(msgspec.Struct):
 
 class ErrorEvent(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
     """WebSocket `error` (nested form, with `status`: `ResponseWsError` in the openai-openapi spec).
-    Over SSE the same Struct is sent with `sequence_number` and without `status`."""
+
+    Over SSE the same Struct is sent without `status` and with `sequence_number` and the error's
+    `code`, `message` and `param` at the top level as well (the spec's `ResponseErrorEvent`, which
+    the SDKs type), keeping the nested `error` a capture of the real API shows."""
 
     status: int | UnsetType = UNSET
+    code: str | None | UnsetType = UNSET
+    message: str | UnsetType = UNSET
+    param: str | None | UnsetType = UNSET
     error: ErrorBody
     sequence_number: int | UnsetType = UNSET
 
