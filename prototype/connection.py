@@ -66,8 +66,8 @@ from typing import Final
 
 import msgspec
 
+from .cache import CacheEntry
 from .conversation import CreateRequest, Item, ToolCache, normalize_create, parse_items
-from .engine import CacheEntry
 from .errors import ProtocolError, from_validation_error, ws_error_event
 from .ids import IdFactory
 from .schemas import (

@@ -39,6 +39,7 @@ from typing import Final, Literal, Protocol
 from msgspec import structs
 
 from . import metrics
+from .cache import STORE_UNAVAILABLE, CacheEntry
 from .clock import Clock
 from .conversation import (
     Context,
@@ -93,9 +94,6 @@ __all__ = [
 log = logging.getLogger("longrun.engine")
 
 Emit = Callable[[list[ServerEvent]], Awaitable[None]]
-STORE_UNAVAILABLE: Final = ProtocolError(
-    "The response store is unavailable. Please retry.", code="store_unavailable", status=503
-)
 # Texts at least this long are tokenized off the event loop when the engine has a render
 # executor: ≈ 0.4 ms of BPE here, against ≈ 90 µs for the hop to a thread and back (uvloop).
 OFFLOAD_CHARS: Final = 8_192
@@ -121,36 +119,6 @@ class Arrival:
     body_bytes: int = 0
     transport: Literal["http", "ws"] = "http"
     routed: bool = False  # auth and routing already done on this connection
-
-
-@dataclass(frozen=True, slots=True)
-class CacheEntry:
-    """A connection cache entry (wire-protocol 6.2): the previous response, its
-    effective input and output items, tools, their rendered tokens, and how far
-    the safety classifier has read them."""
-
-    response: Response
-    context: Context  # input + output items of `response`, rendered
-    n_items: int  # length of `context` that belongs to this entry (Context is append-only)
-    preamble: Preamble
-    store: bool
-    safety: ClassifierState | None = None  # classifier state over preamble + chunks[:safety_chunks]
-    safety_chunks: int = 0
-
-    @property
-    def response_id(self) -> str:
-        return self.response.id
-
-    @property
-    def nbytes(self) -> int:
-        """What the entry holds: its items' JSON, their tokens and the rendered preamble."""
-        ctx = self.context
-        if self.n_items == len(ctx.items):
-            held = ctx.held_bytes
-        else:  # the context grew past this entry
-            held = sum(len(item.raw) for item in ctx.items[: self.n_items])
-            held += sum(chunk.nbytes for chunk in ctx.chunks[: self.n_items])
-        return held + len(self.preamble.key) + self.preamble.tokens.nbytes
 
 
 @dataclass(frozen=True, slots=True)

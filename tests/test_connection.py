@@ -36,7 +36,7 @@ from prototype.connection import (
     limit_message,
 )
 from prototype.conversation import Context, Preamble, normalize_create
-from prototype.engine import CacheEntry
+from prototype.cache import CacheEntry
 from prototype.errors import ProtocolError
 from prototype.schemas import CreateParams, RequiredInput, Response, ResponseAppend
 

@@ -7,18 +7,40 @@
   a live or in-process server; `tools.py`: tool subprocesses) import no asyncio,
   aiohttp or uvloop.
 * uvloop is chosen only in entry points.
+* The same, transitively: a fresh interpreter imports each pure module and must not
+  have loaded asyncio, aiohttp, uvloop, redis or sqlite3 (and numpy where the module
+  has no token arrays) by the end.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IO_MODULES = {"asyncio", "aiohttp", "uvloop"}
-PURE_CORE = {"schemas", "connection", "stream", "sse", "conversation", "model", "errors", "ids", "clock", "tokenizer"}
+PURE_CORE = {
+    "schemas",
+    "connection",
+    "cache",
+    "stream",
+    "sse",
+    "conversation",
+    "model",
+    "errors",
+    "ids",
+    "clock",
+    "tokenizer",
+}
+# Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
+# token arrays are numpy arrays).
+BANNED_TRANSITIVELY = {"asyncio", "aiohttp", "uvloop", "redis", "sqlite3"}
+NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock"}
 ENTRY_POINTS = {
     ROOT / "prototype" / "server.py",
     ROOT / "sim" / "__main__.py",
@@ -78,3 +100,27 @@ def test_uvloop_only_in_entry_points(path: Path) -> None:
 def test_the_checker_sees_imports() -> None:
     server = imports(ROOT / "prototype" / "server.py")
     assert {"sim", "uvloop", "prototype", "aiohttp"} <= server
+
+
+def loaded_by(module: str) -> set[str]:
+    """Top-level packages in `sys.modules` after a fresh interpreter imports `module`."""
+    code = (
+        "import json, sys\n"
+        f"before = set(sys.modules)\nimport {module}\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(json.loads(done.stdout))
+
+
+@pytest.mark.parametrize("name", sorted(PURE_CORE))
+def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
+    loaded = loaded_by(f"prototype.{name}")
+    banned = BANNED_TRANSITIVELY | ({"numpy"} if name in NO_NUMPY else set())
+    assert not loaded & banned, f"importing prototype.{name} loads {sorted(loaded & banned)}"
+
+
+def test_the_transitive_checker_sees_imports() -> None:
+    assert {"asyncio", "aiohttp"} <= loaded_by("prototype.app")
