@@ -24,6 +24,7 @@ from typing import Final, Protocol
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from .cache import STORE_UNAVAILABLE, stream_prefix, tag_stream
 from .clock import Clock
 from .connection import (
     AbortPause,
@@ -37,7 +38,7 @@ from .connection import (
     StartJob,
 )
 from .conversation import ItemParser, normalize_create, parse_items
-from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, RenderedItems, Resumed
+from .engine import Aborted, Arrival, Emit, Engine, RenderedItems, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error, http_error_body
 from .ids import IdFactory
 from .model import TokenModel
@@ -513,9 +514,9 @@ class BatchedSSE:
 
 
 class WebSocketSession:
-    """Owns one socket: one reader (this coroutine), at most one job task, one
-    lifetime timer and at most one pause timer. Everything it starts it also
-    cancels and awaits."""
+    """Owns one socket: one reader (this coroutine), one task per response in flight (one per
+    lane at most), one lifetime timer and one pause timer per paused response. Everything it
+    starts it also cancels and awaits."""
 
     def __init__(
         self,
@@ -539,9 +540,9 @@ class WebSocketSession:
             max_cache_bytes=config.max_cache_bytes,
             reuse_tools=Optimization.STATE_CACHE in config.optimizations,
         )
-        self.job_task: asyncio.Task[None] | None = None
-        self.pause_timer: asyncio.Task[None] | None = None
-        self.resumption: asyncio.Future[Resumed | Aborted] | None = None
+        self.jobs: dict[int, asyncio.Task[None]] = {}  # by job number
+        self.pause_timers: dict[int, asyncio.Task[None]] = {}
+        self.resumptions: dict[int, asyncio.Future[Resumed | Aborted]] = {}
         self.frame = Arrival(0.0, 0, "ws")  # the frame being handled
         self.routed = False  # auth and routing done once on this connection
 
@@ -564,11 +565,12 @@ class WebSocketSession:
             timer.cancel()
             self.conn.disconnected()
             await self._flush()
-            self._disarm_pause()
-            for task in (timer, self.pause_timer, self.job_task):
-                if task is not None:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            for number in list(self.pause_timers):
+                self._disarm_pause(number)
+            tasks = [timer, *self.pause_timers.values(), *self.jobs.values()]
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def _limit_at(self, deadline: float) -> None:
         """The lifetime timer: the core decides what the limit means, this only arms it."""
@@ -585,59 +587,68 @@ class WebSocketSession:
                     if not self.ws.closed:
                         await self.writer.send_frame(data, WSMsgType.TEXT)
                 case StartJob(job=job):
-                    self.job_task = asyncio.get_running_loop().create_task(self._run(job))
-                case CancelJob():
-                    if self.job_task is not None:
-                        self.job_task.cancel()
+                    self.jobs[job.number] = asyncio.get_running_loop().create_task(self._run(job))
+                case CancelJob(job=job):
+                    task = self.jobs.get(job.number)
+                    if task is not None:
+                        task.cancel()
                 case CloseSocket(code=code, reason=reason):
                     self._flush_frames()
                     await self.ws.close(code=code, message=reason.encode())
                 case ArmPauseTimer(job=job):
-                    self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout(job))
-                case ResumeJob(items=items):
-                    self._decide(Resumed(items, self.frame))
-                case AbortPause(reason=reason):
-                    self._decide(Aborted(reason))
+                    self.pause_timers[job.number] = asyncio.get_running_loop().create_task(self._pause_timeout(job))
+                case ResumeJob(job=job, items=items):
+                    self._decide(job, Resumed(items, self.frame))
+                case AbortPause(job=job, reason=reason):
+                    self._decide(job, Aborted(reason))
 
     def _flush_frames(self) -> None:
         if isinstance(self.writer, BatchedFrames):
             self.writer.flush()
 
-    def _decide(self, decision: Resumed | Aborted) -> None:
-        self._disarm_pause()
-        if self.resumption is not None and not self.resumption.done():
-            self.resumption.set_result(decision)
+    def _decide(self, job: Job, decision: Resumed | Aborted) -> None:
+        self._disarm_pause(job.number)
+        resumption = self.resumptions.get(job.number)
+        if resumption is not None and not resumption.done():
+            resumption.set_result(decision)
 
-    def _disarm_pause(self) -> None:
-        if self.pause_timer is not None and self.pause_timer is not asyncio.current_task():
-            self.pause_timer.cancel()
+    def _disarm_pause(self, number: int) -> None:
+        timer = self.pause_timers.pop(number, None)
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
 
     async def _pause_timeout(self, job: Job) -> None:
         await asyncio.sleep(self.append_timeout_s)
         self.conn.pause_timed_out(job)
         await self._flush()
 
-    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
-        """`PauseChannel` for the job in flight: tell the core, then wait for its decision."""
-        job = self.conn.in_flight
-        assert job is not None
-        self.resumption = asyncio.get_running_loop().create_future()
+    async def wait_resume(self, job: Job, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
+        """`PauseChannel` for `job`: tell the core, then wait for its decision."""
+        resumption: asyncio.Future[Resumed | Aborted] = asyncio.get_running_loop().create_future()
+        self.resumptions[job.number] = resumption
         self.conn.response_paused(job, required)
         await self._flush()
         try:
-            return await self.resumption
+            return await resumption
         finally:
-            self.resumption = None
+            del self.resumptions[job.number]
 
     async def _run(self, job: Job) -> None:
+        try:
+            await self._serve_job(job)
+        finally:
+            self.jobs.pop(job.number, None)
+
+    async def _serve_job(self, job: Job) -> None:
         writer = self.writer
+        prefix = stream_prefix(job.stream_id)
         emit: Emit
         if isinstance(writer, BatchedFrames):
             push, drain, flush = writer.push, writer.drain, writer.flush
 
             async def emit(events: list[ServerEvent]) -> None:
                 for ev in events:
-                    if push(encode(ev)):  # text frames straight from the encoder's UTF-8 bytes
+                    if push(tag_stream(encode(ev), prefix)):  # text frames straight from the encoder's bytes
                         await drain()
                 if events and type(events[-1]) not in TOKEN_DELTAS:
                     flush()  # token deltas wait for the wake-up's end; other events go now
@@ -647,7 +658,7 @@ class WebSocketSession:
 
             async def emit(events: list[ServerEvent]) -> None:
                 for ev in events:
-                    await send(encode(ev), WSMsgType.TEXT)
+                    await send(tag_stream(encode(ev), prefix), WSMsgType.TEXT)
 
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
@@ -659,7 +670,8 @@ class WebSocketSession:
                 arrival=arrival,
                 response_id=job.response_id,
                 counter=job.counter,
-                pauses=self if self.conn.append_mode else None,
+                pauses=_JobPauses(self, job) if self.conn.append_mode else None,
+                fork=not job.exclusive,
             )
         except ConnectionResetError:
             return  # the peer is gone; the reader sees the close and frees everything
@@ -669,3 +681,16 @@ class WebSocketSession:
         else:
             self.conn.response_ended(job, outcome.entry, outcome.error)
         await self._flush()
+
+
+class _JobPauses:
+    """The `PauseChannel` of one response of a session."""
+
+    __slots__ = ("job", "session")
+
+    def __init__(self, session: WebSocketSession, job: Job) -> None:
+        self.session = session
+        self.job = job
+
+    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
+        return await self.session.wait_resume(self.job, required)

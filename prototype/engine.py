@@ -345,7 +345,13 @@ class Engine:
         return arrival.transport == "ws" and optimization in self.optimizations
 
     async def resolve(
-        self, request: CreateRequest, cached: CacheEntry | None, arrival: Arrival, stages: _Stages
+        self,
+        request: CreateRequest,
+        cached: CacheEntry | None,
+        arrival: Arrival,
+        stages: _Stages,
+        *,
+        fork: bool = False,
     ) -> _Resolved:
         """Load the previous turn's state, render what is not rendered yet, classify what
         is not classified yet.
@@ -366,7 +372,11 @@ class Engine:
         safety_chunks = 0
         if hit:
             assert cached is not None
-            context = cached.context.prefix(cached.n_items)
+            if fork:  # the context is shared with another lane's continuation: take a copy of its items
+                context = Context()
+                context.extend(cached.context.items[: cached.n_items], cached.context.chunks[: cached.n_items])
+            else:
+                context = cached.context.prefix(cached.n_items)
             stages.lap(Stage.LOAD_STATE)
             if not self._uses(arrival, Optimization.TOKEN_CACHE):
                 items = context.items
@@ -467,6 +477,7 @@ class Engine:
         response_id: str | None = None,
         counter: SequenceCounter | None = None,
         pauses: PauseChannel | None = None,
+        fork: bool = False,
     ) -> Outcome:
         """Serve one create. Request errors before the first event come back in
         `Outcome.error` (nothing was emitted); failures after it end the stream
@@ -474,7 +485,10 @@ class Engine:
 
         With `pauses` (append mode) a turn that ends in function calls pauses the
         response instead of finishing it: `response.done`, then the channel says
-        whether to resume with appended items or to end `incomplete`."""
+        whether to resume with appended items or to end `incomplete`.
+
+        `fork`: another response already continues from `cached` (a fork onto another lane),
+        so its context is copied rather than extended in place."""
         arrival = arrival or Arrival(self.clock.now())
         stages = _Stages(self.clock, self._counts, arrival.at)
         template = self.new_response(request, response_id)
@@ -482,7 +496,7 @@ class Engine:
         try:
             await stages.wait(Stage.NETWORK, self.profile.upload_s(arrival.body_bytes))
             stages.lap(Stage.PARSE)
-            resolved = await self.resolve(request, cached, arrival, stages)
+            resolved = await self.resolve(request, cached, arrival, stages, fork=fork)
         except ProtocolError as err:
             return Outcome(template, None, err)
         stream = ResponseStream(template, self.ids, counter)

@@ -122,7 +122,7 @@ class CreateParams(msgspec.Struct, kw_only=True):
     user: str | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-    stream_id: str | None = None  # lanes are not implemented; accepted and ignored
+    stream_id: str | None = None  # WebSocket lane (docs/lanes.md); no meaning over HTTP
 
 
 class _ClientEvent(msgspec.Struct, tag_field="type", kw_only=True):
@@ -154,6 +154,7 @@ class _Envelope(msgspec.Struct):
 
     type: str | None = None
     previous_response_id: str | None = None
+    stream_id: object = None  # a create's lane, checked by the connection core
 
 
 class ContentPartView(msgspec.Struct):
