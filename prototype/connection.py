@@ -79,6 +79,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
+from msgspec import structs
 
 from .cache import CacheEntry, stream_prefix, tag_stream
 from .conversation import CreateRequest, Item, ToolCache, normalize_create, parse_items
@@ -513,6 +514,8 @@ class Connection:
             return self._bad(data, exc)
         if isinstance(event, ResponseCreate):
             params = event.response if event.response is not None else event
+            if params.stream_id is None and event.stream_id is not None:  # the lane named on the envelope
+                params = structs.replace(params, stream_id=event.stream_id)
             stream_id = params.stream_id
             if stream_id is not None and not valid_stream_id(stream_id):
                 return BadFrame(INVALID_STREAM_ID)

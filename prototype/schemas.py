@@ -79,6 +79,7 @@ __all__ = [
     "decode_json",
     "decode_create_params",
     "decode_envelope",
+    "decode_stream_tag",
     "decode_item",
     "decode_stored",
     "decode_text",
@@ -155,6 +156,12 @@ class _Envelope(msgspec.Struct):
     type: str | None = None
     previous_response_id: str | None = None
     stream_id: object = None  # a create's lane, checked by the connection core
+
+
+class StreamTag(msgspec.Struct):
+    """The lane of a server frame in WebSocket mode (absent: the default lane)."""
+
+    stream_id: str | None = None
 
 
 class ContentPartView(msgspec.Struct):
@@ -505,3 +512,4 @@ decode_content: Final = guarded_decoder(msgspec.json.Decoder(str | list[ContentP
 decode_tool: Final = guarded_decoder(msgspec.json.Decoder(ToolView))
 decode_stored: Final = guarded_decoder(msgspec.json.Decoder(StoredResponse))
 decode_server_event: Final = guarded_decoder(msgspec.json.Decoder(ServerEvent))
+decode_stream_tag: Final = guarded_decoder(msgspec.json.Decoder(StreamTag))
