@@ -448,3 +448,24 @@ async def test_lane_errors_leave_other_lanes_running() -> None:
             assert [e["type"] for e in got["gone"]] == ["error"]
             assert got["gone"][0]["error"]["code"] == "previous_response_not_found"
             assert got["ok"][-1]["type"] == "response.completed"
+
+
+async def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sim.inprocess
+    from prototype.app import WebSocketSession
+    from sim.experiment import CompareConfig, run_compare
+    from sim.virtual import VirtualClock
+
+    sessions: list[WebSocketSession] = []
+
+    class Counted(WebSocketSession):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            sessions.append(self)
+
+    monkeypatch.setattr(sim.inprocess, "WebSocketSession", Counted)
+    config = CompareConfig(rollouts=5, tool_calls=2, lanes=3, modes=("ws", "append"), system_prompt_tokens=200, tps=0)
+    result = await run_compare(config, VirtualClock(), virtual=True)
+    assert len(sessions) == 4  # per mode: lanes 0-2 on one connection, lanes 0-1 on another
+    assert sorted(len(s.conn.lanes) - 1 for s in sessions) == [2, 2, 3, 3]
+    assert all(r.turns for r in result.rollouts) and len(result.rollouts) == 10

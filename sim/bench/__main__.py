@@ -1,7 +1,7 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6). The server (`sim.bench.server`) is a separate process
+``virtual`` (5), ``memory`` (6), ``lanes`` (N lanes on one socket against N sockets). The server (`sim.bench.server`) is a separate process
 pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
 """
@@ -34,10 +34,11 @@ from ..inprocess import Tap
 from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
+from .lanes import lanes_vs_connections
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "lanes")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -438,6 +439,13 @@ async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None
 # -- CLI ------------------------------------------------------------------------------------------
 
 
+async def lanes(n: int, tokens: int, repeats: int) -> None:
+    with bench_server("--tps", "0") as port:
+        on_lanes, on_conns = await lanes_vs_connections(port, n, tokens, repeats)
+    what = f"{n} lanes on 1 socket vs {n} sockets, s ({tokens} tok each)"
+    report("lanes", what, on_lanes, on_conns, on_lanes / on_conns, "<= 1.25", on_lanes / on_conns <= 1.25)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
@@ -452,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
+    p.add_argument("--lanes", type=int, default=8, help="lanes: streams on one connection (and connections)")
     p.add_argument(
         "--server-arg",
         action="append",
@@ -481,6 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
     }
+    jobs["lanes"] = lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats))
     for name in TARGETS:
         if name in only:
             jobs[name]()
