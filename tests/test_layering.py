@@ -81,8 +81,17 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
     assert not imports(path) & IO_MODULES, f"{path.name} imports {imports(path) & IO_MODULES}"
 
 
-# experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client
-SIM_ASYNC_ADAPTERS = {"realtime.py", "virtual.py", "inprocess.py", "experiment.py", "tools.py", "wsclient.py"}
+# experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client;
+# lanes: the benchmark's lanes-against-sockets load
+SIM_ASYNC_ADAPTERS = {
+    "realtime.py",
+    "virtual.py",
+    "inprocess.py",
+    "experiment.py",
+    "tools.py",
+    "wsclient.py",
+    "lanes.py",
+}
 
 
 @pytest.mark.parametrize("path", [p for p in modules("sim") if p.name not in SIM_ASYNC_ADAPTERS], ids=lambda p: p.name)

@@ -1,9 +1,9 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6), ``lanes`` (N lanes on one socket against N sockets). The server (`sim.bench.server`) is a separate process
-pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
-figure, floor measured in the same run, ratio, target, verdict.
+``virtual`` (5), ``memory`` (6), ``lanes`` (N lanes on one socket against N sockets). The server
+(`sim.bench.server`) is a separate process pinned to core 1; this process (the load generator)
+pins itself to core 0. Each line: figure, floor measured in the same run, ratio, target, verdict.
 """
 
 from __future__ import annotations
