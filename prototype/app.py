@@ -65,7 +65,7 @@ log = logging.getLogger("longrun.server")
 # Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
 # in one frame or body; 64 MiB covers a 10M-character history with room to spare.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-# Append mode is opted into per connection (wire-protocol 11.2): the historical V1 beta header
+# Append mode is opted into per connection (docs/protocol.md): the historical V1 beta header
 # value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
 APPEND_BETA: Final = "responses_websockets=2026-02-04"
 # Per-connection and per-server limits (ServerConfig; None = unlimited). Codex never queues
@@ -83,8 +83,8 @@ class ServerConfig:
     reject_concurrent: bool = False  # 409 instead of FIFO queueing
     refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
     sse_done: bool = False  # end SSE streams with `data: [DONE]`
-    # A paused append-mode response holds KV while it waits; 300 s matches the prefix-cache
-    # retention seen for idle conversations (workloads.md 2: "kept if pause < 5 min").
+    # A paused append-mode response holds KV while it waits; 300 s is within the retention of idle
+    # prompt caches (cleared after 5 to 10 minutes of inactivity, OpenAI's prompt-caching guide).
     append_timeout_s: float = 300.0
     profile: CostProfile = PROFILES["local"]  # modeled waits of the API stages (pipeline.py)
     optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS  # connection-cache switches, WebSocket only

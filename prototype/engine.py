@@ -356,7 +356,7 @@ class Engine:
         """Load the previous turn's state, render what is not rendered yet, classify what
         is not classified yet.
 
-        Lookup order (wire-protocol 6.2): connection cache, then the store (only
+        Lookup order (docs/protocol.md, docs/lanes.md): connection cache, then the store (only
         `store:true` responses are there), else `previous_response_not_found`.
         """
         report = stages.report
@@ -502,8 +502,8 @@ class Engine:
         stream = ResponseStream(template, self.ids, counter)
         turn = _Turn(self, request, resolved, template.id, hold_kv=pauses is not None)
         if not request.generate:
-            # Warm-up (wire-protocol 3.3): pre-inference work and a prefill of the prompt (so the
-            # model's prefix cache holds it), no decode: `output: []`, zero usage.
+            # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
+            # of the prompt (so the model's prefix cache holds it), no decode: `output: []`, zero usage.
             await emit(stream.receive(Start(input_tokens=0, warm_up=True)))
             warm_up = dataclasses.replace(turn.model_request(), max_output_tokens=0)
             async with contextlib.aclosing(self.model.sample(warm_up)) as prefill:

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 One `ResponseStream` turns the model's event grammar (prototype.model) into the
-Responses streaming event grammar (wire-protocol 4.1):
+Responses streaming event grammar (docs/protocol.md; the API reference's streaming events):
 
     response.created, response.in_progress,
     ( output_item.added, [content_part.added], delta*, *.done, [content_part.done],
@@ -354,7 +354,7 @@ class ResponseStream:
     def _resume(self, event: Resume) -> list[ServerEvent]:
         self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
-        # As every in-progress snapshot (wire-protocol 5): `output: []`. The pause's `response.done`
+        # As every in-progress snapshot (docs/protocol.md): `output: []`. The pause's `response.done`
         # carried the items so far; repeating them here would grow each resume with the rollout.
         snapshot = structs.replace(self.response, output=[])
         return [ResponseInProgress(sequence_number=self._next(), response=snapshot)]
