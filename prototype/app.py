@@ -515,8 +515,8 @@ class BatchedSSE:
 
 class WebSocketSession:
     """Owns one socket: one reader (this coroutine), one task per response in flight (one per
-    lane at most), one lifetime timer and one pause timer per paused response. Everything it
-    starts it also cancels and awaits."""
+    lane at most), one lifetime timer and one pause timer per paused response, both on the
+    engine's clock. Everything it starts it also cancels and awaits."""
 
     def __init__(
         self,
@@ -547,8 +547,8 @@ class WebSocketSession:
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        timer = loop.create_task(self._limit_at(loop.time() + self.conn.lifetime_s))
+        clock = self.engine.clock
+        timer = asyncio.get_running_loop().create_task(self._limit_at(clock.now() + self.conn.lifetime_s))
         try:
             async for msg in self.ws:
                 if msg.type is WSMsgType.TEXT:
@@ -574,8 +574,7 @@ class WebSocketSession:
 
     async def _limit_at(self, deadline: float) -> None:
         """The lifetime timer: the core decides what the limit means, this only arms it."""
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(max(0.0, deadline - loop.time()))
+        await self.engine.clock.sleep_until(deadline)
         if not self.ws.closed:
             self.conn.limit_reached()
             await self._flush()
@@ -618,7 +617,8 @@ class WebSocketSession:
             timer.cancel()
 
     async def _pause_timeout(self, job: Job) -> None:
-        await asyncio.sleep(self.append_timeout_s)
+        clock = self.engine.clock
+        await clock.sleep_until(clock.now() + self.append_timeout_s)
         self.conn.pause_timed_out(job)
         await self._flush()
 
