@@ -24,7 +24,7 @@ from typing import Final, Protocol
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from .cache import STORE_UNAVAILABLE, stream_prefix, tag_stream
+from .cache import stream_prefix, tag_stream
 from .clock import Clock
 from .connection import (
     AbortPause,
@@ -282,9 +282,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if outcome.error is not None:
             return _json_error(outcome.error)
         if outcome.response.status == "failed":
-            failure = outcome.response.error
-            store_down = failure is not None and failure.code == STORE_UNAVAILABLE.code
-            return _json_error(STORE_UNAVAILABLE if store_down else INTERNAL_ERROR)
+            return _json_error(outcome.failure or INTERNAL_ERROR)
         return web.Response(body=encode(outcome.response), content_type="application/json")
 
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
