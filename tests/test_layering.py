@@ -133,3 +133,9 @@ def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
 
 def test_the_transitive_checker_sees_imports() -> None:
     assert {"asyncio", "aiohttp"} <= loaded_by("prototype.app")
+
+
+def test_the_session_core_loads_no_aiohttp() -> None:
+    """`prototype.session` drives both the live server and the in-process transport: no aiohttp."""
+    loaded = loaded_by("prototype.session")
+    assert "asyncio" in loaded and not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
