@@ -91,18 +91,18 @@ from .schemas import (
     ResponseAppend,
     ResponseCreate,
     ResponseInject,
-    ResponseInjectCreated,
     ResponseInjectFailed,
     decode_client_event,
     decode_envelope,
     decode_text,
     encode,
 )
-from .stream import SequenceCounter
+from .stream import InjectRefused
 
 __all__ = [
     "CS",
     "AbortPause",
+    "AckInject",
     "AllAnswered",
     "ArmPauseTimer",
     "PauseTimedOut",
@@ -159,6 +159,8 @@ class CreateReceived:
 @dataclass(frozen=True, slots=True)
 class AppendReceived:
     event: ResponseAppend | ResponseInject
+    at: float = 0.0  # when the frame arrived (adapter's clock)
+    body_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +242,6 @@ class Job:
     request: CreateRequest
     cached: CacheEntry | None  # the cache entry the job may continue from (matched by id at start)
     response_id: str = ""
-    counter: SequenceCounter = field(default_factory=SequenceCounter)  # the response's sequence numbers
     arrived_at: float = 0.0  # when its response.create frame arrived
     body_bytes: int = 0
     exclusive: bool = True  # False: another job already took `cached`'s context, so copy it (a fork)
@@ -281,6 +282,16 @@ class ArmPauseTimer:
 class ResumeJob:
     job: Job
     items: tuple[Item, ...]  # everything committed while paused, in arrival order
+    at: float = 0.0  # arrival of the append that answered the last pending call
+    body_bytes: int = 0  # and its size
+
+
+@dataclass(frozen=True, slots=True)
+class AckInject:
+    """Acknowledge an inject in the paused response's own stream (accepted, or refused)."""
+
+    job: Job
+    refused: InjectRefused | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +300,7 @@ class AbortPause:
     reason: str  # `incomplete_details.reason` of the response
 
 
-Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause
+Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause | AckInject
 
 
 @dataclass(slots=True)
@@ -299,6 +310,8 @@ class _Pause:
     job: Job
     pending: dict[str, str]  # call_id -> function name
     committed: list[Item] = field(default_factory=list)
+    last_at: float = 0.0  # the last committing frame's arrival and size
+    last_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -434,6 +447,8 @@ class Connection:
         event = self._classify(data)
         if isinstance(event, CreateReceived):
             event = CreateReceived(event.request, at, len(data))
+        elif isinstance(event, AppendReceived):
+            event = AppendReceived(event.event, at, len(data))
         self.handle(self._lane_of(event), event)
 
     def response_ended(self, job: Job, entry: CacheEntry | None, error: ProtocolError | None = None) -> None:
@@ -722,7 +737,8 @@ class Connection:
 
     def _resume(self, lane: Lane, event: AllAnswered) -> None:
         assert lane.pause is not None
-        self._out.append(ResumeJob(lane.pause.job, tuple(lane.pause.committed)))
+        pause = lane.pause
+        self._out.append(ResumeJob(pause.job, tuple(pause.committed), pause.last_at, pause.last_bytes))
         lane.pause = None
 
     def _pause_timed_out(self, lane: Lane, event: PauseTimedOut) -> None:
@@ -774,9 +790,9 @@ class Connection:
             if item.view.type == "function_call_output":
                 del pause.pending[str(item.view.call_id)]
         pause.committed.extend(items)
+        pause.last_at, pause.last_bytes = event.at, event.body_bytes
         if isinstance(append, ResponseInject):
-            ack = ResponseInjectCreated(sequence_number=pause.job.counter.next(), response_id=pause.job.response_id)
-            self._out.append(SendFrame(tag_stream(encode(ack), lane.prefix)))
+            self._out.append(AckInject(pause.job))
 
     def _target(self, lane: Lane, response_id: str | None) -> _Pause:
         """The paused response an append is for, or the error that says why there is none."""
@@ -834,11 +850,12 @@ class Connection:
             self._error(err, on_lane)
             return
         target = append.response_id or (lane.in_flight.response_id if lane.in_flight else "")
-        # Numbered in the response's own sequence only while it is paused (its stream is idle
-        # then); otherwise the failure belongs to no stream.
-        seq = pause.job.counter.next() if pause is not None and target == pause.job.response_id else 0
-        failed = ResponseInjectFailed(
-            sequence_number=seq,
+        if pause is not None and target == pause.job.response_id:
+            # Numbered in the paused response's own stream (which is idle while paused).
+            self._out.append(AckInject(pause.job, InjectRefused(append.input, str(err.code), err.message)))
+            return
+        failed = ResponseInjectFailed(  # belongs to no stream: numbered 0
+            sequence_number=0,
             response_id=target,
             input=append.input,
             error=InjectError(code=str(err.code), message=err.message),

@@ -79,7 +79,7 @@ from .schemas import (
     is_null,
 )
 from .store import ResponseStore, StoreUnavailable
-from .stream import Pause, ResponseStream, Resume, SequenceCounter, Start, StreamError
+from .stream import InjectAccepted, InjectRefused, Pause, ResponseStream, Resume, Start, StreamError
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -151,9 +151,10 @@ class Aborted:
 
 
 class PauseChannel(Protocol):
-    """How a paused append-mode response learns what happens next (the adapter implements it)."""
+    """Whom a paused append-mode response tells that it paused (the session, which asks the
+    connection core). The core's decision comes back through `ResponseRun.resume`."""
 
-    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted: ...
+    async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,7 +416,6 @@ class Engine:
         *,
         arrival: Arrival | None = None,
         response_id: str | None = None,
-        counter: SequenceCounter | None = None,
         pauses: PauseChannel | None = None,
         fork: bool = False,
     ) -> Outcome:
@@ -430,7 +430,7 @@ class Engine:
 
         `fork`: another response already continues from `cached` (a fork onto another lane),
         so its context is copied rather than extended in place."""
-        run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, counter, pauses)
+        run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, pauses)
         return await run.run(cached, fork=fork)
 
     # -- stored responses --------------------------------------------------------------------------
@@ -489,7 +489,6 @@ class ResponseRun:
         emit: Emit,
         arrival: Arrival,
         response_id: str | None,
-        counter: SequenceCounter | None,
         pauses: PauseChannel | None,
     ) -> None:
         self.engine = engine
@@ -497,7 +496,7 @@ class ResponseRun:
         self.emit = emit
         self.arrival = arrival
         self.pauses = pauses
-        self.counter = counter
+        self._decision: asyncio.Future[Resumed | Aborted] | None = None  # set while paused
         self.stages = _Stages(engine.clock, engine._counts, arrival.at)
         self.template = engine.new_response(request, response_id)
         self.in_context = 0  # append mode: output items already interleaved in the context
@@ -515,7 +514,7 @@ class ResponseRun:
             self.resolved = await self.resolve(cached, fork=fork)
         except ProtocolError as err:
             return Outcome(self.template, None, err)
-        self.stream = ResponseStream(self.template, engine.ids, self.counter)
+        self.stream = ResponseStream(self.template, engine.ids)
         self.turn = _Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
@@ -642,7 +641,12 @@ class ResponseRun:
         await self.emit(stream.receive(Pause()))
         engine._counts.pauses += 1
         paused_at = engine.clock.now()
-        decision = await pauses.wait_resume(required)
+        self._decision = asyncio.get_running_loop().create_future()
+        try:
+            await pauses.paused(self, required)
+            decision = await self._decision
+        finally:
+            self._decision = None
         # The response's KV stays resident while the client runs its tools.
         engine._counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
         if isinstance(decision, Aborted):
@@ -662,6 +666,16 @@ class ResponseRun:
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(stream.end_incomplete("content_filter"))
         return None
+
+    def resume(self, decision: Resumed | Aborted) -> None:
+        """The connection core's decision for the paused response: go on with the appended
+        items, or end `incomplete`."""
+        if self._decision is not None and not self._decision.done():
+            self._decision.set_result(decision)
+
+    async def acknowledge_inject(self, refused: InjectRefused | None) -> None:
+        """`response.inject.created` (or `.failed`), numbered in this response's stream."""
+        await self.emit(self.stream.receive(refused or InjectAccepted()))
 
     async def _sample(self, request: ModelRequest) -> SamplingFinished:
         stream, stages, emit = self.stream, self.stages, self.emit

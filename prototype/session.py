@@ -22,6 +22,7 @@ import msgspec
 from .cache import stream_prefix, tag_stream
 from .connection import (
     AbortPause,
+    AckInject,
     ArmPauseTimer,
     CancelJob,
     CloseSocket,
@@ -32,7 +33,7 @@ from .connection import (
     StartJob,
 )
 from .conversation import CreateRequest, ToolCache, normalize_create
-from .engine import Aborted, Arrival, Emit, Engine, Resumed
+from .engine import Aborted, Arrival, Emit, Engine, ResponseRun, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .schemas import (
@@ -229,8 +230,7 @@ class WebSocketSession:
         )
         self.jobs: dict[int, asyncio.Task[None]] = {}  # by job number
         self.pause_timers: dict[int, asyncio.Task[None]] = {}
-        self.resumptions: dict[int, asyncio.Future[Resumed | Aborted]] = {}
-        self.frame = Arrival(0.0, 0, "ws")  # the frame being handled
+        self.paused_runs: dict[int, ResponseRun] = {}  # by job number, while paused
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
@@ -239,9 +239,7 @@ class WebSocketSession:
         try:
             async for data in self.ws:
                 if isinstance(data, str):
-                    now = self.engine.clock.now()
-                    self.frame = Arrival(now, len(data), "ws", routed=True)
-                    self.conn.receive_text(data, at=now)
+                    self.conn.receive_text(data, at=self.engine.clock.now())
                     await self._flush()
                 else:
                     # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
@@ -283,10 +281,14 @@ class WebSocketSession:
                     await self.ws.close(code=code, message=reason.encode())
                 case ArmPauseTimer(job=job):
                     self.pause_timers[job.number] = asyncio.get_running_loop().create_task(self._pause_timeout(job))
-                case ResumeJob(job=job, items=items):
-                    self._decide(job, Resumed(items, self.frame))
+                case ResumeJob(job=job, items=items, at=at, body_bytes=size):
+                    self._decide(job, Resumed(items, Arrival(at, size, "ws", routed=True)))
                 case AbortPause(job=job, reason=reason):
                     self._decide(job, Aborted(reason))
+                case AckInject(job=job, refused=refused):
+                    run = self.paused_runs.get(job.number)
+                    if run is not None:
+                        await run.acknowledge_inject(refused)
 
     def _flush_frames(self) -> None:
         if isinstance(self.writer, BatchedFrames):
@@ -294,9 +296,9 @@ class WebSocketSession:
 
     def _decide(self, job: Job, decision: Resumed | Aborted) -> None:
         self._disarm_pause(job.number)
-        resumption = self.resumptions.get(job.number)
-        if resumption is not None and not resumption.done():
-            resumption.set_result(decision)
+        run = self.paused_runs.pop(job.number, None)
+        if run is not None:
+            run.resume(decision)
 
     def _disarm_pause(self, number: int) -> None:
         timer = self.pause_timers.pop(number, None)
@@ -309,16 +311,11 @@ class WebSocketSession:
         self.conn.pause_timed_out(job)
         await self._flush()
 
-    async def wait_resume(self, job: Job, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
-        """`PauseChannel` for `job`: tell the core, then wait for its decision."""
-        resumption: asyncio.Future[Resumed | Aborted] = asyncio.get_running_loop().create_future()
-        self.resumptions[job.number] = resumption
+    async def paused(self, job: Job, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
+        """`PauseChannel` for `job`: tell the core; its decision reaches `run.resume`."""
+        self.paused_runs[job.number] = run
         self.conn.response_paused(job, required)
         await self._flush()
-        try:
-            return await resumption
-        finally:
-            del self.resumptions[job.number]
 
     async def _run(self, job: Job) -> None:
         try:
@@ -356,7 +353,6 @@ class WebSocketSession:
                 emit,
                 arrival=arrival,
                 response_id=job.response_id,
-                counter=job.counter,
                 pauses=_JobPauses(self, job) if self.conn.append_mode else None,
                 fork=not job.exclusive,
             )
@@ -379,5 +375,5 @@ class _JobPauses:
         self.session = session
         self.job = job
 
-    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
-        return await self.session.wait_resume(self.job, required)
+    async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
+        await self.session.paused(self.job, run, required)

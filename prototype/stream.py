@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from msgspec import structs
+from msgspec import Raw, structs
 
 from .ids import IdFactory
 from .model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
@@ -49,6 +49,7 @@ from .schemas import (
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
     IncompleteDetails,
+    InjectError,
     InputTokensDetails,
     OutputItem,
     OutputItemAdded,
@@ -66,6 +67,8 @@ from .schemas import (
     ResponseError,
     ResponseFailed,
     ResponseIncomplete,
+    ResponseInjectCreated,
+    ResponseInjectFailed,
     ResponseInProgress,
     ServerEvent,
     Usage,
@@ -74,6 +77,8 @@ from .schemas import (
 __all__ = [
     "EndIncomplete",
     "Fail",
+    "InjectAccepted",
+    "InjectRefused",
     "Pause",
     "RS",
     "ResponseStream",
@@ -127,11 +132,25 @@ class EndIncomplete:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class InjectAccepted:
+    """Append mode: a `response.inject` committed while the response is paused."""
+
+
+@dataclass(frozen=True, slots=True)
+class InjectRefused:
+    """Append mode: a `response.inject` for the paused response, refused."""
+
+    input: list[Raw]
+    code: str
+    message: str
+
+
 class Truncated:
     """The input kind of a `SamplingFinished` with reason `max_output_tokens` (never instantiated)."""
 
 
-StreamInput = Start | Pause | Resume | Fail | EndIncomplete | ModelEvent
+StreamInput = Start | Pause | Resume | Fail | EndIncomplete | InjectAccepted | InjectRefused | ModelEvent
 
 INPUT_TYPES: Final = (
     Start,
@@ -139,6 +158,8 @@ INPUT_TYPES: Final = (
     Resume,
     Fail,
     EndIncomplete,
+    InjectAccepted,
+    InjectRefused,
     Prefilled,
     ItemStarted,
     TokensSampled,
@@ -149,9 +170,8 @@ INPUT_TYPES: Final = (
 
 
 class SequenceCounter:
-    """The `sequence_number` source of one response. Shared with the connection core in
-    append mode, so inject acknowledgements sent while a response is paused take their
-    place in the same numbering."""
+    """The `sequence_number` source of one response (its stream's alone: inject
+    acknowledgements are the stream's events too)."""
 
     __slots__ = ("value",)
 
@@ -360,6 +380,17 @@ class ResponseStream:
         snapshot = structs.replace(self.response, output=[])
         return [ResponseInProgress(sequence_number=self._next(), response=snapshot)]
 
+    def _inject_accepted(self, event: InjectAccepted) -> list[ServerEvent]:
+        return [ResponseInjectCreated(sequence_number=self._next(), response_id=self.response.id)]
+
+    def _inject_refused(self, event: InjectRefused) -> list[ServerEvent]:
+        error = InjectError(code=event.code, message=event.message)
+        return [
+            ResponseInjectFailed(
+                sequence_number=self._next(), response_id=self.response.id, input=event.input, error=error
+            )
+        ]
+
     def _fail(self, event: Fail) -> list[ServerEvent]:
         self.response = structs.replace(
             self.response,
@@ -385,6 +416,8 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.IN_PROGRESS, Truncated): (R._truncate, RS.INCOMPLETE),
     (RS.IN_PROGRESS, Pause): (R._pause, RS.PAUSED),
     (RS.PAUSED, Resume): (R._resume, RS.IN_PROGRESS),
+    (RS.PAUSED, InjectAccepted): (R._inject_accepted, RS.PAUSED),  # numbered in the paused stream
+    (RS.PAUSED, InjectRefused): (R._inject_refused, RS.PAUSED),
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.QUEUED, Fail): (R._fail, RS.FAILED),

@@ -14,6 +14,7 @@ from prototype.connection import (
     CS,
     INPUT_TYPES,
     AbortPause,
+    AckInject,
     AllAnswered,
     AppendReceived,
     ArmPauseTimer,
@@ -543,27 +544,19 @@ def test_append_errors_outside_a_pause() -> None:
         }
 
 
-def test_inject_is_acknowledged_in_the_paused_sequence() -> None:
+def test_inject_is_acknowledged_by_the_paused_response_stream() -> None:
     c, job = paused()
-    job.counter.value = 8  # the response emitted 0..7 before pausing
     bad = {"type": "response.inject", "response_id": job.response_id, "input": [fco("call_9", "{}")]}
     c.receive_text(json.dumps(bad))
-    assert errors(c.outputs_to_send()) == [
-        {
-            "type": "response.inject.failed",
-            "sequence_number": 8,
-            "response_id": job.response_id,
-            "input": [fco("call_9", "{}")],
-            "error": {
-                "code": "unknown_call_id",
-                "message": f"No pending function call with call_id 'call_9' in response '{job.response_id}'.",
-            },
-        }
-    ]
-    c.receive_text(json.dumps({**bad, "input": [fco("call_1")]}))
-    out = c.outputs_to_send()
-    assert errors(out) == [{"type": "response.inject.created", "sequence_number": 9, "response_id": job.response_id}]
-    assert isinstance(out[-1], ResumeJob) and job.counter.value == 10
+    (refused,) = c.outputs_to_send()
+    assert isinstance(refused, AckInject) and refused.job is job and refused.refused is not None
+    assert refused.refused.code == "unknown_call_id"
+    assert refused.refused.message == f"No pending function call with call_id 'call_9' in response '{job.response_id}'."
+    assert [json.loads(bytes(r)) for r in refused.refused.input] == [fco("call_9", "{}")]
+    c.receive_text(json.dumps({**bad, "input": [fco("call_1")]}), at=7.5)
+    ack, resume = c.outputs_to_send()
+    assert ack == AckInject(job) and isinstance(resume, ResumeJob)
+    assert (resume.at, resume.body_bytes) == (7.5, len(json.dumps({**bad, "input": [fco("call_1")]})))
 
 
 def test_inject_for_an_unknown_response_fails_with_its_input_echoed() -> None:
@@ -824,7 +817,7 @@ def test_a_paused_response_holds_only_its_own_lane() -> None:
     assert isinstance(resume, ResumeJob) and resume.job is a1 and c.lanes["a"].state is CS.ACTIVE
 
 
-def test_inject_acknowledgements_carry_the_lane() -> None:
+def test_inject_acknowledgements_go_to_the_lane_response() -> None:
     c = Connection(append_mode=True)
     c.receive_text(create(stream_id="a"))
     (a1,) = started(c.outputs_to_send())
@@ -833,7 +826,7 @@ def test_inject_acknowledgements_carry_the_lane() -> None:
     inject = {"type": "response.inject", "response_id": a1.response_id, "input": [fco("call_1")]}
     c.receive_text(json.dumps(inject))
     ack, _ = c.outputs_to_send()
-    assert isinstance(ack, SendFrame) and json.loads(ack.data)["stream_id"] == "a"
+    assert ack == AckInject(a1) and a1.stream_id == "a"  # sent through lane a's stream
 
 
 def test_limit_closes_once_every_lane_is_done() -> None:
