@@ -741,12 +741,14 @@ class ResponseRun:
 
     async def _unstored(self, events: list[ServerEvent], err: ProtocolError) -> Outcome:
         """The store write failed: the terminal event, not sent yet, becomes `response.failed`
-        with the store's error at the same sequence number, so nothing claims a stored response."""
+        at the same sequence number, so nothing claims a stored response. `Response.error.code`
+        is a closed set in the API reference: `server_error`, with the store's message; HTTP
+        without streaming answers `err` itself (503 `store_unavailable`)."""
         stream = self.stream
         failed = stream.response = structs.replace(
             stream.response,
             status="failed",
-            error=ResponseError(code=err.code or "", message=err.message),
+            error=ResponseError(code="server_error", message=err.message),
             incomplete_details=None,
             completed_at=None,
         )
