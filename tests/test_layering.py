@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ast
+import collections
 import json
 import subprocess
 import sys
@@ -139,3 +140,33 @@ def test_the_session_core_loads_no_aiohttp() -> None:
     """`prototype.session` drives both the live server and the in-process transport: no aiohttp."""
     loaded = loaded_by("prototype.session")
     assert "asyncio" in loaded and not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
+
+
+# asyncio's private loop state, read by the virtual-time loop only (sim/virtual.py).
+PRIVATE_LOOP_STATE = ("_run_once", "_ready", "_scheduled", "_stopping", "_clock_resolution")
+
+
+@pytest.mark.parametrize("path", modules("prototype") + modules("sim"), ids=lambda p: p.name)
+def test_asyncio_private_loop_state_is_read_in_one_module(path: Path) -> None:
+    if path == ROOT / "sim" / "virtual.py":
+        return
+    tree = ast.parse(path.read_text(), str(path))
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not used & set(PRIVATE_LOOP_STATE), f"{path.name} reads {sorted(used & set(PRIVATE_LOOP_STATE))}"
+
+
+def test_this_python_has_the_private_loop_state_the_virtual_loop_reads() -> None:
+    """Fails loudly on a Python whose event loop lacks what sim/virtual.py relies on (written
+    against CPython 3.11 to 3.13)."""
+    import asyncio  # here, not at the top: this module is about who imports asyncio
+
+    assert (3, 11) <= sys.version_info[:2] <= (3, 13), f"sim/virtual.py is unverified on Python {sys.version}"
+    loop = asyncio.new_event_loop()
+    try:
+        assert isinstance(loop, asyncio.BaseEventLoop)
+        missing = [name for name in PRIVATE_LOOP_STATE if not hasattr(loop, name)]
+        assert not missing, f"asyncio's loop lacks {missing}: sim/virtual.py needs updating"
+        assert isinstance(loop._ready, collections.deque)  # type: ignore[attr-defined]
+        assert isinstance(loop._scheduled, list)  # type: ignore[attr-defined]
+    finally:
+        loop.close()
