@@ -250,9 +250,9 @@ class WebSocketSession:
             timer.cancel()
             self.conn.disconnected()
             await self._flush()
+            tasks = [timer, *self.pause_timers.values(), *self.jobs.values()]
             for number in list(self.pause_timers):
                 self._disarm_pause(number)
-            tasks = [timer, *self.pause_timers.values(), *self.jobs.values()]
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
