@@ -35,7 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
@@ -408,7 +408,7 @@ class Engine:
 
     # -- one response ------------------------------------------------------------------------------
 
-    async def run(
+    def run(
         self,
         request: CreateRequest,
         cached: CacheEntry | None,
@@ -418,8 +418,9 @@ class Engine:
         response_id: str | None = None,
         pauses: PauseChannel | None = None,
         fork: bool = False,
-    ) -> Outcome:
-        """Serve one create (`ResponseRun` owns its life). Request errors before the first event
+    ) -> Coroutine[None, None, Outcome]:
+        """Serve one create: the coroutine of a new `ResponseRun`, which owns its life (returned
+        as is, so awaiting it adds no frame to every resumption of the response). Request errors before the first event
         come back in `Outcome.error` (nothing was emitted); failures after it end the stream
         with `response.failed` (`Outcome.failure` says which error). Cancellation propagates
         after cleanup.
@@ -431,7 +432,7 @@ class Engine:
         `fork`: another response already continues from `cached` (a fork onto another lane),
         so its context is copied rather than extended in place."""
         run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, pauses)
-        return await run.run(cached, fork=fork)
+        return run.run(cached, fork=fork)
 
     # -- stored responses --------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Final, Protocol
 
 import msgspec
 
-from .cache import stream_prefix, tag_stream
+from .cache import stream_prefix
 from .connection import (
     AbortPause,
     AckInject,
@@ -318,21 +318,18 @@ class WebSocketSession:
         await self._flush()
 
     async def _run(self, job: Job) -> None:
-        try:
-            await self._serve_job(job)
-        finally:
-            self.jobs.pop(job.number, None)
-
-    async def _serve_job(self, job: Job) -> None:
         writer = self.writer
         prefix = stream_prefix(job.stream_id)
+        # Frames straight from the encoder's bytes; a named lane's get its `stream_id` first.
+        # The default lane's path makes no extra call per event.
+        frame: Callable[[ServerEvent], bytes] = encode if prefix is None else lambda ev: prefix + encode(ev)[1:]
         emit: Emit
         if isinstance(writer, BatchedFrames):
             push, drain, flush = writer.push, writer.drain, writer.flush
 
             async def emit(events: list[ServerEvent]) -> None:
                 for ev in events:
-                    if push(tag_stream(encode(ev), prefix)):  # text frames straight from the encoder's bytes
+                    if push(frame(ev)):
                         await drain()
                 if events and type(events[-1]) not in TOKEN_DELTAS:
                     flush()  # token deltas wait for the wake-up's end; other events go now
@@ -342,7 +339,7 @@ class WebSocketSession:
 
             async def emit(events: list[ServerEvent]) -> None:
                 for ev in events:
-                    await send(tag_stream(encode(ev), prefix))
+                    await send(frame(ev))
 
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
@@ -363,6 +360,8 @@ class WebSocketSession:
             self.conn.response_ended(job, None, INTERNAL_ERROR)
         else:
             self.conn.response_ended(job, outcome.entry, outcome.error)
+        finally:
+            self.jobs.pop(job.number, None)
         await self._flush()
 
 
