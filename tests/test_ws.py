@@ -450,11 +450,11 @@ async def test_lane_errors_leave_other_lanes_running() -> None:
             assert got["ok"][-1]["type"] == "response.completed"
 
 
-async def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     import sim.inprocess
-    from prototype.app import WebSocketSession
+    from prototype.session import WebSocketSession
     from sim.experiment import CompareConfig, run_compare
-    from sim.virtual import VirtualClock
+    from sim.virtual import VirtualClock, run_virtual
 
     sessions: list[WebSocketSession] = []
 
@@ -465,7 +465,33 @@ async def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(mon
 
     monkeypatch.setattr(sim.inprocess, "WebSocketSession", Counted)
     config = CompareConfig(rollouts=5, tool_calls=2, lanes=3, modes=("ws", "append"), system_prompt_tokens=200, tps=0)
-    result = await run_compare(config, VirtualClock(), virtual=True)
+    result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
     assert len(sessions) == 4  # per mode: lanes 0-2 on one connection, lanes 0-1 on another
     assert sorted(len(s.conn.lanes) - 1 for s in sessions) == [2, 2, 3, 3]
-    assert all(r.turns for r in result.rollouts) and len(result.rollouts) == 10
+    assert all(len(r.turns) == 3 for r in result.rollouts) and len(result.rollouts) == 10
+
+
+def test_lanes_share_the_models_decode_slots() -> None:
+    """Multiplexing has its honest cost: with one decode slot, two lanes' turns take turns."""
+    from sim.experiment import CompareConfig, run_compare
+    from sim.virtual import VirtualClock, run_virtual
+
+    def p50(decode_slots: int) -> float:
+        config = CompareConfig(
+            rollouts=2,
+            tool_calls=2,
+            lanes=2,
+            modes=("ws",),
+            system_prompt_tokens=200,
+            tps=500,
+            decode_slots=decode_slots,
+            tool_time_s=0.0,
+            profile="local",  # no modeled waits: decode is the time
+            model_latency_s=0.0,
+            prefill_tok_per_s=0.0,
+        )
+        result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
+        (summary,) = result.summary
+        return summary.completion_p50_s
+
+    assert p50(1) > 1.6 * p50(0)  # nearly serial: one lane decodes while the other waits
