@@ -593,7 +593,11 @@ class Connection:
         self.expired = True
 
     def _enqueue(self, lane: Lane, event: CreateReceived) -> None:
-        if lane.state is CS.ACTIVE and self.reject_concurrent:
+        # A lane is busy while its response runs, and also while its next create waits for one
+        # of the connection's in-flight slots (an idle lane with a queue).
+        busy = lane.state is CS.ACTIVE or bool(lane.queue)
+        waiting = len(lane.queue) - (0 if lane.state is CS.ACTIVE else 1)  # creates behind the lane's next one
+        if busy and self.reject_concurrent:
             self._refuse(
                 lane,
                 event,
@@ -602,7 +606,7 @@ class Connection:
                 ),
             )
             return
-        if lane.state is CS.ACTIVE and self.max_queued is not None and len(lane.queue) >= self.max_queued:
+        if busy and self.max_queued is not None and waiting >= self.max_queued:
             self._refuse(
                 lane,
                 event,

@@ -858,3 +858,15 @@ def test_disconnect_cancels_every_lane() -> None:
     c.disconnected()
     assert c.outputs_to_send() == [CancelJob(a1), CancelJob(b1)]
     assert all(lane.state is CS.CLOSED and lane.cache is None for lane in c.lanes.values())
+
+
+def test_a_lane_waiting_for_a_slot_is_busy_for_the_queue_limit() -> None:
+    c = Connection(max_in_flight=1, max_queued=1)
+    c.receive_text(create(stream_id="a"))
+    started(c.outputs_to_send())
+    c.receive_text(create(stream_id="b"))  # waits for the slot: b's next create
+    c.receive_text(create(stream_id="b"))  # one behind it: allowed
+    assert c.outputs_to_send() == [] and len(c.lanes["b"].queue) == 2
+    c.receive_text(create(stream_id="b"))  # a second one behind it: over the limit
+    (err,) = frames(c.outputs_to_send())
+    assert err["stream_id"] == "b" and err["error"]["code"] == "queued_requests_limit_reached"  # type: ignore[index]
