@@ -16,96 +16,60 @@ import hmac
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final
 
-import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from .clock import Clock
-from .connection import (
-    AbortPause,
-    ArmPauseTimer,
-    CancelJob,
-    CloseSocket,
-    Connection,
-    Job,
-    ResumeJob,
-    SendFrame,
-    StartJob,
-)
-from .conversation import ItemParser, normalize_create, parse_items
-from .engine import STORE_UNAVAILABLE, Aborted, Arrival, Emit, Engine, RenderedItems, Resumed
-from .errors import (
-    IN_STREAM_CODES,
-    INTERNAL_ERROR,
-    ProtocolError,
-    from_validation_error,
-    http_error_body,
-    sse_error_events,
-)
+from .conversation import ItemParser, parse_items
+from .engine import Engine, RenderedItems
+from .errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
 from .ids import IdFactory
 from .model import TokenModel
-from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .safety import SafetyClassifier
-from .schemas import (
-    DeletedResponse,
-    FunctionCallArgumentsDelta,
-    OutputTextDelta,
-    RequiredInput,
-    ServerEvent,
-    decode_create_params,
-    decode_text,
-    encode,
+from .schemas import DeletedResponse, ServerEvent, encode
+from .session import (
+    APPEND_BETA,
+    BATCH_BYTES,
+    CONTEXT_WINDOW,
+    MAX_CACHE_BYTES,
+    MAX_CONNECTIONS,
+    MAX_MESSAGE_BYTES,
+    MAX_OUTPUT_TOKENS,
+    MAX_QUEUED_CREATES,
+    TOKEN_DELTAS,
+    BatchedFrames,
+    ServerConfig,
+    TextSender,
+    WebSocketSession,
+    http_create,
+    request_too_large,
 )
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
 from .tokenizer import Tokenizer, get_tokenizer
 
-__all__ = ["ENGINE", "ServerConfig", "Slots", "WebSocketSession", "make_app", "make_engine"]
+__all__ = [
+    "CONTEXT_WINDOW",
+    "ENGINE",
+    "MAX_CACHE_BYTES",
+    "MAX_CONNECTIONS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_OUTPUT_TOKENS",
+    "MAX_QUEUED_CREATES",
+    "BatchedFrames",
+    "ServerConfig",
+    "Slots",
+    "WebSocketSession",
+    "make_app",
+    "make_engine",
+]
 
 log = logging.getLogger("longrun.server")
 
-# Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
-# in one frame or body; 64 MiB covers a 10M-character history with room to spare.
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-# Append mode is opted into per connection (wire-protocol 11.2): the historical V1 beta header
-# value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
-APPEND_BETA: Final = "responses_websockets=2026-02-04"
-# Per-connection and per-server limits (ServerConfig; None = unlimited). Codex never queues
-# more than one create; a cache entry of a 10M-character history is about 20 MiB.
-MAX_QUEUED_CREATES: Final = 64
-MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
-MAX_CONNECTIONS: Final = 1024
-CONTEXT_WINDOW: Final = 400_000
-MAX_OUTPUT_TOKENS: Final = 128_000
 RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stays as started)
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    api_key: str | None = None
-    connection_lifetime_s: float = 3600.0  # the Guide: "Connection duration is limited to 60 minutes."
-    reject_concurrent: bool = False  # 409 instead of FIFO queueing
-    refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
-    sse_done: bool = False  # end SSE streams with `data: [DONE]`
-    # A paused append-mode response holds KV while it waits; 300 s matches the prefix-cache
-    # retention seen for idle conversations (workloads.md 2: "kept if pause < 5 min").
-    append_timeout_s: float = 300.0
-    profile: CostProfile = PROFILES["local"]  # modeled waits of the API stages (pipeline.py)
-    optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS  # connection-cache switches, WebSocket only
-    max_message_bytes: int = MAX_MESSAGE_BYTES  # larger frames close the socket with 1009, larger bodies get 413
-    max_queued_creates: int | None = MAX_QUEUED_CREATES  # per connection, behind the one in flight: 429 beyond
-    max_cache_bytes: int | None = MAX_CACHE_BYTES  # per connection: a larger entry is not cached
-    max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
-    # Threads that tokenize long texts (>= engine.OFFLOAD_CHARS) off the event loop; 0: inline.
-    render_threads: int = 1
-    # The simulated model's context window and output limit, in tokens (gpt-5's: docs/contract.md).
-    # A prompt longer than the difference is a 400 context_length_exceeded; None: unbounded.
-    context_window: int | None = CONTEXT_WINDOW
-    max_output_tokens: int | None = MAX_OUTPUT_TOKENS
 
 
 class Slots:
@@ -279,29 +243,19 @@ async def prometheus_metrics(request: web.Request) -> web.Response:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
+    engine, config = request.app[ENGINE], request.app[CONFIG]
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        limit = request.app[CONFIG].max_message_bytes
-        return _json_error(
-            ProtocolError(f"The request body is larger than {limit} bytes.", code="request_too_large", status=413)
-        )
-    arrival = Arrival(engine.clock.now(), len(body), "http")
-    try:
-        params = decode_create_params(decode_text(body))
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        return _json_error(from_validation_error(exc))
+        return _json_error(request_too_large(config.max_message_bytes))
     # ProtocolError → middleware → JSON error body
-    create = normalize_create(params, websocket=False, parse=engine.item_parser)
+    params, create, arrival = http_create(body, engine, config)
     if not params.stream:
         outcome = await engine.run(create, None, _discard, arrival=arrival)
         if outcome.error is not None:
             return _json_error(outcome.error)
         if outcome.response.status == "failed":
-            failure = outcome.response.error
-            store_down = failure is not None and failure.code == STORE_UNAVAILABLE.code
-            return _json_error(STORE_UNAVAILABLE if store_down else INTERNAL_ERROR)
+            return _json_error(outcome.failure or INTERNAL_ERROR)
         return web.Response(body=encode(outcome.response), content_type="application/json")
 
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
@@ -382,11 +336,12 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
         await ws.prepare(request)
         request.app[SOCKETS].add(ws)
         transport = request.transport
-        writer: FrameSender = ws
+        socket = _AiohttpSocket(ws)
+        writer: TextSender = socket
         if not ws.compress and transport is not None:
             writer = BatchedFrames(transport, request.writer.drain)
         try:
-            await WebSocketSession(request.app[ENGINE], config, ws, append_mode=append_mode, writer=writer).serve()
+            await WebSocketSession(request.app[ENGINE], config, socket, append_mode=append_mode, writer=writer).serve()
         finally:
             request.app[SOCKETS].discard(ws)
     finally:
@@ -394,74 +349,31 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-class FrameSender(Protocol):
-    """Where a session's text frames go: the socket itself (aiohttp, one write per frame) or a
-    `BatchedFrames` in front of its transport."""
+class _AiohttpSocket:
+    """An aiohttp server socket as a `SessionSocket` and `TextSender` (text frames as `str`,
+    binary frames as `bytes`; pings, pongs and closes stay with aiohttp)."""
 
-    async def send_frame(self, message: bytes, opcode: WSMsgType, compress: int | None = None) -> None: ...
+    __slots__ = ("ws",)
 
+    def __init__(self, ws: web.WebSocketResponse) -> None:
+        self.ws = ws
 
-TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
-# Frames gathered before a write is forced mid wake-up (an unpaced turn never yields on its own).
-BATCH_BYTES: Final = 64 * 1024
+    @property
+    def closed(self) -> bool:
+        return self.ws.closed
 
+    async def __aiter__(self) -> AsyncIterator[str | bytes]:
+        async for msg in self.ws:
+            if msg.type is WSMsgType.TEXT:
+                yield msg.data
+            elif msg.type is WSMsgType.BINARY:
+                yield msg.data
 
-_TEXT_HEADS: Final = [bytes((0x81, n)) for n in range(126)]  # FIN + text opcode, 7-bit length
+    async def close(self, *, code: int, message: bytes) -> bool:
+        return await self.ws.close(code=code, message=message)
 
-
-def _text_head(n: int) -> bytes:
-    return bytes((0x81, 126)) + n.to_bytes(2) if n < 65536 else bytes((0x81, 127)) + n.to_bytes(8)
-
-
-class BatchedFrames:
-    """Text frames of an uncompressed socket, written in one go per event-loop wake-up.
-
-    Every frame due at a wake-up (all the tokens a paced model releases at once) is
-    framed here (RFC 6455 5.2: FIN, opcode, payload length; server frames are not
-    masked) and appended to one buffer; a callback scheduled with the first frame writes
-    the buffer with one `transport.write` once the sending task yields. Past
-    `BATCH_BYTES` the buffer is written at once and the sender waits for the
-    transport to drain (flow control), as it does at the start of each batch. A session
-    writes every frame through here and calls `flush` before closing, so frames keep their order.
-    """
-
-    def __init__(self, transport: asyncio.Transport, drain: Callable[[], Awaitable[None]]) -> None:
-        self.transport = transport
-        self.drain = drain
-        self.parts: list[bytes] = []
-        self.size = 0
-
-    async def send_frame(self, message: bytes, opcode: WSMsgType = WSMsgType.TEXT, compress: int | None = None) -> None:
-        """A text frame (the only kind a session sends), as `web.WebSocketResponse.send_frame`."""
-        if self.push(message):
-            await self.drain()
-
-    def push(self, message: bytes) -> bool:
-        """Add one text frame; True when the caller should `await drain()` (flow control)."""
-        if self.transport.is_closing():
-            raise ConnectionResetError("Cannot write to closing transport")
-        parts = self.parts
-        wait = False
-        if not parts:  # the first frame of this wake-up
-            asyncio.get_running_loop().call_soon(self.flush)
-            wait = self.transport.get_write_buffer_size() > BATCH_BYTES
-        n = len(message)
-        parts.append(_TEXT_HEADS[n] if n < 126 else _text_head(n))
-        parts.append(message)
-        self.size += n
-        if self.size > BATCH_BYTES:
-            self.flush()
-            return True
-        return wait
-
-    def flush(self) -> None:
-        """Write what is gathered (nothing if a write already took it)."""
-        if self.parts:
-            data = b"".join(self.parts)
-            self.parts.clear()
-            self.size = 0
-            if not self.transport.is_closing():
-                self.transport.write(data)
+    async def send_text(self, message: bytes) -> None:
+        await self.ws.send_frame(message, WSMsgType.TEXT)
 
 
 class BatchedSSE:
@@ -530,162 +442,3 @@ class BatchedSSE:
         except Exception as exc:  # a reset peer, or anything else: senders must not hang
             self.error = exc
             self.progress.set()
-
-
-class WebSocketSession:
-    """Owns one socket: one reader (this coroutine), at most one job task, one
-    lifetime timer and at most one pause timer. Everything it starts it also
-    cancels and awaits."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        config: ServerConfig,
-        ws: web.WebSocketResponse,
-        *,
-        append_mode: bool = False,
-        writer: FrameSender | None = None,
-    ) -> None:
-        self.engine = engine
-        self.ws = ws
-        self.writer = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
-        self.append_timeout_s = config.append_timeout_s
-        self.conn = Connection(
-            lifetime_s=config.connection_lifetime_s,
-            reject_concurrent=config.reject_concurrent,
-            append_mode=append_mode,
-            ids=engine.ids,
-            max_queued=config.max_queued_creates,
-            max_cache_bytes=config.max_cache_bytes,
-            reuse_tools=Optimization.STATE_CACHE in config.optimizations,
-        )
-        self.job_task: asyncio.Task[None] | None = None
-        self.pause_timer: asyncio.Task[None] | None = None
-        self.resumption: asyncio.Future[Resumed | Aborted] | None = None
-        self.frame = Arrival(0.0, 0, "ws")  # the frame being handled
-        self.routed = False  # auth and routing done once on this connection
-
-    async def serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        timer = loop.create_task(self._limit_at(loop.time() + self.conn.lifetime_s))
-        try:
-            async for msg in self.ws:
-                if msg.type is WSMsgType.TEXT:
-                    now = self.engine.clock.now()
-                    self.frame = Arrival(now, len(msg.data), "ws", routed=True)
-                    self.conn.receive_text(msg.data, at=now)
-                    await self._flush()
-                elif msg.type is WSMsgType.BINARY:
-                    # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
-                    self._flush_frames()
-                    await self.ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"binary frames are not supported")
-                    break
-        finally:
-            timer.cancel()
-            self.conn.disconnected()
-            await self._flush()
-            self._disarm_pause()
-            for task in (timer, self.pause_timer, self.job_task):
-                if task is not None:
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-
-    async def _limit_at(self, deadline: float) -> None:
-        """The lifetime timer: the core decides what the limit means, this only arms it."""
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(max(0.0, deadline - loop.time()))
-        if not self.ws.closed:
-            self.conn.limit_reached()
-            await self._flush()
-
-    async def _flush(self) -> None:
-        for out in self.conn.outputs_to_send():
-            match out:
-                case SendFrame(data=data):
-                    if not self.ws.closed:
-                        await self.writer.send_frame(data, WSMsgType.TEXT)
-                case StartJob(job=job):
-                    self.job_task = asyncio.get_running_loop().create_task(self._run(job))
-                case CancelJob():
-                    if self.job_task is not None:
-                        self.job_task.cancel()
-                case CloseSocket(code=code, reason=reason):
-                    self._flush_frames()
-                    await self.ws.close(code=code, message=reason.encode())
-                case ArmPauseTimer(job=job):
-                    self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout(job))
-                case ResumeJob(items=items):
-                    self._decide(Resumed(items, self.frame))
-                case AbortPause(reason=reason):
-                    self._decide(Aborted(reason))
-
-    def _flush_frames(self) -> None:
-        if isinstance(self.writer, BatchedFrames):
-            self.writer.flush()
-
-    def _decide(self, decision: Resumed | Aborted) -> None:
-        self._disarm_pause()
-        if self.resumption is not None and not self.resumption.done():
-            self.resumption.set_result(decision)
-
-    def _disarm_pause(self) -> None:
-        if self.pause_timer is not None and self.pause_timer is not asyncio.current_task():
-            self.pause_timer.cancel()
-
-    async def _pause_timeout(self, job: Job) -> None:
-        await asyncio.sleep(self.append_timeout_s)
-        self.conn.pause_timed_out(job)
-        await self._flush()
-
-    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted:
-        """`PauseChannel` for the job in flight: tell the core, then wait for its decision."""
-        job = self.conn.in_flight
-        assert job is not None
-        self.resumption = asyncio.get_running_loop().create_future()
-        self.conn.response_paused(job, required)
-        await self._flush()
-        try:
-            return await self.resumption
-        finally:
-            self.resumption = None
-
-    async def _run(self, job: Job) -> None:
-        writer = self.writer
-        emit: Emit
-        if isinstance(writer, BatchedFrames):
-            push, drain, flush = writer.push, writer.drain, writer.flush
-
-            async def emit(events: list[ServerEvent]) -> None:
-                for ev in events:
-                    if push(encode(ev)):  # text frames straight from the encoder's UTF-8 bytes
-                        await drain()
-                if events and type(events[-1]) not in TOKEN_DELTAS:
-                    flush()  # token deltas wait for the wake-up's end; other events go now
-
-        else:
-            send = writer.send_frame
-
-            async def emit(events: list[ServerEvent]) -> None:
-                for ev in events:
-                    await send(encode(ev), WSMsgType.TEXT)
-
-        try:
-            arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
-            self.routed = True
-            outcome = await self.engine.run(
-                job.request,
-                job.cached,
-                emit,
-                arrival=arrival,
-                response_id=job.response_id,
-                counter=job.counter,
-                pauses=self if self.conn.append_mode else None,
-            )
-        except ConnectionResetError:
-            return  # the peer is gone; the reader sees the close and frees everything
-        except Exception:
-            log.exception("job %d failed", job.number)
-            self.conn.response_ended(job, None, INTERNAL_ERROR)
-        else:
-            self.conn.response_ended(job, outcome.entry, outcome.error)
-        await self._flush()

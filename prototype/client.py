@@ -12,8 +12,12 @@ Modes (names used everywhere):
   with the tool outputs; a turn ends at the pause (`response.done`) or at the
   terminal event.
 
+In both WebSocket modes several rollouts may share one socket, each on its own lane
+(`stream_id`, docs/lanes.md): `share_socket` puts a list of clients on one `LaneSocket`,
+whose reader hands each frame to the lane its `stream_id` names.
+
 Each turn returns a `TurnResult` with client-side timings taken on an injected
-clock: TTFT is measured to the first *token-carrying* delta (workloads.md 6),
+clock: TTFT is measured to the first *token-carrying* delta,
 E2E to the terminal event (in append mode, a segment ends at the pause). The
 turn's `output_items` are those of its `output_item.done` events. The client decodes frames with the same msgspec
 types the server encodes with.
@@ -21,7 +25,9 @@ types the server encodes with.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -41,11 +47,22 @@ from .schemas import (
     ResponseIncomplete,
     ServerEvent,
     decode_server_event,
+    decode_stream_tag,
     encode,
 )
 from .sse import SSEDecoder
 
-__all__ = ["MODES", "ClientError", "Mode", "ResponsesClient", "TurnResult", "open_client", "tool_outputs"]
+__all__ = [
+    "MODES",
+    "ClientError",
+    "LaneSocket",
+    "Mode",
+    "ResponsesClient",
+    "TurnResult",
+    "open_client",
+    "share_socket",
+    "tool_outputs",
+]
 
 Mode = Literal["http", "http_prev", "ws", "append"]
 MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
@@ -207,7 +224,8 @@ class TextSocket(Protocol):
 
 class WSClient:
     """`ws` mode; with `append=True`, `append` mode on the same socket machinery.
-    Subclasses replace `_connect` to use another transport."""
+    Subclasses replace `_connect` to use another transport. With `lanes` (see
+    `share_socket`) the client runs on lane `stream_id` of a shared socket."""
 
     def __init__(self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun", append: bool = False) -> None:
         self.mode: Mode = "append" if append else "ws"
@@ -220,6 +238,8 @@ class WSClient:
         self.api_key = api_key
         self.session: aiohttp.ClientSession | None = None
         self.ws: TextSocket | None = None
+        self.lanes: LaneSocket | None = None
+        self.stream_id: str | None = None
 
     async def _connect(self) -> TextSocket:
         self.session = aiohttp.ClientSession()
@@ -229,7 +249,7 @@ class WSClient:
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
         if self.ws is None:
-            self.ws = await self._connect()
+            self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
         if self.paused_id is not None:
             body: dict[str, Any] = {"type": "response.append", "response_id": self.paused_id, "input": new_items}
         else:
@@ -239,6 +259,8 @@ class WSClient:
                 "input": new_items,
                 "previous_response_id": self.history.previous_id,
             }
+            if self.stream_id is not None:
+                body["stream_id"] = self.stream_id
         data = encode(body).decode()
         tracker = _Tracker(self.clock, self.clock.now(), len(data))
         await self.ws.send_str(data)
@@ -256,8 +278,97 @@ class WSClient:
     async def close(self) -> None:
         if self.ws is not None:
             await self.ws.close()
+        elif self.lanes is not None:  # never sent: its lane of the shared socket is released all the same
+            await self.lanes.release()
+        if self.session is not None and self.lanes is None:  # a shared socket's session closes with it
+            await self.session.close()
+
+    async def _close_session(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+class LaneSocket:
+    """One WebSocket shared by several lanes: one reader task routes every frame to the lane
+    its `stream_id` names (frames without one go to the default lane), as the SDKs' WebSocket
+    sessions do. The socket opens with the first lane's first turn and closes when the last
+    lane closes."""
+
+    def __init__(self, connect: Callable[[], Awaitable[TextSocket]], close: Callable[[], Awaitable[Any]]) -> None:
+        self._connect = connect
+        self._close = close
+        self._ws: TextSocket | None = None
+        self._opening: asyncio.Lock | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._inboxes: dict[str | None, asyncio.Queue[aiohttp.WSMessage]] = {}
+        self._open_lanes = 0
+
+    def lane(self, stream_id: str | None) -> _LaneEnd:
+        inbox = self._inboxes.setdefault(stream_id, asyncio.Queue())
+        return _LaneEnd(self, inbox)
+
+    async def send_str(self, data: str) -> None:
+        if self._ws is None:
+            if self._opening is None:
+                self._opening = asyncio.Lock()
+            async with self._opening:
+                if self._ws is None:
+                    self._ws = await self._connect()
+                    self._reader = asyncio.get_running_loop().create_task(self._read(self._ws))
+        await self._ws.send_str(data)
+
+    async def _read(self, ws: TextSocket) -> None:
+        inboxes = self._inboxes
+        while True:
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                for inbox in inboxes.values():
+                    inbox.put_nowait(msg)
+                return
+            lane = inboxes.get(decode_stream_tag(msg.data).stream_id)
+            if lane is not None:
+                lane.put_nowait(msg)
+
+    async def release(self) -> None:
+        self._open_lanes -= 1
+        if self._open_lanes > 0:
+            return
+        if self._ws is not None:
+            await self._ws.close()
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        await self._close()
+
+
+class _LaneEnd:
+    """A `TextSocket` for one lane of a `LaneSocket`."""
+
+    def __init__(self, shared: LaneSocket, inbox: asyncio.Queue[aiohttp.WSMessage]) -> None:
+        self.shared = shared
+        self.inbox = inbox
+
+    async def send_str(self, data: str) -> None:
+        await self.shared.send_str(data)
+
+    async def receive(self) -> aiohttp.WSMessage:
+        return await self.inbox.get()
+
+    async def close(self) -> None:
+        await self.shared.release()
+
+
+def share_socket(clients: list[WSClient]) -> LaneSocket:
+    """Put `clients` (WebSocket clients of one mode) on one socket, client k on lane `lane-k`.
+    The socket is opened as the first client would open its own."""
+    opener = clients[0]
+    shared = LaneSocket(opener._connect, opener._close_session)
+    shared._open_lanes = len(clients)
+    for k, client in enumerate(clients):
+        client.lanes = shared
+        client.stream_id = f"lane-{k}"
+    return shared
 
 
 def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-longrun") -> ResponsesClient:

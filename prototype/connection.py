@@ -1,73 +1,88 @@
-"""One WebSocket connection in WebSocket mode, as a sans-IO state machine.
+"""One WebSocket connection in WebSocket mode, as a sans-IO state machine with lanes.
 
 Theory of operation
 -------------------
-Rules (wire-protocol sections 2, 3, 6, 7, 8; the Guide's launch semantics):
+Rules (docs/lanes.md for lanes, docs/protocol.md for the rest; the public WebSocket-mode
+guide and the SDKs' WebSocket types are the sources):
 
-1. One response in flight per connection. A `response.create` that arrives
-   mid-flight is queued FIFO and started after the terminal event of the one
-   before it; responses are never interleaved. (Optionally rejected with 409
-   `concurrent_request` instead, as the vLLM PR does.)
-2. A connection-local cache keeps exactly one entry: the most recent response
-   that ended `completed` or `incomplete` (including a `generate:false`
-   warm-up), with its input and output items, tools and rendered tokens. A
-   `previous_response_id` is looked up in the cache, then in the store.
-3. "If a turn fails (4xx or 5xx), the service evicts the referenced
-   `previous_response_id` from the connection-local cache." That includes a
-   frame that fails validation but still names a `previous_response_id`.
-4. Request-level problems are `error` events (with `status`); the socket stays
-   open. Only socket-level violations close it (binary frame 1003, bad UTF-8 1007
-   — both decided by the adapter, which sees frames).
-5. Lifetime: at the limit an idle socket gets `websocket_connection_limit_reached`
-   and is closed with 1001; an in-flight response is allowed to finish, and every
-   create after the limit (queued or new) gets that error instead of starting.
-6. A disconnect (including Codex's abrupt 1006) cancels the in-flight response
-   and frees the cache and the queue.
-7. Limits (all optional): at most `max_queued` creates wait behind the one in
-   flight; one more is refused with 429 `queued_requests_limit_reached` (the
-   socket stays open, the referenced cache entry is evicted as for any failed
-   turn). A response whose cache entry would hold more than `max_cache_bytes`
-   is not cached: the cache is left empty (the entry it would have replaced is
-   dropped too), so a continuation from it loads from the store (`store:true`)
-   or gets `previous_response_not_found`.
+1. Lanes. A `response.create` runs on the lane its `stream_id` names (absent or null:
+   the default lane). Creates on one lane run in order, one at a time: one that arrives
+   while its lane is busy is queued FIFO behind it (or, with `reject_concurrent`, refused
+   with 409 `concurrent_request`). Different lanes run concurrently, up to
+   `MAX_IN_FLIGHT` (16) responses per connection; a lane whose next create finds them all
+   taken waits, and waiting lanes start in arrival order. At most `MAX_NAMED_LANES` (32)
+   distinct named lanes per connection, counted until it closes: a create naming a 33rd
+   gets `websocket_stream_limit_reached`; a malformed id gets `invalid_stream_id`.
+2. Every frame about a response on a named lane carries its `stream_id` (the adapter
+   tags the engine's events; the core tags its own request-scoped `error` events);
+   connection-level errors carry none.
+3. The connection cache holds one entry per lane: the lane's most recent response that
+   ended `completed` or `incomplete` (including a `generate:false` warm-up). A
+   `previous_response_id` is looked up in every lane's entry (a new lane may fork any
+   cached response), then in the store. With `max_cache_bytes` the entries together hold
+   at most that many bytes: an entry larger than the limit is not cached (its lane's entry
+   is dropped too), and a new entry evicts the least recently used other lanes' entries
+   until the total fits.
+4. "If a turn fails (4xx or 5xx), the service evicts the referenced
+   `previous_response_id` from the connection-local cache": a failed continuation on
+   the lane that holds the parent evicts it; a failed fork onto another lane keeps it.
+   That includes a frame that fails validation but still names a `previous_response_id`.
+5. Request-level problems are `error` events (with `status`); the socket stays open.
+   Only socket-level violations close it (binary frame 1003, bad UTF-8 1007, decided
+   by the adapter, which sees frames).
+6. Lifetime: at the limit idle lanes refuse what they queued with
+   `websocket_connection_limit_reached`, responses in flight are allowed to finish, every
+   later create gets that error instead of starting, and once nothing is in flight the
+   socket is closed with 1001.
+7. A disconnect (including Codex's abrupt 1006) cancels every response in flight and
+   frees the caches and the queues.
+8. `max_queued`: at most that many creates wait per lane behind the one in flight; one
+   more is refused with 429 `queued_requests_limit_reached` (the referenced cache entry
+   is evicted as for any failed turn).
 
-Append mode (opt-in per connection; wire-protocol 11, decisions in the README):
+Append mode (opt-in per connection; docs/protocol.md):
 
-8. When a sampled turn ends in function calls the response *pauses* (PAUSED):
+9. When a sampled turn ends in function calls the response *pauses* (its lane PAUSED):
    the engine has sent `response.done` with `required_input`; the core keeps the
-   pending call ids and asks the adapter to arm the pause timer.
-9. `response.append` / `response.inject` commit items atomically: every item is
+   pending call ids and asks the adapter to arm the pause timer. A paused response
+   holds only its own lane.
+10. `response.append` / `response.inject` commit items atomically: every item is
    a `function_call_output` for a pending call id or a user/developer message;
    anything else is rejected whole. Partial appends are accepted; the response
-   resumes (ACTIVE) once every pending call is answered. Inject is acknowledged
+   resumes (ACTIVE) once every pending call is answered. An append names its response
+   with `response_id` (without one: the default lane's). Inject is acknowledged
    with `response.inject.created` (numbered in the paused response's sequence)
    and refused with `response.inject.failed`; append has no acknowledgement (the
    resume shows as `response.in_progress`) and is refused with `error` events:
    `response_not_found`, `response_already_completed`, `response_not_paused`,
    `unknown_call_id`.
-10. A `response.create` while paused is refused (409 `response_paused`), never
+11. A `response.create` on a paused lane is refused (409 `response_paused`), never
    queued: under FIFO it would wait behind a response that waits for the client.
-11. A pause that outlives the pause timeout, or the connection's lifetime, ends
+12. A pause that outlives the pause timeout, or the connection's lifetime, ends
     the response `incomplete` (reasons `append_timeout`, `connection_limit`).
 
 The core reads no clock and does no I/O: the adapter feeds it client frames and
 "response paused" / "response ended" / "pause timed out" / "limit reached" /
 "disconnected" inputs, then drains `outputs_to_send()`: frames to write, a job
 to start, resume, abort or cancel, a pause timer to arm, a close.
-All legal moves are in `_TRANSITIONS`; anything else raises `ConnectionStateError`.
+Every input goes to one lane; each lane's legal moves are the rows of `_TRANSITIONS`,
+whose actions are the functions that carry out the move. Anything else raises
+`ConnectionStateError`.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import msgspec
+from msgspec import structs
 
+from .cache import CacheEntry, stream_prefix, tag_stream
 from .conversation import CreateRequest, Item, ToolCache, normalize_create, parse_items
-from .engine import CacheEntry
 from .errors import ProtocolError, from_validation_error, ws_error_event
 from .ids import IdFactory
 from .schemas import (
@@ -76,18 +91,18 @@ from .schemas import (
     ResponseAppend,
     ResponseCreate,
     ResponseInject,
-    ResponseInjectCreated,
     ResponseInjectFailed,
     decode_client_event,
     decode_envelope,
     decode_text,
     encode,
 )
-from .stream import SequenceCounter
+from .stream import InjectRefused
 
 __all__ = [
     "CS",
     "AbortPause",
+    "AckInject",
     "AllAnswered",
     "ArmPauseTimer",
     "PauseTimedOut",
@@ -114,12 +129,20 @@ RECENT_IDS: Final = 64  # ended response ids remembered per connection, for `res
 APPENDABLE_ROLES: Final = frozenset({"user", "developer"})
 
 
+MAX_IN_FLIGHT: Final = 16  # responses in flight per connection, across lanes; more wait
+MAX_NAMED_LANES: Final = 32  # distinct `stream_id`s per connection (the default lane does not count)
+STREAM_ID_MAX: Final = 256
+_STREAM_ID_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
+
+
 class CS(enum.Enum):
+    """The state of one lane (the connection is the set of its lanes)."""
+
     IDLE = enum.auto()
-    ACTIVE = enum.auto()  # one response in flight, sampling
+    ACTIVE = enum.auto()  # one response in flight on the lane, sampling
     PAUSED = enum.auto()  # append mode: the in-flight response waits for tool outputs
-    DRAINING = enum.auto()  # lifetime limit reached while a response was in flight
-    EXPIRED = enum.auto()  # limit reached and nothing in flight: closing with 1001
+    DRAINING = enum.auto()  # lifetime limit reached while the lane's response was in flight
+    EXPIRED = enum.auto()  # limit reached and nothing in flight on the lane
     CLOSED = enum.auto()
 
 
@@ -136,12 +159,15 @@ class CreateReceived:
 @dataclass(frozen=True, slots=True)
 class AppendReceived:
     event: ResponseAppend | ResponseInject
+    at: float = 0.0  # when the frame arrived (adapter's clock)
+    body_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class BadFrame:
     error: ProtocolError
     previous_response_id: str | None = None
+    stream_id: str | None = None  # the lane the frame named (its error carries it); None: the default lane
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +242,14 @@ class Job:
     request: CreateRequest
     cached: CacheEntry | None  # the cache entry the job may continue from (matched by id at start)
     response_id: str = ""
-    counter: SequenceCounter = field(default_factory=SequenceCounter)  # the response's sequence numbers
     arrived_at: float = 0.0  # when its response.create frame arrived
     body_bytes: int = 0
+    exclusive: bool = True  # False: another job already took `cached`'s context, so copy it (a fork)
+
+    @property
+    def stream_id(self) -> str | None:
+        """The lane (`None`: the default lane)."""
+        return self.request.params.stream_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +282,16 @@ class ArmPauseTimer:
 class ResumeJob:
     job: Job
     items: tuple[Item, ...]  # everything committed while paused, in arrival order
+    at: float = 0.0  # arrival of the append that answered the last pending call
+    body_bytes: int = 0  # and its size
+
+
+@dataclass(frozen=True, slots=True)
+class AckInject:
+    """Acknowledge an inject in the paused response's own stream (accepted, or refused)."""
+
+    job: Job
+    refused: InjectRefused | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +300,7 @@ class AbortPause:
     reason: str  # `incomplete_details.reason` of the response
 
 
-Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause
+Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause | AckInject
 
 
 @dataclass(slots=True)
@@ -269,35 +310,29 @@ class _Pause:
     job: Job
     pending: dict[str, str]  # call_id -> function name
     committed: list[Item] = field(default_factory=list)
+    last_at: float = 0.0  # the last committing frame's arrival and size
+    last_bytes: int = 0
 
 
-# -- the table --------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Lane:
+    """One lane: its state, its FIFO of creates, its response in flight, its cache entry."""
+
+    stream_id: str | None
+    prefix: bytes | None  # `stream_prefix(stream_id)`: tags the lane's frames
+    state: CS = CS.IDLE
+    queue: collections.deque[tuple[int, CreateReceived]] = field(default_factory=collections.deque)
+    in_flight: Job | None = None
+    pause: _Pause | None = None
+    cache: CacheEntry | None = None
+    cache_used: int = 0  # when `cache` was last set or hit (for LRU eviction across lanes)
+    last_ended: str | None = None  # the lane's last ended response (an append without `response_id`)
+
+
+# -- lanes -------------------------------------------------------------------------------------------
 
 _OPEN: Final = (CS.IDLE, CS.ACTIVE, CS.PAUSED, CS.DRAINING, CS.EXPIRED)
-
-_TRANSITIONS: Final[dict[tuple[CS, type], tuple[str, CS]]] = {
-    (CS.IDLE, CreateReceived): ("_enqueue", CS.IDLE),  # then Dequeue starts it
-    (CS.ACTIVE, CreateReceived): ("_enqueue", CS.ACTIVE),
-    (CS.PAUSED, CreateReceived): ("_refuse_paused", CS.PAUSED),
-    (CS.DRAINING, CreateReceived): ("_refuse_expired", CS.DRAINING),
-    (CS.EXPIRED, CreateReceived): ("_refuse_expired", CS.EXPIRED),
-    (CS.IDLE, Dequeue): ("_start_next", CS.ACTIVE),
-    (CS.ACTIVE, ResponsePaused): ("_paused", CS.PAUSED),
-    (CS.DRAINING, ResponsePaused): ("_abort_at_limit", CS.DRAINING),
-    (CS.PAUSED, AllAnswered): ("_resume", CS.ACTIVE),
-    (CS.PAUSED, PauseTimedOut): ("_pause_timed_out", CS.ACTIVE),
-    (CS.PAUSED, LimitReached): ("_abort_paused_at_limit", CS.DRAINING),
-    (CS.ACTIVE, ResponseEnded): ("_ended", CS.IDLE),
-    (CS.DRAINING, ResponseEnded): ("_ended_expired", CS.EXPIRED),
-    (CS.IDLE, LimitReached): ("_expire", CS.EXPIRED),
-    (CS.ACTIVE, LimitReached): ("_nothing", CS.DRAINING),
-    (CS.DRAINING, LimitReached): ("_nothing", CS.DRAINING),
-    (CS.EXPIRED, LimitReached): ("_nothing", CS.EXPIRED),
-    **{(s, AppendReceived): ("_append", s) for s in _OPEN},
-    **{(s, BadFrame): ("_bad_frame", s) for s in _OPEN},
-    **{(s, Disconnected): ("_disconnect", CS.CLOSED) for s in _OPEN},
-    (CS.CLOSED, Disconnected): ("_nothing", CS.CLOSED),
-}
+_BUSY: Final = (CS.ACTIVE, CS.PAUSED, CS.DRAINING)  # the lane has a response in flight
 
 
 class ConnectionStateError(Exception):
@@ -312,10 +347,31 @@ def limit_message(lifetime_s: float) -> str:
     return f"Responses websocket connection limit reached ({span}). Create a new websocket connection to continue."
 
 
+INVALID_STREAM_ID: Final = ProtocolError(
+    "The 'stream_id' field must be a non-empty string with at most 256 characters and may only contain "
+    "letters, numbers, underscores, hyphens, and periods.",
+    code="invalid_stream_id",
+    param="stream_id",
+)
+STREAM_LIMIT: Final = ProtocolError(
+    "This WebSocket connection has reached its stream limit.",
+    code="websocket_stream_limit_reached",
+    param="stream_id",
+)
+
+
+def valid_stream_id(value: object) -> bool:
+    """1 to 256 ASCII letters, digits, `_`, `-` or `.` (the OpenAPI spec's pattern for `stream_id`)."""
+    return isinstance(value, str) and 0 < len(value) <= STREAM_ID_MAX and _STREAM_ID_CHARS.issuperset(value)
+
+
+Action = Callable[["Connection", Lane, Any], None]
+
+
 class Connection:
-    """Feed it with `receive_text` and the `response_ended` / `limit_reached` /
-    `disconnected` calls; after each, drain `outputs_to_send()` and act on every
-    output in order."""
+    """Feed it with `receive_text` and the `response_ended` / `response_paused` /
+    `pause_timed_out` / `limit_reached` / `disconnected` calls; after each, drain
+    `outputs_to_send()` and act on every output in order."""
 
     def __init__(
         self,
@@ -327,25 +383,62 @@ class Connection:
         max_queued: int | None = None,
         max_cache_bytes: int | None = None,
         reuse_tools: bool = True,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        max_named_lanes: int = MAX_NAMED_LANES,
     ) -> None:
-        self.state = CS.IDLE
         self.lifetime_s = lifetime_s
         self.reject_concurrent = reject_concurrent
         self.append_mode = append_mode
         self.max_queued = max_queued
         self.max_cache_bytes = max_cache_bytes
+        self.max_in_flight = max_in_flight
+        self.max_named_lanes = max_named_lanes
         self.ids = ids or IdFactory()
-        self.cache: CacheEntry | None = None
-        self.queue: collections.deque[CreateReceived] = collections.deque()
-        self.in_flight: Job | None = None
-        self.pause: _Pause | None = None
+        self.default = Lane(None, None)
+        self.lanes: dict[str | None, Lane] = {None: self.default}
         self.ended_ids: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
+        self.expired = False  # the lifetime limit was reached
+        self.closing = False  # CloseSocket was emitted
+        self.expiry_errors = 0  # limit errors sent for refused creates
         self._jobs = 0
+        self._arrivals = 0  # creates received: their order across lanes
+        self._ticks = 0  # cache uses: LRU order across lanes
+        self._handed: set[str] = set()  # cached response ids whose context a job already took
         self._out: list[Output] = []
         self.cache_hits = 0
         self.cache_misses = 0
         self.cache_refused = 0  # entries over `max_cache_bytes`, not cached
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
+
+    # -- the default lane (a connection without `stream_id`s is exactly that lane) --------------------
+
+    @property
+    def state(self) -> CS:
+        return self.default.state
+
+    @property
+    def cache(self) -> CacheEntry | None:
+        return self.default.cache
+
+    @property
+    def queue(self) -> collections.deque[tuple[int, CreateReceived]]:
+        return self.default.queue
+
+    @property
+    def in_flight(self) -> Job | None:
+        return self.default.in_flight
+
+    @property
+    def pause(self) -> _Pause | None:
+        return self.default.pause
+
+    @property
+    def n_in_flight(self) -> int:
+        return sum(1 for lane in self.lanes.values() if lane.in_flight is not None)
+
+    @property
+    def named_lanes(self) -> int:
+        return len(self.lanes) - 1
 
     # -- adapter API ---------------------------------------------------------------------------------
 
@@ -354,22 +447,26 @@ class Connection:
         event = self._classify(data)
         if isinstance(event, CreateReceived):
             event = CreateReceived(event.request, at, len(data))
-        self.handle(event)
+        elif isinstance(event, AppendReceived):
+            event = AppendReceived(event.event, at, len(data))
+        self.handle(self._lane_of(event), event)
 
     def response_ended(self, job: Job, entry: CacheEntry | None, error: ProtocolError | None = None) -> None:
-        self.handle(ResponseEnded(job, entry, error))
+        self.handle(self._lane_of_job(job), ResponseEnded(job, entry, error))
 
     def response_paused(self, job: Job, required: tuple[RequiredInput, ...]) -> None:
-        self.handle(ResponsePaused(job, required))
+        self.handle(self._lane_of_job(job), ResponsePaused(job, required))
 
     def pause_timed_out(self, job: Job) -> None:
-        self.handle(PauseTimedOut(job))
+        self.handle(self._lane_of_job(job), PauseTimedOut(job))
 
     def limit_reached(self) -> None:
-        self.handle(LimitReached())
+        for lane in list(self.lanes.values()):
+            self.handle(lane, LimitReached())
 
     def disconnected(self) -> None:
-        self.handle(Disconnected())
+        for lane in list(self.lanes.values()):
+            self.handle(lane, Disconnected())
 
     def outputs_to_send(self) -> list[Output]:
         out, self._out = self._out, []
@@ -377,17 +474,53 @@ class Connection:
 
     # -- the machine ---------------------------------------------------------------------------------
 
-    def handle(self, event: Input) -> None:
+    def handle(self, lane: Lane, event: Input) -> None:
+        """One input to one lane: the table's row says what to do and where the lane goes."""
         try:
-            method, nxt = _TRANSITIONS[(self.state, type(event))]
+            action, nxt = _TRANSITIONS[(lane.state, type(event))]
         except KeyError:
-            raise ConnectionStateError(f"can't handle {type(event).__name__} in state {self.state.name}") from None
-        getattr(self, method)(event)
-        self.state = nxt
-        if self.state is CS.IDLE and self.queue:
-            self.handle(Dequeue())
-        elif self.state is CS.PAUSED and self.pause is not None and not self.pause.pending:
-            self.handle(AllAnswered())
+            raise ConnectionStateError(f"can't handle {type(event).__name__} in state {lane.state.name}") from None
+        action(self, lane, event)
+        lane.state = nxt
+        if lane.state is CS.PAUSED and lane.pause is not None and not lane.pause.pending:
+            self.handle(lane, AllAnswered())
+        self._start_waiting()
+        self._close_if_done()
+
+    def _start_waiting(self) -> None:
+        """Start queued creates on idle lanes while responses in flight are under the cap,
+        the earliest arrival first."""
+        while self.n_in_flight < self.max_in_flight:
+            ready = [lane for lane in self.lanes.values() if lane.state is CS.IDLE and lane.queue]
+            if not ready:
+                return
+            self.handle(min(ready, key=lambda lane: lane.queue[0][0]), Dequeue())
+
+    def _close_if_done(self) -> None:
+        if self.expired and not self.closing and all(lane.state is CS.EXPIRED for lane in self.lanes.values()):
+            self.closing = True
+            if self.expiry_errors == 0:  # nothing was refused: the limit itself is reported once
+                self._error(self._limit_error(), None)
+            self._out.append(CloseSocket(CLOSE_GOING_AWAY, "connection limit reached"))
+
+    def _lane_of(self, event: Input) -> Lane:
+        if isinstance(event, CreateReceived):
+            return self.lanes[event.request.params.stream_id]  # `_classify` made sure it exists
+        if isinstance(event, BadFrame):
+            return self.lanes.get(event.stream_id, self.default)
+        if isinstance(event, AppendReceived) and event.event.response_id is not None:
+            for lane in self.lanes.values():
+                if lane.in_flight is not None and lane.in_flight.response_id == event.event.response_id:
+                    return lane
+        return self.default
+
+    def _lane_of_job(self, job: Job) -> Lane:
+        lane = self.lanes.get(job.stream_id)
+        if lane is None or job is not lane.in_flight:
+            raise ConnectionStateError(f"job {job.number} is not the one in flight")
+        return lane
+
+    # -- classifying a frame -------------------------------------------------------------------------
 
     def _classify(self, data: str | bytes) -> Input:
         try:
@@ -396,10 +529,23 @@ class Connection:
             return self._bad(data, exc)
         if isinstance(event, ResponseCreate):
             params = event.response if event.response is not None else event
+            if params.stream_id is None and event.stream_id is not None:  # the lane named on the envelope
+                params = structs.replace(params, stream_id=event.stream_id)
+            stream_id = params.stream_id
+            if stream_id is not None and not valid_stream_id(stream_id):
+                return BadFrame(INVALID_STREAM_ID)
+            if stream_id is not None and stream_id not in self.lanes:
+                if self.named_lanes >= self.max_named_lanes:
+                    return BadFrame(STREAM_LIMIT, None, stream_id)  # a refused fork keeps its parent
             try:
-                return CreateReceived(normalize_create(params, websocket=True, tool_cache=self.tools))
+                request = normalize_create(params, websocket=True, tool_cache=self.tools)
             except ProtocolError as err:
-                return BadFrame(err, params.previous_response_id)
+                return BadFrame(err, params.previous_response_id, stream_id)
+            if stream_id not in self.lanes:  # a valid create opens its lane
+                self.lanes[stream_id] = Lane(
+                    stream_id, stream_prefix(stream_id), CS.EXPIRED if self.expired else CS.IDLE
+                )
+            return CreateReceived(request)
         return AppendReceived(event)
 
     def _bad(self, data: str | bytes, exc: msgspec.ValidationError | msgspec.DecodeError) -> BadFrame:
@@ -415,31 +561,54 @@ class Connection:
             err = ProtocolError("Missing required parameter: 'type'.", code="missing_required_parameter", param="type")
         elif env.type not in ("response.create", "response.append", "response.inject"):
             err = ProtocolError(f"Unsupported event type: '{env.type}'.", code="unsupported_event_type", param="type")
+        elif env.type == "response.create" and "$.stream_id" in str(exc):
+            return BadFrame(INVALID_STREAM_ID)  # not a string: no lane to answer on, nothing to evict
         else:
             err = from_validation_error(exc)
-        return BadFrame(err, env.previous_response_id if env.type == "response.create" else None)
+        if env.type != "response.create":
+            return BadFrame(err)
+        # The frame still names its lane (if that lane exists) and the response it continued.
+        stream_id = env.stream_id if isinstance(env.stream_id, str) and valid_stream_id(env.stream_id) else None
+        return BadFrame(err, env.previous_response_id, stream_id)
 
-    def _error(self, err: ProtocolError) -> None:
-        self._out.append(SendFrame(ws_error_event(err)))
+    # -- actions (the table's callables) -------------------------------------------------------------
 
-    def _evict(self, response_id: str | None) -> None:
-        if response_id is not None and self.cache is not None and self.cache.response_id == response_id:
-            self.cache = None
+    def _error(self, err: ProtocolError, lane: Lane | None) -> None:
+        """An `error` event; on a named lane it carries the lane's `stream_id`."""
+        self._out.append(SendFrame(tag_stream(ws_error_event(err), lane.prefix if lane is not None else None)))
 
-    def _nothing(self, event: Input) -> None:
+    def _limit_error(self) -> ProtocolError:
+        return ProtocolError(limit_message(self.lifetime_s), code="websocket_connection_limit_reached")
+
+    def _evict(self, lane: Lane, response_id: str | None) -> None:
+        """A failed turn evicts its parent from its own lane's entry (a failed fork keeps it)."""
+        if response_id is not None and lane.cache is not None and lane.cache.response_id == response_id:
+            lane.cache = None
+
+    def _nothing(self, lane: Lane, event: Input) -> None:
         pass
 
-    def _enqueue(self, event: CreateReceived) -> None:
-        if self.state is CS.ACTIVE and self.reject_concurrent:
+    def _drain(self, lane: Lane, event: LimitReached) -> None:
+        """The limit, with the lane's response in flight: it may finish; nothing new starts."""
+        self.expired = True
+
+    def _enqueue(self, lane: Lane, event: CreateReceived) -> None:
+        # A lane is busy while its response runs, and also while its next create waits for one
+        # of the connection's in-flight slots (an idle lane with a queue).
+        busy = lane.state is CS.ACTIVE or bool(lane.queue)
+        waiting = len(lane.queue) - (0 if lane.state is CS.ACTIVE else 1)  # creates behind the lane's next one
+        if busy and self.reject_concurrent:
             self._refuse(
+                lane,
                 event,
                 ProtocolError(
                     "Another response is in progress on this connection.", code="concurrent_request", status=409
                 ),
             )
             return
-        if self.state is CS.ACTIVE and self.max_queued is not None and len(self.queue) >= self.max_queued:
+        if busy and self.max_queued is not None and waiting >= self.max_queued:
             self._refuse(
+                lane,
                 event,
                 ProtocolError(
                     f"Too many queued response.create events on this connection (at most {self.max_queued} "
@@ -449,108 +618,160 @@ class Connection:
                 ),
             )
             return
-        self.queue.append(event)
+        self._arrivals += 1
+        lane.queue.append((self._arrivals, event))
 
-    def _start_next(self, event: Dequeue) -> None:
-        if not self.queue:
+    def _cached(self, response_id: str) -> CacheEntry | None:
+        """The cache entry of `response_id` on any lane (its own lane's first)."""
+        for lane in self.lanes.values():
+            if lane.cache is not None and lane.cache.response_id == response_id:
+                self._ticks += 1
+                lane.cache_used = self._ticks
+                return lane.cache
+        return None
+
+    def _start_next(self, lane: Lane, event: Dequeue) -> None:
+        if not lane.queue:
             raise ConnectionStateError("nothing is queued")
-        queued = self.queue.popleft()
+        _, queued = lane.queue.popleft()
         request = queued.request
         self._jobs += 1
         prev = request.previous_response_id
-        cached = self.cache if prev is not None and self.cache is not None and self.cache.response_id == prev else None
+        cached = self._cached(prev) if prev is not None else None
+        exclusive = True
         if prev is not None:
             if cached is None:
                 self.cache_misses += 1
             else:
                 self.cache_hits += 1
-        self.in_flight = Job(
-            self._jobs, request, cached, self.ids.new("resp"), arrived_at=queued.at, body_bytes=queued.body_bytes
+                exclusive = prev not in self._handed
+                self._handed.add(prev)
+        lane.in_flight = Job(
+            self._jobs,
+            request,
+            cached,
+            self.ids.new("resp"),
+            arrived_at=queued.at,
+            body_bytes=queued.body_bytes,
+            exclusive=exclusive,
         )
-        self._out.append(StartJob(self.in_flight))
+        self._out.append(StartJob(lane.in_flight))
 
-    def _finish_job(self, event: ResponseEnded) -> None:
-        if event.job is not self.in_flight:
+    def _store_entry(self, lane: Lane, entry: CacheEntry) -> None:
+        limit = self.max_cache_bytes
+        if limit is not None and entry.nbytes > limit:
+            lane.cache = None
+            self.cache_refused += 1
+            return
+        lane.cache = entry
+        self._ticks += 1
+        lane.cache_used = self._ticks
+        if limit is None:
+            return
+        others = sorted(
+            (o for o in self.lanes.values() if o is not lane and o.cache is not None), key=lambda o: o.cache_used
+        )
+        total = sum(o.cache.nbytes for o in others if o.cache is not None) + entry.nbytes
+        for other in others:
+            if total <= limit:
+                break
+            assert other.cache is not None
+            total -= other.cache.nbytes
+            other.cache = None
+
+    def _finish_job(self, lane: Lane, event: ResponseEnded) -> None:
+        if event.job is not lane.in_flight:
             raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
-        self.in_flight = None
+        lane.in_flight = None
+        lane.pause = None
+        lane.last_ended = event.job.response_id
         self.ended_ids.append(event.job.response_id)
         if event.entry is not None:
-            if self.max_cache_bytes is not None and event.entry.nbytes > self.max_cache_bytes:
-                self.cache = None
-                self.cache_refused += 1
-            else:
-                self.cache = event.entry
+            self._store_entry(lane, event.entry)
         else:
-            self._evict(event.job.request.previous_response_id)
+            self._evict(lane, event.job.request.previous_response_id)
             if event.error is not None:
-                self._error(event.error)
+                self._error(event.error, lane)
 
-    def _ended(self, event: ResponseEnded) -> None:
-        self._finish_job(event)
+    def _ended(self, lane: Lane, event: ResponseEnded) -> None:
+        self._finish_job(lane, event)
 
-    def _ended_expired(self, event: ResponseEnded) -> None:
-        self._finish_job(event)
-        self._expire(event)
+    def _ended_expired(self, lane: Lane, event: ResponseEnded) -> None:
+        self._finish_job(lane, event)
+        self._expire(lane, event)
 
-    def _expire(self, event: Input) -> None:
-        err = ProtocolError(limit_message(self.lifetime_s), code="websocket_connection_limit_reached")
-        for _ in range(max(1, len(self.queue))):
-            self._error(err)
-        self.queue.clear()
-        self._out.append(CloseSocket(CLOSE_GOING_AWAY, "connection limit reached"))
+    def _expire(self, lane: Lane, event: Input) -> None:
+        """The lane's queued creates will not run: each gets the limit error."""
+        self.expired = True
+        err = self._limit_error()
+        for _ in lane.queue:
+            self._error(err, lane)
+            self.expiry_errors += 1
+        lane.queue.clear()
 
-    def _refuse_expired(self, event: CreateReceived) -> None:
-        self._error(ProtocolError(limit_message(self.lifetime_s), code="websocket_connection_limit_reached"))
+    def _refuse_expired(self, lane: Lane, event: CreateReceived) -> None:
+        self._error(self._limit_error(), lane)
+        self.expiry_errors += 1
+
+    def _refuse(self, lane: Lane, event: CreateReceived, error: ProtocolError) -> None:
+        """A create that will not run: an error event, and its previous response is evicted
+        from the lane's cache entry, as for any failed turn."""
+        self._evict(lane, event.request.previous_response_id)
+        self._error(error, lane)
+
+    def _bad_frame(self, lane: Lane, event: BadFrame) -> None:
+        if lane.stream_id == event.stream_id:  # a failed fork onto a lane not opened yet keeps its parent
+            self._evict(lane, event.previous_response_id)
+        # The error names the lane the frame named; an invalid id or a frame without one: none.
+        self._out.append(SendFrame(tag_stream(ws_error_event(event.error), stream_prefix(event.stream_id))))
+
+    def _disconnect(self, lane: Lane, event: Disconnected) -> None:
+        lane.pause = None
+        if lane.in_flight is not None:
+            self._out.append(CancelJob(lane.in_flight))
+            lane.in_flight = None
+        lane.queue.clear()
+        lane.cache = None
 
     # -- append mode ---------------------------------------------------------------------------------
 
-    def _check_job(self, job: Job) -> None:
-        if job is not self.in_flight:
-            raise ConnectionStateError(f"job {job.number} is not the one in flight")
-
-    def _paused(self, event: ResponsePaused) -> None:
-        self._check_job(event.job)
-        self.pause = _Pause(event.job, {r.call_id: r.name for r in event.required})
+    def _paused(self, lane: Lane, event: ResponsePaused) -> None:
+        lane.pause = _Pause(event.job, {r.call_id: r.name for r in event.required})
         self._out.append(ArmPauseTimer(event.job))
 
-    def _resume(self, event: AllAnswered) -> None:
-        assert self.pause is not None
-        self._out.append(ResumeJob(self.pause.job, tuple(self.pause.committed)))
-        self.pause = None
+    def _resume(self, lane: Lane, event: AllAnswered) -> None:
+        assert lane.pause is not None
+        pause = lane.pause
+        self._out.append(ResumeJob(pause.job, tuple(pause.committed), pause.last_at, pause.last_bytes))
+        lane.pause = None
 
-    def _pause_timed_out(self, event: PauseTimedOut) -> None:
-        self._check_job(event.job)
-        self.pause = None
+    def _pause_timed_out(self, lane: Lane, event: PauseTimedOut) -> None:
+        lane.pause = None
         self._out.append(AbortPause(event.job, "append_timeout"))
 
-    def _abort_paused_at_limit(self, event: LimitReached) -> None:
-        assert self.pause is not None
-        self._out.append(AbortPause(self.pause.job, "connection_limit"))
-        self.pause = None
+    def _abort_paused_at_limit(self, lane: Lane, event: LimitReached) -> None:
+        assert lane.pause is not None
+        self.expired = True
+        self._out.append(AbortPause(lane.pause.job, "connection_limit"))
+        lane.pause = None
 
-    def _abort_at_limit(self, event: ResponsePaused) -> None:
-        self._check_job(event.job)
+    def _abort_at_limit(self, lane: Lane, event: ResponsePaused) -> None:
         self._out.append(AbortPause(event.job, "connection_limit"))
 
-    def _refuse(self, event: CreateReceived, error: ProtocolError) -> None:
-        """A create that will not run: an error event, and its previous response is evicted
-        from the cache, as for any failed turn."""
-        self._evict(event.request.previous_response_id)
-        self._error(error)
-
-    def _refuse_paused(self, event: CreateReceived) -> None:
-        assert self.pause is not None
+    def _refuse_paused(self, lane: Lane, event: CreateReceived) -> None:
+        assert lane.pause is not None
         self._refuse(
+            lane,
             event,
             ProtocolError(
-                f"Response '{self.pause.job.response_id}' is paused waiting for tool outputs; "
+                f"Response '{lane.pause.job.response_id}' is paused waiting for tool outputs; "
                 "send response.append, or open another connection.",
                 code="response_paused",
                 status=409,
             ),
         )
 
-    def _append(self, event: AppendReceived) -> None:
+    def _append(self, lane: Lane, event: AppendReceived) -> None:
         append = event.event
         if not self.append_mode:
             self._error(
@@ -559,38 +780,39 @@ class Connection:
                     "on this connection (opt in with ?mode=append or OpenAI-Beta: responses_websockets=2026-02-04).",
                     code="unsupported_event_type",
                     param="type",
-                )
+                ),
+                None,
             )
             return
         try:
-            pause = self._target(append.response_id)
+            pause = self._target(lane, append.response_id)
             items = self._validate_append(pause, append)
         except ProtocolError as err:
-            self._refuse_append(append, err)
+            self._refuse_append(lane, append, err)
             return
         for item in items:
             if item.view.type == "function_call_output":
                 del pause.pending[str(item.view.call_id)]
         pause.committed.extend(items)
+        pause.last_at, pause.last_bytes = event.at, event.body_bytes
         if isinstance(append, ResponseInject):
-            ack = ResponseInjectCreated(sequence_number=pause.job.counter.next(), response_id=pause.job.response_id)
-            self._out.append(SendFrame(encode(ack)))
+            self._out.append(AckInject(pause.job))
 
-    def _target(self, response_id: str | None) -> _Pause:
+    def _target(self, lane: Lane, response_id: str | None) -> _Pause:
         """The paused response an append is for, or the error that says why there is none."""
-        job = self.in_flight
+        job = lane.in_flight
         if response_id is None and job is not None:
             response_id = job.response_id
-        if response_id is None and self.ended_ids:
-            response_id = self.ended_ids[-1]
+        if response_id is None:
+            response_id = lane.last_ended
         if job is not None and response_id == job.response_id:
-            if self.pause is None:
+            if lane.pause is None:
                 raise ProtocolError(
                     f"Response '{response_id}' is not paused: it is still sampling.",
                     code="response_not_paused",
                     param="response_id",
                 )
-            return self.pause
+            return lane.pause
         if response_id in self.ended_ids:
             raise ProtocolError(
                 f"Response '{response_id}' has already completed.",
@@ -623,31 +845,52 @@ class Connection:
                 )
         return items
 
-    def _refuse_append(self, append: ResponseAppend | ResponseInject, err: ProtocolError) -> None:
+    def _refuse_append(self, lane: Lane, append: ResponseAppend | ResponseInject, err: ProtocolError) -> None:
+        pause = lane.pause
+        on_lane = (
+            lane if lane.in_flight is not None and append.response_id in (None, lane.in_flight.response_id) else None
+        )
         if isinstance(append, ResponseAppend):
-            self._error(err)
+            self._error(err, on_lane)
             return
-        pause = self.pause
-        target = append.response_id or (self.in_flight.response_id if self.in_flight else "")
-        # Numbered in the response's own sequence only while it is paused (its stream is idle
-        # then); otherwise the failure belongs to no stream.
-        seq = pause.job.counter.next() if pause is not None and target == pause.job.response_id else 0
-        failed = ResponseInjectFailed(
-            sequence_number=seq,
+        target = append.response_id or (lane.in_flight.response_id if lane.in_flight else "")
+        if pause is not None and target == pause.job.response_id:
+            # Numbered in the paused response's own stream (which is idle while paused).
+            self._out.append(AckInject(pause.job, InjectRefused(append.input, str(err.code), err.message)))
+            return
+        failed = ResponseInjectFailed(  # belongs to no stream: numbered 0
+            sequence_number=0,
             response_id=target,
             input=append.input,
             error=InjectError(code=str(err.code), message=err.message),
         )
-        self._out.append(SendFrame(encode(failed)))
+        self._out.append(SendFrame(tag_stream(encode(failed), on_lane.prefix if on_lane else None)))
 
-    def _bad_frame(self, event: BadFrame) -> None:
-        self._evict(event.previous_response_id)
-        self._error(event.error)
 
-    def _disconnect(self, event: Disconnected) -> None:
-        self.pause = None
-        if self.in_flight is not None:
-            self._out.append(CancelJob(self.in_flight))
-            self.in_flight = None
-        self.queue.clear()
-        self.cache = None
+# -- the table: (lane state, input) -> (action, next lane state) ----------------------------------------
+
+C = Connection
+_TRANSITIONS: Final[dict[tuple[CS, type], tuple[Action, CS]]] = {
+    (CS.IDLE, CreateReceived): (C._enqueue, CS.IDLE),  # then Dequeue starts it, if a slot is free
+    (CS.ACTIVE, CreateReceived): (C._enqueue, CS.ACTIVE),
+    (CS.PAUSED, CreateReceived): (C._refuse_paused, CS.PAUSED),
+    (CS.DRAINING, CreateReceived): (C._refuse_expired, CS.DRAINING),
+    (CS.EXPIRED, CreateReceived): (C._refuse_expired, CS.EXPIRED),
+    (CS.IDLE, Dequeue): (C._start_next, CS.ACTIVE),
+    (CS.ACTIVE, ResponsePaused): (C._paused, CS.PAUSED),
+    (CS.DRAINING, ResponsePaused): (C._abort_at_limit, CS.DRAINING),
+    (CS.PAUSED, AllAnswered): (C._resume, CS.ACTIVE),
+    (CS.PAUSED, PauseTimedOut): (C._pause_timed_out, CS.ACTIVE),
+    (CS.PAUSED, LimitReached): (C._abort_paused_at_limit, CS.DRAINING),
+    (CS.ACTIVE, ResponseEnded): (C._ended, CS.IDLE),
+    (CS.DRAINING, ResponseEnded): (C._ended_expired, CS.EXPIRED),
+    (CS.IDLE, LimitReached): (C._expire, CS.EXPIRED),
+    (CS.ACTIVE, LimitReached): (C._drain, CS.DRAINING),
+    (CS.DRAINING, LimitReached): (C._nothing, CS.DRAINING),
+    (CS.EXPIRED, LimitReached): (C._nothing, CS.EXPIRED),
+    **{(s, AppendReceived): (C._append, s) for s in _OPEN},
+    **{(s, BadFrame): (C._bad_frame, s) for s in _OPEN},
+    **{(s, Disconnected): (C._disconnect, CS.CLOSED) for s in _OPEN},
+    (CS.CLOSED, Disconnected): (C._nothing, CS.CLOSED),
+}
+del C

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 A turn's *effective context* is ``previous.context + previous.output + new input``
-(wire-protocol 6.1; the Open Responses spec: the server "MUST load both the
+(docs/protocol.md; the Open Responses spec: the server "MUST load both the
 input and output associated with that prior response"). Each item is kept twice:
 its raw JSON, verbatim as the client sent it (so replayed ids, statuses and
 unknown item types round-trip), and its rendered token ids.

@@ -20,6 +20,10 @@ What a stage touches depends on the path (pipeline.py has the costs):
   resume only over the appended items, with no routing, hop or queue re-entry;
   post-inference once at the end.
 
+`Engine` holds the shared services (model, store, tokenizer, classifier, clock, id
+factory) and the counters; a `ResponseRun` owns one response from its arrival to its
+terminal event. A store outage is mapped to the wire in one place (`store_errors`).
+
 The store write happens *before* the terminal event, so a continuation sent the
 moment `response.completed` arrives finds it (read-after-write; LiteLLM #28587
 lost continuations for ~10 s because its write was asynchronous).
@@ -31,7 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
@@ -39,6 +43,7 @@ from typing import Final, Literal, Protocol
 from msgspec import structs
 
 from . import metrics
+from .cache import STORE_UNAVAILABLE, CacheEntry
 from .clock import Clock
 from .contract import CONTEXT_LENGTH_MESSAGE, check_context_window
 from .conversation import (
@@ -76,7 +81,7 @@ from .schemas import (
     is_null,
 )
 from .store import ResponseStore, StoreUnavailable
-from .stream import Pause, ResponseStream, Resume, SequenceCounter, Start, StreamError
+from .stream import InjectAccepted, InjectRefused, Pause, ResponseStream, Resume, Start, StreamError
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -88,16 +93,15 @@ __all__ = [
     "EngineStatistics",
     "Outcome",
     "PauseChannel",
+    "ResponseRun",
     "Resumed",
     "STORE_UNAVAILABLE",
+    "store_errors",
 ]
 
 log = logging.getLogger("longrun.engine")
 
 Emit = Callable[[list[ServerEvent]], Awaitable[None]]
-STORE_UNAVAILABLE: Final = ProtocolError(
-    "The response store is unavailable. Please retry.", code="store_unavailable", status=503
-)
 # Texts at least this long are tokenized off the event loop when the engine has a render
 # executor: ≈ 0.4 ms of BPE here, against ≈ 90 µs for the hop to a thread and back (uvloop).
 OFFLOAD_CHARS: Final = 8_192
@@ -126,40 +130,11 @@ class Arrival:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheEntry:
-    """A connection cache entry (wire-protocol 6.2): the previous response, its
-    effective input and output items, tools, their rendered tokens, and how far
-    the safety classifier has read them."""
-
-    response: Response
-    context: Context  # input + output items of `response`, rendered
-    n_items: int  # length of `context` that belongs to this entry (Context is append-only)
-    preamble: Preamble
-    store: bool
-    safety: ClassifierState | None = None  # classifier state over preamble + chunks[:safety_chunks]
-    safety_chunks: int = 0
-
-    @property
-    def response_id(self) -> str:
-        return self.response.id
-
-    @property
-    def nbytes(self) -> int:
-        """What the entry holds: its items' JSON, their tokens and the rendered preamble."""
-        ctx = self.context
-        if self.n_items == len(ctx.items):
-            held = ctx.held_bytes
-        else:  # the context grew past this entry
-            held = sum(len(item.raw) for item in ctx.items[: self.n_items])
-            held += sum(chunk.nbytes for chunk in ctx.chunks[: self.n_items])
-        return held + len(self.preamble.key) + self.preamble.tokens.nbytes
-
-
-@dataclass(frozen=True, slots=True)
 class Outcome:
     response: Response
     entry: CacheEntry | None  # None unless the response completed (or ended incomplete)
     error: ProtocolError | None = None  # set when the request failed before streaming started
+    failure: ProtocolError | None = None  # set when the response ended `failed`: what to say over HTTP
 
     @property
     def ok(self) -> bool:
@@ -178,9 +153,10 @@ class Aborted:
 
 
 class PauseChannel(Protocol):
-    """How a paused append-mode response learns what happens next (the adapter implements it)."""
+    """Whom a paused append-mode response tells that it paused (the session, which asks the
+    connection core). The core's decision comes back through `ResponseRun.resume`."""
 
-    async def wait_resume(self, required: tuple[RequiredInput, ...]) -> Resumed | Aborted: ...
+    async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +185,17 @@ class _Counts:
     kv_idle_token_s: float = 0.0
     store_writes: int = 0
     stage_s: dict[str, float] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """The one mapping of a store outage to the wire: `StoreUnavailable` becomes
+    `STORE_UNAVAILABLE` (503), the details go to the log."""
+    try:
+        yield
+    except StoreUnavailable:
+        log.exception("store unavailable while %s", what)
+        raise STORE_UNAVAILABLE from None
 
 
 class _Stages:
@@ -398,74 +385,6 @@ class Engine:
     def _uses(self, arrival: Arrival, optimization: Optimization) -> bool:
         return arrival.transport == "ws" and optimization in self.optimizations
 
-    async def resolve(
-        self, request: CreateRequest, cached: CacheEntry | None, arrival: Arrival, stages: _Stages
-    ) -> _Resolved:
-        """Load the previous turn's state, render what is not rendered yet, classify what
-        is not classified yet.
-
-        Lookup order (wire-protocol 6.2): connection cache, then the store (only
-        `store:true` responses are there), else `previous_response_not_found`.
-        """
-        report = stages.report
-        prev = request.previous_response_id
-        hit = (
-            prev is not None
-            and cached is not None
-            and cached.response_id == prev
-            and self._uses(arrival, Optimization.STATE_CACHE)
-        )
-        report.connection_cache = "none" if prev is None else ("hit" if hit else "miss")
-        safety: ClassifierState | None = None
-        safety_chunks = 0
-        if hit:
-            assert cached is not None
-            context = cached.context.prefix(cached.n_items)
-            stages.lap(Stage.LOAD_STATE)
-            if not self._uses(arrival, Optimization.TOKEN_CACHE):
-                items = context.items
-                context = Context()
-                context.extend(items, await self._render(items, report))
-            same_preamble = cached.preamble.key == request.preamble_key
-            preamble = cached.preamble if same_preamble else render_preamble(request, self.tokenizer)
-            if same_preamble and cached.safety is not None and self._uses(arrival, Optimization.INCREMENTAL_SAFETY):
-                safety, safety_chunks = cached.safety, min(cached.safety_chunks, len(context.chunks))
-        else:
-            context = Context()
-            if prev is not None:
-                items = await self._load(prev)
-                await stages.wait(Stage.LOAD_STATE, self.profile.state_load_s)
-                context.extend(items, await self._render(items, report))
-            else:
-                stages.lap(Stage.LOAD_STATE)
-            preamble = render_preamble(request, self.tokenizer)
-        check_continuation(context, request.items)  # new items only, against the context's sets
-        context.extend(request.items, await self._render(request.items, report))
-        prompt = len(preamble.tokens) + context.n_tokens + len(generation_header(self.tokenizer))
-        check_context_window(prompt, self.input_token_limit)
-        stages.lap(Stage.RENDER)
-        await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * report.tokens_rendered)
-        if safety is None:
-            safety = self.classifier.update(self.classifier.begin(), preamble.tokens)
-            report.tokens_classified += len(preamble.tokens)
-        resolved = _Resolved(context, preamble, safety, safety_chunks)
-        await self._classify(resolved, stages)
-        return resolved
-
-    async def _classify(self, resolved: _Resolved, stages: _Stages) -> None:
-        """Run the classifier over the context chunks it has not read yet."""
-        chunks = resolved.context.chunks
-        before = stages.report.tokens_classified
-        state = resolved.safety
-        for chunk in chunks[resolved.safety_chunks :]:
-            state = self.classifier.update(state, chunk)
-            stages.report.tokens_classified += len(chunk)
-        resolved.safety, resolved.safety_chunks = state, len(chunks)
-        n = stages.report.tokens_classified - before
-        self._counts.tokens_classified += n
-        stages.lap(Stage.SAFETY)
-        await stages.wait(Stage.SAFETY, self.profile.safety_call_s + self.profile.safety_s_per_token * n)
-
     async def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
         """The items' tokens. Items whose texts add up to `OFFLOAD_CHARS` or more are tokenized
         on `render_executor` if there is one (the BPE releases the GIL): the event loop keeps
@@ -496,11 +415,8 @@ class Engine:
         return _encode_all(self.tokenizer, texts)
 
     async def _load(self, response_id: str) -> list[Item]:
-        try:
+        with store_errors(f"loading {response_id}"):
             data = await self.store.get(response_id)
-        except StoreUnavailable:
-            log.exception("store unavailable while loading %s", response_id)
-            raise STORE_UNAVAILABLE from None
         if data is None:
             raise ProtocolError(
                 f"Previous response with id '{response_id}' not found.",
@@ -514,7 +430,7 @@ class Engine:
 
     # -- one response ------------------------------------------------------------------------------
 
-    async def run(
+    def run(
         self,
         request: CreateRequest,
         cached: CacheEntry | None,
@@ -522,199 +438,23 @@ class Engine:
         *,
         arrival: Arrival | None = None,
         response_id: str | None = None,
-        counter: SequenceCounter | None = None,
         pauses: PauseChannel | None = None,
-    ) -> Outcome:
-        """Serve one create. Request errors before the first event come back in
-        `Outcome.error` (nothing was emitted); failures after it end the stream
-        with `response.failed`. Cancellation propagates after cleanup.
+        fork: bool = False,
+    ) -> Coroutine[None, None, Outcome]:
+        """Serve one create: the coroutine of a new `ResponseRun`, which owns its life (returned
+        as is, so awaiting it adds no frame to every resumption of the response). Request errors before the first event
+        come back in `Outcome.error` (nothing was emitted); failures after it end the stream
+        with `response.failed` (`Outcome.failure` says which error). Cancellation propagates
+        after cleanup.
 
         With `pauses` (append mode) a turn that ends in function calls pauses the
         response instead of finishing it: `response.done`, then the channel says
-        whether to resume with appended items or to end `incomplete`."""
-        arrival = arrival or Arrival(self.clock.now())
-        stages = _Stages(self.clock, self._counts, arrival.at)
-        template = self.new_response(request, response_id)
-        self._counts.responses += 1
-        try:
-            await stages.wait(Stage.NETWORK, self.profile.upload_s(arrival.body_bytes))
-            stages.lap(Stage.PARSE)
-            resolved = await self.resolve(request, cached, arrival, stages)
-        except ProtocolError as err:
-            return Outcome(template, None, err)
-        stream = ResponseStream(template, self.ids, counter)
-        turn = _Turn(self, request, resolved, template.id, hold_kv=pauses is not None)
-        if not request.generate:
-            # Warm-up (wire-protocol 3.3): pre-inference work and a prefill of the prompt (so the
-            # model's prefix cache holds it), no decode: `output: []`, zero usage.
-            await emit(stream.receive(Start(input_tokens=0, warm_up=True)))
-            warm_up = dataclasses.replace(turn.model_request(), max_output_tokens=0)
-            async with contextlib.aclosing(self.model.sample(warm_up)) as prefill:
-                async for _ in prefill:
-                    pass
-            stages.lap(Stage.PREFILL)
-            events = stream.receive(SamplingFinished("stop"))
-            return await self._finish(request, stream, resolved, stages, events, emit, arrival)
-        if not (arrival.routed and self._uses(arrival, Optimization.REUSE_ROUTING)):
-            await stages.wait(Stage.ROUTING, self.profile.auth_s + self.profile.routing_s)
-        await emit(stream.receive(Start(input_tokens=turn.prompt_tokens)))
-        if self.classifier.verdict(resolved.safety).flagged:
-            events = stream.end_incomplete("content_filter")  # refused before inference
-            return await self._finish(request, stream, resolved, stages, events, emit, arrival)
-        try:
-            return await self._segments(request, resolved, stream, turn, stages, emit, pauses, arrival)
-        finally:
-            if pauses is not None:
-                self.model.release(template.id)  # the held KV becomes ordinary, evictable prefix cache
+        whether to resume with appended items or to end `incomplete`.
 
-    async def _segments(
-        self,
-        request: CreateRequest,
-        resolved: _Resolved,
-        stream: ResponseStream,
-        turn: _Turn,
-        stages: _Stages,
-        emit: Emit,
-        pauses: PauseChannel | None,
-        arrival: Arrival,
-    ) -> Outcome:
-        try:
-            await stages.wait(Stage.INFERENCE_HOP, self.profile.inference_hop_s)
-            while True:
-                done = await self._sample(turn.model_request(), stream, stages, emit)
-                required = stream.pending_calls()
-                if pauses is None or not required or done.reason != "stop":
-                    events = stream.receive(done)
-                    return await self._finish(
-                        request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
-                    )
-                await turn.add_outputs(stream.output, stages.report)
-                stages.lap(Stage.RENDER)
-                stream.response = structs.replace(stream.response, longrun=stages.end_segment())
-                await emit(stream.receive(Pause()))
-                self._counts.pauses += 1
-                paused_at = self.clock.now()
-                decision = await pauses.wait_resume(tuple(required))
-                # The response's KV stays resident while the client runs its tools.
-                self._counts.kv_idle_token_s += turn.resident_tokens * (self.clock.now() - paused_at)
-                if isinstance(decision, Aborted):
-                    stages.new_segment(self.clock.now())
-                    events = stream.end_incomplete(decision.reason)
-                    return await self._finish(
-                        request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
-                    )
-                resumed = decision.arrival or Arrival(self.clock.now(), transport="ws")
-                stages.new_segment(resumed.at)
-                await stages.wait(Stage.NETWORK, self.profile.upload_s(resumed.body_bytes))
-                stages.lap(Stage.PARSE)
-                before = stages.report.tokens_rendered
-                await turn.add_input(decision.items, stages.report)
-                stages.lap(Stage.RENDER)
-                if self.input_token_limit is not None and turn.prompt_tokens > self.input_token_limit:
-                    await emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE))  # never sampled
-                    return Outcome(stream.response, None)
-                rendered = stages.report.tokens_rendered - before
-                await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * rendered)
-                await self._classify(resolved, stages)
-                await emit(stream.receive(Resume(input_tokens=turn.prompt_tokens)))
-                if self.classifier.verdict(resolved.safety).flagged:
-                    events = stream.end_incomplete("content_filter")
-                    return await self._finish(
-                        request, stream, resolved, stages, events, emit, arrival, turn.outputs_in_context
-                    )
-        except ConnectionResetError:
-            raise  # the peer is gone: nothing to tell it
-        except Exception:
-            # The model, the stream core or the store failed after the first event: end the
-            # stream with `response.failed`, details only in the log.
-            log.exception("response %s failed", stream.response.id)
-            await emit(stream.abort("server_error", INTERNAL_ERROR.message))
-            return Outcome(stream.response, None)
-
-    async def _sample(
-        self, request: ModelRequest, stream: ResponseStream, stages: _Stages, emit: Emit
-    ) -> SamplingFinished:
-        self._counts.model_calls += 1
-        # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
-        # not whenever the suspended generator is garbage-collected.
-        async with contextlib.aclosing(self.model.sample(request)) as events:
-            receive = stream.receive
-            async for event in events:
-                if type(event) is not TokensSampled:  # the per-token hot path skips these tests
-                    if isinstance(event, Prefilled):
-                        stages.add(Stage.QUEUE, event.queued_s)
-                        stages.lap(Stage.PREFILL)
-                        stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
-                    elif isinstance(event, SamplingFinished):
-                        stages.lap(Stage.DECODE)
-                        return event
-                await emit(receive(event))
-        raise StreamError("model ended without SamplingFinished")
-
-    async def _finish(
-        self,
-        request: CreateRequest,
-        stream: ResponseStream,
-        resolved: _Resolved,
-        stages: _Stages,
-        events: list[ServerEvent],
-        emit: Emit,
-        arrival: Arrival,
-        in_context: int = 0,  # append mode: output items already interleaved in the context
-    ) -> Outcome:
-        # Post-inference, once per response: billing, persist the final Response, then the terminal event.
-        billing = self.profile.billing_s
-        if self._uses(arrival, Optimization.ASYNC_BILLING):
-            stages.report.overlapped_s += billing  # overlapped with the client's next request
-        else:
-            await stages.wait(Stage.POST, billing)
-        context = resolved.context
-        if request.store:
-            record = StoredResponse(response=stream.response, context=context.raw_items(), output_in_context=in_context)
-            self._counts.store_writes += 1
-            try:
-                await self.store.put(stream.response.id, encode(record))
-            except StoreUnavailable:
-                log.exception("store unavailable: response %s not stored", stream.response.id)
-                return await self._unstored(stream, events, emit)
-        stages.lap(Stage.POST)
-        outputs = [item_from_output(o) for o in stream.response.output[in_context:]]
-        context.extend(outputs, await self._render(outputs))
-        stages.lap(Stage.RENDER)  # the output, rendered for the next turn's cache
-        # The terminal event carries the timings (the stored copy does not: it was written before them).
-        report = stages.end_segment()
-        for stage, seconds in report.stages_s.items():
-            self.histograms[stage].observe(seconds)
-        response = stream.response = structs.replace(stream.response, longrun=report)
-        events[-1] = structs.replace(events[-1], response=response)
-        entry = CacheEntry(
-            response,
-            context,
-            len(context.items),
-            resolved.preamble,
-            request.store,
-            resolved.safety,
-            resolved.safety_chunks,
-        )
-        await emit(events)
-        return Outcome(response, entry)
-
-    @staticmethod
-    async def _unstored(stream: ResponseStream, events: list[ServerEvent], emit: Emit) -> Outcome:
-        """The store write failed: the terminal event, not sent yet, becomes `response.failed`
-        (`store_unavailable`) at the same sequence number, so nothing claims a stored response."""
-        failed = stream.response = structs.replace(
-            stream.response,
-            status="failed",
-            error=ResponseError(code=STORE_UNAVAILABLE.code or "", message=STORE_UNAVAILABLE.message),
-            incomplete_details=None,
-            completed_at=None,
-        )
-        terminal = events[-1]
-        assert isinstance(terminal, ResponseCompleted | ResponseIncomplete)
-        events[-1] = ResponseFailed(sequence_number=terminal.sequence_number, response=failed)
-        await emit(events)
-        return Outcome(failed, None)
+        `fork`: another response already continues from `cached` (a fork onto another lane),
+        so its context is copied rather than extended in place."""
+        run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, pauses)
+        return run.run(cached, fork=fork)
 
     # -- stored responses --------------------------------------------------------------------------
 
@@ -746,20 +486,303 @@ class Engine:
         )
 
     async def get_stored(self, response_id: str) -> Response:
-        try:
+        with store_errors(f"reading {response_id}"):
             data = await self.store.get(response_id)
-        except StoreUnavailable:
-            log.exception("store unavailable")
-            raise STORE_UNAVAILABLE from None
         if data is None:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
         return decode_stored(data).response
 
     async def delete_stored(self, response_id: str) -> None:
-        try:
+        with store_errors(f"deleting {response_id}"):
             deleted = await self.store.delete(response_id)
-        except StoreUnavailable:
-            log.exception("store unavailable")
-            raise STORE_UNAVAILABLE from None
         if not deleted:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
+
+
+class ResponseRun:
+    """One response's whole life: pre-inference (load, render, classify), the model segments,
+    the pauses of append mode, post-inference, the store write and the terminal event. The
+    engine lends it the shared services (model, store, tokenizer, classifier, clock) and the
+    counters; everything about this response lives here."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request: CreateRequest,
+        emit: Emit,
+        arrival: Arrival,
+        response_id: str | None,
+        pauses: PauseChannel | None,
+    ) -> None:
+        self.engine = engine
+        self.request = request
+        self.emit = emit
+        self.arrival = arrival
+        self.pauses = pauses
+        self._decision: asyncio.Future[Resumed | Aborted] | None = None  # set while paused
+        self.stages = _Stages(engine.clock, engine._counts, arrival.at)
+        self.template = engine.new_response(request, response_id)
+        self.in_context = 0  # append mode: output items already interleaved in the context
+
+    def _uses(self, optimization: Optimization) -> bool:
+        return self.engine._uses(self.arrival, optimization)
+
+    async def run(self, cached: CacheEntry | None, *, fork: bool = False) -> Outcome:
+        engine, stages, request = self.engine, self.stages, self.request
+        profile = engine.profile
+        engine._counts.responses += 1
+        try:
+            await stages.wait(Stage.NETWORK, profile.upload_s(self.arrival.body_bytes))
+            stages.lap(Stage.PARSE)
+            self.resolved = await self.resolve(cached, fork=fork)
+        except ProtocolError as err:
+            return Outcome(self.template, None, err)
+        self.stream = ResponseStream(self.template, engine.ids)
+        self.turn = _Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
+        if not request.generate:
+            # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
+            # of the prompt (so the model's prefix cache holds it), no decode: `output: []`, zero usage.
+            await self.emit(self.stream.receive(Start(input_tokens=0, warm_up=True)))
+            warm_up = dataclasses.replace(self.turn.model_request(), max_output_tokens=0)
+            async with contextlib.aclosing(engine.model.sample(warm_up)) as prefill:
+                async for _ in prefill:
+                    pass
+            stages.lap(Stage.PREFILL)
+            return await self._finish(self.stream.receive(SamplingFinished("stop")))
+        if not (self.arrival.routed and self._uses(Optimization.REUSE_ROUTING)):
+            await stages.wait(Stage.ROUTING, profile.auth_s + profile.routing_s)
+        await self.emit(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens)))
+        if engine.classifier.verdict(self.resolved.safety).flagged:
+            return await self._finish(self.stream.end_incomplete("content_filter"))  # refused before inference
+        try:
+            return await self._segments()
+        finally:
+            if self.pauses is not None:
+                engine.model.release(self.template.id)  # the held KV becomes ordinary, evictable prefix cache
+
+    # -- pre-inference -----------------------------------------------------------------------------
+
+    async def resolve(self, cached: CacheEntry | None, *, fork: bool = False) -> _Resolved:
+        """Load the previous turn's state, render what is not rendered yet, classify what
+        is not classified yet.
+
+        Lookup order (docs/protocol.md, docs/lanes.md): connection cache, then the store (only
+        `store:true` responses are there), else `previous_response_not_found`.
+        """
+        engine, request, stages = self.engine, self.request, self.stages
+        report = stages.report
+        prev = request.previous_response_id
+        hit = (
+            prev is not None
+            and cached is not None
+            and cached.response_id == prev
+            and self._uses(Optimization.STATE_CACHE)
+        )
+        report.connection_cache = "none" if prev is None else ("hit" if hit else "miss")
+        safety: ClassifierState | None = None
+        safety_chunks = 0
+        if hit:
+            assert cached is not None
+            if fork:  # the context is shared with another lane's continuation: take a copy of its items
+                context = Context()
+                context.extend(cached.context.items[: cached.n_items], cached.context.chunks[: cached.n_items])
+            else:
+                context = cached.context.prefix(cached.n_items)
+            stages.lap(Stage.LOAD_STATE)
+            if not self._uses(Optimization.TOKEN_CACHE):
+                items = context.items
+                context = Context()
+                context.extend(items, await engine._render(items, report))
+            same_preamble = cached.preamble.key == request.preamble_key
+            preamble = cached.preamble if same_preamble else render_preamble(request, engine.tokenizer)
+            if same_preamble and cached.safety is not None and self._uses(Optimization.INCREMENTAL_SAFETY):
+                safety, safety_chunks = cached.safety, min(cached.safety_chunks, len(context.chunks))
+        else:
+            context = Context()
+            if prev is not None:
+                items = await engine._load(prev)
+                await stages.wait(Stage.LOAD_STATE, engine.profile.state_load_s)
+                context.extend(items, await engine._render(items, report))
+            else:
+                stages.lap(Stage.LOAD_STATE)
+            preamble = render_preamble(request, engine.tokenizer)
+        check_continuation(context, request.items)  # new items only, against the context's sets
+        context.extend(request.items, await engine._render(request.items, report))
+        prompt = len(preamble.tokens) + context.n_tokens + len(generation_header(engine.tokenizer))
+        check_context_window(prompt, engine.input_token_limit)
+        stages.lap(Stage.RENDER)
+        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * report.tokens_rendered)
+        if safety is None:
+            safety = engine.classifier.update(engine.classifier.begin(), preamble.tokens)
+            report.tokens_classified += len(preamble.tokens)
+        resolved = _Resolved(context, preamble, safety, safety_chunks)
+        await self._classify(resolved)
+        return resolved
+
+    async def _classify(self, resolved: _Resolved) -> None:
+        """Run the classifier over the context chunks it has not read yet."""
+        engine, stages = self.engine, self.stages
+        chunks = resolved.context.chunks
+        before = stages.report.tokens_classified
+        state = resolved.safety
+        for chunk in chunks[resolved.safety_chunks :]:
+            state = engine.classifier.update(state, chunk)
+            stages.report.tokens_classified += len(chunk)
+        resolved.safety, resolved.safety_chunks = state, len(chunks)
+        n = stages.report.tokens_classified - before
+        engine._counts.tokens_classified += n
+        stages.lap(Stage.SAFETY)
+        await stages.wait(Stage.SAFETY, engine.profile.safety_call_s + engine.profile.safety_s_per_token * n)
+
+    # -- model segments and pauses -----------------------------------------------------------------
+
+    async def _segments(self) -> Outcome:
+        stream, turn, stages = self.stream, self.turn, self.stages
+        try:
+            await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.inference_hop_s)
+            while True:
+                done = await self._sample(turn.model_request())
+                required = stream.pending_calls()
+                if self.pauses is None or not required or done.reason != "stop":
+                    return await self._finish(stream.receive(done))
+                ended = await self._pause(self.pauses, tuple(required))
+                if ended is not None:
+                    return ended
+        except ConnectionResetError:
+            raise  # the peer is gone: nothing to tell it
+        except Exception:
+            # The model, the stream core or the store failed after the first event: end the
+            # stream with `response.failed`, details only in the log.
+            log.exception("response %s failed", stream.response.id)
+            await self.emit(stream.abort("server_error", INTERNAL_ERROR.message))
+            return Outcome(stream.response, None, failure=INTERNAL_ERROR)
+
+    async def _pause(self, pauses: PauseChannel, required: tuple[RequiredInput, ...]) -> Outcome | None:
+        """Pause for tool outputs; resume with what was appended (None), or end incomplete."""
+        engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
+        await turn.add_outputs(stream.output, stages.report)
+        self.in_context = turn.outputs_in_context
+        stages.lap(Stage.RENDER)
+        stream.response = structs.replace(stream.response, longrun=stages.end_segment())
+        await self.emit(stream.receive(Pause()))
+        engine._counts.pauses += 1
+        paused_at = engine.clock.now()
+        self._decision = asyncio.get_running_loop().create_future()
+        try:
+            await pauses.paused(self, required)
+            decision = await self._decision
+        finally:
+            self._decision = None
+        # The response's KV stays resident while the client runs its tools.
+        engine._counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
+        if isinstance(decision, Aborted):
+            stages.new_segment(engine.clock.now())
+            return await self._finish(stream.end_incomplete(decision.reason))
+        resumed = decision.arrival or Arrival(engine.clock.now(), transport="ws")
+        stages.new_segment(resumed.at)
+        await stages.wait(Stage.NETWORK, engine.profile.upload_s(resumed.body_bytes))
+        stages.lap(Stage.PARSE)
+        before = stages.report.tokens_rendered
+        await turn.add_input(decision.items, stages.report)
+        stages.lap(Stage.RENDER)
+        if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
+            await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE))  # never sampled
+            return Outcome(stream.response, None)
+        rendered = stages.report.tokens_rendered - before
+        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * rendered)
+        await self._classify(self.resolved)
+        await self.emit(stream.receive(Resume(input_tokens=turn.prompt_tokens)))
+        if engine.classifier.verdict(self.resolved.safety).flagged:
+            return await self._finish(stream.end_incomplete("content_filter"))
+        return None
+
+    def resume(self, decision: Resumed | Aborted) -> None:
+        """The connection core's decision for the paused response: go on with the appended
+        items, or end `incomplete`."""
+        if self._decision is not None and not self._decision.done():
+            self._decision.set_result(decision)
+
+    async def acknowledge_inject(self, refused: InjectRefused | None) -> None:
+        """`response.inject.created` (or `.failed`), numbered in this response's stream."""
+        await self.emit(self.stream.receive(refused or InjectAccepted()))
+
+    async def _sample(self, request: ModelRequest) -> SamplingFinished:
+        stream, stages, emit = self.stream, self.stages, self.emit
+        self.engine._counts.model_calls += 1
+        # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
+        # not whenever the suspended generator is garbage-collected.
+        async with contextlib.aclosing(self.engine.model.sample(request)) as events:
+            receive = stream.receive
+            async for event in events:
+                if type(event) is not TokensSampled:  # the per-token hot path skips these tests
+                    if isinstance(event, Prefilled):
+                        stages.add(Stage.QUEUE, event.queued_s)
+                        stages.lap(Stage.PREFILL)
+                        stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
+                    elif isinstance(event, SamplingFinished):
+                        stages.lap(Stage.DECODE)
+                        return event
+                await emit(receive(event))
+        raise StreamError("model ended without SamplingFinished")
+
+    # -- post-inference ----------------------------------------------------------------------------
+
+    async def _finish(self, events: list[ServerEvent]) -> Outcome:
+        """Post-inference, once per response: billing, persist the final Response, then the terminal event."""
+        engine, stream, stages, request, resolved = self.engine, self.stream, self.stages, self.request, self.resolved
+        billing = engine.profile.billing_s
+        if self._uses(Optimization.ASYNC_BILLING):
+            stages.report.overlapped_s += billing  # overlapped with the client's next request
+        else:
+            await stages.wait(Stage.POST, billing)
+        context = resolved.context
+        if request.store:
+            record = StoredResponse(
+                response=stream.response, context=context.raw_items(), output_in_context=self.in_context
+            )
+            engine._counts.store_writes += 1
+            try:
+                with store_errors(f"storing {stream.response.id}"):
+                    await engine.store.put(stream.response.id, encode(record))
+            except ProtocolError as err:
+                return await self._unstored(events, err)
+        stages.lap(Stage.POST)
+        outputs = [item_from_output(o) for o in stream.response.output[self.in_context :]]
+        context.extend(outputs, await engine._render(outputs))
+        stages.lap(Stage.RENDER)  # the output, rendered for the next turn's cache
+        # The terminal event carries the timings (the stored copy does not: it was written before them).
+        report = stages.end_segment()
+        for stage, seconds in report.stages_s.items():
+            engine.histograms[stage].observe(seconds)
+        response = stream.response = structs.replace(stream.response, longrun=report)
+        events[-1] = structs.replace(events[-1], response=response)
+        entry = CacheEntry(
+            response,
+            context,
+            len(context.items),
+            resolved.preamble,
+            request.store,
+            resolved.safety,
+            resolved.safety_chunks,
+        )
+        await self.emit(events)
+        return Outcome(response, entry)
+
+    async def _unstored(self, events: list[ServerEvent], err: ProtocolError) -> Outcome:
+        """The store write failed: the terminal event, not sent yet, becomes `response.failed`
+        at the same sequence number, so nothing claims a stored response. `Response.error.code`
+        is a closed set in the API reference: `server_error`, with the store's message; HTTP
+        without streaming answers `err` itself (503 `store_unavailable`)."""
+        stream = self.stream
+        failed = stream.response = structs.replace(
+            stream.response,
+            status="failed",
+            error=ResponseError(code="server_error", message=err.message),
+            incomplete_details=None,
+            completed_at=None,
+        )
+        terminal = events[-1]
+        assert isinstance(terminal, ResponseCompleted | ResponseIncomplete)
+        events[-1] = ResponseFailed(sequence_number=terminal.sequence_number, response=failed)
+        await self.emit(events)
+        return Outcome(failed, None, failure=err)

@@ -1,11 +1,11 @@
-"""One error hierarchy, rendered in one place (wire-protocol section 8).
+"""One error hierarchy, rendered in one place (docs/protocol.md#errors, docs/contract.md).
 
 Strategy (after h11's `ProtocolError`): code deep inside the service raises a
 `ProtocolError` that carries everything the wire needs (HTTP-like status, error
 type, code, param). Socket-level violations (binary frames) are closes decided
 by the adapter. The adapters never build error payloads themselves; they call
 `ws_error_event` or `http_error_body` (a failure after an SSE stream started
-ends it with `response.failed`, wire-protocol 8.2). Unexpected exceptions
+ends it with `response.failed`). Unexpected exceptions
 become `server_error` 500 with a generic message: details go only to the log,
 never to the peer (websockets, protocol.py: "Don't include exception details,
 which may be security-sensitive").

@@ -20,7 +20,7 @@ clock — never a hidden sleep.
 Profiles:
 
 * `local`: real CPU work only, every modeled wait zero.
-* `hosted`: calibrated (workloads.md section 5) so that per-turn overhead is
+* `hosted`: calibrated (docs/pipeline.md) so that per-turn overhead is
   ≈250 ms fixed + 10 µs per context token over HTTP, and ≈70 ms + 10 µs per *new*
   token over WebSocket with the connection cache, plus a 40 ms RTT and a 20 Mbps
   uplink. The split of the fixed part between stages is our own (OpenAI publishes

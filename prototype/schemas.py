@@ -1,8 +1,8 @@
 """Every wire type of the Responses API that longrun speaks, as msgspec Structs.
 
 One module, codecs built once (msgspec perf tip 1). Sources: openai-python's
-`types/responses/*.py` and ../shared/reference/wire-protocol.md sections 3-5, 8
-and 11.
+`types/responses/*.py`, the openai-openapi spec and the WebSocket-mode guide; what
+longrun does with them is in docs/protocol.md, docs/lanes.md and docs/contract.md.
 
 Input is tolerant, output is exact:
 
@@ -82,6 +82,7 @@ __all__ = [
     "decode_json",
     "decode_create_params",
     "decode_envelope",
+    "decode_stream_tag",
     "decode_item",
     "decode_stored",
     "decode_text",
@@ -103,7 +104,7 @@ def is_null(raw: Raw) -> bool:
 class CreateParams(msgspec.Struct, kw_only=True):
     """The body of `POST /v1/responses`, and the fields of a WS `response.create`."""
 
-    model: str | None = None  # required; checked after un-nesting (wire-protocol 3.1 nested form)
+    model: str | None = None  # required; checked after un-nesting (the nested `response` form, docs/protocol.md)
     input: str | list[Raw] = []
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -155,7 +156,7 @@ class _ClientEvent(msgspec.Struct, tag_field="type", kw_only=True):
 
 class ResponseCreate(_ClientEvent, CreateParams, tag="response.create"):
     # Some third-party clients nest the body (`{"type":"response.create","response":{…}}`,
-    # wire-protocol 3.1): accepted, never emitted.
+    # docs/protocol.md): accepted, never emitted.
     response: CreateParams | None = None
 
 
@@ -178,6 +179,13 @@ class _Envelope(msgspec.Struct):
 
     type: str | None = None
     previous_response_id: str | None = None
+    stream_id: object = None  # a create's lane, checked by the connection core
+
+
+class StreamTag(msgspec.Struct):
+    """The lane of a server frame in WebSocket mode (absent: the default lane)."""
+
+    stream_id: str | None = None
 
 
 class ContentPartView(msgspec.Struct):
@@ -537,3 +545,4 @@ decode_content: Final = guarded_decoder(msgspec.json.Decoder(str | list[ContentP
 decode_tool: Final = guarded_decoder(msgspec.json.Decoder(ToolView))
 decode_stored: Final = guarded_decoder(msgspec.json.Decoder(StoredResponse))
 decode_server_event: Final = guarded_decoder(msgspec.json.Decoder(ServerEvent))
+decode_stream_tag: Final = guarded_decoder(msgspec.json.Decoder(StreamTag))

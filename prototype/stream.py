@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 One `ResponseStream` turns the model's event grammar (prototype.model) into the
-Responses streaming event grammar (wire-protocol 4.1):
+Responses streaming event grammar (docs/protocol.md; the API reference's streaming events):
 
     response.created, response.in_progress,
     ( output_item.added, [content_part.added], delta*, *.done, [content_part.done],
@@ -24,17 +24,21 @@ Invariants:
   `in_progress`) and resume (`response.in_progress`); output indices and
   sequence numbers continue across segments.
 
-Every legal (state, input) pair is in `_TRANSITIONS`; anything else is a bug in
-the model or the caller, raises `StreamError`, and leaves the stream FAILED.
+Every legal (state, input) pair is a row of `_TRANSITIONS`: the action that makes its
+events and the next state. A `SamplingFinished` whose reason is `max_output_tokens` is
+its own input kind (`Truncated`), so the incomplete ending is a row too. Anything else
+is a bug in the model or the caller and raises `StreamError` without moving the stream;
+`abort` then ends it with `response.failed` through the table's `Fail` rows.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from msgspec import structs
+from msgspec import Raw, structs
 
 from .ids import IdFactory
 from .model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
@@ -45,6 +49,7 @@ from .schemas import (
     FunctionCallArgumentsDelta,
     FunctionCallArgumentsDone,
     IncompleteDetails,
+    InjectError,
     InputTokensDetails,
     OutputItem,
     OutputItemAdded,
@@ -62,12 +67,27 @@ from .schemas import (
     ResponseError,
     ResponseFailed,
     ResponseIncomplete,
+    ResponseInjectCreated,
+    ResponseInjectFailed,
     ResponseInProgress,
     ServerEvent,
     Usage,
 )
 
-__all__ = ["Fail", "Pause", "RS", "ResponseStream", "Resume", "SequenceCounter", "Start", "StreamError"]
+__all__ = [
+    "EndIncomplete",
+    "Fail",
+    "InjectAccepted",
+    "InjectRefused",
+    "Pause",
+    "RS",
+    "ResponseStream",
+    "Resume",
+    "SequenceCounter",
+    "Start",
+    "StreamError",
+    "Truncated",
+]
 
 
 class RS(enum.Enum):
@@ -105,30 +125,53 @@ class Fail:
     message: str
 
 
-StreamInput = Start | Pause | Resume | Fail | ModelEvent
+@dataclass(frozen=True, slots=True)
+class EndIncomplete:
+    """End a paused or between-items response `incomplete` (e.g. `append_timeout`, `content_filter`)."""
 
-INPUT_TYPES: Final = (Start, Pause, Resume, Fail, Prefilled, ItemStarted, TokensSampled, ItemFinished, SamplingFinished)
+    reason: str
 
-_TRANSITIONS: Final[dict[tuple[RS, type], RS]] = {
-    (RS.QUEUED, Start): RS.IN_PROGRESS,
-    (RS.IN_PROGRESS, Prefilled): RS.IN_PROGRESS,  # no wire event: counted in usage.cached_tokens
-    (RS.IN_PROGRESS, ItemStarted): RS.IN_ITEM,
-    (RS.IN_ITEM, TokensSampled): RS.IN_ITEM,
-    (RS.IN_ITEM, ItemFinished): RS.IN_PROGRESS,
-    (RS.IN_PROGRESS, SamplingFinished): RS.COMPLETED,  # or INCOMPLETE, by reason (see _finish)
-    (RS.IN_PROGRESS, Pause): RS.PAUSED,
-    (RS.PAUSED, Resume): RS.IN_PROGRESS,
-    (RS.QUEUED, Fail): RS.FAILED,
-    (RS.IN_PROGRESS, Fail): RS.FAILED,
-    (RS.IN_ITEM, Fail): RS.FAILED,
-    (RS.PAUSED, Fail): RS.FAILED,
-}
+
+@dataclass(frozen=True, slots=True)
+class InjectAccepted:
+    """Append mode: a `response.inject` committed while the response is paused."""
+
+
+@dataclass(frozen=True, slots=True)
+class InjectRefused:
+    """Append mode: a `response.inject` for the paused response, refused."""
+
+    input: list[Raw]
+    code: str
+    message: str
+
+
+class Truncated:
+    """The input kind of a `SamplingFinished` with reason `max_output_tokens` (never instantiated)."""
+
+
+StreamInput = Start | Pause | Resume | Fail | EndIncomplete | InjectAccepted | InjectRefused | ModelEvent
+
+INPUT_TYPES: Final = (
+    Start,
+    Pause,
+    Resume,
+    Fail,
+    EndIncomplete,
+    InjectAccepted,
+    InjectRefused,
+    Prefilled,
+    ItemStarted,
+    TokensSampled,
+    ItemFinished,
+    SamplingFinished,
+    Truncated,
+)
 
 
 class SequenceCounter:
-    """The `sequence_number` source of one response. Shared with the connection core in
-    append mode, so inject acknowledgements sent while a response is paused take their
-    place in the same numbering."""
+    """The `sequence_number` source of one response (its stream's alone: inject
+    acknowledgements are the stream's events too)."""
 
     __slots__ = ("value",)
 
@@ -169,36 +212,29 @@ class ResponseStream:
     # -- public ------------------------------------------------------------------------------------
 
     def receive(self, event: StreamInput) -> list[ServerEvent]:
-        if self.state is RS.IN_ITEM and type(event) is TokensSampled:  # hot path: (IN_ITEM, TokensSampled) -> IN_ITEM
+        if self.state is RS.IN_ITEM and type(event) is TokensSampled:  # hot path: the (IN_ITEM, TokensSampled) row
             return self._delta(event)
-        nxt = _TRANSITIONS.get((self.state, type(event)))
-        if nxt is None:
-            before = self.state
-            self.state = RS.FAILED
-            raise StreamError(f"can't handle {type(event).__name__} in state {before.name}")
-        match event:
-            case TokensSampled():  # hot path first
-                return self._delta(event)
-            case Start():
-                out = self._start(event)
-            case Prefilled():
-                self.cached_tokens += event.cached_tokens
-                out = []
-            case ItemStarted():
-                out = self._item_started(event)
-            case ItemFinished():
-                out = self._item_finished()
-            case SamplingFinished():
-                nxt = RS.INCOMPLETE if event.reason == "max_output_tokens" else RS.COMPLETED
-                out = self._finish(nxt, event)
-            case Pause():
-                out = self._pause()
-            case Resume():
-                out = self._resume(event)
-            case Fail():
-                out = self._fail(event)
+        kind: type = type(event)
+        if kind is SamplingFinished and event.reason == "max_output_tokens":  # type: ignore[union-attr]
+            kind = Truncated
+        move = _TRANSITIONS.get((self.state, kind))
+        if move is None:
+            raise StreamError(f"can't handle {kind.__name__} in state {self.state.name}")
+        action, nxt = move
+        out = action(self, event)
         self.state = nxt
         return out
+
+    def end_incomplete(self, reason: str) -> list[ServerEvent]:
+        """End a paused or idle-between-items response as incomplete (e.g. `append_timeout`)."""
+        return self.receive(EndIncomplete(reason))
+
+    def abort(self, code: str, message: str) -> list[ServerEvent]:
+        """`response.failed` from wherever the stream is, unless it already ended. Used after an
+        exception (including a `StreamError`, which left the stream where it was)."""
+        if self.state in TERMINAL:
+            return []
+        return self.receive(Fail(code, message))
 
     def usage(self) -> Usage:
         return Usage(
@@ -277,7 +313,7 @@ class ResponseStream:
             )
         ]
 
-    def _item_finished(self) -> list[ServerEvent]:
+    def _item_finished(self, event: ItemFinished) -> list[ServerEvent]:
         item = self._item
         assert item is not None
         text = "".join(self._parts)
@@ -305,16 +341,11 @@ class ResponseStream:
             OutputItemDone(sequence_number=self._next(), output_index=index, item=done_call),
         ]
 
-    def _finish(self, state: RS, event: SamplingFinished) -> list[ServerEvent]:
-        if state is RS.INCOMPLETE:
-            self.response = structs.replace(
-                self.response,
-                status="incomplete",
-                incomplete_details=IncompleteDetails(reason=event.reason),
-                output=list(self.output),
-                usage=self.usage(),
-            )
-            return [ResponseIncomplete(sequence_number=self._next(), response=self.response)]
+    def _prefilled(self, event: Prefilled) -> list[ServerEvent]:
+        self.cached_tokens += event.cached_tokens  # no wire event: counted in usage.cached_tokens
+        return []
+
+    def _complete(self, event: SamplingFinished) -> list[ServerEvent]:
         self.response = structs.replace(
             self.response,
             status="completed",
@@ -324,40 +355,41 @@ class ResponseStream:
         )
         return [ResponseCompleted(sequence_number=self._next(), response=self.response)]
 
-    def end_incomplete(self, reason: str) -> list[ServerEvent]:
-        """End a paused or idle-between-items response as incomplete (e.g. `append_timeout`)."""
-        if self.state not in (RS.PAUSED, RS.IN_PROGRESS):
-            raise StreamError(f"can't end incomplete in state {self.state.name}")
-        self.state = RS.INCOMPLETE
+    def _truncate(self, event: SamplingFinished) -> list[ServerEvent]:
+        return self._end_incomplete(EndIncomplete(event.reason))
+
+    def _end_incomplete(self, event: EndIncomplete) -> list[ServerEvent]:
         self.response = structs.replace(
             self.response,
             status="incomplete",
-            incomplete_details=IncompleteDetails(reason=reason),
+            incomplete_details=IncompleteDetails(reason=event.reason),
             output=list(self.output),
             usage=self.usage(),
         )
         return [ResponseIncomplete(sequence_number=self._next(), response=self.response)]
 
-    def abort(self, code: str, message: str) -> list[ServerEvent]:
-        """`response.failed` from wherever the stream is, unless a terminal event was already made.
-        Used after an exception (including a `StreamError`, which leaves the state FAILED
-        without having emitted anything)."""
-        if self.response.status != "in_progress":
-            return []
-        self.state = RS.FAILED
-        return self._fail(Fail(code, message))
-
-    def _pause(self) -> list[ServerEvent]:
+    def _pause(self, event: Pause) -> list[ServerEvent]:
         self.response = structs.replace(self.response, status="in_progress", output=list(self.output), usage=None)
         return [ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())]
 
     def _resume(self, event: Resume) -> list[ServerEvent]:
         self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
-        # As every in-progress snapshot (wire-protocol 5): `output: []`. The pause's `response.done`
+        # As every in-progress snapshot (docs/protocol.md): `output: []`. The pause's `response.done`
         # carried the items so far; repeating them here would grow each resume with the rollout.
         snapshot = structs.replace(self.response, output=[])
         return [ResponseInProgress(sequence_number=self._next(), response=snapshot)]
+
+    def _inject_accepted(self, event: InjectAccepted) -> list[ServerEvent]:
+        return [ResponseInjectCreated(sequence_number=self._next(), response_id=self.response.id)]
+
+    def _inject_refused(self, event: InjectRefused) -> list[ServerEvent]:
+        error = InjectError(code=event.code, message=event.message)
+        return [
+            ResponseInjectFailed(
+                sequence_number=self._next(), response_id=self.response.id, input=event.input, error=error
+            )
+        ]
 
     def _fail(self, event: Fail) -> list[ServerEvent]:
         self.response = structs.replace(
@@ -368,3 +400,29 @@ class ResponseStream:
             usage=self.usage(),
         )
         return [ResponseFailed(sequence_number=self._next(), response=self.response)]
+
+
+# -- the table: (state, input kind) -> (action, next state) -------------------------------------------
+
+Action = Callable[[ResponseStream, Any], list[ServerEvent]]
+R = ResponseStream
+_TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
+    (RS.QUEUED, Start): (R._start, RS.IN_PROGRESS),
+    (RS.IN_PROGRESS, Prefilled): (R._prefilled, RS.IN_PROGRESS),
+    (RS.IN_PROGRESS, ItemStarted): (R._item_started, RS.IN_ITEM),
+    (RS.IN_ITEM, TokensSampled): (R._delta, RS.IN_ITEM),
+    (RS.IN_ITEM, ItemFinished): (R._item_finished, RS.IN_PROGRESS),
+    (RS.IN_PROGRESS, SamplingFinished): (R._complete, RS.COMPLETED),
+    (RS.IN_PROGRESS, Truncated): (R._truncate, RS.INCOMPLETE),
+    (RS.IN_PROGRESS, Pause): (R._pause, RS.PAUSED),
+    (RS.PAUSED, Resume): (R._resume, RS.IN_PROGRESS),
+    (RS.PAUSED, InjectAccepted): (R._inject_accepted, RS.PAUSED),  # numbered in the paused stream
+    (RS.PAUSED, InjectRefused): (R._inject_refused, RS.PAUSED),
+    (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
+    (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
+    (RS.QUEUED, Fail): (R._fail, RS.FAILED),
+    (RS.IN_PROGRESS, Fail): (R._fail, RS.FAILED),
+    (RS.IN_ITEM, Fail): (R._fail, RS.FAILED),
+    (RS.PAUSED, Fail): (R._fail, RS.FAILED),
+}
+del R

@@ -187,7 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     result = run(config, virtual=args.virtual, free_cpu=args.free_cpu, progress=not args.quiet)
-    print(table(result.summary))
+    if config.lanes:  # the same seeds on a connection per rollout, as many in flight
+        print(f"WebSocket modes: {config.lanes} rollouts multiplexed on one connection (one lane each)")
+        print(table(result.summary))
+        apart = msgspec.structs.replace(config, lanes=0, concurrency=max(config.concurrency, config.lanes))
+        alone = run(apart, virtual=args.virtual, free_cpu=args.free_cpu, progress=not args.quiet)
+        print(f"against: {apart.concurrency} rollouts in flight, a connection each")
+        print(table(alone.summary))
+    else:
+        print(table(result.summary))
     if args.out:
         path = write_run(result, args.out)
         print(f"run folder: {path}", file=sys.stderr)

@@ -27,7 +27,7 @@ from aiohttp import web
 from msgspec import Meta, structs
 
 from prototype.app import ENGINE, ServerConfig, make_app, make_engine
-from prototype.client import MODES, Mode, ResponsesClient, open_client
+from prototype.client import MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from prototype.clock import Clock
 from prototype.conversation import ToolCache, parse_items
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
@@ -69,6 +69,14 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         str | None, Meta(description="replay a recorded trace (JSONL, see sim/replay.py) instead of a workload")
     ] = None
     concurrency: Annotated[int, Meta(ge=1, description="rollouts of a mode in flight at once")] = 1
+    lanes: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="WebSocket modes: this many rollouts share one connection, one lane (stream_id) each, "
+            "all in flight at once (0 = a connection per rollout)",
+        ),
+    ] = 0
     kv_capacity_tokens: Annotated[int, Meta(ge=0, description="prefix-cache (KV) capacity in tokens (0 = default)")] = 0
     decode_slots: Annotated[int, Meta(ge=0, description="turns decoding at once (0 = unlimited)")] = 0
     concurrency_slowdown: Annotated[
@@ -223,12 +231,25 @@ async def run_compare(
     kv_idle: dict[str, float] = {}
     total = len(config.modes) * len(specs)
     finished = 0
-    gate = asyncio.Semaphore(config.concurrency)
+    gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
+    shared: dict[tuple[Mode, int], list[WSClient]] = {}
 
-    async def one(mode: Mode, spec: RolloutSpec) -> RolloutResult:
+    def lane_client(mode: Mode, index: int) -> ResponsesClient:
+        """With `lanes`, rollout `index` of a WebSocket mode runs on lane index % lanes of the
+        connection its group of `lanes` rollouts shares."""
+        if not config.lanes or mode not in ("ws", "append"):
+            return client_for(mode)
+        group = shared.get((mode, index // config.lanes))
+        if group is None:
+            size = min(config.lanes, len(specs) - index)
+            group = shared[(mode, index // config.lanes)] = [client_for(mode) for _ in range(size)]  # type: ignore[misc]
+            share_socket(group)
+        return group[index % config.lanes]
+
+    async def one(mode: Mode, index: int, spec: RolloutSpec) -> RolloutResult:
         nonlocal finished
         async with gate:
-            client = client_for(mode)
+            client = lane_client(mode, index)
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
@@ -245,7 +266,8 @@ async def run_compare(
             model.prefix_cache = _prefix_cache(config, memoize)
             idle_before = engine.statistics().kv_idle_token_s
             # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
-            results.extend(await asyncio.gather(*(one(mode, spec) for spec in specs)))  # type: ignore[arg-type]
+            runs = (one(mode, index, spec) for index, spec in enumerate(specs))  # type: ignore[arg-type]
+            results.extend(await asyncio.gather(*runs))
             kv_idle[mode] = engine.statistics().kv_idle_token_s - idle_before
         if progress:
             print(file=sys.stderr)

@@ -1,7 +1,7 @@
 """The server's logic without sockets: in-process transports for virtual-time runs.
 
 Covers: running the same engine, connection core and WebSocket adapter
-(`prototype.app.WebSocketSession`) as the live server, with the client's frames
+(`prototype.session.WebSocketSession`) as the live server, with the client's frames
 and the server's events handed over in memory. Bytes are still encoded and
 decoded at both ends (that JSON work is part of what the modes cost), and the
 cost profile's `network` stage still charges the modeled round trip and upload,
@@ -17,16 +17,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Generic, Literal, TypeVar
 
 import aiohttp
-import msgspec
 from aiohttp import WSMsgType
 
-from prototype.app import ServerConfig, WebSocketSession
 from prototype.client import ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from prototype.clock import Clock
-from prototype.conversation import ToolCache, normalize_create
-from prototype.engine import Arrival, Engine
-from prototype.errors import ProtocolError, from_validation_error
-from prototype.schemas import ServerEvent, decode_create_params, decode_server_event, encode
+from prototype.conversation import ToolCache
+from prototype.engine import Engine
+from prototype.errors import ProtocolError
+from prototype.schemas import ServerEvent, decode_server_event, encode
+from prototype.session import ServerConfig, WebSocketSession, http_create
 
 __all__ = ["InProcessServer", "Tap"]
 
@@ -65,7 +64,7 @@ class _Channel(Generic[T]):
 
 
 class _ServerSocket:
-    """The server's end of an in-process WebSocket: what `WebSocketSession` uses of aiohttp's."""
+    """The server's end of an in-process WebSocket: a `prototype.session.SessionSocket`."""
 
     def __init__(self, inbox: _Channel[str | None], outbox: _Channel[aiohttp.WSMessage], tap: Tap | None) -> None:
         self.inbox = inbox
@@ -73,7 +72,7 @@ class _ServerSocket:
         self.closed = False
         self.tap = tap
 
-    async def send_frame(self, data: bytes, opcode: WSMsgType) -> None:
+    async def send_text(self, data: bytes) -> None:
         frame = bytes(data)  # the writer may hand over a view of its buffer
         if self.tap is not None:
             self.tap("down", frame)
@@ -89,12 +88,12 @@ class _ServerSocket:
     def __aiter__(self) -> _ServerSocket:
         return self
 
-    async def __anext__(self) -> aiohttp.WSMessage:
+    async def __anext__(self) -> str:
         data = await self.inbox.get()
         if data is None:
             self.closed = True
             raise StopAsyncIteration
-        return aiohttp.WSMessage(WSMsgType.TEXT, data, None)
+        return data
 
 
 class _ClientSocket:
@@ -129,14 +128,8 @@ class _InProcessHTTP(HTTPClient):
         engine, tap = self.server.engine, self.server.tap
         if tap is not None:
             tap("up", data)
-        arrival = Arrival(engine.clock.now(), len(data), "http")
-        try:
-            params = decode_create_params(data)
-            create = normalize_create(
-                params, websocket=False, tool_cache=self.server.tool_cache, parse=engine.item_parser
-            )
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise ClientError(400, from_validation_error(exc).body()) from None
+        try:  # the live server's own parse of a body (prototype.session)
+            _, create, arrival = http_create(data, engine, self.server.config, tool_cache=self.server.tool_cache)
         except ProtocolError as err:
             raise ClientError(err.status, err.body()) from None
         queue: _Channel[ServerEvent | None] = _Channel()
@@ -175,7 +168,7 @@ class _InProcessWS(WSClient):
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
         client_end = _ClientSocket(to_client, to_server, self.server.tap)
-        session = WebSocketSession(self.server.engine, self.server.config, server_end, append_mode=self.append_mode)  # type: ignore[arg-type]
+        session = WebSocketSession(self.server.engine, self.server.config, server_end, append_mode=self.append_mode)
         client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
         return client_end
 

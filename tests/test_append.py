@@ -1,4 +1,4 @@
-"""Append mode over real loopback sockets: one rollout = one Response (wire-protocol 11)."""
+"""Append mode over real loopback sockets: one rollout = one Response (docs/protocol.md#append-mode)."""
 
 from __future__ import annotations
 
@@ -333,3 +333,27 @@ async def test_all_four_modes_feed_the_model_the_same_tokens() -> None:
         for k in range(8):
             assert np.array_equal(rec.prompts[k], reference.prompts[k]), (mode, k)
             assert rec.tokens[k] == reference.tokens[k], (mode, k)
+
+
+async def test_lanes_in_append_mode_pause_independently_and_acks_carry_the_lane() -> None:
+    async with live_server(tool_calls=2) as live:
+        async with aiohttp.ClientSession() as session, await connect(live, session) as ws:
+            for lane in ("a", "b"):
+                await send(ws, type="response.create", model="sim", input=lane, tools=[EXEC_TOOL], stream_id=lane)
+            done: dict[str, dict[str, Any]] = {}
+            while len(done) < 2:  # both lanes pause: a paused response holds only its own lane
+                ev = json.loads((await asyncio.wait_for(ws.receive(), 30)).data)
+                assert ev["stream_id"] in ("a", "b")
+                if ev["type"] == "response.done":
+                    done[ev["stream_id"]] = ev
+            rid = done["a"]["response"]["id"]
+            await send(ws, type="response.inject", response_id=rid, input=outputs_for(done["a"]))
+            ack = json.loads((await asyncio.wait_for(ws.receive(), 30)).data)
+            assert ack == {
+                "stream_id": "a",
+                "type": "response.inject.created",
+                "response_id": rid,
+                "sequence_number": done["a"]["sequence_number"] + 1,
+            }
+            resumed = json.loads((await asyncio.wait_for(ws.receive(), 30)).data)
+            assert (resumed["type"], resumed["stream_id"]) == ("response.in_progress", "a")

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from prototype import conversation
+from prototype.cache import CacheEntry
 from prototype.connection import (
-    _TRANSITIONS,
     CS,
     INPUT_TYPES,
     AbortPause,
+    AckInject,
     AllAnswered,
     AppendReceived,
     ArmPauseTimer,
@@ -26,6 +27,7 @@ from prototype.connection import (
     Dequeue,
     Disconnected,
     Job,
+    Lane,
     LimitReached,
     PauseTimedOut,
     ResponseEnded,
@@ -36,9 +38,8 @@ from prototype.connection import (
     limit_message,
 )
 from prototype.conversation import Context, Preamble, normalize_create
-from prototype.engine import CacheEntry
 from prototype.errors import ProtocolError
-from prototype.schemas import CreateParams, RequiredInput, Response, ResponseAppend
+from prototype.schemas import CreateParams, RequiredInput, Response, decode_client_event
 
 
 def create(**fields: object) -> str:
@@ -297,70 +298,167 @@ def test_response_ended_for_a_stale_job_is_a_bug() -> None:
         c.response_ended(stale, None)
 
 
-# -- every (state, input) pair ---------------------------------------------------------------------
+# -- every (state, input) pair, against a table written here -------------------------------------
+#
+# One row per legal move of a lane, in plain words: (state, input, what the connection puts out,
+# next state). Every other (state, input) pair must raise ConnectionStateError and leave the lane
+# where it was. The rows are run on the default lane and on a named lane.
 
-
+OPEN = ("idle", "active", "paused", "draining", "expired")
+LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
+    ("idle", "create", ("start",), "active"),  # a free lane starts its create at once
+    ("active", "create", (), "active"),  # queued behind the one in flight
+    ("paused", "create", ("error: response_paused",), "paused"),  # refused, never queued
+    ("draining", "create", ("error: websocket_connection_limit_reached",), "draining"),
+    ("expired", "create", ("error: websocket_connection_limit_reached",), "expired"),
+    ("idle", "dequeue", ("start",), "active"),  # the next queued create starts
+    ("active", "paused", ("arm pause timer",), "paused"),
+    ("draining", "paused", ("abort: connection_limit",), "draining"),  # no pause after the limit
+    ("paused", "all answered", ("resume",), "active"),
+    ("paused", "pause timed out", ("abort: append_timeout",), "active"),
+    ("paused", "limit", ("abort: connection_limit",), "draining"),
+    ("active", "ended", (), "idle"),
+    # Nothing left in flight on the connection: the limit is reported once (a connection-level
+    # error: no stream_id), then the socket closes.
+    ("draining", "ended", ("notice: websocket_connection_limit_reached", "close 1001"), "expired"),
+    ("idle", "limit", ("notice: websocket_connection_limit_reached", "close 1001"), "expired"),
+    ("active", "limit", (), "draining"),  # the response in flight may finish
+    ("draining", "limit", (), "draining"),
+    ("expired", "limit", (), "expired"),
+    *[(state, "append", ("error",), state) for state in OPEN],  # an append for nothing paused: an error
+    *[(state, "bad frame", ("error: invalid_json",), state) for state in OPEN],
+    ("idle", "disconnect", (), "closed"),
+    ("active", "disconnect", ("cancel",), "closed"),
+    ("paused", "disconnect", ("cancel",), "closed"),
+    ("draining", "disconnect", ("cancel",), "closed"),
+    ("expired", "disconnect", (), "closed"),
+    ("closed", "disconnect", (), "closed"),
+]
+STATES = {
+    "idle": CS.IDLE,
+    "active": CS.ACTIVE,
+    "paused": CS.PAUSED,
+    "draining": CS.DRAINING,
+    "expired": CS.EXPIRED,
+    "closed": CS.CLOSED,
+}
+INPUTS = {
+    "create": CreateReceived,
+    "append": AppendReceived,
+    "bad frame": BadFrame,
+    "dequeue": Dequeue,
+    "paused": ResponsePaused,
+    "all answered": AllAnswered,
+    "pause timed out": PauseTimedOut,
+    "ended": ResponseEnded,
+    "limit": LimitReached,
+    "disconnect": Disconnected,
+}
 REQUIRED = (RequiredInput(call_id="call_1", name="exec_command"),)
 
 
-def _conn_in(state: CS) -> Connection:
+def test_the_expected_table_names_every_state_and_input() -> None:
+    assert set(STATES.values()) == set(CS) and set(INPUTS.values()) == set(INPUT_TYPES)
+    assert len({(row[0], row[1]) for row in LEGAL}) == len(LEGAL)
+
+
+def lane_in(state: CS, stream_id: str | None) -> tuple[Connection, Lane]:
     c = Connection(lifetime_s=1, append_mode=True)
+    lanes = {} if stream_id is None else {"stream_id": stream_id}
+    if stream_id is not None:  # open the lane with one finished response
+        c.receive_text(create(**lanes))
+        (job,) = started(c.outputs_to_send())
+        c.response_ended(job, entry(job.response_id))
     if state in (CS.ACTIVE, CS.DRAINING, CS.PAUSED):
-        c.receive_text(create())
+        c.receive_text(create(**lanes))
+    lane = c.lanes[stream_id]
     if state is CS.PAUSED:
-        assert c.in_flight is not None
-        c.response_paused(c.in_flight, REQUIRED)
-    if state is CS.DRAINING:
-        c.limit_reached()
-    if state is CS.EXPIRED:
+        assert lane.in_flight is not None
+        c.response_paused(lane.in_flight, REQUIRED)
+    if state in (CS.DRAINING, CS.EXPIRED):
         c.limit_reached()
     if state is CS.CLOSED:
         c.disconnected()
     c.outputs_to_send()
-    assert c.state is state
-    return c
+    assert lane.state is state
+    return c, lane
 
 
-def event_request() -> object:
-    return normalize_create(CreateParams(model="m", input="x"), websocket=True)
-
-
-def _input(c: Connection, t: type) -> object:
-    request = event_request()
-    job = c.in_flight or Job(0, request, None)
+def lane_input(c: Connection, lane: Lane, name: str) -> object:
+    request = normalize_create(CreateParams(model="m", input="x", stream_id=lane.stream_id), websocket=True)
+    job = lane.in_flight or Job(0, request, None)
+    if name == "dequeue":
+        lane.queue.append((0, CreateReceived(request)))
     return {
-        CreateReceived: CreateReceived(request),
-        AppendReceived: AppendReceived(ResponseAppend(input=[])),
-        BadFrame: BadFrame(ProtocolError("bad", code="invalid_json")),
-        Dequeue: Dequeue(),
-        ResponseEnded: ResponseEnded(job, entry("resp_x")),
-        ResponsePaused: ResponsePaused(job, REQUIRED),
-        AllAnswered: AllAnswered(),
-        PauseTimedOut: PauseTimedOut(job),
-        LimitReached: LimitReached(),
-        Disconnected: Disconnected(),
-    }[t]
+        "create": CreateReceived(request),
+        "append": AppendReceived(decode_client_event(append(input=[fco("call_zz")]).encode())),  # type: ignore[arg-type]
+        "bad frame": BadFrame(ProtocolError("bad", code="invalid_json"), stream_id=lane.stream_id),
+        "dequeue": Dequeue(),
+        "ended": ResponseEnded(job, entry("resp_x")),
+        "paused": ResponsePaused(job, REQUIRED),
+        "all answered": AllAnswered(),
+        "pause timed out": PauseTimedOut(job),
+        "limit": LimitReached(),
+        "disconnect": Disconnected(),
+    }[name]
 
 
-@pytest.mark.parametrize(("state", "input_type"), list(itertools.product(CS, INPUT_TYPES)))
-def test_every_state_input_pair(state: CS, input_type: type) -> None:
-    c = _conn_in(state)
-    move = _TRANSITIONS.get((state, input_type))
-    event = _input(c, input_type)
-    if input_type is Dequeue and state is CS.IDLE:
-        with pytest.raises(ConnectionStateError, match=r"^nothing is queued$"):
-            c.handle(event)  # type: ignore[arg-type]
-        c.queue.append(CreateReceived(event_request()))  # type: ignore[arg-type]
-    if move is None:
-        with pytest.raises(ConnectionStateError, match=rf"^can't handle {input_type.__name__} in state {state.name}$"):
-            c.handle(event)  # type: ignore[arg-type]
-        assert c.state is state
+def described(out: object) -> str:
+    if isinstance(out, StartJob):
+        return "start"
+    if isinstance(out, ArmPauseTimer):
+        return "arm pause timer"
+    if isinstance(out, ResumeJob):
+        return "resume"
+    if isinstance(out, AbortPause):
+        return f"abort: {out.reason}"
+    if isinstance(out, CancelJob):
+        return "cancel"
+    if isinstance(out, CloseSocket):
+        return f"close {out.code}"
+    assert isinstance(out, SendFrame)
+    return "error"
+
+
+def expected_words(words: tuple[str, ...]) -> list[str]:
+    return [w.split(":")[0].replace("notice", "error") for w in words]
+
+
+@pytest.mark.parametrize("stream_id", [None, "lane-1"], ids=["default lane", "named lane"])
+@pytest.mark.parametrize(
+    ("state", "input_name"), list(itertools.product(STATES, INPUTS)), ids=lambda v: str(v).replace(" ", "_")
+)
+def test_every_state_input_pair(state: str, input_name: str, stream_id: str | None) -> None:
+    c, lane = lane_in(STATES[state], stream_id)
+    event = lane_input(c, lane, input_name)
+    row = next((r for r in LEGAL if r[0] == state and r[1] == input_name), None)
+
+    def feed() -> None:
+        if input_name == "limit":  # connection-wide inputs reach every lane
+            c.limit_reached()
+        elif input_name == "disconnect":
+            c.disconnected()
+        else:
+            c.handle(lane, event)  # type: ignore[arg-type]
+
+    if row is None:
+        with pytest.raises(
+            ConnectionStateError, match=rf"^can't handle {type(event).__name__} in state {state.upper()}$"
+        ):
+            feed()
+        assert lane.state is STATES[state] and c.outputs_to_send() == []
         return
-    c.handle(event)  # type: ignore[arg-type]
-    expected = move[1]
-    if expected is CS.IDLE and input_type is CreateReceived:
-        expected = CS.ACTIVE  # the queued create starts at once
-    assert c.state is expected
+    _, _, outputs, nxt = row
+    feed()
+    out = c.outputs_to_send()
+    assert [described(o).split(":")[0] for o in out] == expected_words(outputs)
+    for o, words in zip(out, outputs, strict=True):
+        if isinstance(o, SendFrame) and ":" in words:
+            frame = json.loads(o.data)
+            assert frame["error"]["code"] == words.split(": ")[1]
+            lane_error = words.startswith("error")  # a lane's own errors carry its id; a notice has none
+            assert frame.get("stream_id") == (stream_id if lane_error else None)
+    assert lane.state is STATES[nxt]
 
 
 # -- append mode -----------------------------------------------------------------------------------
@@ -446,27 +544,19 @@ def test_append_errors_outside_a_pause() -> None:
         }
 
 
-def test_inject_is_acknowledged_in_the_paused_sequence() -> None:
+def test_inject_is_acknowledged_by_the_paused_response_stream() -> None:
     c, job = paused()
-    job.counter.value = 8  # the response emitted 0..7 before pausing
     bad = {"type": "response.inject", "response_id": job.response_id, "input": [fco("call_9", "{}")]}
     c.receive_text(json.dumps(bad))
-    assert errors(c.outputs_to_send()) == [
-        {
-            "type": "response.inject.failed",
-            "sequence_number": 8,
-            "response_id": job.response_id,
-            "input": [fco("call_9", "{}")],
-            "error": {
-                "code": "unknown_call_id",
-                "message": f"No pending function call with call_id 'call_9' in response '{job.response_id}'.",
-            },
-        }
-    ]
-    c.receive_text(json.dumps({**bad, "input": [fco("call_1")]}))
-    out = c.outputs_to_send()
-    assert errors(out) == [{"type": "response.inject.created", "sequence_number": 9, "response_id": job.response_id}]
-    assert isinstance(out[-1], ResumeJob) and job.counter.value == 10
+    (refused,) = c.outputs_to_send()
+    assert isinstance(refused, AckInject) and refused.job is job and refused.refused is not None
+    assert refused.refused.code == "unknown_call_id"
+    assert refused.refused.message == f"No pending function call with call_id 'call_9' in response '{job.response_id}'."
+    assert [json.loads(bytes(r)) for r in refused.refused.input] == [fco("call_9", "{}")]
+    c.receive_text(json.dumps({**bad, "input": [fco("call_1")]}), at=7.5)
+    ack, resume = c.outputs_to_send()
+    assert ack == AckInject(job) and isinstance(resume, ResumeJob)
+    assert (resume.at, resume.body_bytes) == (7.5, len(json.dumps({**bad, "input": [fco("call_1")]})))
 
 
 def test_inject_for_an_unknown_response_fails_with_its_input_echoed() -> None:
@@ -525,3 +615,258 @@ def test_pause_or_timeout_for_a_stale_job_is_a_bug() -> None:
     with pytest.raises(ConnectionStateError, match=r"^job 99 is not the one in flight$"):
         c.pause_timed_out(stale)
     assert c.state is CS.PAUSED
+
+
+# -- lanes (`stream_id`) ---------------------------------------------------------------------------
+
+
+def frames(outputs: list[object]) -> list[dict[str, object]]:
+    return errors(outputs)
+
+
+def test_lanes_run_concurrently_and_each_lane_in_order() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="a"))
+    c.receive_text(create(stream_id="b"))
+    c.receive_text(create(stream_id="a", input="second on a"))
+    a1, b1 = started(c.outputs_to_send())
+    assert (a1.stream_id, b1.stream_id) == ("a", "b") and c.lanes["a"].state is CS.ACTIVE
+    assert len(c.lanes["a"].queue) == 1 and c.state is CS.IDLE  # the default lane is untouched
+    c.response_ended(b1, entry(b1.response_id))
+    assert c.outputs_to_send() == []  # nothing waits on b
+    c.response_ended(a1, entry(a1.response_id))
+    (a2,) = started(c.outputs_to_send())
+    assert a2.stream_id == "a" and json.loads(a2.request.items[0].raw)["content"] == "second on a"
+
+
+def test_null_stream_id_is_the_default_lane() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id=None))
+    (job,) = started(c.outputs_to_send())
+    assert job.stream_id is None and c.in_flight is job and c.named_lanes == 0
+
+
+def test_at_most_16_in_flight_and_waiting_lanes_start_in_arrival_order() -> None:
+    c = Connection()
+    for n in range(18):
+        c.receive_text(create(stream_id=f"lane-{n}"))
+    jobs = started(c.outputs_to_send())
+    assert [j.stream_id for j in jobs] == [f"lane-{n}" for n in range(16)] and c.n_in_flight == 16
+    c.response_ended(jobs[5], entry(jobs[5].response_id))
+    (nxt,) = started(c.outputs_to_send())
+    assert nxt.stream_id == "lane-16"  # the earliest waiting, not the lane that freed the slot
+    c.response_ended(jobs[0], entry(jobs[0].response_id))
+    assert [j.stream_id for j in started(c.outputs_to_send())] == ["lane-17"]
+
+
+def test_the_33rd_named_lane_is_refused_and_the_others_keep_running() -> None:
+    c = Connection()
+    for n in range(32):
+        c.receive_text(create(stream_id=f"l{n}"))
+    jobs = started(c.outputs_to_send())
+    assert len(jobs) == 16
+    c.receive_text(create(stream_id="one-too-many", previous_response_id="resp_x"))
+    assert frames(c.outputs_to_send()) == [
+        {
+            "stream_id": "one-too-many",
+            "type": "error",
+            "status": 400,
+            "error": {
+                "type": "invalid_request_error",
+                "code": "websocket_stream_limit_reached",
+                "message": "This WebSocket connection has reached its stream limit.",
+                "param": "stream_id",
+            },
+        }
+    ]
+    assert "one-too-many" not in c.lanes and c.n_in_flight == 16
+    c.receive_text(create())  # the default lane does not count
+    c.receive_text(create(stream_id="l3"))  # nor does reusing a lane
+    assert c.outputs_to_send() == [] and len(c.lanes["l3"].queue) == 1 and len(c.queue) == 1
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "ü", "x" * 257, 5, ["a"], {"a": 1}])
+def test_a_malformed_stream_id_is_refused_without_a_lane(bad: object) -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="ok"))
+    (job,) = started(c.outputs_to_send())
+    c.receive_text(create(stream_id=bad))
+    (err,) = frames(c.outputs_to_send())
+    assert "stream_id" not in err and err["status"] == 400
+    assert err["error"] == {  # type: ignore[comparison-overlap]
+        "type": "invalid_request_error",
+        "code": "invalid_stream_id",
+        "message": "The 'stream_id' field must be a non-empty string with at most 256 characters and may only "
+        "contain letters, numbers, underscores, hyphens, and periods.",
+        "param": "stream_id",
+    }
+    assert c.lanes["ok"].in_flight is job and set(c.lanes) == {None, "ok"}
+
+
+def test_the_longest_valid_stream_id_opens_a_lane() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="A-z_0." + "x" * 250))
+    assert len(started(c.outputs_to_send())) == 1
+
+
+def test_request_errors_on_a_lane_carry_its_stream_id_and_connection_errors_none() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="a", temperature="hot"))  # validation fails: request-scoped
+    (err,) = frames(c.outputs_to_send())
+    assert err["stream_id"] == "a"
+    c.receive_text("{not json")  # connection-level
+    (err,) = frames(c.outputs_to_send())
+    assert "stream_id" not in err
+    c.receive_text(create(stream_id="a", previous_response_id="resp_gone"))
+    (job,) = started(c.outputs_to_send())
+    not_found = ProtocolError("Previous response not found.", code="previous_response_not_found")
+    c.response_ended(job, None, not_found)
+    (err,) = frames(c.outputs_to_send())
+    assert err["stream_id"] == "a" and err["error"]["code"] == "previous_response_not_found"  # type: ignore[index]
+
+
+def test_a_new_lane_forks_any_cached_response_and_the_second_taker_copies() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="a"))
+    (a1,) = started(c.outputs_to_send())
+    parent = entry(a1.response_id)
+    c.response_ended(a1, parent)
+    c.receive_text(create(stream_id="b", previous_response_id=a1.response_id))
+    c.receive_text(create(stream_id="a", previous_response_id=a1.response_id))
+    fork, cont = started(c.outputs_to_send())
+    assert fork.cached is parent and cont.cached is parent and c.cache_hits == 2
+    assert fork.exclusive and not cont.exclusive  # one extends the context in place, the other copies
+
+
+def test_each_lane_keeps_its_own_latest_response() -> None:
+    c = Connection()
+    ids = {}
+    for lane in ("a", "b", "a"):
+        c.receive_text(create(stream_id=lane))
+        (job,) = started(c.outputs_to_send())
+        c.response_ended(job, entry(job.response_id))
+        ids.setdefault(lane, []).append(job.response_id)
+    assert c.lanes["a"].cache is not None and c.lanes["a"].cache.response_id == ids["a"][1]
+    assert c.lanes["b"].cache is not None and c.lanes["b"].cache.response_id == ids["b"][0]
+
+
+def lane_with_parent(c: Connection, lane: str) -> str:
+    c.receive_text(create(stream_id=lane))
+    (job,) = started(c.outputs_to_send())
+    c.response_ended(job, entry(job.response_id))
+    return job.response_id
+
+
+def test_a_failed_continuation_on_its_lane_evicts_the_parent() -> None:
+    c = Connection()
+    parent = lane_with_parent(c, "a")
+    c.receive_text(create(stream_id="a", previous_response_id=parent))
+    (job,) = started(c.outputs_to_send())
+    c.response_ended(job, None, ProtocolError("bad", code="server_error", status=500))
+    assert c.lanes["a"].cache is None
+
+
+def test_a_failed_fork_onto_another_lane_keeps_the_parent() -> None:
+    c = Connection()
+    parent = lane_with_parent(c, "a")
+    c.receive_text(create(stream_id="b", previous_response_id=parent))
+    (job,) = started(c.outputs_to_send())
+    c.response_ended(job, None, ProtocolError("bad", code="server_error", status=500))
+    c.receive_text(create(stream_id="c", previous_response_id=parent, temperature="hot"))  # invalid fork
+    c.receive_text(create(stream_id="b", previous_response_id=parent, temperature="hot"))
+    assert [f["stream_id"] for f in frames(c.outputs_to_send())] == ["b", "c", "b"]
+    cached = c.lanes["a"].cache
+    assert cached is not None and cached.response_id == parent
+
+
+def test_cache_bytes_are_bounded_across_lanes_least_recently_used_first() -> None:
+    def sized(response_id: str) -> CacheEntry:
+        ctx = Context()
+        items = normalize_create(CreateParams(model="m", input="x" * 100), websocket=True).items
+        ctx.extend(items, [np.zeros(10, np.uint32)])
+        return CacheEntry(
+            Response(id=response_id, created_at=0, status="completed", model="sim"),
+            ctx,
+            1,
+            Preamble(b"", np.zeros(0, dtype=np.uint32)),
+            store=False,
+        )
+
+    one = sized("resp_probe").nbytes
+    c = Connection(max_cache_bytes=2 * one)
+    for lane in ("a", "b", "c"):
+        c.receive_text(create(stream_id=lane))
+        (job,) = started(c.outputs_to_send())
+        c.response_ended(job, sized(job.response_id))
+    assert [lane for lane in ("a", "b", "c") if c.lanes[lane].cache is not None] == ["b", "c"]
+
+
+def test_a_paused_response_holds_only_its_own_lane() -> None:
+    c = Connection(append_mode=True)
+    c.receive_text(create(stream_id="a"))
+    (a1,) = started(c.outputs_to_send())
+    c.response_paused(a1, REQUIRED)
+    assert c.outputs_to_send() == [ArmPauseTimer(a1)]
+    c.receive_text(create(stream_id="b"))
+    assert [j.stream_id for j in started(c.outputs_to_send())] == ["b"]
+    c.receive_text(create(stream_id="a"))
+    (err,) = frames(c.outputs_to_send())
+    assert err["stream_id"] == "a" and err["error"]["code"] == "response_paused"  # type: ignore[index]
+    c.receive_text(append(response_id=a1.response_id, input=[fco("call_1")]))
+    (resume,) = c.outputs_to_send()
+    assert isinstance(resume, ResumeJob) and resume.job is a1 and c.lanes["a"].state is CS.ACTIVE
+
+
+def test_inject_acknowledgements_go_to_the_lane_response() -> None:
+    c = Connection(append_mode=True)
+    c.receive_text(create(stream_id="a"))
+    (a1,) = started(c.outputs_to_send())
+    c.response_paused(a1, REQUIRED)
+    c.outputs_to_send()
+    inject = {"type": "response.inject", "response_id": a1.response_id, "input": [fco("call_1")]}
+    c.receive_text(json.dumps(inject))
+    ack, _ = c.outputs_to_send()
+    assert ack == AckInject(a1) and a1.stream_id == "a"  # sent through lane a's stream
+
+
+def test_limit_closes_once_every_lane_is_done() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="a"))
+    c.receive_text(create(stream_id="b"))
+    c.receive_text(create(stream_id="b", input="queued"))
+    a1, b1 = started(c.outputs_to_send())
+    c.limit_reached()
+    assert c.outputs_to_send() == []
+    c.response_ended(a1, entry(a1.response_id))
+    assert c.outputs_to_send() == []  # b is still in flight
+    c.response_ended(b1, entry(b1.response_id))
+    out = c.outputs_to_send()
+    assert [(f.get("stream_id"), f["error"]["code"]) for f in frames(out)] == [  # type: ignore[index]
+        ("b", "websocket_connection_limit_reached")  # the create queued on b, refused
+    ]
+    assert isinstance(out[-1], CloseSocket)
+    c.receive_text(create(stream_id="new"))  # a lane opened after the limit refuses at once
+    (err,) = frames(c.outputs_to_send())
+    assert err["stream_id"] == "new" and err["error"]["code"] == "websocket_connection_limit_reached"  # type: ignore[index]
+
+
+def test_disconnect_cancels_every_lane() -> None:
+    c = Connection()
+    c.receive_text(create(stream_id="a"))
+    c.receive_text(create(stream_id="b"))
+    a1, b1 = started(c.outputs_to_send())
+    c.disconnected()
+    assert c.outputs_to_send() == [CancelJob(a1), CancelJob(b1)]
+    assert all(lane.state is CS.CLOSED and lane.cache is None for lane in c.lanes.values())
+
+
+def test_a_lane_waiting_for_a_slot_is_busy_for_the_queue_limit() -> None:
+    c = Connection(max_in_flight=1, max_queued=1)
+    c.receive_text(create(stream_id="a"))
+    started(c.outputs_to_send())
+    c.receive_text(create(stream_id="b"))  # waits for the slot: b's next create
+    c.receive_text(create(stream_id="b"))  # one behind it: allowed
+    assert c.outputs_to_send() == [] and len(c.lanes["b"].queue) == 2
+    c.receive_text(create(stream_id="b"))  # a second one behind it: over the limit
+    (err,) = frames(c.outputs_to_send())
+    assert err["stream_id"] == "b" and err["error"]["code"] == "queued_requests_limit_reached"  # type: ignore[index]

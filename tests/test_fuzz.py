@@ -299,7 +299,7 @@ def check_error(error: dict[str, Any], sent: str | bytes) -> None:
 
 def check_ws_error(frame: bytes, sent: str | bytes) -> dict[str, Any]:
     event: dict[str, Any] = json.loads(frame)
-    if event["type"] == "response.inject.failed":  # inject's own refusal shape (wire-protocol 11)
+    if event["type"] == "response.inject.failed":  # inject's own refusal shape (docs/protocol.md#append-mode)
         assert set(event["error"]) == {"code", "message"}
         check_error({"type": "", "param": None, **event["error"]}, sent)
         return event

@@ -7,18 +7,41 @@
   a live or in-process server; `tools.py`: tool subprocesses) import no asyncio,
   aiohttp or uvloop.
 * uvloop is chosen only in entry points.
+* The same, transitively: a fresh interpreter imports each pure module and must not
+  have loaded asyncio, aiohttp, uvloop, redis or sqlite3 (and numpy where the module
+  has no token arrays) by the end.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IO_MODULES = {"asyncio", "aiohttp", "uvloop"}
-PURE_CORE = {"schemas", "connection", "stream", "sse", "conversation", "model", "errors", "ids", "clock", "tokenizer"}
+PURE_CORE = {
+    "schemas",
+    "connection",
+    "cache",
+    "stream",
+    "sse",
+    "conversation",
+    "model",
+    "errors",
+    "ids",
+    "clock",
+    "tokenizer",
+}
+# Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
+# token arrays are numpy arrays).
+BANNED_TRANSITIVELY = {"asyncio", "aiohttp", "uvloop", "redis", "sqlite3"}
+NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock"}
 ENTRY_POINTS = {
     ROOT / "prototype" / "server.py",
     ROOT / "sim" / "__main__.py",
@@ -61,6 +84,7 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
 
 # experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client;
 # contract: the benchmark's rollout client (sim.bench contract)
+# lanes: the benchmark's lanes-against-sockets load
 SIM_ASYNC_ADAPTERS = {
     "realtime.py",
     "virtual.py",
@@ -69,6 +93,7 @@ SIM_ASYNC_ADAPTERS = {
     "tools.py",
     "wsclient.py",
     "contract.py",
+    "lanes.py",
 }
 
 
@@ -87,3 +112,63 @@ def test_uvloop_only_in_entry_points(path: Path) -> None:
 def test_the_checker_sees_imports() -> None:
     server = imports(ROOT / "prototype" / "server.py")
     assert {"sim", "uvloop", "prototype", "aiohttp"} <= server
+
+
+def loaded_by(module: str) -> set[str]:
+    """Top-level packages in `sys.modules` after a fresh interpreter imports `module`."""
+    code = (
+        "import json, sys\n"
+        f"before = set(sys.modules)\nimport {module}\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(json.loads(done.stdout))
+
+
+@pytest.mark.parametrize("name", sorted(PURE_CORE))
+def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
+    loaded = loaded_by(f"prototype.{name}")
+    banned = BANNED_TRANSITIVELY | ({"numpy"} if name in NO_NUMPY else set())
+    assert not loaded & banned, f"importing prototype.{name} loads {sorted(loaded & banned)}"
+
+
+def test_the_transitive_checker_sees_imports() -> None:
+    assert {"asyncio", "aiohttp"} <= loaded_by("prototype.app")
+
+
+def test_the_session_core_loads_no_aiohttp() -> None:
+    """`prototype.session` drives both the live server and the in-process transport: no aiohttp."""
+    loaded = loaded_by("prototype.session")
+    assert "asyncio" in loaded and not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
+
+
+# asyncio's private loop state, read by the virtual-time loop only (sim/virtual.py).
+PRIVATE_LOOP_STATE = ("_run_once", "_ready", "_scheduled", "_stopping", "_clock_resolution")
+
+
+@pytest.mark.parametrize("path", modules("prototype") + modules("sim"), ids=lambda p: p.name)
+def test_asyncio_private_loop_state_is_read_in_one_module(path: Path) -> None:
+    if path == ROOT / "sim" / "virtual.py":
+        return
+    tree = ast.parse(path.read_text(), str(path))
+    used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    assert not used & set(PRIVATE_LOOP_STATE), f"{path.name} reads {sorted(used & set(PRIVATE_LOOP_STATE))}"
+
+
+def test_this_python_has_the_private_loop_state_the_virtual_loop_reads() -> None:
+    """Fails loudly on a Python whose event loop lacks what sim/virtual.py relies on (written
+    against CPython 3.11 to 3.13)."""
+    import asyncio  # here, not at the top: this module is about who imports asyncio
+
+    assert (3, 11) <= sys.version_info[:2] <= (3, 13), f"sim/virtual.py is unverified on Python {sys.version}"
+    loop = asyncio.new_event_loop()
+    try:
+        assert isinstance(loop, asyncio.BaseEventLoop)
+        missing = [name for name in PRIVATE_LOOP_STATE if not hasattr(loop, name)]
+        assert not missing, f"asyncio's loop lacks {missing}: sim/virtual.py needs updating"
+        assert isinstance(loop._ready, collections.deque)  # type: ignore[attr-defined]
+        assert isinstance(loop._scheduled, list)  # type: ignore[attr-defined]
+    finally:
+        loop.close()

@@ -14,9 +14,9 @@ import numpy as np
 from aiohttp import web
 
 from prototype.app import SLOTS, ServerConfig, make_app
+from prototype.cache import CacheEntry
 from prototype.connection import CS, Connection, SendFrame, StartJob
 from prototype.conversation import Context, Item, Preamble
-from prototype.engine import CacheEntry
 from prototype.model import ModelEvent, ModelRequest
 from prototype.schemas import InputItemView, Response
 from prototype.server import build_parser

@@ -9,7 +9,20 @@ import pytest
 from prototype.ids import IdFactory
 from prototype.model import ItemFinished, ItemStarted, Prefilled, SamplingFinished, TokensSampled
 from prototype.schemas import FunctionCall, OutputMessage, Response, encode
-from prototype.stream import _TRANSITIONS, INPUT_TYPES, RS, Fail, Pause, ResponseStream, Resume, Start, StreamError
+from prototype.stream import (
+    INPUT_TYPES,
+    RS,
+    EndIncomplete,
+    Fail,
+    InjectAccepted,
+    InjectRefused,
+    Pause,
+    ResponseStream,
+    Resume,
+    Start,
+    StreamError,
+    Truncated,
+)
 
 
 def template() -> Response:
@@ -147,22 +160,68 @@ def test_end_incomplete_from_pause() -> None:
     run(s, [Start(input_tokens=1), Pause()])
     events = s.end_incomplete("append_timeout")
     assert events[0].response.incomplete_details.reason == "append_timeout"  # type: ignore[attr-defined]
-    with pytest.raises(StreamError, match=r"^can't end incomplete in state INCOMPLETE$"):
+    with pytest.raises(StreamError, match=r"^can't handle EndIncomplete in state INCOMPLETE$"):
         s.end_incomplete("append_timeout")
 
 
-def _instance(t: type) -> object:
-    return {
-        Start: Start(1),
-        Pause: Pause(),
-        Resume: Resume(1),
-        Prefilled: Prefilled(0),
-        Fail: Fail("x", "y"),
-        ItemStarted: ItemStarted("message"),
-        TokensSampled: TokensSampled((1,), "a"),
-        ItemFinished: ItemFinished(),
-        SamplingFinished: SamplingFinished(),
-    }[t]
+# -- every (state, input) pair, against a table written here -------------------------------------
+#
+# One row per legal move, in plain words: (state, input, the events it sends, next state). Every
+# other pair raises StreamError and leaves the stream where it was.
+
+LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
+    ("queued", "start", ("response.created", "response.in_progress"), "in progress"),
+    ("queued", "fail", ("response.failed",), "failed"),
+    ("in progress", "prefilled", (), "in progress"),  # counted in usage, no event
+    ("in progress", "item started", ("response.output_item.added", "response.content_part.added"), "in item"),
+    ("in progress", "sampling finished", ("response.completed",), "completed"),
+    ("in progress", "truncated", ("response.incomplete",), "incomplete"),  # max_output_tokens
+    ("in progress", "pause", ("response.done",), "paused"),
+    ("in progress", "end incomplete", ("response.incomplete",), "incomplete"),
+    ("in progress", "fail", ("response.failed",), "failed"),
+    ("in item", "tokens", ("response.output_text.delta",), "in item"),
+    (
+        "in item",
+        "item finished",
+        ("response.output_text.done", "response.content_part.done", "response.output_item.done"),
+        "in progress",
+    ),
+    ("in item", "fail", ("response.failed",), "failed"),
+    ("paused", "resume", ("response.in_progress",), "in progress"),
+    ("paused", "inject accepted", ("response.inject.created",), "paused"),
+    ("paused", "inject refused", ("response.inject.failed",), "paused"),
+    ("paused", "end incomplete", ("response.incomplete",), "incomplete"),
+    ("paused", "fail", ("response.failed",), "failed"),
+]
+STATES = {
+    "queued": RS.QUEUED,
+    "in progress": RS.IN_PROGRESS,
+    "in item": RS.IN_ITEM,
+    "paused": RS.PAUSED,
+    "completed": RS.COMPLETED,
+    "incomplete": RS.INCOMPLETE,
+    "failed": RS.FAILED,
+}
+INPUTS: dict[str, tuple[type, object]] = {
+    "start": (Start, Start(1)),
+    "pause": (Pause, Pause()),
+    "resume": (Resume, Resume(1)),
+    "fail": (Fail, Fail("x", "y")),
+    "end incomplete": (EndIncomplete, EndIncomplete("append_timeout")),
+    "inject accepted": (InjectAccepted, InjectAccepted()),
+    "inject refused": (InjectRefused, InjectRefused([], "unknown_call_id", "no such call")),
+    "prefilled": (Prefilled, Prefilled(0)),
+    "item started": (ItemStarted, ItemStarted("message")),
+    "tokens": (TokensSampled, TokensSampled((1,), "a")),
+    "item finished": (ItemFinished, ItemFinished()),
+    "sampling finished": (SamplingFinished, SamplingFinished()),
+    "truncated": (Truncated, SamplingFinished("max_output_tokens")),
+}
+
+
+def test_the_expected_table_names_every_state_and_input() -> None:
+    assert set(STATES.values()) == set(RS) and {kind for kind, _ in INPUTS.values()} == set(INPUT_TYPES)
+    assert len({(row[0], row[1]) for row in LEGAL}) == len(LEGAL)
 
 
 def _stream_in(state: RS) -> ResponseStream:
@@ -181,17 +240,28 @@ def _stream_in(state: RS) -> ResponseStream:
     return s
 
 
-@pytest.mark.parametrize(("state", "input_type"), list(itertools.product(RS, INPUT_TYPES)))
-def test_every_state_input_pair(state: RS, input_type: type) -> None:
-    s = _stream_in(state)
-    expected = _TRANSITIONS.get((state, input_type))
-    if expected is None:
-        with pytest.raises(StreamError, match=rf"^can't handle {input_type.__name__} in state {state.name}$"):
-            s.receive(_instance(input_type))  # type: ignore[arg-type]
-        assert s.state is RS.FAILED
-    else:
-        s.receive(_instance(input_type))  # type: ignore[arg-type]
-        assert s.state is expected
+@pytest.mark.parametrize(
+    ("state", "input_name"), list(itertools.product(STATES, INPUTS)), ids=lambda v: str(v).replace(" ", "_")
+)
+def test_every_state_input_pair(state: str, input_name: str) -> None:
+    s = _stream_in(STATES[state])
+    kind, event = INPUTS[input_name]
+    row = next((r for r in LEGAL if r[0] == state and r[1] == input_name), None)
+    if row is None:
+        with pytest.raises(StreamError, match=rf"^can't handle {kind.__name__} in state {STATES[state].name}$"):
+            s.receive(event)  # type: ignore[arg-type]
+        assert s.state is STATES[state]  # an illegal input moves nothing
+        return
+    _, _, events, nxt = row
+    assert types(s.receive(event)) == list(events)  # type: ignore[arg-type]
+    assert s.state is STATES[nxt]
+
+
+def test_abort_after_an_illegal_input_ends_the_stream_failed() -> None:
+    s = _stream_in(RS.IN_ITEM)
+    with pytest.raises(StreamError):
+        s.receive(Start(1))
+    assert types(s.abort("server_error", "boom")) == ["response.failed"] and s.state is RS.FAILED
 
 
 def test_warm_up_start_sends_only_created() -> None:

@@ -379,3 +379,128 @@ async def test_store_unavailable_is_a_clear_5xx() -> None:
             err = last(await turn(ws, input="x", previous_response_id="resp_abc"))
             assert err["status"] == 503 and err["error"]["code"] == "store_unavailable"
             assert err["error"]["type"] == "server_error"
+
+
+# -- lanes (`stream_id`) ---------------------------------------------------------------------------
+
+
+async def read_lanes(ws: aiohttp.ClientWebSocketResponse, n: int) -> dict[str | None, list[dict[str, Any]]]:
+    """Read until `n` responses (on any lanes) have ended; events grouped by `stream_id`."""
+    by_lane: dict[str | None, list[dict[str, Any]]] = {}
+    order: list[str | None] = []
+    ended = 0
+    while ended < n:
+        msg = await asyncio.wait_for(ws.receive(), 30)
+        assert msg.type is aiohttp.WSMsgType.TEXT, msg
+        ev = json.loads(msg.data)
+        by_lane.setdefault(ev.get("stream_id"), []).append(ev)
+        order.append(ev.get("stream_id"))
+        ended += ev["type"] in TERMINAL
+    by_lane["__order__"] = order  # type: ignore[assignment]
+    return by_lane
+
+
+async def test_two_lanes_interleave_and_every_event_carries_its_lane() -> None:
+    async with live_server(tool_calls=3, decode_tok_per_s=2000) as live:
+        session, ws = await connect(live)
+        async with session, ws:
+            for lane in ("alpha", "beta"):
+                await ws.send_str(
+                    json.dumps({"type": "response.create", "model": "sim", "input": lane, "stream_id": lane})
+                )
+            got = await read_lanes(ws, 2)
+            order = got.pop("__order__")
+            assert set(got) == {"alpha", "beta"}  # nothing without a lane
+            for lane, events in got.items():
+                assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+                assert all(e["stream_id"] == lane for e in events)
+                assert [e["sequence_number"] for e in events] == list(range(len(events)))
+            # Concurrent, not one after the other: beta starts before alpha ends.
+            alpha_end = len(order) - 1 - order[::-1].index("alpha")
+            assert order.index("beta") < alpha_end
+
+
+async def test_a_fork_onto_a_new_lane_continues_from_the_other_lane(live: Live) -> None:
+    session, ws = await connect(live)
+    async with session, ws:
+        first = await turn(ws, input="hi", store=False, stream_id="main")
+        parent = last(first)["response"]["id"]
+        assert all(e["stream_id"] == "main" for e in first)
+        fork = await turn(ws, input="branch", store=False, stream_id="side", previous_response_id=parent)
+        assert last(fork)["type"] == "response.completed" and last(fork)["stream_id"] == "side"
+        assert last(fork)["response"]["longrun"]["connection_cache"] == "hit"
+        again = await turn(ws, input="go on", store=False, stream_id="main", previous_response_id=parent)
+        assert last(again)["response"]["longrun"]["connection_cache"] == "hit"  # the fork kept the parent
+
+
+async def test_lane_errors_leave_other_lanes_running() -> None:
+    async with live_server(tool_calls=3, decode_tok_per_s=500) as live:
+        session, ws = await connect(live)
+        async with session, ws:
+            await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "input": "x", "stream_id": "ok"}))
+            await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "input": "x", "stream_id": "a b"}))
+            await ws.send_str(
+                json.dumps(
+                    {
+                        "type": "response.create",
+                        "model": "sim",
+                        "input": "x",
+                        "stream_id": "gone",
+                        "store": False,
+                        "previous_response_id": "resp_unknown",
+                    }
+                )
+            )
+            got = await read_lanes(ws, 3)
+            got.pop("__order__")
+            assert [e["error"]["code"] for e in got[None]] == ["invalid_stream_id"]
+            assert [e["type"] for e in got["gone"]] == ["error"]
+            assert got["gone"][0]["error"]["code"] == "previous_response_not_found"
+            assert got["ok"][-1]["type"] == "response.completed"
+
+
+def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sim.inprocess
+    from prototype.session import WebSocketSession
+    from sim.experiment import CompareConfig, run_compare
+    from sim.virtual import VirtualClock, run_virtual
+
+    sessions: list[WebSocketSession] = []
+
+    class Counted(WebSocketSession):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            sessions.append(self)
+
+    monkeypatch.setattr(sim.inprocess, "WebSocketSession", Counted)
+    config = CompareConfig(rollouts=5, tool_calls=2, lanes=3, modes=("ws", "append"), system_prompt_tokens=200, tps=0)
+    result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
+    assert len(sessions) == 4  # per mode: lanes 0-2 on one connection, lanes 0-1 on another
+    assert sorted(len(s.conn.lanes) - 1 for s in sessions) == [2, 2, 3, 3]
+    assert all(len(r.turns) == 3 for r in result.rollouts) and len(result.rollouts) == 10
+
+
+def test_lanes_share_the_models_decode_slots() -> None:
+    """Multiplexing has its honest cost: with one decode slot, two lanes' turns take turns."""
+    from sim.experiment import CompareConfig, run_compare
+    from sim.virtual import VirtualClock, run_virtual
+
+    def p50(decode_slots: int) -> float:
+        config = CompareConfig(
+            rollouts=2,
+            tool_calls=2,
+            lanes=2,
+            modes=("ws",),
+            system_prompt_tokens=200,
+            tps=500,
+            decode_slots=decode_slots,
+            tool_time_s=0.0,
+            profile="local",  # no modeled waits: decode is the time
+            model_latency_s=0.0,
+            prefill_tok_per_s=0.0,
+        )
+        result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
+        (summary,) = result.summary
+        return summary.completion_p50_s
+
+    assert p50(1) > 1.6 * p50(0)  # nearly serial: one lane decodes while the other waits

@@ -1,9 +1,10 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6), ``contract``; docs/performance.md says what each one measures. The server
-(`sim.bench.server`) is a separate process pinned to core 1; this process (the load generator)
-pins itself to core 0. Each line: figure, floor measured in the same run, ratio, target, verdict.
+``virtual`` (5), ``memory`` (6), ``contract``, ``lanes`` (N lanes on one socket against N sockets);
+docs/performance.md says what each one measures. The server (`sim.bench.server`) is a separate
+process pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
+figure, floor measured in the same run, ratio, target, verdict.
 ``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails.
 """
 
@@ -38,11 +39,12 @@ from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
 from . import report as page
 from .contract import contract_rows, contract_rows_report
+from .lanes import lanes_vs_connections
 from .report import Row
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract", "lanes")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -430,6 +432,13 @@ async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None
 # -- CLI ------------------------------------------------------------------------------------------
 
 
+async def lanes(n: int, tokens: int, repeats: int) -> None:
+    with bench_server("--tps", "0") as port:
+        on_lanes, on_conns = await lanes_vs_connections(port, n, tokens, repeats)
+    what = f"{n} lanes on 1 socket vs {n} sockets, s ({tokens} tok each)"
+    report("lanes", what, on_lanes, on_conns, on_lanes / on_conns, "<= 1.25", on_lanes / on_conns <= 1.25)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
@@ -447,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default="main", help="contract: the git revision without the checks")
     p.add_argument("--contract-turns", type=int, default=100, help="contract: continuation turns per rollout")
     p.add_argument("--contract-rounds", type=int, default=6, help="contract: rollouts per code, alternating")
+    p.add_argument("--lanes", type=int, default=8, help="lanes: streams on one connection (and connections)")
     p.add_argument(
         "--server-arg",
         action="append",
@@ -487,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
             args.baseline,
         ),
     }
+    jobs["lanes"] = lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats))
     started = datetime.datetime.now(datetime.UTC)
     about, revision = page.machine(), page.commit()  # the load average before the run's own load
     for name in TARGETS:

@@ -1,0 +1,384 @@
+"""The WebSocket session and the HTTP request path, without aiohttp types.
+
+`WebSocketSession` drives one connection's sans-IO core (`connection.Connection`) and the
+engine: it reads text frames from a `SessionSocket`, feeds them to the core, and carries
+out the core's outputs (frames to write, responses to start, resume, abort or cancel,
+pause timers, a close). The live server (`app.py`, over aiohttp) and the in-process
+transport (`sim.inprocess`, without sockets) both drive this one class. `http_create` is
+the one parse of a `POST /v1/responses` body for both of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final, Protocol
+
+import msgspec
+
+from .cache import stream_prefix
+from .connection import (
+    AbortPause,
+    AckInject,
+    ArmPauseTimer,
+    CancelJob,
+    CloseSocket,
+    Connection,
+    Job,
+    ResumeJob,
+    SendFrame,
+    StartJob,
+)
+from .conversation import CreateRequest, ToolCache, normalize_create
+from .engine import Aborted, Arrival, Emit, Engine, ResponseRun, Resumed
+from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error
+from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
+from .schemas import (
+    CreateParams,
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
+    RequiredInput,
+    ServerEvent,
+    decode_create_params,
+    decode_text,
+    encode,
+)
+
+__all__ = [
+    "BatchedFrames",
+    "ServerConfig",
+    "SessionSocket",
+    "TextSender",
+    "WebSocketSession",
+    "http_create",
+    "request_too_large",
+]
+
+log = logging.getLogger("longrun.server")
+
+CLOSE_UNSUPPORTED_DATA: Final = 1003  # RFC 6455 7.4.1: a binary frame where only text is accepted
+
+# Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
+# in one frame or body; 64 MiB covers a 10M-character history with room to spare.
+MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# Append mode is opted into per connection (docs/protocol.md): the historical V1 beta header
+# value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
+APPEND_BETA: Final = "responses_websockets=2026-02-04"
+# Per-connection and per-server limits (ServerConfig; None = unlimited). Codex never queues
+# more than one create; a cache entry of a 10M-character history is about 20 MiB.
+MAX_QUEUED_CREATES: Final = 64
+MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
+MAX_CONNECTIONS: Final = 1024
+CONTEXT_WINDOW: Final = 400_000
+MAX_OUTPUT_TOKENS: Final = 128_000
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    api_key: str | None = None
+    connection_lifetime_s: float = 3600.0  # the Guide: "Connection duration is limited to 60 minutes."
+    reject_concurrent: bool = False  # 409 instead of FIFO queueing
+    refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
+    sse_done: bool = False  # end SSE streams with `data: [DONE]`
+    # A paused append-mode response holds KV while it waits; 300 s is within the retention of idle
+    # prompt caches (cleared after 5 to 10 minutes of inactivity, OpenAI's prompt-caching guide).
+    append_timeout_s: float = 300.0
+    profile: CostProfile = PROFILES["local"]  # modeled waits of the API stages (pipeline.py)
+    optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS  # connection-cache switches, WebSocket only
+    max_message_bytes: int = MAX_MESSAGE_BYTES  # larger frames close the socket with 1009, larger bodies get 413
+    max_queued_creates: int | None = MAX_QUEUED_CREATES  # per connection, behind the one in flight: 429 beyond
+    max_cache_bytes: int | None = MAX_CACHE_BYTES  # per connection: a larger entry is not cached
+    max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
+    # Threads that tokenize long texts (>= engine.OFFLOAD_CHARS) off the event loop; 0: inline.
+    render_threads: int = 1
+    # The simulated model's context window and output limit, in tokens (gpt-5's: docs/contract.md).
+    # A prompt longer than the difference is a 400 context_length_exceeded; None: unbounded.
+    context_window: int | None = CONTEXT_WINDOW
+    max_output_tokens: int | None = MAX_OUTPUT_TOKENS
+
+
+class TextSender(Protocol):
+    """Where a session's text frames go: the socket (one write per frame) or a `BatchedFrames`
+    in front of its transport."""
+
+    async def send_text(self, message: bytes) -> None: ...
+
+
+class SessionSocket(TextSender, Protocol):
+    """What a session needs of a WebSocket: its client frames (text as `str`, binary as
+    `bytes`), whether it is closed, a close, and a way to send text frames."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def __aiter__(self) -> AsyncIterator[str | bytes]: ...
+
+    async def close(self, *, code: int, message: bytes) -> object: ...
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+
+
+def request_too_large(limit: int) -> ProtocolError:
+    return ProtocolError(f"The request body is larger than {limit} bytes.", code="request_too_large", status=413)
+
+
+def http_create(
+    body: bytes, engine: Engine, config: ServerConfig, *, tool_cache: ToolCache | None = None
+) -> tuple[CreateParams, CreateRequest, Arrival]:
+    """Parse and validate a `POST /v1/responses` body (the whole of it must be UTF-8), or raise the
+    `ProtocolError` to answer with. `tool_cache`: skip validating a tool list identical to the last."""
+    arrival = Arrival(engine.clock.now(), len(body), "http")
+    if len(body) > config.max_message_bytes:
+        raise request_too_large(config.max_message_bytes)
+    try:
+        params = decode_create_params(decode_text(body))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation_error(exc) from None
+    create = normalize_create(params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser)
+    return params, create, arrival
+
+
+# -- WebSocket -------------------------------------------------------------------------------------
+
+TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
+# Frames gathered before a write is forced mid wake-up (an unpaced turn never yields on its own).
+BATCH_BYTES: Final = 64 * 1024
+
+
+_TEXT_HEADS: Final = [bytes((0x81, n)) for n in range(126)]  # FIN + text opcode, 7-bit length
+
+
+def _text_head(n: int) -> bytes:
+    return bytes((0x81, 126)) + n.to_bytes(2) if n < 65536 else bytes((0x81, 127)) + n.to_bytes(8)
+
+
+class BatchedFrames:
+    """Text frames of an uncompressed socket, written in one go per event-loop wake-up.
+
+    Every frame due at a wake-up (all the tokens a paced model releases at once) is
+    framed here (RFC 6455 5.2: FIN, opcode, payload length; server frames are not
+    masked) and appended to one buffer; a callback scheduled with the first frame writes
+    the buffer with one `transport.write` once the sending task yields. Past
+    `BATCH_BYTES` the buffer is written at once and the sender waits for the
+    transport to drain (flow control), as it does at the start of each batch. A session
+    writes every frame through here and calls `flush` before closing, so frames keep their order.
+    """
+
+    def __init__(self, transport: asyncio.Transport, drain: Callable[[], Awaitable[None]]) -> None:
+        self.transport = transport
+        self.drain = drain
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    async def send_text(self, message: bytes) -> None:
+        """One text frame (the only kind a session sends)."""
+        if self.push(message):
+            await self.drain()
+
+    def push(self, message: bytes) -> bool:
+        """Add one text frame; True when the caller should `await drain()` (flow control)."""
+        if self.transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        parts = self.parts
+        wait = False
+        if not parts:  # the first frame of this wake-up
+            asyncio.get_running_loop().call_soon(self.flush)
+            wait = self.transport.get_write_buffer_size() > BATCH_BYTES
+        n = len(message)
+        parts.append(_TEXT_HEADS[n] if n < 126 else _text_head(n))
+        parts.append(message)
+        self.size += n
+        if self.size > BATCH_BYTES:
+            self.flush()
+            return True
+        return wait
+
+    def flush(self) -> None:
+        """Write what is gathered (nothing if a write already took it)."""
+        if self.parts:
+            data = b"".join(self.parts)
+            self.parts.clear()
+            self.size = 0
+            if not self.transport.is_closing():
+                self.transport.write(data)
+
+
+class WebSocketSession:
+    """Owns one socket: one reader (this coroutine), one task per response in flight (one per
+    lane at most), one lifetime timer and one pause timer per paused response, both on the
+    engine's clock. Everything it starts it also cancels and awaits."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        ws: SessionSocket,
+        *,
+        append_mode: bool = False,
+        writer: TextSender | None = None,
+    ) -> None:
+        self.engine = engine
+        self.ws = ws
+        self.writer: TextSender = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
+        self.append_timeout_s = config.append_timeout_s
+        self.conn = Connection(
+            lifetime_s=config.connection_lifetime_s,
+            reject_concurrent=config.reject_concurrent,
+            append_mode=append_mode,
+            ids=engine.ids,
+            max_queued=config.max_queued_creates,
+            max_cache_bytes=config.max_cache_bytes,
+            reuse_tools=Optimization.STATE_CACHE in config.optimizations,
+        )
+        self.jobs: dict[int, asyncio.Task[None]] = {}  # by job number
+        self.pause_timers: dict[int, asyncio.Task[None]] = {}
+        self.paused_runs: dict[int, ResponseRun] = {}  # by job number, while paused
+        self.routed = False  # auth and routing done once on this connection
+
+    async def serve(self) -> None:
+        clock = self.engine.clock
+        timer = asyncio.get_running_loop().create_task(self._limit_at(clock.now() + self.conn.lifetime_s))
+        try:
+            async for data in self.ws:
+                if isinstance(data, str):
+                    self.conn.receive_text(data, at=self.engine.clock.now())
+                    await self._flush()
+                else:
+                    # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
+                    self._flush_frames()
+                    await self.ws.close(code=CLOSE_UNSUPPORTED_DATA, message=b"binary frames are not supported")
+                    break
+        finally:
+            timer.cancel()
+            self.conn.disconnected()
+            await self._flush()
+            tasks = [timer, *self.pause_timers.values(), *self.jobs.values()]
+            for number in list(self.pause_timers):
+                self._disarm_pause(number)
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _limit_at(self, deadline: float) -> None:
+        """The lifetime timer: the core decides what the limit means, this only arms it."""
+        await self.engine.clock.sleep_until(deadline)
+        if not self.ws.closed:
+            self.conn.limit_reached()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        for out in self.conn.outputs_to_send():
+            match out:
+                case SendFrame(data=data):
+                    if not self.ws.closed:
+                        await self.writer.send_text(data)
+                case StartJob(job=job):
+                    self.jobs[job.number] = asyncio.get_running_loop().create_task(self._run(job))
+                case CancelJob(job=job):
+                    task = self.jobs.get(job.number)
+                    if task is not None:
+                        task.cancel()
+                case CloseSocket(code=code, reason=reason):
+                    self._flush_frames()
+                    await self.ws.close(code=code, message=reason.encode())
+                case ArmPauseTimer(job=job):
+                    self.pause_timers[job.number] = asyncio.get_running_loop().create_task(self._pause_timeout(job))
+                case ResumeJob(job=job, items=items, at=at, body_bytes=size):
+                    self._decide(job, Resumed(items, Arrival(at, size, "ws", routed=True)))
+                case AbortPause(job=job, reason=reason):
+                    self._decide(job, Aborted(reason))
+                case AckInject(job=job, refused=refused):
+                    run = self.paused_runs.get(job.number)
+                    if run is not None:
+                        await run.acknowledge_inject(refused)
+
+    def _flush_frames(self) -> None:
+        if isinstance(self.writer, BatchedFrames):
+            self.writer.flush()
+
+    def _decide(self, job: Job, decision: Resumed | Aborted) -> None:
+        self._disarm_pause(job.number)
+        run = self.paused_runs.pop(job.number, None)
+        if run is not None:
+            run.resume(decision)
+
+    def _disarm_pause(self, number: int) -> None:
+        timer = self.pause_timers.pop(number, None)
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
+
+    async def _pause_timeout(self, job: Job) -> None:
+        clock = self.engine.clock
+        await clock.sleep_until(clock.now() + self.append_timeout_s)
+        self.conn.pause_timed_out(job)
+        await self._flush()
+
+    async def paused(self, job: Job, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
+        """`PauseChannel` for `job`: tell the core; its decision reaches `run.resume`."""
+        self.paused_runs[job.number] = run
+        self.conn.response_paused(job, required)
+        await self._flush()
+
+    async def _run(self, job: Job) -> None:
+        writer = self.writer
+        prefix = stream_prefix(job.stream_id)
+        # Frames straight from the encoder's bytes; a named lane's get its `stream_id` first.
+        # The default lane's path makes no extra call per event.
+        frame: Callable[[ServerEvent], bytes] = encode if prefix is None else lambda ev: prefix + encode(ev)[1:]
+        emit: Emit
+        if isinstance(writer, BatchedFrames):
+            push, drain, flush = writer.push, writer.drain, writer.flush
+
+            async def emit(events: list[ServerEvent]) -> None:
+                for ev in events:
+                    if push(frame(ev)):
+                        await drain()
+                if events and type(events[-1]) not in TOKEN_DELTAS:
+                    flush()  # token deltas wait for the wake-up's end; other events go now
+
+        else:
+            send = writer.send_text
+
+            async def emit(events: list[ServerEvent]) -> None:
+                for ev in events:
+                    await send(frame(ev))
+
+        try:
+            arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
+            self.routed = True
+            outcome = await self.engine.run(
+                job.request,
+                job.cached,
+                emit,
+                arrival=arrival,
+                response_id=job.response_id,
+                pauses=_JobPauses(self, job) if self.conn.append_mode else None,
+                fork=not job.exclusive,
+            )
+        except ConnectionResetError:
+            return  # the peer is gone; the reader sees the close and frees everything
+        except Exception:
+            log.exception("job %d failed", job.number)
+            self.conn.response_ended(job, None, INTERNAL_ERROR)
+        else:
+            self.conn.response_ended(job, outcome.entry, outcome.error)
+        finally:
+            self.jobs.pop(job.number, None)
+        await self._flush()
+
+
+class _JobPauses:
+    """The `PauseChannel` of one response of a session."""
+
+    __slots__ = ("job", "session")
+
+    def __init__(self, session: WebSocketSession, job: Job) -> None:
+        self.session = session
+        self.job = job
+
+    async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
+        await self.session.paused(self.job, run, required)
