@@ -94,7 +94,12 @@ PROMPTS: Final = {
     "alpha": "The test suite fails on test_store.py; find out why and fix it.",
     "beta.2": "Profile the importer: which function dominates the run time?",
 }
-FORK: Final = {"from": "alpha", "afterTurn": 1, "id": "alpha-fork_1", "turns": TURNS - 1, "tag": "fork"}
+FORK: Final[dict[str, Any]] = {"from": "alpha", "afterTurn": 1, "id": "alpha-fork_1", "turns": TURNS - 1, "tag": "fork"}
+
+
+def args(input_items: Items | str, **extra: Any) -> dict[str, Any]:
+    """Keyword arguments of one `responses.create` (plain dicts, as the tests build them)."""
+    return {"model": MODEL, "input": input_items, **extra}
 
 
 def tool_output(tag: str, turn: int, arguments: str) -> str:
@@ -181,9 +186,7 @@ async def replay_over_http(client: AsyncOpenAI, history: Items, turns: list[dict
         history.extend(t["input"])
         histories.append(list(history))
         history.extend(t["response"]["output"])
-    expected = await asyncio.gather(
-        *(client.responses.create(model=MODEL, input=h, tools=[EXEC_TOOL]) for h in histories)  # type: ignore[arg-type]
-    )
+    expected = await asyncio.gather(*(client.responses.create(**args(h, tools=[EXEC_TOOL])) for h in histories))
     for t, e in zip(turns, expected, strict=True):
         assert seen(t["response"]) == seen(e.model_dump(mode="json")), f"{what}: turn {t['turn']} differs"
 
@@ -315,10 +318,19 @@ def brief(event: Any) -> dict[str, Any]:
     }
 
 
+async def drain(lane: Any) -> list[dict[str, Any]]:
+    """Everything a lane receives until its session closes."""
+    received: list[dict[str, Any]] = []
+    try:
+        while True:
+            received.append(brief(await lane.recv()))
+    except EOFError:
+        return received
+
+
 async def python_lane_loop(
     lane: Any,
     *,
-    stream_id: str,
     tag: str,
     first_input: Items,
     first_prev: str | None,
@@ -384,6 +396,7 @@ async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client:
         async with session_type(connection, limits=limits) as session:
             alpha_lane, beta_lane = session.lane("alpha"), session.lane("beta.2")
             fork_lane = session.lane(FORK["id"])
+            watcher = asyncio.create_task(drain(session.default))
 
             async def fork_after(parent: dict[str, Any], call: dict[str, Any]) -> None:
                 started = asyncio.Event()
@@ -396,7 +409,6 @@ async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client:
                 task = asyncio.create_task(
                     python_lane_loop(
                         fork_lane,
-                        stream_id=FORK["id"],
                         tag="fork",
                         first_input=[output],
                         first_prev=parent["id"],
@@ -417,7 +429,6 @@ async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client:
             alpha, beta = await asyncio.gather(
                 python_lane_loop(
                     alpha_lane,
-                    stream_id="alpha",
                     tag="alpha",
                     first_input=[user(PROMPTS["alpha"])],
                     first_prev=None,
@@ -428,7 +439,6 @@ async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client:
                 ),
                 python_lane_loop(
                     beta_lane,
-                    stream_id="beta.2",
                     tag="beta.2",
                     first_input=[user(PROMPTS["beta.2"])],
                     first_prev=None,
@@ -438,8 +448,8 @@ async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client:
                 ),
             )
             fork_turns = await fork_tasks[0]
-            default_left = session.default
-            assert default_left is not None
+        unrouted = await watcher  # the session closed: the default lane's reader ends
+    assert unrouted == []  # every event named one of the three lanes
     check_chain(alpha, None)
     check_chain(beta, None)
     check_chain(fork_turns, alpha[FORK["afterTurn"] - 1]["response"]["id"])
@@ -455,9 +465,7 @@ async def test_python_connection_stream_id_events_echo_their_lane(client: AsyncO
     """Plain `connection.response.create(stream_id=...)`: two lanes at once, every event names its lane."""
     async with asyncio.timeout(CLIENT_TIMEOUT_S), client.responses.connect() as conn:
         for stream_id, prompt in PROMPTS.items():
-            await conn.response.create(
-                model=MODEL, input=[user(prompt)], tools=[EXEC_TOOL], store=False, stream_id=stream_id
-            )  # type: ignore[arg-type]
+            await conn.response.create(**args([user(prompt)], tools=[EXEC_TOOL], store=False, stream_id=stream_id))
         events: list[Any] = []
         while sum(ev.type in TERMINAL for ev in events) < len(PROMPTS):
             events.append(await conn.recv())
@@ -467,9 +475,45 @@ async def test_python_connection_stream_id_events_echo_their_lane(client: AsyncO
         (response,) = split_responses([b for b in briefs if b["stream_id"] == stream_id])
         terminal = next(ev for ev in events if ev.type in TERMINAL and ev.stream_id == stream_id)
         check_response_events(response, stream_id, terminal.response.id)
-        expected = await client.responses.create(model=MODEL, input=[user(prompt)], tools=[EXEC_TOOL])  # type: ignore[arg-type]
+        expected = await client.responses.create(**args([user(prompt)], tools=[EXEC_TOOL]))
         assert seen(dump(terminal.response)) == seen(dump(expected))
     assert overlapped(briefs, *PROMPTS) or overlapped(briefs, *reversed(PROMPTS)), "lanes never overlapped"
+
+
+async def test_python_connection_bad_lane_input_leaves_the_running_lane_alone(client: AsyncOpenAI) -> None:
+    """While lane `alpha` runs, a malformed `stream_id` and a fork of an unknown id onto a new lane are each
+    refused with an `error` event; `alpha`'s response goes on and completes. openai-python's plain connection
+    sends `stream_id` unchecked (its lane session would refuse the bad id before sending)."""
+    unknown = "resp_" + "0" * 32
+    async with asyncio.timeout(CLIENT_TIMEOUT_S), client.responses.connect() as conn:
+        await conn.response.create(**args([user(PROMPTS["alpha"])], tools=[EXEC_TOOL], store=False, stream_id="alpha"))
+        first: Any = await conn.recv()
+        await conn.response.create(**args("hi", store=False, stream_id="not a lane!"))
+        await conn.response.create(**args("hi", store=False, stream_id="fork", previous_response_id=unknown))
+        events: list[Any] = [first]
+        while not (events[-1].type in TERMINAL and getattr(events[-1], "stream_id", None) == "alpha"):
+            events.append(await conn.recv())
+        errors: list[Any] = [ev for ev in events if ev.type == "error"]
+        while len(errors) < 2:
+            errors.append(await conn.recv())
+    assert first.type == "response.created" and first.stream_id == "alpha"
+    on_alpha = [brief(ev) for ev in events if ev.type != "error"]
+    (response,) = split_responses(on_alpha)
+    check_response_events(response, "alpha", events[-1].response.id)
+    bad_id, bad_fork = sorted(errors, key=lambda ev: str(ev.error.code))
+    assert (bad_id.status, bad_id.error.type, bad_id.error.code, bad_id.error.param) == (
+        400,
+        "invalid_request_error",
+        "invalid_stream_id",
+        "stream_id",
+    )
+    assert bad_id.stream_id is None  # the refused id names no lane
+    assert (bad_fork.status, bad_fork.error.code, bad_fork.error.param) == (
+        400,
+        "previous_response_not_found",
+        "previous_response_id",
+    )
+    assert bad_fork.stream_id == "fork"  # a request error on a named lane carries its id
 
 
 async def test_python_session_33rd_lane_gets_the_stream_limit_error(client: AsyncOpenAI) -> None:
@@ -514,14 +558,14 @@ async def test_python_session_33rd_lane_gets_the_stream_limit_error(client: Asyn
 
 def agent_with_tool(agent_type: Any, model: Any, calls: list[str], tag: str) -> Any:
     """A pydantic-ai agent with one `exec_command` tool that records its calls."""
-    agent = agent_type(model)
 
-    @agent.tool_plain
     def exec_command(cmd: str, workdir: str | None = None) -> str:
         """Run a shell command and return its output."""
         calls.append(cmd)
         return f"$ {cmd}\nProcess exited with code 0\nOutput:\n{tag} line {len(calls)}\n"
 
+    agent = agent_type(model)
+    agent.tool_plain(exec_command)
     return agent
 
 
