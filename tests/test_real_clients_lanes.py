@@ -38,7 +38,7 @@ SEED: Final = 11
 TOOL_CALLS: Final = 3
 """The simulated agent calls `exec_command` this many times, then answers in text."""
 TURNS: Final = TOOL_CALLS + 1
-DECODE_TOK_PER_S: Final = 4000.0
+DECODE_TOK_PER_S: Final = 2000.0
 """Paced decoding, so that a response lasts long enough for lanes that run concurrently to overlap
 (served one after the other, no two lanes' responses could ever interleave)."""
 CLIENT_TIMEOUT_S: Final = 30.0
@@ -83,6 +83,17 @@ async def live() -> AsyncIterator[Live]:
 @pytest.fixture
 async def client(live: Live) -> AsyncIterator[AsyncOpenAI]:
     async with AsyncOpenAI(api_key="sk-test", base_url=live.base_url, max_retries=0, timeout=CLIENT_TIMEOUT_S) as c:
+        yield c
+
+
+@pytest.fixture
+async def replay() -> AsyncIterator[AsyncOpenAI]:
+    """HTTP on a second, unpaced server with the same seed: the same tokens for the same history
+    (test_openai_sdk.py checks that), without waiting for paced decoding."""
+    async with (
+        live_server(tool_calls=TOOL_CALLS, seed=SEED) as other,
+        AsyncOpenAI(api_key="sk-test", base_url=other.base_url, max_retries=0, timeout=CLIENT_TIMEOUT_S) as c,
+    ):
         yield c
 
 
@@ -238,7 +249,7 @@ async def run_node(plan: dict[str, Any]) -> dict[str, Any]:
     return report
 
 
-async def test_node_two_lanes_run_concurrent_tool_loops_and_a_fork(live: Live, client: AsyncOpenAI) -> None:
+async def test_node_two_lanes_run_concurrent_tool_loops_and_a_fork(live: Live, replay: AsyncOpenAI) -> None:
     plan = {
         "baseURL": live.base_url,
         "model": MODEL,
@@ -282,9 +293,9 @@ async def test_node_two_lanes_run_concurrent_tool_loops_and_a_fork(live: Live, c
     assert overlapped(raw, "alpha", FORK["id"]) or overlapped(raw, FORK["id"], "alpha"), "fork never overlapped"
 
     # Content: each lane saw its own conversation; the fork saw the source lane's history up to its parent.
-    await replay_over_http(client, [], alpha, "alpha")
-    await replay_over_http(client, [], beta, "beta.2")
-    await replay_over_http(client, prefix(alpha, FORK["afterTurn"]), fork, "fork")
+    await replay_over_http(replay, [], alpha, "alpha")
+    await replay_over_http(replay, [], beta, "beta.2")
+    await replay_over_http(replay, prefix(alpha, FORK["afterTurn"]), fork, "fork")
     assert fork[0]["input"][0]["output"] != alpha[FORK["afterTurn"]]["input"][0]["output"]  # a real divergence
 
 
@@ -384,7 +395,9 @@ async def python_lane_loop(
     return result
 
 
-async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client: AsyncOpenAI) -> None:
+async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(
+    client: AsyncOpenAI, replay: AsyncOpenAI
+) -> None:
     session_type, limits_type, _ = python_session_types()
     limits = limits_type(
         max_lanes=8, max_events_per_lane=100_000, max_events=100_000, max_bytes_per_lane=1 << 28, max_bytes=1 << 28
@@ -456,12 +469,12 @@ async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(client:
     for lane_id, turns in (("alpha", alpha), (FORK["id"], fork_turns)):
         for t in turns:
             check_response_events(t["events"], lane_id, t["response"]["id"])
-    await replay_over_http(client, [], alpha, "alpha")
-    await replay_over_http(client, [], beta, "beta.2")
-    await replay_over_http(client, prefix(alpha, FORK["afterTurn"]), fork_turns, "fork")
+    await replay_over_http(replay, [], alpha, "alpha")
+    await replay_over_http(replay, [], beta, "beta.2")
+    await replay_over_http(replay, prefix(alpha, FORK["afterTurn"]), fork_turns, "fork")
 
 
-async def test_python_connection_stream_id_events_echo_their_lane(client: AsyncOpenAI) -> None:
+async def test_python_connection_stream_id_events_echo_their_lane(client: AsyncOpenAI, replay: AsyncOpenAI) -> None:
     """Plain `connection.response.create(stream_id=...)`: two lanes at once, every event names its lane."""
     async with asyncio.timeout(CLIENT_TIMEOUT_S), client.responses.connect() as conn:
         for stream_id, prompt in PROMPTS.items():
@@ -475,7 +488,7 @@ async def test_python_connection_stream_id_events_echo_their_lane(client: AsyncO
         (response,) = split_responses([b for b in briefs if b["stream_id"] == stream_id])
         terminal = next(ev for ev in events if ev.type in TERMINAL and ev.stream_id == stream_id)
         check_response_events(response, stream_id, terminal.response.id)
-        expected = await client.responses.create(**args([user(prompt)], tools=[EXEC_TOOL]))
+        expected = await replay.responses.create(**args([user(prompt)], tools=[EXEC_TOOL]))
         assert seen(dump(terminal.response)) == seen(dump(expected))
     assert overlapped(briefs, *PROMPTS) or overlapped(briefs, *reversed(PROMPTS)), "lanes never overlapped"
 
