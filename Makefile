@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # (tests/conftest.py). `make test LONGRUN_REQUIRE_ALL=0` lets a partial machine skip instead.
 LONGRUN_REQUIRE_ALL ?= 1
 
-.PHONY: install test compare lint typecheck
+.PHONY: install node-clients test compare lint typecheck
 
 install:
 	$(PY) -m pip install -q -e '.[dev]'
@@ -13,7 +13,13 @@ install:
 		|| { echo "make install: redis-server is missing and could not be installed (Debian package redis-server; apt-get needs root)" >&2; exit 1; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "make install: redis-server is still not on PATH" >&2; exit 1; }
 
-test: install
+# The pinned openai-node client the lane tests drive (tests/node/package-lock.json).
+node-clients:
+	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null; } \
+		|| { echo "make node-clients: node/npm are missing and could not be installed (Debian packages nodejs npm; apt-get needs root)" >&2; exit 1; }
+	npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
+
+test: install node-clients
 	LONGRUN_REQUIRE_ALL=$(LONGRUN_REQUIRE_ALL) $(PY) -m pytest $(PYTEST_ARGS)
 
 compare: install
