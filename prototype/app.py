@@ -39,6 +39,7 @@ from .session import (
     MAX_MESSAGE_BYTES,
     MAX_OUTPUT_TOKENS,
     MAX_QUEUED_CREATES,
+    MULTI_AGENT_BETA,
     TOKEN_DELTAS,
     BatchedFrames,
     ServerConfig,
@@ -331,7 +332,9 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
             )
         )
     try:
-        append_mode = request.query.get("mode") == "append" or APPEND_BETA in request.headers.get("OpenAI-Beta", "")
+        betas = request.headers.get("OpenAI-Beta", "")
+        append_mode = request.query.get("mode") == "append" or APPEND_BETA in betas
+        beta = MULTI_AGENT_BETA in betas or request.query.get("mode") == "beta"
         ws = _Socket(max_msg_size=config.max_message_bytes)
         await ws.prepare(request)
         request.app[SOCKETS].add(ws)
@@ -341,7 +344,9 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
         if not ws.compress and transport is not None:
             writer = BatchedFrames(transport, request.writer.drain)
         try:
-            await WebSocketSession(request.app[ENGINE], config, socket, append_mode=append_mode, writer=writer).serve()
+            await WebSocketSession(
+                request.app[ENGINE], config, socket, append_mode=append_mode, beta=beta, writer=writer
+            ).serve()
         finally:
             request.app[SOCKETS].discard(ws)
     finally:

@@ -61,6 +61,25 @@ Append mode (opt-in per connection; docs/protocol.md):
 12. A pause that outlives the pause timeout, or the connection's lifetime, ends
     the response `incomplete` (reasons `append_timeout`, `connection_limit`).
 
+The beta dialect (`OpenAI-Beta: responses_multi_agent=v1`; docs/beta.md) is the same
+pause machine with its own wire:
+
+13. Only calls of `async: true` function tools make a response wait; the engine reports
+    each such call as it is emitted (`CallEmitted`), so a `response.inject` may answer it
+    while the response is still sampling (acknowledged at once, committed at the turn's
+    end). Any other call ends the response as in WebSocket mode.
+14. `response.inject` for an unknown or ended response gets `response.inject.failed`
+    (`response_not_found`, `response_already_completed`); items that do not fit (an
+    unknown call id, a non-message item) get an `error` event; nothing is committed.
+    `response.append` is not part of the beta.
+15. `response.steer` queues user messages for the in-flight response named by
+    `previous_response_id` (`response.steer.accepted`, numbered in its stream). When the
+    response ends `completed` or `incomplete` with no client call owed, the core starts
+    an automatic successor on the lane: the parent's request with the queued input as its
+    input and the parent as `previous_response_id`. When it ends owing client calls, the
+    engine has sent `response.steer.pending`; the queued input is prepended to the next
+    create on the lane that continues the parent. Bad input gets `response.steer.failed`.
+
 The core reads no clock and does no I/O: the adapter feeds it client frames and
 "response paused" / "response ended" / "pause timed out" / "limit reached" /
 "disconnected" inputs, then drains `outputs_to_send()`: frames to write, a job
@@ -73,6 +92,7 @@ whose actions are the functions that carry out the move. Anything else raises
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,6 +112,11 @@ from .schemas import (
     ResponseCreate,
     ResponseInject,
     ResponseInjectFailed,
+    ResponseSteer,
+    ResponseSteerFailed,
+    SteerError,
+    SteerRef,
+    SteerSubmission,
     decode_client_event,
     decode_envelope,
     decode_text,
@@ -103,6 +128,9 @@ __all__ = [
     "CS",
     "AbortPause",
     "AckInject",
+    "AckSteer",
+    "CallEmitted",
+    "SteerReceived",
     "AllAnswered",
     "ArmPauseTimer",
     "PauseTimedOut",
@@ -127,6 +155,8 @@ __all__ = [
 CLOSE_GOING_AWAY: Final = 1001  # server shutdown or lifetime limit; triggers openai-python's auto-reconnect
 RECENT_IDS: Final = 64  # ended response ids remembered per connection, for `response_already_completed`
 APPENDABLE_ROLES: Final = frozenset({"user", "developer"})
+MAX_PENDING_STEERS: Final = 8  # queued steers per response; more: `too_many_pending_steers`
+STEER_MESSAGE_KEYS: Final = frozenset({"type", "role", "content"})
 
 
 MAX_IN_FLIGHT: Final = 16  # responses in flight per connection, across lanes; more wait
@@ -164,6 +194,19 @@ class AppendReceived:
 
 
 @dataclass(frozen=True, slots=True)
+class SteerReceived:
+    event: ResponseSteer
+
+
+@dataclass(frozen=True, slots=True)
+class CallEmitted:
+    """Beta: the in-flight response emitted a call of an async tool (it may be answered now)."""
+
+    job: Job
+    call: RequiredInput
+
+
+@dataclass(frozen=True, slots=True)
 class BadFrame:
     error: ProtocolError
     previous_response_id: str | None = None
@@ -196,6 +239,7 @@ class ResponseEnded:
     job: Job
     entry: CacheEntry | None  # the new cache entry; None if the turn failed
     error: ProtocolError | None = None  # a request error to report as an `error` event
+    owed: tuple[RequiredInput, ...] = ()  # beta: client calls the ended response left unanswered
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +255,8 @@ class Disconnected:
 Input = (
     CreateReceived
     | AppendReceived
+    | SteerReceived
+    | CallEmitted
     | BadFrame
     | Dequeue
     | ResponsePaused
@@ -223,6 +269,8 @@ Input = (
 INPUT_TYPES: Final = (
     CreateReceived,
     AppendReceived,
+    SteerReceived,
+    CallEmitted,
     BadFrame,
     Dequeue,
     ResponsePaused,
@@ -295,12 +343,29 @@ class AckInject:
 
 
 @dataclass(frozen=True, slots=True)
+class AckSteer:
+    """Beta: acknowledge a queued steer in the target response's own stream."""
+
+    job: Job
+    steer: SteerRef
+
+
+@dataclass(frozen=True, slots=True)
 class AbortPause:
     job: Job
     reason: str  # `incomplete_details.reason` of the response
 
 
-Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause | AckInject
+Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause | AckInject | AckSteer
+
+
+@dataclass(frozen=True, slots=True)
+class _Steer:
+    """A queued steer: its id and target, the raw input (echoed if it fails), its items."""
+
+    ref: SteerRef
+    input: msgspec.Raw
+    items: tuple[Item, ...]
 
 
 @dataclass(slots=True)
@@ -327,6 +392,8 @@ class Lane:
     cache: CacheEntry | None = None
     cache_used: int = 0  # when `cache` was last set or hit (for LRU eviction across lanes)
     last_ended: str | None = None  # the lane's last ended response (an append without `response_id`)
+    steers: list[_Steer] = field(default_factory=list)  # beta: queued for the response in flight
+    parked: tuple[str, list[_Steer]] | None = None  # beta: steers waiting for the create continuing a parent
 
 
 # -- lanes -------------------------------------------------------------------------------------------
@@ -360,6 +427,10 @@ STREAM_LIMIT: Final = ProtocolError(
 )
 
 
+def _unsupported(event_type: str) -> ProtocolError:
+    return ProtocolError(f"Unsupported event type: '{event_type}'.", code="unsupported_event_type", param="type")
+
+
 def valid_stream_id(value: object) -> bool:
     """1 to 256 ASCII letters, digits, `_`, `-` or `.` (the OpenAPI spec's pattern for `stream_id`)."""
     return isinstance(value, str) and 0 < len(value) <= STREAM_ID_MAX and _STREAM_ID_CHARS.issuperset(value)
@@ -379,6 +450,7 @@ class Connection:
         lifetime_s: float = 3600.0,
         reject_concurrent: bool = False,
         append_mode: bool = False,
+        beta: bool = False,
         ids: IdFactory | None = None,
         max_queued: int | None = None,
         max_cache_bytes: int | None = None,
@@ -389,6 +461,7 @@ class Connection:
         self.lifetime_s = lifetime_s
         self.reject_concurrent = reject_concurrent
         self.append_mode = append_mode
+        self.beta = beta  # the beta dialect of the pause machine (docs/beta.md)
         self.max_queued = max_queued
         self.max_cache_bytes = max_cache_bytes
         self.max_in_flight = max_in_flight
@@ -451,8 +524,17 @@ class Connection:
             event = AppendReceived(event.event, at, len(data))
         self.handle(self._lane_of(event), event)
 
-    def response_ended(self, job: Job, entry: CacheEntry | None, error: ProtocolError | None = None) -> None:
-        self.handle(self._lane_of_job(job), ResponseEnded(job, entry, error))
+    def call_emitted(self, job: Job, call: RequiredInput) -> None:
+        self.handle(self._lane_of_job(job), CallEmitted(job, call))
+
+    def response_ended(
+        self,
+        job: Job,
+        entry: CacheEntry | None,
+        error: ProtocolError | None = None,
+        owed: tuple[RequiredInput, ...] = (),
+    ) -> None:
+        self.handle(self._lane_of_job(job), ResponseEnded(job, entry, error, owed))
 
     def response_paused(self, job: Job, required: tuple[RequiredInput, ...]) -> None:
         self.handle(self._lane_of_job(job), ResponsePaused(job, required))
@@ -508,9 +590,17 @@ class Connection:
             return self.lanes[event.request.params.stream_id]  # `_classify` made sure it exists
         if isinstance(event, BadFrame):
             return self.lanes.get(event.stream_id, self.default)
-        if isinstance(event, AppendReceived) and event.event.response_id is not None:
+        target = None
+        if isinstance(event, AppendReceived):
+            target = event.event.response_id
+        elif isinstance(event, SteerReceived):
+            target = event.event.previous_response_id
+        if target is not None:
             for lane in self.lanes.values():
-                if lane.in_flight is not None and lane.in_flight.response_id == event.event.response_id:
+                if lane.in_flight is not None and lane.in_flight.response_id == target:
+                    return lane
+            for lane in self.lanes.values():
+                if lane.last_ended == target:
                     return lane
         return self.default
 
@@ -546,6 +636,8 @@ class Connection:
                     stream_id, stream_prefix(stream_id), CS.EXPIRED if self.expired else CS.IDLE
                 )
             return CreateReceived(request)
+        if isinstance(event, ResponseSteer):
+            return SteerReceived(event) if self.beta else BadFrame(_unsupported("response.steer"))
         return AppendReceived(event)
 
     def _bad(self, data: str | bytes, exc: msgspec.ValidationError | msgspec.DecodeError) -> BadFrame:
@@ -557,9 +649,11 @@ class Connection:
             return BadFrame(
                 ProtocolError("Each WebSocket message must be a JSON object.", code="invalid_json", param=None)
             )
+        if env.type == "response.steer" and not self.beta:
+            return BadFrame(_unsupported(env.type))  # not an event type outside the beta
         if env.type is None:
             err = ProtocolError("Missing required parameter: 'type'.", code="missing_required_parameter", param="type")
-        elif env.type not in ("response.create", "response.append", "response.inject"):
+        elif env.type not in ("response.create", "response.append", "response.inject", "response.steer"):
             err = ProtocolError(f"Unsupported event type: '{env.type}'.", code="unsupported_event_type", param="type")
         elif env.type == "response.create" and "$.stream_id" in str(exc):
             return BadFrame(INVALID_STREAM_ID)  # not a string: no lane to answer on, nothing to evict
@@ -635,6 +729,12 @@ class Connection:
             raise ConnectionStateError("nothing is queued")
         _, queued = lane.queue.popleft()
         request = queued.request
+        if lane.parked is not None and lane.parked[0] == request.previous_response_id:
+            # Beta: steers queued for a parent that stopped for client tool outputs are
+            # prepended, in submission order, to the create that continues it.
+            steered = tuple(item for steer in lane.parked[1] for item in steer.items)
+            request = dataclasses.replace(request, items=steered + request.items)
+            lane.parked = None
         self._jobs += 1
         prev = request.previous_response_id
         cached = self._cached(prev) if prev is not None else None
@@ -692,6 +792,33 @@ class Connection:
             self._evict(lane, event.job.request.previous_response_id)
             if event.error is not None:
                 self._error(event.error, lane)
+        steers, lane.steers = lane.steers, []
+        if not steers:
+            return
+        if event.entry is None:
+            for steer in steers:  # nothing to continue from: the input comes back
+                self._steer_failed(
+                    lane,
+                    steer.input,
+                    steer.ref.previous_response_id,
+                    "response_not_active",
+                    "The response ended before the steering input could be committed.",
+                    steer.ref.id,
+                )
+        elif event.owed:
+            lane.parked = (event.job.response_id, steers)  # the engine sent response.steer.pending
+        elif not self.expired:
+            self._successor(lane, event.job, steers)
+
+    def _successor(self, lane: Lane, parent: Job, steers: list[_Steer]) -> None:
+        """The automatic successor: the parent's settings, the queued input, the parent as its
+        `previous_response_id`; it runs next on the lane (its `response.created` commits the steers)."""
+        request = parent.request
+        params = structs.replace(request.params, previous_response_id=parent.response_id)
+        items = tuple(item for steer in steers for item in steer.items)
+        successor = dataclasses.replace(request, params=params, items=items, generate=True)
+        self._arrivals += 1
+        lane.queue.appendleft((self._arrivals, CreateReceived(successor, parent.arrived_at)))
 
     def _ended(self, lane: Lane, event: ResponseEnded) -> None:
         self._finish_job(lane, event)
@@ -736,7 +863,8 @@ class Connection:
     # -- append mode ---------------------------------------------------------------------------------
 
     def _paused(self, lane: Lane, event: ResponsePaused) -> None:
-        lane.pause = _Pause(event.job, {r.call_id: r.name for r in event.required})
+        if lane.pause is None or lane.pause.job is not event.job:  # beta: the book of the emitted calls stands
+            lane.pause = _Pause(event.job, {r.call_id: r.name for r in event.required})
         self._out.append(ArmPauseTimer(event.job))
 
     def _resume(self, lane: Lane, event: AllAnswered) -> None:
@@ -773,7 +901,18 @@ class Connection:
 
     def _append(self, lane: Lane, event: AppendReceived) -> None:
         append = event.event
-        if not self.append_mode:
+        if self.beta and isinstance(append, ResponseAppend):
+            self._error(
+                ProtocolError(
+                    "Unsupported event type: 'response.append'. The responses_multi_agent beta resumes a "
+                    "response with response.inject.",
+                    code="unsupported_event_type",
+                    param="type",
+                ),
+                None,
+            )
+            return
+        if not (self.append_mode or self.beta):
             self._error(
                 ProtocolError(
                     f"Unsupported event type: '{append.__struct_config__.tag}'. Append mode is not enabled "
@@ -797,6 +936,92 @@ class Connection:
         pause.last_at, pause.last_bytes = event.at, event.body_bytes
         if isinstance(append, ResponseInject):
             self._out.append(AckInject(pause.job))
+
+    def _called(self, lane: Lane, event: CallEmitted) -> None:
+        """Beta: an async call is answerable from now on (its output may come before the pause)."""
+        if event.job is not lane.in_flight:
+            raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
+        if lane.pause is None:
+            lane.pause = _Pause(event.job, {})
+        lane.pause.pending[event.call.call_id] = event.call.name
+
+    def _steer(self, lane: Lane, event: SteerReceived) -> None:
+        steer = event.event
+        target = steer.previous_response_id
+        job = lane.in_flight
+        owner = lane if (job is not None and job.response_id == target) or lane.last_ended == target else None
+        try:
+            items = self._steer_items(steer.input)
+        except ProtocolError as err:
+            self._steer_failed(owner, steer.input, target, "invalid_input", err.message)
+            return
+        if job is None or job.response_id != target:
+            if target in self.ended_ids:
+                self._steer_failed(
+                    owner,
+                    steer.input,
+                    target,
+                    "response_already_completed",
+                    f"Response '{target}' has already completed and no longer accepts steering input.",
+                )
+            else:
+                self._steer_failed(
+                    None,
+                    steer.input,
+                    target,
+                    "response_not_found",
+                    f"Response '{target}' is not active on this connection.",
+                )
+            return
+        if len(lane.steers) >= MAX_PENDING_STEERS:
+            self._steer_failed(
+                lane,
+                steer.input,
+                target,
+                "too_many_pending_steers",
+                f"At most {MAX_PENDING_STEERS} steering submissions may wait for one response.",
+            )
+            return
+        ref = SteerRef(id=self.ids.new("steer"), previous_response_id=target)
+        lane.steers.append(_Steer(ref, steer.input, items))
+        self._out.append(AckSteer(job, ref))
+
+    def _steer_items(self, value: msgspec.Raw) -> tuple[Item, ...]:
+        """User messages only, each with only `type`, `role` and `content` (the beta's rule)."""
+        try:
+            decoded = msgspec.json.decode(value)
+        except msgspec.DecodeError:
+            raise ProtocolError("Invalid 'input'.", code="invalid_value", param="input") from None
+        if isinstance(decoded, str):
+            return parse_items(decoded)
+        if not isinstance(decoded, list) or not decoded:
+            raise ProtocolError(
+                "'input' must be a string or a non-empty array of user messages.", code="invalid_value", param="input"
+            )
+        for index, message in enumerate(decoded):
+            if (
+                not isinstance(message, dict)
+                or message.get("role") != "user"
+                or message.get("type", "message") != "message"
+                or not STEER_MESSAGE_KEYS.issuperset(message)
+            ):
+                raise ProtocolError(
+                    f"Invalid 'input[{index}]': steering accepts only user messages with type, role and content.",
+                    code="invalid_value",
+                    param=f"input[{index}]",
+                )
+        return parse_items([msgspec.Raw(msgspec.json.encode(m)) for m in decoded])
+
+    def _steer_failed(
+        self, lane: Lane | None, value: msgspec.Raw, target: str, code: str, message: str, steer_id: str | None = None
+    ) -> None:
+        submission = SteerSubmission(input=value, previous_response_id=target)
+        if steer_id is not None:
+            submission = SteerSubmission(input=value, previous_response_id=target, id=steer_id)
+        failed = ResponseSteerFailed(  # belongs to no running stream: numbered 0
+            sequence_number=0, error=SteerError(code=code, message=message), steer=submission
+        )
+        self._out.append(SendFrame(tag_stream(encode(failed), lane.prefix if lane is not None else None)))
 
     def _target(self, lane: Lane, response_id: str | None) -> _Pause:
         """The paused response an append is for, or the error that says why there is none."""
@@ -850,8 +1075,13 @@ class Connection:
         on_lane = (
             lane if lane.in_flight is not None and append.response_id in (None, lane.in_flight.response_id) else None
         )
-        if isinstance(append, ResponseAppend):
-            self._error(err, on_lane)
+        beta_failure = err.code in ("response_not_found", "response_already_completed")
+        if isinstance(append, ResponseAppend) or (self.beta and not beta_failure):
+            # Beta: `response.inject.failed` is for input another response may take (its two
+            # codes); input that is wrong for any response is an `error` (docs/beta.md).
+            self._error(
+                err, on_lane if on_lane is not None else (lane if lane.last_ended == append.response_id else None)
+            )
             return
         target = append.response_id or (lane.in_flight.response_id if lane.in_flight else "")
         if pause is not None and target == pause.job.response_id:
@@ -889,6 +1119,9 @@ _TRANSITIONS: Final[dict[tuple[CS, type], tuple[Action, CS]]] = {
     (CS.DRAINING, LimitReached): (C._nothing, CS.DRAINING),
     (CS.EXPIRED, LimitReached): (C._nothing, CS.EXPIRED),
     **{(s, AppendReceived): (C._append, s) for s in _OPEN},
+    **{(s, SteerReceived): (C._steer, s) for s in _OPEN},
+    (CS.ACTIVE, CallEmitted): (C._called, CS.ACTIVE),
+    (CS.DRAINING, CallEmitted): (C._called, CS.DRAINING),
     **{(s, BadFrame): (C._bad_frame, s) for s in _OPEN},
     **{(s, Disconnected): (C._disconnect, CS.CLOSED) for s in _OPEN},
     (CS.CLOSED, Disconnected): (C._nothing, CS.CLOSED),

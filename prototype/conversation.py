@@ -415,7 +415,7 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
                 f"Duplicate tool name: '{view.name}'.", code="invalid_value", param=f"tools[{index}].name"
             )
         seen.add(view.name)
-        tools.append(FunctionTool(view.name, view.description, params, view.strict))
+        tools.append(FunctionTool(view.name, view.description, params, view.strict, view.is_async is True))
     return tuple(tools)
 
 

@@ -62,10 +62,11 @@ from .conversation import (
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
 from .metrics import Histogram
-from .model import ModelRequest, Prefilled, SamplingFinished, TokenArray, TokenModel, TokensSampled
+from .model import ItemFinished, ModelRequest, Prefilled, SamplingFinished, TokenArray, TokenModel, TokensSampled
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
 from .safety import ClassifierState, SafetyClassifier
 from .schemas import (
+    FunctionCall,
     OutputItem,
     RequiredInput,
     Response,
@@ -75,13 +76,24 @@ from .schemas import (
     ResponseIncomplete,
     ServerEvent,
     StageReport,
+    SteerRef,
     StoredResponse,
     decode_stored,
     encode,
     is_null,
 )
 from .store import ResponseStore, StoreUnavailable
-from .stream import InjectAccepted, InjectRefused, Pause, ResponseStream, Resume, Start, StreamError
+from .stream import (
+    InjectAccepted,
+    InjectRefused,
+    Pause,
+    ResponseStream,
+    Resume,
+    Start,
+    SteerAccepted,
+    SteerPending,
+    StreamError,
+)
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -135,6 +147,7 @@ class Outcome:
     entry: CacheEntry | None  # None unless the response completed (or ended incomplete)
     error: ProtocolError | None = None  # set when the request failed before streaming started
     failure: ProtocolError | None = None  # set when the response ended `failed`: what to say over HTTP
+    owed: tuple[RequiredInput, ...] = ()  # beta: client calls the response ended on, unanswered
 
     @property
     def ok(self) -> bool:
@@ -153,8 +166,15 @@ class Aborted:
 
 
 class PauseChannel(Protocol):
-    """Whom a paused append-mode response tells that it paused (the session, which asks the
-    connection core). The core's decision comes back through `ResponseRun.resume`."""
+    """Whom a pausing response tells that it started, emitted an async call, and paused (the
+    session, which asks the connection core). The core's decision comes back through
+    `ResponseRun.resume`. `dialect` names the pause's wire rendering (stream.DIALECTS)."""
+
+    dialect: str
+
+    def started(self, run: ResponseRun) -> None: ...
+
+    async def called(self, run: ResponseRun, call: RequiredInput) -> None: ...
 
     async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None: ...
 
@@ -523,6 +543,8 @@ class ResponseRun:
         self.stages = _Stages(engine.clock, engine._counts, arrival.at)
         self.template = engine.new_response(request, response_id)
         self.in_context = 0  # append mode: output items already interleaved in the context
+        self.beta = pauses is not None and pauses.dialect == "beta"
+        self.steers: list[SteerRef] = []  # beta: steers queued for this response, in order
 
     def _uses(self, optimization: Optimization) -> bool:
         return self.engine._uses(self.arrival, optimization)
@@ -537,7 +559,14 @@ class ResponseRun:
             self.resolved = await self.resolve(cached, fork=fork)
         except ProtocolError as err:
             return Outcome(self.template, None, err)
-        self.stream = ResponseStream(self.template, engine.ids)
+        if self.pauses is not None:
+            async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
+            self.stream = ResponseStream(
+                self.template, engine.ids, dialect=self.pauses.dialect, async_tools=async_tools
+            )
+            self.pauses.started(self)
+        else:
+            self.stream = ResponseStream(self.template, engine.ids)
         self.turn = _Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
@@ -642,7 +671,13 @@ class ResponseRun:
             await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.inference_hop_s)
             while True:
                 done = await self._sample(turn.model_request())
-                required = stream.pending_calls()
+                if self.beta:
+                    # Only async calls make the response wait; any other call ends it (docs/beta.md).
+                    required, owed = stream.split_calls()
+                    if owed or not required or done.reason != "stop":
+                        return await self._finish(stream.receive(done), owed=tuple(owed))
+                else:
+                    required = stream.pending_calls()
                 if self.pauses is None or not required or done.reason != "stop":
                     return await self._finish(stream.receive(done))
                 ended = await self._pause(self.pauses, tuple(required))
@@ -691,6 +726,10 @@ class ResponseRun:
         rendered = stages.report.tokens_rendered - before
         await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * rendered)
         await self._classify(self.resolved)
+        if self.steers:
+            # Beta: the resume point is a safe output boundary (no output in flight, no call
+            # owed): a queued steer ends the response here; its successor commits the steer.
+            return await self._finish(stream.end_incomplete("steered"))
         await self.emit(stream.receive(Resume(input_tokens=turn.prompt_tokens)))
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(stream.end_incomplete("content_filter"))
@@ -705,6 +744,12 @@ class ResponseRun:
     async def acknowledge_inject(self, refused: InjectRefused | None) -> None:
         """`response.inject.created` (or `.failed`), numbered in this response's stream."""
         await self.emit(self.stream.receive(refused or InjectAccepted()))
+
+    async def acknowledge_steer(self, steer: SteerRef) -> None:
+        """Beta: `response.steer.accepted`, numbered in this response's stream; the steer takes
+        effect at the next safe boundary (a resume), or when the response ends."""
+        self.steers.append(steer)
+        await self.emit(self.stream.receive(SteerAccepted(steer)))
 
     async def _sample(self, request: ModelRequest) -> SamplingFinished:
         stream, stages, emit = self.stream, self.stages, self.emit
@@ -722,13 +767,21 @@ class ResponseRun:
                     elif isinstance(event, SamplingFinished):
                         stages.lap(Stage.DECODE)
                         return event
+                    elif self.beta and isinstance(event, ItemFinished):
+                        await emit(receive(event))
+                        call = stream.output[-1]
+                        if isinstance(call, FunctionCall) and call.is_async is True and self.pauses is not None:
+                            # Its output may be injected from now on, while the model decodes on.
+                            await self.pauses.called(self, RequiredInput(call_id=call.call_id, name=call.name))
+                        continue
                 await emit(receive(event))
         raise StreamError("model ended without SamplingFinished")
 
     # -- post-inference ----------------------------------------------------------------------------
 
-    async def _finish(self, events: list[ServerEvent]) -> Outcome:
-        """Post-inference, once per response: billing, persist the final Response, then the terminal event."""
+    async def _finish(self, events: list[ServerEvent], owed: tuple[RequiredInput, ...] = ()) -> Outcome:
+        """Post-inference, once per response: billing, persist the final Response, then the terminal
+        event (beta: then `response.steer.pending` for each queued steer if it ended owing calls)."""
         engine, stream, stages, request, resolved = self.engine, self.stream, self.stages, self.request, self.resolved
         billing = engine.profile.billing_s
         if self._uses(Optimization.ASYNC_BILLING):
@@ -765,8 +818,13 @@ class ResponseRun:
             resolved.safety,
             resolved.safety_chunks,
         )
+        if owed and self.steers and response.status == "completed":
+            for steer in self.steers:
+                events.extend(stream.receive(SteerPending(steer, owed)))
+        else:
+            owed = owed if response.status == "completed" else ()
         await self.emit(events)
-        return Outcome(response, entry)
+        return Outcome(response, entry, owed=owed)
 
     async def _unstored(self, events: list[ServerEvent], err: ProtocolError) -> Outcome:
         """The store write failed: the terminal event, not sent yet, becomes `response.failed`

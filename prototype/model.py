@@ -52,6 +52,7 @@ class FunctionTool:
     description: str | None
     parameters_json: bytes  # the JSON Schema, verbatim from the request
     strict: bool | None = None
+    is_async: bool = False  # beta `async: true`: the response need not wait for its output (docs/beta.md)
 
 
 @dataclass(frozen=True, slots=True)

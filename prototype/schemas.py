@@ -71,6 +71,13 @@ __all__ = [
     "ResponseInject",
     "ResponseInjectCreated",
     "ResponseInjectFailed",
+    "ResponseSteer",
+    "ResponseSteerAccepted",
+    "ResponseSteerFailed",
+    "ResponseSteerPending",
+    "SteerError",
+    "SteerRef",
+    "SteerSubmission",
     "ServerEvent",
     "StageReport",
     "StoredResponse",
@@ -170,7 +177,14 @@ class ResponseInject(_ClientEvent, tag="response.inject"):
     response_id: str | None = None
 
 
-ClientEvent = ResponseCreate | ResponseAppend | ResponseInject
+class ResponseSteer(_ClientEvent, tag="response.steer"):
+    """Beta dialect (docs/beta.md): user input queued for a running response."""
+
+    input: Raw
+    previous_response_id: str
+
+
+ClientEvent = ResponseCreate | ResponseAppend | ResponseInject | ResponseSteer
 
 
 class _Envelope(msgspec.Struct):
@@ -217,6 +231,8 @@ class ToolView(msgspec.Struct):
     description: str | None = None
     parameters: Raw = NULL
     strict: bool | None = None
+    # The beta's async function tools (`BetaFunctionTool.async_` in openai-python, docs/beta.md).
+    is_async: bool | None = msgspec.field(default=None, name="async")
 
 
 # --------------------------------------------------------------------------- items and the Response object
@@ -241,6 +257,8 @@ class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_onl
     arguments: str
     call_id: str
     name: str
+    # Beta dialect only: the call of an async function tool (docs/beta.md); absent otherwise.
+    is_async: bool | UnsetType = msgspec.field(default=UNSET, name="async")
 
 
 OutputItem = OutputMessage | FunctionCall
@@ -456,6 +474,38 @@ class ResponseInjectFailed(_ServerEvent, tag="response.inject.failed"):
     error: InjectError
 
 
+class SteerRef(msgspec.Struct):
+    id: str
+    previous_response_id: str
+
+
+class ResponseSteerAccepted(_ServerEvent, tag="response.steer.accepted"):
+    steer: SteerRef
+
+
+class ResponseSteerPending(_ServerEvent, tag="response.steer.pending"):
+    reason: str
+    required_input: list[RequiredInput]
+    steer: SteerRef
+
+
+class SteerError(msgspec.Struct):
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+
+
+class SteerSubmission(msgspec.Struct):
+    input: Raw
+    previous_response_id: str
+    id: str | UnsetType = UNSET  # absent when refused before an id was given
+
+
+class ResponseSteerFailed(_ServerEvent, tag="response.steer.failed"):
+    error: SteerError
+    steer: SteerSubmission
+
+
 class ErrorBody(msgspec.Struct):
     type: str
     code: str | None
@@ -499,6 +549,9 @@ ServerEvent = (
     | FunctionCallArgumentsDone
     | ResponseInjectCreated
     | ResponseInjectFailed
+    | ResponseSteerAccepted
+    | ResponseSteerPending
+    | ResponseSteerFailed
     | ErrorEvent
 )
 

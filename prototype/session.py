@@ -23,6 +23,7 @@ from .cache import stream_prefix
 from .connection import (
     AbortPause,
     AckInject,
+    AckSteer,
     ArmPauseTimer,
     CancelJob,
     CloseSocket,
@@ -49,6 +50,7 @@ from .schemas import (
 
 __all__ = [
     "BatchedFrames",
+    "MULTI_AGENT_BETA",
     "ServerConfig",
     "SessionSocket",
     "TextSender",
@@ -67,6 +69,9 @@ MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 # Append mode is opted into per connection (docs/protocol.md): the historical V1 beta header
 # value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
 APPEND_BETA: Final = "responses_websockets=2026-02-04"
+# The shipped beta of inject, steering and async tools (docs/beta.md), opted into per connection
+# with this `OpenAI-Beta` value (the value openai-python's beta methods send as `betas`).
+MULTI_AGENT_BETA: Final = "responses_multi_agent=v1"
 # Per-connection and per-server limits (ServerConfig; None = unlimited). Codex never queues
 # more than one create; a cache entry of a 10M-character history is about 20 MiB.
 MAX_QUEUED_CREATES: Final = 64
@@ -219,6 +224,7 @@ class WebSocketSession:
         ws: SessionSocket,
         *,
         append_mode: bool = False,
+        beta: bool = False,
         writer: TextSender | None = None,
     ) -> None:
         self.engine = engine
@@ -228,7 +234,8 @@ class WebSocketSession:
         self.conn = Connection(
             lifetime_s=config.connection_lifetime_s,
             reject_concurrent=config.reject_concurrent,
-            append_mode=append_mode,
+            append_mode=append_mode and not beta,
+            beta=beta,
             ids=engine.ids,
             max_queued=config.max_queued_creates,
             max_cache_bytes=config.max_cache_bytes,
@@ -237,6 +244,7 @@ class WebSocketSession:
         self.jobs: dict[int, asyncio.Task[None]] = {}  # by job number
         self.pause_timers: dict[int, asyncio.Task[None]] = {}
         self.paused_runs: dict[int, ResponseRun] = {}  # by job number, while paused
+        self.runs: dict[int, ResponseRun] = {}  # by job number, append or beta, while in flight
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
@@ -292,9 +300,13 @@ class WebSocketSession:
                 case AbortPause(job=job, reason=reason):
                     self._decide(job, Aborted(reason))
                 case AckInject(job=job, refused=refused):
-                    run = self.paused_runs.get(job.number)
+                    run = self.runs.get(job.number)
                     if run is not None:
                         await run.acknowledge_inject(refused)
+                case AckSteer(job=job, steer=steer):
+                    run = self.runs.get(job.number)
+                    if run is not None:
+                        await run.acknowledge_steer(steer)
 
     def _flush_frames(self) -> None:
         if isinstance(self.writer, BatchedFrames):
@@ -356,7 +368,9 @@ class WebSocketSession:
                 emit,
                 arrival=arrival,
                 response_id=job.response_id,
-                pauses=_JobPauses(self, job) if self.conn.append_mode else None,
+                pauses=_JobPauses(self, job, "beta" if self.conn.beta else "append")
+                if self.conn.append_mode or self.conn.beta
+                else None,
                 fork=not job.exclusive,
             )
         except ConnectionResetError:
@@ -365,20 +379,29 @@ class WebSocketSession:
             log.exception("job %d failed", job.number)
             self.conn.response_ended(job, None, INTERNAL_ERROR)
         else:
-            self.conn.response_ended(job, outcome.entry, outcome.error)
+            self.conn.response_ended(job, outcome.entry, outcome.error, outcome.owed)
         finally:
             self.jobs.pop(job.number, None)
+            self.runs.pop(job.number, None)
         await self._flush()
 
 
 class _JobPauses:
     """The `PauseChannel` of one response of a session."""
 
-    __slots__ = ("job", "session")
+    __slots__ = ("dialect", "job", "session")
 
-    def __init__(self, session: WebSocketSession, job: Job) -> None:
+    def __init__(self, session: WebSocketSession, job: Job, dialect: str) -> None:
         self.session = session
         self.job = job
+        self.dialect = dialect
+
+    def started(self, run: ResponseRun) -> None:
+        self.session.runs[self.job.number] = run
+
+    async def called(self, run: ResponseRun, call: RequiredInput) -> None:
+        self.session.conn.call_emitted(self.job, call)
+        await self.session._flush()
 
     async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
         await self.session.paused(self.job, run, required)

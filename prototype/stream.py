@@ -20,9 +20,14 @@ Invariants:
 * The items of `output_item.done` are exactly `response.output` of the terminal
   event (Codex chains incrementally only if they are).
 * Nothing follows a terminal event.
-* In append mode a response may pause (`response.done`, non-terminal status
-  `in_progress`) and resume (`response.in_progress`); output indices and
-  sequence numbers continue across segments.
+* A response may pause for client tool outputs and resume (`response.in_progress`);
+  output indices and sequence numbers continue across segments. One machine, two
+  renderings of the pause (its *dialect*): append mode announces it with
+  `response.done` (non-terminal status `in_progress`); the beta (docs/beta.md) sends
+  nothing, since the async calls' `output_item.done` events already told the client.
+* Beta acknowledgements (`response.inject.created`/`.failed`, `response.steer.accepted`)
+  are numbered in the stream wherever it is; `response.steer.pending` follows
+  `response.completed` (the one event after a terminal one, as the beta types say).
 
 Every legal (state, input) pair is a row of `_TRANSITIONS`: the action that makes its
 events and the next state. A `SamplingFinished` whose reason is `max_output_tokens` is
@@ -70,12 +75,18 @@ from .schemas import (
     ResponseInjectCreated,
     ResponseInjectFailed,
     ResponseInProgress,
+    ResponseSteerAccepted,
+    ResponseSteerPending,
     ServerEvent,
+    SteerRef,
     Usage,
 )
 
 __all__ = [
+    "DIALECTS",
     "EndIncomplete",
+    "SteerAccepted",
+    "SteerPending",
     "Fail",
     "InjectAccepted",
     "InjectRefused",
@@ -101,6 +112,7 @@ class RS(enum.Enum):
 
 
 TERMINAL: Final = frozenset({RS.COMPLETED, RS.INCOMPLETE, RS.FAILED})
+DIALECTS: Final = ("append", "beta")  # how a pause is rendered on the wire (docs/beta.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,23 +146,49 @@ class EndIncomplete:
 
 @dataclass(frozen=True, slots=True)
 class InjectAccepted:
-    """Append mode: a `response.inject` committed while the response is paused."""
+    """A `response.inject` committed (append: while paused; beta: also while sampling)."""
 
 
 @dataclass(frozen=True, slots=True)
 class InjectRefused:
-    """Append mode: a `response.inject` for the paused response, refused."""
+    """A `response.inject` for this response, refused."""
 
     input: list[Raw]
     code: str
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class SteerAccepted:
+    """Beta: a `response.steer` for this response, queued."""
+
+    steer: SteerRef
+
+
+@dataclass(frozen=True, slots=True)
+class SteerPending:
+    """Beta: the response completed waiting for client tool outputs; the steer stays queued."""
+
+    steer: SteerRef
+    required: tuple[RequiredInput, ...]
+
+
 class Truncated:
     """The input kind of a `SamplingFinished` with reason `max_output_tokens` (never instantiated)."""
 
 
-StreamInput = Start | Pause | Resume | Fail | EndIncomplete | InjectAccepted | InjectRefused | ModelEvent
+StreamInput = (
+    Start
+    | Pause
+    | Resume
+    | Fail
+    | EndIncomplete
+    | InjectAccepted
+    | InjectRefused
+    | SteerAccepted
+    | SteerPending
+    | ModelEvent
+)
 
 INPUT_TYPES: Final = (
     Start,
@@ -160,6 +198,8 @@ INPUT_TYPES: Final = (
     EndIncomplete,
     InjectAccepted,
     InjectRefused,
+    SteerAccepted,
+    SteerPending,
     Prefilled,
     ItemStarted,
     TokensSampled,
@@ -196,7 +236,19 @@ class ResponseStream:
     send, in order. `response` is the latest snapshot of the Response object.
     """
 
-    def __init__(self, template: Response, ids: IdFactory, counter: SequenceCounter | None = None) -> None:
+    def __init__(
+        self,
+        template: Response,
+        ids: IdFactory,
+        counter: SequenceCounter | None = None,
+        *,
+        dialect: str = "append",
+        async_tools: frozenset[str] = frozenset(),
+    ) -> None:
+        if dialect not in DIALECTS:
+            raise ValueError(f"unknown dialect {dialect!r}")
+        self.dialect = dialect
+        self.async_tools = async_tools if dialect == "beta" else frozenset()  # beta: calls marked `async`
         self.response = template
         self.state = RS.QUEUED
         self.output: list[OutputItem] = []
@@ -257,6 +309,15 @@ class ResponseStream:
             if isinstance(item, FunctionCall)
         ]
 
+    def split_calls(self) -> tuple[list[RequiredInput], list[RequiredInput]]:
+        """The segment's calls of async tools, and the others (beta: those end the response)."""
+        waits: list[RequiredInput] = []
+        owed: list[RequiredInput] = []
+        for item in self.segment_output():
+            if isinstance(item, FunctionCall):
+                (waits if item.is_async is True else owed).append(RequiredInput(call_id=item.call_id, name=item.name))
+        return waits, owed
+
     # -- transitions -------------------------------------------------------------------------------
 
     def _start(self, event: Start) -> list[ServerEvent]:
@@ -286,6 +347,8 @@ class ResponseStream:
         call = FunctionCall(
             id=self._ids.new("fc"), status="in_progress", arguments="", call_id=self._ids.new("call"), name=event.name
         )
+        if event.name in self.async_tools:
+            call = structs.replace(call, is_async=True)
         self._item = call
         return [OutputItemAdded(sequence_number=self._next(), output_index=index, item=call)]
 
@@ -370,6 +433,8 @@ class ResponseStream:
 
     def _pause(self, event: Pause) -> list[ServerEvent]:
         self.response = structs.replace(self.response, status="in_progress", output=list(self.output), usage=None)
+        if self.dialect == "beta":
+            return []  # the beta has no pause event: the async calls' output_item.done said it all
         return [ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())]
 
     def _resume(self, event: Resume) -> list[ServerEvent]:
@@ -391,6 +456,19 @@ class ResponseStream:
             )
         ]
 
+    def _steer_accepted(self, event: SteerAccepted) -> list[ServerEvent]:
+        return [ResponseSteerAccepted(sequence_number=self._next(), steer=event.steer)]
+
+    def _steer_pending(self, event: SteerPending) -> list[ServerEvent]:
+        return [
+            ResponseSteerPending(
+                sequence_number=self._next(),
+                reason="waiting_for_required_input",
+                required_input=list(event.required),
+                steer=event.steer,
+            )
+        ]
+
     def _fail(self, event: Fail) -> list[ServerEvent]:
         self.response = structs.replace(
             self.response,
@@ -405,6 +483,7 @@ class ResponseStream:
 # -- the table: (state, input kind) -> (action, next state) -------------------------------------------
 
 Action = Callable[[ResponseStream, Any], list[ServerEvent]]
+_LIVE: Final = (RS.IN_PROGRESS, RS.IN_ITEM, RS.PAUSED)  # started and not ended
 R = ResponseStream
 _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.QUEUED, Start): (R._start, RS.IN_PROGRESS),
@@ -416,8 +495,10 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.IN_PROGRESS, Truncated): (R._truncate, RS.INCOMPLETE),
     (RS.IN_PROGRESS, Pause): (R._pause, RS.PAUSED),
     (RS.PAUSED, Resume): (R._resume, RS.IN_PROGRESS),
-    (RS.PAUSED, InjectAccepted): (R._inject_accepted, RS.PAUSED),  # numbered in the paused stream
-    (RS.PAUSED, InjectRefused): (R._inject_refused, RS.PAUSED),
+    **{(s, InjectAccepted): (R._inject_accepted, s) for s in _LIVE},  # numbered where the stream is
+    **{(s, InjectRefused): (R._inject_refused, s) for s in _LIVE},
+    **{(s, SteerAccepted): (R._steer_accepted, s) for s in _LIVE},
+    (RS.COMPLETED, SteerPending): (R._steer_pending, RS.COMPLETED),  # after response.completed
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.QUEUED, Fail): (R._fail, RS.FAILED),

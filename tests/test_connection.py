@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -19,6 +20,7 @@ from prototype.connection import (
     AppendReceived,
     ArmPauseTimer,
     BadFrame,
+    CallEmitted,
     CancelJob,
     CloseSocket,
     Connection,
@@ -35,11 +37,12 @@ from prototype.connection import (
     ResumeJob,
     SendFrame,
     StartJob,
+    SteerReceived,
     limit_message,
 )
 from prototype.conversation import Context, Preamble, normalize_create
 from prototype.errors import ProtocolError
-from prototype.schemas import CreateParams, RequiredInput, Response, decode_client_event
+from prototype.schemas import CreateParams, RequiredInput, Response, ResponseSteer, decode_client_event
 
 
 def create(**fields: object) -> str:
@@ -302,7 +305,8 @@ def test_response_ended_for_a_stale_job_is_a_bug() -> None:
 #
 # One row per legal move of a lane, in plain words: (state, input, what the connection puts out,
 # next state). Every other (state, input) pair must raise ConnectionStateError and leave the lane
-# where it was. The rows are run on the default lane and on a named lane.
+# where it was. The rows are run on the default lane and on a named lane, in both dialects of the
+# pause machine (append mode and the beta): one table, whose actions render the wire per dialect.
 
 OPEN = ("idle", "active", "paused", "draining", "expired")
 LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
@@ -326,6 +330,10 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ("draining", "limit", (), "draining"),
     ("expired", "limit", (), "expired"),
     *[(state, "append", ("error",), state) for state in OPEN],  # an append for nothing paused: an error
+    # A steer naming no response in flight: `response.steer.failed`, on no lane.
+    *[(state, "steer", ("steer failed: response_not_found",), state) for state in OPEN],
+    ("active", "call emitted", (), "active"),  # beta: an async call is answerable from now on
+    ("draining", "call emitted", (), "draining"),
     *[(state, "bad frame", ("error: invalid_json",), state) for state in OPEN],
     ("idle", "disconnect", (), "closed"),
     ("active", "disconnect", ("cancel",), "closed"),
@@ -345,6 +353,8 @@ STATES = {
 INPUTS = {
     "create": CreateReceived,
     "append": AppendReceived,
+    "steer": SteerReceived,
+    "call emitted": CallEmitted,
     "bad frame": BadFrame,
     "dequeue": Dequeue,
     "paused": ResponsePaused,
@@ -362,8 +372,8 @@ def test_the_expected_table_names_every_state_and_input() -> None:
     assert len({(row[0], row[1]) for row in LEGAL}) == len(LEGAL)
 
 
-def lane_in(state: CS, stream_id: str | None) -> tuple[Connection, Lane]:
-    c = Connection(lifetime_s=1, append_mode=True)
+def lane_in(state: CS, stream_id: str | None, dialect: str = "append") -> tuple[Connection, Lane]:
+    c = Connection(lifetime_s=1, append_mode=dialect == "append", beta=dialect == "beta")
     lanes = {} if stream_id is None else {"stream_id": stream_id}
     if stream_id is not None:  # open the lane with one finished response
         c.receive_text(create(**lanes))
@@ -392,6 +402,8 @@ def lane_input(c: Connection, lane: Lane, name: str) -> object:
     return {
         "create": CreateReceived(request),
         "append": AppendReceived(decode_client_event(append(input=[fco("call_zz")]).encode())),  # type: ignore[arg-type]
+        "steer": SteerReceived(ResponseSteer(input=msgspec.Raw(b'"stop"'), previous_response_id="resp_zz")),
+        "call emitted": CallEmitted(job, RequiredInput(call_id="call_9", name="exec_command")),
         "bad frame": BadFrame(ProtocolError("bad", code="invalid_json"), stream_id=lane.stream_id),
         "dequeue": Dequeue(),
         "ended": ResponseEnded(job, entry("resp_x")),
@@ -417,19 +429,21 @@ def described(out: object) -> str:
     if isinstance(out, CloseSocket):
         return f"close {out.code}"
     assert isinstance(out, SendFrame)
-    return "error"
+    kind = json.loads(out.data)["type"]
+    return "steer failed" if kind == "response.steer.failed" else "error"
 
 
 def expected_words(words: tuple[str, ...]) -> list[str]:
     return [w.split(":")[0].replace("notice", "error") for w in words]
 
 
+@pytest.mark.parametrize("dialect", ["append", "beta"])
 @pytest.mark.parametrize("stream_id", [None, "lane-1"], ids=["default lane", "named lane"])
 @pytest.mark.parametrize(
     ("state", "input_name"), list(itertools.product(STATES, INPUTS)), ids=lambda v: str(v).replace(" ", "_")
 )
-def test_every_state_input_pair(state: str, input_name: str, stream_id: str | None) -> None:
-    c, lane = lane_in(STATES[state], stream_id)
+def test_every_state_input_pair(state: str, input_name: str, stream_id: str | None, dialect: str) -> None:
+    c, lane = lane_in(STATES[state], stream_id, dialect)
     event = lane_input(c, lane, input_name)
     row = next((r for r in LEGAL if r[0] == state and r[1] == input_name), None)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 
 from prototype.ids import IdFactory
 from prototype.model import ItemFinished, ItemStarted, Prefilled, SamplingFinished, TokensSampled
-from prototype.schemas import FunctionCall, OutputMessage, Response, encode
+from prototype.schemas import FunctionCall, OutputMessage, RequiredInput, Response, SteerRef, encode
 from prototype.stream import (
     INPUT_TYPES,
     RS,
@@ -20,6 +21,8 @@ from prototype.stream import (
     ResponseStream,
     Resume,
     Start,
+    SteerAccepted,
+    SteerPending,
     StreamError,
     Truncated,
 )
@@ -167,7 +170,10 @@ def test_end_incomplete_from_pause() -> None:
 # -- every (state, input) pair, against a table written here -------------------------------------
 #
 # One row per legal move, in plain words: (state, input, the events it sends, next state). Every
-# other pair raises StreamError and leaves the stream where it was.
+# other pair raises StreamError and leaves the stream where it was. The table is the same in both
+# dialects; only the pause's rendering differs (PAUSE_EVENTS): append announces it, the beta does not.
+
+PAUSE_EVENTS = {"append": ("response.done",), "beta": ()}
 
 LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ("queued", "start", ("response.created", "response.in_progress"), "in progress"),
@@ -176,7 +182,7 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ("in progress", "item started", ("response.output_item.added", "response.content_part.added"), "in item"),
     ("in progress", "sampling finished", ("response.completed",), "completed"),
     ("in progress", "truncated", ("response.incomplete",), "incomplete"),  # max_output_tokens
-    ("in progress", "pause", ("response.done",), "paused"),
+    ("in progress", "pause", ("<pause>",), "paused"),
     ("in progress", "end incomplete", ("response.incomplete",), "incomplete"),
     ("in progress", "fail", ("response.failed",), "failed"),
     ("in item", "tokens", ("response.output_text.delta",), "in item"),
@@ -188,8 +194,18 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ),
     ("in item", "fail", ("response.failed",), "failed"),
     ("paused", "resume", ("response.in_progress",), "in progress"),
-    ("paused", "inject accepted", ("response.inject.created",), "paused"),
-    ("paused", "inject refused", ("response.inject.failed",), "paused"),
+    # Acknowledgements are numbered wherever the live stream is (beta injects answer async calls
+    # while the model still decodes; append ones only come while paused).
+    *[
+        (state, ack, (event,), state)
+        for state in ("in progress", "in item", "paused")
+        for ack, event in (
+            ("inject accepted", "response.inject.created"),
+            ("inject refused", "response.inject.failed"),
+            ("steer accepted", "response.steer.accepted"),
+        )
+    ],
+    ("completed", "steer pending", ("response.steer.pending",), "completed"),  # after response.completed
     ("paused", "end incomplete", ("response.incomplete",), "incomplete"),
     ("paused", "fail", ("response.failed",), "failed"),
 ]
@@ -210,6 +226,11 @@ INPUTS: dict[str, tuple[type, object]] = {
     "end incomplete": (EndIncomplete, EndIncomplete("append_timeout")),
     "inject accepted": (InjectAccepted, InjectAccepted()),
     "inject refused": (InjectRefused, InjectRefused([], "unknown_call_id", "no such call")),
+    "steer accepted": (SteerAccepted, SteerAccepted(SteerRef(id="steer_1", previous_response_id="resp_1"))),
+    "steer pending": (
+        SteerPending,
+        SteerPending(SteerRef(id="steer_1", previous_response_id="resp_1"), (RequiredInput(call_id="c", name="f"),)),
+    ),
     "prefilled": (Prefilled, Prefilled(0)),
     "item started": (ItemStarted, ItemStarted("message")),
     "tokens": (TokensSampled, TokensSampled((1,), "a")),
@@ -224,8 +245,8 @@ def test_the_expected_table_names_every_state_and_input() -> None:
     assert len({(row[0], row[1]) for row in LEGAL}) == len(LEGAL)
 
 
-def _stream_in(state: RS) -> ResponseStream:
-    s = ResponseStream(template(), IdFactory(0))
+def _stream_in(state: RS, dialect: str = "append") -> ResponseStream:
+    s = ResponseStream(template(), IdFactory(0), dialect=dialect)
     path = {
         RS.QUEUED: [],
         RS.IN_PROGRESS: [Start(1)],
@@ -241,10 +262,12 @@ def _stream_in(state: RS) -> ResponseStream:
 
 
 @pytest.mark.parametrize(
-    ("state", "input_name"), list(itertools.product(STATES, INPUTS)), ids=lambda v: str(v).replace(" ", "_")
+    ("dialect", "state", "input_name"),
+    list(itertools.product(PAUSE_EVENTS, STATES, INPUTS)),
+    ids=lambda v: str(v).replace(" ", "_"),
 )
-def test_every_state_input_pair(state: str, input_name: str) -> None:
-    s = _stream_in(STATES[state])
+def test_every_state_input_pair(dialect: str, state: str, input_name: str) -> None:
+    s = _stream_in(STATES[state], dialect)
     kind, event = INPUTS[input_name]
     row = next((r for r in LEGAL if r[0] == state and r[1] == input_name), None)
     if row is None:
@@ -253,7 +276,8 @@ def test_every_state_input_pair(state: str, input_name: str) -> None:
         assert s.state is STATES[state]  # an illegal input moves nothing
         return
     _, _, events, nxt = row
-    assert types(s.receive(event)) == list(events)  # type: ignore[arg-type]
+    expected = [e for name in events for e in (PAUSE_EVENTS[dialect] if name == "<pause>" else (name,))]
+    assert types(s.receive(event)) == expected  # type: ignore[arg-type]
     assert s.state is STATES[nxt]
 
 
@@ -269,3 +293,25 @@ def test_warm_up_start_sends_only_created() -> None:
     events = run(s, [Start(0, warm_up=True), SamplingFinished()])
     assert types(events) == ["response.created", "response.completed"]
     assert [e.sequence_number for e in events] == [0, 1]  # type: ignore[attr-defined]
+
+
+def test_beta_marks_calls_of_async_tools_and_splits_them_from_owed_calls() -> None:
+    s = ResponseStream(template(), IdFactory(0), dialect="beta", async_tools=frozenset({"slow"}))
+    events = run(s, [Start(1), ItemStarted("function_call", "slow"), ItemFinished()])
+    events += run(s, [ItemStarted("function_call", "fast"), ItemFinished()])
+    items = [e.item for e in events if type(e).__name__ == "OutputItemDone"]  # type: ignore[attr-defined]
+    assert [i.is_async for i in items] == [True, msgspec.UNSET]
+    waits, owed = s.split_calls()
+    assert [w.name for w in waits] == ["slow"] and [o.name for o in owed] == ["fast"]
+    assert b'"async":true' in encode(items[0]) and b"async" not in encode(items[1])
+
+
+def test_append_dialect_never_marks_calls_async() -> None:
+    s = ResponseStream(template(), IdFactory(0), async_tools=frozenset({"slow"}))
+    run(s, [Start(1), ItemStarted("function_call", "slow"), ItemFinished()])
+    assert s.split_calls()[0] == [] and b"async" not in encode(s.output[0])
+
+
+def test_unknown_dialect_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown dialect"):
+        ResponseStream(template(), IdFactory(0), dialect="v2")
