@@ -200,9 +200,10 @@ _taps: dict[int, tuple[StreamReader, strict.SSETap]] = {}  # id(reader) -> the S
 _read_bodies: dict[int, aiohttp.ClientResponse] = {}  # responses whose JSON body is checked
 
 
-def _checked_ws_text(data: str | bytes, path: str) -> None:
+def _checked_ws_text(data: str | bytes, path: str, beta: bool = False) -> None:
     if strict.is_responses_socket(path):
-        _checker.check_json(strict.WS_EVENT, data, where=f"WebSocket {path}")
+        kind = strict.BETA_WS_EVENT if beta else strict.WS_EVENT
+        _checker.check_json(kind, data, where=f"WebSocket {path}")
 
 
 _response_start = aiohttp.ClientResponse.start
@@ -239,7 +240,10 @@ async def _receive(self: aiohttp.ClientWebSocketResponse, timeout: float | None 
         timeout = support.RECEIVE_TIMEOUT_S
     msg = await _ws_receive(self, timeout)
     if msg.type is aiohttp.WSMsgType.TEXT:
-        _checked_ws_text(msg.data, self._response.url.path)
+        beta = strict.is_beta_socket(
+            self._response.request_info.headers.get("OpenAI-Beta", ""), self._response.url.query_string
+        )
+        _checked_ws_text(msg.data, self._response.url.path, beta)
     return msg
 
 
@@ -310,10 +314,17 @@ def _ws_path(conn: Any) -> str:
     return str(request.path).split("?", 1)[0] if request is not None else ""
 
 
+def _ws_beta(conn: Any) -> bool:
+    request = getattr(conn, "request", None)
+    if request is None:
+        return False
+    return strict.is_beta_socket(request.headers.get("OpenAI-Beta", ""), str(request.path).partition("?")[2])
+
+
 async def _recv_async(self: websockets.asyncio.connection.Connection, decode: bool | None = None) -> Any:
     async with asyncio.timeout(support.RECEIVE_TIMEOUT_S):
         data = await _async_recv(self, decode)
-    _checked_ws_text(data, _ws_path(self))  # the server sends text frames only
+    _checked_ws_text(data, _ws_path(self), _ws_beta(self))  # the server sends text frames only
     return data
 
 
@@ -321,7 +332,7 @@ def _recv_sync(
     self: websockets.sync.connection.Connection, timeout: float | None = None, decode: bool | None = None
 ) -> Any:
     data = _sync_recv(self, support.RECEIVE_TIMEOUT_S if timeout is None else timeout, decode)
-    _checked_ws_text(data, _ws_path(self))
+    _checked_ws_text(data, _ws_path(self), _ws_beta(self))
     return data
 
 

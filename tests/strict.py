@@ -28,6 +28,7 @@ import pydantic
 import referencing
 import referencing.jsonschema
 from jsonschema.exceptions import ValidationError, relevance  # type: ignore[import-untyped]
+from openai.types.beta.beta_responses_server_event import BetaResponsesServerEvent
 from openai.types.responses import Response, ResponsesServerEvent, ResponseStreamEvent
 from openai.types.shared import ErrorObject
 
@@ -40,6 +41,14 @@ SPEC_URI = "urn:openai-openapi:responses"
 RESPONSE = "Response"  # HTTP 200 body of POST/GET /v1/responses, and `response` in events
 STREAM_EVENT = "ResponseStreamEvent"  # one SSE `data:` payload
 WS_EVENT = "ResponsesServerEvent"  # one WebSocket text frame
+# One text frame of a connection opted into the responses_multi_agent beta (docs/beta.md): the
+# SDK's beta union; the spec's Beta* component where it has one, else its ResponsesServerEvent
+# branch (with the beta's own values listed in strict-exceptions.json), else the SDK alone.
+BETA_WS_EVENT = "BetaResponsesServerEvent"
+BETA_SPEC_EVENTS = {
+    "response.inject.created": "BetaResponseInjectCreatedEvent",
+    "response.inject.failed": "BetaResponseInjectFailedEvent",
+}
 ERROR = "ErrorResponse"  # HTTP 4xx/5xx body
 
 
@@ -59,6 +68,7 @@ def _members(union: Any) -> dict[str, type[pydantic.BaseModel]]:
 _SDK_UNIONS: dict[str, dict[str, type[pydantic.BaseModel]]] = {
     STREAM_EVENT: _members(ResponseStreamEvent),
     WS_EVENT: _members(ResponsesServerEvent),
+    BETA_WS_EVENT: _members(BetaResponsesServerEvent),
 }
 
 
@@ -156,19 +166,28 @@ def _excused(kind: str, path: str, value: Any) -> bool:
     """Listed in tests/data/strict-exceptions.json: the spec is stricter than the API there,
     or the value is one of the server's documented extensions."""
     table = exceptions()
-    for rule in (*table["spec_stricter_than_api"], *table["extension_values"]):
-        if kind in rule["kinds"] and fnmatch.fnmatchcase(path, rule["path"]) and value in rule["values"]:
+    kinds = {kind, WS_EVENT} if kind == BETA_WS_EVENT else {kind}  # a beta frame is a WebSocket frame too
+    for rule in (*table["spec_stricter_than_api"], *table["extension_values"], *table["beta_values"]):
+        if kinds & set(rule["kinds"]) and fnmatch.fnmatchcase(path, rule["path"]) and value in rule["values"]:
             return True
     return False
 
 
 def spec_errors(kind: str, payload: Any, *, excuse: bool = True) -> list[str]:
     """What the spec's schema for `kind` rejects in `payload`, less the listed exceptions."""
-    if kind in (STREAM_EVENT, WS_EVENT) and isinstance(payload, dict):
+    if kind == BETA_WS_EVENT and isinstance(payload, dict):
+        tag = str(payload.get("type"))
+        if tag in BETA_SPEC_EVENTS:
+            errors: Iterator[ValidationError] = validator(BETA_SPEC_EVENTS[tag]).iter_errors(payload)
+        elif tag in _branches(WS_EVENT):
+            errors = _branches(WS_EVENT)[tag].iter_errors(payload)
+        else:
+            return []  # no spec schema (the steer events): the SDK's beta model is the oracle
+    elif kind in (STREAM_EVENT, WS_EVENT) and isinstance(payload, dict):
         branch = _branches(kind).get(payload.get("type"))  # type: ignore[arg-type]
         if branch is None:
             return [f"{kind}: no branch takes type {payload.get('type')!r}"]
-        errors: Iterator[ValidationError] = branch.iter_errors(payload)
+        errors = branch.iter_errors(payload)
     else:
         errors = validator(kind).iter_errors(payload)
     out = []
@@ -192,6 +211,11 @@ def sdk_errors(kind: str, payload: Any, *, excuse: bool = True) -> list[str]:
             Response.model_validate(payload, strict=True)
         else:
             tag = payload.get("type") if isinstance(payload, dict) else None
+            if kind == BETA_WS_EVENT and _refused_steer_input(payload):
+                # A steer refused as `invalid_input` echoes what the client sent (the beta returns
+                # the original input), which need not fit the type of a valid steer input; the rest
+                # of the event is checked as usual (docs/beta.md).
+                payload = {**payload, "steer": {**payload["steer"], "input": ""}}
             model = _SDK_UNIONS[kind].get(tag)  # type: ignore[arg-type]
             if model is None:
                 return [f"SDK {kind}: no model takes type {tag!r}"]
@@ -199,6 +223,16 @@ def sdk_errors(kind: str, payload: Any, *, excuse: bool = True) -> list[str]:
     except pydantic.ValidationError as exc:
         return [f"SDK {kind} at {path or '<root>'}: {msg}" for path, msg in _sdk_problems(kind, exc, excuse)]
     return []
+
+
+def _refused_steer_input(payload: Any) -> bool:
+    return (
+        isinstance(payload, dict)
+        and payload.get("type") == "response.steer.failed"
+        and isinstance(payload.get("error"), dict)
+        and payload["error"].get("code") == "invalid_input"
+        and isinstance(payload.get("steer"), dict)
+    )
 
 
 def _sdk_problems(kind: str, exc: pydantic.ValidationError, excuse: bool) -> list[tuple[str, str]]:
@@ -272,6 +306,11 @@ def route_of(method: str, path: str) -> str | None:
     if len(parts) >= 3 and parts[-3:-1] == ["v1", "responses"]:
         return {"GET": "retrieve", "DELETE": "delete"}.get(method)
     return None
+
+
+def is_beta_socket(beta_header: str, query: str) -> bool:
+    """A socket opted into the responses_multi_agent beta (header, or `mode=beta` on the URL)."""
+    return "responses_multi_agent=v1" in beta_header or "mode=beta" in query.split("&")
 
 
 def is_responses_socket(path: str) -> bool:

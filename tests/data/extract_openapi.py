@@ -15,7 +15,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOTS = ("Response", "ResponseStreamEvent", "ResponsesServerEvent", "ResponseWsError", "ErrorResponse", "Error")
+ROOTS = (
+    "Response",
+    "ResponseStreamEvent",
+    "ResponsesServerEvent",
+    "ResponseWsError",
+    "ErrorResponse",
+    "Error",
+    "BetaResponseInjectCreatedEvent",  # the responses_multi_agent beta (docs/beta.md)
+    "BetaResponseInjectFailedEvent",
+)
 PREFIX = "#/components/schemas/"
 HERE = Path(__file__).parent
 
