@@ -26,6 +26,7 @@ from prototype.schemas import RequiredInput, Response
 
 from . import strict
 from .support import EXEC_TOOL, Live, live_server, receive_event
+from .test_real_clients_lanes import NODE_DIR, node_executable
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -98,6 +99,48 @@ async def test_official_python_beta_client_drives_an_inject_loop_with_one_steer(
     # The successor's prompt holds the steered response's context (its three outputs) and the steer.
     assert successor.usage.input_tokens > steered.usage.input_tokens
     assert wire.counts[strict.BETA_WS_EVENT] == len(seen) and not wire.violations
+
+
+async def test_official_node_beta_client_drives_the_same_loop(live: Live, wire: strict.Checker) -> None:
+    plan = {
+        "baseURL": live.base_url,
+        "model": MODEL,
+        "tools": [ASYNC_TOOL],
+        "prompt": PROMPT,
+        "steer": STEER_TEXT,
+        "steerAtCall": 3,
+        "headers": BETA_HEADERS,
+        "timeoutMs": int(TIMEOUT_S * 1000),
+    }
+    proc = await asyncio.create_subprocess_exec(
+        node_executable(),
+        str(NODE_DIR / "beta.mjs"),
+        json.dumps(plan),
+        cwd=NODE_DIR,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S + 10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        pytest.fail("the node client did not exit", pytrace=False)
+    assert proc.returncode == 0, f"node exited {proc.returncode}: {err.decode(errors='replace')[-4000:]}"
+    report = json.loads(out)
+    for event in report["events"]:  # what openai-node received, checked as the Python taps check theirs
+        wire.check(strict.BETA_WS_EVENT, event, where="WebSocket /v1/responses (openai-node beta)")
+    kinds = [e["type"] for e in report["seen"]]
+    assert [(e["type"], e["reason"]) for e in report["ended"]] == [
+        ("response.incomplete", "steered"),
+        ("response.completed", None),
+    ], report["ended"]
+    steered, successor = report["ended"]
+    assert successor["previous_response_id"] == steered["id"] and successor["last_output"] == "message"
+    assert report["calls"] == TOOL_CALLS == kinds.count("response.inject.created")
+    assert kinds.count("response.steer.accepted") == 1 and kinds.count("response.created") == 2
+    assert "error" not in kinds and not wire.violations
 
 
 async def beta_socket(session: aiohttp.ClientSession, live: Live) -> aiohttp.ClientWebSocketResponse:
