@@ -735,6 +735,8 @@ class Connection:
             steered = tuple(item for steer in lane.parked[1] for item in steer.items)
             request = dataclasses.replace(request, items=steered + request.items)
             lane.parked = None
+        else:
+            self._unpark(lane)
         self._jobs += 1
         prev = request.previous_response_id
         cached = self._cached(prev) if prev is not None else None
@@ -806,9 +808,36 @@ class Connection:
                     steer.ref.id,
                 )
         elif event.owed:
+            self._unpark(lane)
             lane.parked = (event.job.response_id, steers)  # the engine sent response.steer.pending
         elif not self.expired:
             self._successor(lane, event.job, steers)
+        else:
+            for steer in steers:  # past the lifetime limit no successor can start
+                self._steer_failed(
+                    lane,
+                    steer.input,
+                    steer.ref.previous_response_id,
+                    "successor_creation_failed",
+                    "The connection reached its lifetime limit before the successor could be created.",
+                    steer.ref.id,
+                )
+
+    def _unpark(self, lane: Lane) -> None:
+        """Parked steers whose parent the lane no longer continues come back, with their ids."""
+        if lane.parked is None:
+            return
+        parent, steers = lane.parked
+        lane.parked = None
+        for steer in steers:
+            self._steer_failed(
+                lane,
+                steer.input,
+                parent,
+                "response_not_active",
+                f"The lane no longer continues response '{parent}'; its queued steering input was not committed.",
+                steer.ref.id,
+            )
 
     def _successor(self, lane: Lane, parent: Job, steers: list[_Steer]) -> None:
         """The automatic successor: the parent's settings, the queued input, the parent as its

@@ -341,3 +341,46 @@ def test_steers_on_a_completed_response_start_its_successor_with_their_input_in_
     assert request.previous_response_id == rid and request.params.instructions == "Be brief."
     assert [json.loads(bytes(i.raw))["content"] for i in request.items] == ["one", "two"]
     assert successor.job.cached is not None and successor.job.cached.response_id == rid
+
+
+def test_steers_parked_for_a_parent_come_back_when_the_lane_continues_another_response() -> None:
+    c = Connection(beta=True)
+    c.receive_text(create(input="x"))
+    (start,) = c.outputs_to_send()
+    assert isinstance(start, StartJob)
+    rid = start.job.response_id
+    c.receive_text(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "later"}))
+    (ack,) = c.outputs_to_send()
+    assert isinstance(ack, AckSteer)
+    owed = (RequiredInput(call_id="call_1", name="exec_command"),)
+    c.response_ended(start.job, _entry(rid), owed=owed)
+    assert c.outputs_to_send() == [] and c.default.parked is not None  # waits for the explicit create
+    c.receive_text(create(input="something else"))  # continues nothing: the steer is not committed
+    out = c.outputs_to_send()
+    frame = next(o for o in out if isinstance(o, SendFrame))
+    failed = json.loads(frame.data)
+    assert failed["error"]["code"] == "response_not_active" and failed["steer"]["id"] == ack.steer.id
+    started_job = next(o for o in out if isinstance(o, StartJob)).job
+    assert [json.loads(bytes(i.raw))["content"] for i in started_job.request.items] == ["something else"]
+
+
+def test_parked_steers_are_prepended_to_the_create_that_continues_their_parent() -> None:
+    c = Connection(beta=True)
+    c.receive_text(create(input="x"))
+    (start,) = c.outputs_to_send()
+    assert isinstance(start, StartJob)
+    rid = start.job.response_id
+    for text in ("first", "second"):
+        c.receive_text(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": text}))
+    c.outputs_to_send()
+    c.response_ended(start.job, _entry(rid), owed=(RequiredInput(call_id="call_1", name="exec_command"),))
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "ok"}
+    c.receive_text(create(input=[output], previous_response_id=rid))
+    (next_start,) = c.outputs_to_send()
+    assert isinstance(next_start, StartJob)
+    items = [i.view for i in next_start.job.request.items]
+    assert [(v.type, v.role) for v in items] == [
+        ("message", "user"),
+        ("message", "user"),
+        ("function_call_output", None),
+    ]
