@@ -384,3 +384,49 @@ def test_parked_steers_are_prepended_to_the_create_that_continues_their_parent()
         ("message", "user"),
         ("function_call_output", None),
     ]
+
+
+async def _rollout(ws: aiohttp.ClientWebSocketResponse, resume: str, tool: dict[str, Any]) -> dict[str, Any]:
+    """One 10-turn rollout in one response: answer each call with `resume` (append or inject)."""
+    await ws.send_str(create(input=PROMPT, tools=[tool]))
+    arguments: list[str] = []
+    rid = ""
+    while True:
+        event = await receive_event(ws)
+        if event["type"] == "response.output_item.done" and event["item"]["type"] == "function_call":
+            call = event["item"]
+            arguments.append(call["arguments"])
+            output = {
+                "type": "function_call_output",
+                "call_id": call["call_id"],
+                "output": tool_output(call["arguments"]),
+            }
+            frame: dict[str, Any] = {"type": resume, "input": [output]}
+            if resume == "response.inject":
+                frame["response_id"] = rid
+            await ws.send_str(json.dumps(frame))
+        elif event["type"] == "response.created":
+            rid = event["response"]["id"]
+        elif event["type"] in ("response.completed", "response.incomplete", "response.failed", "error"):
+            return {"end": event, "arguments": arguments}
+
+
+async def test_beta_and_append_are_one_machine_same_prompts_and_tokens(live: Live) -> None:
+    """The same seeded rollout, paused at each call and resumed by `response.append` (append mode)
+    or by `response.inject` (the beta, with the tool declared async): the same calls, the same final
+    answer, the same usage, one response each."""
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(live.ws_url + "?mode=append") as ws:
+            append = await _rollout(ws, "response.append", EXEC_TOOL)
+        async with await beta_socket(session, live) as ws:
+            beta = await _rollout(ws, "response.inject", ASYNC_TOOL)
+    assert append["end"]["type"] == beta["end"]["type"] == "response.completed"
+    assert len(append["arguments"]) == TOOL_CALLS and append["arguments"] == beta["arguments"]
+    a, b = append["end"]["response"], beta["end"]["response"]
+    # (cached_tokens differ: the second rollout finds the first one's prefix in the model's cache.)
+    assert [a["usage"][k] for k in ("input_tokens", "output_tokens")] == [
+        b["usage"][k] for k in ("input_tokens", "output_tokens")
+    ]
+    assert a["output"][-1]["content"] == b["output"][-1]["content"]
+    assert [o.get("async") for o in b["output"] if o["type"] == "function_call"] == [True] * TOOL_CALLS
+    assert all("async" not in o for o in a["output"])
