@@ -360,6 +360,19 @@ Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | Resume
 
 
 @dataclass(frozen=True, slots=True)
+class _Parked:
+    """Beta: what the next create continuing `parent` on the lane starts with: outputs injected
+    for the parent's async calls it ended without taking, then the steers queued for it."""
+
+    parent: str
+    steers: list[_Steer]
+    committed: tuple[Item, ...]
+
+    def items(self) -> tuple[Item, ...]:
+        return self.committed + tuple(item for steer in self.steers for item in steer.items)
+
+
+@dataclass(frozen=True, slots=True)
 class _Steer:
     """A queued steer: its id and target, the raw input (echoed if it fails), its items."""
 
@@ -393,7 +406,7 @@ class Lane:
     cache_used: int = 0  # when `cache` was last set or hit (for LRU eviction across lanes)
     last_ended: str | None = None  # the lane's last ended response (an append without `response_id`)
     steers: list[_Steer] = field(default_factory=list)  # beta: queued for the response in flight
-    parked: tuple[str, list[_Steer]] | None = None  # beta: steers waiting for the create continuing a parent
+    parked: _Parked | None = None  # beta: input waiting for the create that continues a parent
 
 
 # -- lanes -------------------------------------------------------------------------------------------
@@ -729,11 +742,10 @@ class Connection:
             raise ConnectionStateError("nothing is queued")
         _, queued = lane.queue.popleft()
         request = queued.request
-        if lane.parked is not None and lane.parked[0] == request.previous_response_id:
+        if lane.parked is not None and lane.parked.parent == request.previous_response_id:
             # Beta: steers queued for a parent that stopped for client tool outputs are
             # prepended, in submission order, to the create that continues it.
-            steered = tuple(item for steer in lane.parked[1] for item in steer.items)
-            request = dataclasses.replace(request, items=steered + request.items)
+            request = dataclasses.replace(request, items=lane.parked.items() + request.items)
             lane.parked = None
         else:
             self._unpark(lane)
@@ -785,6 +797,9 @@ class Connection:
         if event.job is not lane.in_flight:
             raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
         lane.in_flight = None
+        # Beta: outputs injected for async calls of a turn that ended the response anyway (it also
+        # called a client-owned tool) are acknowledged input: the continuation takes them.
+        committed = tuple(lane.pause.committed) if self.beta and lane.pause is not None else ()
         lane.pause = None
         lane.last_ended = event.job.response_id
         self.ended_ids.append(event.job.response_id)
@@ -795,7 +810,7 @@ class Connection:
             if event.error is not None:
                 self._error(event.error, lane)
         steers, lane.steers = lane.steers, []
-        if not steers:
+        if not steers and not committed:
             return
         if event.entry is None:
             for steer in steers:  # nothing to continue from: the input comes back
@@ -807,11 +822,12 @@ class Connection:
                     "The response ended before the steering input could be committed.",
                     steer.ref.id,
                 )
-        elif event.owed:
+        elif event.owed or not steers:
             self._unpark(lane)
-            lane.parked = (event.job.response_id, steers)  # the engine sent response.steer.pending
+            # With steers, the engine sent response.steer.pending for each.
+            lane.parked = _Parked(event.job.response_id, steers, committed)
         elif not self.expired:
-            self._successor(lane, event.job, steers)
+            self._successor(lane, event.job, _Parked(event.job.response_id, steers, committed).items())
         else:
             for steer in steers:  # past the lifetime limit no successor can start
                 self._steer_failed(
@@ -827,7 +843,7 @@ class Connection:
         """Parked steers whose parent the lane no longer continues come back, with their ids."""
         if lane.parked is None:
             return
-        parent, steers = lane.parked
+        parent, steers = lane.parked.parent, lane.parked.steers
         lane.parked = None
         for steer in steers:
             self._steer_failed(
@@ -839,12 +855,11 @@ class Connection:
                 steer.ref.id,
             )
 
-    def _successor(self, lane: Lane, parent: Job, steers: list[_Steer]) -> None:
+    def _successor(self, lane: Lane, parent: Job, items: tuple[Item, ...]) -> None:
         """The automatic successor: the parent's settings, the queued input, the parent as its
         `previous_response_id`; it runs next on the lane (its `response.created` commits the steers)."""
         request = parent.request
         params = structs.replace(request.params, previous_response_id=parent.response_id)
-        items = tuple(item for steer in steers for item in steer.items)
         successor = dataclasses.replace(request, params=params, items=items, generate=True)
         self._arrivals += 1
         lane.queue.appendleft((self._arrivals, CreateReceived(successor, parent.arrived_at)))

@@ -84,6 +84,7 @@ from .schemas import (
 )
 from .store import ResponseStore, StoreUnavailable
 from .stream import (
+    RS,
     InjectAccepted,
     InjectRefused,
     Pause,
@@ -545,6 +546,7 @@ class ResponseRun:
         self.in_context = 0  # append mode: output items already interleaved in the context
         self.beta = pauses is not None and pauses.dialect == "beta"
         self.steers: list[SteerRef] = []  # beta: steers queued for this response, in order
+        self._held_steers: list[SteerRef] = []  # accepted before the stream started
 
     def _uses(self, optimization: Optimization) -> bool:
         return self.engine._uses(self.arrival, optimization)
@@ -553,6 +555,8 @@ class ResponseRun:
         engine, stages, request = self.engine, self.stages, self.request
         profile = engine.profile
         engine._counts.responses += 1
+        if self.pauses is not None:
+            self.pauses.started(self)  # from now on the core's acknowledgements reach this run
         try:
             await stages.wait(Stage.NETWORK, profile.upload_s(self.arrival.body_bytes))
             stages.lap(Stage.PARSE)
@@ -564,14 +568,13 @@ class ResponseRun:
             self.stream = ResponseStream(
                 self.template, engine.ids, dialect=self.pauses.dialect, async_tools=async_tools
             )
-            self.pauses.started(self)
         else:
             self.stream = ResponseStream(self.template, engine.ids)
         self.turn = _Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
             # of the prompt (so the model's prefix cache holds it), no decode: `output: []`, zero usage.
-            await self.emit(self.stream.receive(Start(input_tokens=0, warm_up=True)))
+            await self.emit(self._started(self.stream.receive(Start(input_tokens=0, warm_up=True))))
             warm_up = dataclasses.replace(self.turn.model_request(), max_output_tokens=0)
             async with contextlib.aclosing(engine.model.sample(warm_up)) as prefill:
                 async for _ in prefill:
@@ -580,7 +583,7 @@ class ResponseRun:
             return await self._finish(self.stream.receive(SamplingFinished("stop")))
         if not (self.arrival.routed and self._uses(Optimization.REUSE_ROUTING)):
             await stages.wait(Stage.ROUTING, profile.auth_s + profile.routing_s)
-        await self.emit(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens)))
+        await self.emit(self._started(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens))))
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(self.stream.end_incomplete("content_filter"))  # refused before inference
         try:
@@ -747,9 +750,21 @@ class ResponseRun:
 
     async def acknowledge_steer(self, steer: SteerRef) -> None:
         """Beta: `response.steer.accepted`, numbered in this response's stream; the steer takes
-        effect at the next safe boundary (a resume), or when the response ends."""
+        effect at the next safe boundary (a resume), or when the response ends. Before the
+        stream's `response.created` the acknowledgement waits for it."""
         self.steers.append(steer)
-        await self.emit(self.stream.receive(SteerAccepted(steer)))
+        stream = getattr(self, "stream", None)
+        if stream is None or stream.state is RS.QUEUED:
+            self._held_steers.append(steer)
+            return
+        await self.emit(stream.receive(SteerAccepted(steer)))
+
+    def _started(self, events: list[ServerEvent]) -> list[ServerEvent]:
+        """The stream's first events, then the acknowledgements of steers that came before them."""
+        for steer in self._held_steers:
+            events.extend(self.stream.receive(SteerAccepted(steer)))
+        self._held_steers.clear()
+        return events
 
     async def _sample(self, request: ModelRequest) -> SamplingFinished:
         stream, stages, emit = self.stream, self.stages, self.emit

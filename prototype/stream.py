@@ -26,8 +26,10 @@ Invariants:
   `response.done` (non-terminal status `in_progress`); the beta (docs/beta.md) sends
   nothing, since the async calls' `output_item.done` events already told the client.
 * Beta acknowledgements (`response.inject.created`/`.failed`, `response.steer.accepted`)
-  are numbered in the stream wherever it is; `response.steer.pending` follows
-  `response.completed` (the one event after a terminal one, as the beta types say).
+  are numbered in the stream wherever it is. `response.steer.pending` follows
+  `response.completed`, as the beta types say; an inject or steer the core accepted just as
+  the response ended is acknowledged after its terminal event too (its input goes to the
+  continuation). Nothing else follows a terminal event.
 
 Every legal (state, input) pair is a row of `_TRANSITIONS`: the action that makes its
 events and the next state. A `SamplingFinished` whose reason is `max_output_tokens` is
@@ -484,6 +486,9 @@ class ResponseStream:
 
 Action = Callable[[ResponseStream, Any], list[ServerEvent]]
 _LIVE: Final = (RS.IN_PROGRESS, RS.IN_ITEM, RS.PAUSED)  # started and not ended
+# Beta acknowledgements may also follow the terminal event: input the core accepted just as the
+# response ended is carried to its continuation (docs/beta.md), so the acknowledgement stands.
+_STARTED: Final = (*_LIVE, RS.COMPLETED, RS.INCOMPLETE, RS.FAILED)
 R = ResponseStream
 _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.QUEUED, Start): (R._start, RS.IN_PROGRESS),
@@ -495,9 +500,9 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.IN_PROGRESS, Truncated): (R._truncate, RS.INCOMPLETE),
     (RS.IN_PROGRESS, Pause): (R._pause, RS.PAUSED),
     (RS.PAUSED, Resume): (R._resume, RS.IN_PROGRESS),
-    **{(s, InjectAccepted): (R._inject_accepted, s) for s in _LIVE},  # numbered where the stream is
+    **{(s, InjectAccepted): (R._inject_accepted, s) for s in _STARTED},  # numbered where the stream is
     **{(s, InjectRefused): (R._inject_refused, s) for s in _LIVE},
-    **{(s, SteerAccepted): (R._steer_accepted, s) for s in _LIVE},
+    **{(s, SteerAccepted): (R._steer_accepted, s) for s in _STARTED},
     (RS.COMPLETED, SteerPending): (R._steer_pending, RS.COMPLETED),  # after response.completed
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),

@@ -430,3 +430,25 @@ async def test_beta_and_append_are_one_machine_same_prompts_and_tokens(live: Liv
     assert a["output"][-1]["content"] == b["output"][-1]["content"]
     assert [o.get("async") for o in b["output"] if o["type"] == "function_call"] == [True] * TOOL_CALLS
     assert all("async" not in o for o in a["output"])
+
+
+def test_outputs_injected_for_a_turn_that_ended_the_response_go_to_its_continuation() -> None:
+    """A turn with an async call and a client-owned call ends the response; the async call's
+    output, injected and acknowledged while the model decoded, is not lost: the create that
+    continues the response starts with it."""
+    c = Connection(beta=True)
+    c.receive_text(create(input="x"))
+    (start,) = c.outputs_to_send()
+    assert isinstance(start, StartJob)
+    job, rid = start.job, start.job.response_id
+    c.call_emitted(job, RequiredInput(call_id="call_async", name="exec_command"))
+    early = {"type": "function_call_output", "call_id": "call_async", "output": "early"}
+    c.receive_text(json.dumps({"type": "response.inject", "response_id": rid, "input": [early]}))
+    (ack,) = c.outputs_to_send()
+    assert isinstance(ack, AckInject) and ack.refused is None
+    c.response_ended(job, _entry(rid), owed=(RequiredInput(call_id="call_sync", name="read_file"),))
+    late = {"type": "function_call_output", "call_id": "call_sync", "output": "late"}
+    c.receive_text(create(input=[late], previous_response_id=rid))
+    (next_start,) = c.outputs_to_send()
+    assert isinstance(next_start, StartJob)
+    assert [i.view.call_id for i in next_start.job.request.items] == ["call_async", "call_sync"]

@@ -205,6 +205,15 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
             ("steer accepted", "response.steer.accepted"),
         )
     ],
+    # Input the core accepted as the response ended goes to its continuation: still acknowledged.
+    *[
+        (state, ack, (event,), state)
+        for state in ("completed", "incomplete", "failed")
+        for ack, event in (
+            ("inject accepted", "response.inject.created"),
+            ("steer accepted", "response.steer.accepted"),
+        )
+    ],
     ("completed", "steer pending", ("response.steer.pending",), "completed"),  # after response.completed
     ("paused", "end incomplete", ("response.incomplete",), "incomplete"),
     ("paused", "fail", ("response.failed",), "failed"),
