@@ -229,8 +229,8 @@ def agreement_text(e: Estimate) -> str:
     if math.isnan(e.half_width):
         return f"virtual vs live: live {100 * e.value:+.1f} % against virtual, over {e.n} (mode, rollout) pair"
     return (
-        f"virtual vs live: live rollouts take {100 * e.value:+.1f} % (95 % CI {100 * e.ci_low:+.1f} to "
-        f"{100 * e.ci_high:+.1f} %) of the same rollouts' virtual time, over {e.n} (mode, rollout) pairs"
+        f"virtual vs live: live takes {100 * e.value:+.1f} % (95 % CI {100 * e.ci_low:+.1f} to "
+        f"{100 * e.ci_high:+.1f} %) longer than virtual time on the same rollout, over {e.n} (mode, rollout) pairs"
     )
 
 

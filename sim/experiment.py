@@ -50,7 +50,7 @@ __all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compa
 
 # Rollouts per mode of the default comparison: its time-saved intervals are within ±2 points
 # at this n in virtual time (docs/statistics.md has the measured widths).
-DEFAULT_ROLLOUTS: Final = 16
+DEFAULT_ROLLOUTS: Final = 20
 
 
 class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

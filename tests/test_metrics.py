@@ -97,7 +97,7 @@ def test_saving_is_paired_by_rollout_with_intervals() -> None:
     summary = {s.mode: s for s in summarize(results)}
     ws_s = summary["ws"]
     assert ws_s.saved_vs_http == pytest.approx(2.35 / 7) and ws_s.saved_vs_http_n == 7  # the mean of the pairs
-    assert 0.2 < ws_s.saved_vs_http_ci_low < 0.33 < ws_s.saved_vs_http_ci_high < 0.45
+    assert 0 < ws_s.saved_vs_http_ci_low < 0.33 < ws_s.saved_vs_http_ci_high < 0.5
     assert summary["http"].saved_vs_http == 0.0
     s = summary["http"]
     assert s.n == 7 and s.completion_p50_s == 13.0 and s.completion_p90_s == pytest.approx(24.0)
