@@ -1,7 +1,8 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets of issue 7, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6). The server (`sim.bench.server`) is a separate process
+``virtual`` (5), ``memory`` (6), ``stats`` (7, the cost of intervals: sim/bench/stats.py).
+The server (`sim.bench.server`) is a separate process
 pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
 """
@@ -34,10 +35,11 @@ from ..inprocess import Tap
 from ..live import RolloutSpec, run_rollout, tool_output_text
 from ..sweep import SweepConfig, run_sweep
 from ..virtual import VirtualClock, run_virtual
+from .stats import stats
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "stats")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -459,6 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="pass ARG to every bench server, for A/B runs (e.g. --server-arg=--render-threads=0)",
     )
+    p.add_argument("--baseline", metavar="DIR", help="7: a checkout to time the compare and sweep against")
+    p.add_argument("--stats-rounds", type=int, default=1, help="7: runs of each side (median)")
+    p.add_argument("--stats-points", type=int, default=100, help="7: sweep points actually run (1000 = all)")
     args = p.parse_args(argv)
     SERVER_ARGS[:] = args.server_arg
     unknown = [t for t in args.targets if t not in TARGETS]
@@ -477,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
         "virtual": lambda: virtual(args.sweep_points),
+        "stats": lambda: stats(
+            report, args.baseline, rounds=args.stats_rounds, points=args.stats_points, equal_rollouts=2
+        ),
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
