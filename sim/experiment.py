@@ -9,6 +9,11 @@ through the same engine and WebSocket adapter.
 
 Each mode starts from a cold prefix cache: the same prompts run in every mode,
 and a cache warmed by the previous mode would favour whichever runs later.
+
+With `ci_width` > 0 the run continues in batches of `rollouts` on the same server (each
+mode keeps its own prefix cache across batches, so the rollouts are those of one larger
+run) until every time-saved interval is narrower than ± `ci_width` points or
+`max_rollouts` is reached; `CompareResult.stopped` says which (docs/statistics.md).
 """
 
 from __future__ import annotations
