@@ -228,3 +228,18 @@ def test_default_compare_has_a_live_run_beside_the_virtual_one(capsys: pytest.Ca
     assert "virtual time, n=6 rollouts per mode" in out and "live loopback, n=1 rollouts per mode" in out
     assert re.search(r"ws +6 .* \d+\.\d % ± \d+\.\d\n", out)  # the saving with its interval
     assert "virtual vs live: live takes" in out and "over 4 (mode, rollout) pairs" in out
+
+
+def test_live_only_and_virtual_only(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--rollouts", "1", "--tool-calls", "1", "--tps", "0", "--quiet", "--modes", "http,ws"]
+    small = [*argv, "--profile", "local", "--system-prompt-tokens", "200", "--tool-time-s", "0.01"]
+    assert main([*small, "--live"]) == 0
+    out = capsys.readouterr().out
+    assert "1 rollouts per mode live on loopback;" in out and "virtual" not in out
+    assert main([*small, "--virtual"]) == 0
+    out = capsys.readouterr().out
+    assert "in virtual time (CPU charged);" in out and "live" not in out
+    with pytest.raises(SystemExit):
+        main([*small, "--virtual", "--live"])
+    with pytest.raises(SystemExit, match="not with virtual time"):
+        main([*small, "--real-tools"])  # subprocess tools need the real clock: only with --live

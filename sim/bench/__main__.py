@@ -462,7 +462,10 @@ def main(argv: list[str] | None = None) -> int:
         help="pass ARG to every bench server, for A/B runs (e.g. --server-arg=--render-threads=0)",
     )
     p.add_argument("--baseline", metavar="DIR", help="7: a checkout to time the compare and sweep against")
-    p.add_argument("--stats-rounds", type=int, default=1, help="7: runs of each side (median)")
+    p.add_argument("--stats-rounds", type=int, default=3, help="7: sweep runs of each side (median)")
+    p.add_argument(
+        "--stats-compare-rounds", type=int, default=1, help="7: default-compare runs of each side (0 = skip)"
+    )
     p.add_argument("--stats-points", type=int, default=100, help="7: sweep points actually run (1000 = all)")
     args = p.parse_args(argv)
     SERVER_ARGS[:] = args.server_arg
@@ -483,7 +486,12 @@ def main(argv: list[str] | None = None) -> int:
         "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
         "virtual": lambda: virtual(args.sweep_points),
         "stats": lambda: stats(
-            report, args.baseline, rounds=args.stats_rounds, points=args.stats_points, equal_rollouts=2
+            report,
+            args.baseline,
+            rounds=args.stats_rounds,
+            compare_rounds=args.stats_compare_rounds,
+            points=args.stats_points,
+            equal_rollouts=2,
         ),
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])

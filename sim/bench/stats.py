@@ -63,24 +63,52 @@ def stats(
     baseline: str | None,
     *,
     rounds: int,
+    compare_rounds: int,
     points: int,
     equal_rollouts: int,
 ) -> None:
-    """`report(target, figure, value, floor, ratio, goal, ok)` one row per measurement: this
-    code's median wall time as the value, the baseline's as the floor, their ratio."""
+    """`rounds` runs of each side per sweep row, `compare_rounds` of the default compare
+        (0 skips it: it runs live, minutes per round).
+    `report(target, figure, value, floor, ratio, goal, ok)` one row per measurement: this
+        code's median wall time as the value, the baseline's as the floor, their ratio."""
     if not baseline:
         report("stats", "skipped: needs --baseline DIR (a checkout to compare against)", 0.0, 0.0, 0.0, "-", None)
         return
     old, new = Path(baseline).resolve(), REPO
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if pinned is not None:  # the children get every core (the bench pins itself to one)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        _measure(
+            report, old, new, rounds=rounds, compare_rounds=compare_rounds, points=points, equal_rollouts=equal_rollouts
+        )
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+
+
+def _measure(
+    report: Callable[[str, str, float, float, float, str, bool | None], None],
+    old: Path,
+    new: Path,
+    *,
+    rounds: int,
+    compare_rounds: int,
+    points: int,
+    equal_rollouts: int,
+) -> None:
     with tempfile.TemporaryDirectory() as scratch:
-        jobs: list[tuple[str, list[str], float]] = [("default compare s", ["compare", "--quiet"], 1.0)]
+        jobs: list[tuple[str, list[str], float, int]] = []
+        if compare_rounds > 0:
+            jobs.append(("default compare s", ["compare", "--quiet"], 1.0, compare_rounds))
         for label, rollouts in (("default rollouts", None), (f"{equal_rollouts} rollouts both", equal_rollouts)):
             argv, measured = _sweep_argv(points, Path(scratch) / "sweep.csv", rollouts)
-            jobs.append((f"{GRID_POINTS}-point sweep s, {label} (measured {measured})", argv, GRID_POINTS / measured))
-        for figure, argv, scale in jobs:
+            figure = f"{GRID_POINTS}-pt sweep s, {label} (ran {measured})"
+            jobs.append((figure, argv, GRID_POINTS / measured, rounds))
+        for figure, argv, scale, runs in jobs:
             times: dict[Path, list[float]] = {old: [], new: []}
-            for k in range(rounds):
+            for k in range(runs):
                 for root in (old, new) if k % 2 == 0 else (new, old):
                     times[root].append(_timed(root, argv) * scale)
             value, floor = statistics.median(times[new]), statistics.median(times[old])
-            report("stats", f"{figure} (this / baseline)", value, floor, value / floor, "report", None)
+            report("stats", f"{figure}, this / base", value, floor, value / floor, "report", None)
