@@ -243,3 +243,11 @@ def test_live_only_and_virtual_only(capsys: pytest.CaptureFixture[str]) -> None:
         main([*small, "--virtual", "--live"])
     with pytest.raises(SystemExit, match="not with virtual time"):
         main([*small, "--real-tools"])  # subprocess tools need the real clock: only with --live
+
+
+def test_ci_width_on_the_command_line_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--virtual", "--free-cpu", "--rollouts", "4", "--tool-calls", "2", "--quiet"]
+    assert main([*argv, "--modes", "http,ws", "--ci-width", "0.0001", "--max-rollouts", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "adding batches until every time saved is within ±0.0001 points" in out
+    assert "stopped adding rollouts: cap of 8 rollouts reached (widest ±" in out and "ws           8" in out
