@@ -1,5 +1,5 @@
 """The cost of precision: wall time of the default compare and of a sweep, this code against a
-baseline checkout (`--baseline DIR`, e.g. the commit before intervals and common random
+baseline checkout (`--baseline DIR`, e.g. one without intervals and common random
 numbers), each as a subprocess with that checkout first on PYTHONPATH, interleaved (baseline,
 this, this, baseline, ...) so drift on a shared machine hits both alike.
 
