@@ -20,6 +20,7 @@ import msgspec
 import uvloop
 
 from sim.experiment import CompareConfig, CompareResult, check, compare
+from sim.fidelity import fidelity_main, fidelity_options
 from sim.metrics import ModeSummary
 from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.trace import write_run, write_table
@@ -79,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    f = sub.add_parser(
+        "fidelity",
+        help="run one config live and in virtual time and compare them (sim/fidelity.py)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    fidelity_options(f, _add_config_options)
     return p
 
 
@@ -166,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
         return sweep_main(args)
+    if args.command == "fidelity":
+        return fidelity_main(args)
     try:
         config = config_from(args)
     except msgspec.ValidationError as exc:

@@ -1,10 +1,13 @@
 """The real-time clock: `prototype.clock.Clock` on the running asyncio event loop.
 
-This is the only module in `sim/` that imports asyncio. `now()` is the loop's
-own clock (`loop.time()`, monotonic), the same one `loop.call_at` schedules on,
-so a deadline computed from `now()` is honoured without conversion. Deadlines
-are absolute: a wake-up that comes late does not push later deadlines back,
-which is what keeps paced decoding at its exact long-run rate.
+`now()` is the loop's own clock, the one `loop.call_at` schedules on, so a
+deadline computed from `now()` is honoured without conversion. On asyncio's loops
+and uvloop that clock is the system's monotonic clock; uvloop reads it in whole
+milliseconds, cached per loop iteration, so there `now()` reads the same clock
+directly (`time.monotonic()`, sub-microsecond): a stage or a first token timed
+on it is not rounded to a millisecond. Deadlines are absolute: a wake-up that
+comes late does not push later deadlines back, which is what keeps paced
+decoding at its exact long-run rate.
 """
 
 from __future__ import annotations
@@ -12,8 +15,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from typing import Final
+
+import uvloop
 
 __all__ = ["AsyncioClock"]
+
+# Loops whose `time()` is `time.monotonic()`, exactly (asyncio's) or in milliseconds (uvloop).
+_MONOTONIC_LOOPS: Final = frozenset({asyncio.BaseEventLoop.time, uvloop.Loop.time})
 
 
 def _wake(future: asyncio.Future[None]) -> None:
@@ -41,7 +50,10 @@ class AsyncioClock:
         self._sleeping = 0  # sleeps in progress: a lone sleeper keeps its own exact timer
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        if type(loop).time in _MONOTONIC_LOOPS:
+            return time.monotonic()
+        return loop.time()
 
     def time(self) -> float:
         return time.time()
@@ -50,7 +62,7 @@ class AsyncioClock:
         """Return once `now() >= deadline`; at once, without yielding, if it already is."""
         loop = asyncio.get_running_loop()
         # A loop: call_at may fire up to one clock resolution early.
-        while loop.time() < deadline:
+        while self.now() < deadline:
             future: asyncio.Future[None] = loop.create_future()
             self._sleeping += 1
             try:

@@ -1,0 +1,97 @@
+"""Virtual time against live loopback on a CPU-heavy configuration, with a negative control.
+
+The configuration has no modeled waits to speak of (the `local` profile, unpaced decode, no
+tool time, free prefill): a turn is the server's real work, and `http_prev` re-renders and
+re-classifies a 40k-token system prompt every turn while `ws` renders only the new items.
+With CPU charged, virtual time must report what live reports: completion time, TTFT,
+overhead share and the per-turn `http - ws` difference. With CPU free (the negative
+control) every one of those must miss: the control shows that each check can fail.
+
+Nothing sleeps in this configuration, so a loaded machine's late wake-ups (which virtual time
+leaves out, docs/fidelity.md) do not enter. `http_prev` rather than `http`: the full history
+then stays on the server, and what differs between the modes is the server's CPU work, not
+the upload. Tolerances are wide on purpose: the live side runs on a machine other jobs may
+share, where a millisecond of CPU takes one to several milliseconds of wall time, and the
+live transport's own cost (the kernel, aiohttp's HTTP and SSE handling, a few milliseconds a
+turn here, where every response event echoes the 40k-token instructions) is not charged. The
+control misses each check by far more: with CPU free its turns take no time at all.
+`python -m sim fidelity` is the instrument with the tight targets.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sim.experiment import CompareConfig, CompareResult, compare
+from sim.fidelity import FidelityReport, compare_runs, format_report, paired_bootstrap, run_pairs
+
+CPU_HEAVY = CompareConfig(
+    profile="local",
+    system_prompt_tokens=40_000,
+    tool_calls=8,
+    rollouts=1,
+    tps=0.0,
+    tool_time_s=0.0,
+    tool_time_sigma=0.0,
+    model_latency_s=0.0,  # nothing sleeps: a loaded machine's late wake-ups are not part of this check
+    prefill_tok_per_s=0.0,
+    tool_output_tokens=30,  # short items: rendered on the event loop in both runs, never offloaded
+    modes=("http_prev", "ws"),
+)
+RATIO = (0.4, 2.5)  # completion time and TTFT: virtual / live
+DIFF_RATIO = (0.4, 2.5)  # the paired per-turn http_prev - ws difference: virtual / live
+SHARE_POINTS = 0.25  # overhead share: absolute
+
+
+def _within(ratio: float, bounds: tuple[float, float]) -> bool:
+    return bounds[0] <= ratio <= bounds[1]
+
+
+def checks(report: FidelityReport) -> dict[str, bool]:
+    """Each check by name: does virtual time agree with live on it?"""
+    out = {}
+    for mode in CPU_HEAVY.modes:
+        out[f"{mode} completion"] = _within(report.row(mode, "completion").ratio, RATIO)
+        out[f"{mode} ttft"] = _within(report.row(mode, "ttft").ratio, RATIO)
+        share = report.row(mode, "overhead_share")
+        out[f"{mode} overhead share"] = abs(share.virtual.estimate - share.live.estimate) <= SHARE_POINTS
+    out["http_prev-ws per turn"] = _within(report.row("http_prev-ws", "turn").ratio, DIFF_RATIO)
+    return out
+
+
+Runs = tuple[list[CompareResult], list[CompareResult], CompareResult]
+
+
+@pytest.fixture(scope="module")
+def runs() -> Runs:
+    live, charged = run_pairs(CPU_HEAVY, repeats=3)  # alternating: a load change hits both sides
+    free = compare(CPU_HEAVY, virtual=True, free_cpu=True)
+    return live, charged, free
+
+
+def test_with_cpu_charged_virtual_time_agrees_with_live_on_a_cpu_heavy_config(runs: Runs) -> None:
+    live, charged, _ = runs
+    report = compare_runs(live, charged)
+    assert report.row("http_prev", "overhead_share").live.estimate > 0.5  # CPU-heavy, live says so
+    assert report.row("http_prev-ws", "turn").live.estimate > 0.005
+    failed = [name for name, ok in checks(report).items() if not ok]
+    assert not failed, f"{failed}\n{format_report(report)}"
+
+
+def test_negative_control_with_cpu_free_every_check_disagrees(runs: Runs) -> None:
+    live, _, free = runs
+    report = compare_runs(live, free, free_cpu=True)
+    agreed = [name for name, ok in checks(report).items() if ok]
+    assert not agreed, f"{agreed}\n{format_report(report)}"
+    assert not report.agrees
+
+
+def test_paired_bootstrap_is_seeded_and_brackets_its_estimate() -> None:
+    values = [0.001 * (i % 7) + 0.010 for i in range(40)] + [0.5]  # one preemption-sized outlier
+    a, b = paired_bootstrap(values, seed=3), paired_bootstrap(values, seed=3)
+    assert a == b
+    assert a.low <= a.estimate <= a.high
+    assert a.high < 0.02  # the trimmed mean is not moved by the outlier
+    assert math.isnan(paired_bootstrap([]).estimate)
