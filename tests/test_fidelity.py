@@ -24,8 +24,9 @@ import math
 
 import pytest
 
+from sim.__main__ import main
 from sim.experiment import CompareConfig, CompareResult, compare
-from sim.fidelity import FidelityReport, compare_runs, format_report, paired_bootstrap, run_pairs
+from sim.fidelity import FidelityReport, calibrate, compare_runs, format_report, paired_bootstrap, run_pairs
 
 CPU_HEAVY = CompareConfig(
     profile="local",
@@ -95,3 +96,42 @@ def test_paired_bootstrap_is_seeded_and_brackets_its_estimate() -> None:
     assert a.low <= a.estimate <= a.high
     assert a.high < 0.02  # the trimmed mean is not moved by the outlier
     assert math.isnan(paired_bootstrap([]).estimate)
+
+
+def test_the_command_prints_both_sides_the_pairs_and_a_verdict(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["fidelity", "local", "--tool-calls", "2", "--rollouts", "1", "--tps", "0", "--tool-time-s", "0"]
+    status = main([*argv, "--model-latency-s", "0.001", "--modes", "ws,append"])
+    out = capsys.readouterr().out
+    assert '"tool_calls": 2' in out and '"profile": "local"' in out  # the preset, overridden
+    rows = [line.split()[:2] for line in out.splitlines()]
+    for mode in ("ws", "append"):
+        for metric in ("turn", "ttft", "completion", "overhead_share", "render", "safety"):
+            assert [mode, metric] in rows
+    assert ["ws-append", "turn"] in rows and ["http-ws", "turn"] not in rows
+    verdict = out.strip().splitlines()[-1]
+    assert verdict == f"virtual time with CPU charged: {'agrees' if status == 0 else 'DISAGREES'} with live"
+
+
+def test_the_command_refuses_an_unknown_config_before_running_anything() -> None:
+    with pytest.raises(SystemExit, match="unknown config 'nope'"):
+        main(["fidelity", "nope"])
+    with pytest.raises(SystemExit, match="unknown mode"):
+        main(["fidelity", "local", "--modes", "ws,carrier-pigeon"])
+
+
+def test_calibrate_measures_each_named_live_cost() -> None:
+    costs = calibrate(repeats=20, stream_bytes=200_000)
+    names = [c.name for c in costs]
+    assert names == [
+        "timer_wakeup",
+        "render_hop",
+        "render_offload",
+        "http_request",
+        "sse_per_mb",
+        "ws_message",
+        "ws_per_mb",
+    ]
+    for c in costs:
+        assert c.median_s <= c.p90_s, c
+        if c.name != "render_offload":  # inline and offloaded times can differ by less than their noise
+            assert c.median_s > 0, c
