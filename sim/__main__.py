@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "sweep":
         return sweep_main(args)
     if args.command == "fidelity":
-        return fidelity_main(args)
+        return fidelity_main(args, uvloop.new_event_loop)
     try:
         config = config_from(args)
     except msgspec.ValidationError as exc:

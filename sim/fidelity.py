@@ -34,17 +34,17 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
-import uvloop
 
 from prototype.pipeline import Stage
 
 from .experiment import CompareConfig, CompareResult, check, compare
 from .metrics import per_turn_work, summarize
+from .realtime import live_cost_samples
 
 __all__ = [
     "DIFF_FLOOR_S",
@@ -87,6 +87,7 @@ PRESETS: Final[dict[str, CompareConfig]] = {
     ),
 }
 
+LoopFactory = Callable[[], Any]  # a fresh event loop for a live run (the CLI passes uvloop's)
 Sample = npt.NDArray[np.float64]
 Statistic = Callable[[Sample], Sample]  # (resamples, n) -> (resamples,)
 
@@ -260,20 +261,30 @@ def format_report(report: FidelityReport) -> str:
     return "\n".join(lines)
 
 
-def run_pairs(config: CompareConfig, *, repeats: int = 1, free_cpu: bool = False) -> tuple[list[CompareResult], ...]:
-    """`repeats` times: `config` live on loopback (uvloop, as `python -m sim compare`), then in
+def run_pairs(
+    config: CompareConfig, *, repeats: int = 1, free_cpu: bool = False, loop_factory: LoopFactory | None = None
+) -> tuple[list[CompareResult], ...]:
+    """`repeats` times: `config` live on loopback (on a loop from `loop_factory`; the CLI passes
+    uvloop's, as `python -m sim compare` does), then in
     virtual time with CPU charged (or free: the negative control). Alternating keeps a change
     in the machine's load from landing on one side only."""
     live, virtual = [], []
     for _ in range(repeats):
-        live.append(compare(config, virtual=False, loop_factory=uvloop.new_event_loop))
+        live.append(compare(config, virtual=False, loop_factory=loop_factory))
         virtual.append(compare(config, virtual=True, free_cpu=free_cpu))
     return live, virtual
 
 
-def measure(config: CompareConfig, *, repeats: int = 1, free_cpu: bool = False, seed: int = 0) -> FidelityReport:
+def measure(
+    config: CompareConfig,
+    *,
+    repeats: int = 1,
+    free_cpu: bool = False,
+    seed: int = 0,
+    loop_factory: LoopFactory | None = None,
+) -> FidelityReport:
     """`run_pairs`, compared."""
-    live, virtual = run_pairs(config, repeats=repeats, free_cpu=free_cpu)
+    live, virtual = run_pairs(config, repeats=repeats, free_cpu=free_cpu, loop_factory=loop_factory)
     return compare_runs(live, virtual, free_cpu=free_cpu, seed=seed)
 
 
@@ -311,10 +322,11 @@ def _load_config(name: str) -> CompareConfig:
     return msgspec.convert(data, CompareConfig)
 
 
-def fidelity_main(args: argparse.Namespace) -> int:
+def fidelity_main(args: argparse.Namespace, loop_factory: LoopFactory | None = None) -> int:
+    """The `fidelity` subcommand; live runs on loops from `loop_factory` (the CLI: uvloop)."""
     if args.calibrate:
-        print("longrun fidelity --calibrate: live per-operation costs on this machine (uvloop, loopback)", flush=True)
-        print(format_costs(calibrate()))
+        print("longrun fidelity --calibrate: live per-operation costs on this machine (loopback)", flush=True)
+        print(format_costs(calibrate(loop_factory=loop_factory)))
         return 0
     try:
         config = _load_config(args.config)
@@ -328,7 +340,8 @@ def fidelity_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"invalid option: {exc}") from None
     shown = {k: v for k, v in msgspec.to_builtins(config).items() if v != getattr(CompareConfig(), k)}
     print(f"longrun fidelity: {args.config} {json.dumps(shown)} (live loopback, then virtual time)", flush=True)
-    report = measure(config, repeats=max(1, args.repeats), free_cpu=args.free_cpu, seed=args.bootstrap_seed)
+    repeats, seed = max(1, args.repeats), args.bootstrap_seed
+    report = measure(config, repeats=repeats, free_cpu=args.free_cpu, seed=seed, loop_factory=loop_factory)
     print(format_report(report))
     return 0 if report.agrees else 1
 
@@ -342,130 +355,19 @@ class Cost(msgspec.Struct, frozen=True, kw_only=True):
     what: str
 
 
-def calibrate(*, repeats: int = 200, stream_bytes: int = 1_000_000) -> list[Cost]:
-    """Measure, live on uvloop and loopback, the costs a live turn pays that an in-process
-    virtual run does not: a timer's late wake-up, the hop to a render thread (nice 19, as the
-    server's) and back, an HTTP request's round trip beyond its handler, a WebSocket message's
-    round trip, and a megabyte streamed as SSE or as one WebSocket message. Medians and 90th
-    percentiles over `repeats`; the streams over a tenth of that."""
-    return uvloop.run(_calibrate(repeats, stream_bytes))
-
-
-async def _calibrate(repeats: int, stream_bytes: int) -> list[Cost]:
-    import asyncio
-    import os
-    import threading
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
-    import aiohttp
-    from aiohttp import web
-
-    from prototype.tokenizer import get_tokenizer
-
-    from .live import tool_output_text
-    from .realtime import AsyncioClock
-
-    def stat(name: str, samples: list[float], what: str) -> Cost:
+def calibrate(
+    *, repeats: int = 200, stream_bytes: int = 1_000_000, loop_factory: LoopFactory | None = None
+) -> list[Cost]:
+    """Measure, live on loopback (on loops from `loop_factory`: the CLI uses uvloop), the costs
+    a live turn pays that an in-process virtual run does not (`sim.realtime.live_cost_samples`:
+    a timer's late wake-up, the hop to a render thread and back, an HTTP request's round trip,
+    a WebSocket message's, a megabyte streamed as SSE or as one WebSocket message). Medians and
+    90th percentiles over `repeats`; the streams and the offloaded render over fewer."""
+    out = []
+    for name, samples, what in live_cost_samples(repeats, stream_bytes, loop_factory=loop_factory):
         xs = np.asarray(samples)
-        return Cost(name=name, median_s=float(np.median(xs)), p90_s=float(np.percentile(xs, 90)), what=what)
-
-    clock, loop, costs = AsyncioClock(), asyncio.get_running_loop(), []
-    late = []
-    for i in range(repeats):
-        deadline = clock.now() + 0.001 + 0.004 * (i % 5) / 5
-        await clock.sleep_until(deadline)
-        late.append(clock.now() - deadline)
-    costs.append(stat("timer_wakeup", late, "a sleep's lateness (uvloop's 1 ms timers + the scheduler): per wait"))
-
-    def nice() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-    tokenizer = get_tokenizer()
-    text = tool_output_text(np.random.default_rng(0), 4000)  # ≈ 20 KB: long enough to be offloaded
-    with ThreadPoolExecutor(1, initializer=nice) as pool:
-        hops, renders = [], []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            await loop.run_in_executor(pool, int)
-            hops.append(time.perf_counter() - t)
-        for _ in range(max(3, repeats // 4)):
-            t = time.perf_counter()
-            tokenizer.encode(text)
-            inline = time.perf_counter() - t
-            t = time.perf_counter()
-            await loop.run_in_executor(pool, tokenizer.encode, text)
-            renders.append(time.perf_counter() - t - inline)
-    costs.append(stat("render_hop", hops, "to a nice-19 render thread and back: per render of >= 8 KiB of text"))
-    costs.append(stat("render_offload", renders, "the same 20 KB tokenized there rather than inline (hop + priority)"))
-
-    payload = b"x" * stream_bytes
-
-    async def post(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        if body == b"big":
-            for start in range(0, len(payload), 16_384):
-                await resp.write(b"data: " + payload[start : start + 16_384] + b"\n\n")
-        else:
-            await resp.write(b"data: {}\n\n")
-        await resp.write_eof()
-        return resp
-
-    async def socket(request: web.Request) -> web.WebSocketResponse:
-        ws = web.WebSocketResponse(max_msg_size=0)
-        await ws.prepare(request)
-        async for msg in ws:
-            await ws.send_str(payload.decode() if msg.data == "big" else "{}")
-        return ws
-
-    app = web.Application(client_max_size=0)
-    app.router.add_post("/", post)
-    app.router.add_get("/ws", socket)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        async with aiohttp.ClientSession() as session:
-
-            async def request(body: bytes) -> float:
-                t = time.perf_counter()
-                async with session.post(url + "/", data=body) as resp:
-                    async for _ in resp.content.iter_any():
-                        pass
-                return time.perf_counter() - t
-
-            await request(b"")  # the connection, opened once (the client keeps it alive)
-            costs.append(
-                stat(
-                    "http_request",
-                    [await request(b"") for _ in range(repeats)],
-                    "POST + headers + one SSE event + end, loopback: per http turn",
-                )
-            )
-            big = [await request(b"big") - costs[-1].median_s for _ in range(max(3, repeats // 10))]
-            costs.append(stat("sse_per_mb", [x * 1e6 / stream_bytes for x in big], "streaming SSE: per MB of events"))
-            async with session.ws_connect(url + "/ws", max_msg_size=0) as ws:
-                rtts = []
-                for _ in range(repeats):
-                    t = time.perf_counter()
-                    await ws.send_str("{}")
-                    await ws.receive()
-                    rtts.append(time.perf_counter() - t)
-                costs.append(stat("ws_message", rtts, "one small message each way, loopback: per ws/append turn"))
-                big = []
-                for _ in range(max(3, repeats // 10)):
-                    t = time.perf_counter()
-                    await ws.send_str("big")
-                    await ws.receive()
-                    big.append((time.perf_counter() - t - costs[-1].median_s) * 1e6 / stream_bytes)
-                costs.append(stat("ws_per_mb", big, "a WebSocket message: per MB of events"))
-    finally:
-        await runner.cleanup()
-    return costs
+        out.append(Cost(name=name, median_s=float(np.median(xs)), p90_s=float(np.percentile(xs, 90)), what=what))
+    return out
 
 
 def format_costs(costs: Sequence[Cost]) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import uvloop
 
 from sim.__main__ import main
 from sim.experiment import CompareConfig, CompareResult, compare
@@ -71,7 +72,8 @@ Runs = tuple[list[CompareResult], list[CompareResult], CompareResult]
 
 @pytest.fixture(scope="module")
 def runs() -> Runs:
-    live, charged = run_pairs(CPU_HEAVY, repeats=3)  # alternating: a load change hits both sides
+    # Alternating: a load change hits both sides. Live on uvloop, as `python -m sim` runs it.
+    live, charged = run_pairs(CPU_HEAVY, repeats=3, loop_factory=uvloop.new_event_loop)
     free = compare(CPU_HEAVY, virtual=True, free_cpu=True)
     return live, charged, free
 
@@ -124,7 +126,7 @@ def test_the_command_refuses_an_unknown_config_before_running_anything() -> None
 
 
 def test_calibrate_measures_each_named_live_cost() -> None:
-    costs = calibrate(repeats=20, stream_bytes=200_000)
+    costs = calibrate(repeats=20, stream_bytes=200_000, loop_factory=uvloop.new_event_loop)
     names = [c.name for c in costs]
     assert names == [
         "timer_wakeup",
