@@ -114,9 +114,12 @@ def live_cost_samples(
 ) -> Samples:
     """Per-operation costs a live run pays on this machine and an in-process virtual run does
     not, sampled on a fresh loop from `loop_factory` over loopback (`sim.fidelity.calibrate`
-    summarizes them): a sleep's lateness, the hop to a nice-19 thread (as the server's render
-    threads) and back, tokenizing 20 KB there rather than inline, an HTTP request with one SSE
-    event, a megabyte of SSE, a small WebSocket message each way, a megabyte in one message."""
+    summarizes them): a sleep's lateness, how much longer the same short render and
+    classification takes right after a wait than right after other work (a live loop waits
+    between turns and stages; a virtual one never does), the hop to a nice-19 thread (as the
+    server's render threads) and back, tokenizing 20 KB there rather than inline, an HTTP
+    request with one SSE event, a megabyte of SSE, a small WebSocket message each way, a
+    megabyte in one message."""
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_live_cost_samples(repeats, stream_bytes))
 
@@ -124,6 +127,7 @@ def live_cost_samples(
 async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     from aiohttp import ClientSession, web
 
+    from prototype.safety import SafetyClassifier
     from prototype.tokenizer import get_tokenizer
 
     from .live import tool_output_text
@@ -141,6 +145,19 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
     tokenizer = get_tokenizer()
+    classifier = SafetyClassifier()
+    short = tool_output_text(np.random.default_rng(0), 500)  # a median tool output
+    warm: list[float] = []
+    cold: list[float] = []
+    for i in range(2 * repeats):  # the same work right after another, or right after a wait
+        await asyncio.sleep(0.005 if i % 2 else 0.0)
+        t = time.perf_counter()
+        classifier.update(classifier.begin(), tokenizer.encode(short))
+        (cold if i % 2 else warm).append(time.perf_counter() - t)
+    base = float(np.median(warm))
+    out.append(
+        ("work_after_wait", [x - base for x in cold], "500 tokens rendered and classified after a 5 ms wait, less warm")
+    )
     text = tool_output_text(np.random.default_rng(0), 4000)  # ≈ 20 KB: long enough to be offloaded
     with ThreadPoolExecutor(1, initializer=nice) as pool:
         hops, renders = [], []

@@ -130,6 +130,7 @@ def test_calibrate_measures_each_named_live_cost() -> None:
     names = [c.name for c in costs]
     assert names == [
         "timer_wakeup",
+        "work_after_wait",
         "render_hop",
         "render_offload",
         "http_request",
@@ -139,5 +140,5 @@ def test_calibrate_measures_each_named_live_cost() -> None:
     ]
     for c in costs:
         assert c.median_s <= c.p90_s, c
-        if c.name != "render_offload":  # inline and offloaded times can differ by less than their noise
+        if c.name not in ("render_offload", "work_after_wait"):  # differences, which noise may exceed
             assert c.median_s > 0, c
