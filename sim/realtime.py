@@ -128,6 +128,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     from aiohttp import ClientSession, web
 
     from prototype.safety import SafetyClassifier
+    from prototype.sse import SSEDecoder
     from prototype.tokenizer import get_tokenizer
 
     from .live import tool_output_text
@@ -181,9 +182,10 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
         body = await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if body == b"big":
-            for start in range(0, len(payload), 16_384):
-                await resp.write(b"data: " + payload[start : start + 16_384] + b"\n\n")
+        if body == b"big":  # four events of a quarter each, one line each, as a response's echo
+            quarter = len(payload) // 4
+            for start in range(0, 4 * quarter, quarter):
+                await resp.write(b"event: e\ndata: " + payload[start : start + quarter] + b"\n\n")
         else:
             await resp.write(b"data: {}\n\n")
         await resp.write_eof()
@@ -211,8 +213,9 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
             async def request(body: bytes) -> float:
                 t = time.perf_counter()
                 async with session.post(url + "/", data=body) as resp:
-                    async for _ in resp.content.iter_any():
-                        pass
+                    decoder = SSEDecoder()  # the client's own parser, as `prototype.client` reads
+                    async for chunk in resp.content.iter_any():
+                        decoder.feed(chunk)
                 return time.perf_counter() - t
 
             await request(b"")  # the connection, opened once (the client keeps it alive)
@@ -220,7 +223,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
             base = float(np.median(small))
             big = [(await request(b"big") - base) * 1e6 / stream_bytes for _ in range(streams)]
             out.append(("http_request", small, "POST + headers + one SSE event + end, loopback: per http turn"))
-            out.append(("sse_per_mb", big, "streaming SSE: per MB of events"))
+            out.append(("sse_per_mb", big, "SSE events, sent and parsed by the client's decoder: per MB"))
             async with session.ws_connect(url + "/ws", max_msg_size=0) as ws:
                 rtts = []
                 for _ in range(repeats):

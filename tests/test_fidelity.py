@@ -14,9 +14,11 @@ leaves out, docs/fidelity.md) do not enter. `http_prev` rather than `http`: the 
 then stays on the server, and what differs between the modes is the server's CPU work, not
 the upload. Tolerances are wide on purpose: the live side runs on a machine other jobs may
 share, where a millisecond of CPU takes one to several milliseconds of wall time, and the
-live transport's own cost (the kernel, aiohttp's HTTP and SSE handling, a few milliseconds a
-turn here, where every response event echoes the 40k-token instructions) is not charged. The
-control misses each check by far more: with CPU free its turns take no time at all.
+live transport's own cost (the kernel, aiohttp's HTTP and SSE handling, the client's parsing:
+a few milliseconds a turn here, where three events a turn echo the 40k-token instructions,
+and over ten under heavy load) is not charged, so turn times may differ by a factor of two
+or more; the render stage has no transport in it and is held tighter. The control misses
+each check by far more: with CPU free its turns take no time at all.
 `python -m sim fidelity` is the instrument with the tight targets.
 """
 
@@ -44,9 +46,9 @@ CPU_HEAVY = CompareConfig(
     tool_output_tokens=30,  # short items: rendered on the event loop in both runs, never offloaded
     modes=("http_prev", "ws"),
 )
-RATIO = (0.4, 2.5)  # completion time and TTFT: virtual / live
-DIFF_RATIO = (0.4, 2.5)  # the paired per-turn http_prev - ws difference: virtual / live
-SHARE_POINTS = 0.25  # overhead share: absolute
+RATIO = (0.25, 4.0)  # completion time and TTFT: virtual / live (they include the live transport)
+DIFF_RATIO = (0.25, 4.0)  # the paired per-turn http_prev - ws difference: virtual / live
+STAGE_RATIO = (0.5, 2.0)  # the render stage (the same work on both sides) and http_prev's overhead share
 
 
 def _within(ratio: float, bounds: tuple[float, float]) -> bool:
@@ -59,11 +61,12 @@ def checks(report: FidelityReport) -> dict[str, bool]:
     for mode in CPU_HEAVY.modes:
         out[f"{mode} completion"] = _within(report.row(mode, "completion").ratio, RATIO)
         out[f"{mode} ttft"] = _within(report.row(mode, "ttft").ratio, RATIO)
-        share = report.row(mode, "overhead_share")
-        out[f"{mode} overhead share"] = abs(share.virtual.estimate - share.live.estimate) <= SHARE_POINTS
+    # `ws`'s overhead share here is a ratio of two small sums whose split between model stages and
+    # overhead depends on which task runs while the server awaits: only the CPU-heavy mode's is held.
+    out["http_prev overhead share"] = _within(report.row("http_prev", "overhead_share").ratio, STAGE_RATIO)
     out["http_prev-ws per turn"] = _within(report.row("http_prev-ws", "turn").ratio, DIFF_RATIO)
     # The re-rendering is charged inside its stage, not to whichever stage's clock read comes next.
-    out["http_prev render stage"] = _within(report.row("http_prev", "render").ratio, RATIO)
+    out["http_prev render stage"] = _within(report.row("http_prev", "render").ratio, STAGE_RATIO)
     return out
 
 
