@@ -27,6 +27,7 @@ from prototype.conversation import ToolCache, normalize_create
 from prototype.engine import Arrival, Engine
 from prototype.errors import ProtocolError, from_validation_error
 from prototype.schemas import ServerEvent, decode_create_params, decode_server_event, encode
+from prototype.sse import SSEDecoder, encode_event
 
 __all__ = ["InProcessServer", "Tap"]
 
@@ -140,13 +141,23 @@ class _InProcessHTTP(HTTPClient):
         except ProtocolError as err:
             raise ClientError(err.status, err.body()) from None
         queue: _Channel[ServerEvent | None] = _Channel()
+        # With CPU charged, the events are framed as SSE and parsed by the client's decoder, as over
+        # a socket (real work at both ends); with CPU free that framing is skipped (same events).
+        sse = SSEDecoder() if getattr(asyncio.get_running_loop(), "charge_cpu", False) else None
 
         async def emit(events: list[ServerEvent]) -> None:
+            frames = []
             for ev in events:
                 data = encode(ev)  # the bytes a socket would carry
                 if tap is not None:
                     tap("down", data)
-                queue.put_nowait(decode_server_event(data))
+                if sse is None:
+                    queue.put_nowait(decode_server_event(data))
+                else:
+                    frames.append(encode_event(data, event=ev.__struct_config__.tag))  # type: ignore[arg-type]
+            if sse is not None:
+                for parsed in sse.feed(b"".join(frames)):
+                    queue.put_nowait(decode_server_event(parsed.data))
 
         async def run() -> None:
             try:
