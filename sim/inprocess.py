@@ -146,22 +146,26 @@ class _InProcessHTTP(HTTPClient):
         sse = SSEDecoder() if getattr(asyncio.get_running_loop(), "charge_cpu", False) else None
 
         async def emit(events: list[ServerEvent]) -> None:
-            frames = []
             for ev in events:
                 data = encode(ev)  # the bytes a socket would carry
                 if tap is not None:
                     tap("down", data)
-                if sse is None:
-                    queue.put_nowait(decode_server_event(data))
-                else:
-                    frames.append(encode_event(data, event=ev.__struct_config__.tag))  # type: ignore[arg-type]
-            if sse is not None:
-                for parsed in sse.feed(b"".join(frames)):
-                    queue.put_nowait(decode_server_event(parsed.data))
+                queue.put_nowait(decode_server_event(data))
+
+        async def emit_sse(events: list[ServerEvent]) -> None:
+            assert sse is not None
+            frames = []
+            for ev in events:
+                data = encode(ev)
+                if tap is not None:
+                    tap("down", data)
+                frames.append(encode_event(data, event=ev.__struct_config__.tag))  # type: ignore[arg-type]
+            for parsed in sse.feed(b"".join(frames)):
+                queue.put_nowait(decode_server_event(parsed.data))
 
         async def run() -> None:
             try:
-                outcome = await engine.run(create, None, emit, arrival=arrival)
+                outcome = await engine.run(create, None, emit if sse is None else emit_sse, arrival=arrival)
                 if outcome.error is not None:
                     raise ClientError(outcome.error.status, outcome.error.body())
             finally:
