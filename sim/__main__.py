@@ -25,6 +25,7 @@ import msgspec
 import uvloop
 
 from sim.experiment import CompareConfig, CompareResult, check, compare
+from sim.fidelity import fidelity_main, fidelity_options
 from sim.metrics import ModeSummary, PairSummary, live_agreement
 from sim.results import render_results
 from sim.stats import Estimate
@@ -108,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    f = sub.add_parser(
+        "fidelity",
+        help="run one config live and in virtual time and compare them (sim/fidelity.py)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    fidelity_options(f, _add_config_options)
     return p
 
 
@@ -311,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
         return sweep_main(args)
+    if args.command == "fidelity":
+        return fidelity_main(args, uvloop.new_event_loop)
     if args.command == "results" and args.render:
         print(render_results(args.out))
         return 0

@@ -39,7 +39,10 @@ SWEEP_ROLLOUTS = 8
 class SweepConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     tps: tuple[float, ...] = (65.0, 1000.0, 4000.0)
     tool_calls: tuple[int, ...] = (5, 20, 50)
-    tool_time_s: tuple[float, ...] = (0.3, 4.5)  # Codex-interactive median; SWE-bench-like mean (docs/experiments.md#workloads)
+    tool_time_s: tuple[float, ...] = (
+        0.3,
+        4.5,
+    )  # Codex-interactive median; SWE-bench-like mean (docs/experiments.md#workloads)
     rtt_s: tuple[float, ...] = (0.04,)
     profile: tuple[str, ...] = ("hosted",)
     modes: tuple[str, ...] = MODES
