@@ -36,6 +36,8 @@ DATA = Path(__file__).parent / "data"
 SPEC_FILE = DATA / "openapi-responses.json"
 EXCEPTIONS_FILE = DATA / "strict-exceptions.json"
 SPEC_URI = "urn:openai-openapi:responses"
+BETA_SPEC_FILE = DATA / "openapi-beta.json"  # the beta's inject events, extracted apart (extract_openapi.py)
+BETA_SPEC_URI = "urn:openai-openapi:beta"
 
 # Kinds of payload, named after the spec schema each is checked against.
 RESPONSE = "Response"  # HTTP 200 body of POST/GET /v1/responses, and `response` in events
@@ -80,6 +82,21 @@ class WireViolation(AssertionError):
 def spec() -> dict[str, Any]:
     document: dict[str, Any] = json.loads(SPEC_FILE.read_text(encoding="utf-8"))
     return document
+
+
+@cache
+def beta_spec() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(BETA_SPEC_FILE.read_text(encoding="utf-8"))
+    return document
+
+
+@cache
+def beta_validator(component: str) -> jsonschema.Draft202012Validator:
+    """A validator for one component of the beta extract (its own registry: the GA one stays small)."""
+    resource = referencing.Resource.from_contents(beta_spec(), default_specification=referencing.jsonschema.DRAFT202012)
+    registry: referencing.Registry[Any] = referencing.Registry().with_resource(BETA_SPEC_URI, resource)
+    schema = {"$ref": f"{BETA_SPEC_URI}#/components/schemas/{component}"}
+    return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
 @cache
@@ -178,7 +195,7 @@ def spec_errors(kind: str, payload: Any, *, excuse: bool = True) -> list[str]:
     if kind == BETA_WS_EVENT and isinstance(payload, dict):
         tag = str(payload.get("type"))
         if tag in BETA_SPEC_EVENTS:
-            errors: Iterator[ValidationError] = validator(BETA_SPEC_EVENTS[tag]).iter_errors(payload)
+            errors: Iterator[ValidationError] = beta_validator(BETA_SPEC_EVENTS[tag]).iter_errors(payload)
         elif tag in _branches(WS_EVENT):
             errors = _branches(WS_EVENT)[tag].iter_errors(payload)
         else:

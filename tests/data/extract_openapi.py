@@ -1,4 +1,5 @@
-"""Rebuild `openapi-responses.json` from a full copy of the openai/openai-openapi spec.
+"""Rebuild `openapi-responses.json` (and `openapi-beta.json`, the responses_multi_agent beta's
+inject events, docs/beta.md) from a full copy of the openai/openai-openapi spec.
 
     python tests/data/extract_openapi.py path/to/openapi.json
 
@@ -15,16 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOTS = (
-    "Response",
-    "ResponseStreamEvent",
-    "ResponsesServerEvent",
-    "ResponseWsError",
-    "ErrorResponse",
-    "Error",
-    "BetaResponseInjectCreatedEvent",  # the responses_multi_agent beta (docs/beta.md)
-    "BetaResponseInjectFailedEvent",
-)
+ROOTS = ("Response", "ResponseStreamEvent", "ResponsesServerEvent", "ResponseWsError", "ErrorResponse", "Error")
+# Kept apart so that the GA extract, which every checked payload is validated against, stays small.
+BETA_ROOTS = ("BetaResponseInjectCreatedEvent", "BetaResponseInjectFailedEvent")
 PREFIX = "#/components/schemas/"
 HERE = Path(__file__).parent
 
@@ -45,10 +39,10 @@ def refs(node: Any) -> set[str]:
     return found
 
 
-def extract(spec: dict[str, Any]) -> dict[str, Any]:
+def extract(spec: dict[str, Any], roots: tuple[str, ...] = ROOTS) -> dict[str, Any]:
     schemas = spec["components"]["schemas"]
     keep: set[str] = set()
-    todo = list(ROOTS)
+    todo = list(roots)
     while todo:
         name = todo.pop()
         if name not in keep:
@@ -69,6 +63,10 @@ def main(source: str) -> None:
     provenance["source_sha256"] = hashlib.sha256(raw).hexdigest()
     provenance["extract_sha256"] = hashlib.sha256(out.encode()).hexdigest()
     provenance["roots"] = list(ROOTS)
+    beta = json.dumps(extract(json.loads(raw), BETA_ROOTS), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    (HERE / "openapi-beta.json").write_text(beta, encoding="utf-8")
+    provenance["beta_extract_sha256"] = hashlib.sha256(beta.encode()).hexdigest()
+    provenance["beta_roots"] = list(BETA_ROOTS)
     (HERE / "openapi-responses.source.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
