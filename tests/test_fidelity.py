@@ -34,6 +34,9 @@ from sim.__main__ import main
 from sim.experiment import CompareConfig, CompareResult, compare
 from sim.fidelity import FidelityReport, calibrate, compare_runs, format_report, paired_bootstrap, run_pairs
 
+# Every test here times live clients (docs/testing.md): no per-event validation on their path.
+pytestmark = pytest.mark.wire_unchecked
+
 CPU_HEAVY = CompareConfig(
     profile="local",
     system_prompt_tokens=40_000,
