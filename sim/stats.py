@@ -146,9 +146,12 @@ def _pairs(base: Floats, other: Floats) -> tuple[npt.NDArray[np.float64], npt.ND
 def paired_saving(base: Floats, other: Floats, *, seed: int = 0, level: float = LEVEL) -> Estimate:
     """Time saved by `other` against `base`, rollout by rollout: mean of 1 − otherᵢ/baseᵢ
     (a fraction), bootstrap interval over rollouts. `base[i]` and `other[i]` are the same
-    seeded rollout in the two modes."""
+    seeded rollout in the two modes. A rollout of 0 s in `base` (CPU free, nothing waits) has no
+    ratio: the estimate is then NaN, not an error."""
     a, b = _pairs(base, other)
-    return paired_mean(1 - b / a, seed=seed, level=level)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = 1 - b / a
+    return paired_mean(ratios, seed=seed, level=level)
 
 
 def paired_difference(base: Floats, other: Floats, *, seed: int = 0, level: float = LEVEL) -> Estimate:
@@ -164,4 +167,6 @@ def agreement(reference: Floats, measured: Floats, *, seed: int = 0, level: floa
     interval that contains 0 means no detectable disagreement at this n, and its bounds say
     how large a disagreement the data still allow."""
     a, b = _pairs(reference, measured)
-    return paired_mean(b / a - 1, seed=seed, level=level)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a reference of 0 s: NaN, as in paired_saving
+        ratios = b / a - 1
+    return paired_mean(ratios, seed=seed, level=level)
