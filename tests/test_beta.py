@@ -11,7 +11,9 @@ and loses nothing already committed.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
@@ -452,3 +454,13 @@ def test_outputs_injected_for_a_turn_that_ended_the_response_go_to_its_continuat
     (next_start,) = c.outputs_to_send()
     assert isinstance(next_start, StartJob)
     assert [i.view.call_id for i in next_start.job.request.items] == ["call_async", "call_sync"]
+
+
+def test_the_pinned_beta_extract_matches_its_recorded_hash_and_is_closed() -> None:
+    provenance = json.loads((strict.DATA / "openapi-responses.source.json").read_text())
+    assert hashlib.sha256(strict.BETA_SPEC_FILE.read_bytes()).hexdigest() == provenance["beta_extract_sha256"]
+    schemas = strict.beta_spec()["components"]["schemas"]
+    assert set(provenance["beta_roots"]) == set(strict.BETA_SPEC_EVENTS.values()) <= set(schemas)
+    text = strict.BETA_SPEC_FILE.read_text()
+    refs = {ref.rsplit("/", 1)[1] for ref in re.findall(r'"\$ref": "(#/components/schemas/[^"]+)"', text)}
+    assert refs <= set(schemas)  # every $ref resolves inside the extract
