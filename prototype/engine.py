@@ -546,7 +546,11 @@ class ResponseRun:
         self.in_context = 0  # append mode: output items already interleaved in the context
         self.beta = pauses is not None and pauses.dialect == "beta"
         self.steers: list[SteerRef] = []  # beta: steers queued for this response, in order
-        self._held_steers: list[SteerRef] = []  # accepted before the stream started
+        # While this run's task is producing the stream's events, acknowledgements that arrive from
+        # the connection are queued and numbered by the task at its next event boundary, so sequence
+        # numbers go out in order; while it waits (paused, or done) they are sent at once.
+        self._owner_busy = True
+        self._queued: list[InjectAccepted | InjectRefused | SteerAccepted] = []
 
     def _uses(self, optimization: Optimization) -> bool:
         return self.engine._uses(self.arrival, optimization)
@@ -692,7 +696,10 @@ class ResponseRun:
             # The model, the stream core or the store failed after the first event: end the
             # stream with `response.failed`, details only in the log.
             log.exception("response %s failed", stream.response.id)
-            await self.emit(stream.abort("server_error", INTERNAL_ERROR.message))
+            failed = stream.abort("server_error", INTERNAL_ERROR.message)
+            self._queued.clear()  # the response failed: what was acknowledged comes back from the core
+            self._owner_busy = False
+            await self.emit(failed)
             return Outcome(stream.response, None, failure=INTERNAL_ERROR)
 
     async def _pause(self, pauses: PauseChannel, required: tuple[RequiredInput, ...]) -> Outcome | None:
@@ -702,10 +709,12 @@ class ResponseRun:
         self.in_context = turn.outputs_in_context
         stages.lap(Stage.RENDER)
         stream.response = structs.replace(stream.response, longrun=stages.end_segment())
-        await self.emit(stream.receive(Pause()))
+        pause = stream.receive(Pause())
+        await self.emit(self._drain() + pause if self._queued else pause)
         engine._counts.pauses += 1
         paused_at = engine.clock.now()
         self._decision = asyncio.get_running_loop().create_future()
+        self._owner_busy = False  # waiting: acknowledgements go out as they come
         try:
             await pauses.paused(self, required)
             decision = await self._decision
@@ -724,7 +733,9 @@ class ResponseRun:
         await turn.add_input(decision.items, stages.report)
         stages.lap(Stage.RENDER)
         if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
-            await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE))  # never sampled
+            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
+            self._owner_busy = False
+            await self.emit(failed + self._drain())
             return Outcome(stream.response, None)
         rendered = stages.report.tokens_rendered - before
         await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * rendered)
@@ -742,29 +753,37 @@ class ResponseRun:
         """The connection core's decision for the paused response: go on with the appended
         items, or end `incomplete`."""
         if self._decision is not None and not self._decision.done():
+            self._owner_busy = True
             self._decision.set_result(decision)
 
     async def acknowledge_inject(self, refused: InjectRefused | None) -> None:
         """`response.inject.created` (or `.failed`), numbered in this response's stream."""
-        await self.emit(self.stream.receive(refused or InjectAccepted()))
+        await self._acknowledge(refused or InjectAccepted())
 
     async def acknowledge_steer(self, steer: SteerRef) -> None:
         """Beta: `response.steer.accepted`, numbered in this response's stream; the steer takes
-        effect at the next safe boundary (a resume), or when the response ends. Before the
-        stream's `response.created` the acknowledgement waits for it."""
+        effect at the next safe boundary (a resume), or when the response ends."""
         self.steers.append(steer)
+        await self._acknowledge(SteerAccepted(steer))
+
+    async def _acknowledge(self, ack: InjectAccepted | InjectRefused | SteerAccepted) -> None:
         stream = getattr(self, "stream", None)
-        if stream is None or stream.state is RS.QUEUED:
-            self._held_steers.append(steer)
+        if self._owner_busy or stream is None or stream.state is RS.QUEUED:
+            self._queued.append(ack)  # the run's task sends it, in sequence
             return
-        await self.emit(stream.receive(SteerAccepted(steer)))
+        await self.emit(stream.receive(ack))
+
+    def _drain(self) -> list[ServerEvent]:
+        """The queued acknowledgements, numbered now."""
+        out: list[ServerEvent] = []
+        for ack in self._queued:
+            out.extend(self.stream.receive(ack))
+        self._queued.clear()
+        return out
 
     def _started(self, events: list[ServerEvent]) -> list[ServerEvent]:
-        """The stream's first events, then the acknowledgements of steers that came before them."""
-        for steer in self._held_steers:
-            events.extend(self.stream.receive(SteerAccepted(steer)))
-        self._held_steers.clear()
-        return events
+        """The stream's first events, then the acknowledgements that came before them."""
+        return events + self._drain() if self._queued else events
 
     async def _sample(self, request: ModelRequest) -> SamplingFinished:
         stream, stages, emit = self.stream, self.stages, self.emit
@@ -772,7 +791,7 @@ class ResponseRun:
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
-            receive = stream.receive
+            receive, queued = stream.receive, self._queued
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if isinstance(event, Prefilled):
@@ -788,8 +807,12 @@ class ResponseRun:
                         if isinstance(call, FunctionCall) and call.is_async is True and self.pauses is not None:
                             # Its output may be injected from now on, while the model decodes on.
                             await self.pauses.called(self, RequiredInput(call_id=call.call_id, name=call.name))
+                        if queued:
+                            await emit(self._drain())
                         continue
                 await emit(receive(event))
+                if queued:  # an acknowledgement arrived while the model decoded
+                    await emit(self._drain())
         raise StreamError("model ended without SamplingFinished")
 
     # -- post-inference ----------------------------------------------------------------------------
@@ -833,12 +856,14 @@ class ResponseRun:
             resolved.safety,
             resolved.safety_chunks,
         )
+        events.extend(self._drain())  # numbered after the terminal event: see stream.py
         if owed and self.steers and response.status == "completed":
             for steer in self.steers:
                 events.extend(stream.receive(SteerPending(steer, owed)))
         else:
             owed = owed if response.status == "completed" else ()
         await self.emit(events)
+        self._owner_busy = False
         return Outcome(response, entry, owed=owed)
 
     async def _unstored(self, events: list[ServerEvent], err: ProtocolError) -> Outcome:
@@ -857,5 +882,7 @@ class ResponseRun:
         terminal = events[-1]
         assert isinstance(terminal, ResponseCompleted | ResponseIncomplete)
         events[-1] = ResponseFailed(sequence_number=terminal.sequence_number, response=failed)
+        events.extend(self._drain())
         await self.emit(events)
+        self._owner_busy = False
         return Outcome(failed, None, failure=err)

@@ -25,6 +25,7 @@ from prototype.cache import CacheEntry
 from prototype.connection import AckInject, AckSteer, Connection, ResumeJob, SendFrame, StartJob
 from prototype.conversation import Context, Preamble
 from prototype.schemas import RequiredInput, Response
+from sim.policy import PlannedItem, ScriptPolicy
 
 from . import strict
 from .support import EXEC_TOOL, Live, live_server, receive_event
@@ -464,3 +465,34 @@ def test_the_pinned_beta_extract_matches_its_recorded_hash_and_is_closed() -> No
     text = strict.BETA_SPEC_FILE.read_text()
     refs = {ref.rsplit("/", 1)[1] for ref in re.findall(r'"\$ref": "(#/components/schemas/[^"]+)"', text)}
     assert refs <= set(schemas)  # every $ref resolves inside the extract
+
+
+async def test_an_output_injected_while_the_model_decodes_on_is_acknowledged_in_sequence(
+    wire: strict.Checker,
+) -> None:
+    """The turn calls the async tool, then keeps decoding a long message; the output injected
+    meanwhile is acknowledged among the message's deltas, with sequence numbers in order, and the
+    response resumes at the turn's end without waiting."""
+    call = PlannedItem("function_call", "exec_command", '{"cmd":"pytest -x"}')
+    policy = ScriptPolicy([[call, PlannedItem("message", "", " word" * 300)], PlannedItem("message", "", "done")])
+    async with (
+        live_server(policy=policy, seed=SEED, decode_tok_per_s=500) as live,
+        aiohttp.ClientSession() as session,
+        await beta_socket(session, live) as ws,
+    ):
+        await ws.send_str(create(input=PROMPT))
+        events = await until(ws, "response.output_item.done")
+        rid = events[0]["response"]["id"]
+        done = events[-1]["item"]
+        output = {"type": "function_call_output", "call_id": done["call_id"], "output": "1 passed"}
+        await ws.send_str(json.dumps({"type": "response.inject", "response_id": rid, "input": [output]}))
+        events += await until(ws, "response.completed")
+    kinds = [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))  # in order, no gaps
+    ack = kinds.index("response.inject.created")
+    message_done = [i for i, k in enumerate(kinds) if k == "response.output_item.done"][1]
+    assert ack < message_done  # acknowledged while the message was still being decoded
+    resume = kinds.index("response.in_progress", message_done)
+    assert resume == message_done + 1  # no wait: the output was already there
+    assert events[-1]["response"]["output"][-1]["content"][0]["text"] == "done"
+    assert not wire.violations
