@@ -278,15 +278,15 @@ class _Turn:
         self.hold_kv = hold_kv
         self.held_tokens = 0  # first segment: whatever the model's prefix cache still has
         self.header = generation_header(engine.tokenizer)
-        self.prompt_tokens = self._count()
+        self.prompt_tokens = self.count()
         self.outputs_in_context = 0
 
-    def _count(self) -> int:
+    def count(self) -> int:
         return len(self.resolved.preamble.tokens) + self.resolved.context.n_tokens + len(self.header)
 
     @property
     def resident_tokens(self) -> int:
-        return self._count() - len(self.header)
+        return self.count() - len(self.header)
 
     async def add_outputs(self, output: Sequence[OutputItem], report: StageReport) -> None:
         """Interleave the response's output items not yet in the context (a pause's segment)."""
@@ -298,7 +298,7 @@ class _Turn:
         # Everything before the appended items is held KV: only they need prefill.
         self.held_tokens = self.resident_tokens
         self.resolved.context.extend(items, await self.engine._render(items, report))
-        self.prompt_tokens = self._count()
+        self.prompt_tokens = self.count()
 
     def _output_budget(self) -> int | None:
         """The request's `max_output_tokens`, within the model's output limit and what is left
@@ -844,6 +844,10 @@ class ResponseRun:
         before = stages.report.tokens_rendered
         await turn.add_input(decision.items, stages.report)
         stages.lap(Stage.RENDER)
+        limit = self.compaction_limit()
+        compaction = None
+        if limit is not None and turn.prompt_tokens > limit:
+            compaction = await self._compact_paused()
         if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
             await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE))  # never sampled
             return Outcome(stream.response, None)
@@ -851,9 +855,26 @@ class ResponseRun:
         await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * rendered)
         await self._classify(self.resolved)
         await self.emit(stream.receive(Resume(input_tokens=turn.prompt_tokens)))
+        if compaction is not None:
+            await self._announce_compaction(compaction)
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(stream.end_incomplete("content_filter"))
         return None
+
+    async def _compact_paused(self) -> Compaction:
+        """Append mode: the resumed prompt is past the threshold. The context becomes the
+        compacted one, so the KV held for the dropped history no longer stands for the
+        prompt: it is released, and the next segment prefills the compacted prompt."""
+        engine, turn, resolved = self.engine, self.turn, self.resolved
+        compaction, resolved.context = await self.compact(resolved.context, turn.prompt_tokens)
+        resolved.safety = engine.classifier.update(engine.classifier.begin(), resolved.preamble.tokens)
+        resolved.safety_chunks = 0  # the new context is classified afresh
+        self.stages.report.tokens_classified += len(resolved.preamble.tokens)
+        engine.model.release(self.template.id)
+        turn.held_tokens = 0
+        turn.prompt_tokens = turn.count()
+        self.stages.lap(Stage.COMPACTION)
+        return compaction
 
     def resume(self, decision: Resumed | Aborted) -> None:
         """The connection core's decision for the paused response: go on with the appended

@@ -12,7 +12,9 @@ carries the model's turn count), so the two rollouts differ only in the context.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +23,7 @@ import numpy as np
 from prototype.app import ServerConfig, make_engine
 from prototype.client import Mode, tool_outputs
 from prototype.clock import Clock
+from prototype.model import ModelEvent, ModelRequest, Prefilled
 from prototype.pipeline import CostProfile, StageReport, load_profile
 from prototype.store import MemoryStore
 
@@ -60,14 +63,35 @@ class TurnCost:
     outputs: tuple[str, ...]  # the model's items (arguments or text), compaction items left out
 
 
+class _Recorder:
+    """The model as the server sees it, recording each sampled turn's prompt and cache hit
+    (an append-mode pause reports neither on the wire)."""
+
+    def __init__(self, model: SimulatedModel) -> None:
+        self.model = model
+        self.turns: list[tuple[int, int]] = []  # (prompt tokens, cached tokens) per sampled turn
+
+    async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
+        async with contextlib.aclosing(self.model.sample(request)) as events:
+            async for event in events:
+                if isinstance(event, Prefilled):
+                    self.turns.append((request.prompt_tokens, event.cached_tokens))
+                yield event
+
+    def release(self, conversation_id: str) -> None:
+        self.model.release(conversation_id)
+
+
 async def long_rollout(config: LongRolloutConfig, clock: Clock) -> list[TurnCost]:
-    model = SimulatedModel(
-        clock=clock,
-        policy=DefaultPolicy(tool_calls=config.turns),
-        seed=config.seed,
-        decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
-        model_latency_s=config.model_latency_s,
-        prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
+    model = _Recorder(
+        SimulatedModel(
+            clock=clock,
+            policy=DefaultPolicy(tool_calls=config.turns),
+            seed=config.seed,
+            decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
+            model_latency_s=config.model_latency_s,
+            prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
+        )
     )
     profile = config.profile if isinstance(config.profile, CostProfile) else load_profile(config.profile)
     server_config = ServerConfig(profile=profile)
@@ -87,23 +111,29 @@ async def long_rollout(config: LongRolloutConfig, clock: Clock) -> list[TurnCost
         settings["context_management"] = [{"type": "compaction", "compact_threshold": config.compact_threshold}]
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": "Task 0: fix the failing test."}]
     costs = []
+    # Append mode's stage report is cumulative over the response's segments: a turn is the difference.
+    before = StageReport()
     try:
         for turn in range(config.turns + 1):
             result = await client.turn(items, **settings)
-            report, usage = result.response.longrun, result.response.usage
-            assert isinstance(report, StageReport) and usage is not None
+            report = result.response.longrun
+            assert isinstance(report, StageReport) and len(model.turns) == turn + 1
+            prompt, cached = model.turns[turn]
+            compaction_s = report.stages_s.get("compaction", 0.0)
             costs.append(
                 TurnCost(
                     turn,
-                    report.server_s,
-                    usage.input_tokens,
-                    usage.input_tokens_details.cached_tokens,
+                    report.server_s - before.server_s,
+                    prompt,
+                    cached,
                     any(item.get("type") == "compaction" for item in result.output_items),
-                    report.stages_s.get("compaction", 0.0),
+                    compaction_s - before.stages_s.get("compaction", 0.0),
                     report.connection_cache,
                     tuple(_content(item) for item in result.output_items if item.get("type") != "compaction"),
                 )
             )
+            if config.mode == "append":
+                before = report
             if turn == config.turns or not result.call_ids:
                 break
             items = tool_outputs(result, tool_output_text(rng, int(sizes[turn])))

@@ -279,14 +279,28 @@ def test_compacts_exactly_when_the_prompt_is_past_the_threshold() -> None:
 
 
 def test_same_model_output_in_every_mode_with_and_without_compaction() -> None:
-    runs = {(mode, th): rollout(mode, th) for mode in ("http", "http_prev", "ws") for th in (None, 1500)}
+    modes = ("http", "http_prev", "ws", "append")
+    runs = {(mode, th): rollout(mode, th) for mode in modes for th in (None, 1500)}
     outputs = {key: [t.outputs for t in run] for key, run in runs.items()}
     assert len({json.dumps(o) for o in outputs.values()}) == 1
-    compacted = {mode: [t.prompt_tokens for t in runs[mode, 1500]] for mode in ("http", "http_prev", "ws")}
-    assert compacted["http"] == compacted["http_prev"] == compacted["ws"]  # the same context in each mode
+    prompts = {mode: [t.prompt_tokens for t in runs[mode, 1500]] for mode in modes}
+    assert prompts["http"] == prompts["http_prev"] == prompts["ws"] == prompts["append"]  # the same context
     assert sum(t.compacted for t in runs["ws", 1500]) >= 2
     ws = runs["ws", 1500]
     assert all(t.connection_cache == "hit" for t in ws[1:])
+
+
+def test_append_releases_its_held_kv_when_it_compacts() -> None:
+    """A paused append response holds its KV across the pause; a compaction at a resume replaces
+    the context, so the held KV stands for nothing the model reads and the prompt is prefilled again."""
+    plain, compacted, ws = rollout("append"), rollout("append", 2000), rollout("ws", 2000)
+    k = next(i for i, t in enumerate(compacted) if t.compacted)
+    assert k > 0 and all(t.connection_cache == "none" for t in compacted)
+    assert plain[k].cached_tokens > 0.9 * plain[k].prompt_tokens  # held KV: only the appended items are new
+    # Released: only the prefix before the summary (instructions, tools, task) is cached, as for a
+    # create that compacts; the summary and what follows it are prefilled.
+    assert compacted[k].cached_tokens == ws[k].cached_tokens < compacted[k].prompt_tokens * 0.6
+    assert compacted[k + 1].cached_tokens > 0.8 * compacted[k + 1].prompt_tokens  # held again from there
 
 
 def test_compaction_cost_lands_in_the_compaction_stage() -> None:
@@ -322,7 +336,7 @@ def test_200_turns_per_turn_cost_plateaus_with_compaction_and_grows_without() ->
         )
 
     threshold = 20_000
-    for mode in ("ws", "http_prev"):
+    for mode in ("ws", "http_prev", "append"):
         grows = run_long_rollout(LongRolloutConfig(mode=mode, turns=200))  # type: ignore[arg-type]
         flat = run_long_rollout(LongRolloutConfig(mode=mode, turns=200, compact_threshold=threshold))  # type: ignore[arg-type]
         assert len(grows) == len(flat) == 201
