@@ -102,7 +102,7 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     compaction_call_s: float = 0.0  # one summarisation call: its fixed latency
     compaction_s_per_token_read: float = 0.0  # the call's prefill of the prompt it compacts
     compaction_s_per_token_written: float = 0.0  # the call's decode of the summary
-    compaction_ratio: float = 0.25  # summary tokens / dropped history tokens
+    compaction_ratio: float = 0.28  # summary tokens / dropped history tokens
 
     def compaction_s(self, tokens_read: int, tokens_written: int) -> float:
         return (
@@ -132,7 +132,7 @@ PROFILES: Final[dict[str, CostProfile]] = {
         compaction_call_s=0.050,
         compaction_s_per_token_read=5e-5,  # 20,000 tokens/s, the simulator's prefill rate in `sim compare`
         compaction_s_per_token_written=1e-3,  # 1,000 tokens/s, the default decode speed
-        compaction_ratio=0.25,
+        compaction_ratio=0.28,  # the spec's CompactResource example: 12,000 tokens out of 42,897
     ),
 }
 

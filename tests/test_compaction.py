@@ -10,11 +10,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from openai.types.beta import BetaResponsesServerEvent
 
 from prototype.compaction import decode_payload
 from prototype.pipeline import PROFILES
 from sim.long_rollout import LongRolloutConfig, TurnCost, run_long_rollout
 
+from . import strict
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
@@ -160,6 +162,32 @@ async def test_websocket_compacts_then_continues_from_the_connection_cache(live:
         assert events[-1]["type"] == "response.completed" and compaction_events(events) == []
         assert after["longrun"]["connection_cache"] == "hit"
         assert compacted["usage"]["input_tokens"] < after["usage"]["input_tokens"] < 1000
+
+
+async def test_beta_websocket_connection_types_the_compaction_events(live: Live) -> None:
+    """openai-python's beta connection (`client.beta.responses.connect()`) parses every frame of a
+    compacting response as its beta models, validated here with validation on."""
+    members = strict._members(BetaResponsesServerEvent)
+    client = openai.AsyncOpenAI(base_url=live.base_url, api_key="sk-test")
+    async with client.beta.responses.connect() as conn:
+        await conn.response.create(
+            model="sim",
+            input=history(4),  # type: ignore[arg-type]
+            tools=[EXEC_TOOL],  # type: ignore[list-item]
+            context_management=COMPACT,  # type: ignore[list-item]
+            store=False,
+        )
+        events, parsed_as = [], []
+        async for event in conn:
+            payload = event.model_dump(mode="json", exclude_unset=True)
+            members[payload["type"]].model_validate(payload, strict=True)
+            events.append(payload)
+            parsed_as.append(type(event).__name__)
+            if event.type in TERMINAL:
+                break
+    assert "BetaResponseCompactionWsCompacting" in parsed_as
+    check_compacted_stream(events)
+    await client.close()
 
 
 async def test_store_continues_from_a_compacted_response(live: Live) -> None:
