@@ -39,6 +39,7 @@ __all__ = [
     "COMPACTION_TYPE",
     "Compaction",
     "ENCRYPTED_CONTENT_MAX",
+    "TRIGGER_TYPE",
     "Payload",
     "decode_payload",
     "encode_payload",
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 COMPACTION_TYPE: Final = "compaction"
+TRIGGER_TYPE: Final = "compaction_trigger"  # an input item: compact now (`CompactionTriggerItemParam`)
 ENCRYPTED_CONTENT_MAX: Final = 20_971_520  # `CompactionSummaryItemParam.encrypted_content.maxLength` in the spec
 _VERSION: Final = 1
 T = TypeVar("T")

@@ -33,7 +33,7 @@ from typing import Final, TypeVar
 import msgspec
 from msgspec import Raw
 
-from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, decode_payload
+from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload
 from .contract import (
     CALL_ID_MAX,
     STRING_MAX,
@@ -228,6 +228,7 @@ class CreateRequest:
     # `context_management`: compact past this many prompt tokens; 0: past the context window;
     # None: never (contract.compact_threshold).
     compact_threshold: int | None = None
+    compact_now: bool = False  # the input ended with a `compaction_trigger` (not in `items`)
 
     @property
     def previous_response_id(self) -> str | None:
@@ -316,6 +317,16 @@ def normalize_create(
             param="previous_response_id",
         )
     items = parse(params.input)
+    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
+    if compact_now:
+        items = items[:-1]  # an instruction to the server, not part of the context
+    for index, item in enumerate(items):
+        if item.view.type == TRIGGER_TYPE:
+            raise ProtocolError(
+                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
+                code="invalid_value",
+                param=f"input[{index}]",
+            )
     tools_raw = tuple(params.tools or ())
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
@@ -333,6 +344,7 @@ def normalize_create(
         generate=generate,
         preamble_key=key,
         compact_threshold=compact_threshold(params),
+        compact_now=compact_now,
     )
 
 

@@ -670,6 +670,8 @@ class ResponseRun:
         await self.emit(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens)))
         if self.resolved.compaction is not None:
             await self._announce_compaction(self.resolved.compaction)
+            if request.compact_now:  # a `compaction_trigger` asks for the compaction alone
+                return await self._finish(self.stream.receive(SamplingFinished("stop")))
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(self.stream.end_incomplete("content_filter"))  # refused before inference
         try:
@@ -739,9 +741,10 @@ class ResponseRun:
         header = len(generation_header(engine.tokenizer))
         compaction = None
         limit = self.compaction_limit()
-        if limit is not None and len(preamble.tokens) + context.n_tokens + header > limit:
+        prompt = len(preamble.tokens) + context.n_tokens + header
+        if (request.compact_now and request.generate) or (limit is not None and prompt > limit):
             stages.lap(Stage.RENDER)
-            compaction, context = await self.compact(context, len(preamble.tokens) + context.n_tokens + header)
+            compaction, context = await self.compact(context, prompt)
             safety, safety_chunks = None, 0  # the context is a new one: classified afresh
             stages.lap(Stage.COMPACTION)
         check_context_window(len(preamble.tokens) + context.n_tokens + header, engine.input_token_limit)

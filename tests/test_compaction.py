@@ -220,6 +220,41 @@ async def test_store_continues_from_a_compacted_response(live: Live) -> None:
     await client.close()
 
 
+async def test_a_compaction_trigger_compacts_now_and_samples_nothing(live: Live) -> None:
+    """`compaction_trigger` as the final input item: the response compacts, whatever the
+    threshold, and completes with the compaction item alone; the next turn continues from it."""
+    async with aiohttp.ClientSession() as session, session.ws_connect(live.ws_url) as ws:
+        first = (await ws_turn(ws, input=history(2), store=False))[-1]["response"]
+        events = await ws_turn(
+            ws,
+            input=[*tool_outputs(first), {"type": "compaction_trigger"}],
+            previous_response_id=first["id"],
+            store=False,
+        )
+        compacted = events[-1]["response"]
+        assert compaction_events(events) == [
+            ("response.output_item.added", 0),
+            ("response.compaction.compacting", 0),
+            ("response.output_item.done", 0),
+        ]
+        assert [o["type"] for o in compacted["output"]] == ["compaction"]
+        assert compacted["status"] == "completed" and compacted["usage"]["output_tokens"] == 0
+        after = (await ws_turn(ws, input=[{"role": "user", "content": "go on"}], previous_response_id=compacted["id"]))[
+            -1
+        ]
+        assert after["type"] == "response.completed"
+        assert after["response"]["usage"]["input_tokens"] < first["usage"]["input_tokens"]
+
+
+async def test_a_compaction_trigger_must_be_the_final_input_item(live: Live) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "sim", "input": [{"type": "compaction_trigger"}, {"role": "user", "content": "hi"}]}
+        async with session.post(f"{live.base_url}/responses", json=body) as resp:
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+    assert (error["code"], error["param"]) == ("invalid_value", "input[0]")
+
+
 # -- POST /v1/responses/compact -----------------------------------------------------------------------------------
 
 
