@@ -1,9 +1,14 @@
 """`python -m sim`: the append-vs-create comparison (`compare`) and parameter sweeps (`sweep`).
 
 Covers: the main job. Scenario: the same seeded agent rollouts in each API mode
-(`http`, `http_prev`, `ws`, `append`) against one server, live on loopback by
-default or in virtual time (`--virtual`); a table of the workloads.md section 6
-metrics per mode, and with `--out DIR` a run folder (sim/trace.py).
+(`http`, `http_prev`, `ws`, `append`) against one server. By default the precision comes
+from virtual time (`--rollouts` per mode, CPU work charged) and a short live run on
+loopback (`--live-rollouts`, the first rollouts of the same seed) runs beside it, with
+their agreement as an interval on the paired difference; `--virtual` or `--live` runs only
+one. A table of the metrics per mode with 95 % intervals and n, the paired differences
+between modes, and with `--out DIR` a run folder (sim/trace.py). `results` writes the
+headline comparison into a small committed folder and renders the README's table from it
+(sim/results.py).
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import msgspec
 import uvloop
 
 from sim.experiment import CompareConfig, CompareResult, check, compare
-from sim.metrics import ModeSummary
+from sim.fidelity import fidelity_main, fidelity_options
+from sim.metrics import ModeSummary, PairSummary, live_agreement
+from sim.results import render_results
+from sim.stats import Estimate
 from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
-from sim.trace import write_run, write_table
+from sim.trace import write_json, write_run, write_table
 
-__all__ = ["build_parser", "main", "run", "table"]
+__all__ = ["build_parser", "main", "pairs_table", "run", "saved_text", "table"]
 
 
 def _add_config_options(p: argparse.ArgumentParser) -> None:
@@ -46,6 +54,26 @@ def _add_config_options(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=kind, default=prop.get("default"), help=prop.get("description", ""))
 
 
+def _add_compare_options(c: argparse.ArgumentParser) -> None:
+    _add_config_options(c)
+    where = c.add_mutually_exclusive_group()
+    where.add_argument(
+        "--virtual", action="store_true", help="only in process on a virtual clock (no sockets, no waiting)"
+    )
+    where.add_argument("--live", action="store_true", help="only live on loopback (--rollouts of them)")
+    c.add_argument(
+        "--live-rollouts",
+        type=int,
+        default=2,
+        help="rollouts per mode of the live run beside the virtual one (0 = none)",
+    )
+    c.add_argument(
+        "--free-cpu", action="store_true", help="virtual run: CPU work costs no virtual time (exactly reproducible)"
+    )
+    c.add_argument("--out", metavar="DIR", help="write a run folder (config, summary, per-turn tables, plots)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -54,13 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the same rollouts in each mode and print a table",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_config_options(c)
-    c.add_argument("--virtual", action="store_true", help="in process on a virtual clock (no sockets, no waiting)")
-    c.add_argument(
-        "--free-cpu", action="store_true", help="with --virtual: CPU work costs no virtual time (exactly reproducible)"
+    _add_compare_options(c)
+    r = sub.add_parser(
+        "results",
+        help="run the default comparison into a small run folder to commit, and print the README table",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    c.add_argument("--out", metavar="DIR", help="write a run folder (config, summary, per-turn tables, plots)")
-    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_compare_options(r)
+    r.set_defaults(out="docs/results/headline")
+    r.add_argument("--render", action="store_true", help="only print the table of the folder at --out (no run)")
 
     w = sub.add_parser(
         "sweep",
@@ -79,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    f = sub.add_parser(
+        "fidelity",
+        help="run one config live and in virtual time and compare them (sim/fidelity.py)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    fidelity_options(f, _add_config_options)
     return p
 
 
@@ -145,61 +182,149 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x * 100:.1f}%"
 
 
+def _bounds(e: Estimate, digits: int = 2) -> str:
+    """`(low–high)`; a missing bound (too few rollouts for it at 95 %) is `?`."""
+
+    def one(x: float) -> str:
+        return "?" if math.isnan(x) else f"{x:.{digits}f}"
+
+    return f"({one(e.ci_low)}–{one(e.ci_high)})"
+
+
+def saved_text(e: Estimate) -> str:
+    """`30.9 % ± 1.2`: the saving and its interval's half-width, in points; `?` without one."""
+    if math.isnan(e.value):
+        return "-"
+    spread = "?" if math.isnan(e.half_width) else f"{100 * e.half_width:.1f}"
+    return f"{100 * e.value:.1f} % ± {spread}"
+
+
 def table(summary: list[ModeSummary]) -> str:
+    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %)."""
     head = (
-        f"{'mode':<10} {'rollout p50 s':>13} {'p90 s':>7} {'TTFT ms':>8} {'tool→token ms':>14} {'overhead':>9} "
-        f"{'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} {'tok hit':>8} {'KV idle tok·s':>14} "
-        f"{'time saved vs http':>19}"
+        f"{'mode':<10} {'n':>3} {'rollout p50 s (95 % CI)':>26} {'p90 s (95 % CI)':>24} {'TTFT ms':>8} "
+        f"{'tool→token ms':>14} {'overhead':>9} {'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} "
+        f"{'tok hit':>8} {'KV idle tok·s':>14} {'time saved vs http':>19}"
     )
     rows = [head]
     for s in summary:
+        p50, p90 = s.estimate("completion_p50"), s.estimate("completion_p90")
+        saved = "-" if s.mode == "http" else saved_text(s.estimate("saved_vs_http"))
         rows.append(
-            f"{s.mode:<10} {s.completion_p50_s:>13.3f} {s.completion_p90_s:>7.3f} {_ms(s.ttft_p50_s):>8} "
-            f"{_ms(s.tool_to_token_p50_s):>14} {_pct(s.overhead_share):>9} {s.bytes_per_turn:>11.0f} "
-            f"{s.tokens_rendered_per_turn:>14.0f} {_pct(s.connection_cache_hit_rate):>9} {_pct(s.token_hit_rate):>8} "
-            f"{s.kv_idle_token_s:>14.0f} {_pct(s.saved_vs_http):>19}"
+            f"{s.mode:<10} {s.n:>3} {f'{p50.value:.3f} {_bounds(p50)}':>26} {f'{p90.value:.3f} {_bounds(p90)}':>24} "
+            f"{_ms(s.ttft_p50_s):>8} {_ms(s.tool_to_token_p50_s):>14} {_pct(s.overhead_share):>9} "
+            f"{s.bytes_per_turn:>11.0f} {s.tokens_rendered_per_turn:>14.0f} {_pct(s.connection_cache_hit_rate):>9} "
+            f"{_pct(s.token_hit_rate):>8} {s.kv_idle_token_s:>14.0f} {saved:>19}"
         )
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "sweep":
-        return sweep_main(args)
-    try:
-        config = config_from(args)
-    except msgspec.ValidationError as exc:
-        raise SystemExit(f"invalid option: {exc}") from None
-    try:
-        check(config, virtual=args.virtual)
-    except (ValueError, OSError) as exc:
-        raise SystemExit(f"invalid option: {exc}") from None
-    where = "virtual time" if args.virtual else "live loopback"
+def pairs_table(pairs: list[PairSummary]) -> str:
+    """Every mode against every other, paired by rollout (95 % intervals)."""
+    rows = [f"{'other vs base':<22} {'n':>3} {'time saved':>16} {'difference s (95 % CI)':>28}"]
+    for p in pairs:
+        saved = saved_text(Estimate(p.saved, p.saved_ci_low, p.saved_ci_high, p.n))
+        diff = Estimate(p.difference_s, p.difference_ci_low, p.difference_ci_high, p.n)
+        rows.append(
+            f"{f'{p.other} vs {p.base}':<22} {p.n:>3} {saved:>16} {f'{diff.value:+.3f} {_bounds(diff, 3)}':>28}"
+        )
+    return "\n".join(rows)
+
+
+def agreement_text(e: Estimate) -> str:
+    if math.isnan(e.value):
+        return "virtual vs live: no pairs"
+    if math.isnan(e.half_width):
+        return f"virtual vs live: live {100 * e.value:+.1f} % against virtual, over {e.n} (mode, rollout) pair"
+    return (
+        f"virtual vs live: live takes {100 * e.value:+.1f} % (95 % CI {100 * e.ci_low:+.1f} to "
+        f"{100 * e.ci_high:+.1f} %) longer than virtual time on the same rollout, over {e.n} (mode, rollout) pairs"
+    )
+
+
+def _describe(config: CompareConfig) -> str:
     if config.trace is not None:
         shape = f"trace {config.trace}"
     elif config.workload != "custom":
         shape = f"workload {config.workload}"
     else:
         shape = f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
-    print(
-        f"longrun compare: {config.rollouts} rollouts per mode, {shape}, {config.tps:g} tokens/s, "
-        f"seed {config.seed} ({where}, {config.profile} cost profile)",
-        flush=True,
+    return f"{shape}, {config.tps:g} tokens/s, seed {config.seed}, {config.profile} cost profile"
+
+
+def _show(title: str, result: CompareResult) -> None:
+    print(f"\n{title}")
+    print(table(result.summary))
+    if result.stopped:
+        print(f"stopped adding rollouts: {result.stopped}")
+    print("\npaired by rollout:")
+    print(pairs_table(result.pairs))
+
+
+def compare_main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from(args)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    if args.live_rollouts < 0:
+        raise SystemExit("invalid option: --live-rollouts must be >= 0")
+    try:
+        check(config, virtual=not args.live)
+        if not args.virtual and not args.live and args.live_rollouts:
+            check(config, virtual=False)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    beside = 0 if (args.virtual or args.live) else args.live_rollouts
+    cpu = "CPU free" if args.free_cpu else "CPU charged"
+    plan = (
+        f"{config.rollouts} rollouts per mode live on loopback"
+        if args.live
+        else f"{config.rollouts} rollouts per mode in virtual time ({cpu})"
+        + (f", beside {beside} live on loopback" if beside else "")
     )
-    result = run(config, virtual=args.virtual, free_cpu=args.free_cpu, progress=not args.quiet)
+    if config.ci_width > 0 and not args.live:
+        plan += f", adding batches until every time saved is within ±{config.ci_width:g} points"
+    print(f"longrun compare: {plan}; {_describe(config)}", flush=True)
+    progress = not args.quiet
+    main_result = run(config, virtual=not args.live, free_cpu=args.free_cpu, progress=progress)
+    where = "live loopback" if args.live else "virtual time"
+    lanes = f", WebSocket modes: {config.lanes} rollouts multiplexed on one connection" if config.lanes else ""
+    n_main = main_result.summary[0].n if main_result.summary else 0
+    _show(f"{where}, n={n_main} rollouts per mode{lanes}:", main_result)
     if config.lanes:  # the same seeds on a connection per rollout, as many in flight
-        print(f"WebSocket modes: {config.lanes} rollouts multiplexed on one connection (one lane each)")
-        print(table(result.summary))
         apart = msgspec.structs.replace(config, lanes=0, concurrency=max(config.concurrency, config.lanes))
-        alone = run(apart, virtual=args.virtual, free_cpu=args.free_cpu, progress=not args.quiet)
-        print(f"against: {apart.concurrency} rollouts in flight, a connection each")
-        print(table(alone.summary))
-    else:
-        print(table(result.summary))
+        alone = run(apart, virtual=not args.live, free_cpu=args.free_cpu, progress=progress)
+        _show(f"against: {apart.concurrency} rollouts in flight, a connection each:", alone)
+    live_result: CompareResult | None = None
+    agreement: Estimate | None = None
+    if beside:
+        live_config = msgspec.structs.replace(config, rollouts=beside, ci_width=0.0)
+        live_result = run(live_config, virtual=False, progress=progress)
+        _show(f"live loopback, n={beside} rollouts per mode (rollouts 0–{beside - 1} of the same seed):", live_result)
+        agreement = live_agreement(main_result.rollouts, live_result.rollouts, seed=config.seed)
+        print("\n" + agreement_text(agreement))
     if args.out:
-        path = write_run(result, args.out)
+        tables = args.command != "results"
+        path = write_run(main_result, args.out, tables=tables)
+        if live_result is not None and agreement is not None:
+            write_run(live_result, path / "live", tables=tables)
+            write_json({"live_vs_virtual": agreement, "pairs": "(mode, rollout)"}, path / "agreement.json")
         print(f"run folder: {path}", file=sys.stderr)
+        if args.command == "results":
+            print("\n" + render_results(path))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "sweep":
+        return sweep_main(args)
+    if args.command == "fidelity":
+        return fidelity_main(args, uvloop.new_event_loop)
+    if args.command == "results" and args.render:
+        print(render_results(args.out))
+        return 0
+    return compare_main(args)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,23 @@ through the same engine and WebSocket adapter.
 
 Each mode starts from a cold prefix cache: the same prompts run in every mode,
 and a cache warmed by the previous mode would favour whichever runs later.
+
+With `ci_width` > 0 the run continues in batches of `rollouts` on the same server (each
+mode keeps its own prefix cache across batches, so the rollouts are those of one larger
+run) until every time-saved interval is narrower than ± `ci_width` points or
+`max_rollouts` is reached; `CompareResult.stopped` says which (docs/statistics.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import math
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Final
 
 import msgspec
@@ -38,7 +44,7 @@ from .inprocess import InProcessServer, Tap
 from .kv import PrefixCache
 from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
 from .memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
-from .metrics import ModeSummary, summarize
+from .metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
 from .replay import load_trace, replay_plan
@@ -46,11 +52,24 @@ from .tools import tool_runner
 from .virtual import VirtualClock, run_virtual
 from .workload import WORKLOADS, draw_rollouts
 
-__all__ = ["CompareConfig", "CompareResult", "check", "compare", "run_compare"]
+__all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "run_compare"]
+
+# Rollouts per mode of the default comparison: its time-saved intervals are within ±2 points
+# at this n in virtual time (docs/statistics.md has the measured widths).
+DEFAULT_ROLLOUTS: Final = 20
 
 
 class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    rollouts: Annotated[int, Meta(ge=1, description="rollouts per mode")] = 2
+    rollouts: Annotated[int, Meta(ge=1, description="rollouts per mode (with ci_width: per batch)")] = DEFAULT_ROLLOUTS
+    ci_width: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="add batches of rollouts until every time-saved interval is narrower than ± this many "
+            "points (0 = one batch)",
+        ),
+    ] = 0.0
+    max_rollouts: Annotated[int, Meta(ge=1, description="with ci_width: stop adding batches at this many")] = 256
     tool_calls: Annotated[int, Meta(ge=0, description="tool calls per rollout, then a text answer")] = 20
     tps: Annotated[float, Meta(ge=0, description="decode tokens/s (0 = unpaced)")] = 1000.0
     tool_time_s: Annotated[float, Meta(ge=0, description="median simulated tool time (Codex-interactive: 0.3)")] = 0.3
@@ -101,6 +120,18 @@ class CompareResult:
     virtual: bool
     rollouts: list[RolloutResult]
     summary: list[ModeSummary]
+    pairs: list[PairSummary] = field(default_factory=list)
+    stopped: str = ""  # with ci_width: why no more batches ran (intervals narrow enough, or the cap)
+
+
+def narrow_enough(summary: list[ModeSummary], width_points: float) -> tuple[bool, float]:
+    """Whether every headline interval's half-width is below `width_points` (percentage
+    points), and the widest one (NaN where a bound is missing, which never counts as narrow)."""
+    widths = [100 * e.half_width for _, e in headline(summary)]
+    if not widths:
+        return True, math.nan
+    widest = math.nan if any(math.isnan(w) for w in widths) else max(widths)
+    return (not math.isnan(widest) and widest < width_points), widest
 
 
 def _server_config(config: CompareConfig) -> ServerConfig:
@@ -180,12 +211,10 @@ async def run_compare(
     if tap is not None and not virtual:
         raise ValueError("tap= sees the in-process transport of a virtual run; a live run uses sockets")
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
-    specs, policy = _rollouts(config, memoize=memoize)
-    if memoize:
-        policy = MemoPolicy(policy)
+    specs, drawn = _rollouts(config, memoize=memoize)
     model = SimulatedModel(
         clock=clock,
-        policy=policy,
+        policy=MemoPolicy(drawn) if memoize else drawn,
         seed=config.seed,
         decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
         model_latency_s=config.model_latency_s,
@@ -228,66 +257,100 @@ async def run_compare(
             return open_client(mode, base_url, clock)
 
     results: list[RolloutResult] = []
-    kv_idle: dict[str, float] = {}
-    total = len(config.modes) * len(specs)
-    finished = 0
+    kv_idle = dict.fromkeys(config.modes, 0.0)
+    caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
     gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
-    shared: dict[tuple[Mode, int], list[WSClient]] = {}
+    done = 0
+    shared: dict[tuple[Mode, int, int], list[WSClient]] = {}
 
-    def lane_client(mode: Mode, index: int) -> ResponsesClient:
-        """With `lanes`, rollout `index` of a WebSocket mode runs on lane index % lanes of the
-        connection its group of `lanes` rollouts shares."""
+    def lane_client(mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
+        """With `lanes`, rollout `index` of a batch of `size` rollouts of a WebSocket mode runs on
+        lane index % lanes of the connection its group of `lanes` rollouts shares."""
         if not config.lanes or mode not in ("ws", "append"):
             return client_for(mode)
-        group = shared.get((mode, index // config.lanes))
+        key = (mode, batch, index // config.lanes)
+        group = shared.get(key)
         if group is None:
-            size = min(config.lanes, len(specs) - index)
-            group = shared[(mode, index // config.lanes)] = [client_for(mode) for _ in range(size)]  # type: ignore[misc]
+            start = key[2] * config.lanes
+            group = shared[key] = [client_for(mode) for _ in range(min(config.lanes, size - start))]  # type: ignore[misc]
             share_socket(group)
         return group[index % config.lanes]
 
-    async def one(mode: Mode, index: int, spec: RolloutSpec) -> RolloutResult:
-        nonlocal finished
+    async def one(
+        mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int, total: int, n: int
+    ) -> RolloutResult:
+        nonlocal done
         async with gate:
-            client = lane_client(mode, index)
+            client = lane_client(mode, batch, index, size)
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
                 result = await run_rollout(client, clock, spec, model="sim", tools=tools, store=store)
             finally:
                 await client.close()
-        finished += 1
+        done += 1
         if progress:
-            _progress(finished, total)
+            _progress(done, total, n)
         return result
 
+    stopped = ""
     try:
-        for mode in config.modes:
-            model.prefix_cache = _prefix_cache(config, memoize)
-            idle_before = engine.statistics().kv_idle_token_s
-            # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
-            runs = (one(mode, index, spec) for index, spec in enumerate(specs))  # type: ignore[arg-type]
-            results.extend(await asyncio.gather(*runs))
-            kv_idle[mode] = engine.statistics().kv_idle_token_s - idle_before
+        for batch in itertools.count():
+            total = done + len(config.modes) * len(specs)
+            n = len(results) // max(1, len(config.modes)) + len(specs)
+            for mode in config.modes:
+                # Each mode has its own prefix cache, cold at its first rollout and kept across
+                # batches: the same prompts run in every mode, and a shared cache would favour
+                # whichever mode runs later.
+                model.prefix_cache = caches[mode]
+                idle_before = engine.statistics().kv_idle_token_s
+                # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
+                runs = (one(mode, batch, i, spec, len(specs), total, n) for i, spec in enumerate(specs))  # type: ignore[arg-type]
+                results.extend(await asyncio.gather(*runs))
+                kv_idle[mode] += engine.statistics().kv_idle_token_s - idle_before
+            if config.ci_width <= 0:
+                break
+            ok, widest = narrow_enough(summarize(results, kv_idle, seed=config.seed), config.ci_width)
+            if ok:
+                stopped = f"every time-saved interval is narrower than ±{config.ci_width:g} points at n={n}"
+                break
+            if config.trace is not None:
+                stopped = f"a trace has {n} rollouts, no more to add (widest ±{widest:.2f} points)"
+                break
+            if n >= config.max_rollouts:
+                stopped = f"cap of {config.max_rollouts} rollouts reached (widest ±{widest:.2f} points)"
+                break
+            specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
         if progress:
             print(file=sys.stderr)
     finally:
         if runner is not None:
             await runner.cleanup()
-    return CompareResult(config, virtual, results, summarize(results, kv_idle))
+    return CompareResult(
+        config,
+        virtual,
+        results,
+        summarize(results, kv_idle, seed=config.seed),
+        pair_summaries(results, seed=config.seed),
+        stopped,
+    )
 
 
 def _rollouts(config: CompareConfig, *, memoize: bool = False) -> tuple[list[RolloutSpec], Policy]:
-    """The rollouts every mode runs, and the policy of the server's model. With `memoize`, a
-    custom rollout drawn before in this process is reused (a spec is immutable): the points
-    of a sweep that differ only in speed share it, texts and all."""
+    """The first batch of rollouts every mode runs, and the policy of the server's model. With
+    `memoize`, a custom rollout drawn before in this process is reused (a spec is immutable):
+    the points of a sweep that differ only in speed share it, texts and all."""
     if config.trace is not None:
         return replay_plan(load_trace(config.trace), config.seed)
     if config.workload != "custom":
         specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
         return specs, DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation)
+    return _custom(config, 0, config.rollouts, memoize), DefaultPolicy(tool_calls=config.tool_calls)
+
+
+def _custom(config: CompareConfig, start: int, count: int, memoize: bool) -> list[RolloutSpec]:
     make = _memo_spec if memoize else make_spec
-    specs = [
+    return [
         make(
             config.seed,
             i,
@@ -297,14 +360,33 @@ def _rollouts(config: CompareConfig, *, memoize: bool = False) -> tuple[list[Rol
             tool_output_median_tokens=config.tool_output_tokens,
             system_prompt_tokens=config.system_prompt_tokens,
         )
-        for i in range(config.rollouts)
+        for i in range(start, start + count)
     ]
-    return specs, DefaultPolicy(tool_calls=config.tool_calls)
+
+
+def _more_rollouts(
+    config: CompareConfig, policy: Policy, start: int, count: int, *, memoize: bool
+) -> list[RolloutSpec]:
+    """Rollouts `start` … `start + count − 1` (for the next batch); a workload's new
+    conversations get their tool-call counts in the policy's table."""
+    if config.workload == "custom":
+        return _custom(config, start, count, memoize)
+    specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, count, start=start)
+    table = getattr(policy, "per_conversation", None)
+    if not isinstance(table, dict):
+        raise TypeError("a workload's policy keeps a mutable per-conversation table")
+    table.update(per_conversation)
+    return specs
 
 
 _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
 
 
-def _progress(done: int, total: int, width: int = 30) -> None:
+def _progress(done: int, total: int, n: int, width: int = 30) -> None:
     filled = width * done // total
-    print(f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} rollouts", end="", file=sys.stderr, flush=True)
+    print(
+        f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} rollouts (n={n} per mode)",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -26,6 +26,7 @@ from prototype.engine import Engine
 from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
 from prototype.session import ServerConfig, WebSocketSession, http_create
+from prototype.sse import SSEDecoder, encode_event
 
 __all__ = ["InProcessServer", "Tap"]
 
@@ -133,6 +134,9 @@ class _InProcessHTTP(HTTPClient):
         except ProtocolError as err:
             raise ClientError(err.status, err.body()) from None
         queue: _Channel[ServerEvent | None] = _Channel()
+        # With CPU charged, the events are framed as SSE and parsed by the client's decoder, as over
+        # a socket (real work at both ends); with CPU free that framing is skipped (same events).
+        sse = SSEDecoder() if getattr(asyncio.get_running_loop(), "charge_cpu", False) else None
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
@@ -141,9 +145,20 @@ class _InProcessHTTP(HTTPClient):
                     tap("down", data)
                 queue.put_nowait(decode_server_event(data))
 
+        async def emit_sse(events: list[ServerEvent]) -> None:
+            assert sse is not None
+            frames = []
+            for ev in events:
+                data = encode(ev)
+                if tap is not None:
+                    tap("down", data)
+                frames.append(encode_event(data, event=ev.__struct_config__.tag))  # type: ignore[arg-type]
+            for parsed in sse.feed(b"".join(frames)):
+                queue.put_nowait(decode_server_event(parsed.data))
+
         async def run() -> None:
             try:
-                outcome = await engine.run(create, None, emit, arrival=arrival)
+                outcome = await engine.run(create, None, emit if sse is None else emit_sse, arrival=arrival)
                 if outcome.error is not None:
                     raise ClientError(outcome.error.status, outcome.error.body())
             finally:

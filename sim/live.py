@@ -7,13 +7,14 @@ and repeats until the model answers with text. The next turn starts at the
 previous turn's end plus tool time (closed loop, never a trace timestamp).
 
 Same tokens in every mode: the task text, tool outputs and tool times of a
-rollout come from an rng seeded by (seed, rollout index) only, and the server's
+rollout come from rngs seeded by (seed, rollout index, turn) only, and the server's
 model output depends only on (seed, conversation, turn), so every mode feeds
 the simulator the same model-visible token sequence.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -24,7 +25,7 @@ from prototype.clock import Clock
 
 from .tools import SimulatedTools, ToolRunner
 
-__all__ = ["RolloutResult", "RolloutSpec", "run_rollout", "tool_output_text"]
+__all__ = ["RolloutResult", "RolloutSpec", "make_spec", "run_rollout", "tool_output_text", "turn_stream"]
 
 EXEC_TOOL: Final[dict[str, Any]] = {
     "type": "function",
@@ -44,7 +45,7 @@ _INSTRUCTION_LINE: Final = (
 
 
 def instructions(tokens: int) -> str:
-    """A system prompt of about `tokens` tokens (workloads.md 1: C0 ≈ 6K, Codex's prompt ≈ 5.5K)."""
+    """A system prompt of about `tokens` tokens (docs/pipeline.md#calibration: Codex's prompt is ≈ 5.5K)."""
     return _INSTRUCTION_LINE * max(1, round(tokens / 34))
 
 
@@ -86,6 +87,12 @@ def tool_output_text(rng: np.random.Generator, n_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def turn_stream(seed: int, index: int, turn: int, *stream: int) -> np.random.Generator:
+    """The rng of one turn of one rollout: a function of (seed, rollout index, turn) only,
+    so a turn's draws are the same whatever else the run draws (common random numbers)."""
+    return np.random.default_rng(np.random.SeedSequence([seed, index, turn, *stream]))
+
+
 def make_spec(
     seed: int,
     index: int,
@@ -96,16 +103,20 @@ def make_spec(
     tool_output_median_tokens: int,
     system_prompt_tokens: int = 34,
 ) -> RolloutSpec:
-    rng = np.random.default_rng(np.random.SeedSequence([seed, index]))
-    times = (
-        rng.lognormal(np.log(tool_time_median_s), tool_time_sigma, size=max_turns)
-        if tool_time_median_s > 0
-        else np.zeros(max_turns)
-    )
-    sizes = np.minimum(rng.lognormal(np.log(tool_output_median_tokens), 1.1, size=max_turns), 10_000).astype(int)
-    outputs = tuple(tool_output_text(rng, int(n)) for n in sizes)
+    """Rollout `index`: tool step k draws, from its own `turn_stream(seed, index, k)` and
+    in this order, a standard normal for its time, one for its output size, then the
+    output's words. Common random numbers: a rollout of more tool calls is this rollout
+    plus more turns, and another tool-time median or output median scales the same
+    normals (the output text of a larger size starts with the smaller one's words)."""
+    times, outputs = [], []
+    for k in range(max_turns):
+        rng = turn_stream(seed, index, k)
+        z_time, z_size = rng.standard_normal(2).tolist()
+        times.append(tool_time_median_s * math.exp(tool_time_sigma * z_time) if tool_time_median_s > 0 else 0.0)
+        size = int(min(tool_output_median_tokens * math.exp(1.1 * z_size), 10_000))
+        outputs.append(tool_output_text(rng, size))
     task = f"Task {index}: fix the failing test in module {index % 7}."
-    return RolloutSpec(index, seed, task, tuple(times), outputs, instructions(system_prompt_tokens))
+    return RolloutSpec(index, seed, task, tuple(times), tuple(outputs), instructions(system_prompt_tokens))
 
 
 async def run_rollout(

@@ -1,4 +1,4 @@
-"""Metric definitions (workloads.md section 6), computed from rollout results. Pure.
+"""Metric definitions (docs/experiments.md#metrics), computed from rollout results. Pure.
 
 Times are the client's, from `TurnResult` (taken on the run's clock):
 
@@ -15,6 +15,14 @@ Times are the client's, from `TurnResult` (taken on the run's clock):
 * Connection-cache hit rate: continuations served from the connection cache /
   all continuations (a store hydration is a miss); token hit rate:
   cached_tokens / input_tokens.
+* Time saved vs `http`: rollout i runs in every mode (same seed, same draws), so each
+  mode's saving is the mean over rollouts of 1 − tᵢ(mode)/tᵢ(http), paired by rollout
+  index; `PairSummary` gives the same for every pair of modes, and the difference in
+  seconds.
+
+Intervals (`sim.stats`, docs/statistics.md): rollout p50/p90 carry the order-statistic
+interval, savings and differences the seeded paired bootstrap; `n` is the number of
+rollouts (or pairs) an interval rests on. NaN bounds: too few rollouts for that bound.
 """
 
 from __future__ import annotations
@@ -28,8 +36,20 @@ import numpy as np
 from prototype.client import TurnResult
 
 from .live import RolloutResult
+from .stats import Estimate, agreement, paired_difference, paired_mean, paired_saving, quantile_interval
 
-__all__ = ["MODEL_STAGES", "ModeSummary", "per_turn_work", "summarize", "timeline"]
+__all__ = [
+    "MODEL_STAGES",
+    "ModeSummary",
+    "PairSummary",
+    "headline",
+    "live_agreement",
+    "pair_summaries",
+    "per_turn_work",
+    "summarize",
+    "timeline",
+    "turn_intervals",
+]
 
 MODEL_STAGES = ("queue", "prefill", "decode")
 
@@ -37,9 +57,14 @@ MODEL_STAGES = ("queue", "prefill", "decode")
 class ModeSummary(msgspec.Struct, frozen=True, kw_only=True):
     mode: str
     rollouts: int
+    n: int  # rollouts the intervals rest on (pairs with http for saved_vs_http: saved_vs_http_n)
     turns: int
     completion_p50_s: float
+    completion_p50_ci_low: float
+    completion_p50_ci_high: float
     completion_p90_s: float
+    completion_p90_ci_low: float
+    completion_p90_ci_high: float
     ttft_p50_s: float
     tool_to_token_p50_s: float  # tool result ready → next first token
     overhead_share: float
@@ -49,7 +74,85 @@ class ModeSummary(msgspec.Struct, frozen=True, kw_only=True):
     connection_cache_hit_rate: float  # NaN when no turn continued a previous response
     token_hit_rate: float
     kv_idle_token_s: float
-    saved_vs_http: float  # 1 − p50 / http's p50 (NaN without an http run)
+    saved_vs_http: float  # mean over rollouts of 1 − tᵢ / tᵢ(http) (NaN without an http run)
+    saved_vs_http_ci_low: float
+    saved_vs_http_ci_high: float
+    saved_vs_http_n: int  # rollouts run in both this mode and http
+
+    def estimate(self, name: str) -> Estimate:
+        """A metric with its interval: `completion_p50`, `completion_p90` or `saved_vs_http`."""
+        value = getattr(self, name if name == "saved_vs_http" else f"{name}_s")
+        n = self.saved_vs_http_n if name == "saved_vs_http" else self.n
+        return Estimate(value, getattr(self, f"{name}_ci_low"), getattr(self, f"{name}_ci_high"), n)
+
+
+class PairSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """`other` against `base` over the rollouts both ran (paired by rollout index)."""
+
+    base: str
+    other: str
+    n: int
+    saved: float  # mean of 1 − tᵢ(other)/tᵢ(base)
+    saved_ci_low: float
+    saved_ci_high: float
+    difference_s: float  # mean of tᵢ(other) − tᵢ(base)
+    difference_ci_low: float
+    difference_ci_high: float
+
+
+def _paired_times(results: Sequence[RolloutResult], base: str, other: str) -> tuple[list[float], list[float]]:
+    a = {r.index: r.completion_s for r in results if r.mode == base}
+    b = {r.index: r.completion_s for r in results if r.mode == other}
+    shared = sorted(a.keys() & b.keys())
+    return [a[i] for i in shared], [b[i] for i in shared]
+
+
+def pair_summaries(results: Sequence[RolloutResult], *, seed: int = 0) -> list[PairSummary]:
+    """Every pair of modes, in run order (`base` first)."""
+    modes = list(dict.fromkeys(r.mode for r in results))
+    out = []
+    for i, base in enumerate(modes):
+        for other in modes[i + 1 :]:
+            a, b = _paired_times(results, base, other)
+            saved = paired_saving(a, b, seed=seed)
+            diff = paired_difference(a, b, seed=seed)
+            out.append(
+                PairSummary(
+                    base=base,
+                    other=other,
+                    n=saved.n,
+                    saved=saved.value,
+                    saved_ci_low=saved.ci_low,
+                    saved_ci_high=saved.ci_high,
+                    difference_s=diff.value,
+                    difference_ci_low=diff.ci_low,
+                    difference_ci_high=diff.ci_high,
+                )
+            )
+    return out
+
+
+def headline(summary: Sequence[ModeSummary]) -> list[tuple[str, Estimate]]:
+    """The figures a comparison is about: each mode's time saved vs `http` (not http's own)."""
+    return [(s.mode, s.estimate("saved_vs_http")) for s in summary if s.mode != "http" and s.saved_vs_http_n > 0]
+
+
+def live_agreement(reference: Sequence[RolloutResult], live: Sequence[RolloutResult], *, seed: int = 0) -> Estimate:
+    """How much longer (a fraction; negative: shorter) the `live` rollouts took than the same
+    (mode, rollout index) in `reference` (a virtual run of the same config), with its interval
+    (`sim.stats.agreement`); n is the number of (mode, rollout) pairs."""
+    ref = {(r.mode, r.index): r.completion_s for r in reference}
+    pairs = [(ref[(r.mode, r.index)], r.completion_s) for r in live if (r.mode, r.index) in ref]
+    return agreement([a for a, _ in pairs], [b for _, b in pairs], seed=seed)
+
+
+def turn_intervals(results: Sequence[RolloutResult], *, seed: int = 0) -> dict[tuple[str, int], Estimate]:
+    """Per (mode, turn index): the mean E2E time of that turn over the rollouts that reached it."""
+    samples: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        for k, t in enumerate(r.turns):
+            samples.setdefault((r.mode, k), []).append(t.e2e_s)
+    return {key: paired_mean(v, seed=seed) for key, v in samples.items()}
 
 
 def _reports_per_turn(turns: Sequence[TurnResult]) -> list[dict[str, float]]:
@@ -105,14 +208,19 @@ def timeline(result: RolloutResult) -> list[dict[str, float | str | int]]:
     return rows
 
 
-def summarize(results: Sequence[RolloutResult], kv_idle_token_s: dict[str, float] | None = None) -> list[ModeSummary]:
+def summarize(
+    results: Sequence[RolloutResult], kv_idle_token_s: dict[str, float] | None = None, *, seed: int = 0
+) -> list[ModeSummary]:
+    """Per mode, in run order; `seed` seeds the bootstrap (the config's seed: same run, same intervals)."""
     modes = list(dict.fromkeys(r.mode for r in results))
-    http = [r.completion_s for r in results if r.mode == "http"]
-    base = float(np.median(http)) if http else math.nan
+    has_http = any(r.mode == "http" for r in results)
     out = []
     for mode in modes:
         rs = [r for r in results if r.mode == mode]
         completion = np.array([r.completion_s for r in rs])
+        p50 = quantile_interval(completion, 0.5)
+        p90 = quantile_interval(completion, 0.9)
+        saved = paired_saving(*_paired_times(results, "http", mode), seed=seed) if has_http else None
         turns = [t for r in rs for t in r.turns]
         work = [w for r in rs for w in per_turn_work(r)]
         ttft = [t.ttft_s for t in turns if t.ttft_s is not None]
@@ -128,9 +236,14 @@ def summarize(results: Sequence[RolloutResult], kv_idle_token_s: dict[str, float
             ModeSummary(
                 mode=mode,
                 rollouts=len(rs),
+                n=len(rs),
                 turns=len(turns),
-                completion_p50_s=float(np.median(completion)),
-                completion_p90_s=float(np.percentile(completion, 90)),
+                completion_p50_s=p50.value,
+                completion_p50_ci_low=p50.ci_low,
+                completion_p50_ci_high=p50.ci_high,
+                completion_p90_s=p90.value,
+                completion_p90_ci_low=p90.ci_low,
+                completion_p90_ci_high=p90.ci_high,
                 ttft_p50_s=float(np.median(ttft)) if ttft else math.nan,
                 tool_to_token_p50_s=float(np.median(later)) if later else math.nan,
                 overhead_share=(total_s - model_s - tool_s) / total_s if total_s > 0 else math.nan,
@@ -146,7 +259,10 @@ def summarize(results: Sequence[RolloutResult], kv_idle_token_s: dict[str, float
                     else math.nan
                 ),
                 kv_idle_token_s=(kv_idle_token_s or {}).get(mode, math.nan),
-                saved_vs_http=1 - float(np.median(completion)) / base if http else math.nan,
+                saved_vs_http=saved.value if saved else math.nan,
+                saved_vs_http_ci_low=saved.ci_low if saved else math.nan,
+                saved_vs_http_ci_high=saved.ci_high if saved else math.nan,
+                saved_vs_http_n=saved.n if saved else 0,
             )
         )
     return out

@@ -1,19 +1,44 @@
 """The real-time clock: `prototype.clock.Clock` on the running asyncio event loop.
 
-This is the only module in `sim/` that imports asyncio. `now()` is the loop's
-own clock (`loop.time()`, monotonic), the same one `loop.call_at` schedules on,
-so a deadline computed from `now()` is honoured without conversion. Deadlines
-are absolute: a wake-up that comes late does not push later deadlines back,
-which is what keeps paced decoding at its exact long-run rate.
+`now()` is the loop's own clock, the one `loop.call_at` schedules on, so a
+deadline computed from `now()` is honoured without conversion. On asyncio's loops
+and uvloop that clock is the system's monotonic clock; uvloop reads it in whole
+milliseconds, cached per loop iteration, so there `now()` reads the same clock
+directly (`time.monotonic()`, sub-microsecond): a stage or a first token timed
+on it is not rounded to a millisecond. Deadlines are absolute: a wake-up that
+comes late does not push later deadlines back, which is what keeps paced
+decoding at its exact long-run rate.
+
+`live_cost_samples` measures, on this machine's real clock and loopback sockets, the
+per-operation costs a live run pays and an in-process virtual run does not
+(`python -m sim fidelity --calibrate`, docs/fidelity.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import os
+import sys
+import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-__all__ = ["AsyncioClock"]
+import numpy as np
+
+__all__ = ["AsyncioClock", "live_cost_samples"]
+
+_MONOTONIC: dict[type[Any], bool] = {}  # loop type -> its `time()` is `time.monotonic()`, rounded or not
+
+
+def _reads_monotonic(kind: type[Any]) -> bool:
+    """asyncio's loops read `time.monotonic()`; uvloop reads the same clock in whole
+    milliseconds. uvloop is looked up where it is already loaded (the entry points choose it)."""
+    uv = sys.modules.get("uvloop")
+    return kind.time is asyncio.BaseEventLoop.time or (uv is not None and kind.time is uv.Loop.time)
 
 
 def _wake(future: asyncio.Future[None]) -> None:
@@ -41,7 +66,12 @@ class AsyncioClock:
         self._sleeping = 0  # sleeps in progress: a lone sleeper keeps its own exact timer
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        kind = type(loop)
+        fine = _MONOTONIC.get(kind)
+        if fine is None:
+            fine = _MONOTONIC[kind] = _reads_monotonic(kind)
+        return time.monotonic() if fine else loop.time()
 
     def time(self) -> float:
         return time.time()
@@ -50,7 +80,7 @@ class AsyncioClock:
         """Return once `now() >= deadline`; at once, without yielding, if it already is."""
         loop = asyncio.get_running_loop()
         # A loop: call_at may fire up to one clock resolution early.
-        while loop.time() < deadline:
+        while self.now() < deadline:
             future: asyncio.Future[None] = loop.create_future()
             self._sleeping += 1
             try:
@@ -74,3 +104,148 @@ class AsyncioClock:
     def _wake_tick(self, key: tuple[asyncio.AbstractEventLoop, int]) -> None:
         for future in self._ticks.pop(key):
             _wake(future)
+
+
+Samples = list[tuple[str, list[float], str]]  # (name, seconds per operation, what it is)
+
+
+def live_cost_samples(
+    repeats: int, stream_bytes: int, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+) -> Samples:
+    """Per-operation costs a live run pays on this machine and an in-process virtual run does
+    not, sampled on a fresh loop from `loop_factory` over loopback (`sim.fidelity.calibrate`
+    summarizes them): a sleep's lateness, how much longer the same short render and
+    classification takes right after a wait than right after other work (a live loop waits
+    between turns and stages; a virtual one never does), the hop to a nice-19 thread (as the
+    server's render threads) and back, tokenizing 20 KB there rather than inline, an HTTP
+    request with one SSE event, a megabyte of SSE, a small WebSocket message each way, a
+    megabyte in one message."""
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(_live_cost_samples(repeats, stream_bytes))
+
+
+async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
+    from aiohttp import ClientSession, web
+
+    from prototype.safety import SafetyClassifier
+    from prototype.sse import SSEDecoder
+    from prototype.tokenizer import get_tokenizer
+
+    from .live import tool_output_text
+
+    clock, loop, out = AsyncioClock(), asyncio.get_running_loop(), []
+    late = []
+    for i in range(repeats):
+        deadline = clock.now() + 0.001 + 0.004 * (i % 5) / 5
+        await clock.sleep_until(deadline)
+        late.append(clock.now() - deadline)
+    out.append(("timer_wakeup", late, "a sleep's lateness (the loop's timer resolution + the scheduler): per wait"))
+
+    def nice() -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+    tokenizer = get_tokenizer()
+    classifier = SafetyClassifier()
+    short = tool_output_text(np.random.default_rng(0), 500)  # a median tool output
+    warm: list[float] = []
+    cold: list[float] = []
+    for i in range(2 * repeats):  # the same work right after another, or right after a wait
+        await asyncio.sleep(0.005 if i % 2 else 0.0)
+        t = time.perf_counter()
+        classifier.update(classifier.begin(), tokenizer.encode(short))
+        (cold if i % 2 else warm).append(time.perf_counter() - t)
+    base = float(np.median(warm))
+    out.append(
+        ("work_after_wait", [x - base for x in cold], "500 tokens rendered and classified after a 5 ms wait, less warm")
+    )
+    text = tool_output_text(np.random.default_rng(0), 4000)  # ≈ 20 KB: long enough to be offloaded
+    with ThreadPoolExecutor(1, initializer=nice) as pool:
+        hops, renders = [], []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            await loop.run_in_executor(pool, int)
+            hops.append(time.perf_counter() - t)
+        for _ in range(max(3, repeats // 4)):
+            t = time.perf_counter()
+            tokenizer.encode(text)
+            inline = time.perf_counter() - t
+            t = time.perf_counter()
+            await loop.run_in_executor(pool, tokenizer.encode, text)
+            renders.append(time.perf_counter() - t - inline)
+    out.append(("render_hop", hops, "to a nice-19 render thread and back: per render of >= 8 KiB of text"))
+    out.append(("render_offload", renders, "the same 20 KB tokenized there rather than inline (hop + priority)"))
+
+    payload = b"x" * stream_bytes
+
+    async def post(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if body == b"big":  # four events of a quarter each, one line each, as a response's echo
+            quarter = len(payload) // 4
+            for start in range(0, 4 * quarter, quarter):
+                await resp.write(b"event: e\ndata: " + payload[start : start + quarter] + b"\n\n")
+        else:
+            await resp.write(b"data: {}\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def socket(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(max_msg_size=0)
+        await ws.prepare(request)
+        async for msg in ws:
+            await ws.send_str(payload.decode() if msg.data == "big" else "{}")
+        return ws
+
+    app = web.Application(client_max_size=0)
+    app.router.add_post("/", post)
+    app.router.add_get("/ws", socket)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    streams = max(3, repeats // 10)
+    try:
+        async with ClientSession() as session:
+
+            async def request(body: bytes) -> float:
+                t = time.perf_counter()
+                async with session.post(url + "/", data=body) as resp:
+                    decoder = SSEDecoder()  # the client's own parser, as `prototype.client` reads
+                    async for chunk in resp.content.iter_any():
+                        decoder.feed(chunk)
+                return time.perf_counter() - t
+
+            await request(b"")  # the connection, opened once (the client keeps it alive)
+            small = [await request(b"") for _ in range(repeats)]
+            base = float(np.median(small))
+            big = []
+            for _ in range(streams):
+                t = time.perf_counter()  # what the in-process transport does too: frame, then parse
+                quarter = len(payload) // 4
+                SSEDecoder().feed(b"".join(b"event: e\ndata: " + payload[:quarter] + b"\n\n" for _ in range(4)))
+                in_memory = time.perf_counter() - t
+                big.append((await request(b"big") - base - in_memory) * 1e6 / stream_bytes)
+            out.append(("http_request", small, "POST + headers + one SSE event + end, loopback: per http turn"))
+            out.append(("sse_per_mb", big, "SSE events over the socket, less the same framing and parsing in memory"))
+            async with session.ws_connect(url + "/ws", max_msg_size=0) as ws:
+                rtts = []
+                for _ in range(repeats):
+                    t = time.perf_counter()
+                    await ws.send_str("{}")
+                    await ws.receive()
+                    rtts.append(time.perf_counter() - t)
+                base = float(np.median(rtts))
+                big = []
+                for _ in range(streams):
+                    t = time.perf_counter()
+                    await ws.send_str("big")
+                    await ws.receive()
+                    big.append((time.perf_counter() - t - base) * 1e6 / stream_bytes)
+            out.append(("ws_message", rtts, "one small message each way, loopback: per ws/append turn"))
+            out.append(("ws_per_mb", big, "a WebSocket message: per MB of events"))
+    finally:
+        await runner.cleanup()
+    return out

@@ -8,7 +8,10 @@ reproducible; points run in parallel on any `concurrent.futures.Executor`: local
 processes by default, or a Dask distributed cluster (`Client.get_executor()`).
 
 Rows: one per (point, mode), the point's parameters first, then the metrics of
-`sim.metrics.ModeSummary`.
+`sim.metrics.ModeSummary`, intervals included (`n`, `<metric>_ci_low`, `<metric>_ci_high`).
+Common random numbers: rollout r draws the same tool times, output sizes and texts at
+every point (sim/live.py, per (rollout, turn) streams), so a curve over an axis is the
+same rollouts under other parameters, not resampled noise.
 """
 
 from __future__ import annotations
@@ -30,16 +33,23 @@ from .virtual import VirtualClock, run_virtual
 __all__ = ["AXES", "SweepConfig", "dask_executor", "points", "run_point", "run_sweep"]
 
 AXES = ("tps", "tool_calls", "tool_time_s", "rtt_s", "profile")
+SWEEP_ROLLOUTS = 8
 
 
 class SweepConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     tps: tuple[float, ...] = (65.0, 1000.0, 4000.0)
     tool_calls: tuple[int, ...] = (5, 20, 50)
-    tool_time_s: tuple[float, ...] = (0.3, 4.5)  # Codex-interactive median; SWE-bench-like mean (workloads.md 1)
+    tool_time_s: tuple[float, ...] = (
+        0.3,
+        4.5,
+    )  # Codex-interactive median; SWE-bench-like mean (docs/experiments.md#workloads)
     rtt_s: tuple[float, ...] = (0.04,)
     profile: tuple[str, ...] = ("hosted",)
     modes: tuple[str, ...] = MODES
-    base: CompareConfig = CompareConfig(rollouts=2)  # everything else
+    # Everything else. 8 rollouts per point: enough for a paired interval on every saving
+    # (the studentized bootstrap needs n >= 4), and common random numbers keep a curve's
+    # points on the same rollouts, so neighbouring points differ by their parameters only.
+    base: CompareConfig = CompareConfig(rollouts=SWEEP_ROLLOUTS)
 
 
 def points(sweep: SweepConfig) -> list[CompareConfig]:

@@ -19,7 +19,7 @@ from prototype.clock import Clock
 
 __all__ = ["CommandTools", "RealTools", "SimulatedTools", "ToolRunner", "tool_runner"]
 
-# A tool output is capped like Codex caps command output (workloads.md 1: ≈10K tokens).
+# A tool output is capped like Codex caps command output (≈10K tokens; docs/experiments.md#workloads).
 MAX_OUTPUT_CHARS: Final = 40_000
 
 

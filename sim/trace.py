@@ -1,11 +1,21 @@
 """The only module of `sim/` that writes files: a run folder for one comparison.
 
     DIR/
-      config.json     the CompareConfig (with its seed), whether it ran in virtual time, the git SHA
-      summary.json    mode name → metrics (sim.metrics.ModeSummary)
-      turns.csv       one tidy row per turn (and turns.parquet, the same table)
+      config.json     the CompareConfig (with its seed), whether it ran in virtual time, the git SHA,
+                      and with ci_width why no more batches ran (`stopped`)
+      summary.json    mode name → metrics (sim.metrics.ModeSummary): each interval as
+                      <metric>_ci_low / <metric>_ci_high beside it, `n` the rollouts they rest on
+      pairs.json      every pair of modes, paired by rollout (sim.metrics.PairSummary): time saved
+                      and difference in seconds, with intervals and n
+      turns.csv       one tidy row per turn (and turns.parquet, the same table); `n`, `e2e_ci_low`,
+                      `e2e_ci_high`: the mean E2E of that mode's turn k over the n rollouts that
+                      reached it, with its interval
       events.jsonl    one row per server event the client received: mode, rollout, turn, t, type
-      *.png           rollout time per mode; where a turn's server time goes, per mode
+      *.png           rollout time per mode (median, interval as error bars); where a turn's
+                      server time goes, per mode
+
+`write_run(..., tables=False)` writes only the three JSON files (a run folder small enough to
+commit, as docs/results/ does).
 
 Notebooks and scripts load these; nothing here computes a metric (sim/metrics.py does).
 """
@@ -14,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,9 +35,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .experiment import CompareResult
-from .metrics import per_turn_work
+from .metrics import per_turn_work, turn_intervals
+from .stats import Estimate
 
-__all__ = ["turn_rows", "write_run", "write_table"]
+__all__ = ["turn_rows", "write_json", "write_run", "write_table"]
 
 
 def _git_sha() -> str:
@@ -42,13 +54,18 @@ def _git_sha() -> str:
 def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
     """The tidy per-turn table: one row per (mode, rollout, turn)."""
     rows = []
+    intervals = turn_intervals(result.rollouts, seed=result.config.seed)
     for r in result.rollouts:
         for k, (t, work) in enumerate(zip(r.turns, per_turn_work(r), strict=True)):
             usage = t.response.usage
+            e2e: Estimate = intervals[(r.mode, k)]
             row: dict[str, Any] = {
                 "mode": r.mode,
                 "rollout": r.index,
                 "turn": k,
+                "n": e2e.n,
+                "e2e_ci_low": e2e.ci_low,
+                "e2e_ci_high": e2e.ci_high,
                 "response_id": t.response.id,
                 "sent_at_s": t.sent_at - r.started_at,
                 "ttft_s": t.ttft_s,
@@ -67,13 +84,25 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
     return rows
 
 
-def write_run(result: CompareResult, directory: str | Path) -> Path:
+def write_json(value: Any, target: str | Path) -> Path:
+    """`value` (builtins or msgspec Structs) as indented JSON; NaN stays NaN (a missing bound)."""
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(msgspec.to_builtins(value), indent=2, allow_nan=True) + "\n")
+    return path
+
+
+def write_run(result: CompareResult, directory: str | Path, *, tables: bool = True) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    meta = {"config": msgspec.to_builtins(result.config), "virtual": result.virtual, "git_sha": _git_sha()}
-    (path / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    summary = {s.mode: msgspec.to_builtins(s) for s in result.summary}
-    (path / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True) + "\n")
+    meta = {"config": result.config, "virtual": result.virtual, "git_sha": _git_sha()}
+    if result.stopped:
+        meta["stopped"] = result.stopped
+    write_json(meta, path / "config.json")
+    write_json({s.mode: s for s in result.summary}, path / "summary.json")
+    write_json(result.pairs, path / "pairs.json")
+    if not tables:
+        return path
     rows = turn_rows(result)
     columns = list(dict.fromkeys(key for row in rows for key in row))
     with (path / "turns.csv").open("w", newline="") as f:
@@ -123,8 +152,18 @@ def _plots(result: CompareResult, rows: list[dict[str, Any]], path: Path) -> Non
     config = result.config
     title = f"{config.tps:g} tok/s, {config.tool_calls} tool calls, {config.profile} profile, seed {config.seed}"
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(modes, [s.completion_p50_s for s in result.summary], color="#4c72b0")
-    ax.set_ylabel("rollout completion, median (s)")
+    p50 = [s.completion_p50_s for s in result.summary]
+    below = [
+        0.0 if math.isnan(s.completion_p50_ci_low) else s.completion_p50_s - s.completion_p50_ci_low
+        for s in result.summary
+    ]
+    above = [
+        0.0 if math.isnan(s.completion_p50_ci_high) else s.completion_p50_ci_high - s.completion_p50_s
+        for s in result.summary
+    ]
+    ax.bar(modes, p50, yerr=[below, above], capsize=4, color="#4c72b0")
+    n = min((s.n for s in result.summary), default=0)
+    ax.set_ylabel(f"rollout completion, median (s)\n95 % interval, n={n}")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path / "rollout_time.png", dpi=120)

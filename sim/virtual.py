@@ -15,11 +15,17 @@ RealtimeEnvironment/Environment split, trio's autojump clock).
 
 Real CPU work still matters: the API service's rendering and classification are
 real work whose duration the comparison measures. With `charge_cpu=True` (the
-default) the wall time the loop spends running callbacks is added to virtual time
-before the clock moves on, so a timer due during that work fires when it is done and
-one due later fires on time, as on a real clock, and a virtual run takes as long, in
-virtual seconds, as a live run on this machine would — minus the waiting. With
-`charge_cpu=False` CPU work is free and results are exactly reproducible.
+default) the wall time the loop spends running callbacks is virtual time: `time()`
+is the virtual time at the start of the running callback plus the wall time that
+callback has taken so far, so code that reads the clock before and after a piece of
+work (the engine's stage timer) sees it take as long as it takes, and the work
+stays inside the stage where it runs. Between iterations that time is added to the
+loop's clock before it moves on, so a timer due during the work fires when it is
+done and one due later fires on time, as on a real clock, and a virtual run takes as
+long, in virtual seconds, as a live run on this machine would, minus the waiting
+(docs/fidelity.md lists what else a live run spends that virtual time leaves out).
+With `charge_cpu=False` CPU work is free, `time()` moves only when the loop jumps to a
+timer, and results are exactly reproducible.
 
 A loop with nothing ready and no timer would wait forever on a real clock; here
 that is a deadlock and raises `VirtualDeadlock` instead of hanging.
@@ -58,7 +64,6 @@ class _VirtualSelector(selectors.BaseSelector):
         self._real = selectors.DefaultSelector()
         self.polled = False  # a descriptor besides the loop's self-pipe is registered
         self._loop = loop
-        self._cpu_mark = time.perf_counter()
 
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         key = self._real.register(fileobj, events, data)
@@ -81,18 +86,15 @@ class _VirtualSelector(selectors.BaseSelector):
 
     def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
         """asyncio's own iteration (a debug loop) asks to wait `timeout` from the time it read
-        before this call: the clock moves to that deadline, or stays where the charged CPU
-        work took it if that is later."""
+        just before this call, which includes the charged CPU work: the clock moves that far."""
         loop = self._loop
-        before = loop.virtual_now
-        if loop.charge_cpu:
-            loop.virtual_now += time.perf_counter() - self._cpu_mark  # the last callbacks took this long
+        loop._charge()  # `timeout` was computed from `time()`, which counted the last callbacks' work
         ready = self._real.select(0)
         if not ready:
             if timeout is None:
                 raise VirtualDeadlock("no task is ready and no timer is pending")
-            loop.virtual_now = max(loop.virtual_now, before + timeout)
-        self._cpu_mark = time.perf_counter()
+            loop.virtual_now += timeout
+        loop._restart_mark()
         return ready
 
 
@@ -101,12 +103,49 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, *, charge_cpu: bool = True) -> None:
         self.virtual_now = 0.0
-        self.charge_cpu = charge_cpu
+        self._charge_cpu = charge_cpu
+        self._cpu_mark = 0.0  # perf_counter at the start of the work not yet added to `virtual_now`
+        self._in_loop = False  # the loop is running (outside it, its clock stands still)
         self._virtual_selector = _VirtualSelector(self)
         super().__init__(selector=self._virtual_selector)
+        if charge_cpu:  # chosen once: a free-CPU loop's `time()` stays a bare attribute read
+            self.time = self._charged_time  # type: ignore[method-assign]
+
+    @property
+    def charge_cpu(self) -> bool:
+        return self._charge_cpu
 
     def time(self) -> float:
         return self.virtual_now
+
+    def _charged_time(self) -> float:
+        """The virtual time now: the loop's clock plus the wall time the running callbacks
+        have taken so far (not yet added to it)."""
+        if not self._in_loop:
+            return self.virtual_now
+        return self.virtual_now + (time.perf_counter() - self._cpu_mark)
+
+    def _charge(self) -> None:
+        """Add the wall time since the mark to the loop's clock (it stays what `time()` read)."""
+        if self._charge_cpu and self._in_loop:
+            now = time.perf_counter()
+            self.virtual_now += now - self._cpu_mark
+            self._cpu_mark = now
+
+    def _restart_mark(self) -> None:
+        if self._charge_cpu:
+            self._cpu_mark = time.perf_counter()
+
+    def run_forever(self) -> None:
+        """Charged work is what runs inside the loop: the wall time before it starts and after
+        it stops (between `run_until_complete` calls) is no virtual time."""
+        self._restart_mark()
+        self._in_loop = True
+        try:
+            super().run_forever()
+        finally:
+            self._charge()
+            self._in_loop = False
 
     def _run_once(self) -> None:
         """One iteration of `asyncio.BaseEventLoop._run_once` (CPython 3.11-3.13), leaner: the
@@ -125,8 +164,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if base._timer_cancelled_count:
             scheduled = self._drop_cancelled(scheduled)
         selector = self._virtual_selector
-        if self.charge_cpu:
-            self.virtual_now += time.perf_counter() - selector._cpu_mark
+        charging = self._charge_cpu
+        if charging:  # the last callbacks took this long: `time()` already counted it
+            now = time.perf_counter()
+            self.virtual_now += now - self._cpu_mark
         if not ready and not base._stopping:
             events = selector._real.select(0) if selector.polled else None
             if events:
@@ -135,8 +176,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
                 self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
             else:
                 raise VirtualDeadlock("no task is ready and no timer is pending")
-        if self.charge_cpu:
-            selector._cpu_mark = time.perf_counter()
+        if charging:
+            self._cpu_mark = time.perf_counter()
         end = self.virtual_now + base._clock_resolution
         while scheduled and scheduled[0]._when < end:
             timer = heapq.heappop(scheduled)

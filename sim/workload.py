@@ -1,4 +1,4 @@
-"""Workload profiles (workloads.md section 1): what one agent rollout looks like.
+"""Workload profiles (docs/experiments.md#workloads): what one agent rollout looks like.
 
 Covers: turns per rollout, initial context, tool output sizes and tool execution
 times, drawn per rollout from a seed. Scenario: a rollout's task text fixes its
@@ -18,15 +18,14 @@ All: initial context ≈ 6,000 tokens, tool output lognormal(median 500 tokens,
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from prototype.conversation import conversation_key
 
-from .live import RolloutSpec, instructions, tool_output_text
+from .live import RolloutSpec, instructions, tool_output_text, turn_stream
 
 __all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts"]
 
@@ -63,30 +62,46 @@ WORKLOADS: Final[dict[str, Workload]] = {
 }
 
 
-def _tool_times(w: Workload, rng: np.random.Generator, n: int) -> npt.NDArray[np.float64]:
-    weights = np.array([c.weight for c in w.tool_time])
-    which = rng.choice(len(w.tool_time), size=n, p=weights / weights.sum())
-    medians = np.array([c.median_s for c in w.tool_time])[which]
-    sigmas = np.array([c.sigma for c in w.tool_time])[which]
-    times: npt.NDArray[np.float64] = np.minimum(medians * np.exp(sigmas * rng.standard_normal(n)), w.tool_time_cap_s)
-    return times
+_WORKLOAD_STREAM: Final = 2  # last SeedSequence word of a workload's draws (custom rollouts have none)
+_ROLLOUT_TURN: Final = 2**32 - 1  # the "turn" word of the per-rollout draw (its turn count)
 
 
-def draw_rollouts(w: Workload, seed: int, count: int) -> tuple[list[RolloutSpec], dict[int, int]]:
-    """`count` rollouts and, by conversation key, how many tool calls each makes (turns − 1)."""
+def _tool_time(w: Workload, u: float, z: float) -> float:
+    """The mixture component whose cumulative weight first exceeds `u`, at its lognormal."""
+    total = sum(c.weight for c in w.tool_time)
+    at = 0.0
+    component = w.tool_time[-1]
+    for c in w.tool_time:
+        at += c.weight / total
+        if u < at:
+            component = c
+            break
+    return min(component.median_s * math.exp(component.sigma * z), w.tool_time_cap_s)
+
+
+def draw_rollouts(w: Workload, seed: int, count: int, *, start: int = 0) -> tuple[list[RolloutSpec], dict[int, int]]:
+    """Rollouts `start` … `start + count − 1` and, by conversation key, how many tool calls
+    each makes (turns − 1). Common random numbers: a rollout's turn count comes from its
+    own stream, and tool step k from `turn_stream(seed, index, k, 2)` (a uniform for the
+    mixture component, a normal for its time, one for its output size, then the words),
+    so a rollout is the same whichever other rollouts are drawn with it."""
     specs, per_conversation = [], {}
     prompt = instructions(w.system_prompt_tokens)
-    for index in range(count):
-        rng = np.random.default_rng(np.random.SeedSequence([seed, index, 2]))
-        turns = int(min(max(1, round(w.turns_median * np.exp(w.turns_sigma * rng.standard_normal()))), w.turns_cap))
+    for index in range(start, start + count):
+        z_turns = float(turn_stream(seed, index, _ROLLOUT_TURN, _WORKLOAD_STREAM).standard_normal())
+        turns = int(min(max(1, round(w.turns_median * math.exp(w.turns_sigma * z_turns))), w.turns_cap))
         calls = turns - 1
-        times = _tool_times(w, rng, calls)
-        sizes = np.minimum(
-            w.tool_output_median_tokens * np.exp(w.tool_output_sigma * rng.standard_normal(calls)),
-            TOOL_OUTPUT_CAP_TOKENS,
-        ).astype(int)
+        times, outputs = [], []
+        for k in range(calls):
+            rng = turn_stream(seed, index, k, _WORKLOAD_STREAM)
+            u = float(rng.random())
+            z_time, z_size = rng.standard_normal(2).tolist()
+            times.append(_tool_time(w, u, z_time))
+            size = int(
+                min(w.tool_output_median_tokens * math.exp(w.tool_output_sigma * z_size), TOOL_OUTPUT_CAP_TOKENS)
+            )
+            outputs.append(tool_output_text(rng, max(1, size)))
         task = f"Task {seed}.{index} ({w.name}): fix the failing test in module {index % 7}."
-        outputs = tuple(tool_output_text(rng, max(1, int(n))) for n in sizes)
-        specs.append(RolloutSpec(index, seed, task, tuple(float(t) for t in times), outputs, prompt))
+        specs.append(RolloutSpec(index, seed, task, tuple(times), tuple(outputs), prompt))
         per_conversation[conversation_key(task)] = calls
     return specs, per_conversation

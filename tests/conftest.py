@@ -343,6 +343,12 @@ def wire() -> strict.Checker:
     return _checker
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before any fixture of the test runs (a module-scoped one may start live clients)."""
+    _checker.enabled = item.get_closest_marker("wire_unchecked") is None
+
+
 @pytest.fixture(autouse=True)
 def _strict_wire() -> Iterator[None]:
     """Fail the test if anything the server sent it was rejected (even if swallowed)."""

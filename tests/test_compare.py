@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -12,6 +13,7 @@ import pytest
 
 from sim.__main__ import main, run, table
 from sim.experiment import CompareConfig
+from sim.metrics import headline
 
 SMALL = CompareConfig(rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7, profile="local", system_prompt_tokens=500)
 
@@ -67,7 +69,7 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     assert (
         main(
-            ["compare", "--virtual", "--free-cpu", "--rollouts", "1", "--tool-calls", "3", "--quiet", "--out", str(out)]
+            ["compare", "--virtual", "--free-cpu", "--rollouts", "4", "--tool-calls", "3", "--quiet", "--out", str(out)]
         )
         == 0
     )
@@ -77,9 +79,19 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary) == {"http", "http_prev", "ws", "append"}
     assert summary["http"]["completion_p50_s"] > 0
+    ws = summary["ws"]
+    assert ws["n"] == ws["saved_vs_http_n"] == 4
+    assert ws["saved_vs_http_ci_low"] <= ws["saved_vs_http"] <= ws["saved_vs_http_ci_high"]
+    assert {"completion_p50_ci_low", "completion_p50_ci_high", "completion_p90_ci_low"} <= set(ws)
+    pairs = json.loads((out / "pairs.json").read_text())
+    assert len(pairs) == 6 and {"n", "saved_ci_low", "saved_ci_high", "difference_ci_low"} <= set(pairs[0])
     with (out / "turns.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
+    assert len(rows) == 4 * 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
+    first = [r for r in rows if r["mode"] == "ws" and r["turn"] == "0"]
+    e2e = [float(r["e2e_s"]) for r in first]
+    assert {r["n"] for r in first} == {"4"}
+    assert float(first[0]["e2e_ci_low"]) <= sum(e2e) / 4 <= float(first[0]["e2e_ci_high"])
     events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert events[0]["type"] == "response.created" and {e["mode"] for e in events} == set(summary)
     assert (out / "turns.parquet").stat().st_size > 0
@@ -189,3 +201,53 @@ def test_the_tap_sees_what_each_client_sent_and_every_event() -> None:
         assert [len(data) for data in up] == [t.bytes_sent for t in turns], mode
         assert len(down) == sum(t.events for t in turns), mode
         assert msgspec.json.decode(down[-1])["type"] == "response.completed", mode
+
+
+def test_ci_width_adds_batches_until_narrow_or_the_cap() -> None:
+    base = CompareConfig(
+        rollouts=3, tool_calls=3, seed=6, system_prompt_tokens=800, tool_output_tokens=200, modes=("http", "ws")
+    )
+    capped = run(msgspec.structs.replace(base, ci_width=0.001, max_rollouts=9), virtual=True, free_cpu=True)
+    assert capped.stopped.startswith("cap of 9 rollouts reached") and capped.summary[0].n == 9
+    # Batches continue the same rollouts on the same server: the run equals one of 9 rollouts.
+    whole = run(msgspec.structs.replace(base, rollouts=9), virtual=True, free_cpu=True)
+    assert [(r.mode, r.index) for r in capped.rollouts] != [(r.mode, r.index) for r in whole.rollouts]  # batch order
+    times = {(r.mode, r.index): r.completion_s for r in capped.rollouts}
+    assert times == pytest.approx({(r.mode, r.index): r.completion_s for r in whole.rollouts}, rel=1e-9)
+    widest = max(100 * e.half_width for _, e in headline(capped.summary))
+    loose = run(msgspec.structs.replace(base, ci_width=widest + 1, max_rollouts=9), virtual=True, free_cpu=True)
+    assert loose.summary[0].n in (3, 6) and loose.stopped.startswith("every time-saved interval is narrower")
+    assert run(base, virtual=True, free_cpu=True).stopped == ""  # ci_width 0: one batch, nothing to say
+
+
+def test_default_compare_has_a_live_run_beside_the_virtual_one(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--rollouts", "6", "--live-rollouts", "1", "--tool-calls", "1", "--tps", "0", "--quiet"]
+    assert main([*argv, "--profile", "local", "--system-prompt-tokens", "200", "--tool-time-s", "0.01"]) == 0
+    out = capsys.readouterr().out
+    assert "6 rollouts per mode in virtual time (CPU charged), beside 1 live on loopback" in out
+    assert "virtual time, n=6 rollouts per mode" in out and "live loopback, n=1 rollouts per mode" in out
+    assert re.search(r"ws +6 .* \d+\.\d % ± \d+\.\d\n", out)  # the saving with its interval
+    assert "virtual vs live: live takes" in out and "over 4 (mode, rollout) pairs" in out
+
+
+def test_live_only_and_virtual_only(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--rollouts", "1", "--tool-calls", "1", "--tps", "0", "--quiet", "--modes", "http,ws"]
+    small = [*argv, "--profile", "local", "--system-prompt-tokens", "200", "--tool-time-s", "0.01"]
+    assert main([*small, "--live"]) == 0
+    out = capsys.readouterr().out
+    assert "1 rollouts per mode live on loopback;" in out and "virtual" not in out
+    assert main([*small, "--virtual"]) == 0
+    out = capsys.readouterr().out
+    assert "in virtual time (CPU charged);" in out and "live" not in out
+    with pytest.raises(SystemExit):
+        main([*small, "--virtual", "--live"])
+    with pytest.raises(SystemExit, match="not with virtual time"):
+        main([*small, "--real-tools"])  # subprocess tools need the real clock: only with --live
+
+
+def test_ci_width_on_the_command_line_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--virtual", "--free-cpu", "--rollouts", "4", "--tool-calls", "2", "--quiet"]
+    assert main([*argv, "--modes", "http,ws", "--ci-width", "0.0001", "--max-rollouts", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "adding batches until every time saved is within ±0.0001 points" in out
+    assert "stopped adding rollouts: cap of 8 rollouts reached (widest ±" in out and "ws           8" in out

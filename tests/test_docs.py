@@ -1,9 +1,7 @@
 """The README and docs/ stay true: what they cite exists, they state what is true now (no development
 history), and the commands the README shows run.
 
-A link is valid when its file exists in the repository. Pages that other branches add are listed in
-docs/_pending_links.txt and accepted until that file is deleted; code files that still cite documents
-outside the repository are listed in tests/_pending_citations.txt the same way.
+A link is valid when its file exists in the repository (and its anchor names a heading there).
 """
 
 from __future__ import annotations
@@ -20,8 +18,6 @@ from sim.bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-PENDING_LINKS = ROOT / "docs" / "_pending_links.txt"
-PENDING_CITATIONS = ROOT / "tests" / "_pending_citations.txt"
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 BACKTICKED_PATH = re.compile(
@@ -49,12 +45,6 @@ def _lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").splitlines()
 
 
-def _listed(path: Path) -> set[str]:
-    if not path.exists():
-        return set()
-    return {s for line in _lines(path) if (s := line.split("#", 1)[0].strip())}
-
-
 def _slug(heading: str) -> str:
     """GitHub's anchor for a Markdown heading."""
     text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
@@ -71,7 +61,6 @@ def _relative(path: Path) -> str:
 
 @pytest.mark.parametrize("doc", DOCS, ids=_relative)
 def test_links_point_at_files_in_the_repository(doc: Path) -> None:
-    pending = _listed(PENDING_LINKS)
     broken = []
     for number, line in enumerate(_lines(doc), 1):
         for target in LINK.findall(line):
@@ -80,11 +69,9 @@ def test_links_point_at_files_in_the_repository(doc: Path) -> None:
             name, _, anchor = target.partition("#")
             path = (doc.parent / name).resolve() if name else doc
             try:
-                rel = path.relative_to(ROOT).as_posix()
+                path.relative_to(ROOT)
             except ValueError:
                 broken.append(f"{number}: {target} (outside the repository)")
-                continue
-            if rel in pending:
                 continue
             if not path.exists():
                 broken.append(f"{number}: {target}")
@@ -99,7 +86,7 @@ def test_backticked_repository_paths_exist(doc: Path) -> None:
         f"{number}: {name}"
         for number, line in enumerate(_lines(doc), 1)
         for name in BACKTICKED_PATH.findall(line)
-        if not (ROOT / name).exists() and name not in _listed(PENDING_LINKS)
+        if not (ROOT / name).exists()
     ]
     assert not missing, f"{_relative(doc)} names files the repository does not have:\n" + "\n".join(missing)
 
@@ -139,7 +126,7 @@ def _code_lines(skip: set[str]) -> list[tuple[str, int, str]]:
 def test_code_cites_no_file_outside_the_repository() -> None:
     hits = [
         f"{p}:{n}: {line.strip()[:100]}"
-        for p, n, line in _code_lines(_listed(PENDING_CITATIONS))
+        for p, n, line in _code_lines(set())
         if OUTSIDE.search(line)
     ]
     assert not hits, "cite a public source or a page under docs/ instead:\n" + "\n".join(hits)
@@ -155,13 +142,12 @@ def test_code_narrates_no_work_sessions() -> None:
 
 
 def test_code_cites_docs_pages_that_exist() -> None:
-    pending = _listed(PENDING_LINKS)
     missing = [
         f"{_relative(path)}: {name}"
         for top in ("prototype", "sim", "tests")
         for path in sorted((ROOT / top).rglob("*.py"))
         for name in re.findall(r"docs/[\w-]+\.md", path.read_text(encoding="utf-8"))
-        if not (ROOT / name).exists() and name not in pending
+        if not (ROOT / name).exists()
     ]
     assert not missing, "\n".join(missing)
 
@@ -169,7 +155,6 @@ def test_code_cites_docs_pages_that_exist() -> None:
 def test_every_page_is_listed_in_the_index() -> None:
     index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
     pages = {p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md"}
-    pages |= {Path(p).name for p in _listed(PENDING_LINKS)}
     assert not [p for p in sorted(pages) if f"]({p})" not in index]
 
 
@@ -220,7 +205,7 @@ def test_readme_results_block_is_marked() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     start, end = text.find("<!-- results:start -->"), text.find("<!-- results:end -->")
     assert 0 <= start < end
-    assert "time saved vs http" in text[start:end]
+    assert "time saved vs `http`" in text[start:end]  # the block tests/test_results.py renders
 
 
 # -- the benchmark's report -------------------------------------------------------------------------

@@ -234,3 +234,17 @@ def test_classifier_chain_table_is_bounded_and_still_exact() -> None:
             a, b = real.update(a, chunk), memo.update(b, chunk)
             assert len(memo._chain) <= 3
         assert a == b
+
+
+def test_a_run_with_cpu_charged_does_the_real_work_and_never_reads_the_tables() -> None:
+    from sim.memo import memo_classifier, memo_tokenizer
+
+    def lookups() -> tuple[int, ...]:
+        tables = [memo_tokenizer()._memo, memo_classifier()._memo]
+        return tuple(n for t in tables for n in (t.hits, t.misses))
+
+    seen = lookups()
+    run_virtual(run_compare(CONFIG, VirtualClock(), virtual=True, pace_by_turn=True), charge_cpu=True)
+    assert lookups() == seen
+    _run(True)  # the same config with CPU free does use them
+    assert lookups() != seen

@@ -1,4 +1,4 @@
-"""Metric definitions (workloads.md 6) on synthetic rollouts: exact numbers."""
+"""Metric definitions (docs/experiments.md#metrics) on synthetic rollouts: exact numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from prototype.client import TurnResult
 from prototype.schemas import InputTokensDetails, OutputTokensDetails, Response, StageReport, Usage
 from sim.live import RolloutResult
-from sim.metrics import summarize
+from sim.metrics import pair_summaries, summarize
 
 
 def turn(
@@ -84,15 +84,31 @@ def test_append_reports_are_cumulative_per_response() -> None:
     assert math.isnan(s.connection_cache_hit_rate) and math.isnan(s.saved_vs_http)
 
 
-def test_saving_is_relative_to_http_median() -> None:
-    def rollout(mode: str, t: float) -> RolloutResult:
-        r = RolloutResult(mode, 0, started_at=0.0, finished_at=t)  # type: ignore[arg-type]
+def test_saving_is_paired_by_rollout_with_intervals() -> None:
+    def rollout(mode: str, index: int, t: float) -> RolloutResult:
+        r = RolloutResult(mode, index, started_at=0.0, finished_at=t)  # type: ignore[arg-type]
         r.turns = [turn("resp", 0.0, 0.1, t, stages={"decode": 0.1}, rendered=1)]
         return r
 
-    summary = {s.mode: s for s in summarize([rollout("http", 10.0), rollout("http", 12.0), rollout("ws", 6.6)])}
-    assert summary["ws"].saved_vs_http == pytest.approx(0.4)
-    assert summary["http"].completion_p90_s == pytest.approx(11.8)
+    http = [10.0, 12.0, 20.0, 11.0, 15.0, 30.0, 13.0]
+    ws = [6.0, 9.0, 10.0, 8.8, 9.0, 27.0, 6.5]  # per rollout: 40 %, 25 %, 50 %, 20 %, 40 %, 10 %, 50 % saved
+    results = [rollout("http", i, t) for i, t in enumerate(http)] + [rollout("ws", i, t) for i, t in enumerate(ws)]
+    results.append(rollout("ws", 99, 1.0))  # no http twin: not in any pair
+    summary = {s.mode: s for s in summarize(results)}
+    ws_s = summary["ws"]
+    assert ws_s.saved_vs_http == pytest.approx(2.35 / 7) and ws_s.saved_vs_http_n == 7  # the mean of the pairs
+    assert 0 < ws_s.saved_vs_http_ci_low < 0.33 < ws_s.saved_vs_http_ci_high < 0.5
+    assert summary["http"].saved_vs_http == 0.0
+    s = summary["http"]
+    assert s.n == 7 and s.completion_p50_s == 13.0 and s.completion_p90_s == pytest.approx(24.0)
+    # 7 draws: the median's order-statistic interval is (x(1), x(7)), p90 has no upper bound.
+    assert (s.completion_p50_ci_low, s.completion_p50_ci_high) == (10.0, 30.0)
+    assert math.isnan(s.completion_p90_ci_high)
+    assert summarize(results) == summarize(results)  # seeded bootstrap: the same intervals twice
+    (pair,) = pair_summaries(results)
+    assert (pair.base, pair.other, pair.n) == ("http", "ws", 7) and pair.saved == ws_s.saved_vs_http
+    assert pair.difference_s == pytest.approx(sum(b - a for a, b in zip(http, ws, strict=True)) / 7)
+    assert pair.difference_ci_low < pair.difference_s < pair.difference_ci_high < 0
 
 
 def test_timeline_tiles_each_rollout_with_stages_and_tool_time() -> None:

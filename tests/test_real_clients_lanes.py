@@ -539,7 +539,7 @@ async def test_python_session_33rd_lane_gets_the_stream_limit_error(client: Asyn
         max_bytes_per_lane=1 << 26,
         max_bytes=1 << 28,
     )
-    request = {"type": "response.create", "model": MODEL, "input": "hi", "store": False, "max_output_tokens": 4}
+    request = {"type": "response.create", "model": MODEL, "input": "hi", "store": False, "max_output_tokens": 16}
     async with asyncio.timeout(CLIENT_TIMEOUT_S):
         connection = await client.responses.connect().enter()
         async with session_type(connection, limits=limits) as session:

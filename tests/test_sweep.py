@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from prototype.client import TurnResult
 from sim.__main__ import main
-from sim.experiment import CompareConfig
+from sim.experiment import CompareConfig, _rollouts, compare
 from sim.sweep import SweepConfig, dask_executor, points, run_sweep
 
 TINY = SweepConfig(
@@ -58,3 +61,65 @@ def test_cli_writes_the_table(tmp_path: Path) -> None:
     argv = ["sweep", "--tps", "1000", "--tool-calls", "2", "--tool-time-s", "0.3", "--rollouts", "1"]
     assert main([*argv, "--workers", "1", "--quiet", "--out", str(out)]) == 0
     assert out.stat().st_size > 0
+
+
+def _turn_content(turn: TurnResult) -> list[tuple[str, str, str]]:
+    """What the model said in a turn, without per-response ids."""
+    out = []
+    for item in turn.output_items:
+        if item.get("type") == "function_call":
+            out.append(("function_call", item["name"], item["arguments"]))
+        else:
+            text = "".join(part.get("text", "") for part in item.get("content", []))
+            out.append((item.get("type", ""), "", text))
+    return out
+
+
+def test_sweep_points_share_their_draws() -> None:
+    """Common random numbers: rollout r's first turns are the same at 5 and 10 tool calls and
+    at 65 and 1000 tokens/s (same tool outputs, tool times and model tokens)."""
+    grid = points(
+        SweepConfig(
+            tps=(65.0, 1000.0),
+            tool_calls=(5, 10),
+            tool_time_s=(0.3,),
+            modes=("ws",),
+            base=CompareConfig(rollouts=2, system_prompt_tokens=500, tool_output_tokens=100, seed=11),
+        )
+    )
+    specs = {(p.tps, p.tool_calls): _rollouts(p)[0] for p in grid}
+    runs = {(p.tps, p.tool_calls): compare(p, virtual=True, free_cpu=True) for p in grid}
+    for r in range(2):
+        short, long = specs[(1000.0, 5)][r], specs[(1000.0, 10)][r]
+        assert long.tool_times_s[:5] == short.tool_times_s and long.tool_outputs[:5] == short.tool_outputs
+        assert long.tool_times_s[5:] != short.tool_times_s  # five more turns of their own
+        assert specs[(65.0, 10)][r] == long  # decode speed draws nothing
+        by_point = {key: next(x for x in run.rollouts if x.index == r) for key, run in runs.items()}
+        reference = [_turn_content(t) for t in by_point[(1000.0, 10)].turns]
+        assert len(reference) == 11 and all(reference)
+        for key, rollout in by_point.items():
+            k = key[1]  # tool calls: turns 0..k-1 call a tool, turn k answers
+            assert [_turn_content(t) for t in rollout.turns[:k]] == reference[:k], key
+            # The tool step between turns takes the drawn time at every point.
+            gaps = [b.sent_at - a.done_at for a, b in itertools.pairwise(rollout.turns)]
+            assert gaps == pytest.approx(list(short.tool_times_s[: min(k, 5)]) + list(long.tool_times_s[5:k]))
+    # The speeds differ in timing only: same tokens, other times.
+    slow, fast = runs[(65.0, 10)].rollouts[0], runs[(1000.0, 10)].rollouts[0]
+    assert [_turn_content(t) for t in slow.turns] == [_turn_content(t) for t in fast.turns]
+    assert slow.completion_s > fast.completion_s
+
+
+def test_workload_rollouts_share_their_draws_whatever_else_is_drawn() -> None:
+    from sim.workload import WORKLOADS, draw_rollouts
+
+    ten, _ = draw_rollouts(WORKLOADS["swe-long"], seed=4, count=10)
+    tail, _ = draw_rollouts(WORKLOADS["swe-long"], seed=4, count=3, start=7)
+    assert ten[7:] == tail
+    slower = msgspec.structs.replace(
+        WORKLOADS["swe-long"],
+        tool_time=tuple(msgspec.structs.replace(c, median_s=2 * c.median_s) for c in WORKLOADS["swe-long"].tool_time),
+    )
+    doubled, _ = draw_rollouts(slower, seed=4, count=3)
+    for a, b in zip(ten[:3], doubled, strict=True):
+        assert a.tool_outputs == b.tool_outputs  # another tool-time median: the same outputs
+        assert [min(2 * t, 900.0) for t in a.tool_times_s] == pytest.approx(list(b.tool_times_s))

@@ -135,7 +135,9 @@ def test_charged_cpu_delays_a_timer_only_past_its_deadline_as_on_a_real_clock(de
 
     early, late = run_virtual(main, charge_cpu=True)
     assert 0.05 <= early < 0.5  # fires when the work is done, not 0.01 after it
-    assert late == pytest.approx(0.5, abs=1e-9)  # the work is part of the wait, not added to it
+    # The work is part of the wait, not added to it (that would be >= 0.55); the callback reads
+    # the clock a few microseconds into its iteration, which is charged too.
+    assert 0.5 <= late < 0.54
 
 
 def test_cancelled_timers_never_fire_and_the_rest_fire_once_at_their_times() -> None:
@@ -204,6 +206,7 @@ def test_virtual_results_are_deterministic_for_a_seed() -> None:
     assert runs[0].summary == runs[1].summary
 
 
+@pytest.mark.wire_unchecked  # times live clients: no per-event validation on their path
 def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
     live, virtual = run(SMALL, virtual=False), run(SMALL, virtual=True)
     for a_mode, b_mode in zip(live.summary, virtual.summary, strict=True):
@@ -236,3 +239,36 @@ def test_an_in_process_channel_keeps_order_survives_a_cancelled_get_and_has_one_
         return got
 
     assert run_virtual(main, charge_cpu=False) == [1, 2, 3, 1.0]
+
+
+def test_charged_time_moves_inside_a_callback_by_the_work_done_there() -> None:
+    """Two clock reads around a piece of work in one callback (no await between them): with
+    CPU charged the second read is later by at least the work's duration; with CPU free the
+    clock stands still. Outside the running loop the clock stands still either way."""
+
+    def spin(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    async def main() -> tuple[float, float]:
+        clock = VirtualClock()
+        await asyncio.sleep(1.0)
+        before = clock.now()
+        spin(0.02)
+        return before, clock.now()
+
+    before, after = run_virtual(main, charge_cpu=True)
+    assert before >= 1.0 and after - before >= 0.02
+    before, after = run_virtual(main, charge_cpu=False)
+    assert (before, after) == (1.0, 1.0)
+    loop = VirtualTimeLoop(charge_cpu=True)
+    try:
+        loop.run_until_complete(asyncio.sleep(0.5))
+        stopped = loop.time()
+        spin(0.01)
+        assert loop.time() == stopped  # not running: no callback is doing work
+        loop.run_until_complete(asyncio.sleep(0))
+        assert stopped <= loop.time() < stopped + 0.01  # the gap between runs is not charged
+    finally:
+        loop.close()

@@ -1,9 +1,10 @@
 """`python -m sim.bench [TARGET ...]`: the performance targets, each against its floor.
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
-``virtual`` (5), ``memory`` (6), ``contract``, ``lanes`` (N lanes on one socket against N sockets);
-docs/performance.md says what each one measures. The server (`sim.bench.server`) is a separate
-process pinned to core 1; this process (the load generator) pins itself to core 0. Each line:
+``virtual`` (5), ``memory`` (6), ``contract``, ``lanes`` (N lanes on one socket against N sockets),
+``stats`` (7, the cost of intervals: sim/bench/stats.py); docs/performance.md says what each one
+measures. The server (`sim.bench.server`) is a separate process pinned to core 1; this process
+(the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
 ``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails.
 """
@@ -41,10 +42,11 @@ from . import report as page
 from .contract import contract_rows, contract_rows_report
 from .lanes import lanes_vs_connections
 from .report import Row
+from .stats import stats
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract", "lanes")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract", "lanes", "stats")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -470,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PAGE",
         help="write this run (date, machine, commit, every row) into PAGE, e.g. docs/performance.md",
     )
+    p.add_argument("--stats-baseline", metavar="DIR", help="7: a checkout to time the compare and sweep against")
+    p.add_argument("--stats-rounds", type=int, default=3, help="7: sweep runs of each side (median)")
+    p.add_argument(
+        "--stats-compare-rounds", type=int, default=1, help="7: default-compare runs of each side (0 = skip)"
+    )
+    p.add_argument("--stats-points", type=int, default=100, help="7: sweep points actually run (1000 = all)")
     args = p.parse_args(argv)
     SERVER_ARGS[:] = args.server_arg
     unknown = [t for t in args.targets if t not in TARGETS]
@@ -488,6 +496,14 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
         "virtual": lambda: virtual(args.sweep_points),
+        "stats": lambda: stats(
+            report,
+            args.stats_baseline,
+            rounds=args.stats_rounds,
+            compare_rounds=args.stats_compare_rounds,
+            points=args.stats_points,
+            equal_rollouts=2,
+        ),
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],

@@ -1,0 +1,114 @@
+"""The cost of precision: wall time of the default compare and of a sweep, this code against a
+baseline checkout (`--stats-baseline DIR`, e.g. one without intervals and common random
+numbers), each as a subprocess with that checkout first on PYTHONPATH, interleaved (baseline,
+this, this, baseline, ...) so drift on a shared machine hits both alike.
+
+Rows: the default `python -m sim compare` (whatever each side's defaults are: that is the
+cost a user sees), a sweep at each side's default rollouts, and the same sweep at equal
+rollouts (the cost of the intervals and per-turn draws alone). A sweep measures `points`
+points of a 1,000-point grid and scales to 1,000, as the `virtual` target does.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+__all__ = ["stats"]
+
+REPO: Final = Path(__file__).resolve().parents[2]
+_TPS: Final = (65, 250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000)
+_CALLS: Final = (1, 2, 3, 5, 8, 10, 15, 20, 30, 50)
+_TOOLS: Final = (0.1, 0.3, 1.0, 4.5, 10.0, 0.2, 0.5, 2.0, 3.0, 6.0)
+GRID_POINTS: Final = len(_TPS) * len(_CALLS) * len(_TOOLS)
+
+
+def _timed(root: Path, argv: list[str]) -> float:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "sim", *argv], cwd=root, env=env, check=True, capture_output=True)
+    return time.perf_counter() - t
+
+
+def _sweep_argv(points: int, out: Path, rollouts: int | None) -> tuple[list[str], int]:
+    per = max(1, min(len(_TOOLS), points // (len(_TPS) * len(_CALLS))))
+    argv = [
+        "sweep",
+        "--tps",
+        ",".join(map(str, _TPS)),
+        "--tool-calls",
+        ",".join(map(str, _CALLS)),
+        "--tool-time-s",
+        ",".join(map(str, _TOOLS[:per])),
+        "--workers",
+        "2",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    if rollouts is not None:
+        argv += ["--rollouts", str(rollouts)]
+    return argv, len(_TPS) * len(_CALLS) * per
+
+
+def stats(
+    report: Callable[[str, str, float, float, float, str, bool | None], None],
+    baseline: str | None,
+    *,
+    rounds: int,
+    compare_rounds: int,
+    points: int,
+    equal_rollouts: int,
+) -> None:
+    """`rounds` runs of each side per sweep row, `compare_rounds` of the default compare
+        (0 skips it: it runs live, minutes per round).
+    `report(target, figure, value, floor, ratio, goal, ok)` one row per measurement: this
+        code's median wall time as the value, the baseline's as the floor, their ratio."""
+    if not baseline:
+        report("stats", "skipped: needs --stats-baseline DIR (a checkout to compare against)", 0.0, 0.0, 0.0, "-", None)
+        return
+    old, new = Path(baseline).resolve(), REPO
+    pinned = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if pinned is not None:  # the children get every core (the bench pins itself to one)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        _measure(
+            report, old, new, rounds=rounds, compare_rounds=compare_rounds, points=points, equal_rollouts=equal_rollouts
+        )
+    finally:
+        if pinned is not None:
+            os.sched_setaffinity(0, pinned)
+
+
+def _measure(
+    report: Callable[[str, str, float, float, float, str, bool | None], None],
+    old: Path,
+    new: Path,
+    *,
+    rounds: int,
+    compare_rounds: int,
+    points: int,
+    equal_rollouts: int,
+) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        jobs: list[tuple[str, list[str], float, int]] = []
+        if compare_rounds > 0:
+            jobs.append(("default compare s", ["compare", "--quiet"], 1.0, compare_rounds))
+        for label, rollouts in (("default rollouts", None), (f"{equal_rollouts} rollouts both", equal_rollouts)):
+            argv, measured = _sweep_argv(points, Path(scratch) / "sweep.csv", rollouts)
+            figure = f"{GRID_POINTS}-pt sweep s, {label} (ran {measured})"
+            jobs.append((figure, argv, GRID_POINTS / measured, rounds))
+        for figure, argv, scale, runs in jobs:
+            times: dict[Path, list[float]] = {old: [], new: []}
+            for k in range(runs):
+                for root in (old, new) if k % 2 == 0 else (new, old):
+                    times[root].append(_timed(root, argv) * scale)
+            value, floor = statistics.median(times[new]), statistics.median(times[old])
+            report("stats", f"{figure}, this / base", value, floor, value / floor, "report", None)
