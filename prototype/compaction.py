@@ -55,7 +55,7 @@ _VERSION: Final = 1
 T = TypeVar("T")
 
 
-class Payload(msgspec.Struct, array_like=True):
+class Payload(msgspec.Struct, array_like=True, frozen=True):
     """What a compaction item carries (inside `encrypted_content`)."""
 
     version: int
@@ -73,12 +73,16 @@ def encode_payload(turns: int, conversation_key: int, summary: str) -> str:
     return base64.b64encode(packed).decode("ascii")
 
 
+def _decoded(encrypted_content: str) -> Payload | None:
+    try:
+        return _decode(zlib.decompress(base64.b64decode(encrypted_content, validate=True)))
+    except (binascii.Error, zlib.error, msgspec.DecodeError, msgspec.ValidationError, ValueError):
+        return None
+
+
 def decode_payload(encrypted_content: str, param: str) -> Payload:
     """The payload of a compaction item; a content this server did not make is a 400."""
-    try:
-        payload = _decode(zlib.decompress(base64.b64decode(encrypted_content, validate=True)))
-    except (binascii.Error, zlib.error, msgspec.DecodeError, msgspec.ValidationError, ValueError):
-        payload = None
+    payload = _decoded(encrypted_content)
     if payload is None or payload.version != _VERSION:
         raise ProtocolError(
             "The encrypted content could not be decrypted or parsed.", code="invalid_encrypted_content", param=param

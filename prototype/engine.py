@@ -2,8 +2,11 @@
 
 Stages of a turn (`pipeline.Stage`), each timed on the injected clock:
 
-    network → parse_validate → load_state → render → safety → routing →
+    network → parse_validate → load_state → render → [compaction] → safety → routing →
     inference_hop → queue → prefill → decode → post_inference → terminal event
+
+(`compaction` only when the prompt is past the create's `compact_threshold`, or the input
+ends with a `compaction_trigger`: docs/compaction.md.)
 
 What a stage touches depends on the path (pipeline.py has the costs):
 
