@@ -214,6 +214,8 @@ async def test_store_continues_from_a_compacted_response(live: Live) -> None:
     )
     assert chained.usage is not None and resent.usage is not None and first.usage is not None
     assert chained.usage.input_tokens == resent.usage.input_tokens < first.usage.input_tokens + 300
+    stored = await client.responses.retrieve(first.id)  # the stored copy keeps the compaction item
+    assert stored.output[0].type == "compaction" and stored.output[0] == first.output[0]
     assert [o.model_dump(exclude={"id", "call_id"}) for o in chained.output] == [
         o.model_dump(exclude={"id", "call_id"}) for o in resent.output
     ]
