@@ -7,7 +7,7 @@ Responses streaming event grammar (docs/protocol.md; the API reference's streami
 
     response.created, response.in_progress,
     ( output_item.added, [content_part.added], delta*, *.done, [content_part.done],
-      output_item.done )*,
+      output_item.done | compaction )*,
     response.completed | response.incomplete | response.failed
 
 with `sequence_number` starting at 0 and increasing by one per event. The same
@@ -23,6 +23,9 @@ Invariants:
 * In append mode a response may pause (`response.done`, non-terminal status
   `in_progress`) and resume (`response.in_progress`); output indices and
   sequence numbers continue across segments.
+* A server-side compaction (docs/compaction.md) is `output_item.added` (the
+  compaction item, content empty), `response.compaction.compacting`, then
+  `output_item.done` with the item's content, between model items.
 
 Every legal (state, input) pair is a row of `_TRANSITIONS`: the action that makes its
 events and the next state. A `SamplingFinished` whose reason is `max_output_tokens` is
@@ -43,6 +46,7 @@ from msgspec import Raw, structs
 from .ids import IdFactory
 from .model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
 from .schemas import (
+    CompactionItem,
     ContentPartAdded,
     ContentPartDone,
     FunctionCall,
@@ -61,6 +65,7 @@ from .schemas import (
     OutputTokensDetails,
     RequiredInput,
     Response,
+    ResponseCompactionCompacting,
     ResponseCompleted,
     ResponseCreated,
     ResponseDone,
@@ -75,6 +80,8 @@ from .schemas import (
 )
 
 __all__ = [
+    "CompactionDone",
+    "CompactionStarted",
     "EndIncomplete",
     "Fail",
     "InjectAccepted",
@@ -95,6 +102,7 @@ class RS(enum.Enum):
     IN_PROGRESS = enum.auto()  # between items
     IN_ITEM = enum.auto()  # streaming one output item
     PAUSED = enum.auto()  # append mode: waiting for client tool outputs
+    COMPACTING = enum.auto()  # server-side compaction: the compaction item is being made
     COMPLETED = enum.auto()
     INCOMPLETE = enum.auto()
     FAILED = enum.auto()
@@ -146,11 +154,34 @@ class InjectRefused:
     message: str
 
 
+@dataclass(frozen=True, slots=True)
+class CompactionStarted:
+    """Server-side compaction begins: the compaction item is announced (its content comes with `CompactionDone`)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionDone:
+    item: CompactionItem
+
+
 class Truncated:
     """The input kind of a `SamplingFinished` with reason `max_output_tokens` (never instantiated)."""
 
 
-StreamInput = Start | Pause | Resume | Fail | EndIncomplete | InjectAccepted | InjectRefused | ModelEvent
+StreamInput = (
+    Start
+    | Pause
+    | Resume
+    | Fail
+    | EndIncomplete
+    | InjectAccepted
+    | InjectRefused
+    | CompactionStarted
+    | CompactionDone
+    | ModelEvent
+)
 
 INPUT_TYPES: Final = (
     Start,
@@ -160,6 +191,8 @@ INPUT_TYPES: Final = (
     EndIncomplete,
     InjectAccepted,
     InjectRefused,
+    CompactionStarted,
+    CompactionDone,
     Prefilled,
     ItemStarted,
     TokensSampled,
@@ -391,6 +424,21 @@ class ResponseStream:
             )
         ]
 
+    def _compaction_started(self, event: CompactionStarted) -> list[ServerEvent]:
+        # The item is announced with an empty `encrypted_content` (the spec requires the field);
+        # `response.output_item.done` carries the content (docs/compaction.md).
+        index = len(self.output)
+        announced = CompactionItem(id=event.item_id, encrypted_content="")
+        return [
+            OutputItemAdded(sequence_number=self._next(), output_index=index, item=announced),
+            ResponseCompactionCompacting(sequence_number=self._next(), item_id=event.item_id, output_index=index),
+        ]
+
+    def _compaction_done(self, event: CompactionDone) -> list[ServerEvent]:
+        index = len(self.output)
+        self.output.append(event.item)
+        return [OutputItemDone(sequence_number=self._next(), output_index=index, item=event.item)]
+
     def _fail(self, event: Fail) -> list[ServerEvent]:
         self.response = structs.replace(
             self.response,
@@ -420,6 +468,9 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.PAUSED, InjectRefused): (R._inject_refused, RS.PAUSED),
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
+    (RS.IN_PROGRESS, CompactionStarted): (R._compaction_started, RS.COMPACTING),
+    (RS.COMPACTING, CompactionDone): (R._compaction_done, RS.IN_PROGRESS),
+    (RS.COMPACTING, Fail): (R._fail, RS.FAILED),
     (RS.QUEUED, Fail): (R._fail, RS.FAILED),
     (RS.IN_PROGRESS, Fail): (R._fail, RS.FAILED),
     (RS.IN_ITEM, Fail): (R._fail, RS.FAILED),

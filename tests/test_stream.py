@@ -8,10 +8,12 @@ import pytest
 
 from prototype.ids import IdFactory
 from prototype.model import ItemFinished, ItemStarted, Prefilled, SamplingFinished, TokensSampled
-from prototype.schemas import FunctionCall, OutputMessage, Response, encode
+from prototype.schemas import CompactionItem, FunctionCall, OutputMessage, Response, encode
 from prototype.stream import (
     INPUT_TYPES,
     RS,
+    CompactionDone,
+    CompactionStarted,
     EndIncomplete,
     Fail,
     InjectAccepted,
@@ -192,12 +194,21 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ("paused", "inject refused", ("response.inject.failed",), "paused"),
     ("paused", "end incomplete", ("response.incomplete",), "incomplete"),
     ("paused", "fail", ("response.failed",), "failed"),
+    (
+        "in progress",
+        "compaction started",
+        ("response.output_item.added", "response.compaction.compacting"),
+        "compacting",
+    ),
+    ("compacting", "compaction done", ("response.output_item.done",), "in progress"),
+    ("compacting", "fail", ("response.failed",), "failed"),
 ]
 STATES = {
     "queued": RS.QUEUED,
     "in progress": RS.IN_PROGRESS,
     "in item": RS.IN_ITEM,
     "paused": RS.PAUSED,
+    "compacting": RS.COMPACTING,
     "completed": RS.COMPLETED,
     "incomplete": RS.INCOMPLETE,
     "failed": RS.FAILED,
@@ -216,6 +227,8 @@ INPUTS: dict[str, tuple[type, object]] = {
     "item finished": (ItemFinished, ItemFinished()),
     "sampling finished": (SamplingFinished, SamplingFinished()),
     "truncated": (Truncated, SamplingFinished("max_output_tokens")),
+    "compaction started": (CompactionStarted, CompactionStarted("cmp_1")),
+    "compaction done": (CompactionDone, CompactionDone(CompactionItem(id="cmp_1", encrypted_content="x"))),
 }
 
 
@@ -231,6 +244,7 @@ def _stream_in(state: RS) -> ResponseStream:
         RS.IN_PROGRESS: [Start(1)],
         RS.IN_ITEM: [Start(1), ItemStarted("message")],
         RS.PAUSED: [Start(1), Pause()],
+        RS.COMPACTING: [Start(1), CompactionStarted("cmp_1")],
         RS.COMPLETED: [Start(1), SamplingFinished()],
         RS.INCOMPLETE: [Start(1), SamplingFinished("max_output_tokens")],
         RS.FAILED: [Fail("x", "y")],

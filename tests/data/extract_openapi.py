@@ -15,7 +15,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOTS = ("Response", "ResponseStreamEvent", "ResponsesServerEvent", "ResponseWsError", "ErrorResponse", "Error")
+ROOTS = (
+    "Response",
+    "ResponseStreamEvent",
+    "ResponsesServerEvent",
+    "ResponseWsError",
+    "ErrorResponse",
+    "Error",
+    "CompactResource",
+)
 PREFIX = "#/components/schemas/"
 HERE = Path(__file__).parent
 
