@@ -25,7 +25,13 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from .clock import Clock
 from .conversation import ItemParser, parse_items
 from .engine import Engine, RenderedItems
-from .errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
+from .errors import (
+    IN_STREAM_CODES,
+    INTERNAL_ERROR,
+    ProtocolError,
+    http_error_body,
+    sse_error_events,
+)
 from .ids import IdFactory
 from .model import TokenModel
 from .safety import SafetyClassifier
@@ -45,6 +51,7 @@ from .session import (
     ServerConfig,
     TextSender,
     WebSocketSession,
+    http_compact,
     http_create,
     request_too_large,
 )
@@ -169,6 +176,7 @@ def make_app(
     app[SOCKETS] = sockets
     app[SLOTS] = Slots(config.max_connections)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/responses/compact", compact_response)
     app.router.add_get("/v1/responses", websocket_or_405)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
@@ -287,6 +295,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if writer is not None:
             writer.cancel()
     return resp
+
+
+async def compact_response(request: web.Request) -> web.Response:
+    """`POST /v1/responses/compact` (docs/compaction.md); errors go through the middleware."""
+    engine, config = request.app[ENGINE], request.app[CONFIG]
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        return _json_error(request_too_large(config.max_message_bytes))
+    params, arrival = http_compact(body, engine, config)
+    compacted = await engine.compact(params, arrival)
+    return web.Response(body=encode(compacted), content_type="application/json")
 
 
 async def _discard(events: list[ServerEvent]) -> None:

@@ -160,6 +160,18 @@ class _History:
         if self.encoded is not None:
             self.encoded.extend(msgspec.Raw(encode(item)) for item in (*sent, *result.output_items))
         self.previous_id = result.response.id
+        if any(item.get("type") == "compaction" for item in result.output_items):
+            # The compaction guide's latency tip: what came before the latest compaction item,
+            # but user messages, is not resent (the item stands for it; the server would drop it).
+            last = max(i for i, item in enumerate(self.items) if item.get("type") == "compaction")
+            keep = [i for i, item in enumerate(self.items) if i >= last or _is_user_message(item)]
+            self.items = [self.items[i] for i in keep]
+            if self.encoded is not None:
+                self.encoded = [self.encoded[i] for i in keep]
+
+
+def _is_user_message(item: dict[str, Any]) -> bool:
+    return item.get("type", "message") == "message" and item.get("role") == "user"
 
 
 class HTTPClient:

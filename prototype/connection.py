@@ -1017,6 +1017,16 @@ class Connection:
                     f"Response '{target}' is not active on this connection.",
                 )
             return
+        if job.request.compact_threshold is not None:
+            # The beta's steer event: responses using automatic compaction do not support steering.
+            self._steer_failed(
+                lane,
+                steer.input,
+                target,
+                "steering_not_supported",
+                "Steering is not supported for responses that use automatic compaction (context_management).",
+            )
+            return
         if len(lane.steers) >= MAX_PENDING_STEERS:
             self._steer_failed(
                 lane,

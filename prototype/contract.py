@@ -27,7 +27,7 @@ import msgspec
 from msgspec import Raw
 
 from .errors import ProtocolError, from_validation_error
-from .schemas import CreateParams, is_null
+from .schemas import CompactParams, CreateParams, decode_context_management, is_null
 
 __all__ = [
     "CALL_ID_MAX",
@@ -39,7 +39,11 @@ __all__ = [
     "RANGES",
     "STRING_MAX",
     "UNSUPPORTED_FEATURES",
+    "COMPACT_THRESHOLD_MIN",
+    "CONTEXT_MANAGEMENT_TYPES",
+    "check_compact_params",
     "check_context_window",
+    "compact_threshold",
     "check_function_name",
     "check_has_input",
     "check_params",
@@ -119,7 +123,6 @@ UNSUPPORTED_FEATURES: Final = {
     "background": "Background mode",
     "conversation": "Conversation state kept on the server",
     "prompt": "A prompt template",
-    "context_management": "Server-side compaction",
 }
 
 
@@ -171,6 +174,7 @@ METADATA_KEYS_MAX: Final = 16
 METADATA_KEY_MAX: Final = 64
 METADATA_VALUE_MAX: Final = 512
 SAFETY_IDENTIFIER_MAX: Final = 64
+PROMPT_CACHE_KEY_MAX: Final = 64  # `prompt_cache_key.maxLength` of the compact body in the spec
 STRING_MAX: Final = 10_485_760  # the longest text part, string input or tool output the spec allows
 CALL_ID_MAX: Final = 64
 FUNCTION_NAME_MAX: Final = 128  # FunctionToolParam.name in the spec (Chat Completions allows 64)
@@ -286,7 +290,7 @@ def _nested(decode: Callable[[Raw], T], raw: Raw, param: str) -> T:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         err = from_validation_error(exc)
         sub = err.param
-        err.param = param if not sub else f"{param}.{sub}"
+        err.param = param if not sub else f"{param}{sub}" if sub.startswith("[") else f"{param}.{sub}"
         if sub:
             err.message = err.message.replace(f"'{sub}'", f"'{err.param}'", 1)
         elif err.code == "invalid_type":
@@ -308,7 +312,7 @@ def check_params(params: CreateParams, *, websocket: bool) -> None:
         )
     if params.background:
         raise _unsupported("background")
-    for name in ("conversation", "prompt", "context_management"):
+    for name in ("conversation", "prompt"):
         if not is_null(getattr(params, name)):
             raise _unsupported(name)
     if not websocket and params.generate is not msgspec.UNSET:
@@ -337,6 +341,44 @@ def check_params(params: CreateParams, *, websocket: bool) -> None:
         verbosity = _nested(_decode_text, params.text, "text").verbosity
         if verbosity is not None:
             _check_enum("text.verbosity", verbosity, VERBOSITIES)
+    if isinstance(params.input, str):
+        check_string_length("input", params.input, STRING_MAX)
+    compact_threshold(params)
+
+
+COMPACT_THRESHOLD_MIN: Final = 1000  # `ContextManagementParam.compact_threshold.minimum` in the spec
+CONTEXT_MANAGEMENT_TYPES: Final = ("compaction",)  # "Currently only 'compaction' is supported" (the spec)
+
+
+def compact_threshold(params: CreateParams) -> int | None:
+    """The create's compaction threshold in tokens: 0 when `context_management` asks for
+    compaction without one (the model's context window is then the threshold), None when it
+    does not ask. Raises the spec's constraint errors: a list of `{type, compact_threshold?}`,
+    `type` one of `CONTEXT_MANAGEMENT_TYPES`, an integer threshold >= 1000. Several entries:
+    the smallest threshold wins."""
+    if is_null(params.context_management):
+        return None
+    entries = _nested(decode_context_management, params.context_management, "context_management")
+    thresholds = []
+    for index, entry in enumerate(entries):
+        _check_enum(f"context_management[{index}].type", entry.type, CONTEXT_MANAGEMENT_TYPES)
+        if entry.compact_threshold is not None:
+            name = f"context_management[{index}].compact_threshold"
+            _check_range(Range(name, COMPACT_THRESHOLD_MIN, None, "integer"), entry.compact_threshold)
+            thresholds.append(entry.compact_threshold)
+    if not entries:
+        return None
+    return min(thresholds) if thresholds else 0
+
+
+def check_compact_params(params: CompactParams) -> None:
+    """`POST /v1/responses/compact`'s parameter rules (the create's, where it shares them)."""
+    if params.prompt_cache_retention is not None:
+        _check_enum("prompt_cache_retention", params.prompt_cache_retention, dict(ENUMS)["prompt_cache_retention"])
+    if params.service_tier is not None:
+        _check_enum("service_tier", params.service_tier, dict(ENUMS)["service_tier"])
+    if params.prompt_cache_key is not None:
+        check_string_length("prompt_cache_key", params.prompt_cache_key, PROMPT_CACHE_KEY_MAX)
     if isinstance(params.input, str):
         check_string_length("input", params.input, STRING_MAX)
 

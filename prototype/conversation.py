@@ -33,6 +33,7 @@ from typing import Final, TypeVar
 import msgspec
 from msgspec import Raw
 
+from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload
 from .contract import (
     CALL_ID_MAX,
     STRING_MAX,
@@ -40,10 +41,12 @@ from .contract import (
     check_has_input,
     check_params,
     check_string_length,
+    compact_threshold,
 )
 from .errors import ProtocolError, from_validation_error
 from .model import FunctionTool, TokenArray
 from .schemas import (
+    CompactionItem,
     CreateParams,
     FunctionCall,
     InputItemView,
@@ -145,6 +148,11 @@ class Context:
                     self.pending[view.call_id] = None
                 elif view.type in OUTPUT_TYPES:
                     self.pending.pop(view.call_id, None)
+            if view.type == COMPACTION_TYPE:  # the history it stands for counted its model turns
+                payload = decode_payload(view.encrypted_content or "", "input")
+                self.turn_index = payload.turns
+                if payload.conversation_key:
+                    self.conversation_key = payload.conversation_key
             model = item.is_model_output
             if model and not self.last_was_model:
                 self.turn_index += 1
@@ -217,6 +225,10 @@ class CreateRequest:
     store: bool
     generate: bool
     preamble_key: bytes
+    # `context_management`: compact past this many prompt tokens; 0: past the context window;
+    # None: never (contract.compact_threshold).
+    compact_threshold: int | None = None
+    compact_now: bool = False  # the input ended with a `compaction_trigger` (not in `items`)
 
     @property
     def previous_response_id(self) -> str | None:
@@ -305,6 +317,16 @@ def normalize_create(
             param="previous_response_id",
         )
     items = parse(params.input)
+    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
+    if compact_now:
+        items = items[:-1]  # an instruction to the server, not part of the context
+    for index, item in enumerate(items):
+        if item.view.type == TRIGGER_TYPE:
+            raise ProtocolError(
+                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
+                code="invalid_value",
+                param=f"input[{index}]",
+            )
     tools_raw = tuple(params.tools or ())
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
@@ -321,6 +343,8 @@ def normalize_create(
         store=params.store is not False,
         generate=generate,
         preamble_key=key,
+        compact_threshold=compact_threshold(params),
+        compact_now=compact_now,
     )
 
 
@@ -360,6 +384,15 @@ def _check_item(view: InputItemView, index: int) -> None:
                 param=f"{where}.{missing}",
             )
         _decode_parts(view.output, f"{where}.output")
+    elif view.type == COMPACTION_TYPE:
+        if view.encrypted_content is None:
+            raise ProtocolError(
+                f"Missing required parameter: '{where}.encrypted_content'.",
+                code="missing_required_parameter",
+                param=f"{where}.encrypted_content",
+            )
+        check_string_length(f"{where}.encrypted_content", view.encrypted_content, ENCRYPTED_CONTENT_MAX)
+        decode_payload(view.encrypted_content, f"{where}.encrypted_content")
     # Other item types (reasoning, additional_tools, custom_tool_call, item_reference, …) pass through.
 
 
@@ -379,6 +412,11 @@ def _decode_parts(raw: Raw, param: str) -> str:
             if text is not None:
                 check_string_length(f"{param}[{i}].text", text, STRING_MAX)
     return "".join(p.text or p.refusal or f"[{p.type}]" for p in value)
+
+
+def message_text(view: InputItemView) -> str:
+    """A message's text (its parts joined)."""
+    return _text_of(view)
 
 
 def _text_of(view: InputItemView) -> str:
@@ -467,6 +505,8 @@ def item_from_output(item: OutputItem) -> Item:
         view = InputItemView(
             type="function_call", id=item.id, call_id=item.call_id, name=item.name, arguments=item.arguments
         )
+    elif isinstance(item, CompactionItem):
+        view = InputItemView(type=COMPACTION_TYPE, id=item.id, encrypted_content=item.encrypted_content)
     else:
         assert isinstance(item, OutputMessage)
         text = "".join(part.text for part in item.content)
@@ -484,6 +524,8 @@ def _render_text(view: InputItemView) -> str:
         return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     if t == "custom_tool_call":
         return f"<|start|>assistant to=functions.{view.name}<|message|>{view.input or ''}<|call|>"
+    if t == COMPACTION_TYPE:
+        return f"<|start|>compaction<|message|>{decode_payload(view.encrypted_content or '', 'input').summary}<|end|>"
     if t == "custom_tool_call_output" and not is_null(view.output):
         return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     return ""  # reasoning (encrypted), item references, tool-list items: nothing model-visible here

@@ -2,8 +2,11 @@
 
 Stages of a turn (`pipeline.Stage`), each timed on the injected clock:
 
-    network → parse_validate → load_state → render → safety → routing →
+    network → parse_validate → load_state → render → [compaction] → safety → routing →
     inference_hop → queue → prefill → decode → post_inference → terminal event
+
+(`compaction` only when the prompt is past the create's `compact_threshold`, or the input
+ends with a `compaction_trigger`: docs/compaction.md.)
 
 What a stage touches depends on the path (pipeline.py has the costs):
 
@@ -40,12 +43,13 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
-from msgspec import structs
+from msgspec import Raw, structs
 
 from . import metrics
 from .cache import STORE_UNAVAILABLE, CacheEntry
 from .clock import Clock
-from .contract import CONTEXT_LENGTH_MESSAGE, check_context_window
+from .compaction import COMPACTION_TYPE, Compaction, encode_payload, is_kept, prune, summary_text
+from .contract import CONTEXT_LENGTH_MESSAGE, check_compact_params, check_context_window
 from .conversation import (
     Context,
     CreateRequest,
@@ -55,6 +59,7 @@ from .conversation import (
     check_continuation,
     generation_header,
     item_from_output,
+    message_text,
     parse_items,
     render_preamble,
     render_texts,
@@ -66,8 +71,13 @@ from .model import ItemFinished, ModelRequest, Prefilled, SamplingFinished, Toke
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
 from .safety import ClassifierState, SafetyClassifier
 from .schemas import (
+    CompactedResponse,
+    CompactionItem,
+    CompactParams,
     FunctionCall,
+    InputTokensDetails,
     OutputItem,
+    OutputTokensDetails,
     RequiredInput,
     Response,
     ResponseCompleted,
@@ -78,6 +88,7 @@ from .schemas import (
     StageReport,
     SteerRef,
     StoredResponse,
+    Usage,
     decode_stored,
     encode,
     is_null,
@@ -85,6 +96,8 @@ from .schemas import (
 from .store import ResponseStore, StoreUnavailable
 from .stream import (
     RS,
+    CompactionDone,
+    CompactionStarted,
     InjectAccepted,
     InjectRefused,
     Pause,
@@ -193,6 +206,7 @@ class EngineStatistics:
     kv_idle_token_s: float  # Σ resident KV tokens × seconds paused
     store_writes: int  # post-inference store writes
     stage_s: dict[str, float]  # Σ seconds per stage
+    compactions: int = 0  # server-side compactions and `/responses/compact` calls
 
 
 @dataclass(slots=True)
@@ -206,6 +220,7 @@ class _Counts:
     kv_idle_token_s: float = 0.0
     store_writes: int = 0
     stage_s: dict[str, float] = field(default_factory=dict)
+    compactions: int = 0
 
 
 @contextlib.contextmanager
@@ -262,6 +277,7 @@ class _Resolved:
     preamble: Preamble
     safety: ClassifierState
     safety_chunks: int  # chunks of `context` the classifier state covers
+    compaction: Compaction | None = None  # the compaction this response's prompt went through
 
 
 class _Turn:
@@ -278,15 +294,15 @@ class _Turn:
         self.hold_kv = hold_kv
         self.held_tokens = 0  # first segment: whatever the model's prefix cache still has
         self.header = generation_header(engine.tokenizer)
-        self.prompt_tokens = self._count()
+        self.prompt_tokens = self.count()
         self.outputs_in_context = 0
 
-    def _count(self) -> int:
+    def count(self) -> int:
         return len(self.resolved.preamble.tokens) + self.resolved.context.n_tokens + len(self.header)
 
     @property
     def resident_tokens(self) -> int:
-        return self._count() - len(self.header)
+        return self.count() - len(self.header)
 
     async def add_outputs(self, output: Sequence[OutputItem], report: StageReport) -> None:
         """Interleave the response's output items not yet in the context (a pause's segment)."""
@@ -298,7 +314,7 @@ class _Turn:
         # Everything before the appended items is held KV: only they need prefill.
         self.held_tokens = self.resident_tokens
         self.resolved.context.extend(items, await self.engine._render(items, report))
-        self.prompt_tokens = self._count()
+        self.prompt_tokens = self.count()
 
     def _output_budget(self) -> int | None:
         """The request's `max_output_tokens`, within the model's output limit and what is left
@@ -477,6 +493,84 @@ class Engine:
         run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, pauses)
         return run.run(cached, fork=fork)
 
+    async def compact_context(
+        self, context: Context, prompt_tokens: int, report: StageReport
+    ) -> tuple[Compaction, Context]:
+        """Real work of one compaction: the summary of the dropped history, the item that
+        carries it, rendered; the new context is the user messages, then the item."""
+        kept = [(item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)]
+        dropped = [chunk for item, chunk in zip(context.items, context.chunks, strict=True) if not is_kept(item.view)]
+        text, written = summary_text(dropped, self.profile.compaction_ratio, self.tokenizer)
+        content = encode_payload(context.turn_index, context.conversation_key, text)
+        item = CompactionItem(id=self.ids.new("cmp"), encrypted_content=content)
+        as_input = item_from_output(item)
+        fresh = Context()
+        fresh.extend([i for i, _ in kept], [c for _, c in kept])
+        fresh.extend([as_input], await self._render([as_input], report))
+        self._counts.compactions += 1
+        return Compaction(item, prompt_tokens, written, sum(len(c) for c in dropped)), fresh
+
+    # -- POST /v1/responses/compact -----------------------------------------------------------------
+
+    async def compact(self, params: CompactParams, arrival: Arrival) -> CompactedResponse:
+        """Compact a history (the request's `input`, after the stored `previous_response_id` if
+        given) into its user messages and one compaction item (docs/compaction.md). The same
+        work as a server-side compaction, timed in the same stages; nothing is stored."""
+        stages = _Stages(self.clock, self._counts, arrival.at)
+        await stages.wait(Stage.NETWORK, self.profile.upload_s(arrival.body_bytes))
+        if not params.model:
+            raise ProtocolError(
+                "Missing required parameter: 'model'.", code="missing_required_parameter", param="model"
+            )
+        check_compact_params(params)
+        items = list(self.item_parser(params.input)) if params.input else []
+        prev = params.previous_response_id
+        if not items and prev is None:
+            raise ProtocolError(
+                "Missing required parameter: 'input'.", code="missing_required_parameter", param="input"
+            )
+        stages.lap(Stage.PARSE)
+        history: list[Item] = []
+        if prev is not None:
+            if not prev.startswith("resp_"):
+                raise ProtocolError(
+                    f"Invalid 'previous_response_id': '{prev}'. Expected an ID that begins with 'resp_'.",
+                    code="invalid_value",
+                    param="previous_response_id",
+                )
+            history = await self._load(prev)
+            await stages.wait(Stage.LOAD_STATE, self.profile.state_load_s)
+        combined = prune([*history, *items], [item.view for item in (*history, *items)])
+        context = Context()
+        context.extend(combined, await self._render(combined, stages.report))
+        preamble = self.tokenizer.encode(
+            f"<|start|>developer<|message|>{params.instructions}<|end|>" if params.instructions else ""
+        )
+        stages.lap(Stage.RENDER)
+        await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * stages.report.tokens_rendered)
+        prompt = len(preamble) + context.n_tokens + len(generation_header(self.tokenizer))
+        check_context_window(prompt, self.input_token_limit)
+        compaction, compacted = await self.compact_context(context, prompt, stages.report)
+        stages.lap(Stage.COMPACTION)
+        await stages.wait(Stage.COMPACTION, self.profile.compaction_s(prompt, compaction.summary_tokens))
+        output = [Raw(_user_message(item, self.ids)) for item in compacted.items[:-1]]
+        output.append(Raw(encode(compaction.item)))
+        report = stages.end_segment()
+        for stage, seconds in report.stages_s.items():
+            self.histograms[stage].observe(seconds)
+        return CompactedResponse(
+            id=self.ids.new("resp"),
+            created_at=int(self.clock.time()),
+            output=output,
+            usage=Usage(
+                input_tokens=prompt,
+                input_tokens_details=InputTokensDetails(cached_tokens=0),
+                output_tokens=compaction.summary_tokens,
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=0),
+                total_tokens=prompt + compaction.summary_tokens,
+            ),
+        )
+
     # -- stored responses --------------------------------------------------------------------------
 
     def prometheus(self) -> str:
@@ -489,6 +583,7 @@ class Engine:
             "pauses_total": s.pauses,
             "kv_idle_token_seconds_total": s.kv_idle_token_s,
             "store_writes_total": s.store_writes,
+            "compactions_total": s.compactions,
         }
         return metrics.render(self.histograms, counters)
 
@@ -504,6 +599,7 @@ class Engine:
             c.kv_idle_token_s,
             c.store_writes,
             dict(c.stage_s),
+            c.compactions,
         )
 
     async def get_stored(self, response_id: str) -> Response:
@@ -518,6 +614,21 @@ class Engine:
             deleted = await self.store.delete(response_id)
         if not deleted:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
+
+
+def _user_message(item: Item, ids: IdFactory) -> bytes:
+    """A kept user message as an output item of `/responses/compact`: the `Message` item the
+    spec's `ItemField` types (an id, a status, `input_text` parts)."""
+    text = message_text(item.view)
+    return encode(
+        {
+            "type": "message",
+            "id": item.view.id or ids.new("msg"),
+            "status": "completed",
+            "role": "user",
+            "content": [{"type": "input_text", "text": text}],
+        }
+    )
 
 
 class ResponseRun:
@@ -588,6 +699,10 @@ class ResponseRun:
         if not (self.arrival.routed and self._uses(Optimization.REUSE_ROUTING)):
             await stages.wait(Stage.ROUTING, profile.auth_s + profile.routing_s)
         await self.emit(self._started(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens))))
+        if self.resolved.compaction is not None:
+            await self._announce_compaction(self.resolved.compaction)
+            if request.compact_now:  # a `compaction_trigger` asks for the compaction alone
+                return await self._finish(self.stream.receive(SamplingFinished("stop")))
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(self.stream.end_incomplete("content_filter"))  # refused before inference
         try:
@@ -642,18 +757,60 @@ class ResponseRun:
             else:
                 stages.lap(Stage.LOAD_STATE)
             preamble = render_preamble(request, engine.tokenizer)
-        check_continuation(context, request.items)  # new items only, against the context's sets
-        context.extend(request.items, await engine._render(request.items, report))
-        prompt = len(preamble.tokens) + context.n_tokens + len(generation_header(engine.tokenizer))
-        check_context_window(prompt, engine.input_token_limit)
+        new: Sequence[Item] = request.items
+        if any(item.view.type == COMPACTION_TYPE for item in new):
+            # A compaction item stands for every item before it but user messages (compaction.py).
+            new = prune(new, [item.view for item in new])
+            kept = [
+                (item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)
+            ]
+            context = Context()
+            context.extend([item for item, _ in kept], [chunk for _, chunk in kept])
+            safety, safety_chunks = None, 0
+        check_continuation(context, new)  # new items only, against the context's sets
+        context.extend(new, await engine._render(new, report))
+        header = len(generation_header(engine.tokenizer))
+        compaction = None
+        limit = self.compaction_limit()
+        prompt = len(preamble.tokens) + context.n_tokens + header
+        if (request.compact_now and request.generate) or (limit is not None and prompt > limit):
+            stages.lap(Stage.RENDER)
+            compaction, context = await self.compact(context, prompt)
+            safety, safety_chunks = None, 0  # the context is a new one: classified afresh
+            stages.lap(Stage.COMPACTION)
+        check_context_window(len(preamble.tokens) + context.n_tokens + header, engine.input_token_limit)
         stages.lap(Stage.RENDER)
         await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * report.tokens_rendered)
         if safety is None:
             safety = engine.classifier.update(engine.classifier.begin(), preamble.tokens)
             report.tokens_classified += len(preamble.tokens)
-        resolved = _Resolved(context, preamble, safety, safety_chunks)
+        resolved = _Resolved(context, preamble, safety, safety_chunks, compaction)
         await self._classify(resolved)
         return resolved
+
+    # -- compaction --------------------------------------------------------------------------------
+
+    def compaction_limit(self) -> int | None:
+        """The prompt size past which this response compacts (docs/compaction.md): the request's
+        `compact_threshold`, or the model's input limit when it gave none; None: never."""
+        threshold = self.request.compact_threshold
+        if threshold is None or not self.request.generate:
+            return None
+        return threshold or self.engine.input_token_limit
+
+    async def compact(self, context: Context, prompt_tokens: int) -> tuple[Compaction, Context]:
+        return await self.engine.compact_context(context, prompt_tokens, self.stages.report)
+
+    async def _announce_compaction(self, compaction: Compaction) -> None:
+        """The compaction's events and its modeled summarisation call, charged to `compaction`."""
+        stream, stages = self.stream, self.stages
+        await self.emit(stream.receive(CompactionStarted(compaction.item.id)))
+        stages.lap(Stage.COMPACTION)
+        cost = self.engine.profile.compaction_s(compaction.tokens_read, compaction.summary_tokens)
+        await stages.wait(Stage.COMPACTION, cost)
+        await self.emit(stream.receive(CompactionDone(compaction.item)))
+        # The item already stands in the context: what follows it in the output is new to it.
+        self.in_context = self.turn.outputs_in_context = len(stream.output)
 
     async def _classify(self, resolved: _Resolved) -> None:
         """Run the classifier over the context chunks it has not read yet."""
@@ -732,6 +889,10 @@ class ResponseRun:
         before = stages.report.tokens_rendered
         await turn.add_input(decision.items, stages.report)
         stages.lap(Stage.RENDER)
+        limit = self.compaction_limit()
+        compaction = None
+        if limit is not None and turn.prompt_tokens > limit:
+            compaction = await self._compact_paused()
         if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
             failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
             self._owner_busy = False
@@ -745,9 +906,26 @@ class ResponseRun:
             # owed): a queued steer ends the response here; its successor commits the steer.
             return await self._finish(stream.end_incomplete("steered"))
         await self.emit(stream.receive(Resume(input_tokens=turn.prompt_tokens)))
+        if compaction is not None:
+            await self._announce_compaction(compaction)
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(stream.end_incomplete("content_filter"))
         return None
+
+    async def _compact_paused(self) -> Compaction:
+        """Append mode: the resumed prompt is past the threshold. The context becomes the
+        compacted one, so the KV held for the dropped history no longer stands for the
+        prompt: it is released, and the next segment prefills the compacted prompt."""
+        engine, turn, resolved = self.engine, self.turn, self.resolved
+        compaction, resolved.context = await self.compact(resolved.context, turn.prompt_tokens)
+        resolved.safety = engine.classifier.update(engine.classifier.begin(), resolved.preamble.tokens)
+        resolved.safety_chunks = 0  # the new context is classified afresh
+        self.stages.report.tokens_classified += len(resolved.preamble.tokens)
+        engine.model.release(self.template.id)
+        turn.held_tokens = 0
+        turn.prompt_tokens = turn.count()
+        self.stages.lap(Stage.COMPACTION)
+        return compaction
 
     def resume(self, decision: Resumed | Aborted) -> None:
         """The connection core's decision for the paused response: go on with the appended

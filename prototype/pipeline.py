@@ -66,6 +66,7 @@ class Stage(enum.StrEnum):
     PREFILL = "prefill"  # fixed model latency + uncached tokens / prefill rate (simulator)
     DECODE = "decode"  # first token to last token, streaming included
     POST = "post_inference"  # usage/billing (modeled) + store write (real), on the critical path
+    COMPACTION = "compaction"  # summarising the history (modeled call) + building the compaction item (real)
 
 
 class Optimization(enum.StrEnum):
@@ -96,6 +97,19 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     safety_s_per_token: float = 0.0  # classifier accelerator time per token classified
     inference_hop_s: float = 0.0  # API → inference service
     billing_s: float = 0.0  # usage accounting and billing after inference
+    # Compaction (docs/compaction.md): a summarisation call that reads the prompt and writes the
+    # summary; the summary keeps `compaction_ratio` of the dropped history's tokens.
+    compaction_call_s: float = 0.0  # one summarisation call: its fixed latency
+    compaction_s_per_token_read: float = 0.0  # the call's prefill of the prompt it compacts
+    compaction_s_per_token_written: float = 0.0  # the call's decode of the summary
+    compaction_ratio: float = 0.28  # summary tokens / dropped history tokens
+
+    def compaction_s(self, tokens_read: int, tokens_written: int) -> float:
+        return (
+            self.compaction_call_s
+            + self.compaction_s_per_token_read * tokens_read
+            + self.compaction_s_per_token_written * tokens_written
+        )
 
     def upload_s(self, body_bytes: int) -> float:
         return self.rtt_s + body_bytes / self.uplink_bytes_per_s
@@ -115,6 +129,10 @@ PROFILES: Final[dict[str, CostProfile]] = {
         safety_s_per_token=8e-6,
         inference_hop_s=0.020,
         billing_s=0.070,
+        compaction_call_s=0.050,
+        compaction_s_per_token_read=5e-5,  # 20,000 tokens/s, the simulator's prefill rate in `sim compare`
+        compaction_s_per_token_written=1e-3,  # 1,000 tokens/s, the default decode speed
+        compaction_ratio=0.28,  # the spec's CompactResource example: 12,000 tokens out of 42,897
     ),
 }
 

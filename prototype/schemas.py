@@ -34,6 +34,10 @@ __all__ = [
     "NULL",
     "is_null",
     "ClientEvent",
+    "CompactParams",
+    "CompactedResponse",
+    "CompactionItem",
+    "ContextManagementEntry",
     "ContentPartAdded",
     "ContentPartDone",
     "ContentPartView",
@@ -60,6 +64,7 @@ __all__ = [
     "RequiredInput",
     "Response",
     "ResponseAppend",
+    "ResponseCompactionCompacting",
     "ResponseCompleted",
     "ResponseCreate",
     "ResponseCreated",
@@ -85,6 +90,8 @@ __all__ = [
     "NestingTooDeep",
     "Usage",
     "decode_client_event",
+    "decode_compact_params",
+    "decode_context_management",
     "decode_content",
     "decode_json",
     "decode_create_params",
@@ -145,7 +152,7 @@ class CreateParams(msgspec.Struct, kw_only=True):
     moderation: Raw = NULL
     conversation: Raw = NULL  # not implemented: 400
     prompt: Raw = NULL  # not implemented: 400
-    context_management: Raw = NULL  # not implemented: 400
+    context_management: Raw = NULL  # list of `ContextManagementEntry`; checked by contract.py
     access_programs: Raw = NULL
     background_options: Raw = NULL  # only meaningful with background, which is refused
     image: Raw = NULL
@@ -221,6 +228,7 @@ class InputItemView(msgspec.Struct):
     output: Raw = NULL  # str | list[ContentPartView] on function_call_output
     input: str | None = None  # custom_tool_call
     status: str | None = None
+    encrypted_content: str | None = None  # compaction (and reasoning) items
 
 
 class ToolView(msgspec.Struct):
@@ -261,7 +269,15 @@ class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_onl
     is_async: bool | UnsetType = msgspec.field(default=UNSET, name="async")
 
 
-OutputItem = OutputMessage | FunctionCall
+class CompactionItem(msgspec.Struct, tag_field="type", tag="compaction", kw_only=True):
+    """What server-side compaction (or `POST /v1/responses/compact`) leaves of the history it
+    drops: an opaque `encrypted_content` (docs/compaction.md has what longrun puts in it)."""
+
+    id: str
+    encrypted_content: str
+
+
+OutputItem = OutputMessage | FunctionCall | CompactionItem
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -528,6 +544,45 @@ class ErrorEvent(msgspec.Struct, tag_field="type", tag="error", kw_only=True):
     sequence_number: int | UnsetType = UNSET
 
 
+class ResponseCompactionCompacting(_ServerEvent, tag="response.compaction.compacting"):
+    """Server-side compaction is summarising the context into the item `item_id` (no content)."""
+
+    item_id: str
+    output_index: int
+
+
+class ContextManagementEntry(msgspec.Struct, forbid_unknown_fields=True):
+    """One entry of a create's `context_management` (`ContextManagementParam` in the spec)."""
+
+    type: str
+    compact_threshold: int | None = None
+
+
+class CompactParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of `POST /v1/responses/compact` (`CompactResponseMethodPublicBody`)."""
+
+    model: str | None = None
+    input: str | list[Raw] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: Raw = NULL
+    service_tier: str | None = None
+    image: Raw = NULL  # openai-python 3.57 sends it; accepted, no effect
+
+
+class CompactedResponse(msgspec.Struct, kw_only=True):
+    """`POST /v1/responses/compact`'s reply (`CompactResource`): the user messages of the
+    history, verbatim, then one compaction item standing for everything else."""
+
+    id: str
+    object: Literal["response.compaction"] = "response.compaction"
+    created_at: int
+    output: list[Raw]
+    usage: Usage
+
+
 class HTTPErrorBody(msgspec.Struct):
     error: ErrorBody
 
@@ -552,6 +607,7 @@ ServerEvent = (
     | ResponseSteerAccepted
     | ResponseSteerPending
     | ResponseSteerFailed
+    | ResponseCompactionCompacting
     | ErrorEvent
 )
 
@@ -592,6 +648,8 @@ encode: Final = msgspec.json.Encoder().encode
 decode_json: Final = guarded_decoder(msgspec.json.Decoder())
 decode_client_event: Final = guarded_decoder(msgspec.json.Decoder(ClientEvent))
 decode_create_params: Final = guarded_decoder(msgspec.json.Decoder(HTTPCreateParams))
+decode_compact_params: Final = guarded_decoder(msgspec.json.Decoder(CompactParams))
+decode_context_management: Final = guarded_decoder(msgspec.json.Decoder(list[ContextManagementEntry]))
 decode_envelope: Final = guarded_decoder(msgspec.json.Decoder(_Envelope))
 decode_item: Final = guarded_decoder(msgspec.json.Decoder(InputItemView))
 decode_content: Final = guarded_decoder(msgspec.json.Decoder(str | list[ContentPartView]))

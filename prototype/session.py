@@ -38,11 +38,13 @@ from .engine import Aborted, Arrival, Emit, Engine, ResponseRun, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .schemas import (
+    CompactParams,
     CreateParams,
     FunctionCallArgumentsDelta,
     OutputTextDelta,
     RequiredInput,
     ServerEvent,
+    decode_compact_params,
     decode_create_params,
     decode_text,
     encode,
@@ -55,6 +57,7 @@ __all__ = [
     "SessionSocket",
     "TextSender",
     "WebSocketSession",
+    "http_compact",
     "http_create",
     "request_too_large",
 ]
@@ -145,6 +148,18 @@ def http_create(
         raise from_validation_error(exc) from None
     create = normalize_create(params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser)
     return params, create, arrival
+
+
+def http_compact(body: bytes, engine: Engine, config: ServerConfig) -> tuple[CompactParams, Arrival]:
+    """Parse a `POST /v1/responses/compact` body, or raise the `ProtocolError` to answer with."""
+    arrival = Arrival(engine.clock.now(), len(body), "http")
+    if len(body) > config.max_message_bytes:
+        raise request_too_large(config.max_message_bytes)
+    try:
+        params = decode_compact_params(decode_text(body))
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation_error(exc) from None
+    return params, arrival
 
 
 # -- WebSocket -------------------------------------------------------------------------------------

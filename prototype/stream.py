@@ -7,7 +7,7 @@ Responses streaming event grammar (docs/protocol.md; the API reference's streami
 
     response.created, response.in_progress,
     ( output_item.added, [content_part.added], delta*, *.done, [content_part.done],
-      output_item.done )*,
+      output_item.done | compaction )*,
     response.completed | response.incomplete | response.failed
 
 with `sequence_number` starting at 0 and increasing by one per event. The same
@@ -30,6 +30,9 @@ Invariants:
   `response.completed`, as the beta types say; an inject or steer the core accepted just as
   the response ended is acknowledged after its terminal event too (its input goes to the
   continuation). Nothing else follows a terminal event.
+* A server-side compaction (docs/compaction.md) is `output_item.added` (the
+  compaction item, content empty), `response.compaction.compacting`, then
+  `output_item.done` with the item's content, between model items.
 
 Every legal (state, input) pair is a row of `_TRANSITIONS`: the action that makes its
 events and the next state. A `SamplingFinished` whose reason is `max_output_tokens` is
@@ -50,6 +53,7 @@ from msgspec import Raw, structs
 from .ids import IdFactory
 from .model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
 from .schemas import (
+    CompactionItem,
     ContentPartAdded,
     ContentPartDone,
     FunctionCall,
@@ -68,6 +72,7 @@ from .schemas import (
     OutputTokensDetails,
     RequiredInput,
     Response,
+    ResponseCompactionCompacting,
     ResponseCompleted,
     ResponseCreated,
     ResponseDone,
@@ -86,6 +91,8 @@ from .schemas import (
 
 __all__ = [
     "DIALECTS",
+    "CompactionDone",
+    "CompactionStarted",
     "EndIncomplete",
     "SteerAccepted",
     "SteerPending",
@@ -108,6 +115,7 @@ class RS(enum.Enum):
     IN_PROGRESS = enum.auto()  # between items
     IN_ITEM = enum.auto()  # streaming one output item
     PAUSED = enum.auto()  # append mode: waiting for client tool outputs
+    COMPACTING = enum.auto()  # server-side compaction: the compaction item is being made
     COMPLETED = enum.auto()
     INCOMPLETE = enum.auto()
     FAILED = enum.auto()
@@ -175,6 +183,18 @@ class SteerPending:
     required: tuple[RequiredInput, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class CompactionStarted:
+    """Server-side compaction begins: the compaction item is announced (its content comes with `CompactionDone`)."""
+
+    item_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class CompactionDone:
+    item: CompactionItem
+
+
 class Truncated:
     """The input kind of a `SamplingFinished` with reason `max_output_tokens` (never instantiated)."""
 
@@ -189,6 +209,8 @@ StreamInput = (
     | InjectRefused
     | SteerAccepted
     | SteerPending
+    | CompactionStarted
+    | CompactionDone
     | ModelEvent
 )
 
@@ -202,6 +224,8 @@ INPUT_TYPES: Final = (
     InjectRefused,
     SteerAccepted,
     SteerPending,
+    CompactionStarted,
+    CompactionDone,
     Prefilled,
     ItemStarted,
     TokensSampled,
@@ -471,6 +495,21 @@ class ResponseStream:
             )
         ]
 
+    def _compaction_started(self, event: CompactionStarted) -> list[ServerEvent]:
+        # The item is announced with an empty `encrypted_content` (the spec requires the field);
+        # `response.output_item.done` carries the content (docs/compaction.md).
+        index = len(self.output)
+        announced = CompactionItem(id=event.item_id, encrypted_content="")
+        return [
+            OutputItemAdded(sequence_number=self._next(), output_index=index, item=announced),
+            ResponseCompactionCompacting(sequence_number=self._next(), item_id=event.item_id, output_index=index),
+        ]
+
+    def _compaction_done(self, event: CompactionDone) -> list[ServerEvent]:
+        index = len(self.output)
+        self.output.append(event.item)
+        return [OutputItemDone(sequence_number=self._next(), output_index=index, item=event.item)]
+
     def _fail(self, event: Fail) -> list[ServerEvent]:
         self.response = structs.replace(
             self.response,
@@ -506,6 +545,9 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.COMPLETED, SteerPending): (R._steer_pending, RS.COMPLETED),  # after response.completed
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
+    (RS.IN_PROGRESS, CompactionStarted): (R._compaction_started, RS.COMPACTING),
+    (RS.COMPACTING, CompactionDone): (R._compaction_done, RS.IN_PROGRESS),
+    (RS.COMPACTING, Fail): (R._fail, RS.FAILED),
     (RS.QUEUED, Fail): (R._fail, RS.FAILED),
     (RS.IN_PROGRESS, Fail): (R._fail, RS.FAILED),
     (RS.IN_ITEM, Fail): (R._fail, RS.FAILED),

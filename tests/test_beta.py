@@ -496,3 +496,18 @@ async def test_an_output_injected_while_the_model_decodes_on_is_acknowledged_in_
     assert resume == message_done + 1  # no wait: the output was already there
     assert events[-1]["response"]["output"][-1]["content"][0]["text"] == "done"
     assert not wire.violations
+
+
+def test_a_response_with_automatic_compaction_cannot_be_steered() -> None:
+    c = Connection(beta=True)
+    managed = [{"type": "compaction", "compact_threshold": 200_000}]
+    c.receive_text(create(input="x", context_management=managed))
+    (start,) = c.outputs_to_send()
+    assert isinstance(start, StartJob) and start.job.request.compact_threshold is not None
+    steer = {"type": "response.steer", "previous_response_id": start.job.response_id, "input": "y"}
+    c.receive_text(json.dumps(steer))
+    (frame,) = c.outputs_to_send()
+    assert isinstance(frame, SendFrame)
+    failed = json.loads(frame.data)
+    assert failed["type"] == "response.steer.failed" and failed["error"]["code"] == "steering_not_supported"
+    assert not c.default.steers

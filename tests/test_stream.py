@@ -9,10 +9,12 @@ import pytest
 
 from prototype.ids import IdFactory
 from prototype.model import ItemFinished, ItemStarted, Prefilled, SamplingFinished, TokensSampled
-from prototype.schemas import FunctionCall, OutputMessage, RequiredInput, Response, SteerRef, encode
+from prototype.schemas import CompactionItem, FunctionCall, OutputMessage, RequiredInput, Response, SteerRef, encode
 from prototype.stream import (
     INPUT_TYPES,
     RS,
+    CompactionDone,
+    CompactionStarted,
     EndIncomplete,
     Fail,
     InjectAccepted,
@@ -217,12 +219,21 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ("completed", "steer pending", ("response.steer.pending",), "completed"),  # after response.completed
     ("paused", "end incomplete", ("response.incomplete",), "incomplete"),
     ("paused", "fail", ("response.failed",), "failed"),
+    (
+        "in progress",
+        "compaction started",
+        ("response.output_item.added", "response.compaction.compacting"),
+        "compacting",
+    ),
+    ("compacting", "compaction done", ("response.output_item.done",), "in progress"),
+    ("compacting", "fail", ("response.failed",), "failed"),
 ]
 STATES = {
     "queued": RS.QUEUED,
     "in progress": RS.IN_PROGRESS,
     "in item": RS.IN_ITEM,
     "paused": RS.PAUSED,
+    "compacting": RS.COMPACTING,
     "completed": RS.COMPLETED,
     "incomplete": RS.INCOMPLETE,
     "failed": RS.FAILED,
@@ -246,6 +257,8 @@ INPUTS: dict[str, tuple[type, object]] = {
     "item finished": (ItemFinished, ItemFinished()),
     "sampling finished": (SamplingFinished, SamplingFinished()),
     "truncated": (Truncated, SamplingFinished("max_output_tokens")),
+    "compaction started": (CompactionStarted, CompactionStarted("cmp_1")),
+    "compaction done": (CompactionDone, CompactionDone(CompactionItem(id="cmp_1", encrypted_content="x"))),
 }
 
 
@@ -261,6 +274,7 @@ def _stream_in(state: RS, dialect: str = "append") -> ResponseStream:
         RS.IN_PROGRESS: [Start(1)],
         RS.IN_ITEM: [Start(1), ItemStarted("message")],
         RS.PAUSED: [Start(1), Pause()],
+        RS.COMPACTING: [Start(1), CompactionStarted("cmp_1")],
         RS.COMPLETED: [Start(1), SamplingFinished()],
         RS.INCOMPLETE: [Start(1), SamplingFinished("max_output_tokens")],
         RS.FAILED: [Fail("x", "y")],

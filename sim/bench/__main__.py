@@ -18,10 +18,9 @@ import datetime
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -41,6 +40,7 @@ from ..virtual import VirtualClock, run_virtual
 from . import report as page
 from .contract import contract_rows, contract_rows_report
 from .lanes import lanes_vs_connections
+from .process import bench_process
 from .report import Row
 from .stats import stats
 from .wsclient import FrameCounter, connect
@@ -90,22 +90,9 @@ class PerfClock:
             await asyncio.sleep(delay)
 
 
-@contextlib.contextmanager
-def bench_server(*args: str) -> Iterator[int]:
+def bench_server(*args: str) -> contextlib.AbstractContextManager[int]:
     """A `sim.bench.server` process pinned to the server core; yields its port."""
-    command = [sys.executable, "-m", "sim.bench.server", *args, *SERVER_ARGS]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    try:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(proc.pid, {SERVER_CORE})
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("port "):
-            raise RuntimeError(f"bench server did not start: {line!r}")
-        yield int(line.split()[1])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    return bench_process([*args, *SERVER_ARGS], core=SERVER_CORE)
 
 
 async def get_json(port: int, path: str) -> Any:
@@ -455,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
-    p.add_argument("--baseline", default="main", help="contract: the git revision without the checks")
+    p.add_argument("--baseline", metavar="REV", help="contract: a git revision without the checks")
     p.add_argument("--contract-turns", type=int, default=100, help="contract: continuation turns per rollout")
     p.add_argument("--contract-rounds", type=int, default=6, help="contract: rollouts per code, alternating")
     p.add_argument("--lanes", type=int, default=8, help="lanes: streams on one connection (and connections)")
@@ -507,10 +494,14 @@ def main(argv: list[str] | None = None) -> int:
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
         ],
-        "contract": lambda: contract_rows_report(
-            report,
-            uvloop.run(contract_rows(args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE)),
-            args.baseline,
+        "contract": lambda: (
+            contract_rows_report(
+                report,
+                uvloop.run(contract_rows(args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE)),
+                args.baseline,
+            )
+            if args.baseline
+            else report("contract", "skipped: needs --baseline REV (a revision without the checks)", 0, 0, 0, "-", None)
         ),
     }
     jobs["lanes"] = lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats))

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +25,8 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+
+from .process import bench_process
 
 __all__ = ["contract_rows", "contract_rows_report"]
 
@@ -50,24 +50,9 @@ def exported(revision: str) -> Iterator[Path]:
         yield Path(tmp)
 
 
-@contextlib.contextmanager
-def server(tree: Path, n_turns: int, core: int) -> Iterator[int]:
+def server(tree: Path, n_turns: int, core: int) -> contextlib.AbstractContextManager[int]:
     """A bench server running the code in `tree` (its cwd and PYTHONPATH), pinned to `core`."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    command = [sys.executable, "-m", "sim.bench.server", "--tps", "0", "--policy", "agent"]
-    command += ["--tool-calls", str(n_turns + 10)]
-    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
-    try:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(proc.pid, {core})
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        if not line.startswith("port "):
-            raise RuntimeError(f"bench server did not start: {line!r}")
-        yield int(line.split()[1])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+    return bench_process(["--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10)], core=core, tree=tree)
 
 
 async def _checks_unknown_parameters(port: int) -> bool:

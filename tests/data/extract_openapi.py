@@ -16,7 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOTS = ("Response", "ResponseStreamEvent", "ResponsesServerEvent", "ResponseWsError", "ErrorResponse", "Error")
+ROOTS = (
+    "Response",
+    "ResponseStreamEvent",
+    "ResponsesServerEvent",
+    "ResponseWsError",
+    "ErrorResponse",
+    "Error",
+    "CompactResource",
+)
 # Kept apart so that the GA extract, which every checked payload is validated against, stays small.
 BETA_ROOTS = ("BetaResponseInjectCreatedEvent", "BetaResponseInjectFailedEvent")
 PREFIX = "#/components/schemas/"
