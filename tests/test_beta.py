@@ -29,7 +29,7 @@ from sim.policy import PlannedItem, ScriptPolicy
 
 from . import strict
 from .support import EXEC_TOOL, Live, live_server, receive_event
-from .test_real_clients_lanes import NODE_DIR, node_executable
+from .test_real_clients_lanes import NODE_DIR, run_node
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -115,23 +115,7 @@ async def test_official_node_beta_client_drives_the_same_loop(live: Live, wire: 
         "headers": BETA_HEADERS,
         "timeoutMs": int(TIMEOUT_S * 1000),
     }
-    proc = await asyncio.create_subprocess_exec(
-        node_executable(),
-        str(NODE_DIR / "beta.mjs"),
-        json.dumps(plan),
-        cwd=NODE_DIR,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), TIMEOUT_S + 10)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        pytest.fail("the node client did not exit", pytrace=False)
-    assert proc.returncode == 0, f"node exited {proc.returncode}: {err.decode(errors='replace')[-4000:]}"
-    report = json.loads(out)
+    report = await run_node(plan, NODE_DIR / "beta.mjs", TIMEOUT_S)
     for event in report["events"]:  # what openai-node received, checked as the Python taps check theirs
         wire.check(strict.BETA_WS_EVENT, event, where="WebSocket /v1/responses (openai-node beta)")
     kinds = [e["type"] for e in report["seen"]]

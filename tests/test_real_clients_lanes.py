@@ -227,11 +227,14 @@ def overlapped(raw: list[dict[str, Any]], a: str, b: str) -> bool:
 # -- openai-node ------------------------------------------------------------------------------------------
 
 
-async def run_node(plan: dict[str, Any]) -> dict[str, Any]:
+async def run_node(
+    plan: dict[str, Any], script: Path = NODE_SCRIPT, timeout_s: float = CLIENT_TIMEOUT_S
+) -> dict[str, Any]:
+    """Run an openai-node script of tests/node with `plan` as its argument; its JSON report."""
     node = node_executable()
     proc = await asyncio.create_subprocess_exec(
         node,
-        str(NODE_SCRIPT),
+        str(script),
         json.dumps(plan),
         cwd=NODE_DIR,
         stdin=asyncio.subprocess.DEVNULL,
@@ -239,7 +242,7 @@ async def run_node(plan: dict[str, Any]) -> dict[str, Any]:
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        out, err = await asyncio.wait_for(proc.communicate(), CLIENT_TIMEOUT_S + 10)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 10)
     except TimeoutError:
         proc.kill()
         await proc.wait()
