@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import msgspec
 
@@ -49,6 +49,8 @@ from .schemas import (
     decode_text,
     encode,
 )
+
+T = TypeVar("T")
 
 __all__ = [
     "BatchedFrames",
@@ -140,12 +142,7 @@ def http_create(
     """Parse and validate a `POST /v1/responses` body (the whole of it must be UTF-8), or raise the
     `ProtocolError` to answer with. `tool_cache`: skip validating a tool list identical to the last."""
     arrival = Arrival(engine.clock.now(), len(body), "http")
-    if len(body) > config.max_message_bytes:
-        raise request_too_large(config.max_message_bytes)
-    try:
-        params = decode_create_params(decode_text(body))
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise from_validation_error(exc) from None
+    params = _decoded(body, config, decode_create_params)
     create = normalize_create(params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser)
     return params, create, arrival
 
@@ -153,13 +150,18 @@ def http_create(
 def http_compact(body: bytes, engine: Engine, config: ServerConfig) -> tuple[CompactParams, Arrival]:
     """Parse a `POST /v1/responses/compact` body, or raise the `ProtocolError` to answer with."""
     arrival = Arrival(engine.clock.now(), len(body), "http")
+    return _decoded(body, config, decode_compact_params), arrival
+
+
+def _decoded(body: bytes, config: ServerConfig, decode: Callable[[str], T]) -> T:
+    """An HTTP body within the size limit, UTF-8 as a whole, decoded and validated by `decode`;
+    or the `ProtocolError` to answer with."""
     if len(body) > config.max_message_bytes:
         raise request_too_large(config.max_message_bytes)
     try:
-        params = decode_compact_params(decode_text(body))
+        return decode(decode_text(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation_error(exc) from None
-    return params, arrival
 
 
 # -- WebSocket -------------------------------------------------------------------------------------
