@@ -1,4 +1,4 @@
-"""A small measuring client for the four API modes, used by tests and the harness.
+"""A small measuring client for the five API modes, used by tests and the harness.
 
 Modes (names used everywhere):
 
@@ -11,8 +11,15 @@ Modes (names used everywhere):
   the first turn is a `response.create`, each later turn a `response.append`
   with the tool outputs; a turn ends at the pause (`response.done`) or at the
   terminal event.
+* `inject`: one WebSocket speaking the `responses_multi_agent` beta (`?mode=beta`,
+  docs/beta.md), one long response: the first turn is a `response.create` whose
+  function tools are declared `async: true`, each later turn a `response.inject` with
+  the tool outputs. The beta sends no pause event, so a turn ends at the
+  `output_item.done` of an async call (one call per turn, as the simulated agent
+  makes them) or at the terminal event; the turn's `response` is the latest snapshot
+  of the response (`response.created`, or the terminal event's).
 
-In both WebSocket modes several rollouts may share one socket, each on its own lane
+In the WebSocket modes several rollouts may share one socket, each on its own lane
 (`stream_id`, docs/lanes.md): `share_socket` puts a list of clients on one `LaneSocket`,
 whose reader hands each frame to the lane its `stream_id` names.
 
@@ -37,11 +44,13 @@ import msgspec
 from .clock import Clock
 from .schemas import (
     ErrorEvent,
+    FunctionCall,
     FunctionCallArgumentsDelta,
     OutputItemDone,
     OutputTextDelta,
     Response,
     ResponseCompleted,
+    ResponseCreated,
     ResponseDone,
     ResponseFailed,
     ResponseIncomplete,
@@ -53,7 +62,9 @@ from .schemas import (
 from .sse import SSEDecoder
 
 __all__ = [
+    "ALL_MODES",
     "MODES",
+    "WS_MODES",
     "ClientError",
     "LaneSocket",
     "Mode",
@@ -64,8 +75,11 @@ __all__ = [
     "tool_outputs",
 ]
 
-Mode = Literal["http", "http_prev", "ws", "append"]
+Mode = Literal["http", "http_prev", "ws", "append", "inject"]
+# The default comparison's modes; `inject` is opt-in (`--modes`, docs/experiments.md).
 MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
+ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject")
+WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject")
 TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
 
@@ -143,6 +157,19 @@ class _Tracker:
         if isinstance(event, ErrorEvent):
             raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))
         return None
+
+    def paused(self, response: Response) -> TurnResult:
+        """The beta's pause: the turn ends with its async call, the response still in progress."""
+        return TurnResult(
+            response,
+            self.sent_at,
+            self.first_token_at,
+            self.clock.now(),
+            self.bytes_sent,
+            self.events,
+            self.items,
+            self.log,
+        )
 
 
 class _History:
@@ -235,16 +262,23 @@ class TextSocket(Protocol):
 
 
 class WSClient:
-    """`ws` mode; with `append=True`, `append` mode on the same socket machinery.
+    """`ws` mode; with `append=True`, `append` mode, with `beta=True`, `inject` mode, on the
+    same socket machinery.
     Subclasses replace `_connect` to use another transport. With `lanes` (see
     `share_socket`) the client runs on lane `stream_id` of a shared socket."""
 
-    def __init__(self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun", append: bool = False) -> None:
-        self.mode: Mode = "append" if append else "ws"
+    def __init__(
+        self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun", append: bool = False, beta: bool = False
+    ) -> None:
+        self.mode: Mode = "inject" if beta else "append" if append else "ws"
+        self.beta = beta
         self.url = base_url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/responses"
-        if append:
+        if beta:
+            self.url += "?mode=beta"
+        elif append:
             self.url += "?mode=append"
-        self.paused_id: str | None = None  # append mode: the paused response this client continues
+        self.paused_id: str | None = None  # append and inject modes: the waiting response this client continues
+        self._waiting: Response | None = None  # inject mode: the snapshot of the response that waits
         self.clock = clock
         self.history = _History()
         self.api_key = api_key
@@ -263,8 +297,11 @@ class WSClient:
         if self.ws is None:
             self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
         if self.paused_id is not None:
-            body: dict[str, Any] = {"type": "response.append", "response_id": self.paused_id, "input": new_items}
+            resume = "response.inject" if self.beta else "response.append"
+            body: dict[str, Any] = {"type": resume, "response_id": self.paused_id, "input": new_items}
         else:
+            if self.beta and "tools" in settings:
+                settings = {**settings, "tools": [_declared_async(tool) for tool in settings["tools"]]}
             body = {
                 "type": "response.create",
                 **settings,
@@ -276,6 +313,7 @@ class WSClient:
         data = encode(body).decode()
         tracker = _Tracker(self.clock, self.clock.now(), len(data))
         await self.ws.send_str(data)
+        latest: Response | None = None  # inject mode: the response's latest snapshot
         while True:
             msg = await self.ws.receive()
             if msg.type is not aiohttp.WSMsgType.TEXT:
@@ -284,6 +322,22 @@ class WSClient:
             result = tracker.see(event)
             if result is not None:
                 self.paused_id = event.response.id if isinstance(event, ResponseDone) else None
+                self.history.record(new_items, result)
+                return result
+            if isinstance(event, ResponseCreated):
+                latest = event.response
+            elif (
+                self.beta
+                and isinstance(event, OutputItemDone)
+                and isinstance(event.item, FunctionCall)
+                and event.item.is_async is True
+            ):
+                response = latest if latest is not None else self._waiting
+                if response is None:
+                    raise ClientError(502, "an async call before its response.created")
+                self._waiting = response
+                self.paused_id = response.id
+                result = tracker.paused(response)
                 self.history.record(new_items, result)
                 return result
 
@@ -392,7 +446,14 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
         return WSClient(base_url, clock, api_key=api_key)
     if mode == "append":
         return WSClient(base_url, clock, api_key=api_key, append=True)
-    raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+    if mode == "inject":
+        return WSClient(base_url, clock, api_key=api_key, beta=True)
+    raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(ALL_MODES)}")
+
+
+def _declared_async(tool: Any) -> Any:
+    """A function tool declared `async: true` (the beta's `BetaFunctionTool`); other tools as they are."""
+    return {**tool, "async": True} if isinstance(tool, dict) and tool.get("type") == "function" else tool
 
 
 def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:

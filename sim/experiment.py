@@ -33,7 +33,7 @@ from aiohttp import web
 from msgspec import Meta, structs
 
 from prototype.app import ENGINE, ServerConfig, make_app, make_engine
-from prototype.client import MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
+from prototype.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from prototype.clock import Clock
 from prototype.conversation import ToolCache, parse_items
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
@@ -172,8 +172,8 @@ def compare(
 def check(config: CompareConfig, *, virtual: bool) -> None:
     """Raise ValueError, with the choices, for a name the config gets wrong (before anything runs)."""
     for m in config.modes:
-        if m not in MODES:
-            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m not in ALL_MODES:
+            raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
     if config.workload != "custom" and config.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
     for name in config.disable:
@@ -266,7 +266,7 @@ async def run_compare(
     def lane_client(mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
         """With `lanes`, rollout `index` of a batch of `size` rollouts of a WebSocket mode runs on
         lane index % lanes of the connection its group of `lanes` rollouts shares."""
-        if not config.lanes or mode not in ("ws", "append"):
+        if not config.lanes or mode not in WS_MODES:
             return client_for(mode)
         key = (mode, batch, index // config.lanes)
         group = shared.get(key)

@@ -173,8 +173,8 @@ class _InProcessHTTP(HTTPClient):
 
 
 class _InProcessWS(WSClient):
-    def __init__(self, server: InProcessServer, clock: Clock, *, append: bool) -> None:
-        super().__init__("inprocess://", clock, append=append)
+    def __init__(self, server: InProcessServer, clock: Clock, *, append: bool, beta: bool = False) -> None:
+        super().__init__("inprocess://", clock, append=append, beta=beta)
         self.server = server
         self.append_mode = append
 
@@ -183,7 +183,9 @@ class _InProcessWS(WSClient):
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
         client_end = _ClientSocket(to_client, to_server, self.server.tap)
-        session = WebSocketSession(self.server.engine, self.server.config, server_end, append_mode=self.append_mode)
+        session = WebSocketSession(
+            self.server.engine, self.server.config, server_end, append_mode=self.append_mode, beta=self.beta
+        )
         client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
         return client_end
 
@@ -213,4 +215,6 @@ class InProcessServer:
             return _InProcessHTTP(self, clock, chained=mode == "http_prev")
         if mode in ("ws", "append"):
             return _InProcessWS(self, clock, append=mode == "append")
+        if mode == "inject":
+            return _InProcessWS(self, clock, append=False, beta=True)
         raise ValueError(f"unknown mode {mode!r}")
