@@ -111,7 +111,10 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         str | None, Meta(description="live only: run this shell command per tool step and send back its output")
     ] = None
     seed: int = 0
-    modes: tuple[str, ...] = MODES
+    modes: Annotated[
+        tuple[str, ...],
+        Meta(description=f"comma-separated modes, in run order, from {','.join(ALL_MODES)}"),
+    ] = MODES
 
 
 @dataclass(frozen=True, slots=True)
