@@ -124,11 +124,7 @@ def _code_lines(skip: set[str]) -> list[tuple[str, int, str]]:
 
 
 def test_code_cites_no_file_outside_the_repository() -> None:
-    hits = [
-        f"{p}:{n}: {line.strip()[:100]}"
-        for p, n, line in _code_lines(set())
-        if OUTSIDE.search(line)
-    ]
+    hits = [f"{p}:{n}: {line.strip()[:100]}" for p, n, line in _code_lines(set()) if OUTSIDE.search(line)]
     assert not hits, "cite a public source or a page under docs/ instead:\n" + "\n".join(hits)
 
 
