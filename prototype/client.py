@@ -144,22 +144,17 @@ class _Tracker:
         if isinstance(event, OutputItemDone):
             self.items.append(msgspec.to_builtins(event.item))
         elif isinstance(event, TERMINALS):
-            return TurnResult(
-                event.response,
-                self.sent_at,
-                self.first_token_at,
-                self.clock.now(),
-                self.bytes_sent,
-                self.events,
-                self.items,
-                self.log,
-            )
+            return self.ended(event.response)
         if isinstance(event, ErrorEvent):
             raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))
         return None
 
     def paused(self, response: Response) -> TurnResult:
         """The beta's pause: the turn ends with its async call, the response still in progress."""
+        return self.ended(response)
+
+    def ended(self, response: Response) -> TurnResult:
+        """The turn as it stands now, ending with `response`."""
         return TurnResult(
             response,
             self.sent_at,
