@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -32,6 +31,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from .support import EXEC_TOOL, Live, live_server
+from .test_openai_sdk import Seen
 
 MODEL: Final = "sim"
 SEED: Final = 11
@@ -120,18 +120,6 @@ def tool_output(tag: str, turn: int, arguments: str) -> str:
 
 
 # -- what a client saw, in one shape for every client ---------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Seen:
-    """A turn's model output as far as it is transport-independent."""
-
-    kind: str
-    name: str | None
-    arguments: str | None
-    text: str | None
-    input_tokens: int
-    output_tokens: int
 
 
 def seen(response: dict[str, Any]) -> Seen:
