@@ -146,5 +146,7 @@ def test_calibrate_measures_each_named_live_cost() -> None:
     ]
     for c in costs:
         assert c.median_s <= c.p90_s, c
-        if c.name not in ("render_offload", "work_after_wait"):  # differences, which noise may exceed
+        # `render_offload`, `work_after_wait` and `sse_per_mb` are differences of two timings, which
+        # noise on a shared machine may exceed: only the direct measurements must be positive.
+        if c.name not in ("render_offload", "work_after_wait", "sse_per_mb"):
             assert c.median_s > 0, c
