@@ -23,7 +23,7 @@ import functools
 import itertools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Final
@@ -35,7 +35,9 @@ from msgspec import Meta, structs
 from prototype.app import ENGINE, ServerConfig, make_app, make_engine
 from prototype.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from prototype.clock import Clock
-from prototype.conversation import ToolCache, parse_items
+from prototype.contract import COMPACT_THRESHOLD_MIN
+from prototype.conversation import ToolCache, conversation_key, parse_items
+from prototype.model import ModelEvent, ModelRequest
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
 
@@ -110,6 +112,14 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     tool_command: Annotated[
         str | None, Meta(description="live only: run this shell command per tool step and send back its output")
     ] = None
+    compact_threshold: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="every mode's creates carry context_management=[{type: compaction, compact_threshold: "
+            "this}]: the server compacts a prompt past this many tokens (0 = no context_management; else >= 1000)",
+        ),
+    ] = 0
     seed: int = 0
     modes: Annotated[
         tuple[str, ...],
@@ -182,8 +192,35 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
     for name in config.disable:
         if name not in ALL_OPTIMIZATIONS:
             raise ValueError(f"unknown optimization {name!r}; choose from {', '.join(Optimization)}")
+    if 0 < config.compact_threshold < COMPACT_THRESHOLD_MIN:
+        raise ValueError(
+            f"compact_threshold {config.compact_threshold} is below the API's minimum of {COMPACT_THRESHOLD_MIN} "
+            "(0 = no compaction)"
+        )
     load_profile(config.profile)
     tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
+
+
+class _PromptLog:
+    """The server's model, recording the prompt of every turn it samples, by (mode, conversation):
+    what a turn's model read, in every mode (an append or inject turn that pauses reports no
+    usage on the wire). `sample` hands over the model's own generator, so no event takes an
+    extra step."""
+
+    def __init__(self, model: SimulatedModel) -> None:
+        self.model = model
+        self.mode = ""
+        self.prompts: dict[tuple[str, int], list[int]] = {}
+
+    def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
+        self.prompts.setdefault((self.mode, request.conversation_key), []).append(request.prompt_tokens)
+        return self.model.sample(request)
+
+    def release(self, conversation_id: str) -> None:
+        self.model.release(conversation_id)
+
+    def take(self, mode: str, spec: RolloutSpec) -> list[int]:
+        return self.prompts.pop((mode, conversation_key(spec.task)), [])
 
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
@@ -227,12 +264,13 @@ async def run_compare(
         pace_by_turn=pace_by_turn,
         tokenizer=memo_tokenizer() if memoize else None,
     )
+    prompts = _PromptLog(model)
     server_config = _server_config(config)
     store = MemoryStore()
     runner: web.AppRunner | None = None
     if virtual:
         engine = make_engine(
-            model=model,
+            model=prompts,
             store=store,
             clock=clock,
             config=server_config,
@@ -248,7 +286,7 @@ async def run_compare(
         def client_for(mode: Mode) -> ResponsesClient:
             return server.client(mode, clock)
     else:
-        app = make_app(model=model, store=store, clock=clock, config=server_config, seed=config.seed)
+        app = make_app(model=prompts, store=store, clock=clock, config=server_config, seed=config.seed)
         engine = app[ENGINE]
         runner = web.AppRunner(app)
         await runner.setup()
@@ -259,6 +297,9 @@ async def run_compare(
         def client_for(mode: Mode) -> ResponsesClient:
             return open_client(mode, base_url, clock)
 
+    context_management = (
+        [{"type": "compaction", "compact_threshold": config.compact_threshold}] if config.compact_threshold else None
+    )
     results: list[RolloutResult] = []
     kv_idle = dict.fromkeys(config.modes, 0.0)
     caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
@@ -288,9 +329,12 @@ async def run_compare(
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
-                result = await run_rollout(client, clock, spec, model="sim", tools=tools, store=store)
+                result = await run_rollout(
+                    client, clock, spec, model="sim", tools=tools, store=store, context_management=context_management
+                )
             finally:
                 await client.close()
+        result.prompt_tokens = prompts.take(mode, spec)
         done += 1
         if progress:
             _progress(done, total, n)
@@ -306,6 +350,7 @@ async def run_compare(
                 # batches: the same prompts run in every mode, and a shared cache would favour
                 # whichever mode runs later.
                 model.prefix_cache = caches[mode]
+                prompts.mode = mode
                 idle_before = engine.statistics().kv_idle_token_s
                 # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
                 runs = (one(mode, batch, i, spec, len(specs), total, n) for i, spec in enumerate(specs))  # type: ignore[arg-type]

@@ -73,6 +73,8 @@ class RolloutResult:
     finished_at: float
     turns: list[TurnResult] = field(default_factory=list)
     tool_time_s: float = 0.0
+    # Per model turn, the prompt tokens the model read (the comparison records them server-side).
+    prompt_tokens: list[int] = field(default_factory=list)
 
     @property
     def completion_s(self) -> float:
@@ -127,15 +129,20 @@ async def run_rollout(
     model: str,
     tools: ToolRunner | None = None,
     store: bool | None = None,
+    context_management: list[dict[str, Any]] | None = None,
 ) -> RolloutResult:
-    """One rollout; `store` defaults to what the mode needs (only `http_prev` chains through the store)."""
+    """One rollout; `store` defaults to what the mode needs (only `http_prev` chains through the store).
+    `context_management` goes on every create (docs/compaction.md); append and inject modes create
+    once, and their response compacts at a resume past the create's threshold."""
     tools = tools or SimulatedTools()
-    settings = {
+    settings: dict[str, Any] = {
         "model": model,
         "instructions": spec.instructions,
         "tools": [EXEC_TOOL],
         "store": client.mode == "http_prev" if store is None else store,
     }
+    if context_management is not None:
+        settings["context_management"] = context_management
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
     for turn in range(len(spec.tool_times_s) + 1):
