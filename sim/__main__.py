@@ -19,13 +19,15 @@ import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import uvloop
 
+from prototype.client import ALL_MODES
 from sim.experiment import CompareConfig, CompareResult, check, compare
 from sim.fidelity import fidelity_main, fidelity_options
+from sim.long import long_tables, run_long, write_long
 from sim.metrics import ModeSummary, PairSummary, live_agreement
 from sim.results import render_results
 from sim.stats import Estimate
@@ -110,6 +112,21 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    lg = sub.add_parser(
+        "long",
+        help="long rollouts without and with compaction in each mode: per-turn cost by turn window "
+        "(virtual time, docs/compaction.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_config_options(lg)
+    lg.set_defaults(**LONG_DEFAULTS)
+    lg.add_argument("--window-turns", type=int, default=50, help="turns per window of the table")
+    lg.add_argument(
+        "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"
+    )
+    lg.add_argument("--out", metavar="DIR", help="write both run folders and the window tables")
+    lg.add_argument("--quiet", action="store_true", help="no progress bar")
+
     f = sub.add_parser(
         "fidelity",
         help="run one config live and in virtual time and compare them (sim/fidelity.py)",
@@ -117,6 +134,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fidelity_options(f, _add_config_options)
     return p
+
+
+# `python -m sim long`: 5 rollouts of 200 tool calls in every mode, compacting past 40,000 tokens.
+LONG_DEFAULTS: Final = {"rollouts": 5, "tool_calls": 200, "modes": ",".join(ALL_MODES), "compact_threshold": 40_000}
+
+
+def long_main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from(args)
+        check(config, virtual=True)
+        if config.compact_threshold <= 0:
+            raise ValueError("--compact-threshold must be > 0: the run compares without and with compaction")
+        if args.window_turns < 1:
+            raise ValueError("--window-turns must be >= 1")
+    except (msgspec.ValidationError, ValueError, OSError) as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    cpu = "CPU charged" if args.charge_cpu else "CPU free"
+    print(
+        f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without and with "
+        f"compact_threshold {config.compact_threshold}; {_describe(config)}",
+        flush=True,
+    )
+    result = run_long(config, window_turns=args.window_turns, charge_cpu=args.charge_cpu, progress=not args.quiet)
+    print("\n" + long_tables(result))
+    if args.out:
+        print(f"run folder: {write_long(result, args.out)}", file=sys.stderr)
+    return 0
 
 
 def sweep_from(args: argparse.Namespace) -> SweepConfig:
@@ -319,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
         return sweep_main(args)
+    if args.command == "long":
+        return long_main(args)
     if args.command == "fidelity":
         return fidelity_main(args, uvloop.new_event_loop)
     if args.command == "results" and args.render:

@@ -40,6 +40,7 @@ from .stats import Estimate, agreement, paired_difference, paired_mean, paired_s
 
 __all__ = [
     "MODEL_STAGES",
+    "CompactionSummary",
     "ModeSummary",
     "PairSummary",
     "headline",
@@ -47,8 +48,14 @@ __all__ = [
     "pair_summaries",
     "per_turn_work",
     "summarize",
+    "WindowDifference",
+    "WindowSummary",
+    "compacted",
+    "compaction_summary",
     "timeline",
     "turn_intervals",
+    "turn_windows",
+    "window_differences",
 ]
 
 MODEL_STAGES = ("queue", "prefill", "decode")
@@ -263,6 +270,187 @@ def summarize(
                 saved_vs_http_ci_low=saved.ci_low if saved else math.nan,
                 saved_vs_http_ci_high=saved.ci_high if saved else math.nan,
                 saved_vs_http_n=saved.n if saved else 0,
+            )
+        )
+    return out
+
+
+# -- long rollouts: turn windows and compaction (docs/compaction.md) -------------------------------------------------
+
+
+class WindowSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """A mode's turns `first_turn` … `last_turn` (1-based, inclusive). Each rollout gives the mean
+    over its turns in the window; the figures are the mean of those over the `n` rollouts that
+    reached the window, with the paired-mean interval (`sim.stats.paired_mean`)."""
+
+    mode: str
+    first_turn: int
+    last_turn: int
+    n: int
+    e2e_s: float  # per turn: request sent → the turn's end (what the turn costs the rollout, tools aside)
+    e2e_ci_low: float
+    e2e_ci_high: float
+    prompt_tokens: float  # per turn: the prompt the model read (`RolloutResult.prompt_tokens`)
+    prompt_ci_low: float
+    prompt_ci_high: float
+    compactions: float  # per rollout, in this window
+    compactions_ci_low: float
+    compactions_ci_high: float
+
+
+class WindowDifference(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-turn E2E of `other` less `base` in one window, paired by rollout (same seeded rollouts)."""
+
+    mode: str
+    first_turn: int
+    last_turn: int
+    n: int
+    difference_s: float
+    difference_ci_low: float
+    difference_ci_high: float
+
+
+class CompactionSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What compaction did in one mode, per rollout, with intervals over the `n` rollouts."""
+
+    mode: str
+    n: int
+    compactions: float  # per rollout
+    compactions_ci_low: float
+    compactions_ci_high: float
+    seconds_per_compaction: float  # the `compaction` stage per compaction (rollouts that compacted)
+    seconds_ci_low: float
+    seconds_ci_high: float
+    prompt_after_tokens: float  # the prompt the model read on a compacting turn (the kept context)
+    prompt_after_ci_low: float
+    prompt_after_ci_high: float
+    kv_idle_token_s_per_rollout: float  # the mode's server counter over its rollouts / rollouts (no interval)
+
+
+def compacted(turn: TurnResult) -> bool:
+    """Whether the turn's output has a compaction item (the server compacted its context)."""
+    return any(item.get("type") == "compaction" for item in turn.output_items)
+
+
+def _windows(turns: int, window_turns: int) -> list[tuple[int, int]]:
+    """0-based [start, end) windows of `window_turns` turns over `turns` turns; a remainder
+    shorter than a window joins the last one (201 turns by 50: 1–50, …, 151–201)."""
+    count = max(1, turns // window_turns)
+    bounds = [(w * window_turns, (w + 1) * window_turns) for w in range(count)]
+    bounds[-1] = (bounds[-1][0], max(turns, bounds[-1][1]))
+    return bounds
+
+
+def _window_values(
+    results: Sequence[RolloutResult], window_turns: int
+) -> dict[tuple[str, int, int], dict[int, tuple[float, float, float]]]:
+    """Per (mode, start, end) window, per rollout index: (mean E2E, mean prompt, compactions)."""
+    longest = max((len(r.turns) for r in results), default=0)
+    out: dict[tuple[str, int, int], dict[int, tuple[float, float, float]]] = {}
+    for r in results:
+        for start, end in _windows(longest, window_turns):
+            turns = r.turns[start:end]
+            if not turns:
+                continue
+            prompts = r.prompt_tokens[start:end]
+            out.setdefault((r.mode, start, end), {})[r.index] = (
+                math.fsum(t.e2e_s for t in turns) / len(turns),
+                math.fsum(prompts) / len(prompts) if prompts else math.nan,
+                float(sum(compacted(t) for t in turns)),
+            )
+    return out
+
+
+def turn_windows(results: Sequence[RolloutResult], window_turns: int, *, seed: int = 0) -> list[WindowSummary]:
+    """Each mode's rollouts in windows of `window_turns` turns, in run order, then window order."""
+    rows = []
+    for (mode, start, end), by_rollout in _window_values(results, window_turns).items():
+        values = list(by_rollout.values())
+        e2e = paired_mean([v[0] for v in values], seed=seed)
+        prompt = paired_mean([v[1] for v in values], seed=seed)
+        count = paired_mean([v[2] for v in values], seed=seed)
+        rows.append(
+            WindowSummary(
+                mode=mode,
+                first_turn=start + 1,
+                last_turn=start + max(len(r.turns[start:end]) for r in results if r.mode == mode),
+                n=e2e.n,
+                e2e_s=e2e.value,
+                e2e_ci_low=e2e.ci_low,
+                e2e_ci_high=e2e.ci_high,
+                prompt_tokens=prompt.value,
+                prompt_ci_low=prompt.ci_low,
+                prompt_ci_high=prompt.ci_high,
+                compactions=count.value,
+                compactions_ci_low=count.ci_low,
+                compactions_ci_high=count.ci_high,
+            )
+        )
+    return rows
+
+
+def window_differences(
+    base: Sequence[RolloutResult], other: Sequence[RolloutResult], window_turns: int, *, seed: int = 0
+) -> list[WindowDifference]:
+    """Per mode and window, the per-turn E2E of `other` less `base` over the rollouts both ran
+    (e.g. the same config with and without compaction)."""
+    a, b = _window_values(base, window_turns), _window_values(other, window_turns)
+    rows = []
+    for key, by_rollout in b.items():
+        shared = sorted(by_rollout.keys() & a.get(key, {}).keys())
+        diff = paired_difference([a[key][i][0] for i in shared], [by_rollout[i][0] for i in shared], seed=seed)
+        mode, start, end = key
+        last = start + max((len(r.turns[start:end]) for r in other if r.mode == mode), default=0)
+        rows.append(
+            WindowDifference(
+                mode=mode,
+                first_turn=start + 1,
+                last_turn=last,
+                n=diff.n,
+                difference_s=diff.value,
+                difference_ci_low=diff.ci_low,
+                difference_ci_high=diff.ci_high,
+            )
+        )
+    return rows
+
+
+def compaction_summary(
+    results: Sequence[RolloutResult], summary: Sequence[ModeSummary], *, seed: int = 0
+) -> list[CompactionSummary]:
+    """Per mode (run order): compactions per rollout, the `compaction` stage's seconds per
+    compaction (the stage reports: append's and inject's are per response, so per rollout),
+    the prompt of a compacting turn, and the mode's held-KV idle token·s per rollout."""
+    idle = {s.mode: s.kv_idle_token_s / s.rollouts if s.rollouts else math.nan for s in summary}
+    out = []
+    for mode in dict.fromkeys(r.mode for r in results):
+        rs = [r for r in results if r.mode == mode]
+        counts = [float(sum(compacted(t) for t in r.turns)) for r in rs]
+        seconds = [
+            math.fsum(w.get("stage:compaction", 0.0) for w in per_turn_work(r)) / c
+            for r, c in zip(rs, counts, strict=True)
+            if c
+        ]
+        after = [
+            float(np.mean([p for t, p in zip(r.turns, r.prompt_tokens, strict=False) if compacted(t)]))
+            for r, c in zip(rs, counts, strict=True)
+            if c and r.prompt_tokens
+        ]
+        count, per, kept = (paired_mean(v, seed=seed) for v in (counts, seconds, after))
+        out.append(
+            CompactionSummary(
+                mode=mode,
+                n=len(rs),
+                compactions=count.value,
+                compactions_ci_low=count.ci_low,
+                compactions_ci_high=count.ci_high,
+                seconds_per_compaction=per.value,
+                seconds_ci_low=per.ci_low,
+                seconds_ci_high=per.ci_high,
+                prompt_after_tokens=kept.value,
+                prompt_after_ci_low=kept.ci_low,
+                prompt_after_ci_high=kept.ci_high,
+                kv_idle_token_s_per_rollout=idle.get(mode, math.nan),
             )
         )
     return out
