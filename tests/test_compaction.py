@@ -1,20 +1,27 @@
 """Compaction: `context_management` on a create (HTTP, SSE, WebSocket), `POST /v1/responses/compact`,
-the threshold rule, continuation from a compacted response, its cost, and a 200-turn rollout."""
+the threshold rule, continuation from a compacted response, its cost, and the comparison's
+`compact_threshold` switch in every mode (`sim compare`, `sim long`)."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 from openai.types.beta import BetaResponsesServerEvent
 
+from prototype.client import ALL_MODES
 from prototype.compaction import decode_payload
-from prototype.pipeline import PROFILES
-from sim.long_rollout import LongRolloutConfig, TurnCost, run_long_rollout
+from sim.__main__ import main as sim_main
+from sim.experiment import CompareConfig, CompareResult, compare, run_compare
+from sim.live import RolloutResult
+from sim.metrics import compacted, compaction_summary, per_turn_work, turn_windows
+from sim.virtual import VirtualClock, run_virtual
 
 from . import strict
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
@@ -324,95 +331,189 @@ async def test_compact_endpoint_refuses_bad_input(live: Live, body: dict[str, An
     assert (error["code"], error["param"], error["type"]) == (code, param, "invalid_request_error")
 
 
-# -- the threshold rule, continuation and cost, in virtual time -----------------------------------------------------
+# -- the comparison's switch (sim compare, sim long), in virtual time with CPU free -----------------------------------
+
+SMALL = CompareConfig(rollouts=1, tool_calls=12, system_prompt_tokens=400, seed=3, modes=ALL_MODES)
 
 
-def rollout(mode: str = "ws", threshold: int | None = None, turns: int = 12, **kw: Any) -> list[TurnCost]:
-    config = LongRolloutConfig(mode=mode, turns=turns, compact_threshold=threshold, system_prompt_tokens=400, **kw)  # type: ignore[arg-type]
-    return run_long_rollout(config)
+def run(threshold: int = 0, **kw: Any) -> CompareResult:
+    return compare(msgspec.structs.replace(SMALL, compact_threshold=threshold, **kw), virtual=True, free_cpu=True)
+
+
+def by_mode(result: CompareResult) -> dict[str, RolloutResult]:
+    assert all(r.index == 0 for r in result.rollouts)
+    return {r.mode: r for r in result.rollouts}
+
+
+def model_outputs(r: RolloutResult) -> list[list[str]]:
+    """Per turn, the model's items (call arguments or text), compaction items left out."""
+
+    def content(item: dict[str, Any]) -> str:
+        if item.get("type") == "function_call":
+            return f"{item['name']}({item['arguments']})"
+        return "".join(part.get("text", "") for part in item.get("content", []))
+
+    return [[content(i) for i in t.output_items if i.get("type") != "compaction"] for t in r.turns]
 
 
 def test_compacts_exactly_when_the_prompt_is_past_the_threshold() -> None:
-    plain = rollout()
-    k = next(i for i, turn in enumerate(plain) if turn.prompt_tokens > 2000)
-    at = rollout(threshold=plain[k].prompt_tokens)  # a prompt equal to the threshold is not past it
-    past = rollout(threshold=plain[k].prompt_tokens - 1)
-    assert [t.compacted for t in at[: k + 1]] == [False] * (k + 1)
-    assert [t.compacted for t in past[: k + 1]] == [False] * k + [True]
-    assert past[k].prompt_tokens < plain[k].prompt_tokens / 2
-    assert [t.prompt_tokens for t in at[: k + 1]] == [t.prompt_tokens for t in plain[: k + 1]]
+    plain = by_mode(run(modes=("ws",)))["ws"]
+    k = next(i for i, p in enumerate(plain.prompt_tokens) if p > 2000)
+    at = by_mode(run(plain.prompt_tokens[k], modes=("ws",)))["ws"]  # a prompt equal to the threshold is not past it
+    past = by_mode(run(plain.prompt_tokens[k] - 1, modes=("ws",)))["ws"]
+    assert [compacted(t) for t in at.turns[: k + 1]] == [False] * (k + 1)
+    assert [compacted(t) for t in past.turns[: k + 1]] == [False] * k + [True]
+    assert past.prompt_tokens[k] < plain.prompt_tokens[k] / 2
+    assert at.prompt_tokens[: k + 1] == plain.prompt_tokens[: k + 1]
 
 
-def test_same_model_output_in_every_mode_with_and_without_compaction() -> None:
-    modes = ("http", "http_prev", "ws", "append")
-    runs = {(mode, th): rollout(mode, th) for mode in modes for th in (None, 1500)}
-    outputs = {key: [t.outputs for t in run] for key, run in runs.items()}
-    assert len({json.dumps(o) for o in outputs.values()}) == 1
-    prompts = {mode: [t.prompt_tokens for t in runs[mode, 1500]] for mode in modes}
-    assert prompts["http"] == prompts["http_prev"] == prompts["ws"] == prompts["append"]  # the same context
-    assert sum(t.compacted for t in runs["ws", 1500]) >= 2
-    ws = runs["ws", 1500]
-    assert all(t.connection_cache == "hit" for t in ws[1:])
-
-
-def test_append_releases_its_held_kv_when_it_compacts() -> None:
-    """A paused append response holds its KV across the pause; a compaction at a resume replaces
-    the context, so the held KV stands for nothing the model reads and the prompt is prefilled again."""
-    plain, compacted, ws = rollout("append"), rollout("append", 2000), rollout("ws", 2000)
-    k = next(i for i, t in enumerate(compacted) if t.compacted)
-    assert k > 0 and all(t.connection_cache == "none" for t in compacted)
-    assert plain[k].cached_tokens > 0.9 * plain[k].prompt_tokens  # held KV: only the appended items are new
-    # Released: only the prefix before the summary (instructions, tools, task) is cached, as for a
-    # create that compacts; the summary and what follows it are prefilled.
-    assert compacted[k].cached_tokens == ws[k].cached_tokens < compacted[k].prompt_tokens * 0.6
-    assert compacted[k + 1].cached_tokens > 0.8 * compacted[k + 1].prompt_tokens  # held again from there
-
-
-def test_compaction_cost_lands_in_the_compaction_stage() -> None:
-    profile = PROFILES["local"].__class__(
-        name="compaction-only",
-        compaction_call_s=0.25,
-        compaction_s_per_token_read=1e-4,
-        compaction_s_per_token_written=2e-3,
-        compaction_ratio=0.25,
+def test_same_model_outputs_in_every_mode_with_and_without_compaction() -> None:
+    """The same seeded rollouts: every mode, inject included, with and without compaction, makes
+    the same calls and says the same text; with compaction every mode reads the same prompts."""
+    runs = {th: by_mode(run(th)) for th in (0, 3000)}
+    outputs = {(th, mode): model_outputs(r) for th, rs in runs.items() for mode, r in rs.items()}
+    assert len(outputs) == 2 * len(ALL_MODES) and len({json.dumps(o) for o in outputs.values()}) == 1
+    with_ = runs[3000]
+    assert len({json.dumps(r.prompt_tokens) for r in with_.values()}) == 1  # the same context in every mode
+    assert all(sum(compacted(t) for t in r.turns) >= 2 for r in with_.values())
+    assert all(t.response.longrun.connection_cache == "hit" for t in with_["ws"].turns[1:])  # type: ignore[union-attr]
+    assert all(
+        len(r.prompt_tokens) == len(r.turns) == SMALL.tool_calls + 1 for rs in runs.values() for r in rs.values()
     )
-    plain = rollout(profile=profile)
-    compacted = rollout(threshold=2000, profile=profile)
-    k = next(i for i, t in enumerate(compacted) if t.compacted)
-    read = plain[k].prompt_tokens  # the prompt the summarisation read: the uncompacted one
-    written = (compacted[k].compaction_s - 0.25 - 1e-4 * read) / 2e-3
+
+
+def test_compact_threshold_zero_sends_no_context_management() -> None:
+    """0, the default: no body or frame carries `context_management`, nothing compacts, and the run
+    is the comparison as it is without the field; N: every mode's creates carry the spec's shape."""
+    seen: dict[int, list[bytes]] = {0: [], 3000: []}
+
+    def go(threshold: int) -> CompareResult:
+        config = msgspec.structs.replace(SMALL, compact_threshold=threshold)
+        main = run_compare(
+            config, VirtualClock(), virtual=True, memoize=True, tap=lambda way, data: seen[threshold].append(data)
+        )
+        return run_virtual(main, charge_cpu=False)
+
+    off, on = go(0), go(3000)
+    assert not any(b"context_management" in data for data in seen[0])
+    assert not any(compacted(t) for r in off.rollouts for t in r.turns)
+    creates = [json.loads(d) for d in seen[3000] if b'"input"' in d and b"response.append" not in d]
+    creates = [c for c in creates if c.get("type", "response.create") == "response.create"]
+    assert len(creates) >= len(ALL_MODES)
+    assert all(c["context_management"] == [{"type": "compaction", "compact_threshold": 3000}] for c in creates)
+    assert msgspec.to_builtins(off.summary) == msgspec.to_builtins(run(0).summary)
+    default = compare(SMALL, virtual=True, free_cpu=True)  # the config as written without the switch
+    assert msgspec.to_builtins(default.summary) == msgspec.to_builtins(off.summary)
+    assert [r.completion_s for r in default.rollouts] == [r.completion_s for r in off.rollouts]
+    assert on.summary != off.summary
+
+
+def test_inject_compacts_at_a_resume_and_releases_its_held_kv() -> None:
+    """The beta's waiting response compacts at an inject past the threshold, as append does at a
+    resume: one response per rollout, its held KV released and the compacted prompt prefilled."""
+    modes = ("ws", "append", "inject")
+    plain_run, compacting_run = run(modes=modes), run(3000, modes=modes)
+    plain, with_ = by_mode(plain_run), by_mode(compacting_run)
+    for mode in ("append", "inject"):
+        r = with_[mode]
+        assert len({t.response.id for t in r.turns}) == 1  # one long response
+        assert r.prompt_tokens == with_["ws"].prompt_tokens and sum(compacted(t) for t in r.turns) >= 2
+    # Append's pauses carry the stage report, so its prefill is known per segment. Its held KV
+    # covers the whole context but the appended items, the model's own output included, so it
+    # prefills less than `ws` does; a compaction releases it, and the compacting turn prefills what
+    # a create that compacts does (all but the prefix before the summary). Held again from there.
+
+    def uncached(r: RolloutResult) -> list[float]:
+        """Per turn, the prompt tokens prefilled: (prefill − model latency) × prefill rate."""
+        return [(w["stage:prefill"] - SMALL.model_latency_s) * SMALL.prefill_tok_per_s for w in per_turn_work(r)]
+
+    append, ws = uncached(with_["append"]), uncached(with_["ws"])
+    turns = with_["append"].turns
+    assert all(a < w - 1 for a, w, t in zip(append[1:], ws[1:], turns[1:], strict=True) if not compacted(t))
+    for k, t in enumerate(turns):
+        if compacted(t):
+            assert append[k] == pytest.approx(ws[k], abs=1) and append[k] > 0.5 * with_["append"].prompt_tokens[k]
+    assert uncached(plain["append"])[1:] < uncached(plain["ws"])[1:]
+    idle = {s.mode: s.kv_idle_token_s for s in plain_run.summary}
+    for s in compacting_run.summary:
+        if s.mode in ("append", "inject"):  # a shorter context held while the tools run
+            assert 0 < s.kv_idle_token_s < 0.8 * idle[s.mode]
+
+
+def test_compaction_cost_lands_in_the_compaction_stage(tmp_path: Path) -> None:
+    path = tmp_path / "profile.json"  # a profile file of any subset of fields, the others `local`'s (none)
+    path.write_text(
+        json.dumps(
+            {
+                "name": "compaction-only",
+                "compaction_call_s": 0.25,
+                "compaction_s_per_token_read": 1e-4,
+                "compaction_s_per_token_written": 2e-3,
+                "compaction_ratio": 0.25,
+            }
+        )
+    )
+    plain = by_mode(run(modes=("ws",), profile=str(path)))["ws"]
+    with_ = by_mode(run(3000, modes=("ws",), profile=str(path)))["ws"]
+    k = next(i for i, t in enumerate(with_.turns) if compacted(t))
+    stage = [w.get("stage:compaction", 0.0) for w in per_turn_work(with_)]
+    read = plain.prompt_tokens[k]  # the prompt the summarisation read: the uncompacted one
+    written = (stage[k] - 0.25 - 1e-4 * read) / 2e-3
     assert abs(written - round(written)) < 1e-6  # CPU is free here: the stage is the modeled call exactly
     # The summary is a quarter of the dropped history (the prompt less the instructions, tools and task).
     assert 0.15 * read < written <= 0.25 * read + 1
-    assert compacted[k].server_s >= compacted[k].compaction_s > 0.25
-    assert all(t.compaction_s == 0.0 for t in compacted if not t.compacted)
+    assert all(s == 0.0 for s, t in zip(stage, with_.turns, strict=True) if not compacted(t))
+    (summary,) = compaction_summary([with_], run(3000, modes=("ws",), profile=str(path)).summary)
+    assert summary.compactions == sum(compacted(t) for t in with_.turns)
+    assert summary.seconds_per_compaction == pytest.approx(sum(stage) / summary.compactions)
 
 
-def test_200_turns_per_turn_cost_plateaus_with_compaction_and_grows_without() -> None:
-    """The prompt (every mode) and the server time of a turn that re-renders its history
-    (`http_prev`) grow with the rollout without compaction and stop growing with it."""
+def test_per_turn_prompt_plateaus_with_compaction_and_grows_without() -> None:
+    """Through the comparison, in each mode: without compaction the prompt of a turn grows window
+    by window; with it, it stops at the threshold's plateau. A turn that re-reads its history
+    (`http`) costs ≈ 10 µs more per context token (the hosted profile's validation and safety),
+    so without compaction its cost grows with the prompt; with it, a turn that does not compact
+    costs what it did early on. `ws` touches only new items: flat either way."""
+    config = CompareConfig(rollouts=2, tool_calls=40, system_prompt_tokens=400, tool_output_tokens=300, seed=5)
+    without = compare(msgspec.structs.replace(config, modes=ALL_MODES), virtual=True, free_cpu=True)
+    with_ = compare(
+        msgspec.structs.replace(config, modes=ALL_MODES, compact_threshold=6000), virtual=True, free_cpu=True
+    )
+    grows = {(w.mode, w.first_turn): w for w in turn_windows(without.rollouts, 10)}
+    flat = {(w.mode, w.first_turn): w for w in turn_windows(with_.rollouts, 10)}
+    for mode in ALL_MODES:
+        assert [w.last_turn for (m, _), w in grows.items() if m == mode] == [10, 20, 30, 41]
+        assert all(w.n == 2 for (m, _), w in grows.items() if m == mode)
+        assert grows[mode, 31].prompt_tokens > 1.8 * grows[mode, 11].prompt_tokens, mode
+        assert 0.75 < flat[mode, 31].prompt_tokens / flat[mode, 11].prompt_tokens < 1.33, mode
+        assert max(p for r in with_.rollouts if r.mode == mode for p in r.prompt_tokens) <= 6000
+        assert flat[mode, 11].compactions >= 1 and grows[mode, 31].compactions == 0
+    more_tokens = grows["http", 31].prompt_tokens - grows["http", 11].prompt_tokens
+    assert grows["http", 31].e2e_s - grows["http", 11].e2e_s > 0.8e-5 * more_tokens
+    assert abs(grows["ws", 31].e2e_s - grows["ws", 11].e2e_s) < 0.15 * grows["ws", 11].e2e_s
 
-    def quarter_means(run: list[TurnCost], field: str) -> tuple[float, float]:
-        n = len(run)
-        second, last = run[n // 4 : n // 2], run[3 * n // 4 :]
-        return (
-            math.fsum(getattr(t, field) for t in second) / len(second),
-            math.fsum(getattr(t, field) for t in last) / len(last),
-        )
+    def plain_turns(mode: str, first: int, last: int) -> float:
+        """Mean E2E of the turns first…last (1-based) that did not compact, over the rollouts."""
+        turns = [t for r in with_.rollouts if r.mode == mode for t in r.turns[first - 1 : last] if not compacted(t)]
+        return math.fsum(t.e2e_s for t in turns) / len(turns)
 
-    threshold = 20_000
-    for mode in ("ws", "http_prev", "append"):
-        grows = run_long_rollout(LongRolloutConfig(mode=mode, turns=200))  # type: ignore[arg-type]
-        flat = run_long_rollout(LongRolloutConfig(mode=mode, turns=200, compact_threshold=threshold))  # type: ignore[arg-type]
-        assert len(grows) == len(flat) == 201
-        early, late = quarter_means(grows, "prompt_tokens")
-        assert late > 1.8 * early, (mode, early, late)
-        early, late = quarter_means(flat, "prompt_tokens")
-        assert 0.8 < late / early < 1.25, (mode, early, late)
-        assert max(t.prompt_tokens for t in flat) <= threshold < max(t.prompt_tokens for t in grows)
-        assert sum(t.compacted for t in flat) >= 4
-        if mode == "http_prev":
-            early, late = quarter_means(grows, "server_s")
-            assert late > 1.3 * early, (early, late)
-            early, late = quarter_means(flat, "server_s")
-            assert 0.85 < late / early < 1.15, (early, late)
+    assert 0.85 < plain_turns("http", 31, 41) / plain_turns("http", 11, 20) < 1.15
+
+
+def test_long_command_prints_the_window_tables_and_writes_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["long", "--rollouts", "2", "--tool-calls", "12", "--system-prompt-tokens", "400", "--quiet"]
+    assert sim_main([*argv, "--compact-threshold", "3000", "--window-turns", "5", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "per turn, by turn window" in out and "compaction, per rollout" in out
+    for mode in ALL_MODES:  # every mode, inject included, without and with
+        assert f"\n{mode:<10} {'no':>10}       1–5" in out and f"\n{mode:<10} {3000:>10}       1–5" in out
+    windows = (tmp_path / "windows.csv").read_text().splitlines()
+    assert len(windows) == 1 + 2 * len(ALL_MODES) * 2  # 13 turns by 5: 1–5, 6–13
+    assert (tmp_path / "with" / "summary.json").is_file() and (tmp_path / "without" / "turns.csv").is_file()
+    for bad in ("0", "999"):
+        with pytest.raises(SystemExit, match="invalid option"):
+            sim_main([*argv, "--compact-threshold", bad])
+    with pytest.raises(SystemExit, match="invalid option"):
+        sim_main(["compare", "--virtual", "--compact-threshold", "999"])
