@@ -76,6 +76,17 @@ def _add_compare_options(c: argparse.ArgumentParser) -> None:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+# `python -m sim long`: 10 rollouts of 200 tool calls in every mode, compacting past 20,000 tokens;
+# tool outputs of median 250 tokens, so that no rollout outgrows the context window without compaction.
+LONG_DEFAULTS: Final = {
+    "rollouts": 10,
+    "tool_calls": 200,
+    "tool_output_tokens": 250,
+    "modes": ",".join(ALL_MODES),
+    "compact_threshold": 20_000,
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -134,10 +145,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fidelity_options(f, _add_config_options)
     return p
-
-
-# `python -m sim long`: 5 rollouts of 200 tool calls in every mode, compacting past 40,000 tokens.
-LONG_DEFAULTS: Final = {"rollouts": 5, "tool_calls": 200, "modes": ",".join(ALL_MODES), "compact_threshold": 40_000}
 
 
 def long_main(args: argparse.Namespace) -> int:

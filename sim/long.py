@@ -11,7 +11,8 @@ Figures (sim.metrics): per mode and window, the per-turn E2E time and the prompt
 read, each the mean over a rollout's turns in the window and then over rollouts with its
 interval; the with-less-without difference of per-turn E2E, paired by rollout; per mode, the
 compactions per rollout, the `compaction` stage's seconds per compaction, the prompt a
-compacting turn read, and the held KV's idle token·s.
+compacting turn read; per mode without and with, the connection-cache and prompt-token hit
+rates and the held KV's idle token·s (sim.metrics.ModeSummary).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ class LongResult:
     windows: list[tuple[int, WindowSummary]]  # (compact_threshold, window), without first
     differences: list[WindowDifference]  # with less without
     compaction: list[CompactionSummary]  # the run with compaction
-    kv_idle_without: dict[str, float]  # per rollout, by mode
 
 
 def run_long(
@@ -73,7 +73,6 @@ def run_long(
         windows,
         window_differences(without.rollouts, with_.rollouts, window_turns, seed=seed),
         compaction_summary(with_.rollouts, with_.summary, seed=seed),
-        {s.mode: s.kv_idle_token_s / s.rollouts for s in without.summary},
     )
 
 
@@ -111,17 +110,34 @@ def long_tables(result: LongResult) -> str:
     rows += [
         "",
         "compaction, per rollout (95 % CI):",
-        f"{'mode':<10} {'n':>3} {'compactions':>20} {'s per compaction':>24} {'prompt on compacting turn':>30} "
-        f"{'KV idle tok·s, without':>23} {'with':>12}",
+        f"{'mode':<10} {'n':>3} {'compactions':>20} {'first at turn':>22} {'s per compaction':>24} "
+        f"{'prompt on compacting turn':>30}",
     ]
     for c in result.compaction:
         rows.append(
             f"{c.mode:<10} {c.n:>3} {_ci(c.compactions, c.compactions_ci_low, c.compactions_ci_high, '.1f'):>20} "
+            f"{_ci(c.first_turn, c.first_turn_ci_low, c.first_turn_ci_high, '.1f'):>22} "
             f"{_ci(c.seconds_per_compaction, c.seconds_ci_low, c.seconds_ci_high, '.2f'):>24} "
-            f"{_ci(c.prompt_after_tokens, c.prompt_after_ci_low, c.prompt_after_ci_high, ',.0f'):>30} "
-            f"{result.kv_idle_without.get(c.mode, math.nan):>23,.0f} {c.kv_idle_token_s_per_rollout:>12,.0f}"
+            f"{_ci(c.prompt_after_tokens, c.prompt_after_ci_low, c.prompt_after_ci_high, ',.0f'):>30}"
+        )
+    rows += [
+        "",
+        "caches, without → with compaction (the mode's rollouts together; held KV per rollout):",
+        f"{'mode':<10} {'connection-cache hits':>22} {'prompt tokens cached':>22} {'held-KV idle token·s':>26}",
+    ]
+    with_ = {s.mode: s for s in result.with_compaction.summary}
+    for a in result.without.summary:
+        b = with_[a.mode]
+        idle = f"{a.kv_idle_token_s / a.rollouts:,.0f} → {b.kv_idle_token_s / b.rollouts:,.0f}"
+        rows.append(
+            f"{a.mode:<10} {f'{_pct(a.connection_cache_hit_rate)} → {_pct(b.connection_cache_hit_rate)}':>22} "
+            f"{f'{_pct(a.token_hit_rate)} → {_pct(b.token_hit_rate)}':>22} {idle:>26}"
         )
     return "\n".join(rows)
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.1f}%"
 
 
 def _order(result: LongResult, mode: str) -> int:
@@ -140,8 +156,5 @@ def write_long(result: LongResult, directory: str | Path) -> Path:
     ]
     write_table(rows, path / "windows.csv")
     write_table([msgspec.to_builtins(d) for d in result.differences], path / "differences.csv")
-    write_json(
-        {"compaction": result.compaction, "kv_idle_token_s_per_rollout_without": result.kv_idle_without},
-        path / "compaction.json",
-    )
+    write_json({c.mode: c for c in result.compaction}, path / "compaction.json")
     return path

@@ -318,6 +318,9 @@ class CompactionSummary(msgspec.Struct, frozen=True, kw_only=True):
     compactions: float  # per rollout
     compactions_ci_low: float
     compactions_ci_high: float
+    first_turn: float  # the turn (1-based) of a rollout's first compaction (rollouts that compacted)
+    first_turn_ci_low: float
+    first_turn_ci_high: float
     seconds_per_compaction: float  # the `compaction` stage per compaction (rollouts that compacted)
     seconds_ci_low: float
     seconds_ci_high: float
@@ -436,7 +439,12 @@ def compaction_summary(
             for r, c in zip(rs, counts, strict=True)
             if c and r.prompt_tokens
         ]
-        count, per, kept = (paired_mean(v, seed=seed) for v in (counts, seconds, after))
+        first = [
+            float(next(k for k, t in enumerate(r.turns) if compacted(t)) + 1)
+            for r, c in zip(rs, counts, strict=True)
+            if c
+        ]
+        count, per, kept, start = (paired_mean(v, seed=seed) for v in (counts, seconds, after, first))
         out.append(
             CompactionSummary(
                 mode=mode,
@@ -444,6 +452,9 @@ def compaction_summary(
                 compactions=count.value,
                 compactions_ci_low=count.ci_low,
                 compactions_ci_high=count.ci_high,
+                first_turn=start.value,
+                first_turn_ci_low=start.ci_low,
+                first_turn_ci_high=start.ci_high,
                 seconds_per_compaction=per.value,
                 seconds_ci_low=per.ci_low,
                 seconds_ci_high=per.ci_high,
