@@ -9,7 +9,8 @@
                       and difference in seconds, with intervals and n
       turns.csv       one tidy row per turn (and turns.parquet, the same table); `n`, `e2e_ci_low`,
                       `e2e_ci_high`: the mean E2E of that mode's turn k over the n rollouts that
-                      reached it, with its interval
+                      reached it, with its interval; `prompt_tokens` the prompt the model read,
+                      `compacted` whether the turn's context was compacted
       events.jsonl    one row per server event the client received: mode, rollout, turn, t, type
       *.png           rollout time per mode (median, interval as error bars); where a turn's
                       server time goes, per mode
@@ -35,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .experiment import CompareResult
-from .metrics import per_turn_work, turn_intervals
+from .metrics import compacted, per_turn_work, turn_intervals
 from .stats import Estimate
 
 __all__ = ["turn_rows", "write_json", "write_run", "write_table"]
@@ -76,6 +77,8 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
                 "cached_tokens": usage.input_tokens_details.cached_tokens if usage else None,
                 "output_tokens": usage.output_tokens if usage else None,
                 "tokens_rendered": work.get("tokens_rendered"),
+                "prompt_tokens": r.prompt_tokens[k] if k < len(r.prompt_tokens) else None,
+                "compacted": compacted(t),
             }
             for key, value in work.items():
                 if key.startswith("stage:"):
