@@ -159,8 +159,8 @@ def long_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"invalid option: {exc}") from None
     cpu = "CPU charged" if args.charge_cpu else "CPU free"
     print(
-        f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without and with "
-        f"compact_threshold {config.compact_threshold}; {_describe(config)}",
+        f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without compaction and "
+        f"with; {_describe(config)}",
         flush=True,
     )
     result = run_long(config, window_turns=args.window_turns, charge_cpu=args.charge_cpu, progress=not args.quiet)
@@ -300,7 +300,8 @@ def _describe(config: CompareConfig) -> str:
         shape = f"workload {config.workload}"
     else:
         shape = f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
-    return f"{shape}, {config.tps:g} tokens/s, seed {config.seed}, {config.profile} cost profile"
+    compaction = f", compacting past {config.compact_threshold} tokens" if config.compact_threshold else ""
+    return f"{shape}, {config.tps:g} tokens/s, seed {config.seed}, {config.profile} cost profile{compaction}"
 
 
 def _show(title: str, result: CompareResult) -> None:
