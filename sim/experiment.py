@@ -26,7 +26,7 @@ import sys
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
 import msgspec
 from aiohttp import web
@@ -221,6 +221,9 @@ class _PromptLog:
 
     def take(self, mode: str, spec: RolloutSpec) -> list[int]:
         return self.prompts.pop((mode, conversation_key(spec.task)), [])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)  # the rest of the model's interface, as it is
 
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
