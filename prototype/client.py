@@ -111,6 +111,7 @@ class TurnResult:
     events: int
     output_items: list[dict[str, Any]] = field(default_factory=list)
     event_log: list[tuple[float, str]] = field(default_factory=list)  # (clock time, event type), in order
+    steered: list[Response] = field(default_factory=list)  # `steer` mode: responses a steer ended in this turn
 
     @property
     def ttft_s(self) -> float | None:
@@ -467,8 +468,7 @@ class WSClient:
                     tracker.events += 1
                     self.paused_id = None
                     ended = tracker.ended(held)  # no successor will come: the turn ended there
-                    self.history.record(new_items, ended)
-                    return ended
+                    return self._steering_done(new_items, ended)
             elif isinstance(event, ResponseCreated):
                 latest = event.response
                 st.current = event.response.id
@@ -490,6 +490,7 @@ class WSClient:
             elif isinstance(event, ResponseIncomplete) and _steered(event.response):
                 report = event.response.longrun
                 st.tokens_discarded += report.tokens_discarded if isinstance(report, msgspec.Struct) else 0
+                st.ended.append(event.response)
                 tracker.events += 1
                 tracker.log.append((self.clock.now(), "response.incomplete"))
                 continue  # the successor follows
@@ -503,8 +504,7 @@ class WSClient:
             result = tracker.see(event)
             if result is not None:
                 self.paused_id = None
-                self.history.record(new_items, result)
-                return result
+                return self._steering_done(new_items, result)
             if isinstance(event, OutputItemDone) and isinstance(event.item, FunctionCall) and event.item.is_async:
                 if event.item.status == "incomplete":
                     continue  # cut off by a steer: not owed
@@ -513,9 +513,12 @@ class WSClient:
                     raise ClientError(502, "an async call before its response.created")
                 self._waiting = response
                 self.paused_id = response.id
-                result = tracker.paused(response)
-                self.history.record(new_items, result)
-                return result
+                return self._steering_done(new_items, tracker.paused(response))
+
+    def _steering_done(self, sent: list[dict[str, Any]], result: TurnResult) -> TurnResult:
+        result.steered, self.steer_state.ended = self.steer_state.ended, []
+        self.history.record(sent, result)
+        return result
 
     async def close(self) -> None:
         for _, timer in self.steer_state.timers:
@@ -544,6 +547,7 @@ class _SteerState:
     accepted: dict[str, list[InterjectionRecord]] = field(default_factory=dict)  # by target, not committed
     committed: list[InterjectionRecord] = field(default_factory=list)  # in a successor, before its first token
     returned: list[InterjectionRecord] = field(default_factory=list)  # failed: the driver sends them as a turn
+    ended: list[Response] = field(default_factory=list)  # terminal snapshots of steered responses, this turn
     tokens_discarded: int = 0
     successors: int = 0
 

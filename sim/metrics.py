@@ -206,6 +206,13 @@ def _reports_per_turn(turns: Sequence[TurnResult]) -> list[dict[str, float]]:
         else:
             rows.append(now)
         previous, previous_id = now, t.response.id
+    for row, t in zip(rows, turns, strict=True):
+        for parent in t.steered:  # `steer` mode: a response a steer ended reports its work once, here
+            report = parent.longrun
+            if isinstance(report, msgspec.Struct):
+                for k, v in report.stages_s.items():
+                    row[f"stage:{k}"] = row.get(f"stage:{k}", 0.0) + v
+                row["tokens_rendered"] = row.get("tokens_rendered", 0.0) + report.tokens_rendered
     return rows
 
 
@@ -264,7 +271,7 @@ def summarize(
         total_s = float(completion.sum())
         caches = [t.response.longrun.connection_cache for t in turns if isinstance(t.response.longrun, msgspec.Struct)]
         continued = [c for c in caches if c != "none"]
-        usage = [t.response.usage for t in turns if t.response.usage is not None]
+        usage = [r.usage for t in turns for r in (*t.steered, t.response) if r.usage is not None]
         input_tokens = sum(u.input_tokens for u in usage)
         interjected = [r for r in rs if r.interjections]
         latency = paired_mean([v for r in interjected if (v := interjection_latency(r)) is not None], seed=seed)
