@@ -6,23 +6,31 @@ owed, and the automatic successor plans that turn afresh with the steer in its c
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from typing import Any, Final
 
+import aiohttp
 import msgspec
+import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
+from prototype.cache import CacheEntry
 from prototype.client import tool_outputs
+from prototype.connection import AckSteer, Connection, StartJob
+from prototype.conversation import Context, Preamble
+from prototype.schemas import IncompleteDetails, Response
 from sim import experiment
 from sim.__main__ import run
 from sim.experiment import CompareConfig
 from sim.inprocess import InProcessServer
 from sim.live import EXEC_TOOL as EXEC_TOOL_SPEC
 from sim.live import RolloutResult
+from sim.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, live_server
+from .support import EXEC_TOOL, live_server, receive_event
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -229,3 +237,73 @@ def test_interjections_run_live_over_sockets_and_pass_the_beta_wire_checker(wire
     assert all(x.latency_s is not None for r in result.rollouts for x in r.interjections)
     assert all(_completed_items(a) == _completed_items(b) for a, b in zip(steer, result.rollouts[:2], strict=True))
     assert wire.counts[strict.BETA_WS_EVENT] > 0 and not wire.violations
+
+
+async def test_nothing_is_decoded_after_the_cut_and_the_successor_holds_the_steer(wire: strict.Checker) -> None:
+    """The model's generator is closed at the boundary: every token the accelerator decoded is in a
+    response's usage (the cut ones in the parent's), and the successor's prompt has the steer."""
+    long_answer = " ".join(f"word{k}" for k in range(400))
+    # Turn 1 says something else: the successor saying turn 0 again shows the cut message is not in
+    # its context (the context counts model turns by the items it holds).
+    policy = ScriptPolicy([PlannedItem("message", "", long_answer), PlannedItem("message", "", "something else")])
+    async with (
+        live_server(policy=policy, seed=SEED, decode_tok_per_s=400) as live,
+        aiohttp.ClientSession() as session,
+        await session.ws_connect(live.ws_url, headers=BETA_HEADERS) as ws,
+    ):
+        create = {"type": "response.create", "model": MODEL, "input": PROMPT, "tools": [ASYNC_TOOL]}
+        await ws.send_str(json.dumps(create))
+        events = [await receive_event(ws)]
+        rid = events[0]["response"]["id"]
+        while sum(e["type"] == "response.output_text.delta" for e in events) < 5:
+            events.append(await receive_event(ws))
+        await ws.send_str(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": STEER_TEXT}))
+        while events[-1]["type"] != "response.incomplete":
+            events.append(await receive_event(ws))
+        parent = events[-1]["response"]
+        successor = [await receive_event(ws)]
+        while successor[-1]["type"] != "response.completed":
+            successor.append(await receive_event(ws))
+    done = successor[-1]["response"]
+    cut = parent["usage"]["output_tokens"]
+    assert 5 <= cut < done["usage"]["output_tokens"] and parent["longrun"]["tokens_discarded"] == cut
+    assert live.model.statistics().output_tokens == cut + done["usage"]["output_tokens"]
+    # The successor's prompt is the parent's (without the cut message) plus the steer.
+    assert done["usage"]["input_tokens"] > parent["usage"]["input_tokens"]
+    assert done["output"][0]["content"][0]["text"] == long_answer  # the turn, planned again, in full
+    assert not wire.violations
+
+
+def test_a_steered_incomplete_response_takes_the_successor_row_of_the_lane_table() -> None:
+    """The per-lane table needs no new row: a response that ended `incomplete` (steered) with a
+    queued steer and nothing owed starts the automatic successor with the steer's input."""
+    c = Connection(beta=True)
+    c.receive_text(json.dumps({"type": "response.create", "model": MODEL, "input": "x", "instructions": "Be brief."}))
+    (start,) = c.outputs_to_send()
+    assert isinstance(start, StartJob)
+    rid = start.job.response_id
+    c.receive_text(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": STEER_TEXT}))
+    (ack,) = c.outputs_to_send()
+    assert isinstance(ack, AckSteer)
+    entry = CacheEntry(
+        Response(
+            id=rid,
+            created_at=0,
+            status="incomplete",
+            model=MODEL,
+            incomplete_details=IncompleteDetails(reason="steered"),
+        ),
+        Context(),
+        0,
+        Preamble(b"", np.zeros(0, dtype=np.uint32)),
+        True,
+        None,
+        0,
+    )
+    c.response_ended(start.job, entry)
+    (successor,) = c.outputs_to_send()
+    assert isinstance(successor, StartJob)
+    request = successor.job.request
+    assert request.previous_response_id == rid and request.params.instructions == "Be brief."
+    assert [json.loads(bytes(i.raw))["content"] for i in request.items] == [STEER_TEXT]
+    assert successor.job.cached is entry
