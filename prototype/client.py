@@ -19,6 +19,12 @@ Modes (names used everywhere):
   makes them) or at the terminal event; the turn's `response` is the latest snapshot
   of the response (`response.created`, or the terminal event's).
 
+* `steer`: `inject`, and a user message that arrives while the rollout runs (an
+  interjection, docs/experiments.md) is sent at once as `response.steer` to the response
+  in flight; the client follows the automatic successor (`response.incomplete` with reason
+  `steered`, then the successor's `response.created`) within the same turn. The other
+  modes hold such a message and send it with the next turn's input.
+
 In the WebSocket modes several rollouts may share one socket, each on its own lane
 (`stream_id`, docs/lanes.md): `share_socket` puts a list of clients on one `LaneSocket`,
 whose reader hands each frame to the lane its `stream_id` names.
@@ -54,6 +60,8 @@ from .schemas import (
     ResponseDone,
     ResponseFailed,
     ResponseIncomplete,
+    ResponseSteerAccepted,
+    ResponseSteerFailed,
     ServerEvent,
     decode_server_event,
     decode_stream_tag,
@@ -66,6 +74,8 @@ __all__ = [
     "MODES",
     "WS_MODES",
     "ClientError",
+    "Interjection",
+    "InterjectionRecord",
     "LaneSocket",
     "Mode",
     "ResponsesClient",
@@ -75,11 +85,11 @@ __all__ = [
     "tool_outputs",
 ]
 
-Mode = Literal["http", "http_prev", "ws", "append", "inject"]
-# The default comparison's modes; `inject` is opt-in (`--modes`, docs/experiments.md).
+Mode = Literal["http", "http_prev", "ws", "append", "inject", "steer"]
+# The default comparison's modes; `inject` and `steer` are opt-in (`--modes`, docs/experiments.md).
 MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
-ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject")
-WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject")
+ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "steer")
+WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject", "steer")
 TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
 
@@ -101,6 +111,7 @@ class TurnResult:
     events: int
     output_items: list[dict[str, Any]] = field(default_factory=list)
     event_log: list[tuple[float, str]] = field(default_factory=list)  # (clock time, event type), in order
+    steered: list[Response] = field(default_factory=list)  # `steer` mode: responses a steer ended in this turn
 
     @property
     def ttft_s(self) -> float | None:
@@ -112,8 +123,40 @@ class TurnResult:
 
     @property
     def call_ids(self) -> list[str]:
-        """The function calls the client owes an output for."""
-        return [item["call_id"] for item in self.output_items if item.get("type") == "function_call"]
+        """The function calls the client owes an output for (not one a steer cut off: `incomplete`)."""
+        return [
+            item["call_id"]
+            for item in self.output_items
+            if item.get("type") == "function_call" and item.get("status") != "incomplete"
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class Interjection:
+    """A user message that arrives while rollout turn `turn` runs, `delay_s` after that turn's
+    first token (docs/experiments.md#interjections)."""
+
+    turn: int
+    delay_s: float
+    text: str
+
+    def message(self) -> dict[str, Any]:
+        return {"type": "message", "role": "user", "content": self.text}
+
+
+@dataclass(slots=True)
+class InterjectionRecord:
+    """What became of one interjection: when it arrived, and when the first token of the model
+    turn that has it in its context came (None: not yet)."""
+
+    interjection: Interjection
+    arrived_at: float
+    seen_at: float | None = None
+    via: Literal["next_turn", "steer"] = "next_turn"
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.seen_at is None else self.seen_at - self.arrived_at
 
 
 class ResponsesClient(Protocol):
@@ -263,10 +306,20 @@ class WSClient:
     `share_socket`) the client runs on lane `stream_id` of a shared socket."""
 
     def __init__(
-        self, base_url: str, clock: Clock, *, api_key: str = "sk-longrun", append: bool = False, beta: bool = False
+        self,
+        base_url: str,
+        clock: Clock,
+        *,
+        api_key: str = "sk-longrun",
+        append: bool = False,
+        beta: bool = False,
+        steer: bool = False,
     ) -> None:
-        self.mode: Mode = "inject" if beta else "append" if append else "ws"
+        self.mode: Mode = "steer" if steer else "inject" if beta else "append" if append else "ws"
+        beta = beta or steer
         self.beta = beta
+        self.steering = steer  # `steer` mode: interjections go out as `response.steer`
+        self.steer_state = _SteerState()
         self.url = base_url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/responses"
         if beta:
             self.url += "?mode=beta"
@@ -289,6 +342,8 @@ class WSClient:
         )
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+        if self.steering:
+            return await self._steering_turn(new_items, settings)
         if self.ws is None:
             self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
         if self.paused_id is not None:
@@ -336,7 +391,138 @@ class WSClient:
                 self.history.record(new_items, result)
                 return result
 
+    # -- `steer` mode ------------------------------------------------------------------------------
+
+    def arm(self, interjection: Interjection) -> None:
+        """`steer` mode: send `interjection` as `response.steer` its delay after the next turn's
+        first token, to the response in flight then (the turn's, or its successor)."""
+        self.steer_state.armed = interjection
+
+    def disarm(self) -> list[InterjectionRecord]:
+        """The rollout is over: interjections whose time has not come are not sent, and those whose
+        steer failed: they come back, for the driver to send as a turn of their own."""
+        st = self.steer_state
+        back = [record for record, timer in st.timers if not timer.done()]
+        for _, timer in st.timers:
+            timer.cancel()
+        st.timers.clear()
+        st.armed = None
+        back.extend(st.returned)
+        st.returned.clear()
+        for record in back:
+            record.via = "next_turn"
+        return back
+
+    async def _fire(self, record: InterjectionRecord) -> None:
+        st = self.steer_state
+        await self.clock.sleep_until(record.arrived_at)
+        assert self.ws is not None and st.current is not None
+        body = {"type": "response.steer", "previous_response_id": st.current, "input": record.interjection.text}
+        st.unanswered.append(record)
+        await self.ws.send_str(encode(body).decode())
+
+    async def _steering_turn(self, new_items: list[dict[str, Any]], settings: dict[str, Any]) -> TurnResult:
+        """`inject`'s turn, and the steers: a turn runs on through `response.incomplete`
+        (`steered`) into the successor, and past a terminal event while a steer it sent is
+        unanswered or accepted but not committed (a successor, or a failure, is coming)."""
+        st = self.steer_state
+        if self.ws is None:
+            self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
+        if self.paused_id is not None:
+            body: dict[str, Any] = {"type": "response.inject", "response_id": self.paused_id, "input": new_items}
+        else:
+            if "tools" in settings:
+                settings = {**settings, "tools": [_declared_async(tool) for tool in settings["tools"]]}
+            body = {
+                "type": "response.create",
+                **settings,
+                "input": new_items,
+                "previous_response_id": self.history.previous_id,
+            }
+            if self.stream_id is not None:
+                body["stream_id"] = self.stream_id
+        data = encode(body).decode()
+        tracker = _Tracker(self.clock, self.clock.now(), len(data))
+        await self.ws.send_str(data)
+        latest: Response | None = None
+        held: Response | None = None  # a terminal event passed over while a steer was outstanding
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await self.ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise ClientError(502, f"socket ended: {msg.type.name} {msg.data!r}")
+            event = decode_server_event(msg.data)
+            if isinstance(event, ResponseSteerAccepted):
+                if st.unanswered:
+                    record = st.unanswered.pop(0)
+                    st.accepted.setdefault(event.steer.previous_response_id, []).append(record)
+            elif isinstance(event, ResponseSteerFailed):
+                if st.unanswered and isinstance(event.steer.id, msgspec.UnsetType):
+                    st.returned.append(st.unanswered.pop(0))
+                else:
+                    for records in st.accepted.values():
+                        if records:
+                            st.returned.append(records.pop(0))
+                            break
+                if held is not None and not st.unanswered and not any(st.accepted.values()):
+                    tracker.events += 1
+                    self.paused_id = None
+                    ended = tracker.ended(held)  # no successor will come: the turn ended there
+                    return self._steering_done(new_items, ended)
+            elif isinstance(event, ResponseCreated):
+                latest = event.response
+                st.current = event.response.id
+                committed = st.accepted.pop(event.response.previous_response_id or "", [])
+                if committed:  # the automatic successor: its response.created commits the steers
+                    st.successors += 1
+                    st.committed.extend(committed)
+            elif isinstance(event, TOKEN_DELTAS):
+                if st.committed:
+                    now = self.clock.now()
+                    for record in st.committed:
+                        record.seen_at = now
+                    st.committed.clear()
+                if st.armed is not None and tracker.first_token_at is None:
+                    record = InterjectionRecord(st.armed, self.clock.now() + st.armed.delay_s, via="steer")
+                    st.records.append(record)
+                    st.timers.append((record, loop.create_task(self._fire(record))))
+                    st.armed = None
+            elif isinstance(event, ResponseIncomplete) and _steered(event.response):
+                report = event.response.longrun
+                st.tokens_discarded += report.tokens_discarded if isinstance(report, msgspec.Struct) else 0
+                st.ended.append(event.response)
+                tracker.events += 1
+                tracker.log.append((self.clock.now(), "response.incomplete"))
+                continue  # the successor follows
+            if isinstance(event, (ResponseCompleted, ResponseIncomplete)) and (
+                st.unanswered or any(st.accepted.values())
+            ):
+                tracker.events += 1
+                tracker.log.append((self.clock.now(), event.__struct_config__.tag))  # type: ignore[arg-type]
+                held = event.response
+                continue  # a steer of this response: its successor (or its failure) is coming
+            result = tracker.see(event)
+            if result is not None:
+                self.paused_id = None
+                return self._steering_done(new_items, result)
+            if isinstance(event, OutputItemDone) and isinstance(event.item, FunctionCall) and event.item.is_async:
+                if event.item.status == "incomplete":
+                    continue  # cut off by a steer: not owed
+                response = latest if latest is not None else self._waiting
+                if response is None:
+                    raise ClientError(502, "an async call before its response.created")
+                self._waiting = response
+                self.paused_id = response.id
+                return self._steering_done(new_items, tracker.paused(response))
+
+    def _steering_done(self, sent: list[dict[str, Any]], result: TurnResult) -> TurnResult:
+        result.steered, self.steer_state.ended = self.steer_state.ended, []
+        self.history.record(sent, result)
+        return result
+
     async def close(self) -> None:
+        for _, timer in self.steer_state.timers:
+            timer.cancel()
         if self.ws is not None:
             await self.ws.close()
         elif self.lanes is not None:  # never sent: its lane of the shared socket is released all the same
@@ -347,6 +533,27 @@ class WSClient:
     async def _close_session(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+
+@dataclass(slots=True)
+class _SteerState:
+    """`steer` mode's bookkeeping of its interjections (one rollout's)."""
+
+    armed: Interjection | None = None  # to be timed from the next turn's first token
+    current: str | None = None  # the response in flight (the latest `response.created`)
+    records: list[InterjectionRecord] = field(default_factory=list)
+    timers: list[tuple[InterjectionRecord, asyncio.Task[None]]] = field(default_factory=list)
+    unanswered: list[InterjectionRecord] = field(default_factory=list)  # sent, neither accepted nor failed
+    accepted: dict[str, list[InterjectionRecord]] = field(default_factory=dict)  # by target, not committed
+    committed: list[InterjectionRecord] = field(default_factory=list)  # in a successor, before its first token
+    returned: list[InterjectionRecord] = field(default_factory=list)  # failed: the driver sends them as a turn
+    ended: list[Response] = field(default_factory=list)  # terminal snapshots of steered responses, this turn
+    tokens_discarded: int = 0
+    successors: int = 0
+
+
+def _steered(response: Response) -> bool:
+    return response.incomplete_details is not None and response.incomplete_details.reason == "steered"
 
 
 class LaneSocket:
@@ -443,6 +650,8 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
         return WSClient(base_url, clock, api_key=api_key, append=True)
     if mode == "inject":
         return WSClient(base_url, clock, api_key=api_key, beta=True)
+    if mode == "steer":
+        return WSClient(base_url, clock, api_key=api_key, steer=True)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(ALL_MODES)}")
 
 

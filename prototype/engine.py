@@ -100,6 +100,7 @@ from .stream import (
     CompactionStarted,
     InjectAccepted,
     InjectRefused,
+    Interrupt,
     Pause,
     ResponseStream,
     Resume,
@@ -462,7 +463,7 @@ class Engine:
             )
         record = decode_stored(data)
         items = list(self.item_parser(record.context))
-        items.extend(item_from_output(o) for o in record.response.output[record.output_in_context :])
+        items.extend(item_from_output(o) for o in _in_context(record.response.output[record.output_in_context :]))
         return items
 
     # -- one response ------------------------------------------------------------------------------
@@ -614,6 +615,12 @@ class Engine:
             deleted = await self.store.delete(response_id)
         if not deleted:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
+
+
+def _in_context(outputs: Sequence[OutputItem]) -> list[OutputItem]:
+    """The output items the next turn's context holds: not those a steer cut off mid-decode
+    (status `incomplete`), so the successor plans that turn afresh (docs/beta.md)."""
+    return [o for o in outputs if getattr(o, "status", None) != "incomplete"]
 
 
 def _user_message(item: Item, ids: IdFactory) -> bytes:
@@ -834,7 +841,14 @@ class ResponseRun:
         try:
             await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.inference_hop_s)
             while True:
+                if self.steers and self._steerable():
+                    # Beta: a steer queued before this segment's first token; nothing decoded yet.
+                    return await self._finish(stream.receive(Interrupt()))
                 done = await self._sample(turn.model_request())
+                if isinstance(done, Interrupt):
+                    events = stream.receive(done)
+                    stages.report.tokens_discarded = stream.discarded_tokens
+                    return await self._finish(events)
                 if self.beta:
                     # Only async calls make the response wait; any other call ends it (docs/beta.md).
                     required, owed = stream.split_calls()
@@ -963,7 +977,16 @@ class ResponseRun:
         """The stream's first events, then the acknowledgements that came before them."""
         return events + self._drain() if self._queued else events
 
-    async def _sample(self, request: ModelRequest) -> SamplingFinished:
+    def _steerable(self) -> bool:
+        """Beta: whether the response may stop here for a queued steer (docs/beta.md): no call
+        finished in this segment, so ending it leaves nothing owed. The item in flight, if any,
+        ends `incomplete` and stays out of the context."""
+        return not any(isinstance(item, FunctionCall) for item in self.stream.segment_output())
+
+    async def _sample(self, request: ModelRequest) -> SamplingFinished | Interrupt:
+        """One model segment. Beta: a steer accepted meanwhile stops it at the next event
+        boundary it is acknowledged at (a token boundary), if `_steerable`: the model's
+        generator is closed there, so no later token is decoded."""
         stream, stages, emit = self.stream, self.stages, self.emit
         self.engine._counts.model_calls += 1
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
@@ -987,10 +1010,16 @@ class ResponseRun:
                             await self.pauses.called(self, RequiredInput(call_id=call.call_id, name=call.name))
                         if queued:
                             await emit(self._drain())
+                            if self.steers and self._steerable():
+                                stages.lap(Stage.DECODE)
+                                return Interrupt()
                         continue
                 await emit(receive(event))
                 if queued:  # an acknowledgement arrived while the model decoded
                     await emit(self._drain())
+                    if self.steers and self._steerable():
+                        stages.lap(Stage.DECODE)
+                        return Interrupt()
         raise StreamError("model ended without SamplingFinished")
 
     # -- post-inference ----------------------------------------------------------------------------
@@ -1016,7 +1045,7 @@ class ResponseRun:
             except ProtocolError as err:
                 return await self._unstored(events, err)
         stages.lap(Stage.POST)
-        outputs = [item_from_output(o) for o in stream.response.output[self.in_context :]]
+        outputs = [item_from_output(o) for o in _in_context(stream.response.output[self.in_context :])]
         context.extend(outputs, await engine._render(outputs))
         stages.lap(Stage.RENDER)  # the output, rendered for the next turn's cache
         # The terminal event carries the timings (the stored copy does not: it was written before them).

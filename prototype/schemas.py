@@ -362,6 +362,7 @@ class StageReport(msgspec.Struct, kw_only=True):
     tokens_classified: int = 0
     overlapped_s: float = 0.0  # post-inference work taken off the critical path (async billing)
     connection_cache: str = "none"  # hit (served from the connection cache) | miss | none (no previous_response_id)
+    tokens_discarded: int = 0  # beta: decoded tokens of the item a steer cut off (docs/beta.md)
 
 
 class DeletedResponse(msgspec.Struct):

@@ -30,6 +30,9 @@ Invariants:
   `response.completed`, as the beta types say; an inject or steer the core accepted just as
   the response ended is acknowledged after its terminal event too (its input goes to the
   continuation). Nothing else follows a terminal event.
+* Beta: a steer accepted while the model decodes stops the response at the next token
+  boundary (`Interrupt`): the item in flight, if any, is closed with status `incomplete`
+  (its text so far), then `response.incomplete` with reason `steered` (docs/beta.md).
 * A server-side compaction (docs/compaction.md) is `output_item.added` (the
   compaction item, content empty), `response.compaction.compacting`, then
   `output_item.done` with the item's content, between model items.
@@ -99,6 +102,7 @@ __all__ = [
     "Fail",
     "InjectAccepted",
     "InjectRefused",
+    "Interrupt",
     "Pause",
     "RS",
     "ResponseStream",
@@ -155,6 +159,14 @@ class EndIncomplete:
 
 
 @dataclass(frozen=True, slots=True)
+class Interrupt:
+    """Beta: stop at this token boundary (a steer is queued): the item in flight ends
+    `incomplete`, then the response ends `incomplete` with `reason`."""
+
+    reason: str = "steered"
+
+
+@dataclass(frozen=True, slots=True)
 class InjectAccepted:
     """A `response.inject` committed (append: while paused; beta: also while sampling)."""
 
@@ -205,6 +217,7 @@ StreamInput = (
     | Resume
     | Fail
     | EndIncomplete
+    | Interrupt
     | InjectAccepted
     | InjectRefused
     | SteerAccepted
@@ -220,6 +233,7 @@ INPUT_TYPES: Final = (
     Resume,
     Fail,
     EndIncomplete,
+    Interrupt,
     InjectAccepted,
     InjectRefused,
     SteerAccepted,
@@ -282,6 +296,8 @@ class ResponseStream:
         self.cached_tokens = 0
         self.output_tokens = 0
         self.segment_start = 0  # index in `output` where the current segment began
+        self.item_start_tokens = 0  # `output_tokens` when the item in flight started
+        self.discarded_tokens = 0  # tokens of items an `Interrupt` ended incomplete
         self._ids = ids
         self._next = (counter or SequenceCounter()).next
         self._item: OutputMessage | FunctionCall | None = None
@@ -357,6 +373,7 @@ class ResponseStream:
     def _item_started(self, event: ItemStarted) -> list[ServerEvent]:
         index = len(self.output)
         self._parts = []
+        self.item_start_tokens = self.output_tokens
         if event.kind == "message":
             msg = OutputMessage(id=self._ids.new("msg"), status="in_progress", content=[])
             self._item = msg
@@ -429,6 +446,37 @@ class ResponseStream:
             ),
             OutputItemDone(sequence_number=self._next(), output_index=index, item=done_call),
         ]
+
+    def _interrupt_item(self, event: Interrupt) -> list[ServerEvent]:
+        """The item in flight, closed where the decode stopped (status `incomplete`, its text so
+        far), then the response's end. A message gets its text and part done events; a call only
+        its `output_item.done` (its arguments were never finished, so nothing announces them)."""
+        item = self._item
+        assert item is not None
+        text = "".join(self._parts)
+        index = len(self.output)
+        self._item = None
+        self.discarded_tokens += self.output_tokens - self.item_start_tokens
+        out: list[ServerEvent] = []
+        if isinstance(item, OutputMessage):
+            part = OutputText(text=text)
+            done: OutputItem = OutputMessage(id=item.id, status="incomplete", content=[part])
+            out += [
+                OutputTextDone(
+                    sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0, text=text
+                ),
+                ContentPartDone(
+                    sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0, part=part
+                ),
+            ]
+        else:
+            done = structs.replace(item, status="incomplete", arguments=text)
+        self.output.append(done)
+        out.append(OutputItemDone(sequence_number=self._next(), output_index=index, item=done))
+        return out + self._end_incomplete(EndIncomplete(event.reason))
+
+    def _interrupt(self, event: Interrupt) -> list[ServerEvent]:
+        return self._end_incomplete(EndIncomplete(event.reason))
 
     def _prefilled(self, event: Prefilled) -> list[ServerEvent]:
         self.cached_tokens += event.cached_tokens  # no wire event: counted in usage.cached_tokens
@@ -545,6 +593,8 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.COMPLETED, SteerPending): (R._steer_pending, RS.COMPLETED),  # after response.completed
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
+    (RS.IN_ITEM, Interrupt): (R._interrupt_item, RS.INCOMPLETE),  # beta: a steer, mid-item
+    (RS.IN_PROGRESS, Interrupt): (R._interrupt, RS.INCOMPLETE),  # beta: a steer, between items
     (RS.IN_PROGRESS, CompactionStarted): (R._compaction_started, RS.COMPACTING),
     (RS.COMPACTING, CompactionDone): (R._compaction_done, RS.IN_PROGRESS),
     (RS.COMPACTING, Fail): (R._fail, RS.FAILED),

@@ -34,7 +34,7 @@ from sim.stats import Estimate
 from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.trace import write_json, write_run, write_table
 
-__all__ = ["build_parser", "main", "pairs_table", "run", "saved_text", "table"]
+__all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
 
 def _add_config_options(p: argparse.ArgumentParser) -> None:
@@ -282,6 +282,37 @@ def pairs_table(pairs: list[PairSummary]) -> str:
     return "\n".join(rows)
 
 
+def interjection_table(summary: list[ModeSummary], pairs: list[PairSummary]) -> str:
+    """Interjections (docs/experiments.md#interjections): per mode the mean latency from the user's
+    message to the first token that has it in context, with its interval, discarded tokens and
+    successors per rollout; then the paired latency differences."""
+    rows = [
+        f"{'mode':<10} {'n':>3} {'interjections':>13} {'latency ms (95 % CI)':>26} "
+        f"{'discarded tok/rollout':>22} {'successors/rollout':>19}"
+    ]
+    for s in summary:
+        if not s.interjections:
+            continue
+        e = Estimate(s.interjection_latency_s, s.interjection_latency_ci_low, s.interjection_latency_ci_high, s.n)
+        bounds = _bounds(e.scaled(1000), 0)
+        rows.append(
+            f"{s.mode:<10} {s.n:>3} {s.interjections:>13} {f'{1000 * e.value:.0f} {bounds}':>26} "
+            f"{s.tokens_discarded_per_rollout:>22.1f} {s.successors_per_rollout:>19.2f}"
+        )
+    rows.append(f"\n{'latency: other vs base':<22} {'n':>3} {'difference ms (95 % CI)':>28}")
+    for p in pairs:
+        if math.isnan(p.interjection_latency_difference_s):
+            continue
+        d = Estimate(
+            p.interjection_latency_difference_s,
+            p.interjection_latency_difference_ci_low,
+            p.interjection_latency_difference_ci_high,
+            p.n,
+        ).scaled(1000)
+        rows.append(f"{f'{p.other} vs {p.base}':<22} {p.n:>3} {f'{d.value:+.0f} {_bounds(d, 0)}':>28}")
+    return "\n".join(rows)
+
+
 def agreement_text(e: Estimate) -> str:
     if math.isnan(e.value):
         return "virtual vs live: no pairs"
@@ -311,6 +342,9 @@ def _show(title: str, result: CompareResult) -> None:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
     print(pairs_table(result.pairs))
+    if any(s.interjections for s in result.summary):
+        print("\ninterjections (user message → first token of the turn that has it in context):")
+        print(interjection_table(result.summary, result.pairs))
 
 
 def compare_main(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ run) until every time-saved interval is narrower than ± `ci_width` points or
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import math
@@ -44,7 +45,7 @@ from prototype.store import MemoryStore
 from .accelerator import SimulatedModel
 from .inprocess import InProcessServer, Tap
 from .kv import PrefixCache
-from .live import RolloutResult, RolloutSpec, make_spec, run_rollout
+from .live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_rollout
 from .memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from .metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from .policy import DefaultPolicy, Policy
@@ -120,6 +121,18 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
             "this}]: the server compacts a prompt past this many tokens (0 = no context_management; else >= 1000)",
         ),
     ] = 0
+    interjections: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="user messages per rollout at seeded tool-call turns, each arriving mid-turn: steer mode "
+            "sends response.steer at once, every other mode holds it for the next turn's input (0 = none)",
+        ),
+    ] = 0
+    interjection_window_s: Annotated[
+        float,
+        Meta(ge=0, description="an interjection arrives a delay uniform in [0, this) s after its turn's first token"),
+    ] = 0.1
     seed: int = 0
     modes: Annotated[
         tuple[str, ...],
@@ -187,6 +200,12 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
     for m in config.modes:
         if m not in ALL_MODES:
             raise ValueError(f"unknown mode {m!r}; choose from {', '.join(ALL_MODES)}")
+    if "steer" in config.modes and config.interjections and config.compact_threshold:
+        # The beta refuses to steer a response that compacts automatically (docs/beta.md).
+        raise ValueError(
+            "steer mode with interjections cannot use compact_threshold: the beta does not steer "
+            "responses with automatic compaction"
+        )
     if config.workload != "custom" and config.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
     for name in config.disable:
@@ -255,6 +274,7 @@ async def run_compare(
         raise ValueError("tap= sees the in-process transport of a virtual run; a live run uses sockets")
     tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, drawn = _rollouts(config, memoize=memoize)
+    specs = _interjected(config, specs)
     model = SimulatedModel(
         clock=clock,
         policy=MemoPolicy(drawn) if memoize else drawn,
@@ -372,6 +392,7 @@ async def run_compare(
                 stopped = f"cap of {config.max_rollouts} rollouts reached (widest ±{widest:.2f} points)"
                 break
             specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
+            specs = _interjected(config, specs)
         if progress:
             print(file=sys.stderr)
     finally:
@@ -428,6 +449,21 @@ def _more_rollouts(
         raise TypeError("a workload's policy keeps a mutable per-conversation table")
     table.update(per_conversation)
     return specs
+
+
+def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[RolloutSpec]:
+    """The specs with `config.interjections` each (sim.live.draw_interjections); as they are at 0."""
+    if not config.interjections:
+        return specs
+    return [
+        dataclasses.replace(
+            spec,
+            interjections=draw_interjections(
+                config.seed, spec.index, config.interjections, len(spec.tool_times_s), config.interjection_window_s
+            ),
+        )
+        for spec in specs
+    ]
 
 
 _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)

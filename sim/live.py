@@ -20,12 +20,21 @@ from typing import Any, Final
 
 import numpy as np
 
-from prototype.client import Mode, ResponsesClient, TurnResult, tool_outputs
+from prototype.client import Interjection, InterjectionRecord, Mode, ResponsesClient, TurnResult, tool_outputs
 from prototype.clock import Clock
 
 from .tools import SimulatedTools, ToolRunner
 
-__all__ = ["RolloutResult", "RolloutSpec", "make_spec", "run_rollout", "tool_output_text", "turn_stream"]
+__all__ = [
+    "RolloutResult",
+    "RolloutSpec",
+    "draw_interjections",
+    "make_spec",
+    "run_interjected",
+    "run_rollout",
+    "tool_output_text",
+    "turn_stream",
+]
 
 EXEC_TOOL: Final[dict[str, Any]] = {
     "type": "function",
@@ -63,6 +72,7 @@ class RolloutSpec:
     tool_times_s: tuple[float, ...]  # one per possible tool turn
     tool_outputs: tuple[str, ...]
     instructions: str = _INSTRUCTION_LINE
+    interjections: tuple[Interjection, ...] = ()  # user messages mid-rollout (draw_interjections)
 
 
 @dataclass(slots=True)
@@ -75,6 +85,9 @@ class RolloutResult:
     tool_time_s: float = 0.0
     # Per model turn, the prompt tokens the model read (the comparison records them server-side).
     prompt_tokens: list[int] = field(default_factory=list)
+    interjections: list[InterjectionRecord] = field(default_factory=list)
+    tokens_discarded: int = 0  # decoded tokens of items a steer cut off (`steer` mode)
+    successors: int = 0  # automatic successors the steers started (`steer` mode)
 
     @property
     def completion_s(self) -> float:
@@ -121,6 +134,26 @@ def make_spec(
     return RolloutSpec(index, seed, task, tuple(times), tuple(outputs), instructions(system_prompt_tokens))
 
 
+INTERJECTION_STREAM: Final = 0x57EE  # turn_stream's extra word for a rollout's interjection draws
+
+
+def draw_interjections(seed: int, index: int, count: int, tool_turns: int, window_s: float) -> tuple[Interjection, ...]:
+    """Rollout `index`'s interjections: `count` distinct turns among the tool-call turns that
+    another tool-call turn follows (0 … tool_turns − 2, so a later request exists to carry the
+    message), each with a delay uniform in [0, window_s) after the turn's first token and a
+    short user message; drawn from their own stream, so the rollout's other draws do not move."""
+    if count <= 0 or tool_turns < 2:
+        return ()
+    rng = turn_stream(seed, index, 0, INTERJECTION_STREAM)
+    turns = sorted(rng.choice(tool_turns - 1, size=min(count, tool_turns - 1), replace=False).tolist())
+    delays = rng.uniform(0.0, window_s, size=len(turns)).tolist()
+    files = rng.integers(0, 100, size=len(turns)).tolist()
+    return tuple(
+        Interjection(turn, delay, f"Also check tests/test_{name:02d}.py before you go on.")
+        for turn, delay, name in zip(turns, delays, files, strict=True)
+    )
+
+
 async def run_rollout(
     client: ResponsesClient,
     clock: Clock,
@@ -134,6 +167,10 @@ async def run_rollout(
     """One rollout; `store` defaults to what the mode needs (only `http_prev` chains through the store).
     `context_management` goes on every create (docs/compaction.md); append and inject modes create
     once, and their response compacts at a resume past the create's threshold."""
+    if spec.interjections:
+        return await run_interjected(
+            client, clock, spec, model=model, tools=tools, store=store, context_management=context_management
+        )
     tools = tools or SimulatedTools()
     settings: dict[str, Any] = {
         "model": model,
@@ -156,4 +193,76 @@ async def run_rollout(
         result.tool_time_s += tool_s
         items = tool_outputs(outcome, output)
     result.finished_at = clock.now()
+    return result
+
+
+async def run_interjected(
+    client: ResponsesClient,
+    clock: Clock,
+    spec: RolloutSpec,
+    *,
+    model: str,
+    tools: ToolRunner | None = None,
+    store: bool | None = None,
+    context_management: list[dict[str, Any]] | None = None,
+) -> RolloutResult:
+    """`run_rollout` with the spec's interjections (docs/experiments.md#interjections). Each
+    arrives its delay after its turn's first token. A client that steers (`steer` mode) is armed
+    before that turn and sends it itself; every other client holds it and sends it with the first
+    request after it arrived, after the tool outputs. One not delivered by the rollout's answer
+    (its delay outran the rollout, or its steer failed) is sent, once it has arrived, as one more
+    turn, in every mode alike."""
+    tools = tools or SimulatedTools()
+    settings = {
+        "model": model,
+        "instructions": spec.instructions,
+        "tools": [EXEC_TOOL],
+        "store": client.mode == "http_prev" if store is None else store,
+    }
+    if context_management is not None:
+        settings["context_management"] = context_management
+    steering = bool(getattr(client, "steering", False))
+    planned = {interjection.turn: interjection for interjection in spec.interjections}
+    result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
+    items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
+    held: list[InterjectionRecord] = []  # arrived (or due), not sent yet
+    carried: list[InterjectionRecord] = []  # sent with this turn's input
+    turn = 0
+    while True:
+        interjection = planned.get(turn)
+        if interjection is not None and steering:
+            client.arm(interjection)  # type: ignore[attr-defined]
+        outcome = await client.turn(items, **settings)
+        result.turns.append(outcome)
+        for record in carried:
+            record.seen_at = outcome.first_token_at
+        carried = []
+        if interjection is not None and not steering:
+            start = outcome.first_token_at if outcome.first_token_at is not None else outcome.sent_at
+            record = InterjectionRecord(interjection, start + interjection.delay_s)
+            held.append(record)
+            result.interjections.append(record)
+        if turn >= len(spec.tool_times_s) or not outcome.call_ids:
+            held += client.disarm() if steering else []  # type: ignore[attr-defined]
+            if not held:
+                break
+            last = max(record.arrived_at for record in held)
+            if last > clock.now():
+                await clock.sleep_until(last)
+            items, carried, held = [record.interjection.message() for record in held], held, []
+            turn += 1
+            continue
+        output, tool_s = await tools.run(clock, float(spec.tool_times_s[turn]), spec.tool_outputs[turn])
+        result.tool_time_s += tool_s
+        items = tool_outputs(outcome, output)
+        now = clock.now()
+        carried = [record for record in held if record.arrived_at <= now]
+        held = [record for record in held if record.arrived_at > now]
+        items += [record.interjection.message() for record in carried]
+        turn += 1
+    result.finished_at = clock.now()
+    if steering:
+        state = client.steer_state  # type: ignore[attr-defined]
+        result.interjections.extend(state.records)
+        result.tokens_discarded, result.successors = state.tokens_discarded, state.successors
     return result

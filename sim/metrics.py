@@ -15,6 +15,11 @@ Times are the client's, from `TurnResult` (taken on the run's clock):
 * Connection-cache hit rate: continuations served from the connection cache /
   all continuations (a store hydration is a miss); token hit rate:
   cached_tokens / input_tokens.
+* Interjections (docs/experiments.md#interjections): an interjection's latency runs from the
+  user's message (its arrival) to the first token of the model turn that has it in its
+  context; per rollout, the mean over its interjections. `tokens_discarded`: decoded tokens
+  of items a steer cut off; `successors`: automatic successors started by steers. Summaries
+  give the mean over rollouts with its bootstrap interval; pairs the paired difference.
 * Time saved vs `http`: rollout i runs in every mode (same seed, same draws), so each
   mode's saving is the mean over rollouts of 1 − tᵢ(mode)/tᵢ(http), paired by rollout
   index; `PairSummary` gives the same for every pair of modes, and the difference in
@@ -44,6 +49,7 @@ __all__ = [
     "ModeSummary",
     "PairSummary",
     "headline",
+    "interjection_latency",
     "live_agreement",
     "pair_summaries",
     "per_turn_work",
@@ -85,6 +91,13 @@ class ModeSummary(msgspec.Struct, frozen=True, kw_only=True):
     saved_vs_http_ci_low: float
     saved_vs_http_ci_high: float
     saved_vs_http_n: int  # rollouts run in both this mode and http
+    # Interjections (NaN, 0 without): per-rollout means, averaged over rollouts, with intervals.
+    interjections: int = 0  # delivered, over every rollout of the mode
+    interjection_latency_s: float = math.nan
+    interjection_latency_ci_low: float = math.nan
+    interjection_latency_ci_high: float = math.nan
+    tokens_discarded_per_rollout: float = math.nan
+    successors_per_rollout: float = math.nan
 
     def estimate(self, name: str) -> Estimate:
         """A metric with its interval: `completion_p50`, `completion_p90` or `saved_vs_http`."""
@@ -105,6 +118,23 @@ class PairSummary(msgspec.Struct, frozen=True, kw_only=True):
     difference_s: float  # mean of tᵢ(other) − tᵢ(base)
     difference_ci_low: float
     difference_ci_high: float
+    # Interjections: mean of Lᵢ(other) − Lᵢ(base), Lᵢ a rollout's mean interjection latency (NaN without).
+    interjection_latency_difference_s: float = math.nan
+    interjection_latency_difference_ci_low: float = math.nan
+    interjection_latency_difference_ci_high: float = math.nan
+
+
+def interjection_latency(result: RolloutResult) -> float | None:
+    """The rollout's mean interjection latency (None: it had none delivered)."""
+    latencies = [r.latency_s for r in result.interjections if r.latency_s is not None]
+    return sum(latencies) / len(latencies) if latencies else None
+
+
+def _paired_latencies(results: Sequence[RolloutResult], base: str, other: str) -> tuple[list[float], list[float]]:
+    a = {r.index: interjection_latency(r) for r in results if r.mode == base}
+    b = {r.index: interjection_latency(r) for r in results if r.mode == other}
+    shared = sorted(i for i in a.keys() & b.keys() if a[i] is not None and b[i] is not None)
+    return [a[i] for i in shared], [b[i] for i in shared]  # type: ignore[misc]
 
 
 def _paired_times(results: Sequence[RolloutResult], base: str, other: str) -> tuple[list[float], list[float]]:
@@ -123,6 +153,7 @@ def pair_summaries(results: Sequence[RolloutResult], *, seed: int = 0) -> list[P
             a, b = _paired_times(results, base, other)
             saved = paired_saving(a, b, seed=seed)
             diff = paired_difference(a, b, seed=seed)
+            latency = paired_difference(*_paired_latencies(results, base, other), seed=seed)
             out.append(
                 PairSummary(
                     base=base,
@@ -134,6 +165,9 @@ def pair_summaries(results: Sequence[RolloutResult], *, seed: int = 0) -> list[P
                     difference_s=diff.value,
                     difference_ci_low=diff.ci_low,
                     difference_ci_high=diff.ci_high,
+                    interjection_latency_difference_s=latency.value,
+                    interjection_latency_difference_ci_low=latency.ci_low,
+                    interjection_latency_difference_ci_high=latency.ci_high,
                 )
             )
     return out
@@ -179,6 +213,13 @@ def _reports_per_turn(turns: Sequence[TurnResult]) -> list[dict[str, float]]:
         else:
             rows.append(now)
         previous, previous_id = now, t.response.id
+    for row, t in zip(rows, turns, strict=True):
+        for parent in t.steered:  # `steer` mode: a response a steer ended reports its work once, here
+            report = parent.longrun
+            if isinstance(report, msgspec.Struct):
+                for k, v in report.stages_s.items():
+                    row[f"stage:{k}"] = row.get(f"stage:{k}", 0.0) + v
+                row["tokens_rendered"] = row.get("tokens_rendered", 0.0) + report.tokens_rendered
     return rows
 
 
@@ -237,8 +278,10 @@ def summarize(
         total_s = float(completion.sum())
         caches = [t.response.longrun.connection_cache for t in turns if isinstance(t.response.longrun, msgspec.Struct)]
         continued = [c for c in caches if c != "none"]
-        usage = [t.response.usage for t in turns if t.response.usage is not None]
+        usage = [r.usage for t in turns for r in (*t.steered, t.response) if r.usage is not None]
         input_tokens = sum(u.input_tokens for u in usage)
+        interjected = [r for r in rs if r.interjections]
+        latency = paired_mean([v for r in interjected if (v := interjection_latency(r)) is not None], seed=seed)
         out.append(
             ModeSummary(
                 mode=mode,
@@ -270,6 +313,14 @@ def summarize(
                 saved_vs_http_ci_low=saved.ci_low if saved else math.nan,
                 saved_vs_http_ci_high=saved.ci_high if saved else math.nan,
                 saved_vs_http_n=saved.n if saved else 0,
+                interjections=sum(r.latency_s is not None for x in rs for r in x.interjections),
+                interjection_latency_s=latency.value,
+                interjection_latency_ci_low=latency.ci_low,
+                interjection_latency_ci_high=latency.ci_high,
+                tokens_discarded_per_rollout=(
+                    float(np.mean([r.tokens_discarded for r in interjected])) if interjected else math.nan
+                ),
+                successors_per_rollout=float(np.mean([r.successors for r in interjected])) if interjected else math.nan,
             )
         )
     return out

@@ -200,39 +200,50 @@ async def test_bad_injects_and_steers_get_the_beta_failures_and_lose_nothing(liv
     assert wire.counts[strict.BETA_WS_EVENT] > 10 and not wire.violations
 
 
-async def test_steer_while_decoding_then_pending_stubs_for_a_client_owned_call(wire: strict.Checker) -> None:
-    """A sync tool's call ends the response; a steer queued during it is pending with the call's
-    stub, and is prepended to the explicit create that answers the stub."""
+LONG_CMD: Final = "grep -rn " + " ".join(f"pattern_{k}" for k in range(150))
+TWO_SYNC_CALLS: Final = ScriptPolicy(
+    [
+        [
+            PlannedItem("function_call", "exec_command", json.dumps({"cmd": "ls"})),
+            PlannedItem("function_call", "exec_command", json.dumps({"cmd": LONG_CMD})),
+        ]
+    ]
+)
+
+
+async def test_a_steer_after_a_client_owned_call_is_pending_with_the_calls_stubs(wire: strict.Checker) -> None:
+    """A sync tool's call ends the response; a steer accepted once a call of the turn is finished
+    cannot stop it (ending it would leave the call unanswered): it is pending with the stubs of
+    the turn's calls, and is prepended to the explicit create that answers them."""
     async with (
-        live_server(tool_calls=1, seed=SEED, decode_tok_per_s=500) as live,
+        live_server(policy=TWO_SYNC_CALLS, seed=SEED, decode_tok_per_s=500) as live,
         aiohttp.ClientSession() as session,
         await beta_socket(session, live) as ws,
     ):
         await ws.send_str(create(input=PROMPT, tools=[EXEC_TOOL]))
-        first = await receive_event(ws)
-        rid = first["response"]["id"]
+        first = await until(ws, "response.output_item.done")
+        rid = first[0]["response"]["id"]
         await ws.send_str(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": STEER_TEXT}))
         events = await until(ws, "response.steer.pending")
         kinds = [e["type"] for e in events]
         assert "response.steer.accepted" in kinds and kinds[-2:] == ["response.completed", "response.steer.pending"]
         accepted = next(e for e in events if e["type"] == "response.steer.accepted")
         pending = events[-1]
-        call = events[-2]["response"]["output"][-1]
-        assert "async" not in call  # a client-owned sync call
+        calls = events[-2]["response"]["output"]
+        assert [c["status"] for c in calls] == ["completed", "completed"] and all("async" not in c for c in calls)
         assert pending["reason"] == "waiting_for_required_input" and pending["steer"] == accepted["steer"]
         assert pending["required_input"] == [
-            {"call_id": call["call_id"], "name": call["name"], "type": "function_call_output"}
+            {"call_id": c["call_id"], "name": c["name"], "type": "function_call_output"} for c in calls
         ]
         assert pending["sequence_number"] == events[-2]["sequence_number"] + 1
-        stub = {**pending["required_input"][0], "output": "ok"}
-        del stub["name"]
-        await ws.send_str(create(input=[stub], tools=[EXEC_TOOL], previous_response_id=rid))
+        stubs = [{"type": "function_call_output", "call_id": c["call_id"], "output": "ok"} for c in calls]
+        await ws.send_str(create(input=stubs, tools=[EXEC_TOOL], previous_response_id=rid))
         second = await until(ws, "response.completed")
         assert second[0]["response"]["previous_response_id"] == rid
-        # The queued steer is in that request's input, ahead of the output: the prompt grew by both.
+        # The queued steer is in that request's input, ahead of the outputs: the prompt grew by both.
         unsteered_ws = await session.ws_connect(live.ws_url, headers=BETA_HEADERS)
         async with unsteered_ws:
-            await unsteered_ws.send_str(create(input=[stub], tools=[EXEC_TOOL], previous_response_id=rid))
+            await unsteered_ws.send_str(create(input=stubs, tools=[EXEC_TOOL], previous_response_id=rid))
             plain = await until(unsteered_ws, "response.completed", "error")
         assert plain[-1]["type"] == "response.completed"  # stored parent, no steer on that socket
         steered_tokens = second[-1]["response"]["usage"]["input_tokens"]
@@ -240,24 +251,40 @@ async def test_steer_while_decoding_then_pending_stubs_for_a_client_owned_call(w
     assert not wire.violations
 
 
-async def test_a_steer_during_a_final_answer_gets_an_automatic_successor(wire: strict.Checker) -> None:
+async def test_a_steer_during_a_final_answer_stops_it_mid_decode_and_the_successor_answers(
+    wire: strict.Checker,
+) -> None:
+    """The mid-decode boundary: the message in flight ends `incomplete` with its text so far, the
+    response `incomplete`/`steered`; the successor inherits the settings, continues from the
+    parent (without the cut message) and answers that turn in full: the same tokens, re-planned."""
     async with (
         live_server(tool_calls=0, seed=SEED, decode_tok_per_s=500) as live,
         aiohttp.ClientSession() as session,
         await beta_socket(session, live) as ws,
     ):
         await ws.send_str(create(input="Say hello.", instructions="Be brief.", stream_id="lane-a"))
-        first = await receive_event(ws)
-        rid = first["response"]["id"]
+        head = await until(ws, "response.output_text.delta")
+        rid = head[0]["response"]["id"]
         await ws.send_str(json.dumps({"type": "response.steer", "previous_response_id": rid, "input": "In French."}))
-        events = await until(ws, "response.completed")
+        events = head + await until(ws, "response.incomplete")
         assert any(e["type"] == "response.steer.accepted" and e["stream_id"] == "lane-a" for e in events)
-        # Normal completion, then the successor: it inherits the settings and continues from the parent.
+        parent = events[-1]["response"]
+        assert parent["incomplete_details"] == {"reason": "steered"}
+        (cut,) = parent["output"]
+        assert cut["status"] == "incomplete" and events[-2] == {**events[-2], "type": "response.output_item.done"}
+        partial = cut["content"][0]["text"]
+        assert partial == "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert parent["longrun"]["tokens_discarded"] == parent["usage"]["output_tokens"] > 0
         successor = await until(ws, "response.completed")
         assert successor[0]["type"] == "response.created"
         made = successor[0]["response"]
         assert made["previous_response_id"] == rid and made["id"] != rid and made["instructions"] == "Be brief."
         assert all(e["stream_id"] == "lane-a" for e in successor)
+        (answer,) = successor[-1]["response"]["output"]
+        full = answer["content"][0]["text"]
+        assert answer["status"] == "completed" and full.startswith(partial) and len(full) > len(partial)
+        # The prompt holds the parent's context and the steer, not the cut message.
+        assert successor[-1]["response"]["usage"]["output_tokens"] > parent["usage"]["output_tokens"]
     assert not wire.violations
 
 

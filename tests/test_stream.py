@@ -19,6 +19,7 @@ from prototype.stream import (
     Fail,
     InjectAccepted,
     InjectRefused,
+    Interrupt,
     Pause,
     ResponseStream,
     Resume,
@@ -195,6 +196,19 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
         "in progress",
     ),
     ("in item", "fail", ("response.failed",), "failed"),
+    # Beta: a steer stops the decode at a token boundary; the item in flight closes incomplete.
+    (
+        "in item",
+        "interrupt",
+        (
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete",
+        ),
+        "incomplete",
+    ),
+    ("in progress", "interrupt", ("response.incomplete",), "incomplete"),
     ("paused", "resume", ("response.in_progress",), "in progress"),
     # Acknowledgements are numbered wherever the live stream is (beta injects answer async calls
     # while the model still decodes; append ones only come while paused).
@@ -244,6 +258,7 @@ INPUTS: dict[str, tuple[type, object]] = {
     "resume": (Resume, Resume(1)),
     "fail": (Fail, Fail("x", "y")),
     "end incomplete": (EndIncomplete, EndIncomplete("append_timeout")),
+    "interrupt": (Interrupt, Interrupt()),
     "inject accepted": (InjectAccepted, InjectAccepted()),
     "inject refused": (InjectRefused, InjectRefused([], "unknown_call_id", "no such call")),
     "steer accepted": (SteerAccepted, SteerAccepted(SteerRef(id="steer_1", previous_response_id="resp_1"))),
@@ -338,3 +353,33 @@ def test_append_dialect_never_marks_calls_async() -> None:
 def test_unknown_dialect_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown dialect"):
         ResponseStream(template(), IdFactory(0), dialect="v2")
+
+
+def test_an_interrupt_closes_the_message_in_flight_incomplete_with_its_text_so_far() -> None:
+    s = ResponseStream(template(), IdFactory(0), dialect="beta")
+    events = run(s, [Start(5), ItemStarted("message"), TokensSampled((1,), "Hel"), TokensSampled((2,), "lo")])
+    events += run(s, [Interrupt()])
+    assert types(events)[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    done, final = events[-2].item, events[-1].response  # type: ignore[attr-defined]
+    assert isinstance(done, OutputMessage) and done.status == "incomplete" and done.content[0].text == "Hello"
+    assert final.incomplete_details.reason == "steered" and final.output == [done]
+    assert final.usage.output_tokens == 2 and s.discarded_tokens == 2
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # type: ignore[attr-defined]
+
+
+def test_an_interrupted_call_is_incomplete_is_not_pending_and_counts_only_its_own_tokens() -> None:
+    s = ResponseStream(template(), IdFactory(0), dialect="beta", async_tools=frozenset({"f"}))
+    run(s, [Start(5), ItemStarted("message"), TokensSampled((1, 2), "ok"), ItemFinished()])
+    run(s, [ItemStarted("function_call", "f"), TokensSampled((3,), '{"cmd":'), TokensSampled((4, 5), '"l')])
+    events = run(s, [Interrupt()])
+    assert types(events) == ["response.output_item.done", "response.incomplete"]  # no arguments.done
+    call = events[0].item  # type: ignore[attr-defined]
+    assert isinstance(call, FunctionCall) and call.status == "incomplete" and call.arguments == '{"cmd":"l'
+    assert s.discarded_tokens == 3 and s.output_tokens == 5
+    # It stays in the response's output (the client saw it); the engine keeps it out of the context.
+    assert [i.status for i in s.output] == ["completed", "incomplete"]
