@@ -173,8 +173,10 @@ class _InProcessHTTP(HTTPClient):
 
 
 class _InProcessWS(WSClient):
-    def __init__(self, server: InProcessServer, clock: Clock, *, append: bool, beta: bool = False) -> None:
-        super().__init__("inprocess://", clock, append=append, beta=beta)
+    def __init__(
+        self, server: InProcessServer, clock: Clock, *, append: bool, beta: bool = False, overlap: bool = False
+    ) -> None:
+        super().__init__("inprocess://", clock, append=append, beta=beta, overlap=overlap)
         self.server = server
         self.append_mode = append
 
@@ -217,4 +219,6 @@ class InProcessServer:
             return _InProcessWS(self, clock, append=mode == "append")
         if mode == "inject":
             return _InProcessWS(self, clock, append=False, beta=True)
+        if mode == "async":
+            return _InProcessWS(self, clock, append=False, overlap=True)
         raise ValueError(f"unknown mode {mode!r}")
