@@ -862,7 +862,7 @@ class ResponseRun:
                         return await self._finish(stream.receive(done), owed=tuple(owed))
                     if self._may_decode_on():
                         carried = await self._boundary()
-                        if self._decodes_on(carried):
+                        if self._decodes_on():
                             ended = await self._decode_on(carried)
                             if ended is not None:
                                 return ended
@@ -916,11 +916,11 @@ class ResponseRun:
         """From the connection core, during `PauseChannel.turn_ended`: what was injected so far."""
         self._taken = items
 
-    def _decodes_on(self, carried: tuple[Item, ...]) -> bool:
+    def _decodes_on(self) -> bool:
         """The model's decision (`DecidesAsync.decodes_on`) for the next turn, given the turns
         whose outputs are still outstanding. Nothing outstanding: the pause resumes at once, as
         when every output came during the turn. The request is the next turn's as the context
-        stands (its calls in; `carried` joins it if the model decodes on)."""
+        stands (its calls in; what was handed over joins it if the model decodes on)."""
         model = self.engine.model
         outstanding = tuple(sorted(set(self._open_calls.values())))
         if not outstanding or not isinstance(model, DecidesAsync):

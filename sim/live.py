@@ -204,9 +204,9 @@ async def run_async_rollout(
 ) -> RolloutResult:
     """One rollout in `async` mode: tool step k starts when the k-th turn's call arrives (its
     `output_item.done`) and injects its output when it finishes, while the client reads on;
-    the rollout ends at the terminal event. `tool_time_s` is the time a tool ran while no
-    turn was streaming (the tool time on the rollout's critical path), so the overhead share
-    counts tool time overlapped with decoding once, as model time."""
+    the rollout ends at the terminal event. `tool_time_s` is the time a tool ran while the
+    server was not working on a turn (the tool time on the rollout's critical path), so the
+    overhead share counts tool time overlapped with the model's work once, as model time."""
     tools = tools or SimulatedTools()
     settings = {"model": model, "instructions": spec.instructions, "tools": [EXEC_TOOL], "store": store}
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
@@ -234,6 +234,12 @@ async def run_async_rollout(
     result.finished_at = clock.now()
     if failures:
         raise failures[0]
-    streaming = [(t.first_token_at, t.done_at) for t in result.turns if t.first_token_at is not None]
-    result.tool_time_s = exposed_s(spans, streaming)
+    result.tool_time_s = exposed_s(spans, [_working(t) for t in result.turns])
     return result
+
+
+def _working(turn: TurnResult) -> tuple[float, float]:
+    """When the server worked on an `async` turn, as the client sees it: from its start, or from
+    its resume (`response.in_progress`) if it waited, to its end."""
+    resumed = [at for at, kind in turn.event_log if kind == "response.in_progress"]
+    return (resumed[-1] if resumed else turn.sent_at, turn.done_at)
