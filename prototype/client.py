@@ -299,6 +299,8 @@ class WSClient:
         self.lanes: LaneSocket | None = None
         self.stream_id: str | None = None
         self._tracker: _Tracker | None = None  # async mode: the turn being read
+        self._injecting: list[asyncio.Task[None]] = []  # async mode: tool steps whose output is still to send
+        self._steps: list[Awaitable[list[dict[str, Any]]]] = []
 
     async def _connect(self) -> TextSocket:
         self.session = aiohttp.ClientSession()
@@ -402,6 +404,29 @@ class WSClient:
         data = encode({"type": "response.inject", "response_id": self.paused_id, "input": items}).decode()
         self._tracker.bytes_sent += len(data)
         await self.ws.send_str(data)
+
+    def inject_when_ready(self, output: Awaitable[list[dict[str, Any]]]) -> None:
+        """`async` mode: inject the items `output` comes to (a tool step's outputs) once it is
+        ready, while `next_turn` reads on."""
+
+        async def send() -> None:
+            await self.inject(await output)
+
+        self._injecting.append(asyncio.get_running_loop().create_task(send()))
+        self._steps.append(output)
+
+    async def settle(self) -> BaseException | None:
+        """`async` mode, at the rollout's end: cancel the tool steps still running (a rollout cut
+        short), wait for the rest; the first failure of one, if any."""
+        tasks, self._injecting = self._injecting, []
+        steps, self._steps = self._steps, []
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for step in steps:
+            if asyncio.iscoroutine(step):
+                step.close()  # one cancelled before it started is never awaited: nothing to run
+        return next((r for r in results if isinstance(r, Exception)), None)
 
     async def close(self) -> None:
         if self.ws is not None:

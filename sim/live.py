@@ -19,7 +19,6 @@ draws as every other mode's (tool step k: the k-th call's time and output).
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -212,13 +211,12 @@ async def run_async_rollout(
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     spans: list[tuple[float, float]] = []
 
-    async def tool_step(k: int, turn: TurnResult) -> None:
+    async def tool_step(k: int, turn: TurnResult) -> list[dict[str, Any]]:
         start = clock.now()
         output, _ = await tools.run(clock, float(spec.tool_times_s[k]), spec.tool_outputs[k])
         spans.append((start, clock.now()))
-        await client.inject(tool_outputs(turn, output))
+        return tool_outputs(turn, output)
 
-    running: list[asyncio.Task[None]] = []
     await client.begin([{"type": "message", "role": "user", "content": spec.task}], **settings)
     try:
         for turn in range(len(spec.tool_times_s) + 1):
@@ -226,14 +224,12 @@ async def run_async_rollout(
             result.turns.append(outcome)
             if outcome.response.status != "in_progress" or turn == len(spec.tool_times_s) or not outcome.call_ids:
                 break
-            running.append(asyncio.get_running_loop().create_task(tool_step(turn, outcome)))
+            client.inject_when_ready(tool_step(turn, outcome))  # runs while the client reads on
     finally:
-        for task in running:
-            task.cancel()  # after the terminal event every step is done: only a failed rollout cancels
-        failures = [r for r in await asyncio.gather(*running, return_exceptions=True) if isinstance(r, Exception)]
+        failure = await client.settle()  # after the terminal event every step is done
     result.finished_at = clock.now()
-    if failures:
-        raise failures[0]
+    if failure is not None:
+        raise failure
     result.tool_time_s = exposed_s(spans, [_working(t) for t in result.turns])
     return result
 
