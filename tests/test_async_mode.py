@@ -248,3 +248,22 @@ def test_an_output_that_never_arrives_times_the_response_out() -> None:
         assert clock.now() - start == pytest.approx(5.0, abs=0.01)
 
     run_virtual(go, charge_cpu=False)
+
+
+def test_a_larger_share_only_adds_turns_that_decode_on() -> None:
+    _, model = _server(independent=0.3)
+    low = {k for k in range(200) if model.independent(7, k)}
+    model.async_independent = 0.6
+    high = {k for k in range(200) if model.independent(7, k)}
+    assert low < high and 30 < len(low) < 90 and 90 < len(high) < 150  # common random numbers
+    with pytest.raises(ValueError, match="async_independent"):
+        SimulatedModel(clock=VirtualClock(), policy=DefaultPolicy(), async_independent=1.5)
+
+
+def test_async_rollouts_share_a_socket_on_lanes() -> None:
+    config = msgspec.structs.replace(SMALL, async_independent=1.0, lanes=2, modes=("inject", "async"))
+    result = run(config, virtual=True, free_cpu=True)
+    inject, overlap = _by_mode(result, "inject"), _by_mode(result, "async")
+    for i, r in overlap.items():
+        assert _calls_and_answer(r) == _calls_and_answer(inject[i])
+        assert r.turns[-1].response.status == "completed"
