@@ -21,8 +21,8 @@ Modes (names used everywhere):
   `parallel_tool_calls: false`: one call in flight at a time, so the model waits for each
   output before its next turn (docs/beta.md).
 * `async`: the same beta socket and create (with parallel calls allowed), driven as the
-  async tools are meant to be used (`begin`, `next_turn`, `inject`; sim/live.py's
-  `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
+  async tools are meant to be used (`begin`, `next_turn`, `inject_when_ready`, `settle`;
+  sim/live.py's `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
   client keeps reading while it runs and injects its output when it finishes; the model may
   decode its next turn meanwhile. A turn ends at an async call's `output_item.done` (the next
   one starts right there) or at the terminal event.

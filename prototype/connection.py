@@ -67,9 +67,10 @@ pause machine with its own wire:
 13. Only calls of `async: true` function tools make a response wait; the engine reports
     each such call as it is emitted (`CallEmitted`), so a `response.inject` may answer it
     while the response is still sampling (acknowledged at once, committed at the turn's
-    end). Any other call ends the response as in WebSocket mode. When the model decodes
-    on past such calls instead of pausing (`TurnEnded`), what was injected so far is handed
-    to the response (`TakeInput`) and the calls still unanswered stay pending.
+    end). Any other call ends the response as in WebSocket mode. At the end of a turn
+    with such calls (`TurnEnded`) what was injected so far is handed to the response
+    (`TakeInput`) and the calls still unanswered stay pending: its model may decode on
+    without them, or pause until they are answered.
 14. `response.inject` for an unknown or ended response gets `response.inject.failed`
     (`response_not_found`, `response_already_completed`); items that do not fit (an
     unknown call id, a non-message item) get an `error` event; nothing is committed.
@@ -212,7 +213,8 @@ class CallEmitted:
 
 @dataclass(frozen=True, slots=True)
 class TurnEnded:
-    """Beta: the in-flight response's turn ended in async calls and its model decodes on."""
+    """Beta: the in-flight response's turn ended in async calls; it takes what was injected so
+    far (into its next turn's context if its model decodes on, else at its resume)."""
 
     job: Job
 
@@ -1026,7 +1028,8 @@ class Connection:
         lane.pause.pending[event.call.call_id] = event.call.name
 
     def _take(self, lane: Lane, event: TurnEnded) -> None:
-        """Beta: the response decodes on; the outputs injected so far go into its context now."""
+        """Beta: a turn boundary; the input injected so far goes to the response, its calls
+        without an output stay pending."""
         if event.job is not lane.in_flight:
             raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
         committed: tuple[Item, ...] = ()

@@ -6,6 +6,7 @@ and `append`; only the timing differs, and only by overlapped tool time."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -14,8 +15,9 @@ import pytest
 
 from prototype.app import make_engine
 from prototype.client import MODES, WSClient, tool_outputs
+from prototype.connection import CS, AckInject, ArmPauseTimer, Connection, ResumeJob, StartJob, TakeInput
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
-from prototype.schemas import decode_stored
+from prototype.schemas import RequiredInput, decode_stored
 from prototype.session import ServerConfig
 from prototype.store import MemoryStore
 from sim import experiment
@@ -267,3 +269,28 @@ def test_async_rollouts_share_a_socket_on_lanes() -> None:
     for i, r in overlap.items():
         assert _calls_and_answer(r) == _calls_and_answer(inject[i])
         assert r.turns[-1].response.status == "completed"
+
+
+def test_the_core_hands_over_injected_outputs_at_a_boundary_and_keeps_the_rest_pending() -> None:
+    c = Connection(beta=True)
+    c.receive_text(json.dumps({"type": "response.create", "model": "sim", "input": "hi"}))
+    (job,) = [o.job for o in c.outputs_to_send() if isinstance(o, StartJob)]
+    for call_id in ("call_a", "call_b"):
+        c.call_emitted(job, RequiredInput(call_id=call_id, name="exec_command"))
+    inject = {"type": "response.inject", "response_id": job.response_id}
+    c.receive_text(
+        json.dumps({**inject, "input": [{"type": "function_call_output", "call_id": "call_a", "output": "A"}]})
+    )
+    assert [type(o) for o in c.outputs_to_send()] == [AckInject]
+    c.turn_ended(job)
+    (taken,) = c.outputs_to_send()
+    assert isinstance(taken, TakeInput) and [i.view.call_id for i in taken.items] == ["call_a"]
+    c.turn_ended(job)  # nothing new since: nothing handed over twice
+    assert c.outputs_to_send() == [TakeInput(job, ())]
+    c.response_paused(job, ())  # the model waits for call_b
+    assert [type(o) for o in c.outputs_to_send()] == [ArmPauseTimer] and c.state is CS.PAUSED
+    c.receive_text(
+        json.dumps({**inject, "input": [{"type": "function_call_output", "call_id": "call_b", "output": "B"}]})
+    )
+    resumed = [o for o in c.outputs_to_send() if isinstance(o, ResumeJob)]
+    assert len(resumed) == 1 and [i.view.call_id for i in resumed[0].items] == ["call_b"]
