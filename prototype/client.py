@@ -17,7 +17,15 @@ Modes (names used everywhere):
   the tool outputs. The beta sends no pause event, so a turn ends at the
   `output_item.done` of an async call (one call per turn, as the simulated agent
   makes them) or at the terminal event; the turn's `response` is the latest snapshot
-  of the response (`response.created`, or the terminal event's).
+  of the response (`response.created`, or the terminal event's). Its create sends
+  `parallel_tool_calls: false`: one call in flight at a time, so the model waits for each
+  output before its next turn (docs/beta.md).
+* `async`: the same beta socket and create (with parallel calls allowed), driven as the
+  async tools are meant to be used (`begin`, `next_turn`, `inject_when_ready`, `settle`;
+  sim/live.py's `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
+  client keeps reading while it runs and injects its output when it finishes; the model may
+  decode its next turn meanwhile. A turn ends at an async call's `output_item.done` (the next
+  one starts right there) or at the terminal event.
 
 * `steer`: `inject`, and a user message that arrives while the rollout runs (an
   interjection, docs/experiments.md) is sent at once as `response.steer` to the response
@@ -85,11 +93,11 @@ __all__ = [
     "tool_outputs",
 ]
 
-Mode = Literal["http", "http_prev", "ws", "append", "inject", "steer"]
-# The default comparison's modes; `inject` and `steer` are opt-in (`--modes`, docs/experiments.md).
+Mode = Literal["http", "http_prev", "ws", "append", "inject", "async", "steer"]
+# The default comparison's modes; `inject`, `async` and `steer` are opt-in (`--modes`, docs/experiments.md).
 MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
-ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "steer")
-WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject", "steer")
+ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "async", "steer")
+WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject", "async", "steer")
 TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
 
@@ -313,12 +321,18 @@ class WSClient:
         api_key: str = "sk-longrun",
         append: bool = False,
         beta: bool = False,
+        overlap: bool = False,
         steer: bool = False,
     ) -> None:
-        self.mode: Mode = "steer" if steer else "inject" if beta else "append" if append else "ws"
-        beta = beta or steer
+        self.mode: Mode = (
+            "steer" if steer else "async" if overlap else "inject" if beta else "append" if append else "ws"
+        )
+        # `async` mode: the beta, its tools overlapping the model's decoding; `steer` mode: `inject`,
+        # and interjections go out as `response.steer`.
+        beta = beta or overlap or steer
         self.beta = beta
-        self.steering = steer  # `steer` mode: interjections go out as `response.steer`
+        self.overlap = overlap
+        self.steering = steer
         self.steer_state = _SteerState()
         self.url = base_url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/responses"
         if beta:
@@ -334,6 +348,9 @@ class WSClient:
         self.ws: TextSocket | None = None
         self.lanes: LaneSocket | None = None
         self.stream_id: str | None = None
+        self._tracker: _Tracker | None = None  # async mode: the turn being read
+        self._injecting: list[asyncio.Task[None]] = []  # async mode: tool steps whose output is still to send
+        self._steps: list[Awaitable[list[dict[str, Any]]]] = []
 
     async def _connect(self) -> TextSocket:
         self.session = aiohttp.ClientSession()
@@ -350,8 +367,8 @@ class WSClient:
             resume = "response.inject" if self.beta else "response.append"
             body: dict[str, Any] = {"type": resume, "response_id": self.paused_id, "input": new_items}
         else:
-            if self.beta and "tools" in settings:
-                settings = {**settings, "tools": [_declared_async(tool) for tool in settings["tools"]]}
+            if self.beta:
+                settings = _beta_settings(settings, overlap=self.overlap)
             body = {
                 "type": "response.create",
                 **settings,
@@ -431,8 +448,7 @@ class WSClient:
         if self.paused_id is not None:
             body: dict[str, Any] = {"type": "response.inject", "response_id": self.paused_id, "input": new_items}
         else:
-            if "tools" in settings:
-                settings = {**settings, "tools": [_declared_async(tool) for tool in settings["tools"]]}
+            settings = _beta_settings(settings, overlap=False)  # as `inject`'s create
             body = {
                 "type": "response.create",
                 **settings,
@@ -519,6 +535,78 @@ class WSClient:
         result.steered, self.steer_state.ended = self.steer_state.ended, []
         self.history.record(sent, result)
         return result
+
+    # -- async mode: the client reads on while its tools run ------------------------------------------
+
+    async def begin(self, new_items: list[dict[str, Any]], **settings: Any) -> None:
+        """`async` mode: send the rollout's `response.create`; `next_turn` reads what follows."""
+        if self.ws is None:
+            self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
+        body: dict[str, Any] = {"type": "response.create", **_beta_settings(settings, overlap=True), "input": new_items}
+        if self.stream_id is not None:
+            body["stream_id"] = self.stream_id
+        data = encode(body).decode()
+        self._tracker = _Tracker(self.clock, self.clock.now(), len(data))
+        self._waiting = None
+        self.paused_id = None
+        await self.ws.send_str(data)
+
+    async def next_turn(self) -> TurnResult:
+        """`async` mode: read to the end of the next turn, the `output_item.done` of an async call
+        (the next turn starts there) or the terminal event. The turn's `response` is the latest
+        snapshot, its bytes what the client sent during it (the create, or injects)."""
+        tracker, ws = self._tracker, self.ws
+        if tracker is None or ws is None:
+            raise ClientError(400, "next_turn before begin")
+        while True:
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise ClientError(502, f"socket ended: {msg.type.name} {msg.data!r}")
+            event = decode_server_event(msg.data)
+            result = tracker.see(event)
+            if result is not None:
+                self.history.previous_id = result.response.id
+                return result
+            if isinstance(event, ResponseCreated):
+                self._waiting = event.response
+                self.paused_id = event.response.id
+            elif isinstance(event, OutputItemDone) and isinstance(event.item, FunctionCall) and event.item.is_async:
+                if self._waiting is None:
+                    raise ClientError(502, "an async call before its response.created")
+                self._tracker = _Tracker(self.clock, self.clock.now(), 0)
+                return tracker.paused(self._waiting)
+
+    async def inject(self, items: list[dict[str, Any]]) -> None:
+        """`async` mode: send `items` (tool outputs) to the running response (`response.inject`);
+        may run while `next_turn` reads."""
+        if self.ws is None or self.paused_id is None or self._tracker is None:
+            raise ClientError(400, "inject before the response was created")
+        data = encode({"type": "response.inject", "response_id": self.paused_id, "input": items}).decode()
+        self._tracker.bytes_sent += len(data)
+        await self.ws.send_str(data)
+
+    def inject_when_ready(self, output: Awaitable[list[dict[str, Any]]]) -> None:
+        """`async` mode: inject the items `output` comes to (a tool step's outputs) once it is
+        ready, while `next_turn` reads on."""
+
+        async def send() -> None:
+            await self.inject(await output)
+
+        self._injecting.append(asyncio.get_running_loop().create_task(send()))
+        self._steps.append(output)
+
+    async def settle(self) -> BaseException | None:
+        """`async` mode, at the rollout's end: cancel the tool steps still running (a rollout cut
+        short), wait for the rest; the first failure of one, if any."""
+        tasks, self._injecting = self._injecting, []
+        steps, self._steps = self._steps, []
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for step in steps:
+            if asyncio.iscoroutine(step):
+                step.close()  # one cancelled before it started is never awaited: nothing to run
+        return next((r for r in results if isinstance(r, Exception)), None)
 
     async def close(self) -> None:
         for _, timer in self.steer_state.timers:
@@ -650,9 +738,22 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
         return WSClient(base_url, clock, api_key=api_key, append=True)
     if mode == "inject":
         return WSClient(base_url, clock, api_key=api_key, beta=True)
+    if mode == "async":
+        return WSClient(base_url, clock, api_key=api_key, overlap=True)
     if mode == "steer":
         return WSClient(base_url, clock, api_key=api_key, steer=True)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(ALL_MODES)}")
+
+
+def _beta_settings(settings: dict[str, Any], *, overlap: bool) -> dict[str, Any]:
+    """The beta modes' create settings: the function tools declared `async: true`; `inject`
+    (not `overlap`) also sends `parallel_tool_calls: false`, one call in flight at a time."""
+    out = dict(settings)
+    if "tools" in out:
+        out["tools"] = [_declared_async(tool) for tool in out["tools"]]
+    if not overlap:
+        out.setdefault("parallel_tool_calls", False)
+    return out
 
 
 def _declared_async(tool: Any) -> Any:

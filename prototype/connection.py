@@ -67,7 +67,10 @@ pause machine with its own wire:
 13. Only calls of `async: true` function tools make a response wait; the engine reports
     each such call as it is emitted (`CallEmitted`), so a `response.inject` may answer it
     while the response is still sampling (acknowledged at once, committed at the turn's
-    end). Any other call ends the response as in WebSocket mode.
+    end). Any other call ends the response as in WebSocket mode. At the end of a turn
+    with such calls (`TurnEnded`) what was injected so far is handed to the response
+    (`TakeInput`) and the calls still unanswered stay pending: its model may decode on
+    without them, or pause until they are answered.
 14. `response.inject` for an unknown or ended response gets `response.inject.failed`
     (`response_not_found`, `response_already_completed`); items that do not fit (an
     unknown call id, a non-message item) get an `error` event; nothing is committed.
@@ -131,6 +134,8 @@ __all__ = [
     "AckSteer",
     "CallEmitted",
     "SteerReceived",
+    "TakeInput",
+    "TurnEnded",
     "AllAnswered",
     "ArmPauseTimer",
     "PauseTimedOut",
@@ -207,6 +212,14 @@ class CallEmitted:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnEnded:
+    """Beta: the in-flight response's turn ended in async calls; it takes what was injected so
+    far (into its next turn's context if its model decodes on, else at its resume)."""
+
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
 class BadFrame:
     error: ProtocolError
     previous_response_id: str | None = None
@@ -257,6 +270,7 @@ Input = (
     | AppendReceived
     | SteerReceived
     | CallEmitted
+    | TurnEnded
     | BadFrame
     | Dequeue
     | ResponsePaused
@@ -271,6 +285,7 @@ INPUT_TYPES: Final = (
     AppendReceived,
     SteerReceived,
     CallEmitted,
+    TurnEnded,
     BadFrame,
     Dequeue,
     ResponsePaused,
@@ -335,6 +350,15 @@ class ResumeJob:
 
 
 @dataclass(frozen=True, slots=True)
+class TakeInput:
+    """Beta: what was injected into the response since its last boundary, in arrival order, for
+    its next turn's context (the response did not pause)."""
+
+    job: Job
+    items: tuple[Item, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class AckInject:
     """Acknowledge an inject in the paused response's own stream (accepted, or refused)."""
 
@@ -356,7 +380,18 @@ class AbortPause:
     reason: str  # `incomplete_details.reason` of the response
 
 
-Output = SendFrame | StartJob | CancelJob | CloseSocket | ArmPauseTimer | ResumeJob | AbortPause | AckInject | AckSteer
+Output = (
+    SendFrame
+    | StartJob
+    | CancelJob
+    | CloseSocket
+    | ArmPauseTimer
+    | ResumeJob
+    | AbortPause
+    | AckInject
+    | AckSteer
+    | TakeInput
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -539,6 +574,9 @@ class Connection:
 
     def call_emitted(self, job: Job, call: RequiredInput) -> None:
         self.handle(self._lane_of_job(job), CallEmitted(job, call))
+
+    def turn_ended(self, job: Job) -> None:
+        self.handle(self._lane_of_job(job), TurnEnded(job))
 
     def response_ended(
         self,
@@ -989,6 +1027,17 @@ class Connection:
             lane.pause = _Pause(event.job, {})
         lane.pause.pending[event.call.call_id] = event.call.name
 
+    def _take(self, lane: Lane, event: TurnEnded) -> None:
+        """Beta: a turn boundary; the input injected so far goes to the response, its calls
+        without an output stay pending."""
+        if event.job is not lane.in_flight:
+            raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
+        committed: tuple[Item, ...] = ()
+        if lane.pause is not None:
+            committed = tuple(lane.pause.committed)
+            lane.pause.committed.clear()
+        self._out.append(TakeInput(event.job, committed))
+
     def _steer(self, lane: Lane, event: SteerReceived) -> None:
         steer = event.event
         target = steer.previous_response_id
@@ -1176,6 +1225,8 @@ _TRANSITIONS: Final[dict[tuple[CS, type], tuple[Action, CS]]] = {
     **{(s, SteerReceived): (C._steer, s) for s in _OPEN},
     (CS.ACTIVE, CallEmitted): (C._called, CS.ACTIVE),
     (CS.DRAINING, CallEmitted): (C._called, CS.DRAINING),
+    (CS.ACTIVE, TurnEnded): (C._take, CS.ACTIVE),
+    (CS.DRAINING, TurnEnded): (C._take, CS.DRAINING),
     **{(s, BadFrame): (C._bad_frame, s) for s in _OPEN},
     **{(s, Disconnected): (C._disconnect, CS.CLOSED) for s in _OPEN},
     (CS.CLOSED, Disconnected): (C._nothing, CS.CLOSED),

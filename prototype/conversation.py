@@ -164,6 +164,12 @@ class Context:
             self.n_tokens += len(chunk)
             self.held_bytes += len(item.raw) + chunk.nbytes
 
+    def end_turn(self) -> None:
+        """The model's turn ends here: its next item starts a new turn even with no input in
+        between (the beta's async tools, when the model decodes on past its calls). Items alone
+        do not show it, so a context rebuilt from them counts those turns as one."""
+        self.last_was_model = False
+
     def prefix(self, n_items: int) -> Context:
         """This context as it was when it held `n_items` items: shared if unchanged, else a copy."""
         if n_items == len(self.items):

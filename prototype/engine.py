@@ -67,7 +67,16 @@ from .conversation import (
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
 from .metrics import Histogram
-from .model import ItemFinished, ModelRequest, Prefilled, SamplingFinished, TokenArray, TokenModel, TokensSampled
+from .model import (
+    DecidesAsync,
+    ItemFinished,
+    ModelRequest,
+    Prefilled,
+    SamplingFinished,
+    TokenArray,
+    TokenModel,
+    TokensSampled,
+)
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
 from .safety import ClassifierState, SafetyClassifier
 from .schemas import (
@@ -98,6 +107,7 @@ from .stream import (
     RS,
     CompactionDone,
     CompactionStarted,
+    Continue,
     InjectAccepted,
     InjectRefused,
     Interrupt,
@@ -190,6 +200,11 @@ class PauseChannel(Protocol):
     def started(self, run: ResponseRun) -> None: ...
 
     async def called(self, run: ResponseRun, call: RequiredInput) -> None: ...
+
+    async def turn_ended(self, run: ResponseRun) -> None:
+        """Beta: the run's turn ended in async calls; the core hands it what was injected so far
+        (`ResponseRun.take_input`), before the run decides whether its model decodes on."""
+        ...
 
     async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None: ...
 
@@ -669,6 +684,10 @@ class ResponseRun:
         # numbers go out in order; while it waits (paused, or done) they are sent at once.
         self._owner_busy = True
         self._queued: list[InjectAccepted | InjectRefused | SteerAccepted] = []
+        # Beta async tools: the unanswered async calls (call_id -> the turn_index of the turn that
+        # made them), and what the core handed over at the last turn boundary.
+        self._open_calls: dict[str, int] = {}
+        self._taken: tuple[Item, ...] = ()
 
     def _uses(self, optimization: Optimization) -> bool:
         return self.engine._uses(self.arrival, optimization)
@@ -849,16 +868,24 @@ class ResponseRun:
                     events = stream.receive(done)
                     stages.report.tokens_discarded = stream.discarded_tokens
                     return await self._finish(events)
+                carried: tuple[Item, ...] = ()
                 if self.beta:
                     # Only async calls make the response wait; any other call ends it (docs/beta.md).
                     required, owed = stream.split_calls()
                     if owed or not required or done.reason != "stop":
                         return await self._finish(stream.receive(done), owed=tuple(owed))
+                    if self._may_decode_on():
+                        carried = await self._boundary()
+                        if self._decodes_on():
+                            ended = await self._decode_on(carried)
+                            if ended is not None:
+                                return ended
+                            continue
                 else:
                     required = stream.pending_calls()
                 if self.pauses is None or not required or done.reason != "stop":
                     return await self._finish(stream.receive(done))
-                ended = await self._pause(self.pauses, tuple(required))
+                ended = await self._pause(self.pauses, tuple(required), carried)
                 if ended is not None:
                     return ended
         except ConnectionResetError:
@@ -873,8 +900,84 @@ class ResponseRun:
             await self.emit(failed)
             return Outcome(stream.response, None, failure=INTERNAL_ERROR)
 
-    async def _pause(self, pauses: PauseChannel, required: tuple[RequiredInput, ...]) -> Outcome | None:
-        """Pause for tool outputs; resume with what was appended (None), or end incomplete."""
+    # -- beta async tools: decoding on past a call (docs/beta.md#async-tools-that-overlap-decoding) --
+
+    def _may_decode_on(self) -> bool:
+        """Whether the model is asked at all: it must decide (`DecidesAsync`), and a queued steer
+        takes the next safe boundary, which is a resume."""
+        return isinstance(self.engine.model, DecidesAsync) and not self.steers
+
+    async def _boundary(self) -> tuple[Item, ...]:
+        """The end of a turn that made async calls: the calls join the context, and the core
+        hands over what was injected meanwhile (in the context only if the model decodes on;
+        otherwise carried to the resume, ahead of what comes later)."""
+        assert self.pauses is not None
+        turn = self.turn
+        await turn.add_outputs(self.stream.output, self.stages.report)
+        self.in_context = turn.outputs_in_context
+        turn.prompt_tokens = turn.count()
+        self.stages.lap(Stage.RENDER)
+        self._taken = ()
+        await self.pauses.turn_ended(self)
+        taken: tuple[Item, ...] = self._taken  # set by `take_input` during the call
+        self._taken = ()
+        for item in taken:
+            if item.view.type == "function_call_output":
+                self._open_calls.pop(str(item.view.call_id), None)
+        return taken
+
+    def take_input(self, items: tuple[Item, ...]) -> None:
+        """From the connection core, during `PauseChannel.turn_ended`: what was injected so far."""
+        self._taken = items
+
+    def _decodes_on(self) -> bool:
+        """The model's decision (`DecidesAsync.decodes_on`) for the next turn, given the turns
+        whose outputs are still outstanding. Nothing outstanding: the pause resumes at once, as
+        when every output came during the turn. The request is the next turn's as the context
+        stands (its calls in; what was handed over joins it if the model decodes on)."""
+        model = self.engine.model
+        outstanding = tuple(sorted(set(self._open_calls.values())))
+        if not outstanding or not isinstance(model, DecidesAsync):
+            return False
+        return model.decodes_on(self.turn.model_request(), outstanding)
+
+    async def _decode_on(self, carried: tuple[Item, ...]) -> Outcome | None:
+        """The model samples its next turn now: what was injected joins the context (its upload
+        overlapped the decode), is validated and classified, and a new segment starts with no
+        pause and no event; past the compaction threshold or the input limit, as at a resume.
+        The KV stays in use, so none of this is idle KV time."""
+        engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
+        self.resolved.context.end_turn()  # the next turn's calls are not this turn's parallel calls
+        before = stages.report.tokens_rendered
+        await turn.add_input(carried, stages.report)
+        stages.lap(Stage.RENDER)
+        limit = self.compaction_limit()
+        compaction = None
+        if limit is not None and turn.prompt_tokens > limit:
+            compaction = await self._compact_paused()
+        if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
+            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
+            self._owner_busy = False
+            await self.emit(failed + self._drain())
+            return Outcome(stream.response, None)
+        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * (stages.report.tokens_rendered - before))
+        await self._classify(self.resolved)
+        events = stream.receive(Continue(input_tokens=turn.prompt_tokens))
+        if self._queued:
+            events += self._drain()
+        if events:
+            await self.emit(events)
+        if compaction is not None:
+            await self._announce_compaction(compaction)
+        if engine.classifier.verdict(self.resolved.safety).flagged:
+            return await self._finish(stream.end_incomplete("content_filter"))
+        return None
+
+    async def _pause(
+        self, pauses: PauseChannel, required: tuple[RequiredInput, ...], carried: tuple[Item, ...] = ()
+    ) -> Outcome | None:
+        """Pause for tool outputs; resume with what was appended (None), or end incomplete.
+        `carried`: beta, input the core handed over at the turn's end, committed first."""
         engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
         await turn.add_outputs(stream.output, stages.report)
         self.in_context = turn.outputs_in_context
@@ -896,12 +999,13 @@ class ResponseRun:
         if isinstance(decision, Aborted):
             stages.new_segment(engine.clock.now())
             return await self._finish(stream.end_incomplete(decision.reason))
+        self._open_calls.clear()  # the core resumes once every pending call has its output
         resumed = decision.arrival or Arrival(engine.clock.now(), transport="ws")
         stages.new_segment(resumed.at)
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(resumed.body_bytes))
         stages.lap(Stage.PARSE)
         before = stages.report.tokens_rendered
-        await turn.add_input(decision.items, stages.report)
+        await turn.add_input((*carried, *decision.items), stages.report)
         stages.lap(Stage.RENDER)
         limit = self.compaction_limit()
         compaction = None
@@ -1007,6 +1111,7 @@ class ResponseRun:
                         call = stream.output[-1]
                         if isinstance(call, FunctionCall) and call.is_async is True and self.pauses is not None:
                             # Its output may be injected from now on, while the model decodes on.
+                            self._open_calls[call.call_id] = request.turn_index
                             await self.pauses.called(self, RequiredInput(call_id=call.call_id, name=call.name))
                         if queued:
                             await emit(self._drain())

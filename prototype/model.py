@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,7 @@ __all__ = [
     "ItemStarted",
     "ModelEvent",
     "ModelRequest",
+    "DecidesAsync",
     "Prefilled",
     "SamplingFinished",
     "TokenModel",
@@ -116,4 +117,19 @@ class TokenModel(Protocol):
 
     def release(self, conversation_id: str) -> None:
         """Unpin KV held with `hold_kv` (it stays cached, evictable). Unknown ids are ignored."""
+        ...
+
+
+@runtime_checkable
+class DecidesAsync(Protocol):
+    """A `TokenModel` that decides whether it decodes on past its async tool calls (the beta's
+    async tools, docs/beta.md#async-tools-that-overlap-decoding). A model without this method
+    always waits for their outputs."""
+
+    def decodes_on(self, request: ModelRequest, outstanding: tuple[int, ...]) -> bool:
+        """Whether the turn `request` describes may be sampled now, while the outputs of async
+        calls made at the turns `outstanding` (their `turn_index`, one entry per turn) are not in
+        its context yet. False: the service waits for every one of them first. Must be False when
+        the turn is the final answer (a turn without a function call), and must not change the
+        turn's tokens: those still depend only on the fields `sample` may read."""
         ...

@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--decode-jitter", type=float, default=0.0, help="sigma of a per-turn lognormal decode-rate factor")
     p.add_argument(
+        "--async-independent",
+        type=float,
+        default=0.0,
+        help="beta async tools: share of tool-call turns whose outputs the next turn does not need, so the model "
+        "decodes on without them (0 = always wait; docs/beta.md)",
+    )
+    p.add_argument(
         "--concurrency-slowdown", type=float, default=0.0, help="decode rate / (1 + s x (concurrent turns - 1))"
     )
     p.add_argument(
@@ -194,6 +201,7 @@ async def serve(args: argparse.Namespace) -> None:
         decode_jitter=args.decode_jitter,
         concurrency_slowdown=args.concurrency_slowdown,
         coalesce_due=not args.delta_per_token,
+        async_independent=args.async_independent,
     )
     config = ServerConfig(
         api_key=args.api_key,

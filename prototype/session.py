@@ -32,6 +32,7 @@ from .connection import (
     ResumeJob,
     SendFrame,
     StartJob,
+    TakeInput,
 )
 from .conversation import CreateRequest, ToolCache, normalize_create
 from .engine import Aborted, Arrival, Emit, Engine, ResponseRun, Resumed
@@ -320,6 +321,10 @@ class WebSocketSession:
                     run = self.runs.get(job.number)
                     if run is not None:
                         await run.acknowledge_inject(refused)
+                case TakeInput(job=job, items=items):
+                    run = self.runs.get(job.number)
+                    if run is not None:
+                        run.take_input(items)
                 case AckSteer(job=job, steer=steer):
                     run = self.runs.get(job.number)
                     if run is not None:
@@ -418,6 +423,10 @@ class _JobPauses:
 
     async def called(self, run: ResponseRun, call: RequiredInput) -> None:
         self.session.conn.call_emitted(self.job, call)
+        await self.session._flush()
+
+    async def turn_ended(self, run: ResponseRun) -> None:
+        self.session.conn.turn_ended(self.job)
         await self.session._flush()
 
     async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:

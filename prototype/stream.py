@@ -25,6 +25,8 @@ Invariants:
   renderings of the pause (its *dialect*): append mode announces it with
   `response.done` (non-terminal status `in_progress`); the beta (docs/beta.md) sends
   nothing, since the async calls' `output_item.done` events already told the client.
+* Beta: a turn that ends in async calls may be followed by the next turn without a pause
+  (`Continue`, docs/beta.md): no wire event, the items go on at the next output index.
 * Beta acknowledgements (`response.inject.created`/`.failed`, `response.steer.accepted`)
   are numbered in the stream wherever it is. `response.steer.pending` follows
   `response.completed`, as the beta types say; an inject or steer the core accepted just as
@@ -96,6 +98,7 @@ __all__ = [
     "DIALECTS",
     "CompactionDone",
     "CompactionStarted",
+    "Continue",
     "EndIncomplete",
     "SteerAccepted",
     "SteerPending",
@@ -143,6 +146,13 @@ class Pause:
 @dataclass(frozen=True, slots=True)
 class Resume:
     input_tokens: int  # the prompt of the next segment (usage totals every segment's prompt)
+
+
+@dataclass(frozen=True, slots=True)
+class Continue:
+    """Beta: the model samples its next turn without waiting for the outputs of its async calls."""
+
+    input_tokens: int  # the prompt of the next segment, as for `Resume`
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +225,7 @@ StreamInput = (
     Start
     | Pause
     | Resume
+    | Continue
     | Fail
     | EndIncomplete
     | Interrupt
@@ -231,6 +242,7 @@ INPUT_TYPES: Final = (
     Start,
     Pause,
     Resume,
+    Continue,
     Fail,
     EndIncomplete,
     Interrupt,
@@ -519,6 +531,12 @@ class ResponseStream:
         snapshot = structs.replace(self.response, output=[])
         return [ResponseInProgress(sequence_number=self._next(), response=snapshot)]
 
+    def _continue(self, event: Continue) -> list[ServerEvent]:
+        # A new segment without a pause: nothing to tell the client, who never saw the stream stop.
+        self.segment_start = len(self.output)
+        self.input_tokens += event.input_tokens
+        return []
+
     def _inject_accepted(self, event: InjectAccepted) -> list[ServerEvent]:
         return [ResponseInjectCreated(sequence_number=self._next(), response_id=self.response.id)]
 
@@ -587,6 +605,7 @@ _TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.IN_PROGRESS, Truncated): (R._truncate, RS.INCOMPLETE),
     (RS.IN_PROGRESS, Pause): (R._pause, RS.PAUSED),
     (RS.PAUSED, Resume): (R._resume, RS.IN_PROGRESS),
+    (RS.IN_PROGRESS, Continue): (R._continue, RS.IN_PROGRESS),  # the engine sends it in the beta only
     **{(s, InjectAccepted): (R._inject_accepted, s) for s in _STARTED},  # numbered where the stream is
     **{(s, InjectRefused): (R._inject_refused, s) for s in _LIVE},
     **{(s, SteerAccepted): (R._steer_accepted, s) for s in _STARTED},

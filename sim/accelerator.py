@@ -62,6 +62,15 @@ start):
    token. ``decode_tok_per_s = math.inf`` means unpaced: after the prefill wait
    all tokens come at once with no further sleep.
 
+Async tools (the beta's `async: true` function tools, docs/beta.md): after a turn that ends
+in async calls the service asks `decodes_on` whether the next turn may be sampled before
+their outputs arrive. The answer is the model's: the turn made at ``turn_index`` k has
+outputs the following turns do not need with probability ``async_independent``, drawn
+from its own rng ``SeedSequence([seed, conversation_key, k, 2])`` (so the answer never
+changes the tokens, and a larger ``async_independent`` only adds turns that decode on);
+a final answer (a planned turn without a function call) always waits, and so does every
+turn of a request with ``parallel_tool_calls`` off (one call in flight at a time).
+
 Token text: one `TokensSampled` per token, whose ``text`` comes from an
 incremental UTF-8 decoder over the token's bytes. A token that ends inside a
 multi-byte character carries "" and the completing token carries the
@@ -107,6 +116,7 @@ __all__ = ["LatenessRecorder", "ModelStatistics", "SimulatedModel", "jitter_rng"
 
 _U64_MASK: Final = (1 << 64) - 1
 _JITTER_STREAM: Final = 1  # 4th SeedSequence word of the decode-jitter rng (the token rng has 3 words)
+_ASYNC_STREAM: Final = 2  # 4th SeedSequence word of the draw "the next turn needs this turn's async outputs"
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,7 +267,9 @@ class SimulatedModel:
     as a server that fell behind sends what it has; the tokens, their texts and the
     times they were due do not change, only how many events carry them. A wake-up on
     time carries one token, so on a virtual clock with free CPU nothing changes; with
-    ``False`` every token is its own event however late.
+    ``False`` every token is its own event however late. ``async_independent`` in [0, 1]:
+    the share of turns ending in async calls whose outputs the next turn does not need
+    (`decodes_on`; 0: the model always waits for them).
     """
 
     def __init__(
@@ -278,6 +290,7 @@ class SimulatedModel:
         lateness: LatenessRecorder | None = None,
         pace_by_turn: bool = False,
         coalesce_due: bool = True,
+        async_independent: float = 0.0,
     ) -> None:
         if not decode_tok_per_s > 0:
             raise ValueError(f"decode_tok_per_s must be > 0, got {decode_tok_per_s}")
@@ -293,6 +306,8 @@ class SimulatedModel:
             raise ValueError(f"concurrency_slowdown must be finite and >= 0, got {concurrency_slowdown}")
         if not (decode_jitter >= 0 and math.isfinite(decode_jitter)):
             raise ValueError(f"decode_jitter must be finite and >= 0, got {decode_jitter}")
+        if not 0 <= async_independent <= 1:
+            raise ValueError(f"async_independent must be in [0, 1], got {async_independent}")
         self.clock = clock
         self.policy = policy
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
@@ -311,6 +326,7 @@ class SimulatedModel:
         self.lateness = lateness
         self.pace_by_turn = pace_by_turn
         self.coalesce_due = coalesce_due
+        self.async_independent = async_independent
         self._slot_free_at: list[float] = [-math.inf] * (decode_slots or 0)  # per slot: busy until
         self._slot_holder: list[int] = [-1] * (decode_slots or 0)  # per slot: the turn that reserved it last
         self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
@@ -338,6 +354,25 @@ class SimulatedModel:
         """Unpin the KV a ``hold_kv`` turn pinned for `conversation_id`; it stays cached, evictable."""
         if self.prefix_cache is not None:
             self.prefix_cache.release(conversation_id, self.clock.now())
+
+    def decodes_on(self, request: ModelRequest, outstanding: tuple[int, ...]) -> bool:
+        """`prototype.model.DecidesAsync`: sample `request`'s turn now, without the outputs of the
+        async calls made at the turns `outstanding`, iff none of those turns drew "needed next"
+        and the turn is planned to call a tool (a final answer waits for every output)."""
+        if self.async_independent <= 0 or not request.parallel_tool_calls:
+            return False
+        if not all(self.independent(request.conversation_key, k) for k in outstanding):
+            return False
+        # The turn's plan, from the same rng state `sample` starts it from: the plan is the turn's.
+        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
+        return any(item.kind == "function_call" for item in self.policy.plan(request, self._rng))
+
+    def independent(self, conversation_key: int, turn_index: int) -> bool:
+        """Whether the async outputs of turn `turn_index` are not needed by the turns after it
+        (only by the final answer): a draw of its own, below `async_independent`."""
+        entropy = [_entropy(self.seed), _entropy(conversation_key), _entropy(turn_index), _ASYNC_STREAM]
+        u = float(np.random.default_rng(np.random.SeedSequence(entropy)).random())
+        return u < self.async_independent
 
     def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
         """Seconds from getting a slot to the first token: latency + uncached / prefill rate (step 5)."""

@@ -45,7 +45,7 @@ from prototype.store import MemoryStore
 from .accelerator import SimulatedModel
 from .inprocess import InProcessServer, Tap
 from .kv import PrefixCache
-from .live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_rollout
+from .live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
 from .memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from .metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from .policy import DefaultPolicy, Policy
@@ -133,6 +133,15 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         float,
         Meta(ge=0, description="an interjection arrives a delay uniform in [0, this) s after its turn's first token"),
     ] = 0.1
+    async_independent: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=1,
+            description="async mode: share of tool-call turns whose outputs the next turn does not need, so the "
+            "model decodes on while the tool runs (longrun's assumption: no public figure)",
+        ),
+    ] = 0.5
     seed: int = 0
     modes: Annotated[
         tuple[str, ...],
@@ -286,6 +295,7 @@ async def run_compare(
         concurrency_slowdown=config.concurrency_slowdown,
         pace_by_turn=pace_by_turn,
         tokenizer=memo_tokenizer() if memoize else None,
+        async_independent=config.async_independent,
     )
     prompts = _PromptLog(model)
     server_config = _server_config(config)
@@ -352,9 +362,20 @@ async def run_compare(
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
-                result = await run_rollout(
-                    client, clock, spec, model="sim", tools=tools, store=store, context_management=context_management
-                )
+                if isinstance(client, WSClient) and client.overlap:
+                    result = await run_async_rollout(
+                        client, clock, spec, model="sim", tools=tools, context_management=context_management
+                    )
+                else:
+                    result = await run_rollout(
+                        client,
+                        clock,
+                        spec,
+                        model="sim",
+                        tools=tools,
+                        store=store,
+                        context_management=context_management,
+                    )
             finally:
                 await client.close()
         result.prompt_tokens = prompts.take(mode, spec)

@@ -174,9 +174,16 @@ class _InProcessHTTP(HTTPClient):
 
 class _InProcessWS(WSClient):
     def __init__(
-        self, server: InProcessServer, clock: Clock, *, append: bool, beta: bool = False, steer: bool = False
+        self,
+        server: InProcessServer,
+        clock: Clock,
+        *,
+        append: bool,
+        beta: bool = False,
+        overlap: bool = False,
+        steer: bool = False,
     ) -> None:
-        super().__init__("inprocess://", clock, append=append, beta=beta, steer=steer)
+        super().__init__("inprocess://", clock, append=append, beta=beta, overlap=overlap, steer=steer)
         self.server = server
         self.append_mode = append
 
@@ -219,6 +226,8 @@ class InProcessServer:
             return _InProcessWS(self, clock, append=mode == "append")
         if mode == "inject":
             return _InProcessWS(self, clock, append=False, beta=True)
+        if mode == "async":
+            return _InProcessWS(self, clock, append=False, overlap=True)
         if mode == "steer":
             return _InProcessWS(self, clock, append=False, steer=True)
         raise ValueError(f"unknown mode {mode!r}")

@@ -10,17 +10,23 @@ Same tokens in every mode: the task text, tool outputs and tool times of a
 rollout come from rngs seeded by (seed, rollout index, turn) only, and the server's
 model output depends only on (seed, conversation, turn), so every mode feeds
 the simulator the same model-visible token sequence.
+
+The `async` mode has its own driver, `run_async_rollout`: one beta response, each tool
+started as its call arrives and its output injected when it finishes, while the client
+reads on (docs/beta.md#async-tools-that-overlap-decoding). Its tool steps are the same
+draws as every other mode's (tool step k: the k-th call's time and output).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import numpy as np
 
-from prototype.client import Interjection, InterjectionRecord, Mode, ResponsesClient, TurnResult, tool_outputs
+from prototype.client import Interjection, InterjectionRecord, Mode, ResponsesClient, TurnResult, WSClient, tool_outputs
 from prototype.clock import Clock
 
 from .tools import SimulatedTools, ToolRunner
@@ -29,7 +35,9 @@ __all__ = [
     "RolloutResult",
     "RolloutSpec",
     "draw_interjections",
+    "exposed_s",
     "make_spec",
+    "run_async_rollout",
     "run_interjected",
     "run_rollout",
     "tool_output_text",
@@ -266,3 +274,80 @@ async def run_interjected(
         result.interjections.extend(state.records)
         result.tokens_discarded, result.successors = state.tokens_discarded, state.successors
     return result
+
+
+def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(spans):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        elif end > start:
+            out.append((start, end))
+    return out
+
+
+def exposed_s(spans: Sequence[tuple[float, float]], hidden_by: Sequence[tuple[float, float]]) -> float:
+    """Seconds covered by `spans` (their union) and not by `hidden_by`'s."""
+    mine, theirs = _merged(spans), _merged(hidden_by)
+    total = sum(end - start for start, end in mine)
+    j = 0
+    for start, end in mine:
+        while j < len(theirs) and theirs[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(theirs) and theirs[k][0] < end:
+            total -= min(end, theirs[k][1]) - max(start, theirs[k][0])
+            k += 1
+    return total
+
+
+async def run_async_rollout(
+    client: WSClient,
+    clock: Clock,
+    spec: RolloutSpec,
+    *,
+    model: str,
+    tools: ToolRunner | None = None,
+    store: bool = False,
+    context_management: list[dict[str, Any]] | None = None,
+) -> RolloutResult:
+    """One rollout in `async` mode: tool step k starts when the k-th turn's call arrives (its
+    `output_item.done`) and injects its output when it finishes, while the client reads on;
+    the rollout ends at the terminal event. `tool_time_s` is the time a tool ran while the
+    server was not working on a turn (the tool time on the rollout's critical path), so the
+    overhead share counts tool time overlapped with the model's work once, as model time."""
+    tools = tools or SimulatedTools()
+    settings: dict[str, Any] = {"model": model, "instructions": spec.instructions, "tools": [EXEC_TOOL], "store": store}
+    if context_management is not None:
+        settings["context_management"] = context_management
+    result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
+    spans: list[tuple[float, float]] = []
+
+    async def tool_step(k: int, turn: TurnResult) -> list[dict[str, Any]]:
+        start = clock.now()
+        output, _ = await tools.run(clock, float(spec.tool_times_s[k]), spec.tool_outputs[k])
+        spans.append((start, clock.now()))
+        return tool_outputs(turn, output)
+
+    await client.begin([{"type": "message", "role": "user", "content": spec.task}], **settings)
+    try:
+        for turn in range(len(spec.tool_times_s) + 1):
+            outcome = await client.next_turn()
+            result.turns.append(outcome)
+            if outcome.response.status != "in_progress" or turn == len(spec.tool_times_s) or not outcome.call_ids:
+                break
+            client.inject_when_ready(tool_step(turn, outcome))  # runs while the client reads on
+    finally:
+        failure = await client.settle()  # after the terminal event every step is done
+    result.finished_at = clock.now()
+    if failure is not None:
+        raise failure
+    result.tool_time_s = exposed_s(spans, [_working(t) for t in result.turns])
+    return result
+
+
+def _working(turn: TurnResult) -> tuple[float, float]:
+    """When the server worked on an `async` turn, as the client sees it: from its start, or from
+    its resume (`response.in_progress`) if it waited, to its end."""
+    resumed = [at for at, kind in turn.event_log if kind == "response.in_progress"]
+    return (resumed[-1] if resumed else turn.sent_at, turn.done_at)

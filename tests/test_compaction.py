@@ -374,7 +374,8 @@ def test_same_model_outputs_in_every_mode_with_and_without_compaction() -> None:
     outputs = {(th, mode): model_outputs(r) for th, rs in runs.items() for mode, r in rs.items()}
     assert len(outputs) == 2 * len(ALL_MODES) and len({json.dumps(o) for o in outputs.values()}) == 1
     with_ = runs[3000]
-    assert len({json.dumps(r.prompt_tokens) for r in with_.values()}) == 1  # the same context in every mode
+    # The same context in every mode but `async`, whose outputs enter the context when they arrive.
+    assert len({json.dumps(r.prompt_tokens) for m, r in with_.items() if m != "async"}) == 1
     assert all(sum(compacted(t) for t in r.turns) >= 2 for r in with_.values())
     assert all(t.response.longrun.connection_cache == "hit" for t in with_["ws"].turns[1:])  # type: ignore[union-attr]
     assert all(

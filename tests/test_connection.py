@@ -38,6 +38,8 @@ from prototype.connection import (
     SendFrame,
     StartJob,
     SteerReceived,
+    TakeInput,
+    TurnEnded,
     limit_message,
 )
 from prototype.conversation import Context, Preamble, normalize_create
@@ -334,6 +336,8 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     *[(state, "steer", ("steer failed: response_not_found",), state) for state in OPEN],
     ("active", "call emitted", (), "active"),  # beta: an async call is answerable from now on
     ("draining", "call emitted", (), "draining"),
+    ("active", "turn ended", ("take input",), "active"),  # beta: decoding on, the injected outputs go in
+    ("draining", "turn ended", ("take input",), "draining"),
     *[(state, "bad frame", ("error: invalid_json",), state) for state in OPEN],
     ("idle", "disconnect", (), "closed"),
     ("active", "disconnect", ("cancel",), "closed"),
@@ -355,6 +359,7 @@ INPUTS = {
     "append": AppendReceived,
     "steer": SteerReceived,
     "call emitted": CallEmitted,
+    "turn ended": TurnEnded,
     "bad frame": BadFrame,
     "dequeue": Dequeue,
     "paused": ResponsePaused,
@@ -404,6 +409,7 @@ def lane_input(c: Connection, lane: Lane, name: str) -> object:
         "append": AppendReceived(decode_client_event(append(input=[fco("call_zz")]).encode())),  # type: ignore[arg-type]
         "steer": SteerReceived(ResponseSteer(input=msgspec.Raw(b'"stop"'), previous_response_id="resp_zz")),
         "call emitted": CallEmitted(job, RequiredInput(call_id="call_9", name="exec_command")),
+        "turn ended": TurnEnded(job),
         "bad frame": BadFrame(ProtocolError("bad", code="invalid_json"), stream_id=lane.stream_id),
         "dequeue": Dequeue(),
         "ended": ResponseEnded(job, entry("resp_x")),
@@ -426,6 +432,8 @@ def described(out: object) -> str:
         return f"abort: {out.reason}"
     if isinstance(out, CancelJob):
         return "cancel"
+    if isinstance(out, TakeInput):
+        return "take input"
     if isinstance(out, CloseSocket):
         return f"close {out.code}"
     assert isinstance(out, SendFrame)

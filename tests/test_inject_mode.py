@@ -47,9 +47,13 @@ def _same_rollouts(rollouts: list[RolloutResult], n: int) -> None:
         assert b.turns[-1].response.status == "completed"
         calls = [i for t in b.turns for i in t.output_items if i["type"] == "function_call"]
         assert [c.get("async") for c in calls] == [True] * SMALL.tool_calls
-        # the resumes carry the same tool outputs; only the create differs (the tools' `async: true`)
+        # the resumes carry the same tool outputs; only the create differs (the tools' `async: true`,
+        # and one call in flight at a time, so the model waits for each output: docs/beta.md)
         assert [t.bytes_sent for t in a.turns[1:]] == [t.bytes_sent for t in b.turns[1:]]
-        assert b.turns[0].bytes_sent - a.turns[0].bytes_sent == len(',"async":true')
+        assert b.turns[0].bytes_sent - a.turns[0].bytes_sent == len(',"async":true') + len(
+            ',"parallel_tool_calls":false'
+        )
+        assert b.turns[0].response.parallel_tool_calls is False
 
 
 def test_inject_and_append_run_the_same_seeded_rollouts_in_virtual_time() -> None:
@@ -60,7 +64,7 @@ def test_inject_and_append_run_the_same_seeded_rollouts_in_virtual_time() -> Non
     assert inject.n == SMALL.rollouts and inject.kv_idle_token_s > 0  # the waiting response holds its KV
     assert inject.saved_vs_http_ci_low <= inject.saved_vs_http <= inject.saved_vs_http_ci_high
     assert not math.isnan(inject.saved_vs_http_ci_low) and inject.saved_vs_http > 0
-    # one pause machine: on free CPU, the rollout takes append's time (the create is 13 bytes longer)
+    # one pause machine: on free CPU, the rollout takes append's time (the create is 40 bytes longer)
     append = {r.index: r.completion_s for r in result.rollouts if r.mode == "append"}
     for r in result.rollouts:
         if r.mode == "inject":

@@ -15,6 +15,7 @@ from prototype.stream import (
     RS,
     CompactionDone,
     CompactionStarted,
+    Continue,
     EndIncomplete,
     Fail,
     InjectAccepted,
@@ -210,6 +211,7 @@ LEGAL: list[tuple[str, str, tuple[str, ...], str]] = [
     ),
     ("in progress", "interrupt", ("response.incomplete",), "incomplete"),
     ("paused", "resume", ("response.in_progress",), "in progress"),
+    ("in progress", "continue", (), "in progress"),  # beta: decoding on past async calls, no event
     # Acknowledgements are numbered wherever the live stream is (beta injects answer async calls
     # while the model still decodes; append ones only come while paused).
     *[
@@ -256,6 +258,7 @@ INPUTS: dict[str, tuple[type, object]] = {
     "start": (Start, Start(1)),
     "pause": (Pause, Pause()),
     "resume": (Resume, Resume(1)),
+    "continue": (Continue, Continue(1)),
     "fail": (Fail, Fail("x", "y")),
     "end incomplete": (EndIncomplete, EndIncomplete("append_timeout")),
     "interrupt": (Interrupt, Interrupt()),
