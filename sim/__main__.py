@@ -76,13 +76,15 @@ def _add_compare_options(c: argparse.ArgumentParser) -> None:
     c.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-# `python -m sim long`: 10 rollouts of 200 tool calls in every mode, compacting past 20,000 tokens;
-# tool outputs of median 250 tokens, so that no rollout outgrows the context window without compaction.
+# `python -m sim long`: 10 rollouts of 200 tool calls in every mode but `steer` (which is `inject` when
+# there are no interjections, and the beta does not steer a compacting response), compacting past
+# 20,000 tokens; tool outputs of median 250 tokens, so that no rollout outgrows the context window
+# without compaction.
 LONG_DEFAULTS: Final = {
     "rollouts": 10,
     "tool_calls": 200,
     "tool_output_tokens": 250,
-    "modes": ",".join(ALL_MODES),
+    "modes": ",".join(m for m in ALL_MODES if m != "steer"),
     "compact_threshold": 20_000,
 }
 
