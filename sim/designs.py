@@ -14,6 +14,7 @@ comparison's rollouts (notebook 05). Pure.
 * `kv_price`: the KV token·seconds a mode holds idle beyond `base`'s for each second it
   saves against `base`.
 * `explain`: a mode's saving and its largest parts, as a sentence, from the rows.
+* `verdict`: which side of zero an interval lies on, in words.
 
 Stage seconds come from the server's stage report (`sim.metrics.per_turn_work`); a mode whose
 report arrives only with the response's terminal event (`inject`) has the same per-rollout
@@ -46,6 +47,7 @@ __all__ = [
     "mode_costs",
     "rollout_parts",
     "stage_savings",
+    "verdict",
 ]
 
 # The API's stages on a turn's critical path before the model starts (pipeline order).
@@ -236,3 +238,18 @@ def explain(rows: Sequence[StageSaving], mode: str, *, top: int = 3) -> str:
         return f"{mode} against {base}: no part differs (n={n})"
     parts = "; ".join(f"{r.part} {_seconds(r.saved_s)} ({_pm(r.ci_low, r.ci_high)})" for r in largest)
     return f"{mode} against {base}: {_seconds(total)} saved per rollout (n={n}); largest parts: {parts}"
+
+
+def verdict(
+    value: float, low: float, high: float, *, lower: str = "lower", higher: str = "higher", atol: float = 1e-9
+) -> str:
+    """`lower` when the whole interval is below 0, `higher` when above (by more than `atol`: a
+    difference of float rounding is none); otherwise that this many rollouts cannot tell it
+    from 0, or, with a missing bound, that more are needed."""
+    if math.isnan(low) or math.isnan(high):
+        return f"{value:+.3g}, no interval: more rollouts needed"
+    if high < -atol:
+        return lower
+    if low > atol:
+        return higher
+    return "not distinguishable from 0 at this n"

@@ -9,7 +9,7 @@ import pytest
 
 from prototype.client import TurnResult
 from prototype.schemas import Response, StageReport
-from sim.designs import DECIMALS, PARTS, explain, kv_price, mode_costs, rollout_parts, stage_savings
+from sim.designs import DECIMALS, PARTS, explain, kv_price, mode_costs, rollout_parts, stage_savings, verdict
 from sim.experiment import CompareConfig, compare
 from sim.live import RolloutResult
 
@@ -145,3 +145,12 @@ def test_on_a_comparison_the_parts_add_up_to_the_paired_difference() -> None:
     costs = {c.mode: c for c in mode_costs(result.rollouts, {s.mode: s.kv_idle_token_s for s in result.summary})}
     assert costs["append"].responses_per_rollout == 1.0 < costs["ws"].responses_per_rollout
     assert costs["append"].kv_idle_token_s_per_rollout > 0 == costs["ws"].kv_idle_token_s_per_rollout
+
+
+def test_verdict_reads_the_interval() -> None:
+    assert verdict(-0.2, -0.3, -0.1, lower="saves", higher="costs") == "saves"
+    assert verdict(0.2, 0.1, 0.3, lower="saves", higher="costs") == "costs"
+    assert verdict(0.05, -0.1, 0.2) == "not distinguishable from 0 at this n"
+    assert verdict(0.0, 0.0, 0.0) == "not distinguishable from 0 at this n"
+    assert verdict(3e-17, 1e-17, 5e-17) == "not distinguishable from 0 at this n"  # float rounding
+    assert verdict(0.5, math.nan, 0.6).endswith("no interval: more rollouts needed")
