@@ -88,7 +88,7 @@ class ModeCost(msgspec.Struct, frozen=True, kw_only=True):
     rollouts: int
     turns_per_rollout: float
     messages_per_rollout: float  # client → server messages (a POST, or a WebSocket frame), one per turn
-    responses_per_rollout: float  # response objects the client saw (distinct ids)
+    responses_per_rollout: float  # response objects the client saw (distinct ids, steered ones included)
     events_per_turn: float  # server events the client received
     bytes_per_turn: float  # client → server payload
     tokens_rendered_per_turn: float
@@ -120,6 +120,11 @@ def rollout_parts(result: RolloutResult) -> dict[str, float]:
     parts["tool"] = result.tool_time_s
     parts["other"] = result.completion_s - sum(v for k, v in parts.items() if k != "other")
     return parts
+
+
+def _response_ids(result: RolloutResult) -> set[str]:
+    """Every response object of a rollout: each turn's, and the ones a steer ended in it."""
+    return {r.id for t in result.turns for r in (*t.steered, t.response)}
 
 
 def _modes(results: Sequence[RolloutResult]) -> list[str]:
@@ -166,7 +171,7 @@ def mode_costs(results: Sequence[RolloutResult], kv_idle_token_s: Mapping[str, f
                 rollouts=len(rs),
                 turns_per_rollout=n_turns / len(rs),
                 messages_per_rollout=n_turns / len(rs),
-                responses_per_rollout=float(np.mean([len({t.response.id for t in r.turns}) for r in rs])),
+                responses_per_rollout=float(np.mean([len(_response_ids(r)) for r in rs])),
                 events_per_turn=sum(t.events for t in turns) / n_turns,
                 bytes_per_turn=sum(t.bytes_sent for t in turns) / n_turns,
                 tokens_rendered_per_turn=sum(w.get("tokens_rendered", 0.0) for w in work) / n_turns,

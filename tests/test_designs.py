@@ -106,6 +106,10 @@ def test_mode_costs() -> None:
     assert h.tokens_rendered_per_turn == 100.0 and a.tokens_rendered_per_turn == 50.0  # cumulative: differenced
     assert a.kv_idle_token_s_per_rollout == 9.5 and a.kv_idle_tokens_mean == pytest.approx(19.0 / 7.5)
     assert math.isnan(mode_costs(results)[0].kv_idle_token_s_per_rollout)
+    steered = append(0)
+    steered.turns[1].steered = [Response(id="parent", created_at=0, status="incomplete", model="m")]
+    (s,) = mode_costs([steered])
+    assert s.responses_per_rollout == 2.0  # the response a steer ended, and the one the turns carry
 
 
 def test_kv_price() -> None:
