@@ -253,6 +253,7 @@ class ResponseEnded:
     entry: CacheEntry | None  # the new cache entry; None if the turn failed
     error: ProtocolError | None = None  # a request error to report as an `error` event
     owed: tuple[RequiredInput, ...] = ()  # beta: client calls the ended response left unanswered
+    at: float = 0.0  # when it ended (adapter's clock): an automatic successor arrives then
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,8 +585,10 @@ class Connection:
         entry: CacheEntry | None,
         error: ProtocolError | None = None,
         owed: tuple[RequiredInput, ...] = (),
+        *,
+        at: float = 0.0,
     ) -> None:
-        self.handle(self._lane_of_job(job), ResponseEnded(job, entry, error, owed))
+        self.handle(self._lane_of_job(job), ResponseEnded(job, entry, error, owed, at))
 
     def response_paused(self, job: Job, required: tuple[RequiredInput, ...]) -> None:
         self.handle(self._lane_of_job(job), ResponsePaused(job, required))
@@ -865,7 +868,7 @@ class Connection:
             # With steers, the engine sent response.steer.pending for each.
             lane.parked = _Parked(event.job.response_id, steers, committed)
         elif not self.expired:
-            self._successor(lane, event.job, _Parked(event.job.response_id, steers, committed).items())
+            self._successor(lane, event, _Parked(event.job.response_id, steers, committed).items())
         else:
             for steer in steers:  # past the lifetime limit no successor can start
                 self._steer_failed(
@@ -893,14 +896,16 @@ class Connection:
                 steer.ref.id,
             )
 
-    def _successor(self, lane: Lane, parent: Job, items: tuple[Item, ...]) -> None:
+    def _successor(self, lane: Lane, ended: ResponseEnded, items: tuple[Item, ...]) -> None:
         """The automatic successor: the parent's settings, the queued input, the parent as its
-        `previous_response_id`; it runs next on the lane (its `response.created` commits the steers)."""
+        `previous_response_id`; it runs next on the lane (its `response.created` commits the steers).
+        It arrives when the parent ended: the server, not the client, sent it."""
+        parent = ended.job
         request = parent.request
         params = structs.replace(request.params, previous_response_id=parent.response_id)
         successor = dataclasses.replace(request, params=params, items=items, generate=True)
         self._arrivals += 1
-        lane.queue.appendleft((self._arrivals, CreateReceived(successor, parent.arrived_at)))
+        lane.queue.appendleft((self._arrivals, CreateReceived(successor, ended.at)))
 
     def _ended(self, lane: Lane, event: ResponseEnded) -> None:
         self._finish_job(lane, event)

@@ -399,9 +399,9 @@ class WebSocketSession:
             return  # the peer is gone; the reader sees the close and frees everything
         except Exception:
             log.exception("job %d failed", job.number)
-            self.conn.response_ended(job, None, INTERNAL_ERROR)
+            self.conn.response_ended(job, None, INTERNAL_ERROR, at=self.engine.clock.now())
         else:
-            self.conn.response_ended(job, outcome.entry, outcome.error, outcome.owed)
+            self.conn.response_ended(job, outcome.entry, outcome.error, outcome.owed, at=self.engine.clock.now())
         finally:
             self.jobs.pop(job.number, None)
             self.runs.pop(job.number, None)

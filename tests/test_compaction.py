@@ -508,10 +508,12 @@ def test_long_command_prints_the_window_tables_and_writes_them(
     assert sim_main([*argv, "--compact-threshold", "3000", "--window-turns", "5", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "per turn, by turn window" in out and "compaction, per rollout" in out
-    for mode in ALL_MODES:  # every mode, inject included, without and with
+    modes = [m for m in ALL_MODES if m != "steer"]  # steer is inject without interjections
+    for mode in modes:  # every other mode, inject and async included, without and with
         assert f"\n{mode:<10} {'no':>10}       1–5" in out and f"\n{mode:<10} {3000:>10}       1–5" in out
+    assert "\nsteer " not in out
     windows = (tmp_path / "windows.csv").read_text().splitlines()
-    assert len(windows) == 1 + 2 * len(ALL_MODES) * 2  # 13 turns by 5: 1–5, 6–13
+    assert len(windows) == 1 + 2 * len(modes) * 2  # 13 turns by 5: 1–5, 6–13
     assert (tmp_path / "with" / "summary.json").is_file() and (tmp_path / "without" / "turns.csv").is_file()
     for bad in ("0", "999"):
         with pytest.raises(SystemExit, match="invalid option"):

@@ -281,7 +281,8 @@ def test_a_steered_incomplete_response_takes_the_successor_row_of_the_lane_table
     """The per-lane table needs no new row: a response that ended `incomplete` (steered) with a
     queued steer and nothing owed starts the automatic successor with the steer's input."""
     c = Connection(beta=True)
-    c.receive_text(json.dumps({"type": "response.create", "model": MODEL, "input": "x", "instructions": "Be brief."}))
+    create = {"type": "response.create", "model": MODEL, "input": "x", "instructions": "Be brief."}
+    c.receive_text(json.dumps(create), at=1.0)
     (start,) = c.outputs_to_send()
     assert isinstance(start, StartJob)
     rid = start.job.response_id
@@ -303,9 +304,11 @@ def test_a_steered_incomplete_response_takes_the_successor_row_of_the_lane_table
         None,
         0,
     )
-    c.response_ended(start.job, entry)
+    c.response_ended(start.job, entry, at=7.5)
     (successor,) = c.outputs_to_send()
     assert isinstance(successor, StartJob)
+    # The server sent it when the parent ended: its stages count from then, not from the parent's arrival.
+    assert start.job.arrived_at == 1.0 and successor.job.arrived_at == 7.5
     request = successor.job.request
     assert request.previous_response_id == rid and request.params.instructions == "Be brief."
     assert [json.loads(bytes(i.raw))["content"] for i in request.items] == [STEER_TEXT]
@@ -320,3 +323,21 @@ def test_steering_with_compaction_is_refused_before_anything_runs() -> None:
         experiment.check(config, virtual=True)
     experiment.check(msgspec.structs.replace(config, compact_threshold=0), virtual=True)
     experiment.check(msgspec.structs.replace(config, modes=("inject",)), virtual=True)
+
+
+def test_a_successors_stages_count_from_its_parents_end() -> None:
+    """The automatic successor arrives when its parent ends: its `network` stage is its own
+    segments' uploads, no more than the whole unsteered response's on the same rollout (counted
+    from the parent's arrival it would hold the parent's whole life)."""
+    config = CompareConfig(modes=("inject", "steer"), rollouts=3, tool_calls=5, interjections=1)
+    result = experiment.compare(config, virtual=True, free_cpu=True)
+
+    def network(mode: str, index: int) -> float:
+        (rollout,) = [r for r in result.rollouts if r.mode == mode and r.index == index]
+        reports = [t.response.longrun for t in rollout.turns if isinstance(t.response.longrun, msgspec.Struct)]
+        return float(reports[-1].stages_s["network"])  # type: ignore[union-attr]
+
+    steered = {r.index for r in result.rollouts if r.mode == "steer" and r.successors}
+    assert steered
+    for index in steered:
+        assert 0 < network("steer", index) <= network("inject", index)
