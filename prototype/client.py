@@ -358,9 +358,8 @@ class WSClient:
             self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
         )
 
-    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
-        if self.steering:
-            return await self._steering_turn(new_items, settings)
+    async def _send_turn(self, new_items: list[dict[str, Any]], settings: dict[str, Any]) -> _Tracker:
+        """Send a turn's frame (the resume of a paused response, or a create) and start timing it."""
         if self.ws is None:
             self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
         if self.paused_id is not None:
@@ -380,6 +379,13 @@ class WSClient:
         data = encode(body).decode()
         tracker = _Tracker(self.clock, self.clock.now(), len(data))
         await self.ws.send_str(data)
+        return tracker
+
+    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+        if self.steering:
+            return await self._steering_turn(new_items, settings)
+        tracker = await self._send_turn(new_items, settings)
+        assert self.ws is not None
         latest: Response | None = None  # inject mode: the response's latest snapshot
         while True:
             msg = await self.ws.receive()
@@ -443,23 +449,8 @@ class WSClient:
         (`steered`) into the successor, and past a terminal event while a steer it sent is
         unanswered or accepted but not committed (a successor, or a failure, is coming)."""
         st = self.steer_state
-        if self.ws is None:
-            self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
-        if self.paused_id is not None:
-            body: dict[str, Any] = {"type": "response.inject", "response_id": self.paused_id, "input": new_items}
-        else:
-            settings = _beta_settings(settings, overlap=False)  # as `inject`'s create
-            body = {
-                "type": "response.create",
-                **settings,
-                "input": new_items,
-                "previous_response_id": self.history.previous_id,
-            }
-            if self.stream_id is not None:
-                body["stream_id"] = self.stream_id
-        data = encode(body).decode()
-        tracker = _Tracker(self.clock, self.clock.now(), len(data))
-        await self.ws.send_str(data)
+        tracker = await self._send_turn(new_items, settings)  # as `inject`'s (its create: `_beta_settings`)
+        assert self.ws is not None
         latest: Response | None = None
         held: Response | None = None  # a terminal event passed over while a steer was outstanding
         loop = asyncio.get_running_loop()

@@ -946,22 +946,12 @@ class ResponseRun:
         overlapped the decode), is validated and classified, and a new segment starts with no
         pause and no event; past the compaction threshold or the input limit, as at a resume.
         The KV stays in use, so none of this is idle KV time."""
-        engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
+        engine, stream, turn = self.engine, self.stream, self.turn
         self.resolved.context.end_turn()  # the next turn's calls are not this turn's parallel calls
-        before = stages.report.tokens_rendered
-        await turn.add_input(carried, stages.report)
-        stages.lap(Stage.RENDER)
-        limit = self.compaction_limit()
-        compaction = None
-        if limit is not None and turn.prompt_tokens > limit:
-            compaction = await self._compact_paused()
-        if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
-            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
-            self._owner_busy = False
-            await self.emit(failed + self._drain())
-            return Outcome(stream.response, None)
-        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * (stages.report.tokens_rendered - before))
-        await self._classify(self.resolved)
+        taken = await self._take_input(carried)
+        if isinstance(taken, Outcome):
+            return taken
+        compaction = taken
         events = stream.receive(Continue(input_tokens=turn.prompt_tokens))
         if self._queued:
             events += self._drain()
@@ -1004,21 +994,10 @@ class ResponseRun:
         stages.new_segment(resumed.at)
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(resumed.body_bytes))
         stages.lap(Stage.PARSE)
-        before = stages.report.tokens_rendered
-        await turn.add_input((*carried, *decision.items), stages.report)
-        stages.lap(Stage.RENDER)
-        limit = self.compaction_limit()
-        compaction = None
-        if limit is not None and turn.prompt_tokens > limit:
-            compaction = await self._compact_paused()
-        if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
-            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
-            self._owner_busy = False
-            await self.emit(failed + self._drain())
-            return Outcome(stream.response, None)
-        rendered = stages.report.tokens_rendered - before
-        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * rendered)
-        await self._classify(self.resolved)
+        taken = await self._take_input((*carried, *decision.items))
+        if isinstance(taken, Outcome):
+            return taken
+        compaction = taken
         if self.steers:
             # Beta: the resume point is a safe output boundary (no output in flight, no call
             # owed): a queued steer ends the response here; its successor commits the steer.
@@ -1029,6 +1008,28 @@ class ResponseRun:
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(stream.end_incomplete("content_filter"))
         return None
+
+    async def _take_input(self, items: Sequence[Item]) -> Compaction | Outcome | None:
+        """Items that join a running response's context (a resume's, or those injected while
+        the model decoded): rendered, compacted past the threshold, checked against the input
+        limit, validated and classified. The compaction to announce (or None); an `Outcome`
+        when the prompt outgrew the input limit and the response failed without sampling."""
+        engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
+        before = stages.report.tokens_rendered
+        await turn.add_input(items, stages.report)
+        stages.lap(Stage.RENDER)
+        limit = self.compaction_limit()
+        compaction = None
+        if limit is not None and turn.prompt_tokens > limit:
+            compaction = await self._compact_paused()
+        if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
+            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
+            self._owner_busy = False
+            await self.emit(failed + self._drain())
+            return Outcome(stream.response, None)
+        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * (stages.report.tokens_rendered - before))
+        await self._classify(self.resolved)
+        return compaction
 
     async def _compact_paused(self) -> Compaction:
         """Append mode: the resumed prompt is past the threshold. The context becomes the

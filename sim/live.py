@@ -162,6 +162,22 @@ def draw_interjections(seed: int, index: int, count: int, tool_turns: int, windo
     )
 
 
+def _settings(
+    mode: Mode, spec: RolloutSpec, model: str, store: bool | None, context_management: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """A rollout's request settings: `store` defaults to what the mode needs (only `http_prev`
+    chains through the store); `context_management` only when given."""
+    settings: dict[str, Any] = {
+        "model": model,
+        "instructions": spec.instructions,
+        "tools": [EXEC_TOOL],
+        "store": mode == "http_prev" if store is None else store,
+    }
+    if context_management is not None:
+        settings["context_management"] = context_management
+    return settings
+
+
 async def run_rollout(
     client: ResponsesClient,
     clock: Clock,
@@ -180,14 +196,7 @@ async def run_rollout(
             client, clock, spec, model=model, tools=tools, store=store, context_management=context_management
         )
     tools = tools or SimulatedTools()
-    settings: dict[str, Any] = {
-        "model": model,
-        "instructions": spec.instructions,
-        "tools": [EXEC_TOOL],
-        "store": client.mode == "http_prev" if store is None else store,
-    }
-    if context_management is not None:
-        settings["context_management"] = context_management
+    settings = _settings(client.mode, spec, model, store, context_management)
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
     for turn in range(len(spec.tool_times_s) + 1):
@@ -221,14 +230,7 @@ async def run_interjected(
     (its delay outran the rollout, or its steer failed) is sent, once it has arrived, as one more
     turn, in every mode alike."""
     tools = tools or SimulatedTools()
-    settings = {
-        "model": model,
-        "instructions": spec.instructions,
-        "tools": [EXEC_TOOL],
-        "store": client.mode == "http_prev" if store is None else store,
-    }
-    if context_management is not None:
-        settings["context_management"] = context_management
+    settings = _settings(client.mode, spec, model, store, context_management)
     steering = bool(getattr(client, "steering", False))
     planned = {interjection.turn: interjection for interjection in spec.interjections}
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
@@ -317,9 +319,7 @@ async def run_async_rollout(
     server was not working on a turn (the tool time on the rollout's critical path), so the
     overhead share counts tool time overlapped with the model's work once, as model time."""
     tools = tools or SimulatedTools()
-    settings: dict[str, Any] = {"model": model, "instructions": spec.instructions, "tools": [EXEC_TOOL], "store": store}
-    if context_management is not None:
-        settings["context_management"] = context_management
+    settings = _settings(client.mode, spec, model, store, context_management)
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     spans: list[tuple[float, float]] = []
 
