@@ -32,7 +32,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, structs
 
-from prototype.app import ENGINE, ServerConfig, make_app, make_engine
+from prototype.app import ENGINE, ServerConfig, make_app, make_engine, render_executor
 from prototype.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from prototype.clock import Clock
 from prototype.conversation import ToolCache, parse_items
@@ -230,7 +230,13 @@ async def run_compare(
     server_config = _server_config(config)
     store = MemoryStore()
     runner: web.AppRunner | None = None
+    threads = None
     if virtual:
+        # With CPU charged, long texts are tokenized on render threads as on the live server, and
+        # the loop waits for them in real time (`sim.virtual`): the hop and the threads' priority
+        # cost what they cost live. With CPU free, on the loop (there it takes no time).
+        if getattr(asyncio.get_running_loop(), "charge_cpu", False) and not memoize:
+            threads = render_executor(server_config)
         engine = make_engine(
             model=model,
             store=store,
@@ -241,6 +247,7 @@ async def run_compare(
             classifier=memo_classifier() if memoize else None,
             item_parser=MemoItems() if memoize else parse_items,
             rendered=MemoRendered() if memoize else None,
+            render_executor=threads,
         )
         # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
         server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None, tap=tap)
@@ -329,6 +336,8 @@ async def run_compare(
     finally:
         if runner is not None:
             await runner.cleanup()
+        if threads is not None:
+            threads.shutdown(wait=True)
     return CompareResult(
         config,
         virtual,

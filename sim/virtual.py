@@ -27,6 +27,13 @@ long, in virtual seconds, as a live run on this machine would, minus the waiting
 With `charge_cpu=False` CPU work is free, `time()` moves only when the loop jumps to a
 timer, and results are exactly reproducible.
 
+Work a real thread does for the loop (`run_in_executor`: the live server's render thread)
+is charged the same way: while such work is in flight and no callback is ready, a charged
+loop waits for it in real time, as a live loop would (in its selector, up to the next
+timer), and the wall time waited is virtual time. The thread's own cost (the hop to it and
+back, its priority, a core whose caches are cold) is then the one a live run pays on this
+machine.
+
 A loop with nothing ready and no timer would wait forever on a real clock; here
 that is a deadlock and raises `VirtualDeadlock` instead of hanging.
 """
@@ -40,6 +47,7 @@ import heapq
 import selectors
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from prototype.clock import Clock
@@ -89,6 +97,11 @@ class _VirtualSelector(selectors.BaseSelector):
         just before this call, which includes the charged CPU work: the clock moves that far."""
         loop = self._loop
         loop._charge()  # `timeout` was computed from `time()`, which counted the last callbacks' work
+        if loop._threads:  # wait for the thread in real time, charged
+            ready = self._real.select(timeout)
+            loop._charge()
+            loop._restart_mark()
+            return ready
         ready = self._real.select(0)
         if not ready:
             if timeout is None:
@@ -106,6 +119,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._charge_cpu = charge_cpu
         self._cpu_mark = 0.0  # perf_counter at the start of the work not yet added to `virtual_now`
         self._in_loop = False  # the loop is running (outside it, its clock stands still)
+        self._threads = 0  # executor jobs in flight (counted only when CPU is charged)
         self._virtual_selector = _VirtualSelector(self)
         super().__init__(selector=self._virtual_selector)
         if charge_cpu:  # chosen once: a free-CPU loop's `time()` stays a bare attribute read
@@ -135,6 +149,26 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def _restart_mark(self) -> None:
         if self._charge_cpu:
             self._cpu_mark = time.perf_counter()
+
+    def run_in_executor(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
+        self, executor: Executor | None, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        """As asyncio's; with CPU charged the job is counted in flight until its result is back
+        on the loop, so that the loop waits for it in real time rather than jumping ahead."""
+        future = super().run_in_executor(executor, func, *args)
+        if self._charge_cpu:
+            self._threads += 1
+            future.add_done_callback(self._thread_done)
+        return future
+
+    def _thread_done(self, _: object) -> None:
+        self._threads -= 1
+
+    def _wait_for_threads(self, scheduled: list[Any]) -> list[tuple[selectors.SelectorKey, int]]:
+        """Block in the real selector (the self-pipe wakes it when a thread's result is queued)
+        up to the next timer; the wall time it blocks is charged with the next callbacks."""
+        timeout = min(max(0.0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S) if scheduled else None
+        return self._virtual_selector._real.select(timeout)
 
     def run_forever(self) -> None:
         """Charged work is what runs inside the loop: the wall time before it starts and after
@@ -169,9 +203,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             now = time.perf_counter()
             self.virtual_now += now - self._cpu_mark
         if not ready and not base._stopping:
-            events = selector._real.select(0) if selector.polled else None
+            events: list[tuple[selectors.SelectorKey, int]] | None
+            if self._threads:  # only counted when charging, so `now` is set: the wait is charged
+                events = self._wait_for_threads(scheduled)
+                self.virtual_now += time.perf_counter() - now
+            else:
+                events = selector._real.select(0) if selector.polled else None
             if events:
                 base._process_events(events)
+            elif self._threads:
+                pass  # the timer's time has come in real time (charged above), or the selector woke early
             elif scheduled:
                 self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
             else:
