@@ -49,7 +49,7 @@ from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
 from .replay import load_trace, replay_plan
 from .tools import tool_runner
-from .virtual import VirtualClock, run_virtual
+from .virtual import VirtualClock, load_live_costs, run_virtual
 from .workload import WORKLOADS, draw_rollouts
 
 __all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "run_compare"]
@@ -109,6 +109,13 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ] = False
     tool_command: Annotated[
         str | None, Meta(description="live only: run this shell command per tool step and send back its output")
+    ] = None
+    live_costs: Annotated[
+        str | None,
+        Meta(
+            description="virtual time with CPU charged: also charge the live transport's per-operation costs in "
+            "this JSON file (`python -m sim fidelity --calibrate` writes it; docs/fidelity.md)"
+        ),
     ] = None
     seed: int = 0
     modes: Annotated[
@@ -184,6 +191,11 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
             raise ValueError(f"unknown optimization {name!r}; choose from {', '.join(Optimization)}")
     load_profile(config.profile)
     tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
+    if config.live_costs:
+        try:
+            load_live_costs(config.live_costs)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ValueError(f"live_costs {config.live_costs!r}: {exc}") from None
 
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
@@ -250,7 +262,13 @@ async def run_compare(
             render_executor=threads,
         )
         # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
-        server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None, tap=tap)
+        server = InProcessServer(
+            engine,
+            server_config,
+            tool_cache=ToolCache() if memoize else None,
+            tap=tap,
+            live_costs=load_live_costs(config.live_costs) if config.live_costs else None,
+        )
 
         def client_for(mode: Mode) -> ResponsesClient:
             return server.client(mode, clock)

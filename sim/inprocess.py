@@ -7,6 +7,10 @@ decoded at both ends (that JSON work is part of what the modes cost), and the
 cost profile's `network` stage still charges the modeled round trip and upload,
 exactly as on the live server. What disappears is the kernel: no sockets, no
 waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work.
+With `live_costs` (on a loop that charges CPU) the transports charge what the live
+one costs beyond that, as measured on this machine (`sim.virtual.LiveCosts`): an HTTP
+request when it is sent, its response when the client's task takes the first events
+(with the response's headers, live), a WebSocket message when it is sent.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
 from prototype.session import ServerConfig, WebSocketSession, http_create
 from prototype.sse import SSEDecoder, encode_event
+
+from .virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 
 __all__ = ["InProcessServer", "Tap"]
 
@@ -62,6 +68,33 @@ class _Channel(Generic[T]):
             finally:
                 self._waiter = None
         return items.popleft()
+
+
+class _LiveCharges:
+    """One client's live transport costs, charged on a loop that charges CPU: each operation at
+    its back-to-back cost, or at its after-a-wait cost when the loop slept since this client's
+    last one (a turn's request follows the tool's time) or when it follows one that did."""
+
+    __slots__ = ("_mark", "_slept", "costs")
+
+    def __init__(self, costs: LiveCosts) -> None:
+        self.costs = costs
+        self._mark: tuple[float, float, float] | None = None
+        self._slept = True
+
+    def charge(self, back: float, after_wait: float, *, follows: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        slept = self._mark is None or loop.idle_since(self._mark) >= IDLE_S or (follows and self._slept)
+        loop.charge(after_wait if slept else back)
+        self._mark, self._slept = loop.mark(), slept
+
+
+def _charges(costs: LiveCosts | None) -> _LiveCharges | None:
+    """Charges for a new client, if there are costs and the running loop charges CPU."""
+    if costs is None or not getattr(asyncio.get_running_loop(), "charge_cpu", False):
+        return None
+    return _LiveCharges(costs)
 
 
 class _ServerSocket:
@@ -100,15 +133,25 @@ class _ServerSocket:
 class _ClientSocket:
     """The client's end: `TextSocket` for `WSClient`."""
 
-    def __init__(self, inbox: _Channel[aiohttp.WSMessage], outbox: _Channel[str | None], tap: Tap | None) -> None:
+    def __init__(
+        self,
+        inbox: _Channel[aiohttp.WSMessage],
+        outbox: _Channel[str | None],
+        tap: Tap | None,
+        charges: _LiveCharges | None = None,
+    ) -> None:
         self.inbox = inbox
         self.outbox = outbox
         self.session_task: asyncio.Task[None] | None = None
         self.tap = tap
+        self.charges = charges
 
     async def send_str(self, data: str) -> None:
         if self.tap is not None:
             self.tap("up", data.encode())
+        if self.charges is not None:
+            costs = self.charges.costs
+            self.charges.charge(costs.ws_message, costs.ws_message_after_wait)
         self.outbox.put_nowait(data)
 
     async def receive(self) -> aiohttp.WSMessage:
@@ -124,11 +167,17 @@ class _InProcessHTTP(HTTPClient):
     def __init__(self, server: InProcessServer, clock: Clock, *, chained: bool) -> None:
         super().__init__("inprocess://", clock, chained=chained)
         self.server = server
+        self.charges: _LiveCharges | None = None
 
     async def _exchange(self, data: bytes) -> AsyncIterator[ServerEvent]:
         engine, tap = self.server.engine, self.server.tap
         if tap is not None:
             tap("up", data)
+        if self.charges is None:
+            self.charges = _charges(self.server.live_costs)
+        charges = self.charges
+        if charges is not None:  # the request's way to the handler, before the server reads the body
+            charges.charge(charges.costs.http_request, charges.costs.http_request_after_wait)
         try:  # the live server's own parse of a body (prototype.session)
             _, create, arrival = http_create(data, engine, self.server.config, tool_cache=self.server.tool_cache)
         except ProtocolError as err:
@@ -166,8 +215,14 @@ class _InProcessHTTP(HTTPClient):
 
         task = asyncio.get_running_loop().create_task(run())
         try:
-            while (event := await queue.get()) is not None:
+            event = await queue.get()
+            if event is not None and charges is not None:
+                # The response's headers and first events reach the client: its task does that work
+                # when it runs, as live (where it mostly overlaps the server's wait for the model).
+                charges.charge(charges.costs.http_response, charges.costs.http_response_after_wait, follows=True)
+            while event is not None:
                 yield event
+                event = await queue.get()
         finally:
             await task
 
@@ -182,7 +237,7 @@ class _InProcessWS(WSClient):
         to_server: _Channel[str | None] = _Channel()
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
-        client_end = _ClientSocket(to_client, to_server, self.server.tap)
+        client_end = _ClientSocket(to_client, to_server, self.server.tap, _charges(self.server.live_costs))
         session = WebSocketSession(
             self.server.engine, self.server.config, server_end, append_mode=self.append_mode, beta=self.beta
         )
@@ -200,15 +255,18 @@ class InProcessServer:
         *,
         tool_cache: ToolCache | None = None,
         tap: Tap | None = None,
+        live_costs: LiveCosts | None = None,
     ) -> None:
         """`tool_cache`: shared by every HTTP request (`sim.memo`, where CPU is free), so a tool
         list identical to the last one is not validated again; the engine's `item_parser`
         validates their input items. `tap`: called with ("up" or "down", bytes) for every
-        request body, client frame, event and server frame carried (to count or time them)."""
+        request body, client frame, event and server frame carried (to count or time them).
+        `live_costs`: charged by the transports on a loop that charges CPU (ignored elsewhere)."""
         self.engine = engine
         self.config = config or ServerConfig()
         self.tool_cache = tool_cache
         self.tap = tap
+        self.live_costs = live_costs
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):

@@ -34,6 +34,13 @@ timer), and the wall time waited is virtual time. The thread's own cost (the hop
 back, its priority, a core whose caches are cold) is then the one a live run pays on this
 machine.
 
+What an in-process run does not do at all, the live transport's work (aiohttp's request
+and response handling, the kernel's loopback, a WebSocket frame's way through both ends),
+can be charged as measured: `LiveCosts` holds those per-operation costs as
+`python -m sim fidelity --calibrate` measures them on this machine, and the in-process
+transports (`sim.inprocess`) charge each where the live run pays it, with `charge`: the
+clock moves as if the running callback had done that work. Never with CPU free.
+
 A loop with nothing ready and no timer would wait forever on a real clock; here
 that is a deadlock and raises `VirtualDeadlock` instead of hanging.
 """
@@ -48,11 +55,14 @@ import selectors
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import msgspec
 
 from prototype.clock import Clock
 
-__all__ = ["VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "run_virtual"]
+__all__ = ["LiveCosts", "VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "load_live_costs", "run_virtual"]
 
 T = TypeVar("T")
 
@@ -61,6 +71,29 @@ _MIN_SCHEDULED = 100  # asyncio's _MIN_SCHEDULED_TIMER_HANDLES
 _CANCELLED_FRACTION = 0.5  # asyncio's _MIN_CANCELLED_TIMER_HANDLES_FRACTION
 
 EPOCH_S = 1_767_225_600.0  # 2026-01-01T00:00:00Z: `time()` of virtual t = 0
+
+
+IDLE_S: Final = 0.001  # a loop that skipped this much virtual time has slept: its next work runs "after a wait"
+
+
+class LiveCosts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the live transport costs per operation beyond what the in-process one does (seconds,
+    medians on this machine: `python -m sim fidelity --calibrate` writes them). Each comes back to
+    back and "after the loop slept": live, work that follows a wait runs slower (the process
+    slept, its caches went cold, its core went to other work), and a turn's request follows the
+    tool's time."""
+
+    http_request: float = 0.0  # a POST: the client's call until the server's handler holds the body
+    http_request_after_wait: float = 0.0
+    http_response: float = 0.0  # its response: headers, the SSE stream's first event and its end
+    http_response_after_wait: float = 0.0
+    ws_message: float = 0.0  # a WebSocket message: the client's send until the server's handler holds it
+    ws_message_after_wait: float = 0.0
+
+
+def load_live_costs(path: str | Path) -> LiveCosts:
+    """The costs in a calibration file (JSON: `LiveCosts` fields; other keys are ignored)."""
+    return msgspec.json.decode(Path(path).read_bytes(), type=LiveCosts)
 
 
 class VirtualDeadlock(RuntimeError):
@@ -120,6 +153,7 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._cpu_mark = 0.0  # perf_counter at the start of the work not yet added to `virtual_now`
         self._in_loop = False  # the loop is running (outside it, its clock stands still)
         self._threads = 0  # executor jobs in flight (counted only when CPU is charged)
+        self._charged_s = 0.0  # live costs charged so far (`charge`)
         self._virtual_selector = _VirtualSelector(self)
         super().__init__(selector=self._virtual_selector)
         if charge_cpu:  # chosen once: a free-CPU loop's `time()` stays a bare attribute read
@@ -138,6 +172,25 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if not self._in_loop:
             return self.virtual_now
         return self.virtual_now + (time.perf_counter() - self._cpu_mark)
+
+    def charge(self, seconds: float) -> None:
+        """Move the clock on by `seconds` of work a live run does here and this one does not (a
+        `LiveCosts` entry), as if the running callback had done it: nothing else runs meanwhile.
+        Only on a loop that charges CPU."""
+        if not self._charge_cpu:
+            raise RuntimeError("a live cost is charged only where CPU is charged")
+        self.virtual_now += seconds
+        self._charged_s += seconds
+
+    def mark(self) -> tuple[float, float, float]:
+        """A point to measure `idle_since` from."""
+        return self.time(), time.perf_counter(), self._charged_s
+
+    def idle_since(self, mark: tuple[float, float, float]) -> float:
+        """The virtual time since `mark` that the loop skipped (jumping to a timer) rather than
+        spent on work or charged costs: > 0 when it slept meanwhile."""
+        at, wall, charged = mark
+        return (self.time() - at) - (time.perf_counter() - wall) - (self._charged_s - charged)
 
     def _charge(self) -> None:
         """Add the wall time since the mark to the loop's clock (it stays what `time()` read)."""
