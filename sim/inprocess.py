@@ -183,9 +183,11 @@ class _InProcessHTTP(HTTPClient):
         except ProtocolError as err:
             raise ClientError(err.status, err.body()) from None
         queue: _Channel[ServerEvent | None] = _Channel()
-        # With CPU charged, the events are framed as SSE and parsed by the client's decoder, as over
-        # a socket (real work at both ends); with CPU free that framing is skipped (same events).
+        # With CPU charged, the server frames its events as SSE and the client's task parses them
+        # with the client's decoder when it runs, as over a socket (real work at both ends, each
+        # where it runs live); with CPU free that framing is skipped (the same events).
         sse = SSEDecoder() if getattr(asyncio.get_running_loop(), "charge_cpu", False) else None
+        chunks: _Channel[bytes | None] = _Channel()
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
@@ -195,15 +197,13 @@ class _InProcessHTTP(HTTPClient):
                 queue.put_nowait(decode_server_event(data))
 
         async def emit_sse(events: list[ServerEvent]) -> None:
-            assert sse is not None
             frames = []
             for ev in events:
                 data = encode(ev)
                 if tap is not None:
                     tap("down", data)
                 frames.append(encode_event(data, event=ev.__struct_config__.tag))  # type: ignore[arg-type]
-            for parsed in sse.feed(b"".join(frames)):
-                queue.put_nowait(decode_server_event(parsed.data))
+            chunks.put_nowait(b"".join(frames))
 
         async def run() -> None:
             try:
@@ -211,18 +211,23 @@ class _InProcessHTTP(HTTPClient):
                 if outcome.error is not None:
                     raise ClientError(outcome.error.status, outcome.error.body())
             finally:
-                queue.put_nowait(None)
+                (queue if sse is None else chunks).put_nowait(None)
 
         task = asyncio.get_running_loop().create_task(run())
         try:
-            event = await queue.get()
-            if event is not None and charges is not None:
+            if sse is None:
+                while (event := await queue.get()) is not None:
+                    yield event
+                return
+            chunk = await chunks.get()
+            if chunk is not None and charges is not None:
                 # The response's headers and first events reach the client: its task does that work
                 # when it runs, as live (where it mostly overlaps the server's wait for the model).
                 charges.charge(charges.costs.http_response, charges.costs.http_response_after_wait, follows=True)
-            while event is not None:
-                yield event
-                event = await queue.get()
+            while chunk is not None:
+                for parsed in sse.feed(chunk):
+                    yield decode_server_event(parsed.data)
+                chunk = await chunks.get()
         finally:
             await task
 
