@@ -9,8 +9,8 @@ exactly as on the live server. What disappears is the kernel: no sockets, no
 waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work.
 With `live_costs` (on a loop that charges CPU) the transports charge what the live
 one costs beyond that, as measured on this machine (`sim.virtual.LiveCosts`): an HTTP
-request when it is sent, its response when the client's task takes the first events
-(with the response's headers, live), a WebSocket message when it is sent.
+request when it is sent, its response at the server's first events (where the live
+server prepares the response and sends its headers), a WebSocket message when it is sent.
 """
 
 from __future__ import annotations
@@ -196,7 +196,14 @@ class _InProcessHTTP(HTTPClient):
                     tap("down", data)
                 queue.put_nowait(decode_server_event(data))
 
+        responded = charges is None
+
         async def emit_sse(events: list[ServerEvent]) -> None:
+            nonlocal responded
+            if not responded:  # the live server prepares the response (its headers) at its first events
+                assert charges is not None
+                responded = True
+                charges.charge(charges.costs.http_response, charges.costs.http_response_after_wait, follows=True)
             frames = []
             for ev in events:
                 data = encode(ev)
@@ -219,15 +226,9 @@ class _InProcessHTTP(HTTPClient):
                 while (event := await queue.get()) is not None:
                     yield event
                 return
-            chunk = await chunks.get()
-            if chunk is not None and charges is not None:
-                # The response's headers and first events reach the client: its task does that work
-                # when it runs, as live (where it mostly overlaps the server's wait for the model).
-                charges.charge(charges.costs.http_response, charges.costs.http_response_after_wait, follows=True)
-            while chunk is not None:
+            while (chunk := await chunks.get()) is not None:
                 for parsed in sse.feed(chunk):
                     yield decode_server_event(parsed.data)
-                chunk = await chunks.get()
         finally:
             await task
 
