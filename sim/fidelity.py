@@ -395,9 +395,11 @@ def calibrate(
 ) -> list[Cost]:
     """Measure, live on loopback (on loops from `loop_factory`: the CLI uses uvloop), the costs
     a live turn pays that an in-process virtual run does not (`sim.realtime.live_cost_samples`:
-    a timer's late wake-up, the hop to a render thread and back, an HTTP request's round trip,
-    a WebSocket message's, a megabyte streamed as SSE or as one WebSocket message). Medians and
-    90th percentiles over `repeats`; the streams and the offloaded render over fewer."""
+    a timer's late wake-up, work after a wait, the hop to a render thread and back, an HTTP
+    request and its response, a WebSocket message, each back to back and after the loop slept,
+    a megabyte streamed as SSE or as one WebSocket message). Medians and 90th percentiles over
+    `repeats`; the streams, the offloaded render and the samples after a sleep over fewer.
+    `write_live_costs` keeps the transport's (`sim.virtual.LiveCosts`) for virtual runs."""
     out = []
     for name, samples, what in live_cost_samples(repeats, stream_bytes, loop_factory=loop_factory):
         xs = np.asarray(samples)

@@ -121,8 +121,9 @@ def live_cost_samples(
     classification takes right after a wait than right after other work (a live loop waits
     between turns and stages; a virtual one never does), the hop to a nice-19 thread (as the
     server's render threads) and back, tokenizing 20 KB there rather than inline, an HTTP
-    request with one SSE event, a megabyte of SSE, a small WebSocket message each way, a
-    megabyte in one message."""
+    request of `REQUEST_BYTES` to its handler and its response, back to back and after the
+    loop slept `IDLE_WAIT_S`, a megabyte of SSE, a WebSocket message of `REQUEST_BYTES` to its
+    handler, back to back and after a sleep, a megabyte in one message."""
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_live_cost_samples(repeats, stream_bytes))
 

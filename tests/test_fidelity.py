@@ -20,6 +20,10 @@ and over ten under heavy load) is not charged, so turn times may differ by a fac
 or more; the render stage has no transport in it and is held tighter. The control misses
 each check by far more: with CPU free its turns take no time at all.
 `python -m sim fidelity` is the instrument with the tight targets.
+
+A second, transport-heavy configuration checks the live transport's costs (`LiveCosts`,
+calibrated here): with them charged, the part of an `http - ws` turn outside every server
+stage agrees with live; without them (the negative control) it reads a fraction of live's.
 """
 
 from __future__ import annotations
