@@ -73,6 +73,7 @@ __all__ = [
     "WebSocketSession",
     "make_app",
     "make_engine",
+    "render_executor",
 ]
 
 log = logging.getLogger("longrun.server")
@@ -135,8 +136,8 @@ def make_engine(
     """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets).
     `tokenizer`, `classifier`, `item_parser` and `rendered` replace the defaults (the simulator's
     memoizing ones, `sim.memo`).
-    Without `render_executor` every text is tokenized on the event loop (virtual time, where the
-    loop charges that CPU to the clock)."""
+    Without `render_executor` every text is tokenized on the event loop (virtual time with CPU
+    free, where that work takes no time)."""
     return Engine(
         model=model,
         store=store,
@@ -154,6 +155,17 @@ def make_engine(
     )
 
 
+def render_executor(config: ServerConfig) -> ThreadPoolExecutor | None:
+    """The render threads of `config` (nice `RENDER_NICE`), or None for none; the caller shuts
+    them down. The live app makes them; so does a virtual run with CPU charged, which waits
+    for their work in real time (`sim.virtual`)."""
+    if config.render_threads <= 0:
+        return None
+    return ThreadPoolExecutor(
+        config.render_threads, thread_name_prefix="longrun-render", initializer=_background_thread
+    )
+
+
 def make_app(
     *,
     model: TokenModel,
@@ -165,11 +177,8 @@ def make_app(
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
-    executor = None
-    if config.render_threads > 0:
-        executor = ThreadPoolExecutor(
-            config.render_threads, thread_name_prefix="longrun-render", initializer=_background_thread
-        )
+    executor = render_executor(config)
+    if executor is not None:
         app.on_cleanup.append(functools.partial(_stop_executor, executor))
     app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed, render_executor=executor)
     sockets: set[web.WebSocketResponse] = set()

@@ -33,7 +33,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, structs
 
-from prototype.app import ENGINE, ServerConfig, make_app, make_engine
+from prototype.app import ENGINE, ServerConfig, make_app, make_engine, render_executor
 from prototype.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from prototype.clock import Clock
 from prototype.contract import COMPACT_THRESHOLD_MIN
@@ -52,7 +52,7 @@ from .policy import DefaultPolicy, Policy
 from .realtime import AsyncioClock
 from .replay import load_trace, replay_plan
 from .tools import tool_runner
-from .virtual import VirtualClock, run_virtual
+from .virtual import VirtualClock, load_live_costs, run_virtual
 from .workload import WORKLOADS, draw_rollouts
 
 __all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "run_compare"]
@@ -142,6 +142,13 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
             "model decodes on while the tool runs (longrun's assumption: no public figure)",
         ),
     ] = 0.5
+    live_costs: Annotated[
+        str | None,
+        Meta(
+            description="virtual time with CPU charged: also charge the live transport's per-operation costs in "
+            "this JSON file (`python -m sim fidelity --calibrate` writes it; docs/fidelity.md)"
+        ),
+    ] = None
     seed: int = 0
     modes: Annotated[
         tuple[str, ...],
@@ -227,6 +234,11 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
         )
     load_profile(config.profile)
     tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
+    if config.live_costs:
+        try:
+            load_live_costs(config.live_costs)
+        except (OSError, msgspec.DecodeError) as exc:
+            raise ValueError(f"live_costs {config.live_costs!r}: {exc}") from None
 
 
 class _PromptLog:
@@ -301,7 +313,13 @@ async def run_compare(
     server_config = _server_config(config)
     store = MemoryStore()
     runner: web.AppRunner | None = None
+    threads = None
     if virtual:
+        # With CPU charged, long texts are tokenized on render threads as on the live server, and
+        # the loop waits for them in real time (`sim.virtual`): the hop and the threads' priority
+        # cost what they cost live. With CPU free, on the loop (there it takes no time).
+        if getattr(asyncio.get_running_loop(), "charge_cpu", False) and not memoize:
+            threads = render_executor(server_config)
         engine = make_engine(
             model=prompts,
             store=store,
@@ -312,9 +330,16 @@ async def run_compare(
             classifier=memo_classifier() if memoize else None,
             item_parser=MemoItems() if memoize else parse_items,
             rendered=MemoRendered() if memoize else None,
+            render_executor=threads,
         )
         # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
-        server = InProcessServer(engine, server_config, tool_cache=ToolCache() if memoize else None, tap=tap)
+        server = InProcessServer(
+            engine,
+            server_config,
+            tool_cache=ToolCache() if memoize else None,
+            tap=tap,
+            live_costs=load_live_costs(config.live_costs) if config.live_costs else None,
+        )
 
         def client_for(mode: Mode) -> ResponsesClient:
             return server.client(mode, clock)
@@ -419,6 +444,8 @@ async def run_compare(
     finally:
         if runner is not None:
             await runner.cleanup()
+        if threads is not None:
+            threads.shutdown(wait=True)
     return CompareResult(
         config,
         virtual,

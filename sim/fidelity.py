@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,10 @@ from prototype.pipeline import Stage
 from .experiment import CompareConfig, CompareResult, check, compare
 from .metrics import per_turn_work, summarize
 from .realtime import live_cost_samples
+from .virtual import LiveCosts, load_live_costs
 
 __all__ = [
+    "DEFAULT_COSTS_PATH",
     "DIFF_FLOOR_S",
     "DIFF_TOLERANCE",
     "PAIRS",
@@ -65,6 +68,7 @@ __all__ = [
     "measure",
     "run_pairs",
     "paired_bootstrap",
+    "write_live_costs",
 ]
 
 TURN_TOLERANCE: Final = 0.05  # a mode's median turn, TTFT and completion time: within 5 % of live
@@ -74,6 +78,9 @@ SHARE_TOLERANCE: Final = 0.02  # overhead share: within 2 percentage points
 TRIM: Final = 0.2  # trimmed from each end for the trimmed means
 RESAMPLES: Final = 2000
 PAIRS: Final = (("http", "ws"), ("http_prev", "ws"), ("ws", "append"))
+# A turn's time outside every server stage: the client's request reaching the server, the
+# events reaching the client and their parsing (`sim.metrics.timeline`'s `client` segment).
+CLIENT: Final = "client"
 
 PRESETS: Final[dict[str, CompareConfig]] = {
     "default": CompareConfig(),
@@ -85,6 +92,10 @@ PRESETS: Final[dict[str, CompareConfig]] = {
         profile="local", system_prompt_tokens=100_000, tool_calls=8, rollouts=2, tool_time_s=0.1
     ),
 }
+
+# Where `--calibrate` writes the transport's costs and `python -m sim fidelity` looks for them.
+_CACHE: Final = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+DEFAULT_COSTS_PATH: Final = _CACHE / "longrun" / "live-costs.json"
 
 LoopFactory = Callable[[], Any]  # a fresh event loop for a live run (the CLI passes uvloop's)
 Sample = npt.NDArray[np.float64]
@@ -179,6 +190,7 @@ def _turns(runs: list[CompareResult], mode: str) -> Turns:
                 row = {"turn": t.e2e_s, "ttft": t.ttft_s if t.ttft_s is not None else math.nan}
                 for stage in Stage:
                     row[stage.value] = work.get(f"stage:{stage.value}", 0.0)
+                row[CLIENT] = t.e2e_s - sum(row[stage.value] for stage in Stage)
                 out[(repeat, r.index, k)] = row
     return out
 
@@ -226,22 +238,26 @@ def compare_runs(live_runs: Runs, virtual_runs: Runs, *, free_cpu: bool = False,
                 f"±{SHARE_TOLERANCE * 100:.0f} pt",
             )
         )
-        for stage in Stage:
-            li, vi = boot([a[k][stage.value] for k in keys]), boot([b[k][stage.value] for k in keys])
+        for name in (*(stage.value for stage in Stage), CLIENT):
+            li, vi = boot([a[k][name] for k in keys]), boot([b[k][name] for k in keys])
             if li.estimate == 0 and vi.estimate == 0:
                 continue
-            rows.append(Comparison(m, stage.value, li, vi, False, True, "-"))
+            rows.append(Comparison(m, name, li, vi, False, True, "-"))
     for first, second in PAIRS:
         if first not in modes or second not in modes:
             continue
-        diffs = {}
-        for side in ("live", "virtual"):
-            a, b = turns[(side, first)], turns[(side, second)]
-            keys = sorted(a.keys() & b.keys())
-            diffs[side] = boot([a[k]["turn"] - b[k]["turn"] for k in keys])
-        ok = _relative(diffs["live"].estimate, diffs["virtual"].estimate, DIFF_TOLERANCE, DIFF_FLOOR_S)
-        tol = f"{DIFF_TOLERANCE:.0%} or {DIFF_FLOOR_S * 1e3:g} ms"
-        rows.append(Comparison(f"{first}-{second}", "turn", diffs["live"], diffs["virtual"], True, ok, tol))
+        for metric in ("turn", CLIENT):  # the turn is judged; its part outside the server's stages shown
+            diffs = {}
+            for side in ("live", "virtual"):
+                a, b = turns[(side, first)], turns[(side, second)]
+                keys = sorted(a.keys() & b.keys())
+                diffs[side] = boot([a[k][metric] - b[k][metric] for k in keys])
+            if metric == CLIENT:
+                rows.append(Comparison(f"{first}-{second}", metric, diffs["live"], diffs["virtual"], False, True, "-"))
+                continue
+            ok = _relative(diffs["live"].estimate, diffs["virtual"].estimate, DIFF_TOLERANCE, DIFF_FLOOR_S)
+            tol = f"{DIFF_TOLERANCE:.0%} or {DIFF_FLOOR_S * 1e3:g} ms"
+            rows.append(Comparison(f"{first}-{second}", metric, diffs["live"], diffs["virtual"], True, ok, tol))
     return FidelityReport(sides["live"][0].config, free_cpu, rows)
 
 
@@ -305,7 +321,15 @@ def fidelity_options(p: argparse.ArgumentParser, add_config_options: Callable[[a
             action.help = (action.help or "") + " (overrides CONFIG)"
     p.add_argument("--free-cpu", action="store_true", help="the negative control: virtual time with CPU work free")
     p.add_argument(
-        "--calibrate", action="store_true", help="measure the live per-operation costs that virtual time leaves out"
+        "--calibrate",
+        action="store_true",
+        help="measure the live per-operation costs that virtual time leaves out, and write the transport's to "
+        f"--live-costs (default {DEFAULT_COSTS_PATH})",
+    )
+    p.add_argument(
+        "--no-live-costs",
+        action="store_true",
+        help=f"charge no live transport costs (by default those in {DEFAULT_COSTS_PATH}, if it exists)",
     )
     p.add_argument("--repeats", type=int, default=1, help="live and virtual runs, alternating; turns pooled")
     p.add_argument("--bootstrap-seed", type=int, default=0, help="seed of the bootstrap intervals")
@@ -327,7 +351,10 @@ def fidelity_main(args: argparse.Namespace, loop_factory: LoopFactory | None = N
     """The `fidelity` subcommand; live runs on loops from `loop_factory` (the CLI: uvloop)."""
     if args.calibrate:
         print("longrun fidelity --calibrate: live per-operation costs on this machine (loopback)", flush=True)
-        print(format_costs(calibrate(loop_factory=loop_factory)))
+        costs = calibrate(loop_factory=loop_factory)
+        print(format_costs(costs))
+        path = write_live_costs(costs, getattr(args, "live_costs", None) or DEFAULT_COSTS_PATH)
+        print(f"transport costs written to {path} (charged by virtual runs with live_costs={path})")
         return 0
     try:
         config = _load_config(args.config)
@@ -335,12 +362,19 @@ def fidelity_main(args: argparse.Namespace, loop_factory: LoopFactory | None = N
         for f in ("modes", "disable"):
             if f in given:
                 given[f] = tuple(x.strip() for x in given[f].split(",") if x.strip())
+        if args.no_live_costs:
+            given["live_costs"] = None
+        elif "live_costs" not in given and config.live_costs is None and DEFAULT_COSTS_PATH.is_file():
+            given["live_costs"] = str(DEFAULT_COSTS_PATH)
         config = msgspec.convert({**msgspec.to_builtins(config), **given}, CompareConfig)
         check(config, virtual=False)
     except (ValueError, OSError, msgspec.ValidationError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
     shown = {k: v for k, v in msgspec.to_builtins(config).items() if v != getattr(CompareConfig(), k)}
     print(f"longrun fidelity: {args.config} {json.dumps(shown)} (live loopback, then virtual time)", flush=True)
+    if config.live_costs and not args.free_cpu:
+        charged = msgspec.to_builtins(load_live_costs(config.live_costs))
+        print("charged live costs µs: " + ", ".join(f"{k} {v * 1e6:.0f}" for k, v in charged.items()), flush=True)
     repeats, seed = max(1, args.repeats), args.bootstrap_seed
     report = measure(config, repeats=repeats, free_cpu=args.free_cpu, seed=seed, loop_factory=loop_factory)
     print(format_report(report))
@@ -361,9 +395,11 @@ def calibrate(
 ) -> list[Cost]:
     """Measure, live on loopback (on loops from `loop_factory`: the CLI uses uvloop), the costs
     a live turn pays that an in-process virtual run does not (`sim.realtime.live_cost_samples`:
-    a timer's late wake-up, the hop to a render thread and back, an HTTP request's round trip,
-    a WebSocket message's, a megabyte streamed as SSE or as one WebSocket message). Medians and
-    90th percentiles over `repeats`; the streams and the offloaded render over fewer."""
+    a timer's late wake-up, work after a wait, the hop to a render thread and back, an HTTP
+    request and its response, a WebSocket message, each back to back and after the loop slept,
+    a megabyte streamed as SSE or as one WebSocket message). Medians and 90th percentiles over
+    `repeats`; the streams, the offloaded render and the samples after a sleep over fewer.
+    `write_live_costs` keeps the transport's (`sim.virtual.LiveCosts`) for virtual runs."""
     out = []
     for name, samples, what in live_cost_samples(repeats, stream_bytes, loop_factory=loop_factory):
         xs = np.asarray(samples)
@@ -371,7 +407,17 @@ def calibrate(
     return out
 
 
+def write_live_costs(costs: Sequence[Cost], path: str | Path) -> Path:
+    """Write the transport's costs among `costs` (their medians) as a `LiveCosts` JSON file."""
+    medians = {c.name: c.median_s for c in costs}
+    fields = {f: max(0.0, medians[f]) for f in LiveCosts.__struct_fields__ if f in medians}
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(msgspec.json.format(msgspec.json.encode(LiveCosts(**fields))) + b"\n")
+    return out
+
+
 def format_costs(costs: Sequence[Cost]) -> str:
-    lines = [f"{'cost':<14} {'median µs':>10} {'p90 µs':>10}  what"]
-    lines += [f"{c.name:<14} {c.median_s * 1e6:>10.1f} {c.p90_s * 1e6:>10.1f}  {c.what}" for c in costs]
+    lines = [f"{'cost':<24} {'median µs':>10} {'p90 µs':>10}  what"]
+    lines += [f"{c.name:<24} {c.median_s * 1e6:>10.1f} {c.p90_s * 1e6:>10.1f}  {c.what}" for c in costs]
     return "\n".join(lines)

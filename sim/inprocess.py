@@ -7,6 +7,10 @@ decoded at both ends (that JSON work is part of what the modes cost), and the
 cost profile's `network` stage still charges the modeled round trip and upload,
 exactly as on the live server. What disappears is the kernel: no sockets, no
 waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work.
+With `live_costs` (on a loop that charges CPU) the transports charge what the live
+one costs beyond that, as measured on this machine (`sim.virtual.LiveCosts`): an HTTP
+request when it is sent, its response at the server's first events (where the live
+server prepares the response and sends its headers), a WebSocket message when it is sent.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
 from prototype.session import ServerConfig, WebSocketSession, http_create
 from prototype.sse import SSEDecoder, encode_event
+
+from .virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 
 __all__ = ["InProcessServer", "Tap"]
 
@@ -62,6 +68,33 @@ class _Channel(Generic[T]):
             finally:
                 self._waiter = None
         return items.popleft()
+
+
+class _LiveCharges:
+    """One client's live transport costs, charged on a loop that charges CPU: each operation at
+    its back-to-back cost, or at its after-a-wait cost when the loop slept since this client's
+    last one (a turn's request follows the tool's time) or when it follows one that did."""
+
+    __slots__ = ("_mark", "_slept", "costs")
+
+    def __init__(self, costs: LiveCosts) -> None:
+        self.costs = costs
+        self._mark: tuple[float, float, float] | None = None
+        self._slept = True
+
+    def charge(self, back: float, after_wait: float, *, follows: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, VirtualTimeLoop)
+        slept = self._mark is None or loop.idle_since(self._mark) >= IDLE_S or (follows and self._slept)
+        loop.charge(after_wait if slept else back)
+        self._mark, self._slept = loop.mark(), slept
+
+
+def _charges(costs: LiveCosts | None) -> _LiveCharges | None:
+    """Charges for a new client, if there are costs and the running loop charges CPU."""
+    if costs is None or not getattr(asyncio.get_running_loop(), "charge_cpu", False):
+        return None
+    return _LiveCharges(costs)
 
 
 class _ServerSocket:
@@ -100,15 +133,25 @@ class _ServerSocket:
 class _ClientSocket:
     """The client's end: `TextSocket` for `WSClient`."""
 
-    def __init__(self, inbox: _Channel[aiohttp.WSMessage], outbox: _Channel[str | None], tap: Tap | None) -> None:
+    def __init__(
+        self,
+        inbox: _Channel[aiohttp.WSMessage],
+        outbox: _Channel[str | None],
+        tap: Tap | None,
+        charges: _LiveCharges | None = None,
+    ) -> None:
         self.inbox = inbox
         self.outbox = outbox
         self.session_task: asyncio.Task[None] | None = None
         self.tap = tap
+        self.charges = charges
 
     async def send_str(self, data: str) -> None:
         if self.tap is not None:
             self.tap("up", data.encode())
+        if self.charges is not None:
+            costs = self.charges.costs
+            self.charges.charge(costs.ws_message, costs.ws_message_after_wait)
         self.outbox.put_nowait(data)
 
     async def receive(self) -> aiohttp.WSMessage:
@@ -124,19 +167,27 @@ class _InProcessHTTP(HTTPClient):
     def __init__(self, server: InProcessServer, clock: Clock, *, chained: bool) -> None:
         super().__init__("inprocess://", clock, chained=chained)
         self.server = server
+        self.charges: _LiveCharges | None = None
 
     async def _exchange(self, data: bytes) -> AsyncIterator[ServerEvent]:
         engine, tap = self.server.engine, self.server.tap
         if tap is not None:
             tap("up", data)
+        if self.charges is None:
+            self.charges = _charges(self.server.live_costs)
+        charges = self.charges
+        if charges is not None:  # the request's way to the handler, before the server reads the body
+            charges.charge(charges.costs.http_request, charges.costs.http_request_after_wait)
         try:  # the live server's own parse of a body (prototype.session)
             _, create, arrival = http_create(data, engine, self.server.config, tool_cache=self.server.tool_cache)
         except ProtocolError as err:
             raise ClientError(err.status, err.body()) from None
         queue: _Channel[ServerEvent | None] = _Channel()
-        # With CPU charged, the events are framed as SSE and parsed by the client's decoder, as over
-        # a socket (real work at both ends); with CPU free that framing is skipped (same events).
+        # With CPU charged, the server frames its events as SSE and the client's task parses them
+        # with the client's decoder when it runs, as over a socket (real work at both ends, each
+        # where it runs live); with CPU free that framing is skipped (the same events).
         sse = SSEDecoder() if getattr(asyncio.get_running_loop(), "charge_cpu", False) else None
+        chunks: _Channel[bytes | None] = _Channel()
 
         async def emit(events: list[ServerEvent]) -> None:
             for ev in events:
@@ -145,16 +196,21 @@ class _InProcessHTTP(HTTPClient):
                     tap("down", data)
                 queue.put_nowait(decode_server_event(data))
 
+        responded = charges is None
+
         async def emit_sse(events: list[ServerEvent]) -> None:
-            assert sse is not None
+            nonlocal responded
+            if not responded:  # the live server prepares the response (its headers) at its first events
+                assert charges is not None
+                responded = True
+                charges.charge(charges.costs.http_response, charges.costs.http_response_after_wait, follows=True)
             frames = []
             for ev in events:
                 data = encode(ev)
                 if tap is not None:
                     tap("down", data)
                 frames.append(encode_event(data, event=ev.__struct_config__.tag))  # type: ignore[arg-type]
-            for parsed in sse.feed(b"".join(frames)):
-                queue.put_nowait(decode_server_event(parsed.data))
+            chunks.put_nowait(b"".join(frames))
 
         async def run() -> None:
             try:
@@ -162,12 +218,17 @@ class _InProcessHTTP(HTTPClient):
                 if outcome.error is not None:
                     raise ClientError(outcome.error.status, outcome.error.body())
             finally:
-                queue.put_nowait(None)
+                (queue if sse is None else chunks).put_nowait(None)
 
         task = asyncio.get_running_loop().create_task(run())
         try:
-            while (event := await queue.get()) is not None:
-                yield event
+            if sse is None:
+                while (event := await queue.get()) is not None:
+                    yield event
+                return
+            while (chunk := await chunks.get()) is not None:
+                for parsed in sse.feed(chunk):
+                    yield decode_server_event(parsed.data)
         finally:
             await task
 
@@ -191,7 +252,7 @@ class _InProcessWS(WSClient):
         to_server: _Channel[str | None] = _Channel()
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
-        client_end = _ClientSocket(to_client, to_server, self.server.tap)
+        client_end = _ClientSocket(to_client, to_server, self.server.tap, _charges(self.server.live_costs))
         session = WebSocketSession(
             self.server.engine, self.server.config, server_end, append_mode=self.append_mode, beta=self.beta
         )
@@ -209,15 +270,18 @@ class InProcessServer:
         *,
         tool_cache: ToolCache | None = None,
         tap: Tap | None = None,
+        live_costs: LiveCosts | None = None,
     ) -> None:
         """`tool_cache`: shared by every HTTP request (`sim.memo`, where CPU is free), so a tool
         list identical to the last one is not validated again; the engine's `item_parser`
         validates their input items. `tap`: called with ("up" or "down", bytes) for every
-        request body, client frame, event and server frame carried (to count or time them)."""
+        request body, client frame, event and server frame carried (to count or time them).
+        `live_costs`: charged by the transports on a loop that charges CPU (ignored elsewhere)."""
         self.engine = engine
         self.config = config or ServerConfig()
         self.tool_cache = tool_cache
         self.tap = tap
+        self.live_costs = live_costs
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):

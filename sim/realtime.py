@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -108,6 +108,9 @@ class AsyncioClock:
 
 Samples = list[tuple[str, list[float], str]]  # (name, seconds per operation, what it is)
 
+REQUEST_BYTES: Final = 30_000  # a request body the size of a `local` turn's (the instructions and tools)
+IDLE_WAIT_S: Final = 0.1  # how long the loop sleeps before an "after the loop slept" sample (a tool's time)
+
 
 def live_cost_samples(
     repeats: int, stream_bytes: int, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
@@ -118,8 +121,9 @@ def live_cost_samples(
     classification takes right after a wait than right after other work (a live loop waits
     between turns and stages; a virtual one never does), the hop to a nice-19 thread (as the
     server's render threads) and back, tokenizing 20 KB there rather than inline, an HTTP
-    request with one SSE event, a megabyte of SSE, a small WebSocket message each way, a
-    megabyte in one message."""
+    request of `REQUEST_BYTES` to its handler and its response, back to back and after the
+    loop slept `IDLE_WAIT_S`, a megabyte of SSE, a WebSocket message of `REQUEST_BYTES` to its
+    handler, back to back and after a sleep, a megabyte in one message."""
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         return runner.run(_live_cost_samples(repeats, stream_bytes))
 
@@ -177,12 +181,15 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     out.append(("render_offload", renders, "the same 20 KB tokenized there rather than inline (hop + priority)"))
 
     payload = b"x" * stream_bytes
+    body = b"x" * REQUEST_BYTES
+    handled: list[float] = []  # perf_counter when a handler holds a request's body / a message
 
     async def post(request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+        data = await request.read()
+        handled.append(time.perf_counter())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        if body == b"big":  # four events of a quarter each, one line each, as a response's echo
+        if data == b"big":  # four events of a quarter each, one line each, as a response's echo
             quarter = len(payload) // 4
             for start in range(0, 4 * quarter, quarter):
                 await resp.write(b"event: e\ndata: " + payload[start : start + quarter] + b"\n\n")
@@ -195,6 +202,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
         ws = web.WebSocketResponse(max_msg_size=0)
         await ws.prepare(request)
         async for msg in ws:
+            handled.append(time.perf_counter())
             await ws.send_str(payload.decode() if msg.data == "big" else "{}")
         return ws
 
@@ -207,19 +215,27 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     await site.start()
     url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     streams = max(3, repeats // 10)
+    waited = max(3, repeats // 8)  # each after an `IDLE_WAIT_S` sleep
     try:
         async with ClientSession() as session:
 
-            async def request(body: bytes) -> float:
+            async def request(data: bytes) -> tuple[float, float]:
+                """(client call to the handler holding the body, the rest of the round trip)."""
                 t = time.perf_counter()
-                async with session.post(url + "/", data=body) as resp:
+                async with session.post(url + "/", data=data) as resp:
                     decoder = SSEDecoder()  # the client's own parser, as `prototype.client` reads
                     async for chunk in resp.content.iter_any():
                         decoder.feed(chunk)
-                return time.perf_counter() - t
+                return handled[-1] - t, time.perf_counter() - handled[-1]
+
+            async def after_wait(data: bytes) -> tuple[float, float]:
+                await asyncio.sleep(IDLE_WAIT_S)
+                return await request(data)
 
             await request(b"")  # the connection, opened once (the client keeps it alive)
-            small = [await request(b"") for _ in range(repeats)]
+            back = [await request(body) for _ in range(repeats)]
+            slept = [await after_wait(body) for _ in range(waited)]
+            small = [sum(await request(b"")) for _ in range(repeats)]
             base = float(np.median(small))
             big = []
             for _ in range(streams):
@@ -227,24 +243,35 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
                 quarter = len(payload) // 4
                 SSEDecoder().feed(b"".join(b"event: e\ndata: " + payload[:quarter] + b"\n\n" for _ in range(4)))
                 in_memory = time.perf_counter() - t
-                big.append((await request(b"big") - base - in_memory) * 1e6 / stream_bytes)
-            out.append(("http_request", small, "POST + headers + one SSE event + end, loopback: per http turn"))
+                big.append((sum(await request(b"big")) - base - in_memory) * 1e6 / stream_bytes)
+            what = f"POST of {REQUEST_BYTES // 1000} kB: client call to the handler holding the body"
+            out.append(("http_request", [a for a, _ in back], what + ", back to back"))
+            out.append(("http_request_after_wait", [a for a, _ in slept], what + ", after the loop slept"))
+            what = "its response: headers, one SSE event, end of stream"
+            out.append(("http_response", [b for _, b in back], what + ", back to back"))
+            out.append(("http_response_after_wait", [b for _, b in slept], what + ", after the loop slept"))
             out.append(("sse_per_mb", big, "SSE events over the socket, less the same framing and parsing in memory"))
             async with session.ws_connect(url + "/ws", max_msg_size=0) as ws:
-                rtts = []
-                for _ in range(repeats):
+
+                async def message(data: str) -> tuple[float, float]:
                     t = time.perf_counter()
-                    await ws.send_str("{}")
+                    await ws.send_str(data)
                     await ws.receive()
-                    rtts.append(time.perf_counter() - t)
-                base = float(np.median(rtts))
+                    return handled[-1] - t, time.perf_counter() - t
+
+                text = body.decode()
+                back = [await message(text) for _ in range(repeats)]
+                slept = []
+                for _ in range(waited):
+                    await asyncio.sleep(IDLE_WAIT_S)
+                    slept.append(await message(text))
+                base = float(np.median([b for _, b in back]))
                 big = []
                 for _ in range(streams):
-                    t = time.perf_counter()
-                    await ws.send_str("big")
-                    await ws.receive()
-                    big.append((time.perf_counter() - t - base) * 1e6 / stream_bytes)
-            out.append(("ws_message", rtts, "one small message each way, loopback: per ws/append turn"))
+                    big.append((sum(await message("big")) - base) * 1e6 / stream_bytes)
+            what = f"a {REQUEST_BYTES // 1000} kB WebSocket message: client send to the handler holding it"
+            out.append(("ws_message", [a for a, _ in back], what + ", back to back"))
+            out.append(("ws_message_after_wait", [a for a, _ in slept], what + ", after the loop slept"))
             out.append(("ws_per_mb", big, "a WebSocket message: per MB of events"))
     finally:
         await runner.cleanup()

@@ -27,6 +27,20 @@ long, in virtual seconds, as a live run on this machine would, minus the waiting
 With `charge_cpu=False` CPU work is free, `time()` moves only when the loop jumps to a
 timer, and results are exactly reproducible.
 
+Work a real thread does for the loop (`run_in_executor`: the live server's render thread)
+is charged the same way: while such work is in flight and no callback is ready, a charged
+loop waits for it in real time, as a live loop would (in its selector, up to the next
+timer), and the wall time waited is virtual time. The thread's own cost (the hop to it and
+back, its priority, a core whose caches are cold) is then the one a live run pays on this
+machine.
+
+What an in-process run does not do at all, the live transport's work (aiohttp's request
+and response handling, the kernel's loopback, a WebSocket frame's way through both ends),
+can be charged as measured: `LiveCosts` holds those per-operation costs as
+`python -m sim fidelity --calibrate` measures them on this machine, and the in-process
+transports (`sim.inprocess`) charge each where the live run pays it, with `charge`: the
+clock moves as if the running callback had done that work. Never with CPU free.
+
 A loop with nothing ready and no timer would wait forever on a real clock; here
 that is a deadlock and raises `VirtualDeadlock` instead of hanging.
 """
@@ -40,11 +54,15 @@ import heapq
 import selectors
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from typing import Any, TypeVar
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import msgspec
 
 from prototype.clock import Clock
 
-__all__ = ["VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "run_virtual"]
+__all__ = ["LiveCosts", "VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "load_live_costs", "run_virtual"]
 
 T = TypeVar("T")
 
@@ -53,6 +71,29 @@ _MIN_SCHEDULED = 100  # asyncio's _MIN_SCHEDULED_TIMER_HANDLES
 _CANCELLED_FRACTION = 0.5  # asyncio's _MIN_CANCELLED_TIMER_HANDLES_FRACTION
 
 EPOCH_S = 1_767_225_600.0  # 2026-01-01T00:00:00Z: `time()` of virtual t = 0
+
+
+IDLE_S: Final = 0.001  # a loop that skipped this much virtual time has slept: its next work runs "after a wait"
+
+
+class LiveCosts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the live transport costs per operation beyond what the in-process one does (seconds,
+    medians on this machine: `python -m sim fidelity --calibrate` writes them). Each comes back to
+    back and "after the loop slept": live, work that follows a wait runs slower (the process
+    slept, its caches went cold, its core went to other work), and a turn's request follows the
+    tool's time."""
+
+    http_request: float = 0.0  # a POST: the client's call until the server's handler holds the body
+    http_request_after_wait: float = 0.0
+    http_response: float = 0.0  # its response: headers, the SSE stream's first event and its end
+    http_response_after_wait: float = 0.0
+    ws_message: float = 0.0  # a WebSocket message: the client's send until the server's handler holds it
+    ws_message_after_wait: float = 0.0
+
+
+def load_live_costs(path: str | Path) -> LiveCosts:
+    """The costs in a calibration file (JSON: `LiveCosts` fields; other keys are ignored)."""
+    return msgspec.json.decode(Path(path).read_bytes(), type=LiveCosts)
 
 
 class VirtualDeadlock(RuntimeError):
@@ -89,6 +130,11 @@ class _VirtualSelector(selectors.BaseSelector):
         just before this call, which includes the charged CPU work: the clock moves that far."""
         loop = self._loop
         loop._charge()  # `timeout` was computed from `time()`, which counted the last callbacks' work
+        if loop._threads:  # wait for the thread in real time, charged
+            ready = self._real.select(timeout)
+            loop._charge()
+            loop._restart_mark()
+            return ready
         ready = self._real.select(0)
         if not ready:
             if timeout is None:
@@ -106,6 +152,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         self._charge_cpu = charge_cpu
         self._cpu_mark = 0.0  # perf_counter at the start of the work not yet added to `virtual_now`
         self._in_loop = False  # the loop is running (outside it, its clock stands still)
+        self._threads = 0  # executor jobs in flight (counted only when CPU is charged)
+        self._charged_s = 0.0  # live costs charged so far (`charge`)
         self._virtual_selector = _VirtualSelector(self)
         super().__init__(selector=self._virtual_selector)
         if charge_cpu:  # chosen once: a free-CPU loop's `time()` stays a bare attribute read
@@ -125,6 +173,25 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             return self.virtual_now
         return self.virtual_now + (time.perf_counter() - self._cpu_mark)
 
+    def charge(self, seconds: float) -> None:
+        """Move the clock on by `seconds` of work a live run does here and this one does not (a
+        `LiveCosts` entry), as if the running callback had done it: nothing else runs meanwhile.
+        Only on a loop that charges CPU."""
+        if not self._charge_cpu:
+            raise RuntimeError("a live cost is charged only where CPU is charged")
+        self.virtual_now += seconds
+        self._charged_s += seconds
+
+    def mark(self) -> tuple[float, float, float]:
+        """A point to measure `idle_since` from."""
+        return self.time(), time.perf_counter(), self._charged_s
+
+    def idle_since(self, mark: tuple[float, float, float]) -> float:
+        """The virtual time since `mark` that the loop skipped (jumping to a timer) rather than
+        spent on work or charged costs: > 0 when it slept meanwhile."""
+        at, wall, charged = mark
+        return (self.time() - at) - (time.perf_counter() - wall) - (self._charged_s - charged)
+
     def _charge(self) -> None:
         """Add the wall time since the mark to the loop's clock (it stays what `time()` read)."""
         if self._charge_cpu and self._in_loop:
@@ -135,6 +202,26 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def _restart_mark(self) -> None:
         if self._charge_cpu:
             self._cpu_mark = time.perf_counter()
+
+    def run_in_executor(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
+        self, executor: Executor | None, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        """As asyncio's; with CPU charged the job is counted in flight until its result is back
+        on the loop, so that the loop waits for it in real time rather than jumping ahead."""
+        future = super().run_in_executor(executor, func, *args)
+        if self._charge_cpu:
+            self._threads += 1
+            future.add_done_callback(self._thread_done)
+        return future
+
+    def _thread_done(self, _: object) -> None:
+        self._threads -= 1
+
+    def _wait_for_threads(self, scheduled: list[Any]) -> list[tuple[selectors.SelectorKey, int]]:
+        """Block in the real selector (the self-pipe wakes it when a thread's result is queued)
+        up to the next timer; the wall time it blocks is charged with the next callbacks."""
+        timeout = min(max(0.0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S) if scheduled else None
+        return self._virtual_selector._real.select(timeout)
 
     def run_forever(self) -> None:
         """Charged work is what runs inside the loop: the wall time before it starts and after
@@ -169,9 +256,16 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             now = time.perf_counter()
             self.virtual_now += now - self._cpu_mark
         if not ready and not base._stopping:
-            events = selector._real.select(0) if selector.polled else None
+            events: list[tuple[selectors.SelectorKey, int]] | None
+            if self._threads:  # only counted when charging, so `now` is set: the wait is charged
+                events = self._wait_for_threads(scheduled)
+                self.virtual_now += time.perf_counter() - now
+            else:
+                events = selector._real.select(0) if selector.polled else None
             if events:
                 base._process_events(events)
+            elif self._threads:
+                pass  # the timer's time has come in real time (charged above), or the selector woke early
             elif scheduled:
                 self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
             else:

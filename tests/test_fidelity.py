@@ -20,18 +20,31 @@ and over ten under heavy load) is not charged, so turn times may differ by a fac
 or more; the render stage has no transport in it and is held tighter. The control misses
 each check by far more: with CPU free its turns take no time at all.
 `python -m sim fidelity` is the instrument with the tight targets.
+
+A second, transport-heavy configuration checks the live transport's costs (`LiveCosts`,
+calibrated here): with them charged, the part of an `http - ws` turn outside every server
+stage agrees with live; without them (the negative control) it reads a fraction of live's.
 """
 
 from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import uvloop
 
 from sim.__main__ import main
 from sim.experiment import CompareConfig, CompareResult, compare
-from sim.fidelity import FidelityReport, calibrate, compare_runs, format_report, paired_bootstrap, run_pairs
+from sim.fidelity import (
+    FidelityReport,
+    calibrate,
+    compare_runs,
+    format_report,
+    paired_bootstrap,
+    run_pairs,
+    write_live_costs,
+)
 
 # Every test here times live clients (docs/testing.md): no per-event validation on their path.
 pytestmark = pytest.mark.wire_unchecked
@@ -101,6 +114,46 @@ def test_negative_control_with_cpu_free_every_check_disagrees(runs: Runs) -> Non
     assert not report.agrees
 
 
+# Small contexts and short items: per turn, `http` and `ws` differ mostly in the live transport
+# (an HTTP request and its response against a WebSocket message, each after the loop slept
+# through the tool's time), which virtual time charges only with `live_costs`. The check is on
+# that part of the turn, outside every server stage (`client`); paced decode keeps the client's
+# parsing of the deltas inside the decode, as live.
+TRANSPORT_HEAVY = CompareConfig(
+    profile="local",
+    system_prompt_tokens=1000,
+    tool_calls=6,
+    rollouts=1,
+    tool_time_s=0.05,
+    tool_time_sigma=0.0,
+    tool_output_tokens=30,
+    modes=("http", "ws"),
+)
+TRANSPORT_RATIO = (0.5, 2.0)  # the paired per-turn http - ws `client` difference: virtual / live
+
+
+@pytest.fixture(scope="module")
+def transport_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[CompareResult], ...]:
+    costs = calibrate(repeats=40, stream_bytes=200_000, loop_factory=uvloop.new_event_loop)
+    path = write_live_costs(costs, tmp_path_factory.mktemp("calibration") / "live-costs.json")
+    config = msgspec.structs.replace(TRANSPORT_HEAVY, live_costs=str(path))
+    live, charged = run_pairs(config, repeats=3, loop_factory=uvloop.new_event_loop)
+    uncharged = [compare(TRANSPORT_HEAVY, virtual=True) for _ in range(3)]  # CPU charged, no live costs
+    return live, charged, uncharged
+
+
+def test_with_live_costs_charged_the_transport_difference_agrees_and_without_them_it_does_not(
+    transport_runs: tuple[list[CompareResult], ...],
+) -> None:
+    live, charged, uncharged = transport_runs
+    with_costs, without = compare_runs(live, charged), compare_runs(live, uncharged)
+    row = with_costs.row("http-ws", "client")
+    assert row.live.estimate > 0.0003, format_report(with_costs)  # live: the transports differ per turn
+    assert _within(row.ratio, TRANSPORT_RATIO), format_report(with_costs)
+    # The negative control: the same CPU-charged virtual runs without the transport's costs.
+    assert without.row("http-ws", "client").ratio < TRANSPORT_RATIO[0] / 2, format_report(without)
+
+
 def test_paired_bootstrap_is_seeded_and_brackets_its_estimate() -> None:
     values = [0.001 * (i % 7) + 0.010 for i in range(40)] + [0.5]  # one preemption-sized outlier
     a, b = paired_bootstrap(values, seed=3), paired_bootstrap(values, seed=3)
@@ -140,8 +193,12 @@ def test_calibrate_measures_each_named_live_cost() -> None:
         "render_hop",
         "render_offload",
         "http_request",
+        "http_request_after_wait",
+        "http_response",
+        "http_response_after_wait",
         "sse_per_mb",
         "ws_message",
+        "ws_message_after_wait",
         "ws_per_mb",
     ]
     for c in costs:

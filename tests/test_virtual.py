@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -272,3 +274,36 @@ def test_charged_time_moves_inside_a_callback_by_the_work_done_there() -> None:
         assert stopped <= loop.time() < stopped + 0.01  # the gap between runs is not charged
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["lean-iteration", "asyncio-iteration"])
+def test_with_cpu_charged_work_on_a_thread_is_waited_for_in_real_time_and_charged(debug: bool) -> None:
+    """A job on an executor thread (the live server's render thread) takes virtual time as it
+    takes wall time: the loop waits for it rather than jumping to its next timer, a timer due
+    while the thread works fires when it is due, and one due after the job fires on time."""
+
+    def work(seconds: float) -> float:
+        """Hashing for `seconds` (hashlib releases the GIL over large buffers, as the BPE does)."""
+        data, end = bytes(1 << 20), time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            hashlib.sha256(data)
+        return seconds
+
+    async def main() -> tuple[float, float, list[float]]:
+        loop = asyncio.get_running_loop()
+        loop.set_debug(debug)
+        fired: list[float] = []
+        loop.call_at(0.01, lambda: fired.append(loop.time()))  # due while the thread works
+        loop.call_at(1.0, lambda: fired.append(loop.time()))  # due well after it
+        with ThreadPoolExecutor(1) as pool:
+            await loop.run_in_executor(pool, work, 0.05)
+        done = loop.time()
+        await asyncio.sleep(2.0)
+        return done, loop.time(), fired
+
+    wall = time.perf_counter()
+    done, end, (during, after) = run_virtual(main, charge_cpu=True)
+    assert time.perf_counter() - wall < 1.0  # the 2 s sleep is still virtual
+    assert 0.05 <= done < 0.5
+    assert 0.01 <= during < done  # the loop ran it while it waited for the thread
+    assert 1.0 <= after < 1.05 and end >= 2.05
