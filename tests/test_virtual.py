@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -210,10 +212,19 @@ def test_virtual_results_are_deterministic_for_a_seed() -> None:
 
 @pytest.mark.wire_unchecked  # times live clients: no per-event validation on their path
 def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
+    """Each mode's median turn within 5 % of live's (the median over every turn, so one
+    preemption of the live process on a shared machine does not decide), and its median
+    rollout within 10 % (two rollouts: one stall moves it)."""
     live, virtual = run(SMALL, virtual=False), run(SMALL, virtual=True)
+
+    def median_turn(result: Any, mode: str) -> float:
+        return statistics.median(t.e2e_s for r in result.rollouts if r.mode == mode for t in r.turns)
+
     for a_mode, b_mode in zip(live.summary, virtual.summary, strict=True):
+        a, b = median_turn(live, a_mode.mode), median_turn(virtual, b_mode.mode)
+        assert abs(a - b) <= 0.05 * a, (a_mode.mode, "median turn", a, b)
         a, b = a_mode.completion_p50_s, b_mode.completion_p50_s
-        assert abs(a - b) <= 0.05 * a, (a_mode.mode, a, b)
+        assert abs(a - b) <= 0.10 * a, (a_mode.mode, "median rollout", a, b)
 
 
 def test_an_in_process_channel_keeps_order_survives_a_cancelled_get_and_has_one_consumer() -> None:
