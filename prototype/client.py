@@ -319,25 +319,21 @@ class WSClient:
         clock: Clock,
         *,
         api_key: str = "sk-longrun",
-        append: bool = False,
-        beta: bool = False,
-        overlap: bool = False,
-        steer: bool = False,
+        mode: Mode = "ws",
     ) -> None:
-        self.mode: Mode = (
-            "steer" if steer else "async" if overlap else "inject" if beta else "append" if append else "ws"
-        )
-        # `async` mode: the beta, its tools overlapping the model's decoding; `steer` mode: `inject`,
-        # and interjections go out as `response.steer`.
-        beta = beta or overlap or steer
-        self.beta = beta
-        self.overlap = overlap
-        self.steering = steer
+        if mode not in WS_MODES:
+            raise ValueError(f"{mode!r} is not a WebSocket mode; choose from {', '.join(WS_MODES)}")
+        self.mode: Mode = mode
+        # The beta's modes: `inject`; `async`, its tools overlapping the model's decoding; `steer`,
+        # `inject` with interjections sent as `response.steer`.
+        self.beta = mode in ("inject", "async", "steer")
+        self.overlap = mode == "async"
+        self.steering = mode == "steer"
         self.steer_state = _SteerState()
         self.url = base_url.rstrip("/").replace("http://", "ws://").replace("https://", "wss://") + "/responses"
-        if beta:
+        if self.beta:
             self.url += "?mode=beta"
-        elif append:
+        elif mode == "append":
             self.url += "?mode=append"
         self.paused_id: str | None = None  # append and inject modes: the waiting response this client continues
         self._waiting: Response | None = None  # inject mode: the snapshot of the response that waits
@@ -723,16 +719,8 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
         return HTTPClient(base_url, clock, chained=False, api_key=api_key)
     if mode == "http_prev":
         return HTTPClient(base_url, clock, chained=True, api_key=api_key)
-    if mode == "ws":
-        return WSClient(base_url, clock, api_key=api_key)
-    if mode == "append":
-        return WSClient(base_url, clock, api_key=api_key, append=True)
-    if mode == "inject":
-        return WSClient(base_url, clock, api_key=api_key, beta=True)
-    if mode == "async":
-        return WSClient(base_url, clock, api_key=api_key, overlap=True)
-    if mode == "steer":
-        return WSClient(base_url, clock, api_key=api_key, steer=True)
+    if mode in WS_MODES:
+        return WSClient(base_url, clock, api_key=api_key, mode=mode)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(ALL_MODES)}")
 
 

@@ -23,7 +23,7 @@ from typing import Generic, Literal, TypeVar
 import aiohttp
 from aiohttp import WSMsgType
 
-from prototype.client import ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
+from prototype.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from prototype.clock import Clock
 from prototype.conversation import ToolCache
 from prototype.engine import Engine
@@ -238,15 +238,10 @@ class _InProcessWS(WSClient):
         self,
         server: InProcessServer,
         clock: Clock,
-        *,
-        append: bool,
-        beta: bool = False,
-        overlap: bool = False,
-        steer: bool = False,
+        mode: Mode,
     ) -> None:
-        super().__init__("inprocess://", clock, append=append, beta=beta, overlap=overlap, steer=steer)
+        super().__init__("inprocess://", clock, mode=mode)
         self.server = server
-        self.append_mode = append
 
     async def _connect(self) -> TextSocket:
         to_server: _Channel[str | None] = _Channel()
@@ -254,7 +249,7 @@ class _InProcessWS(WSClient):
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
         client_end = _ClientSocket(to_client, to_server, self.server.tap, _charges(self.server.live_costs))
         session = WebSocketSession(
-            self.server.engine, self.server.config, server_end, append_mode=self.append_mode, beta=self.beta
+            self.server.engine, self.server.config, server_end, append_mode=self.mode == "append", beta=self.beta
         )
         client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
         return client_end
@@ -286,12 +281,6 @@ class InProcessServer:
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):
             return _InProcessHTTP(self, clock, chained=mode == "http_prev")
-        if mode in ("ws", "append"):
-            return _InProcessWS(self, clock, append=mode == "append")
-        if mode == "inject":
-            return _InProcessWS(self, clock, append=False, beta=True)
-        if mode == "async":
-            return _InProcessWS(self, clock, append=False, overlap=True)
-        if mode == "steer":
-            return _InProcessWS(self, clock, append=False, steer=True)
+        if mode in WS_MODES:
+            return _InProcessWS(self, clock, mode)
         raise ValueError(f"unknown mode {mode!r}")
