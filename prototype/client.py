@@ -308,8 +308,8 @@ class TextSocket(Protocol):
 
 
 class WSClient:
-    """`ws` mode; with `append=True`, `append` mode, with `beta=True`, `inject` mode, on the
-    same socket machinery.
+    """Every WebSocket mode (`WS_MODES`: `ws`, `append`, and the beta's `inject`, `async`,
+    `steer`), on the same socket machinery.
     Subclasses replace `_connect` to use another transport. With `lanes` (see
     `share_socket`) the client runs on lane `stream_id` of a shared socket."""
 

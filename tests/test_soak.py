@@ -111,7 +111,7 @@ async def rollout(live: Live, mode: Mode, index: int) -> tuple[Mode, list[Server
     if mode in ("http", "http_prev"):
         client = RecordingHTTP(live.base_url, clock, chained=mode == "http_prev")
     else:
-        client = RecordingWS(live.base_url, clock, append=mode == "append")
+        client = RecordingWS(live.base_url, clock, mode=mode)
     settings = {"model": "sim", "tools": [EXEC_TOOL], "instructions": "You are a coding agent.", "store": True}
     items: list[dict[str, Any]] = [{"role": "user", "content": f"Task {index}: fix the failing test."}]
     try:
