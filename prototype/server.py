@@ -18,10 +18,10 @@ import sys
 import uvloop
 from aiohttp import web
 
-from sim.accelerator import SimulatedModel
-from sim.kv import PrefixCache
-from sim.policy import DefaultPolicy, Policy, load_script
-from sim.realtime import AsyncioClock
+from sim.model.accelerator import SimulatedModel
+from sim.model.kv import PrefixCache
+from sim.model.policy import DefaultPolicy, Policy, load_script
+from sim.runtime.realtime import AsyncioClock
 
 from .app import (
     CONTEXT_WINDOW,

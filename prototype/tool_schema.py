@@ -38,7 +38,7 @@ MAX_DEPTH: Final = 32
 MAX_NESTING: Final = 128  # JSON arrays/objects inside `parameters`, wherever they are
 MAX_BOUND: Final = 1e15  # numeric bounds beyond this are refused (the sampler works in int64 / float)
 MAX_ARGUMENT_CHARS: Final = 1 << 20  # the arguments the simulator may write for a schema: at most 1 MiB of JSON
-# How the simulator samples (sim/schema_values.py), for the size estimate: a string leaf is about
+# How the simulator samples (sim/model/schema_values.py), for the size estimate: a string leaf is about
 # this long past its `minLength`, and an array holds at most this many items past `minItems`.
 _LEAF_CHARS: Final = 26
 EXTRA_ITEMS: Final = 3

@@ -6,9 +6,9 @@ from virtual time (`--rollouts` per mode, CPU work charged) and a short live run
 loopback (`--live-rollouts`, the first rollouts of the same seed) runs beside it, with
 their agreement as an interval on the paired difference; `--virtual` or `--live` runs only
 one. A table of the metrics per mode with 95 % intervals and n, the paired differences
-between modes, and with `--out DIR` a run folder (sim/trace.py). `results` writes the
+between modes, and with `--out DIR` a run folder (sim/harness/trace.py). `results` writes the
 headline comparison into a small committed folder and renders the README's table from it
-(sim/results.py).
+(sim/analysis/results.py).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from typing import Any, Final
 import msgspec
 import uvloop
 
-from prototype.client import ALL_MODES
-from sim.experiment import CompareConfig, CompareResult, check, compare
-from sim.fidelity import fidelity_main, fidelity_options
-from sim.long import long_tables, run_long, write_long
-from sim.metrics import ModeSummary, PairSummary, live_agreement
-from sim.results import render_results
-from sim.stats import Estimate
-from sim.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
-from sim.trace import write_json, write_run, write_table
+from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
+from sim.analysis.results import render_results
+from sim.analysis.stats import Estimate
+from sim.harness.client import ALL_MODES
+from sim.harness.experiment import CompareConfig, CompareResult, check, compare
+from sim.harness.fidelity import fidelity_main, fidelity_options
+from sim.harness.long import long_tables, run_long, write_long
+from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
+from sim.harness.trace import write_json, write_run, write_table
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser(
         "fidelity",
-        help="run one config live and in virtual time and compare them (sim/fidelity.py)",
+        help="run one config live and in virtual time and compare them (sim/harness/fidelity.py)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     fidelity_options(f, _add_config_options)
@@ -223,7 +223,7 @@ def config_from(args: argparse.Namespace) -> CompareConfig:
 
 
 def run(config: CompareConfig, *, virtual: bool, free_cpu: bool = False, progress: bool = False) -> CompareResult:
-    """`sim.experiment.compare`, live runs on uvloop."""
+    """`sim.harness.experiment.compare`, live runs on uvloop."""
     return compare(config, virtual=virtual, free_cpu=free_cpu, progress=progress, loop_factory=uvloop.new_event_loop)
 
 

@@ -15,9 +15,9 @@ from aiohttp import web
 
 from prototype.app import ServerConfig, make_app
 from prototype.store import MemoryStore, ResponseStore
-from sim.accelerator import SimulatedModel
-from sim.policy import DefaultPolicy, Policy
-from sim.realtime import AsyncioClock
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy, Policy
+from sim.runtime.realtime import AsyncioClock
 
 # Codex's `exec_command` tool parameters, trimmed to the fields that matter.
 EXEC_COMMAND_SCHEMA: dict[str, Any] = {

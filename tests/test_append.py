@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from prototype.app import ENGINE, SOCKETS, ServerConfig
-from prototype.client import open_client, tool_outputs
 from prototype.model import ModelEvent, ModelRequest, Prefilled, TokenModel, TokensSampled
-from sim.policy import PlannedItem, ScriptPolicy
-from sim.realtime import AsyncioClock
+from sim.harness.client import open_client, tool_outputs
+from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
 

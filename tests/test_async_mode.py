@@ -14,20 +14,20 @@ import msgspec
 import pytest
 
 from prototype.app import make_engine
-from prototype.client import MODES, WSClient, tool_outputs
 from prototype.connection import CS, AckInject, ArmPauseTimer, Connection, ResumeJob, StartJob, TakeInput
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
 from prototype.schemas import RequiredInput, decode_stored
 from prototype.session import ServerConfig
 from prototype.store import MemoryStore
-from sim import experiment
 from sim.__main__ import main, run
-from sim.accelerator import SimulatedModel
-from sim.experiment import CompareConfig
-from sim.inprocess import InProcessServer
-from sim.live import EXEC_TOOL, RolloutResult, exposed_s
-from sim.policy import DefaultPolicy
-from sim.virtual import VirtualClock, run_virtual
+from sim.harness import experiment
+from sim.harness.client import MODES, WSClient, tool_outputs
+from sim.harness.experiment import CompareConfig
+from sim.harness.live import EXEC_TOOL, RolloutResult, exposed_s
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy
+from sim.runtime.inprocess import InProcessServer
+from sim.runtime.virtual import VirtualClock, run_virtual
 
 SMALL = CompareConfig(
     rollouts=4,

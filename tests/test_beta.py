@@ -25,7 +25,7 @@ from prototype.cache import CacheEntry
 from prototype.connection import AckInject, AckSteer, Connection, ResumeJob, SendFrame, StartJob
 from prototype.conversation import Context, Preamble
 from prototype.schemas import RequiredInput, Response
-from sim.policy import PlannedItem, ScriptPolicy
+from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
 from .support import EXEC_TOOL, Live, live_server, receive_event

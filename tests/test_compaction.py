@@ -15,13 +15,13 @@ import openai
 import pytest
 from openai.types.beta import BetaResponsesServerEvent
 
-from prototype.client import ALL_MODES
 from prototype.compaction import decode_payload
 from sim.__main__ import main as sim_main
-from sim.experiment import CompareConfig, CompareResult, compare, run_compare
-from sim.live import RolloutResult
-from sim.metrics import compacted, compaction_summary, per_turn_work, turn_windows
-from sim.virtual import VirtualClock, run_virtual
+from sim.analysis.metrics import compacted, compaction_summary, per_turn_work, turn_windows
+from sim.harness.client import ALL_MODES
+from sim.harness.experiment import CompareConfig, CompareResult, compare, run_compare
+from sim.harness.live import RolloutResult
+from sim.runtime.virtual import VirtualClock, run_virtual
 
 from . import strict
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from sim.__main__ import main, run, table
-from sim.experiment import CompareConfig
-from sim.metrics import headline
+from sim.analysis.metrics import headline
+from sim.harness.experiment import CompareConfig
 
 SMALL = CompareConfig(rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7, profile="local", system_prompt_tokens=500)
 
@@ -100,7 +100,7 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_workload_profiles_give_each_rollout_its_own_length() -> None:
-    from sim.workload import WORKLOADS, draw_rollouts
+    from sim.harness.workload import WORKLOADS, draw_rollouts
 
     specs, per_conversation = draw_rollouts(WORKLOADS["short"], seed=3, count=20)
     calls = sorted(per_conversation.values())
@@ -132,8 +132,8 @@ def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
 
 
 async def test_tool_command_output_and_exit_status_go_back() -> None:
-    from sim.realtime import AsyncioClock
-    from sim.tools import CommandTools
+    from sim.harness.tools import CommandTools
+    from sim.runtime.realtime import AsyncioClock
 
     output, seconds = await CommandTools("echo out-$((1 + 1)); echo err >&2; exit 3").run(AsyncioClock(), 9.0, "x")
     assert output == "out-2\nerr\n\n[exit status 3]" and 0 < seconds < 9.0
@@ -173,7 +173,7 @@ def test_ablation_switches_off_one_optimization() -> None:
 
 async def test_compare_runs_where_an_event_loop_already_runs() -> None:
     """As in a notebook: `compare` is called from a thread whose event loop is running."""
-    from sim.experiment import compare
+    from sim.harness.experiment import compare
 
     config = CompareConfig(rollouts=1, tool_calls=2, tps=0, seed=3, profile="local", modes=("ws", "append"))
     here = compare(config, virtual=True, free_cpu=True)
@@ -187,8 +187,8 @@ def _record(frames: list[tuple[str, bytes]], direction: str, data: bytes) -> Non
 
 def test_the_tap_sees_what_each_client_sent_and_every_event() -> None:
     """`run_compare(tap=...)`: every body and frame the in-process transports carry, as bytes."""
-    from sim.experiment import run_compare
-    from sim.virtual import VirtualClock, run_virtual
+    from sim.harness.experiment import run_compare
+    from sim.runtime.virtual import VirtualClock, run_virtual
 
     for mode in ("http", "http_prev", "ws", "append"):
         frames: list[tuple[str, bytes]] = []

@@ -22,7 +22,7 @@ from prototype.conversation import Context, check_continuation, parse_items
 from prototype.errors import ProtocolError
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
-from sim.policy import PlannedItem, ScriptPolicy
+from sim.model.policy import PlannedItem, ScriptPolicy
 
 from .support import EXEC_TOOL, Live, live_server
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prototype.app import ServerConfig
 from prototype.contract import CONTEXT_LENGTH_MESSAGE, STRING_MAX
 from prototype.tokenizer import PIECE_CHARS, get_tokenizer, split_text
-from sim.policy import PlannedItem, ScriptPolicy
+from sim.model.policy import PlannedItem, ScriptPolicy
 
 from .support import Live, live_server
 

@@ -1,4 +1,4 @@
-"""sim/designs.py on synthetic rollouts (exact numbers), and on a small comparison: the parts of
+"""sim/analysis/designs.py on synthetic rollouts (exact numbers), and on a small comparison: the parts of
 a mode's saving add up to its paired difference in rollout time."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import math
 
 import pytest
 
-from prototype.client import TurnResult
 from prototype.schemas import Response, StageReport
-from sim.designs import DECIMALS, PARTS, explain, kv_price, mode_costs, rollout_parts, stage_savings, verdict
-from sim.experiment import CompareConfig, compare
-from sim.live import RolloutResult
+from sim.analysis.designs import DECIMALS, PARTS, explain, kv_price, mode_costs, rollout_parts, stage_savings, verdict
+from sim.harness.client import TurnResult
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.live import RolloutResult
 
 
 def turn(

@@ -24,9 +24,9 @@ from prototype.app import ENGINE, SOCKETS, ServerConfig, WebSocketSession
 from prototype.model import ModelEvent, ModelRequest
 from prototype.store import RedisStore
 from prototype.tokenizer import get_tokenizer
-from sim.accelerator import SimulatedModel
-from sim.policy import DefaultPolicy, PlannedItem, ScriptPolicy
-from sim.realtime import AsyncioClock
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy, PlannedItem, ScriptPolicy
+from sim.runtime.realtime import AsyncioClock
 
 from .conftest import RedisProcess
 from .support import EXEC_TOOL, Live, live_server

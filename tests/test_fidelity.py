@@ -35,8 +35,8 @@ import pytest
 import uvloop
 
 from sim.__main__ import main
-from sim.experiment import CompareConfig, CompareResult, compare
-from sim.fidelity import (
+from sim.harness.experiment import CompareConfig, CompareResult, compare
+from sim.harness.fidelity import (
     FidelityReport,
     calibrate,
     compare_runs,

@@ -39,10 +39,10 @@ from prototype.conversation import normalize_create
 from prototype.errors import ProtocolError, from_validation_error
 from prototype.schemas import RequiredInput, decode_create_params, decode_text
 from prototype.store import MemoryStore
-from sim.accelerator import SimulatedModel
-from sim.policy import DefaultPolicy
-from sim.realtime import AsyncioClock
-from sim.schema_values import sample_json
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy
+from sim.model.schema_values import sample_json
+from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL
 

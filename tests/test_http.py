@@ -13,7 +13,7 @@ from prototype.app import ENGINE, ServerConfig
 from prototype.conversation import Context, parse_items, render_items
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
-from sim.policy import PlannedItem, ScriptPolicy
+from sim.model.policy import PlannedItem, ScriptPolicy
 
 from .support import EXEC_TOOL, Live, live_server
 
@@ -291,8 +291,8 @@ async def test_sse_frames_of_a_wake_up_go_out_in_one_write(monkeypatch: pytest.M
 def test_the_full_history_client_resends_the_items_json_as_first_encoded() -> None:
     """`http` keeps each item's JSON from when it was first recorded; the body is the bytes a
     client re-encoding its whole history would send."""
-    from prototype.client import HTTPClient, TurnResult
     from prototype.schemas import Response, encode
+    from sim.harness.client import HTTPClient, TurnResult
 
     client = HTTPClient("http://127.0.0.1:1", clock=None, chained=False)  # type: ignore[arg-type]
     sent = [{"type": "message", "role": "user", "content": 'héllo "there"'}]

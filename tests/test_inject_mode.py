@@ -10,10 +10,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from prototype.client import MODES
 from sim.__main__ import main, run
-from sim.experiment import CompareConfig
-from sim.live import RolloutResult
+from sim.harness.client import MODES
+from sim.harness.experiment import CompareConfig
+from sim.harness.live import RolloutResult
 
 SMALL = CompareConfig(
     rollouts=4,

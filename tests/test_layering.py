@@ -2,7 +2,7 @@
 
 * `prototype/` imports `sim/` only in its composition root, `prototype/server.py`.
 * The sans-IO core (wire types, state machines, framing, rendering) and all of
-  `sim/` except its async adapters (`realtime.py`: the wall clock; `virtual.py`: the
+  `sim/` except its async adapters (`runtime/realtime.py`: the wall clock; `runtime/virtual.py`: the
   virtual-time loop; `inprocess.py`: the socket-less transport; `experiment.py`: composes
   a live or in-process server; `tools.py`: tool subprocesses) import no asyncio,
   aiohttp or uvloop.
@@ -84,7 +84,7 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
 
 # experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client;
 # contract: the benchmark's rollout client (sim.bench contract)
-# lanes: the benchmark's lanes-against-sockets load
+# lanes: the benchmark's lanes-against-sockets load; client: the harness's measuring client (HTTP, SSE, WebSocket)
 SIM_ASYNC_ADAPTERS = {
     "realtime.py",
     "virtual.py",
@@ -94,6 +94,7 @@ SIM_ASYNC_ADAPTERS = {
     "wsclient.py",
     "contract.py",
     "lanes.py",
+    "client.py",
 }
 
 
@@ -144,13 +145,13 @@ def test_the_session_core_loads_no_aiohttp() -> None:
     assert "asyncio" in loaded and not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
 
 
-# asyncio's private loop state, read by the virtual-time loop only (sim/virtual.py).
+# asyncio's private loop state, read by the virtual-time loop only (sim/runtime/virtual.py).
 PRIVATE_LOOP_STATE = ("_run_once", "_ready", "_scheduled", "_stopping", "_clock_resolution")
 
 
 @pytest.mark.parametrize("path", modules("prototype") + modules("sim"), ids=lambda p: p.name)
 def test_asyncio_private_loop_state_is_read_in_one_module(path: Path) -> None:
-    if path == ROOT / "sim" / "virtual.py":
+    if path == ROOT / "sim" / "runtime" / "virtual.py":
         return
     tree = ast.parse(path.read_text(), str(path))
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
@@ -158,16 +159,16 @@ def test_asyncio_private_loop_state_is_read_in_one_module(path: Path) -> None:
 
 
 def test_this_python_has_the_private_loop_state_the_virtual_loop_reads() -> None:
-    """Fails loudly on a Python whose event loop lacks what sim/virtual.py relies on (written
+    """Fails loudly on a Python whose event loop lacks what sim/runtime/virtual.py relies on (written
     against CPython 3.11 to 3.13)."""
     import asyncio  # here, not at the top: this module is about who imports asyncio
 
-    assert (3, 11) <= sys.version_info[:2] <= (3, 13), f"sim/virtual.py is unverified on Python {sys.version}"
+    assert (3, 11) <= sys.version_info[:2] <= (3, 13), f"sim/runtime/virtual.py is unverified on Python {sys.version}"
     loop = asyncio.new_event_loop()
     try:
         assert isinstance(loop, asyncio.BaseEventLoop)
         missing = [name for name in PRIVATE_LOOP_STATE if not hasattr(loop, name)]
-        assert not missing, f"asyncio's loop lacks {missing}: sim/virtual.py needs updating"
+        assert not missing, f"asyncio's loop lacks {missing}: sim/runtime/virtual.py needs updating"
         assert isinstance(loop._ready, collections.deque)  # type: ignore[attr-defined]
         assert isinstance(loop._scheduled, list)  # type: ignore[attr-defined]
     finally:

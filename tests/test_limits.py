@@ -21,9 +21,9 @@ from prototype.model import ModelEvent, ModelRequest
 from prototype.schemas import InputItemView, Response
 from prototype.server import build_parser
 from prototype.store import MemoryStore
-from sim.accelerator import SimulatedModel
-from sim.policy import DefaultPolicy
-from sim.realtime import AsyncioClock
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy
+from sim.runtime.realtime import AsyncioClock
 
 from .support import Live, live_server
 from .test_ws import connect, last, read_response, turn

@@ -1,4 +1,4 @@
-"""`sim.memo`: memoized tokenizing and classifying for virtual runs with free CPU. Same results as
+"""`sim.runtime.memo`: memoized tokenizing and classifying for virtual runs with free CPU. Same results as
 the real work, bounded tables, and never in a live run."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 
 from prototype.safety import ClassifierState, SafetyClassifier
 from prototype.tokenizer import get_tokenizer
-from sim.accelerator import turn_rng
-from sim.experiment import CompareConfig, run_compare
-from sim.kv import PrefixCache
-from sim.memo import MemoClassifier, MemoPolicy, MemoPrefixCache, MemoTokenizer, _Lru
-from sim.policy import DefaultPolicy, ScriptPolicy
-from sim.realtime import AsyncioClock
-from sim.virtual import VirtualClock, run_virtual
+from sim.harness.experiment import CompareConfig, run_compare
+from sim.model.accelerator import turn_rng
+from sim.model.kv import PrefixCache
+from sim.model.policy import DefaultPolicy, ScriptPolicy
+from sim.runtime.memo import MemoClassifier, MemoPolicy, MemoPrefixCache, MemoTokenizer, _Lru
+from sim.runtime.realtime import AsyncioClock
+from sim.runtime.virtual import VirtualClock, run_virtual
 
 from .test_sim_policy import EXEC_COMMAND, GET_WEATHER, make_request
 
@@ -186,7 +186,7 @@ def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
 
     from prototype.conversation import parse_items
     from prototype.errors import ProtocolError
-    from sim.memo import MemoItems
+    from sim.runtime.memo import MemoItems
 
     good = Raw(b'{"type":"function_call_output","call_id":"c1","output":"ok \\u00e9"}')
     message = Raw(b'{"type":"message","role":"user","content":[{"type":"input_text","text":"hi"}]}')
@@ -209,7 +209,7 @@ def test_rendered_items_are_looked_up_by_identity() -> None:
     from msgspec import Raw
 
     from prototype.conversation import parse_items
-    from sim.memo import MemoRendered
+    from sim.runtime.memo import MemoRendered
 
     raw = Raw(b'{"type":"function_call_output","call_id":"c1","output":"ok"}')
     (item,) = parse_items([raw])
@@ -237,7 +237,7 @@ def test_classifier_chain_table_is_bounded_and_still_exact() -> None:
 
 
 def test_a_run_with_cpu_charged_does_the_real_work_and_never_reads_the_tables() -> None:
-    from sim.memo import memo_classifier, memo_tokenizer
+    from sim.runtime.memo import memo_classifier, memo_tokenizer
 
     def lookups() -> tuple[int, ...]:
         tables = [memo_tokenizer()._memo, memo_classifier()._memo]

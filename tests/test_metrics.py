@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from prototype.client import TurnResult
 from prototype.schemas import InputTokensDetails, OutputTokensDetails, Response, StageReport, Usage
-from sim.live import RolloutResult
-from sim.metrics import pair_summaries, summarize
+from sim.analysis.metrics import pair_summaries, summarize
+from sim.harness.client import TurnResult
+from sim.harness.live import RolloutResult
 
 
 def turn(
@@ -113,8 +113,8 @@ def test_saving_is_paired_by_rollout_with_intervals() -> None:
 
 def test_timeline_tiles_each_rollout_with_stages_and_tool_time() -> None:
     from sim.__main__ import run
-    from sim.experiment import CompareConfig
-    from sim.metrics import timeline
+    from sim.analysis.metrics import timeline
+    from sim.harness.experiment import CompareConfig
 
     result = run(CompareConfig(rollouts=1, tool_calls=3, seed=4), virtual=True, free_cpu=True)
     for rollout in result.rollouts:

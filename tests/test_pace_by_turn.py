@@ -9,12 +9,12 @@ import msgspec
 import numpy as np
 
 from prototype.model import ItemStarted, ModelEvent, ModelRequest, TokensSampled
-from sim.accelerator import SimulatedModel
-from sim.clock import ManualClock
-from sim.experiment import CompareConfig, run_compare
-from sim.policy import PlannedItem, ScriptPolicy
-from sim.sweep import run_point
-from sim.virtual import VirtualClock, run_virtual
+from sim.harness.experiment import CompareConfig, run_compare
+from sim.harness.sweep import run_point
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.runtime.clock import ManualClock
+from sim.runtime.virtual import VirtualClock, run_virtual
 
 TEXT = " hello" * 200  # 200 o200k tokens
 

@@ -12,7 +12,6 @@ import aiohttp
 import pytest
 
 from prototype.app import ENGINE, ServerConfig, make_engine
-from prototype.client import TurnResult, open_client, tool_outputs
 from prototype.pipeline import (
     ALL_OPTIMIZATIONS,
     PROFILES,
@@ -24,12 +23,13 @@ from prototype.pipeline import (
 )
 from prototype.safety import SafetyClassifier
 from prototype.store import MemoryStore
-from sim.accelerator import SimulatedModel
-from sim.inprocess import InProcessServer
-from sim.kv import PrefixCache
-from sim.policy import DefaultPolicy
-from sim.realtime import AsyncioClock
-from sim.virtual import VirtualClock, run_virtual
+from sim.harness.client import TurnResult, open_client, tool_outputs
+from sim.model.accelerator import SimulatedModel
+from sim.model.kv import PrefixCache
+from sim.model.policy import DefaultPolicy
+from sim.runtime.inprocess import InProcessServer
+from sim.runtime.realtime import AsyncioClock
+from sim.runtime.virtual import VirtualClock, run_virtual
 
 from .strict import STREAM_EVENT, WS_EVENT, Checker
 from .support import EXEC_TOOL, live_server

@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-from sim.realtime import AsyncioClock
-from sim.virtual import run_virtual
+from sim.runtime.realtime import AsyncioClock
+from sim.runtime.virtual import run_virtual
 
 TICK_S = 0.001
 

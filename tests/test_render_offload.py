@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from prototype.app import ENGINE, RENDER_NICE, ServerConfig, _background_thread
-from prototype.client import open_client, tool_outputs
 from prototype.engine import OFFLOAD_CHARS
 from prototype.tokenizer import TokenArray, Tokenizer
-from sim.policy import PlannedItem, ScriptPolicy
-from sim.realtime import AsyncioClock
+from sim.harness.client import open_client, tool_outputs
+from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, live_server
 

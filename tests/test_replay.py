@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from sim.__main__ import run
-from sim.experiment import CompareConfig
-from sim.replay import load_trace
+from sim.harness.experiment import CompareConfig
+from sim.harness.replay import load_trace
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sim" / "data" / "sample_trace.jsonl"
 

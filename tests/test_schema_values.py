@@ -1,4 +1,4 @@
-"""Tests for `sim.schema_values`: sampled values validate, are plausible, sized, and deterministic."""
+"""Tests for `sim.model.schema_values`: sampled values validate, are plausible, sized, and deterministic."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from sim.schema_values import sample_json, sample_prose, validate_json
+from sim.model.schema_values import sample_json, sample_prose, validate_json
 
 from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA
 

@@ -1,4 +1,4 @@
-"""Tests for `sim.kv.PrefixCache`: block granularity, chained keys, LRU, pins, overflow, idle KV.
+"""Tests for `sim.model.kv.PrefixCache`: block granularity, chained keys, LRU, pins, overflow, idle KV.
 
 Most tests use 16-token blocks and a capacity of a few blocks so every eviction
 can be written out by hand. `test_matches_a_reference_model` checks the cache
@@ -13,8 +13,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from sim import kv
-from sim.kv import PrefixCache, PrefixCacheStatistics, PreparedPrompt, block_keys
+from sim.model import kv
+from sim.model.kv import PrefixCache, PrefixCacheStatistics, PreparedPrompt, block_keys
 
 B = 16  # block tokens in these tests
 Tokens = npt.NDArray[np.uint32]

@@ -1,4 +1,4 @@
-"""Tests for `sim.policy`: DefaultPolicy's decisions, sizes and determinism; the script format."""
+"""Tests for `sim.model.policy`: DefaultPolicy's decisions, sizes and determinism; the script format."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from prototype.model import FunctionTool, ModelRequest
 from prototype.tokenizer import get_tokenizer
-from sim.accelerator import turn_rng
-from sim.policy import (
+from sim.model.accelerator import turn_rng
+from sim.model.policy import (
     SCRIPT_EXHAUSTED_TEXT,
     DefaultPolicy,
     PlannedItem,
@@ -21,7 +21,7 @@ from sim.policy import (
     load_script,
     parse_script,
 )
-from sim.schema_values import validate_json
+from sim.model.schema_values import validate_json
 
 from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA
 

@@ -27,7 +27,6 @@ import msgspec
 import pytest
 
 from prototype.app import SOCKETS
-from prototype.client import MODES, HTTPClient, Mode, TextSocket, WSClient, tool_outputs
 from prototype.schemas import (
     FunctionCallArgumentsDelta,
     OutputTextDelta,
@@ -40,7 +39,8 @@ from prototype.schemas import (
     decode_server_event,
 )
 from prototype.tokenizer import get_tokenizer
-from sim.realtime import AsyncioClock
+from sim.harness.client import MODES, HTTPClient, Mode, TextSocket, WSClient, tool_outputs
+from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, Live, live_server
 

@@ -1,4 +1,4 @@
-"""Intervals at their nominal coverage on synthetic rollouts with a known answer (sim/stats.py).
+"""Intervals at their nominal coverage on synthetic rollouts with a known answer (sim/analysis/stats.py).
 
 Each check draws many independent experiments (seeds), computes the 95 % interval of each,
 and counts how often it covers the true value. With 1,000 experiments the binomial
@@ -14,7 +14,7 @@ import math
 import numpy as np
 import pytest
 
-from sim.stats import LEVEL, agreement, paired_difference, paired_saving, quantile_interval
+from sim.analysis.stats import LEVEL, agreement, paired_difference, paired_saving, quantile_interval
 
 EXPERIMENTS = 1000
 BOOTSTRAP_TOLERANCE = 0.03

@@ -17,17 +17,17 @@ import pytest
 from openai import AsyncOpenAI
 
 from prototype.cache import CacheEntry
-from prototype.client import tool_outputs
 from prototype.connection import AckSteer, Connection, StartJob
 from prototype.conversation import Context, Preamble
 from prototype.schemas import IncompleteDetails, Response
-from sim import experiment
 from sim.__main__ import run
-from sim.experiment import CompareConfig
-from sim.inprocess import InProcessServer
-from sim.live import EXEC_TOOL as EXEC_TOOL_SPEC
-from sim.live import RolloutResult
-from sim.policy import PlannedItem, ScriptPolicy
+from sim.harness import experiment
+from sim.harness.client import tool_outputs
+from sim.harness.experiment import CompareConfig
+from sim.harness.live import EXEC_TOOL as EXEC_TOOL_SPEC
+from sim.harness.live import RolloutResult
+from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.runtime.inprocess import InProcessServer
 
 from . import strict
 from .support import EXEC_TOOL, live_server, receive_event

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from sim.__main__ import run
-from sim.experiment import CompareConfig
-from sim.virtual import VirtualClock, VirtualDeadlock, VirtualTimeLoop, run_virtual
+from sim.harness.experiment import CompareConfig
+from sim.runtime.virtual import VirtualClock, VirtualDeadlock, VirtualTimeLoop, run_virtual
 
 
 def test_sleeps_advance_virtual_time_in_deadline_order_without_waiting() -> None:
@@ -228,7 +228,7 @@ def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
 
 
 def test_an_in_process_channel_keeps_order_survives_a_cancelled_get_and_has_one_consumer() -> None:
-    from sim.inprocess import _Channel
+    from sim.runtime.inprocess import _Channel
 
     async def main() -> list[object]:
         channel: _Channel[int] = _Channel()

@@ -460,10 +460,10 @@ async def test_lane_errors_leave_other_lanes_running() -> None:
 
 
 def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sim.inprocess
+    import sim.runtime.inprocess
     from prototype.session import WebSocketSession
-    from sim.experiment import CompareConfig, run_compare
-    from sim.virtual import VirtualClock, run_virtual
+    from sim.harness.experiment import CompareConfig, run_compare
+    from sim.runtime.virtual import VirtualClock, run_virtual
 
     sessions: list[WebSocketSession] = []
 
@@ -472,7 +472,7 @@ def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypat
             super().__init__(*args, **kw)
             sessions.append(self)
 
-    monkeypatch.setattr(sim.inprocess, "WebSocketSession", Counted)
+    monkeypatch.setattr(sim.runtime.inprocess, "WebSocketSession", Counted)
     config = CompareConfig(rollouts=5, tool_calls=2, lanes=3, modes=("ws", "append"), system_prompt_tokens=200, tps=0)
     result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
     assert len(sessions) == 4  # per mode: lanes 0-2 on one connection, lanes 0-1 on another
@@ -482,8 +482,8 @@ def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypat
 
 def test_lanes_share_the_models_decode_slots() -> None:
     """Multiplexing has its honest cost: with one decode slot, two lanes' turns take turns."""
-    from sim.experiment import CompareConfig, run_compare
-    from sim.virtual import VirtualClock, run_virtual
+    from sim.harness.experiment import CompareConfig, run_compare
+    from sim.runtime.virtual import VirtualClock, run_virtual
 
     def p50(decode_slots: int) -> float:
         config = CompareConfig(

@@ -29,14 +29,14 @@ import aiohttp
 import msgspec
 import uvloop
 
-from prototype.client import ClientError, open_client
 from prototype.schemas import decode_client_event, decode_create_params, decode_server_event, encode
+from sim.harness.client import ClientError, open_client
+from sim.harness.experiment import CompareConfig, run_compare
+from sim.harness.live import RolloutSpec, run_rollout, tool_output_text
+from sim.harness.sweep import SweepConfig, run_sweep
+from sim.runtime.inprocess import Tap
+from sim.runtime.virtual import VirtualClock, run_virtual
 
-from ..experiment import CompareConfig, run_compare
-from ..inprocess import Tap
-from ..live import RolloutSpec, run_rollout, tool_output_text
-from ..sweep import SweepConfig, run_sweep
-from ..virtual import VirtualClock, run_virtual
 from . import report as page
 from .contract import contract_rows, contract_rows_report
 from .lanes import lanes_vs_connections

@@ -13,7 +13,7 @@ with the simulator, plus the raw floors measured in the same process:
   frame and one aiohttp send each (``"paced N R coalesce"``: the tokens due at a wake-up
   in one frame); ``GET /bench/raw_lateness`` reports them like `/bench/lateness`.
 * ``GET /bench/lateness``: the simulator's per-token lateness and per-turn rates
-  since the last call (`sim.accelerator.LatenessRecorder`), then cleared.
+  since the last call (`sim.model.accelerator.LatenessRecorder`), then cleared.
 * ``GET /bench/memory``: the process's resident bytes and the connection caches' sizes.
 
 `BenchPolicy` answers every turn with a text of exactly ``max_output_tokens`` one-token
@@ -42,10 +42,10 @@ from prototype.schemas import OutputTextDelta, encode
 from prototype.server import serve_until_stopped
 from prototype.sse import SSE_HEADERS, encode_event
 from prototype.store import open_store
-from sim.accelerator import LatenessRecorder, SimulatedModel
-from sim.memo import memo_tokenizer
-from sim.policy import DefaultPolicy, PlannedItem, Policy
-from sim.realtime import AsyncioClock
+from sim.model.accelerator import LatenessRecorder, SimulatedModel
+from sim.model.policy import DefaultPolicy, PlannedItem, Policy
+from sim.runtime.memo import memo_tokenizer
+from sim.runtime.realtime import AsyncioClock
 
 __all__ = ["BenchPolicy", "delta_event", "main"]
 

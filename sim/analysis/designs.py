@@ -5,7 +5,7 @@ comparison's rollouts (notebook 05). Pure.
   `prototype.pipeline.Stage`, the tools, and `other`: the rest of the rollout's time, the
   client's side of each turn: transfer, parsing, the gap before the next request), the seconds
   per rollout the mode spends less than `base` on the same seeded rollout, with the paired
-  interval (`sim.stats.paired_mean` of the differences, docs/statistics.md). A rollout's parts add up to
+  interval (`sim.analysis.stats.paired_mean` of the differences, docs/statistics.md). A rollout's parts add up to
   its time, so a mode's parts add up to its saving.
 * `mode_costs`: per mode, what a rollout asks of the service: client messages and
   response objects per rollout (a steered or continued response's successor is a new
@@ -16,7 +16,7 @@ comparison's rollouts (notebook 05). Pure.
 * `explain`: a mode's saving and its largest parts, as a sentence, from the rows.
 * `verdict`: which side of zero an interval lies on, in words.
 
-Stage seconds come from the server's stage report (`sim.metrics.per_turn_work`); a mode whose
+Stage seconds come from the server's stage report (`sim.analysis.metrics.per_turn_work`); a mode whose
 report arrives only with the response's terminal event (`inject`) has the same per-rollout
 totals, which is what these rows use.
 """
@@ -30,10 +30,9 @@ import msgspec
 import numpy as np
 
 from prototype.pipeline import Stage
-
-from .live import RolloutResult
-from .metrics import per_turn_work
-from .stats import Estimate, paired_mean
+from sim.analysis.metrics import per_turn_work
+from sim.analysis.stats import Estimate, paired_mean
+from sim.harness.live import RolloutResult
 
 __all__ = [
     "BEFORE_INFERENCE",

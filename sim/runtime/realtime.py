@@ -116,7 +116,7 @@ def live_cost_samples(
     repeats: int, stream_bytes: int, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
 ) -> Samples:
     """Per-operation costs a live run pays on this machine and an in-process virtual run does
-    not, sampled on a fresh loop from `loop_factory` over loopback (`sim.fidelity.calibrate`
+    not, sampled on a fresh loop from `loop_factory` over loopback (`sim.harness.fidelity.calibrate`
     summarizes them): a sleep's lateness, how much longer the same short render and
     classification takes right after a wait than right after other work (a live loop waits
     between turns and stages; a virtual one never does), the hop to a nice-19 thread (as the
@@ -134,8 +134,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     from prototype.safety import SafetyClassifier
     from prototype.sse import SSEDecoder
     from prototype.tokenizer import get_tokenizer
-
-    from .live import tool_output_text
+    from sim.harness.live import tool_output_text
 
     clock, loop, out = AsyncioClock(), asyncio.get_running_loop(), []
     late = []
@@ -223,7 +222,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
                 """(client call to the handler holding the body, the rest of the round trip)."""
                 t = time.perf_counter()
                 async with session.post(url + "/", data=data) as resp:
-                    decoder = SSEDecoder()  # the client's own parser, as `prototype.client` reads
+                    decoder = SSEDecoder()  # the client's own parser, as `sim.harness.client` reads
                     async for chunk in resp.content.iter_any():
                         decoder.feed(chunk)
                 return handled[-1] - t, time.perf_counter() - handled[-1]

@@ -38,7 +38,7 @@ What an in-process run does not do at all, the live transport's work (aiohttp's 
 and response handling, the kernel's loopback, a WebSocket frame's way through both ends),
 can be charged as measured: `LiveCosts` holds those per-operation costs as
 `python -m sim fidelity --calibrate` measures them on this machine, and the in-process
-transports (`sim.inprocess`) charge each where the live run pays it, with `charge`: the
+transports (`sim.runtime.inprocess`) charge each where the live run pays it, with `charge`: the
 clock moves as if the running callback had done that work. Never with CPU free.
 
 A loop with nothing ready and no timer would wait forever on a real clock; here

@@ -8,9 +8,9 @@ reproducible; points run in parallel on any `concurrent.futures.Executor`: local
 processes by default, or a Dask distributed cluster (`Client.get_executor()`).
 
 Rows: one per (point, mode), the point's parameters first, then the metrics of
-`sim.metrics.ModeSummary`, intervals included (`n`, `<metric>_ci_low`, `<metric>_ci_high`).
+`sim.analysis.metrics.ModeSummary`, intervals included (`n`, `<metric>_ci_low`, `<metric>_ci_high`).
 Common random numbers: rollout r draws the same tool times, output sizes and texts at
-every point (sim/live.py, per (rollout, turn) streams), so a curve over an axis is the
+every point (sim/harness/live.py, per (rollout, turn) streams), so a curve over an axis is the
 same rollouts under other parameters, not resampled noise.
 """
 
@@ -25,10 +25,9 @@ from typing import Any
 import msgspec
 from msgspec import structs
 
-from prototype.client import MODES
-
-from .experiment import CompareConfig, run_compare
-from .virtual import VirtualClock, run_virtual
+from sim.harness.client import MODES
+from sim.harness.experiment import CompareConfig, run_compare
+from sim.runtime.virtual import VirtualClock, run_virtual
 
 __all__ = ["AXES", "SweepConfig", "dask_executor", "points", "run_point", "run_sweep"]
 
@@ -66,7 +65,7 @@ def points(sweep: SweepConfig) -> list[CompareConfig]:
 def run_point(config: CompareConfig) -> list[dict[str, Any]]:
     """One grid point in virtual time with free CPU: rows for its modes. Picklable for process pools."""
     # Summaries need each turn's first token and end only: no clock wake-up per token. CPU is
-    # free, so the pure work of a turn may be looked up from earlier points (`sim.memo`).
+    # free, so the pure work of a turn may be looked up from earlier points (`sim.runtime.memo`).
     main = run_compare(config, VirtualClock(), virtual=True, pace_by_turn=True, memoize=True)
     result = run_virtual(main, charge_cpu=False)
     params = {axis: getattr(config, axis) for axis in AXES}

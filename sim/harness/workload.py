@@ -24,8 +24,7 @@ from typing import Final
 import msgspec
 
 from prototype.conversation import conversation_key
-
-from .live import RolloutSpec, instructions, tool_output_text, turn_stream
+from sim.harness.live import RolloutSpec, instructions, tool_output_text, turn_stream
 
 __all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts"]
 

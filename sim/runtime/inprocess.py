@@ -8,7 +8,7 @@ cost profile's `network` stage still charges the modeled round trip and upload,
 exactly as on the live server. What disappears is the kernel: no sockets, no
 waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work.
 With `live_costs` (on a loop that charges CPU) the transports charge what the live
-one costs beyond that, as measured on this machine (`sim.virtual.LiveCosts`): an HTTP
+one costs beyond that, as measured on this machine (`sim.runtime.virtual.LiveCosts`): an HTTP
 request when it is sent, its response at the server's first events (where the live
 server prepares the response and sends its headers), a WebSocket message when it is sent.
 """
@@ -23,7 +23,6 @@ from typing import Generic, Literal, TypeVar
 import aiohttp
 from aiohttp import WSMsgType
 
-from prototype.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from prototype.clock import Clock
 from prototype.conversation import ToolCache
 from prototype.engine import Engine
@@ -31,8 +30,8 @@ from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
 from prototype.session import ServerConfig, WebSocketSession, http_create
 from prototype.sse import SSEDecoder, encode_event
-
-from .virtual import IDLE_S, LiveCosts, VirtualTimeLoop
+from sim.harness.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
+from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 
 __all__ = ["InProcessServer", "Tap"]
 
@@ -267,7 +266,7 @@ class InProcessServer:
         tap: Tap | None = None,
         live_costs: LiveCosts | None = None,
     ) -> None:
-        """`tool_cache`: shared by every HTTP request (`sim.memo`, where CPU is free), so a tool
+        """`tool_cache`: shared by every HTTP request (`sim.runtime.memo`, where CPU is free), so a tool
         list identical to the last one is not validated again; the engine's `item_parser`
         validates their input items. `tap`: called with ("up" or "down", bytes) for every
         request body, client frame, event and server frame carried (to count or time them).

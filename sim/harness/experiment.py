@@ -34,26 +34,25 @@ from aiohttp import web
 from msgspec import Meta, structs
 
 from prototype.app import ENGINE, ServerConfig, make_app, make_engine, render_executor
-from prototype.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from prototype.clock import Clock
 from prototype.contract import COMPACT_THRESHOLD_MIN
 from prototype.conversation import ToolCache, conversation_key, parse_items
 from prototype.model import ModelEvent, ModelRequest
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
-
-from .accelerator import SimulatedModel
-from .inprocess import InProcessServer, Tap
-from .kv import PrefixCache
-from .live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
-from .memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
-from .metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
-from .policy import DefaultPolicy, Policy
-from .realtime import AsyncioClock
-from .replay import load_trace, replay_plan
-from .tools import tool_runner
-from .virtual import VirtualClock, load_live_costs, run_virtual
-from .workload import WORKLOADS, draw_rollouts
+from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
+from sim.harness.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
+from sim.harness.live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
+from sim.harness.replay import load_trace, replay_plan
+from sim.harness.tools import tool_runner
+from sim.harness.workload import WORKLOADS, draw_rollouts
+from sim.model.accelerator import SimulatedModel
+from sim.model.kv import PrefixCache
+from sim.model.policy import DefaultPolicy, Policy
+from sim.runtime.inprocess import InProcessServer, Tap
+from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
+from sim.runtime.realtime import AsyncioClock
+from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
 
 __all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "run_compare"]
 
@@ -88,7 +87,7 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
     ] = "custom"
     trace: Annotated[
-        str | None, Meta(description="replay a recorded trace (JSONL, see sim/replay.py) instead of a workload")
+        str | None, Meta(description="replay a recorded trace (JSONL, see sim/harness/replay.py) instead of a workload")
     ] = None
     concurrency: Annotated[int, Meta(ge=1, description="rollouts of a mode in flight at once")] = 1
     lanes: Annotated[
@@ -285,7 +284,7 @@ async def run_compare(
     the model waits only for each turn's first and last token (`SimulatedModel`), for summaries
     in virtual time without a wake-up per token. `memoize`: planning, tokenizing, classifying,
     hashing KV blocks, validating and rendering input items and drawing rollout specs look up
-    work done before in this process (`sim.memo`); only for virtual time with CPU free, where
+    work done before in this process (`sim.runtime.memo`); only for virtual time with CPU free, where
     that work's duration is not measured (same results, less wall time). `tap` (virtual only)
     sees every body and frame the in-process transports carry."""
     check(config, virtual=virtual)
@@ -316,7 +315,7 @@ async def run_compare(
     threads = None
     if virtual:
         # With CPU charged, long texts are tokenized on render threads as on the live server, and
-        # the loop waits for them in real time (`sim.virtual`): the hop and the threads' priority
+        # the loop waits for them in real time (`sim.runtime.virtual`): the hop and the threads' priority
         # cost what they cost live. With CPU free, on the loop (there it takes no time).
         if getattr(asyncio.get_running_loop(), "charge_cpu", False) and not memoize:
             threads = render_executor(server_config)
@@ -500,7 +499,7 @@ def _more_rollouts(
 
 
 def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[RolloutSpec]:
-    """The specs with `config.interjections` each (sim.live.draw_interjections); as they are at 0."""
+    """The specs with `config.interjections` each (sim.harness.live.draw_interjections); as they are at 0."""
     if not config.interjections:
         return specs
     return [

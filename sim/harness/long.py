@@ -7,12 +7,12 @@ many tool calls (200 by default), whose context grows with every tool output unl
 server compacts it. The model's outputs are the same in both runs (the compaction item
 carries the model's turn count), so the two runs differ only in the context.
 
-Figures (sim.metrics): per mode and window, the per-turn E2E time and the prompt the model
+Figures (sim.analysis.metrics): per mode and window, the per-turn E2E time and the prompt the model
 read, each the mean over a rollout's turns in the window and then over rollouts with its
 interval; the with-less-without difference of per-turn E2E, paired by rollout; per mode, the
 compactions per rollout, the `compaction` stage's seconds per compaction, the prompt a
 compacting turn read; per mode without and with, the connection-cache and prompt-token hit
-rates and the held KV's idle token·s (sim.metrics.ModeSummary).
+rates and the held KV's idle token·s (sim.analysis.metrics.ModeSummary).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from typing import Any
 import msgspec
 from msgspec import structs
 
-from .experiment import CompareConfig, CompareResult, compare
-from .metrics import (
+from sim.analysis.metrics import (
     CompactionSummary,
     WindowDifference,
     WindowSummary,
@@ -34,7 +33,8 @@ from .metrics import (
     turn_windows,
     window_differences,
 )
-from .trace import write_json, write_run, write_table
+from sim.harness.experiment import CompareConfig, CompareResult, compare
+from sim.harness.trace import write_json, write_run, write_table
 
 __all__ = ["LongResult", "long_tables", "run_long", "write_long"]
 
@@ -146,8 +146,8 @@ def _order(result: LongResult, mode: str) -> int:
 
 
 def write_long(result: LongResult, directory: str | Path) -> Path:
-    """DIR/without and DIR/with (run folders, sim/trace.py), windows.csv (one row per setting,
-    mode and window), differences.csv and compaction.json (sim/trace.py writes them)."""
+    """DIR/without and DIR/with (run folders, sim/harness/trace.py), windows.csv (one row per setting,
+    mode and window), differences.csv and compaction.json (sim/harness/trace.py writes them)."""
     path = Path(directory)
     write_run(result.without, path / "without")
     write_run(result.with_compaction, path / "with")

@@ -1,6 +1,6 @@
 """What the simulated model says: a `Policy` turns a `ModelRequest` into planned output items.
 
-The accelerator (`sim/accelerator.py`) decides *when* tokens come out; a policy
+The accelerator (`sim/model/accelerator.py`) decides *when* tokens come out; a policy
 decides *what* they are. A policy sees only the model-visible request fields
 and an ``rng`` seeded from ``(seed, conversation_key, turn_index)``, so a turn's
 output is the same however the request reached the service (the "same tokens
@@ -10,7 +10,7 @@ Two policies:
 
 * `DefaultPolicy`: an agent-loop stand-in. While ``turn_index < tool_calls`` it
   calls one of the request's function tools with arguments sampled from that
-  tool's JSON schema (`sim.schema_values.sample_json`); afterwards it answers
+  tool's JSON schema (`sim.model.schema_values.sample_json`); afterwards it answers
   with an English-ish text message. Output size per turn is lognormal, median
   120 tokens, sigma 0.8, fitted to SWE-Bench Pro runs (about 110 tokens a turn
   for GPT-5, nearly all tool-call arguments; sources in docs/pipeline.md,
@@ -31,7 +31,7 @@ import msgspec
 import numpy as np
 
 from prototype.model import FunctionTool, ModelRequest
-from sim.schema_values import sample_json, sample_prose
+from sim.model.schema_values import sample_json, sample_prose
 
 __all__ = [
     "ARGUMENTS_CHARS_PER_TOKEN",
@@ -87,7 +87,7 @@ class Policy(Protocol):
 
         A policy may also define ``plan_key(request) -> Hashable | None``: the request
         fields (and its own settings) its plan reads, so that runs with free CPU can
-        look plans up (`sim.memo.MemoPolicy`); None, or no such method, plans every time."""
+        look plans up (`sim.runtime.memo.MemoPolicy`); None, or no such method, plans every time."""
         ...
 
 
@@ -118,7 +118,7 @@ class DefaultPolicy:
 
     tool_calls: int = 10
     # Tool calls per conversation, by `ModelRequest.conversation_key`, overriding `tool_calls`:
-    # how a workload gives each rollout its own length (sim/workload.py).
+    # how a workload gives each rollout its own length (sim/harness/workload.py).
     per_conversation: Mapping[int, int] = field(default_factory=dict)
     text_tokens_median: int = 120
     arguments_tokens_median: int = 120
@@ -149,7 +149,7 @@ class DefaultPolicy:
         return None
 
     def plan_key(self, request: ModelRequest) -> Hashable:
-        """What `plan` reads besides the rng: for `sim.memo.MemoPolicy` (a plan is the same
+        """What `plan` reads besides the rng: for `sim.runtime.memo.MemoPolicy` (a plan is the same
         for equal keys and equal rng states)."""
         limit = self.per_conversation.get(request.conversation_key, self.tool_calls)
         return (
@@ -253,7 +253,7 @@ def parse_turn(entry: dict[str, object], where: str) -> tuple[PlannedItem, ...]:
 @dataclass(frozen=True, slots=True)
 class ConversationPolicy:
     """A policy per conversation (by `ModelRequest.conversation_key`), a fallback for the rest:
-    how a recorded trace replays each rollout's own assistant turns (sim/replay.py)."""
+    how a recorded trace replays each rollout's own assistant turns (sim/harness/replay.py)."""
 
     by_conversation: Mapping[int, Policy]
     fallback: Policy

@@ -27,9 +27,8 @@ from pathlib import Path
 import msgspec
 
 from prototype.conversation import conversation_key
-
-from .live import RolloutSpec
-from .policy import ConversationPolicy, DefaultPolicy, PlannedItem, Policy, ScriptPolicy, parse_turn
+from sim.harness.live import RolloutSpec
+from sim.model.policy import ConversationPolicy, DefaultPolicy, PlannedItem, Policy, ScriptPolicy, parse_turn
 
 __all__ = ["RecordedRollout", "load_trace", "replay_plan"]
 

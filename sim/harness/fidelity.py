@@ -41,11 +41,10 @@ import numpy as np
 import numpy.typing as npt
 
 from prototype.pipeline import Stage
-
-from .experiment import CompareConfig, CompareResult, check, compare
-from .metrics import per_turn_work, summarize
-from .realtime import live_cost_samples
-from .virtual import LiveCosts, load_live_costs
+from sim.analysis.metrics import per_turn_work, summarize
+from sim.harness.experiment import CompareConfig, CompareResult, check, compare
+from sim.runtime.realtime import live_cost_samples
+from sim.runtime.virtual import LiveCosts, load_live_costs
 
 __all__ = [
     "DEFAULT_COSTS_PATH",
@@ -79,7 +78,7 @@ TRIM: Final = 0.2  # trimmed from each end for the trimmed means
 RESAMPLES: Final = 2000
 PAIRS: Final = (("http", "ws"), ("http_prev", "ws"), ("ws", "append"))
 # A turn's time outside every server stage: the client's request reaching the server, the
-# events reaching the client and their parsing (`sim.metrics.timeline`'s `client` segment).
+# events reaching the client and their parsing (`sim.analysis.metrics.timeline`'s `client` segment).
 CLIENT: Final = "client"
 
 PRESETS: Final[dict[str, CompareConfig]] = {
@@ -394,12 +393,12 @@ def calibrate(
     *, repeats: int = 200, stream_bytes: int = 1_000_000, loop_factory: LoopFactory | None = None
 ) -> list[Cost]:
     """Measure, live on loopback (on loops from `loop_factory`: the CLI uses uvloop), the costs
-    a live turn pays that an in-process virtual run does not (`sim.realtime.live_cost_samples`:
+    a live turn pays that an in-process virtual run does not (`sim.runtime.realtime.live_cost_samples`:
     a timer's late wake-up, work after a wait, the hop to a render thread and back, an HTTP
     request and its response, a WebSocket message, each back to back and after the loop slept,
     a megabyte streamed as SSE or as one WebSocket message). Medians and 90th percentiles over
     `repeats`; the streams, the offloaded render and the samples after a sleep over fewer.
-    `write_live_costs` keeps the transport's (`sim.virtual.LiveCosts`) for virtual runs."""
+    `write_live_costs` keeps the transport's (`sim.runtime.virtual.LiveCosts`) for virtual runs."""
     out = []
     for name, samples, what in live_cost_samples(repeats, stream_bytes, loop_factory=loop_factory):
         xs = np.asarray(samples)

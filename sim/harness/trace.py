@@ -3,9 +3,9 @@
     DIR/
       config.json     the CompareConfig (with its seed), whether it ran in virtual time, the git SHA,
                       and with ci_width why no more batches ran (`stopped`)
-      summary.json    mode name → metrics (sim.metrics.ModeSummary): each interval as
+      summary.json    mode name → metrics (sim.analysis.metrics.ModeSummary): each interval as
                       <metric>_ci_low / <metric>_ci_high beside it, `n` the rollouts they rest on
-      pairs.json      every pair of modes, paired by rollout (sim.metrics.PairSummary): time saved
+      pairs.json      every pair of modes, paired by rollout (sim.analysis.metrics.PairSummary): time saved
                       and difference in seconds, with intervals and n
       turns.csv       one tidy row per turn (and turns.parquet, the same table); `n`, `e2e_ci_low`,
                       `e2e_ci_high`: the mean E2E of that mode's turn k over the n rollouts that
@@ -18,7 +18,7 @@
 `write_run(..., tables=False)` writes only the three JSON files (a run folder small enough to
 commit, as docs/results/ does).
 
-Notebooks and scripts load these; nothing here computes a metric (sim/metrics.py does).
+Notebooks and scripts load these; nothing here computes a metric (sim/analysis/metrics.py does).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .experiment import CompareResult
-from .metrics import compacted, per_turn_work, turn_intervals
-from .stats import Estimate
+from sim.analysis.metrics import compacted, per_turn_work, turn_intervals
+from sim.analysis.stats import Estimate
+from sim.harness.experiment import CompareResult
 
 __all__ = ["turn_rows", "write_json", "write_run", "write_table"]
 

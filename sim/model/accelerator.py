@@ -19,7 +19,7 @@ start):
 
        cached = max(prefix_cache.match(prompt), min(resident_tokens, prompt_tokens - 1))
 
-   `sim.kv.PrefixCache` is vLLM-style automatic prefix caching: block-granular
+   `sim.model.kv.PrefixCache` is vLLM-style automatic prefix caching: block-granular
    hits, at least one token recomputed (docs/simulator.md). ``resident_tokens``
    is KV the conversation holds across an append-mode pause; the hint is
    trusted as is (it is block-exact already), clipped so the last token is
@@ -109,8 +109,8 @@ from prototype.model import (
     TokensSampled,
 )
 from prototype.tokenizer import Tokenizer, get_tokenizer
-from sim.kv import PrefixCache, PrefixCacheStatistics
-from sim.policy import PlannedItem, Policy
+from sim.model.kv import PrefixCache, PrefixCacheStatistics
+from sim.model.policy import PlannedItem, Policy
 
 __all__ = ["LatenessRecorder", "ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
 

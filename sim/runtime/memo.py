@@ -35,9 +35,8 @@ from prototype.conversation import Item, parse_item, parse_items
 from prototype.model import ModelRequest
 from prototype.safety import ClassifierState, SafetyClassifier, check_tokens
 from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
-
-from .kv import PrefixCache, PreparedPrompt, Prompt
-from .policy import PlannedItem, Policy
+from sim.model.kv import PrefixCache, PreparedPrompt, Prompt
+from sim.model.policy import PlannedItem, Policy
 
 __all__ = [
     "MemoClassifier",

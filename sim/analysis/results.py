@@ -2,7 +2,7 @@
 
 `python -m sim results --out docs/results/headline` runs the default comparison (virtual
 time for the precision, a short live run beside it) and writes only its JSON files there
-(`sim.trace.write_run(tables=False)`); `render_results` turns that folder into the Markdown
+(`sim.harness.trace.write_run(tables=False)`); `render_results` turns that folder into the Markdown
 between the README's `<!-- results:start -->` and `<!-- results:end -->` markers, and
 `tests/test_results.py` checks that the README shows exactly this rendering. Reads only.
 """

@@ -1,7 +1,7 @@
 """Closed-loop agent rollouts against a live server on loopback, one mode at a time.
 
 Covers: the rollout loop shared by every mode. Scenario: an agent sends a task,
-streams the response, runs each tool call it receives (sim/tools.py: a simulated tool
+streams the response, runs each tool call it receives (sim/harness/tools.py: a simulated tool
 time drawn from the workload and a tool output of a drawn size, or a real subprocess), sends the outputs
 and repeats until the model answers with text. The next turn starts at the
 previous turn's end plus tool time (closed loop, never a trace timestamp).
@@ -26,10 +26,17 @@ from typing import Any, Final
 
 import numpy as np
 
-from prototype.client import Interjection, InterjectionRecord, Mode, ResponsesClient, TurnResult, WSClient, tool_outputs
 from prototype.clock import Clock
-
-from .tools import SimulatedTools, ToolRunner
+from sim.harness.client import (
+    Interjection,
+    InterjectionRecord,
+    Mode,
+    ResponsesClient,
+    TurnResult,
+    WSClient,
+    tool_outputs,
+)
+from sim.harness.tools import SimulatedTools, ToolRunner
 
 __all__ = [
     "RolloutResult",

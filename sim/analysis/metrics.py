@@ -25,7 +25,7 @@ Times are the client's, from `TurnResult` (taken on the run's clock):
   index; `PairSummary` gives the same for every pair of modes, and the difference in
   seconds.
 
-Intervals (`sim.stats`, docs/statistics.md): rollout p50/p90 carry the order-statistic
+Intervals (`sim.analysis.stats`, docs/statistics.md): rollout p50/p90 carry the order-statistic
 interval, savings and differences the seeded paired bootstrap; `n` is the number of
 rollouts (or pairs) an interval rests on. NaN bounds: too few rollouts for that bound.
 """
@@ -38,10 +38,9 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from prototype.client import TurnResult
-
-from .live import RolloutResult
-from .stats import Estimate, agreement, paired_difference, paired_mean, paired_saving, quantile_interval
+from sim.analysis.stats import Estimate, agreement, paired_difference, paired_mean, paired_saving, quantile_interval
+from sim.harness.client import TurnResult
+from sim.harness.live import RolloutResult
 
 __all__ = [
     "MODEL_STAGES",
@@ -181,7 +180,7 @@ def headline(summary: Sequence[ModeSummary]) -> list[tuple[str, Estimate]]:
 def live_agreement(reference: Sequence[RolloutResult], live: Sequence[RolloutResult], *, seed: int = 0) -> Estimate:
     """How much longer (a fraction; negative: shorter) the `live` rollouts took than the same
     (mode, rollout index) in `reference` (a virtual run of the same config), with its interval
-    (`sim.stats.agreement`); n is the number of (mode, rollout) pairs."""
+    (`sim.analysis.stats.agreement`); n is the number of (mode, rollout) pairs."""
     ref = {(r.mode, r.index): r.completion_s for r in reference}
     pairs = [(ref[(r.mode, r.index)], r.completion_s) for r in live if (r.mode, r.index) in ref]
     return agreement([a for a, _ in pairs], [b for _, b in pairs], seed=seed)
@@ -332,7 +331,7 @@ def summarize(
 class WindowSummary(msgspec.Struct, frozen=True, kw_only=True):
     """A mode's turns `first_turn` … `last_turn` (1-based, inclusive). Each rollout gives the mean
     over its turns in the window; the figures are the mean of those over the `n` rollouts that
-    reached the window, with the paired-mean interval (`sim.stats.paired_mean`)."""
+    reached the window, with the paired-mean interval (`sim.analysis.stats.paired_mean`)."""
 
     mode: str
     first_turn: int

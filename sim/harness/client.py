@@ -22,7 +22,7 @@ Modes (names used everywhere):
   output before its next turn (docs/beta.md).
 * `async`: the same beta socket and create (with parallel calls allowed), driven as the
   async tools are meant to be used (`begin`, `next_turn`, `inject_when_ready`, `settle`;
-  sim/live.py's `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
+  sim/harness/live.py's `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
   client keeps reading while it runs and injects its output when it finishes; the model may
   decode its next turn meanwhile. A turn ends at an async call's `output_item.done` (the next
   one starts right there) or at the terminal event.
@@ -55,8 +55,8 @@ from typing import Any, Final, Literal, Protocol
 import aiohttp
 import msgspec
 
-from .clock import Clock
-from .schemas import (
+from prototype.clock import Clock
+from prototype.schemas import (
     ErrorEvent,
     FunctionCall,
     FunctionCallArgumentsDelta,
@@ -75,7 +75,7 @@ from .schemas import (
     decode_stream_tag,
     encode,
 )
-from .sse import SSEDecoder
+from prototype.sse import SSEDecoder
 
 __all__ = [
     "ALL_MODES",

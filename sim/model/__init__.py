@@ -1,0 +1,2 @@
+"""The model stand-in: the token-generating accelerator, its KV and prefix cache, and the policy
+that decides what the simulated model says."""
