@@ -1101,11 +1101,13 @@ class ResponseRun:
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if isinstance(event, Prefilled):
+                        stages.report.tokens_prefilled += request.prompt_tokens - event.cached_tokens
                         stages.add(Stage.QUEUE, event.queued_s)
                         stages.lap(Stage.PREFILL)
                         stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
                     elif isinstance(event, SamplingFinished):
                         stages.lap(Stage.DECODE)
+                        stages.report.tokens_decoded = stream.output_tokens
                         return event
                     elif self.beta and isinstance(event, ItemFinished):
                         await emit(receive(event))
@@ -1118,6 +1120,7 @@ class ResponseRun:
                             await emit(self._drain())
                             if self.steers and self._steerable():
                                 stages.lap(Stage.DECODE)
+                                stages.report.tokens_decoded = stream.output_tokens
                                 return Interrupt()
                         continue
                 await emit(receive(event))
@@ -1125,6 +1128,7 @@ class ResponseRun:
                     await emit(self._drain())
                     if self.steers and self._steerable():
                         stages.lap(Stage.DECODE)
+                        stages.report.tokens_decoded = stream.output_tokens
                         return Interrupt()
         raise StreamError("model ended without SamplingFinished")
 

@@ -26,7 +26,8 @@ Profiles:
   uplink. The split of the fixed part between stages is our own (OpenAI publishes
   percentages, not milliseconds): HTTP auth 30 + safety call 50 + routing 80 +
   inference hop 20 + billing 70 ms; WebSocket keeps only safety 50 + hop 20.
-* a JSON file with any subset of the fields (unknown fields are an error).
+* a JSON file with any subset of the fields (unknown fields are an error), or a fit that
+  `python -m sim calibrate --out` wrote (its `cost_profile`; docs/calibration.md).
 
 `Optimizations` are the connection-cache switches, each on its own, so a
 researcher can ask "what if only the token cache existed?".
@@ -138,13 +139,16 @@ PROFILES: Final[dict[str, CostProfile]] = {
 
 
 def load_profile(spec: str) -> CostProfile:
-    """A built-in profile by name, or a JSON file of `CostProfile` fields."""
+    """A built-in profile by name, a JSON file of `CostProfile` fields, or a calibration's fit file."""
     if spec in PROFILES:
         return PROFILES[spec]
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"unknown cost profile {spec!r}: use {', '.join(PROFILES)} or a JSON file")
     try:
-        return msgspec.json.decode(path.read_bytes(), type=CostProfile)
-    except msgspec.ValidationError as exc:
+        data = msgspec.json.decode(path.read_bytes())
+        if isinstance(data, dict) and "cost_profile" in data:  # a fit (`python -m sim calibrate --out`)
+            data = data["cost_profile"]
+        return msgspec.convert(data, type=CostProfile)
+    except msgspec.DecodeError as exc:  # ValidationError included
         raise ValueError(f"{spec}: {exc}") from None

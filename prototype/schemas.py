@@ -363,6 +363,8 @@ class StageReport(msgspec.Struct, kw_only=True):
     overlapped_s: float = 0.0  # post-inference work taken off the critical path (async billing)
     connection_cache: str = "none"  # hit (served from the connection cache) | miss | none (no previous_response_id)
     tokens_discarded: int = 0  # beta: decoded tokens of the item a steer cut off (docs/beta.md)
+    tokens_prefilled: int = 0  # prompt tokens the model prefilled (not served from cached or held KV)
+    tokens_decoded: int = 0  # tokens the model decoded
 
 
 class DeletedResponse(msgspec.Struct):

@@ -24,7 +24,9 @@ from typing import Any, Final
 import msgspec
 import uvloop
 
+from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
+from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
 from sim.harness.client import ALL_MODES
@@ -146,7 +148,40 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     fidelity_options(f, _add_config_options)
+
+    cal = sub.add_parser(
+        "calibrate",
+        help="fit a cost profile to per-turn records and print its held-out error (docs/calibration.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cal.add_argument("records", nargs="+", metavar="RECORDS", help="records.jsonl files or run folders")
+    cal.add_argument("--out", metavar="PROFILE.json", help="write the fit; `--profile PROFILE.json` reads it")
+    cal.add_argument("--holdout", type=float, default=0.3, help="share of whole rollouts held out of the fit")
+    cal.add_argument("--seed", type=int, default=0, help="seeds the split and the intervals")
     return p
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    try:
+        records = read_records(args.records)
+        calibration = fit(records, holdout=args.holdout, seed=args.seed)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report(calibration))
+    if args.out:
+        fitted = fit_file(calibration)
+        write_json(fitted, args.out)
+        rates = fitted.model
+        if rates:
+            print(
+                f"wrote {args.out}: python -m sim compare --profile {args.out} --free-cpu "
+                f"--tps {rates['tps']:.6g} --prefill-tok-per-s {rates['prefill_tok_per_s']:.6g} "
+                f"--model-latency-s {rates['model_latency_s']:.6g}"
+            )
+        else:
+            print(f"wrote {args.out}")
+    return 0
 
 
 def long_main(args: argparse.Namespace) -> int:
@@ -409,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep_main(args)
     if args.command == "long":
         return long_main(args)
+    if args.command == "calibrate":
+        return calibrate_main(args)
     if args.command == "fidelity":
         return fidelity_main(args, uvloop.new_event_loop)
     if args.command == "results" and args.render:

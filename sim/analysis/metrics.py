@@ -207,6 +207,9 @@ def _reports_per_turn(turns: Sequence[TurnResult]) -> list[dict[str, float]]:
             continue
         now = {f"stage:{k}": v for k, v in report.stages_s.items()}
         now["tokens_rendered"] = float(report.tokens_rendered)
+        now["tokens_classified"] = float(report.tokens_classified)
+        now["tokens_prefilled"] = float(report.tokens_prefilled)
+        now["tokens_decoded"] = float(report.tokens_decoded)
         if t.response.id == previous_id:
             rows.append({k: v - previous.get(k, 0.0) for k, v in now.items()})
         else:
@@ -218,7 +221,8 @@ def _reports_per_turn(turns: Sequence[TurnResult]) -> list[dict[str, float]]:
             if isinstance(report, msgspec.Struct):
                 for k, v in report.stages_s.items():
                     row[f"stage:{k}"] = row.get(f"stage:{k}", 0.0) + v
-                row["tokens_rendered"] = row.get("tokens_rendered", 0.0) + report.tokens_rendered
+                for key in ("tokens_rendered", "tokens_classified", "tokens_prefilled", "tokens_decoded"):
+                    row[key] = row.get(key, 0.0) + getattr(report, key)
     return rows
 
 

@@ -12,6 +12,8 @@
                       reached it, with its interval; `prompt_tokens` the prompt the model read,
                       `compacted` whether the turn's context was compacted
       events.jsonl    one row per server event the client received: mode, rollout, turn, t, type
+      records.jsonl   one per-turn record per turn (sim.analysis.records.TurnRecord, docs/calibration.md):
+                      the input of `python -m sim calibrate`
       *.png           rollout time per mode (median, interval as error bars); where a turn's
                       server time goes, per mode
 
@@ -36,6 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim.analysis.metrics import compacted, per_turn_work, turn_intervals
+from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import Estimate
 from sim.harness.experiment import CompareResult
 
@@ -123,6 +126,11 @@ def write_run(result: CompareResult, directory: str | Path, *, tables: bool = Tr
                         )
                     )
                     f.write("\n")
+    source = "longrun-virtual" if result.virtual else "longrun-live"
+    with (path / "records.jsonl").open("wb") as fb:
+        for record in records_from_rollouts(result.rollouts, source=source):
+            fb.write(msgspec.json.encode(record))
+            fb.write(b"\n")
     _plots(result, rows, path)
     return path
 
