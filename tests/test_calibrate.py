@@ -18,7 +18,7 @@ import pytest
 
 from prototype.pipeline import PROFILES, CostProfile, load_profile
 from sim.__main__ import main
-from sim.analysis.calibrate import check_profile, fit
+from sim.analysis.calibrate import check_profile, fit, predict
 from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare
 from sim.harness.trace import write_run
@@ -143,3 +143,11 @@ def test_bad_records_are_an_error_naming_the_line(tmp_path: Path, capsys: pytest
         read_records([bad])
     assert main(["calibrate", str(bad)]) == 2
     assert "bad.jsonl:2" in capsys.readouterr().err
+
+
+def test_predict_is_the_fits_own_prediction() -> None:
+    records = _noisy(_records("hosted"), sigma=0.05)
+    calibration = fit(records)
+    test = [r for r in records if r.rollout in set(calibration.test_rollouts)]
+    errors = np.abs(predict(calibration, test, first_token=True) / np.array([r.ttft_s for r in test]) - 1)
+    assert float(np.median(errors)) == pytest.approx(calibration.ttft_error.median)

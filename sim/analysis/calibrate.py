@@ -46,6 +46,7 @@ __all__ = [
     "check_profile",
     "fit",
     "fit_file",
+    "predict",
     "report",
 ]
 
@@ -373,6 +374,17 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
         test_rollouts=test_ids,
         seed=seed,
     )
+
+
+def predict(c: Calibration, records: Sequence[TurnRecord], *, first_token: bool) -> Vector:
+    """A fit's prediction of each record's TTFT (`first_token`) or end of turn, from its coefficients."""
+    total = np.zeros(len(records))
+    for part in STAGED if c.staged else WHOLE:
+        if part.before_first_token or not first_token:
+            columns = list(c.coefficients[part.name])
+            coef = np.asarray([c.coefficients[part.name][col].value for col in columns], dtype=np.float64)
+            total += _design(part, records, c.modes, columns) @ coef
+    return total
 
 
 def _pct(e: Error) -> str:
