@@ -48,9 +48,7 @@ def _noisy(records: tuple[TurnRecord, ...], sigma: float, seed: int = 1) -> list
         before = sum(v for k, v in moved.items() if k not in ("decode", "post_inference"))
         assert r.ttft_s is not None
         out.append(
-            msgspec.structs.replace(
-                r, stages_s=stages, ttft_s=r.ttft_s + before, e2e_s=r.e2e_s + sum(moved.values())
-            )
+            msgspec.structs.replace(r, stages_s=stages, ttft_s=r.ttft_s + before, e2e_s=r.e2e_s + sum(moved.values()))
         )
     return out
 
@@ -122,7 +120,9 @@ def test_the_split_holds_out_whole_rollouts() -> None:
     assert fit(_records("hosted"), holdout=0.5, seed=3) == calibration  # seeded: the same fit twice
 
 
-def test_the_cli_prints_the_held_out_error_and_writes_a_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_prints_the_held_out_error_and_writes_a_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     records = tmp_path / "records.jsonl"
     records.write_bytes(b"".join(msgspec.json.encode(r) + b"\n" for r in _noisy(_records("hosted"), sigma=0.05)))
     out = tmp_path / "fit.json"

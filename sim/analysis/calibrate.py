@@ -334,8 +334,10 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
         boot.append(_fit_parts(parts, sample, modes))
     coefficients = {
         p.name: {
-            col: _interval([float(b.coef[p.name][j]) for b in boot if b.columns[p.name] == fitted.columns[p.name]],
-                           float(fitted.coef[p.name][j]))
+            col: _interval(
+                [float(b.coef[p.name][j]) for b in boot if b.columns[p.name] == fitted.columns[p.name]],
+                float(fitted.coef[p.name][j]),
+            )
             for j, col in enumerate(fitted.columns[p.name])
         }
         for p in parts
