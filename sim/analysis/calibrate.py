@@ -58,6 +58,7 @@ ERROR_RESAMPLES: Final = 2000  # resamples of held-out rollouts for the error's 
 PRE: Final = ("network", "parse_validate", "load_state", "render", "safety", "routing", "inference_hop", "queue")
 PRE_MODEL: Final = ("prefill", "compaction")
 POST: Final = ("decode", "post_inference")
+MODEL_PARTS: Final = ("queue", "prefill")  # the accelerator's part of TTFT; the rest is the API's and the client's
 
 
 def _field(name: str) -> Feature:
@@ -254,6 +255,9 @@ class Calibration(msgspec.Struct, frozen=True):
     jitter: dict[str, float]  # std of log(measured / predicted) on held-out turns: ttft, e2e
     ttft_error: Error
     e2e_error: Error
+    # Staged fits: the API's and client's part of TTFT alone (TTFT less queue and prefill), the
+    # part the profile models; None when the records carry no stages.
+    api_error: Error | None
     staged: bool  # fitted stage by stage (records carry the server's stages)
     modes: list[str]
     train_rollouts: list[str]
@@ -357,6 +361,18 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
     e2e_pred = fitted.predict(test, first_token=False)
     ttft = np.asarray([r.ttft_s for r in test], dtype=float)
     e2e = np.asarray([r.e2e_s for r in test], dtype=float)
+    api_error = None
+    if staged:
+        model_parts = [p for p in parts if p.name in MODEL_PARTS]
+        model_pred = sum((fitted.design(p, test) @ fitted.coef[p.name] for p in model_parts), np.zeros(len(test)))
+        model_seen = np.asarray([sum(r.stages_s.get(n, 0.0) for n in MODEL_PARTS) for r in test], dtype=float)
+        api_seen = ttft - model_seen
+        ok = api_seen > 0
+        api_error = _error(
+            np.abs((ttft_pred - model_pred)[ok] / api_seen[ok] - 1.0),
+            [g for g, y in zip(groups, ok, strict=True) if y],
+            seed,
+        )
 
     def spread(measured: Vector, predicted: Vector) -> float:
         ok = predicted > 0
@@ -370,6 +386,7 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
         jitter={"ttft": spread(ttft, ttft_pred), "e2e": spread(e2e, e2e_pred)},
         ttft_error=_error(ttft_err, groups, seed),
         e2e_error=_error(e2e_err, groups, seed),
+        api_error=api_error,
         staged=staged,
         modes=list(modes),
         train_rollouts=train_ids,
@@ -412,6 +429,7 @@ def report(c: Calibration) -> str:
         f"seed {c.seed})",
         f"per-turn TTFT      {_pct(c.ttft_error)}",
         f"per-turn end time  {_pct(c.e2e_error)}",
+        *([f"API part of TTFT   {_pct(c.api_error)} (TTFT less queue and prefill)"] if c.api_error else []),
         f"jitter (std of log measured/predicted, held out): TTFT {c.jitter['ttft']:.3f}, end {c.jitter['e2e']:.3f}",
     ]
     if c.profile_params:
