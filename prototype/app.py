@@ -57,6 +57,7 @@ from .session import (
 )
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .store import ResponseStore
+from .timing import TIMING_HEADER, wants_timing
 from .tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
@@ -364,6 +365,7 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
         betas = request.headers.get("OpenAI-Beta", "")
         append_mode = request.query.get("mode") == "append" or APPEND_BETA in betas
         beta = MULTI_AGENT_BETA in betas or request.query.get("mode") == "beta"
+        timing = wants_timing(request.headers.get(TIMING_HEADER))
         ws = _Socket(max_msg_size=config.max_message_bytes)
         await ws.prepare(request)
         request.app[SOCKETS].add(ws)
@@ -374,7 +376,7 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
             writer = BatchedFrames(transport, request.writer.drain)
         try:
             await WebSocketSession(
-                request.app[ENGINE], config, socket, append_mode=append_mode, beta=beta, writer=writer
+                request.app[ENGINE], config, socket, append_mode=append_mode, beta=beta, timing=timing, writer=writer
             ).serve()
         finally:
             request.app[SOCKETS].discard(ws)

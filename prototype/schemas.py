@@ -590,6 +590,26 @@ class HTTPErrorBody(msgspec.Struct):
     error: ErrorBody
 
 
+class TimingMetrics(msgspec.Struct, kw_only=True):
+    """Where one response's time went, in milliseconds, as Codex CLI reads it
+    (docs/protocol.md, "Timing frames"). The engine is the model: queue, prefill, decode."""
+
+    responses_duration_excl_engine_and_client_tool_time_ms: float
+    engine_service_total_ms: float
+    engine_iapi_ttft_total_ms: float
+    engine_service_ttft_total_ms: float
+    engine_iapi_tbt_across_engine_calls_ms: float
+    engine_service_tbt_across_engine_calls_ms: float
+
+
+class WebsocketTiming(msgspec.Struct, tag_field="type", tag="responsesapi.websocket_timing", kw_only=True):
+    """Sent only to a WebSocket client that asked with `x-responsesapi-include-timing-metrics:
+    true` on its upgrade, right before each terminal (or pause) event. Outside the response's
+    event sequence: it carries no `sequence_number`."""
+
+    timing_metrics: TimingMetrics
+
+
 ServerEvent = (
     ResponseCreated
     | ResponseInProgress
@@ -611,6 +631,7 @@ ServerEvent = (
     | ResponseSteerPending
     | ResponseSteerFailed
     | ResponseCompactionCompacting
+    | WebsocketTiming
     | ErrorEvent
 )
 

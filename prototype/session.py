@@ -50,6 +50,7 @@ from .schemas import (
     decode_text,
     encode,
 )
+from .timing import TimingFrames
 
 T = TypeVar("T")
 
@@ -243,9 +244,12 @@ class WebSocketSession:
         *,
         append_mode: bool = False,
         beta: bool = False,
+        timing: bool = False,
         writer: TextSender | None = None,
     ) -> None:
         self.engine = engine
+        # Timing frames before each terminal or pause event, when the upgrade asked (prototype/timing.py).
+        self.timing = TimingFrames() if timing else None
         self.ws = ws
         self.writer: TextSender = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
         self.append_timeout_s = config.append_timeout_s
@@ -380,6 +384,12 @@ class WebSocketSession:
             async def emit(events: list[ServerEvent]) -> None:
                 for ev in events:
                     await send(frame(ev))
+
+        if self.timing is not None:  # only then: the default path makes no extra call per event
+            untimed, around = emit, self.timing.around
+
+            async def emit(events: list[ServerEvent]) -> None:
+                await untimed(around(events))
 
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)

@@ -37,6 +37,7 @@ PURE_CORE = {
     "ids",
     "clock",
     "tokenizer",
+    "timing",
 }
 # Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
 # token arrays are numpy arrays).
