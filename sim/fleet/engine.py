@@ -1,0 +1,580 @@
+"""The fleet: sessions sharing replicas with a KV budget, a prefix cache over time, hold policies, a router.
+
+Theory of operation
+-------------------
+A discrete-event simulation on a heap of (time, sequence, event). Every wait is one of the named
+quantities below; the model is the full path's accelerator (sim/model/accelerator.py) and API
+stages (sim/fleet/costs.py) run for many sessions at once, with what one process cannot show
+added as switches.
+
+* **A turn** pays its mode's API work (`turn_cost.pre_s`), then waits for admission on its
+  replica, then takes a decode slot through prefill and decode as the accelerator does: first
+  token at ``admitted + model_latency_s + uncached / prefill_tok_per_s``, token i at
+  ``t0 + i / rate`` with ``rate = tps / (1 + concurrency_slowdown × others)`` (others: turns
+  of the replica decoding at t0), the slot free at ``t0 + output / rate``; blocking billing
+  (`post_s`) comes after the last token. The client then runs the tool and sends the next
+  turn. The cache is looked up when the turn reaches its replica, as the accelerator does.
+* **KV budget** (`kv_budget_tokens` per replica, 0 = unlimited). A replica's KV holds the
+  shared instructions' blocks once (every prompt starts with them), running turns (*active*:
+  prompt, output and the call's template, reserved at admission, so a running turn never
+  grows past its reservation and is never preempted), paused append responses (*held*) and
+  the prefix cache (*cached*). A turn that does not fit evicts cache entries least recently
+  used first, then the held KV of other paused sessions, oldest pause first, each a counted
+  **preemption** whose session re-prefills at its resume (with `preempt_held` off, only when
+  nothing runs on the replica: then nothing else could free room, and paused sessions would
+  wait on each other for ever). If it still does not fit it waits, first come first served,
+  in the replica's **admission queue**. A turn larger than the whole budget runs alone, over
+  budget, and the excess is counted (`overflow_tokens`): the one way KV exceeds the budget.
+* **Prefix cache.** After a turn, its session's blocks go to the replica's cache: the prompt,
+  and with `cache_generated` the generated call too (vLLM's v1 KV-cache manager caches full
+  blocks of generated tokens). Hits are block-granular with the last prompt token recomputed.
+  An entry idle longer than `cache_ttl_s` (0 = kept until evicted) is dropped: idle tool or
+  think time then costs a re-prefill.
+* **Hold policies** (append: a paused response's KV while the client runs its tool). `hold`
+  keeps it until the resume; `ttl` keeps it `hold_ttl_s`, then releases it to the prefix cache
+  (Continuum's time-to-live); `release` hands it to the cache at once (what create relies
+  on); `offload` moves it to host memory, counting the bytes, and the resume reloads it at
+  `offload_gb_per_s` before its prefill.
+* **Router.** `affinity` pins a session to one replica (a WebSocket connection's replica; an
+  HTTP session by its index); at `connection_limit_s` a WebSocket session reconnects to another
+  replica, loses the connection cache (its next request is a first request again) and the old
+  replica's cache; an append response dies with its connection. `prefix` sends a turn to the
+  replica with the longest cached prefix of its session unless that replica's load exceeds
+  `prefix_load_cap` × the mean (then the least loaded), `least` to the fewest running + queued
+  turns, `random` uniformly. A paused append response's resume goes where its KV is.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Final
+
+import msgspec
+import numpy as np
+from msgspec import Meta
+
+from prototype.pipeline import CostProfile
+from sim.fleet.costs import FLEET_MODES, turn_cost
+from sim.fleet.sessions import SessionTokens
+
+__all__ = ["BLOCK", "HOLD_POLICIES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord", "simulate"]
+
+BLOCK: Final = 16  # vLLM's default KV block size (sim/model/kv.py)
+CALL_TEMPLATE_TOKENS: Final = 14  # a generated call's closing template: the paused context is prompt + output + this
+SHARED_PREFIX_EXTRA: Final = 81  # template tokens rendered with the instructions, before the task (costs.py)
+HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload")
+ROUTERS: Final = ("affinity", "prefix", "least", "random")
+
+
+class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The accelerators and the serving policies: everything but the sessions and the API path."""
+
+    replicas: Annotated[int, Meta(ge=1)] = 1
+    decode_slots: Annotated[int, Meta(ge=0, description="turns running at once per replica (0 = unlimited)")] = 0
+    kv_budget_tokens: Annotated[int, Meta(ge=0, description="KV capacity per replica in tokens (0 = unlimited)")] = 0
+    tps: Annotated[float, Meta(gt=0)] = 1000.0
+    prefill_tok_per_s: Annotated[float, Meta(gt=0)] = 20_000.0
+    model_latency_s: Annotated[float, Meta(ge=0)] = 0.05
+    concurrency_slowdown: Annotated[float, Meta(ge=0)] = 0.0
+    cache_ttl_s: Annotated[float, Meta(ge=0, description="prefix-cache idle time-to-live (0 = until evicted)")] = 0.0
+    cache_generated: bool = True
+    hold_policy: str = "hold"
+    hold_ttl_s: Annotated[float, Meta(ge=0)] = 10.0
+    offload_gb_per_s: Annotated[float, Meta(gt=0)] = 25.0
+    kv_bytes_per_token: Annotated[int, Meta(ge=1)] = 327_680  # 80 layers × 8 KV heads × 128 × (K, V) × 2 bytes
+    preempt_held: bool = True
+    router: str = "affinity"
+    prefix_load_cap: Annotated[float, Meta(ge=1)] = 1.5
+    connection_limit_s: Annotated[float, Meta(gt=0)] = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.hold_policy not in HOLD_POLICIES:
+            raise ValueError(f"hold_policy: one of {', '.join(HOLD_POLICIES)}, got {self.hold_policy!r}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router: one of {', '.join(ROUTERS)}, got {self.router!r}")
+
+
+@dataclass(slots=True)
+class SessionRecord:
+    index: int
+    arrived_at: float = math.nan
+    finished_at: float = math.nan
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    admission_wait_s: list[float] = field(default_factory=list)
+    reprefill_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return not math.isnan(self.finished_at)
+
+
+@dataclass(slots=True)
+class FleetRun:
+    mode: str
+    sessions: list[SessionRecord]  # every session that arrived, in arrival order
+    end_s: float = 0.0
+    turns: int = 0
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    prefilled_tokens: int = 0
+    reprefill_tokens: int = 0
+    preemptions: int = 0
+    ttl_releases: int = 0
+    reconnects: int = 0
+    offload_bytes: int = 0
+    overflow_tokens: int = 0
+    kv_budget_tokens: int = 0
+    kv_peak_tokens: int = 0
+    kv_token_s: dict[str, float] = field(default_factory=lambda: {"active": 0.0, "held": 0.0, "cached": 0.0})
+    kv_series: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, active, held, cached)
+
+    @property
+    def arrived(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def completed(self) -> int:
+        return sum(1 for s in self.sessions if s.done)
+
+
+class _Replica:
+    __slots__ = (
+        "active",
+        "cache",
+        "cached",
+        "decoding",
+        "free_slots",
+        "held",
+        "holders",
+        "index",
+        "queue",
+        "running",
+        "shared",
+        "shared_at",
+    )
+
+    def __init__(self, index: int, slots: int) -> None:
+        self.index = index
+        self.free_slots = slots
+        self.running = 0
+        self.active = 0
+        self.held = 0
+        self.cached = 0
+        self.shared = 0  # the instructions' blocks, cached once the first turn has prefilled them
+        self.shared_at = math.inf  # when they are: the first turn's end of prefill
+        self.decoding: dict[int, tuple[float, float]] = {}  # running session → (first token, slot free)
+        self.cache: OrderedDict[int, list[float]] = OrderedDict()  # session → [unique tokens, last use], LRU first
+        self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first
+        self.queue: deque[tuple[int, int, float]] = deque()  # (session, turn, ready at)
+
+    def used(self) -> int:
+        return self.shared + self.active + self.held + self.cached
+
+    def load(self) -> int:
+        return self.running + len(self.queue)
+
+
+@dataclass(slots=True)
+class _Session:
+    spec: SessionTokens
+    prompts: list[int]
+    record: SessionRecord
+    user: int = -1  # closed loop: the user running it
+    replica: int = -1
+    connected_at: float = 0.0
+    fresh: bool = True  # the next request is a connection's first
+    held: int = 0  # unique tokens held on `replica` (or offloaded) across a pause
+    resident: int = 0  # context tokens whose KV the paused response holds
+    offloaded: bool = False
+    epoch: int = 0  # the pause's number: a TTL event of an older pause is stale
+    seen: int = 0  # context tokens the fleet has computed for this session
+    active: int = 0  # unique tokens the running turn holds
+    sent_at: float = 0.0
+    post_s: float = 0.0
+    hint: int = 0  # prompt tokens found cached when the turn reached its replica
+
+
+_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL = range(7)
+
+
+def _floor(tokens: int) -> int:
+    return tokens // BLOCK * BLOCK
+
+
+def simulate(
+    mode: str,
+    profile: CostProfile,
+    config: FleetConfig,
+    sessions: Sequence[SessionTokens],
+    *,
+    arrivals: Sequence[float] | None = None,
+    users: int = 0,
+    think_s: Sequence[float] = (),
+    seed: int = 0,
+    max_time_s: float = math.inf,
+    series_every_s: float = 0.0,
+) -> FleetRun:
+    """Serve `sessions` in `mode`: open loop, session i arriving at `arrivals[i]`, or closed loop
+    (`arrivals` None): `users` users, each starting the next unstarted session `think_s[i]` after
+    its previous one ends (session i's think time, 0 when `think_s` is short). Runs until every
+    session has ended, or to `max_time_s` (the rest are in flight)."""
+    return _Fleet(mode, profile, config, sessions, seed, series_every_s).run(arrivals, users, think_s, max_time_s)
+
+
+class _Fleet:
+    def __init__(
+        self,
+        mode: str,
+        profile: CostProfile,
+        config: FleetConfig,
+        sessions: Sequence[SessionTokens],
+        seed: int,
+        series_every_s: float,
+    ) -> None:
+        if mode not in FLEET_MODES:
+            raise ValueError(f"mode: one of {', '.join(FLEET_MODES)}, got {mode!r}")
+        self.mode = mode
+        self.append = mode == "append"
+        self.websocket = mode in ("ws", "append")
+        self.profile = profile
+        self.c = config
+        self.budget = config.kv_budget_tokens or (1 << 62)
+        self.slots = config.decode_slots or (1 << 30)
+        self.replicas = [_Replica(i, self.slots) for i in range(config.replicas)]
+        self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
+        self.specs = list(sessions)
+        self.states: list[_Session] = []
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.run_ = FleetRun(mode, [], kv_budget_tokens=config.kv_budget_tokens)
+        self.totals = [0, 0, 0]  # fleet-wide active, held, cached (shared blocks count as cached)
+        self.last_t = 0.0
+        self.series_every_s = series_every_s
+        self.next_sample = 0.0
+
+    # -- events ------------------------------------------------------------------------------
+
+    def push(self, t: float, kind: int, s: int, k: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, s, k))
+
+    def run(
+        self, arrivals: Sequence[float] | None, users: int, think_s: Sequence[float], max_time_s: float
+    ) -> FleetRun:
+        for spec in self.specs:
+            self.states.append(_Session(spec, spec.prompt_tokens(), SessionRecord(spec.index)))
+        started = 0
+        if arrivals is not None:
+            if len(arrivals) != len(self.specs):
+                raise ValueError("one arrival time per session")
+            for i, t in enumerate(arrivals):
+                self.push(t, _ARRIVE, i)
+        else:
+            for u in range(min(users, len(self.specs))):
+                self.states[u].user = u
+                self.push(0.0, _ARRIVE, u)
+            started = min(users, len(self.specs))
+        heap = self.heap
+        while heap:
+            t, _, kind, s, k = heap[0]
+            if t > max_time_s:
+                break
+            heapq.heappop(heap)
+            self.account(t)
+            self.now = t
+            st = self.states[s]
+            if kind == _ARRIVE:
+                st.record.arrived_at = t
+                self.run_.sessions.append(st.record)
+                self.send(s, 0)
+            elif kind == _READY:
+                r = self.replicas[st.replica]
+                st.hint = self.lookup(r, st, s, k)
+                if r.queue or not self.admit(r, s, k, t):
+                    r.queue.append((s, k, t))
+            elif kind == _FIRST:
+                st.record.ttft_s.append(t - st.sent_at)
+            elif kind == _FREE:
+                self.turn_done(s, k)
+            elif kind == _END:
+                st.record.e2e_s.append(t - st.sent_at)
+                if k == st.spec.turns - 1:
+                    st.record.finished_at = t
+                    if arrivals is None and started < len(self.specs):
+                        nxt = self.states[started]
+                        nxt.user = st.user
+                        self.push(t + (think_s[started] if started < len(think_s) else 0.0), _ARRIVE, started)
+                        started += 1
+                else:
+                    self.push(t + st.spec.tool_times_s[k], _SEND, s, k + 1)
+            elif kind == _SEND:
+                self.send(s, k)
+            elif kind == _TTL:
+                r = self.replicas[st.replica]
+                if st.epoch == k and s in r.holders:
+                    self.run_.ttl_releases += 1
+                    self.release_held(r, s, to_cache=True)
+                    self.try_admit(r)
+        self.account(self.now)
+        self.run_.end_s = self.now
+        return self.run_
+
+    def account(self, t: float) -> None:
+        dt = t - self.last_t
+        if dt > 0:
+            kv = self.run_.kv_token_s
+            kv["active"] += self.totals[0] * dt
+            kv["held"] += self.totals[1] * dt
+            kv["cached"] += self.totals[2] * dt
+            self.last_t = t
+        if self.series_every_s > 0 and t >= self.next_sample:
+            self.run_.kv_series.append((t, *self.totals))  # type: ignore[arg-type]
+            self.next_sample = t + self.series_every_s
+
+    # -- KV bookkeeping ----------------------------------------------------------------------
+
+    def add(self, r: _Replica, which: int, tokens: int) -> None:
+        if which == 0:
+            r.active += tokens
+        elif which == 1:
+            r.held += tokens
+        else:
+            r.cached += tokens
+        self.totals[which] += tokens
+        if tokens > 0:
+            used = r.used()
+            if used > self.run_.kv_peak_tokens:
+                self.run_.kv_peak_tokens = used
+
+    def drop_entry(self, r: _Replica, s: int) -> int:
+        entry = r.cache.pop(s, None)
+        if entry is None:
+            return 0
+        self.add(r, 2, -int(entry[0]))
+        return int(entry[0])
+
+    def to_cache(self, r: _Replica, s: int, tokens: int) -> None:
+        """Session `s`'s context of `tokens` into `r`'s prefix cache (its full blocks)."""
+        self.drop_entry(r, s)
+        unique = _floor(tokens) - r.shared
+        if unique > 0:
+            r.cache[s] = [unique, self.now]
+            self.add(r, 2, unique)
+
+    def purge(self, r: _Replica) -> None:
+        """Drop entries idle past the cache's time-to-live (the LRU order is the idle order)."""
+        ttl = self.c.cache_ttl_s
+        if ttl <= 0:
+            return
+        while r.cache:
+            s, entry = next(iter(r.cache.items()))
+            if self.now - entry[1] <= ttl:
+                break
+            self.drop_entry(r, s)
+
+    def release_held(self, r: _Replica, s: int, *, to_cache: bool) -> None:
+        st = self.states[s]
+        tokens = r.holders.pop(s)
+        self.add(r, 1, -tokens)
+        st.held = 0
+        st.epoch += 1
+        if to_cache:
+            self.to_cache(r, s, st.resident)
+        else:
+            self.run_.preemptions += 1
+        st.resident = 0
+
+    def make_room(self, r: _Replica, extra: int, me: int, *, preempt: bool) -> bool:
+        self.purge(r)
+        free = self.budget - r.used()
+        if free >= extra:
+            return True
+        for s in list(r.cache):
+            if s != me:
+                self.drop_entry(r, s)
+                free = self.budget - r.used()
+                if free >= extra:
+                    return True
+        if preempt:
+            for s in list(r.holders):
+                if s != me:
+                    self.release_held(r, s, to_cache=False)
+                    free = self.budget - r.used()
+                    if free >= extra:
+                        return True
+        return False
+
+    # -- the turn ----------------------------------------------------------------------------
+
+    def route(self, st: _Session, s: int) -> int:
+        reps = self.replicas
+        router = self.c.router
+        if router == "random":
+            return int(self.rng.integers(len(reps)))
+        if router == "affinity":
+            if st.replica >= 0:
+                return st.replica
+            return s % len(reps) if not self.websocket else min(reps, key=_Replica.load).index
+        if router == "prefix":
+            best = max(reps, key=lambda r: (r.cache[s][0] if s in r.cache else 0.0, -r.load()))
+            mean = sum(r.load() for r in reps) / len(reps)
+            if s in best.cache and best.load() <= self.c.prefix_load_cap * max(mean, 1.0):
+                return best.index
+        return min(reps, key=_Replica.load).index
+
+    def send(self, s: int, k: int) -> None:
+        st = self.states[s]
+        now = self.now
+        if st.replica < 0:
+            st.replica = self.route(st, s)
+            st.connected_at = now
+        elif self.websocket and now - st.connected_at >= self.c.connection_limit_s:
+            self.reconnect(st, s)
+        elif not self.append:  # an append response lives on its replica until its connection ends
+            st.replica = self.route(st, s)
+        cost = turn_cost(self.profile, self.mode, st.spec, k, st.prompts, fresh=st.fresh)
+        st.fresh = False
+        st.sent_at = now
+        st.post_s = cost.post_s
+        self.push(now + cost.pre_s, _READY, s, k)
+
+    def reconnect(self, st: _Session, s: int) -> None:
+        self.run_.reconnects += 1
+        old = self.replicas[st.replica]
+        if s in old.holders:
+            self.release_held(old, s, to_cache=True)  # the response ended with its connection
+        self.drop_entry(old, s)
+        st.offloaded = False
+        st.held = st.resident = 0
+        others = [r for r in self.replicas if r.index != old.index] or self.replicas
+        if self.c.router == "random":
+            st.replica = others[int(self.rng.integers(len(others)))].index
+        else:
+            st.replica = min(others, key=_Replica.load).index
+        st.connected_at = self.now
+        st.fresh = True
+
+    def try_admit(self, r: _Replica) -> None:
+        while r.queue:
+            s, k, ready = r.queue[0]
+            if not self.admit(r, s, k, ready):
+                return
+            r.queue.popleft()
+
+    def lookup(self, r: _Replica, st: _Session, s: int, k: int) -> int:
+        """Prompt tokens of turn `k` whose KV is on `r` now: held, or block-granular cache hits
+        (the accelerator matches when the turn arrives; the last prompt token is always computed)."""
+        prompt = st.prompts[k]
+        if s in r.holders or st.offloaded:
+            return min(st.resident, prompt - 1)
+        self.purge(r)
+        entry = r.cache.get(s)
+        shared = r.shared if r.shared_at <= self.now else 0
+        own = int(entry[0]) + r.shared if entry is not None else 0
+        return _floor(min(max(own, shared), prompt - 1))
+
+    def admit(self, r: _Replica, s: int, k: int, ready: float) -> bool:
+        if r.free_slots <= 0:
+            return False
+        st = self.states[s]
+        prompt = st.prompts[k]
+        out = st.spec.output_tokens[k]
+        shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
+        need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
+        own_held = st.held if (s in r.holders) else 0
+        entry = r.cache.get(s)
+        self.purge(r)
+        entry = r.cache.get(s)
+        own_cached = int(entry[0]) if entry is not None else 0
+        extra = need - own_held - own_cached + (0 if r.shared else shared)
+        # Held KV is preempted by choice (`preempt_held`), or when nothing runs here and so nothing
+        # else could ever free room: without it the paused sessions would wait on each other.
+        preempt = self.c.preempt_held or r.running == 0
+        if extra > self.budget - r.used() and not self.make_room(r, extra, s, preempt=preempt):
+            if r.running == 0 and need + shared > self.budget:
+                self.run_.overflow_tokens += need + shared - self.budget
+            else:
+                return False
+        # Admitted: what the session held or had cached here becomes its running KV.
+        reload_s = 0.0
+        if own_held:
+            r.holders.pop(s)
+            self.add(r, 1, -own_held)
+            resident = min(st.resident, prompt - 1)
+        elif st.offloaded:
+            reload_s = st.held * self.c.kv_bytes_per_token / (self.c.offload_gb_per_s * 1e9)
+            resident = min(st.resident, prompt - 1)
+            st.offloaded = False
+        else:
+            resident = 0
+        if entry is not None:
+            self.drop_entry(r, s)
+        st.held = st.resident = 0
+        found = resident or (_floor(min(own_cached + r.shared, prompt - 1)) if r.shared_at <= self.now else 0)
+        cached = min(st.hint, found)
+        first = not r.shared
+        st.active = need
+        self.add(r, 0, need)
+        r.free_slots -= 1
+        r.running += 1
+        run = self.run_
+        uncached = prompt - cached
+        run.turns += 1
+        run.prompt_tokens += prompt
+        run.hit_tokens += cached
+        run.prefilled_tokens += uncached
+        again = max(0, min(st.seen, prompt) - cached)
+        run.reprefill_tokens += again
+        st.record.reprefill_tokens += again
+        st.seen = prompt + out + CALL_TEMPLATE_TOKENS
+        st.record.admission_wait_s.append(self.now - ready)
+        c = self.c
+        t0 = self.now + reload_s + c.model_latency_s + uncached / c.prefill_tok_per_s
+        if first:
+            r.shared, r.shared_at = shared, t0
+            self.add(r, 2, shared)
+        rate = c.tps
+        if c.concurrency_slowdown > 0:
+            others = sum(1 for a, b in r.decoding.values() if a <= t0 < b)
+            rate /= 1.0 + c.concurrency_slowdown * others
+        r.decoding[s] = (t0, t0 + out / rate)
+        self.push(t0, _FIRST, s, k)
+        self.push(t0 + out / rate, _FREE, s, k)
+        self.push(t0 + (out - 1) / rate + st.post_s, _END, s, k)
+        return True
+
+    def turn_done(self, s: int, k: int) -> None:
+        """The turn's last token: its slot and running KV free; its context is held or cached."""
+        st = self.states[s]
+        r = self.replicas[st.replica]
+        r.free_slots += 1
+        r.running -= 1
+        del r.decoding[s]
+        self.add(r, 0, -st.active)
+        st.active = 0
+        last = k == st.spec.turns - 1
+        context = st.prompts[k] + st.spec.output_tokens[k] + CALL_TEMPLATE_TOKENS
+        cacheable = context if self.c.cache_generated else st.prompts[k]
+        policy = self.c.hold_policy
+        if self.append and not last and policy != "release":
+            unique = context - r.shared
+            st.resident = context
+            st.held = unique
+            st.epoch += 1
+            if policy == "offload":
+                st.offloaded = True
+                self.run_.offload_bytes += unique * self.c.kv_bytes_per_token
+            else:
+                r.holders[s] = unique
+                self.add(r, 1, unique)
+                if policy == "ttl":
+                    self.push(self.now + self.c.hold_ttl_s, _TTL, s, st.epoch)
+        else:
+            self.to_cache(r, s, cacheable)
+        self.try_admit(r)
