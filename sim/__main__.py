@@ -19,22 +19,26 @@ import os
 import sys
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 import uvloop
+from tqdm.auto import tqdm
 
 from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
+from sim.fleet.engine import FleetConfig
+from sim.harness.capacity import CapacityConfig, capacity_table, run_capacity
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
-from sim.harness.trace import write_json, write_run, write_table
+from sim.harness.trace import write_capacity, write_json, write_run, write_table
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -89,6 +93,39 @@ LONG_DEFAULTS: Final = {
     "modes": ",".join(m for m in ALL_MODES if m != "steer"),
     "compact_threshold": 20_000,
 }
+
+
+def _struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> None:
+    """One option per field of a flat config struct, typed and documented from its JSON schema;
+    booleans get --x / --no-x, tuples take comma lists."""
+    schema: Any = msgspec.json.schema(cls)
+    types = {"integer": int, "number": float, "string": str}
+    defaults = cls()
+    for name, prop in schema["$defs"][cls.__name__]["properties"].items():
+        if name in skip or "$ref" in prop:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
+        help_text = prop.get("description", "")
+        if prop.get("type") == "array":
+            p.add_argument(flag, default=",".join(map(str, default)), help=help_text or "comma list")
+        elif prop.get("type") == "boolean":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            p.add_argument(flag, type=types.get(prop.get("type"), str), default=default, help=help_text)
+
+
+def _struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **given: Any) -> Any:
+    """The struct of `cls` from parsed options (comma lists split), validated by msgspec."""
+    values = {}
+    for name in cls.__struct_fields__:
+        if name in given or not hasattr(args, name):
+            continue
+        value = getattr(args, name)
+        if isinstance(value, str) and isinstance(getattr(cls(), name), tuple):
+            value = [v for v in value.split(",") if v]
+        values[name] = value
+    return msgspec.convert({**values, **given}, type=cls, strict=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,6 +186,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fidelity_options(f, _add_config_options)
 
+    cap = sub.add_parser(
+        "capacity",
+        help="goodput against offered load when sessions share a fleet with a KV budget, for every mode "
+        "and hold policy (the fleet model, docs/capacity.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _struct_options(cap, CapacityConfig)
+    _struct_options(cap, FleetConfig, skip=("hold_policy",))
+    cap.set_defaults(**{name: getattr(CapacityConfig().fleet, name) for name in FleetConfig.__struct_fields__})
+    cap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
+    cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
+    cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
+    cap.add_argument("--quiet", action="store_true", help="no progress bar")
+
     cal = sub.add_parser(
         "calibrate",
         help="fit a cost profile to per-turn records and print its held-out error (docs/calibration.md)",
@@ -159,6 +210,34 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--holdout", type=float, default=0.3, help="share of whole rollouts held out of the fit")
     cal.add_argument("--seed", type=int, default=0, help="seeds the split and the intervals")
     return p
+
+
+def capacity_main(args: argparse.Namespace) -> int:
+    try:
+        fleet = _struct_from_args(args, FleetConfig)
+        config = _struct_from_args(args, CapacityConfig, fleet=msgspec.to_builtins(fleet))
+    except (msgspec.ValidationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    grid = len(config.loads) * config.seeds
+    with tqdm(total=grid, unit="point", disable=True if args.quiet else None, file=sys.stderr) as bar:
+
+        def on_point(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        if args.dask:
+            with dask_executor(args.dask, workers=args.workers) as executor:
+                rows, points_ = run_capacity(config, executor, on_point=on_point)
+        elif args.workers > 1 and grid > 1:
+            with ProcessPoolExecutor(args.workers) as pool:
+                rows, points_ = run_capacity(config, pool, on_point=on_point)
+        else:
+            rows, points_ = run_capacity(config, on_point=on_point)
+    print(capacity_table(config, points_))
+    if args.out:
+        write_capacity(Path(args.out), config, rows, points_)
+        print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, config.json)")
+    return 0
 
 
 def calibrate_main(args: argparse.Namespace) -> int:
@@ -446,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
         return long_main(args)
     if args.command == "calibrate":
         return calibrate_main(args)
+    if args.command == "capacity":
+        return capacity_main(args)
     if args.command == "fidelity":
         return fidelity_main(args, uvloop.new_event_loop)
     if args.command == "results" and args.render:

@@ -91,7 +91,8 @@ def _check(timing: dict[str, Any]) -> TimingMetrics:
 
 @pytest.mark.parametrize("value", ["true", "True", "1"])
 async def test_frames_come_before_every_terminal_when_asked(live: Live, value: str) -> None:
-    async with aiohttp.ClientSession() as session, session.ws_connect(live.ws_url, headers={TIMING_HEADER: value}) as ws:
+    headers = {TIMING_HEADER: value}
+    async with aiohttp.ClientSession() as session, session.ws_connect(live.ws_url, headers=headers) as ws:
         turns = await _turns(ws, append=False, turns=3)
     assert len(turns) == 3
     for frames in turns:

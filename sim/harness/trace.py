@@ -40,6 +40,7 @@ import pyarrow.parquet as pq
 from sim.analysis.metrics import compacted, per_turn_work, turn_intervals
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import Estimate
+from sim.harness.capacity import CapacityConfig, variants
 from sim.harness.experiment import CompareResult
 
 __all__ = ["turn_rows", "write_json", "write_run", "write_table"]
@@ -200,3 +201,36 @@ def _plots(result: CompareResult, rows: list[dict[str, Any]], path: Path) -> Non
 
 def c_is_stage(column: str) -> bool:
     return column.endswith("_s") and column not in {"sent_at_s", "ttft_s", "e2e_s"}
+
+
+def write_capacity(
+    directory: str | Path, config: CapacityConfig, rows: list[dict[str, Any]], points: list[dict[str, Any]]
+) -> Path:
+    """A capacity run folder: config.json, runs.csv (per seed), points.csv (with intervals), frontier.png."""
+    out = Path(directory)
+    write_json(config, out / "config.json")
+    write_table(rows, out / "runs.csv")
+    write_table(points, out / "points.csv")
+    _frontier(out / "frontier.png", config, points)
+    return out
+
+
+def _frontier(path: Path, config: CapacityConfig, points: list[dict[str, Any]]) -> None:
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt  # after choosing the backend
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for mode, policy in variants(config):
+        line = [p for p in points if p["mode"] == mode and p["policy"] == policy]
+        x = [p["offered_load"] for p in line]
+        label = mode if policy == "-" else f"{mode} ({policy})"
+        ax.plot(x, [p["goodput"] for p in line], marker="o", label=label)
+        if all(p["n"] > 1 for p in line):
+            ax.fill_between(x, [p["goodput_ci_low"] for p in line], [p["goodput_ci_high"] for p in line], alpha=0.2)
+    ax.plot(list(config.loads), list(config.loads), color="grey", linestyle=":", label="offered")
+    ax.set_xlabel("offered load (sessions/s)")
+    ax.set_ylabel(f"goodput (sessions/s, p90 TTFT ≤ {config.ttft_slo_s:g} s)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

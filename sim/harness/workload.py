@@ -11,6 +11,9 @@ the same rollout.
   cap 900 s. SWE-Bench Pro with SWE-agent (NIL).
 * medium: turns median 30 (σ 0.15); tools as swe-long. SWE-smith, nebius SWE-agent.
 * short: turns median 18 (σ 0.15, cap 50); tools as swe-long. OpenHands-style (SWE-Gym, R2E-Gym).
+* agentic: turns median 20 (σ 0.6); tools lognormal(0.3 s, 2.86), cap 900 s: the per-call tool
+  latency of the TraceLab trace of Claude Code and Codex sessions (P50 0.3 s, P90 13.6 s, P99
+  3.6 min; σ fitted by least squares to the P90 and P99 log-ratios). The capacity job's default.
 
 All: initial context ≈ 6,000 tokens, tool output lognormal(median 500 tokens,
 σ 1.1) capped at 10,000 (the cap is named and applied, never silent).
@@ -58,6 +61,7 @@ WORKLOADS: Final[dict[str, Workload]] = {
     "swe-long": Workload(name="swe-long", turns_median=55, turns_sigma=0.5, tool_time=_SWE_TOOLS),
     "medium": Workload(name="medium", turns_median=30, turns_sigma=0.15, tool_time=_SWE_TOOLS),
     "short": Workload(name="short", turns_median=18, turns_sigma=0.15, turns_cap=50, tool_time=_SWE_TOOLS),
+    "agentic": Workload(name="agentic", turns_median=20, turns_sigma=0.6, tool_time=(ToolTime(1.0, 0.3, 2.86),)),
 }
 
 
