@@ -170,6 +170,19 @@ def test_a_reconnect_under_affinity_loses_the_cache() -> None:
     assert moved.sessions[0].finished_at > stay.sessions[0].finished_at
 
 
+@pytest.mark.parametrize("mode", ["ws", "append"])
+@pytest.mark.parametrize("router", ["affinity", "random"])
+def test_a_next_turn_routed_before_the_last_token_frees_the_right_replica(mode: str, router: str) -> None:
+    """A zero tool time sends the next turn before the previous one's last token has freed its
+    slot (the end event comes one token early): a reconnect or a new route at that moment must
+    free the replica the turn ran on, and leave no held KV behind."""
+    s = dataclasses.replace(_sessions(1)[0], tool_times_s=(0.0,) * CALLS)
+    config = FleetConfig(replicas=3, router=router, connection_limit_s=0.5, decode_slots=4, kv_budget_tokens=50_000)
+    run = simulate(mode, HOSTED, config, [s, dataclasses.replace(s, index=1)], arrivals=[0.0, 0.1])
+    assert run.completed == 2 and run.reconnects > 0
+    assert run.kv_series == [] and run.preemptions == 0
+
+
 def test_prefix_routing_finds_the_cache_random_routing_loses_it() -> None:
     n = 20
     prefix = _loaded("ws", FleetConfig(replicas=4, router="prefix"), n=n)

@@ -194,6 +194,7 @@ class _Session:
     epoch: int = 0  # the pause's number: a TTL event of an older pause is stale
     seen: int = 0  # context tokens the fleet has computed for this session
     active: int = 0  # unique tokens the running turn holds
+    running_on: int = -1  # the running turn's replica (the next turn may be routed before this one frees)
     sent_at: float = 0.0
     post_s: float = 0.0
     hint: int = 0  # prompt tokens found cached when the turn reached its replica
@@ -544,6 +545,7 @@ class _Fleet:
             others = sum(1 for a, b in r.decoding.values() if a <= t0 < b)
             rate /= 1.0 + c.concurrency_slowdown * others
         r.decoding[s] = (t0, t0 + out / rate)
+        st.running_on = r.index
         self.push(t0, _FIRST, s, k)
         self.push(t0 + out / rate, _FREE, s, k)
         self.push(t0 + (out - 1) / rate + st.post_s, _END, s, k)
@@ -552,7 +554,7 @@ class _Fleet:
     def turn_done(self, s: int, k: int) -> None:
         """The turn's last token: its slot and running KV free; its context is held or cached."""
         st = self.states[s]
-        r = self.replicas[st.replica]
+        r = self.replicas[st.running_on]
         r.free_slots += 1
         r.running -= 1
         del r.decoding[s]
@@ -562,7 +564,8 @@ class _Fleet:
         context = st.prompts[k] + st.spec.output_tokens[k] + CALL_TEMPLATE_TOKENS
         cacheable = context if self.c.cache_generated else st.prompts[k]
         policy = self.c.hold_policy
-        if self.append and not last and policy != "release":
+        moved = r.index != st.replica  # the next turn was sent elsewhere before this one's last token
+        if self.append and not last and policy != "release" and not moved:
             unique = context - r.shared
             st.resident = context
             st.held = unique
