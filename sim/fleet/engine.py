@@ -192,7 +192,7 @@ class _Session:
     resident: int = 0  # context tokens whose KV the paused response holds
     offloaded: bool = False
     epoch: int = 0  # the pause's number: a TTL event of an older pause is stale
-    seen: int = 0  # context tokens the fleet has computed for this session
+    seen: int = 0  # context tokens of the session's conversation the fleet has computed
     active: int = 0  # unique tokens the running turn holds
     running_on: int = -1  # the running turn's replica (the next turn may be routed before this one frees)
     sent_at: float = 0.0
