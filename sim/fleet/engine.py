@@ -489,7 +489,6 @@ class _Fleet:
         shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
         own_held = st.held if (s in r.holders) else 0
-        entry = r.cache.get(s)
         self.purge(r)
         entry = r.cache.get(s)
         own_cached = int(entry[0]) if entry is not None else 0
