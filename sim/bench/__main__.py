@@ -39,6 +39,7 @@ from sim.runtime.virtual import VirtualClock, run_virtual
 
 from . import report as page
 from .contract import contract_rows, contract_rows_report
+from .fleet import fleet
 from .lanes import lanes_vs_connections
 from .process import bench_process
 from .report import Row
@@ -46,7 +47,7 @@ from .stats import stats
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract", "lanes", "stats")
+TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract", "lanes", "stats", "fleet")
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -432,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
     p.add_argument("--only", action="append", choices=TARGETS, help="run only these targets (repeatable)")
+    p.add_argument("--fleet-sessions", type=int, default=1000, help="fleet: sessions of the timed capacity point")
     p.add_argument("--tokens", type=int, default=20_000, help="1: tokens per unpaced stream")
     p.add_argument("--repeats", type=int, default=3, help="1: runs of each stream (median)")
     p.add_argument("--seconds", type=float, default=5.0, help="2: seconds per paced stream")
@@ -505,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     jobs["lanes"] = lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats))
+    jobs["fleet"] = lambda: fleet(report, args.fleet_sessions)
     started = datetime.datetime.now(datetime.UTC)
     about, revision = page.machine(), page.commit()  # the load average before the run's own load
     for name in TARGETS:
