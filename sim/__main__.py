@@ -43,23 +43,48 @@ from sim.harness.trace import write_capacity, write_json, write_run, write_table
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
 
-def _add_config_options(p: argparse.ArgumentParser) -> None:
-    """One option per `CompareConfig` field, typed and documented from its JSON schema
-    (the config's help text generates the CLI, as in vidur)."""
-    schema: Any = msgspec.json.schema(CompareConfig)
+def _struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> None:
+    """One option per field of a flat config struct, typed and documented from its JSON schema
+    (the config's help text generates the CLI, as in vidur); tuples take comma lists, a boolean
+    that defaults to true also gets --no-…; nested structs are left to the caller."""
+    schema: Any = msgspec.json.schema(cls)
     types = {"integer": int, "number": float, "string": str}
-    for name, prop in schema["$defs"]["CompareConfig"]["properties"].items():
+    defaults = cls()
+    for name, prop in schema["$defs"][cls.__name__]["properties"].items():
+        if name in skip or "$ref" in prop:
+            continue
         flag = "--" + name.replace("_", "-")
+        default = getattr(defaults, name)
         if prop.get("type") == "array":  # comma-separated on the command line
-            default = ",".join(prop.get("default", ()))
-            p.add_argument(flag, default=default, help=prop.get("description", "comma-separated subset of " + default))
+            joined = ",".join(map(str, default))
+            p.add_argument(flag, default=joined, help=prop.get("description", "comma-separated subset of " + joined))
+        elif prop.get("type") == "boolean":
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            p.add_argument(flag, action=action, default=default, help=prop.get("description", ""))
+        else:
+            kinds = [prop.get("type")] + [alt.get("type") for alt in prop.get("anyOf", [])]
+            kind = next((types[k] for k in kinds if k in types), str)
+            p.add_argument(flag, type=kind, default=default, help=prop.get("description", ""))
+
+
+def _struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **given: Any) -> Any:
+    """The struct of `cls` from parsed options (comma lists split; an option left None takes the
+    field's default), validated by msgspec."""
+    defaults = cls()
+    values = {}
+    for name in cls.__struct_fields__:
+        value = getattr(args, name, None)
+        if name in given or value is None:
             continue
-        if prop.get("type") == "boolean":
-            p.add_argument(flag, action="store_true", help=prop.get("description", ""))
-            continue
-        kinds = [prop.get("type")] + [alt.get("type") for alt in prop.get("anyOf", [])]
-        kind = next((types[k] for k in kinds if k in types), str)
-        p.add_argument(flag, type=kind, default=prop.get("default"), help=prop.get("description", ""))
+        if isinstance(value, str) and isinstance(getattr(defaults, name), tuple):
+            value = tuple(v.strip() for v in value.split(",") if v.strip())
+        values[name] = value
+    return msgspec.convert({**values, **given}, type=cls, strict=False)
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    """One option per `CompareConfig` field."""
+    _struct_options(p, CompareConfig)
 
 
 def _add_compare_options(c: argparse.ArgumentParser) -> None:
@@ -93,39 +118,6 @@ LONG_DEFAULTS: Final = {
     "modes": ",".join(m for m in ALL_MODES if m != "steer"),
     "compact_threshold": 20_000,
 }
-
-
-def _struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> None:
-    """One option per field of a flat config struct, typed and documented from its JSON schema;
-    booleans get --x / --no-x, tuples take comma lists."""
-    schema: Any = msgspec.json.schema(cls)
-    types = {"integer": int, "number": float, "string": str}
-    defaults = cls()
-    for name, prop in schema["$defs"][cls.__name__]["properties"].items():
-        if name in skip or "$ref" in prop:
-            continue
-        flag = "--" + name.replace("_", "-")
-        default = getattr(defaults, name)
-        help_text = prop.get("description", "")
-        if prop.get("type") == "array":
-            p.add_argument(flag, default=",".join(map(str, default)), help=help_text or "comma list")
-        elif prop.get("type") == "boolean":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:
-            p.add_argument(flag, type=types.get(prop.get("type"), str), default=default, help=help_text)
-
-
-def _struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **given: Any) -> Any:
-    """The struct of `cls` from parsed options (comma lists split), validated by msgspec."""
-    values = {}
-    for name in cls.__struct_fields__:
-        if name in given or not hasattr(args, name):
-            continue
-        value = getattr(args, name)
-        if isinstance(value, str) and isinstance(getattr(cls(), name), tuple):
-            value = [v for v in value.split(",") if v]
-        values[name] = value
-    return msgspec.convert({**values, **given}, type=cls, strict=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -330,10 +322,8 @@ def _progress_bar(unit: str) -> Callable[[int, int], None]:
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:
-    values = {f: getattr(args, f) for f in CompareConfig.__struct_fields__ if getattr(args, f, None) is not None}
-    for f in ("modes", "disable"):
-        values[f] = tuple(x.strip() for x in values[f].split(",") if x.strip())
-    return msgspec.convert(values, CompareConfig)
+    config: CompareConfig = _struct_from_args(args, CompareConfig)
+    return config
 
 
 def run(config: CompareConfig, *, virtual: bool, free_cpu: bool = False, progress: bool = False) -> CompareResult:

@@ -24,7 +24,6 @@ from sim.harness.workload import WORKLOADS
 
 __all__ = ["fleet"]
 
-Report = Callable[[str, str, float, float, float, str, "bool | None"], None]
 VARIANTS = 7  # http, http_prev, ws, append under 4 hold policies
 BIG_POINT_SESSIONS = 10_000
 
@@ -42,7 +41,7 @@ def _heap_floor(events: int, seed: int) -> float:
     return time.perf_counter() - t
 
 
-def fleet(report: Report, sessions: int) -> None:
+def fleet(report: Callable[[str, str, float, float, float, str, bool | None], None], sessions: int) -> None:
     config = CapacityConfig(sessions=sessions)
     t = time.perf_counter()
     built = workload_sessions(WORKLOADS[config.workload], 0, sessions)

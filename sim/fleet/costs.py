@@ -48,23 +48,11 @@ class TurnCost:
 
 def request_bytes(s: SessionTokens, mode: str, k: int, *, fresh: bool) -> int:
     """Bytes of turn `k`'s request; `fresh`: the first request of a connection (or of the session)."""
-    if k == 0 or (fresh and mode in ("ws", "append")):
-        base = s.first_request_bytes + FIRST_ENVELOPE_BYTES[mode]
-        return base + HTTP_STEP_BYTES * k + sum(s.output_bytes[:k]) + sum(s.tool_bytes[:k])
-    if mode == "http":
-        return (
-            s.first_request_bytes
-            + FIRST_ENVELOPE_BYTES[mode]
-            + HTTP_STEP_BYTES * k
-            + sum(s.output_bytes[:k])
-            + sum(s.tool_bytes[:k])
-        )
-    instructions = 0 if mode == "append" else s.first_request_bytes - _task_bytes(s)
+    if mode == "http" or k == 0 or (fresh and mode in ("ws", "append")):  # the whole history
+        steps = HTTP_STEP_BYTES * k + sum(s.output_bytes[:k]) + sum(s.tool_bytes[:k])
+        return s.first_request_bytes + FIRST_ENVELOPE_BYTES[mode] + steps
+    instructions = 0 if mode == "append" else s.instruction_bytes
     return instructions + LATER_ENVELOPE_BYTES[mode] + s.tool_bytes[k - 1]
-
-
-def _task_bytes(s: SessionTokens) -> int:
-    return s.first_request_bytes - s.instruction_bytes
 
 
 def turn_cost(
@@ -75,15 +63,14 @@ def turn_cost(
     p = profile
     body = request_bytes(s, mode, k, fresh=fresh)
     pre = p.upload_s(body)
-    whole = prompts[k] - s.instruction_tokens - RENDER_KEPT_TOKENS
-    if mode in ("http", "http_prev") or k == 0 or fresh:
-        rendered = classified = whole
+    cold = mode in ("http", "http_prev") or k == 0 or fresh  # the whole context, auth and routing
+    if cold:
+        rendered = classified = prompts[k] - s.instruction_tokens - RENDER_KEPT_TOKENS
     else:
         rendered, classified = s.tool_tokens[k - 1], prompts[k] - prompts[k - 1]
     pre += p.validate_s_per_token * rendered + p.safety_call_s + p.safety_s_per_token * classified
     if mode == "http_prev" and k > 0:
         pre += p.state_load_s
-    cold = mode in ("http", "http_prev") or k == 0 or fresh
     if cold:
         pre += p.auth_s + p.routing_s
     if mode != "append" or cold:

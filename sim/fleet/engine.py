@@ -184,7 +184,6 @@ class _Session:
     spec: SessionTokens
     prompts: list[int]
     record: SessionRecord
-    user: int = -1  # closed loop: the user running it
     replica: int = -1
     connected_at: float = 0.0
     fresh: bool = True  # the next request is a connection's first
@@ -245,8 +244,7 @@ class _Fleet:
         self.profile = profile
         self.c = config
         self.budget = config.kv_budget_tokens or (1 << 62)
-        self.slots = config.decode_slots or (1 << 30)
-        self.replicas = [_Replica(i, self.slots) for i in range(config.replicas)]
+        self.replicas = [_Replica(i, config.decode_slots or (1 << 30)) for i in range(config.replicas)]
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
         self.specs = list(sessions)
         self.states: list[_Session] = []
@@ -278,7 +276,6 @@ class _Fleet:
                 self.push(t, _ARRIVE, i)
         else:
             for u in range(min(users, len(self.specs))):
-                self.states[u].user = u
                 self.push(0.0, _ARRIVE, u)
             started = min(users, len(self.specs))
         heap = self.heap
@@ -307,9 +304,7 @@ class _Fleet:
                 st.record.e2e_s.append(t - st.sent_at)
                 if k == st.spec.turns - 1:
                     st.record.finished_at = t
-                    if arrivals is None and started < len(self.specs):
-                        nxt = self.states[started]
-                        nxt.user = st.user
+                    if arrivals is None and started < len(self.specs):  # the freed user starts the next one
                         self.push(t + (think_s[started] if started < len(think_s) else 0.0), _ARRIVE, started)
                         started += 1
                 else:
@@ -387,8 +382,6 @@ class _Fleet:
         st.epoch += 1
         if to_cache:
             self.to_cache(r, s, st.resident)
-        else:
-            self.run_.preemptions += 1
         st.resident = 0
 
     def make_room(self, r: _Replica, extra: int, me: int, *, preempt: bool) -> bool:
@@ -406,6 +399,7 @@ class _Fleet:
             for s in list(r.holders):
                 if s != me:
                     self.release_held(r, s, to_cache=False)
+                    self.run_.preemptions += 1
                     free = self.budget - r.used()
                     if free >= extra:
                         return True
@@ -449,7 +443,7 @@ class _Fleet:
         self.run_.reconnects += 1
         old = self.replicas[st.replica]
         if s in old.holders:
-            self.release_held(old, s, to_cache=True)  # the response ended with its connection
+            self.release_held(old, s, to_cache=False)  # the response ended with its connection
         self.drop_entry(old, s)
         st.offloaded = False
         st.held = st.resident = 0
@@ -489,7 +483,7 @@ class _Fleet:
         shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
         own_held = st.held if (s in r.holders) else 0
-        self.purge(r)
+        found = self.lookup(r, st, s, k)  # before making room: the KV already here for the turn
         entry = r.cache.get(s)
         own_cached = int(entry[0]) if entry is not None else 0
         extra = need - own_held - own_cached + (0 if r.shared else shared)
@@ -506,17 +500,12 @@ class _Fleet:
         if own_held:
             r.holders.pop(s)
             self.add(r, 1, -own_held)
-            resident = min(st.resident, prompt - 1)
         elif st.offloaded:
             reload_s = st.held * self.c.kv_bytes_per_token / (self.c.offload_gb_per_s * 1e9)
-            resident = min(st.resident, prompt - 1)
             st.offloaded = False
-        else:
-            resident = 0
         if entry is not None:
             self.drop_entry(r, s)
         st.held = st.resident = 0
-        found = resident or (_floor(min(own_cached + r.shared, prompt - 1)) if r.shared_at <= self.now else 0)
         cached = min(st.hint, found)
         first = not r.shared
         st.active = need
