@@ -102,6 +102,17 @@ def test_a_budget_below_one_turn_is_overflow_counted_not_hidden() -> None:
     assert run.completed == 3 and run.overflow_tokens > 0
 
 
+@pytest.mark.parametrize("mode", ["http", "ws", "append"])
+def test_a_turn_that_just_fits_the_budget_runs_within_it(mode: str) -> None:
+    """The shared instructions count once: a session whose largest context equals the budget
+    completes without overflow (counted twice, it would wait for room that never comes)."""
+    (spec,) = _sessions(1)
+    largest = max(p + o for p, o in zip(spec.prompt_tokens(), spec.output_tokens, strict=True)) + 14
+    run = simulate(mode, HOSTED, FleetConfig(kv_budget_tokens=largest), [spec], arrivals=[0.0])
+    assert run.completed == 1 and run.overflow_tokens == 0
+    assert run.kv_peak_tokens <= largest
+
+
 def test_every_mode_gets_the_same_tokens() -> None:
     runs = [_loaded(mode, FleetConfig(kv_budget_tokens=60_000, decode_slots=4)) for mode in ("http", "ws", "append")]
     assert len({r.prompt_tokens for r in runs}) == 1

@@ -317,6 +317,9 @@ class _Fleet:
                     self.run_.ttl_releases += 1
                     self.release_held(r, s, to_cache=True)
                     self.try_admit(r)
+        if not heap and any(r.queue or r.running for r in self.replicas):
+            # Nothing left to happen but turns still waiting: a bookkeeping fault, never a result.
+            raise RuntimeError(f"fleet stalled at {self.now:.3f} s with turns queued and no event to free room")
         self.account(self.now)
         self.run_.end_s = self.now
         return self.run_
@@ -525,9 +528,10 @@ class _Fleet:
         st.record.admission_wait_s.append(self.now - ready)
         c = self.c
         t0 = self.now + reload_s + c.model_latency_s + uncached / c.prefill_tok_per_s
-        if first:
+        if first:  # the shared blocks: in r.shared (not an entry of r.cached), cached in the fleet's totals
             r.shared, r.shared_at = shared, t0
-            self.add(r, 2, shared)
+            self.totals[2] += shared
+            self.run_.kv_peak_tokens = max(self.run_.kv_peak_tokens, r.used())
         rate = c.tps
         if c.concurrency_slowdown > 0:
             others = sum(1 for a, b in r.decoding.values() if a <= t0 < b)
