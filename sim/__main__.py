@@ -32,7 +32,7 @@ from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
 from sim.fleet.engine import FleetConfig
-from sim.harness.capacity import CapacityConfig, capacity_table, run_capacity
+from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, run_capacity
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare
 from sim.harness.fidelity import fidelity_main, fidelity_options
@@ -41,6 +41,9 @@ from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_swee
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
+
+
+_FLEET_SET_BY_POINT: Final = ("kv_budget_tokens", "hold_policy", "preempt_held")  # capacity: grid axes and variants
 
 
 def _struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> None:
@@ -180,13 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     cap = sub.add_parser(
         "capacity",
-        help="goodput against offered load when sessions share a fleet with a KV budget, for every mode "
-        "and hold policy (the fleet model, docs/capacity.md)",
+        help="goodput against offered load when sessions share a fleet with a KV budget, for every mode, "
+        "hold policy, KV budget and tool-time tail, and where holding KV stops paying (the fleet model, "
+        "docs/capacity.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _struct_options(cap, CapacityConfig)
-    _struct_options(cap, FleetConfig, skip=("hold_policy",))
-    cap.set_defaults(**{name: getattr(CapacityConfig().fleet, name) for name in FleetConfig.__struct_fields__})
+    _struct_options(cap, FleetConfig, skip=_FLEET_SET_BY_POINT)
+    cap.set_defaults(
+        **{
+            name: getattr(CapacityConfig().fleet, name)
+            for name in FleetConfig.__struct_fields__
+            if name not in _FLEET_SET_BY_POINT
+        }
+    )
     cap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
@@ -211,7 +221,7 @@ def capacity_main(args: argparse.Namespace) -> int:
     except (msgspec.ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    grid = len(config.loads) * config.seeds
+    grid = len(config.grid())
     with tqdm(total=grid, unit="point", disable=True if args.quiet else None, file=sys.stderr) as bar:
 
         def on_point(done: int, total: int) -> None:
@@ -226,9 +236,11 @@ def capacity_main(args: argparse.Namespace) -> int:
         else:
             rows, points_ = run_capacity(config, on_point=on_point)
     print(capacity_table(config, points_))
+    if "append" in config.modes and "ws" in config.modes:
+        print("\n" + crossover_table(config, points_))
     if args.out:
         write_capacity(Path(args.out), config, rows, points_)
-        print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, config.json)")
+        print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, crossover.png, config.json)")
     return 0
 
 

@@ -6,19 +6,31 @@ import csv
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 
 from sim.__main__ import main
 from sim.fleet.engine import FleetConfig
-from sim.harness.capacity import POINT_COLUMNS, CapacityConfig, arrivals, run_capacity, run_point
+from sim.harness.capacity import (
+    POINT_COLUMNS,
+    CapacityConfig,
+    Variant,
+    arrivals,
+    crossover_table,
+    point_sessions,
+    run_capacity,
+    run_point,
+)
 from sim.harness.sweep import dask_executor
 
 SMALL = CapacityConfig(
     workload="interactive",
     sessions=40,
     loads=(0.5, 4.0),
+    kv_budgets=(120_000,),
+    tool_tails=(1.0,),
     seeds=2,
-    fleet=FleetConfig(replicas=2, decode_slots=8, kv_budget_tokens=120_000, cache_ttl_s=60.0),
+    fleet=FleetConfig(replicas=2, decode_slots=8, cache_ttl_s=60.0),
 )
 
 
@@ -30,15 +42,17 @@ def test_arrivals_scale_with_the_load_on_the_same_draws() -> None:
 
 
 def test_a_point_serves_every_variant_the_same_sessions_and_loses_none() -> None:
-    rows = run_point(SMALL, 4.0, 0)
-    assert [(r["mode"], r["policy"]) for r in rows] == [
-        ("http", "-"),
-        ("http_prev", "-"),
-        ("ws", "-"),
-        ("append", "hold"),
-        ("append", "ttl"),
-        ("append", "release"),
-        ("append", "offload"),
+    rows = run_point(SMALL, 4.0, 120_000, 1.0, 0)
+    assert [(r["mode"], r["policy"], r["preempt"]) for r in rows] == [
+        ("http", "-", "-"),
+        ("http_prev", "-", "-"),
+        ("ws", "-", "-"),
+        ("append", "hold", "wait"),
+        ("append", "hold", "preempt"),
+        ("append", "ttl", "wait"),
+        ("append", "ttl", "preempt"),
+        ("append", "release", "-"),
+        ("append", "offload", "-"),
     ]
     for r in rows:
         assert r["sessions_arrived"] == r["sessions_completed"] == SMALL.sessions
@@ -56,6 +70,59 @@ def test_goodput_has_an_interval_over_seeds_and_falls_with_a_tighter_slo() -> No
     strict = msgspec.structs.replace(SMALL, ttft_slo_s=0.05)
     _, strict_points = run_capacity(strict)
     assert sum(p["goodput"] for p in strict_points) < sum(p["goodput"] for p in points)
+
+
+def test_a_tool_tail_changes_the_times_and_nothing_else() -> None:
+    base = point_sessions("agentic", 0, 30, 1.0)
+    light = point_sessions("agentic", 0, 30, 0.5)
+    assert [s.output_tokens for s in light] == [s.output_tokens for s in base]
+    assert [s.tool_tokens for s in light] == [s.tool_tokens for s in base]
+    times = [t for s in base for t in s.tool_times_s]
+    lighter = [t for s in light for t in s.tool_times_s]
+    # The same draws: the median stays (within sampling of the same points), the tail shrinks.
+    assert np.median(lighter) == pytest.approx(np.median(times), rel=0.35)
+    assert np.quantile(lighter, 0.99) < 0.5 * np.quantile(times, 0.99)
+    assert all((a > 0.3) == (b > 0.3) for a, b in zip(times, lighter, strict=True))  # same side of the median
+
+
+def test_held_kv_that_waits_loses_to_ws_where_preempting_it_does_not() -> None:
+    """The crossover in small: a budget the held KV overflows; waiting for it collapses, preempting
+    it does not, and the paired comparison against ws says so with its interval."""
+    config = msgspec.structs.replace(
+        SMALL, loads=(4.0,), kv_budgets=(60_000,), modes=("ws", "append"), policies=("hold",), seeds=3
+    )
+    _, points = run_capacity(config)
+    by = {p["preempt"]: p for p in points if p["mode"] == "append"}
+    assert by["wait"]["saved_vs_ws_ci_high"] < 0 < by["wait"]["admission_wait_p90_s"]
+    assert by["wait"]["goodput_vs_ws"] < 0
+    assert by["preempt"]["saved_vs_ws_pct"] > by["wait"]["saved_vs_ws_ci_high"]
+    assert by["preempt"]["admission_wait_p90_s"] < by["wait"]["admission_wait_p90_s"]
+    text = crossover_table(config, points)
+    wait_line = next(line for line in text.splitlines() if line.startswith("append hold wait"))
+    assert wait_line.rstrip().endswith("-")
+    # With room for every held context, holding saves against ws.
+    roomy = msgspec.structs.replace(config, loads=(0.5,), kv_budgets=(0,))
+    _, points = run_capacity(roomy)
+    (wait,) = [p for p in points if p["preempt"] == "wait"]
+    assert wait["saved_vs_ws_ci_low"] > 0 and wait["admission_wait_p90_s"] == 0
+
+
+def test_a_closed_loop_serves_every_session_with_users_as_the_load() -> None:
+    config = msgspec.structs.replace(SMALL, users=(2, 8), think_median_s=5.0, modes=("ws",), seeds=2)
+    rows, points = run_capacity(config)
+    assert {r["users"] for r in rows} == {2, 8} and {r["offered_load"] for r in rows} == {0.0}
+    assert all(r["sessions_arrived"] == r["sessions_completed"] == SMALL.sessions for r in rows)
+    few, many = sorted(points, key=lambda p: p["users"])
+    assert many["goodput"] > few["goodput"]  # more users finish the same sessions sooner
+
+
+def test_the_grid_is_every_load_budget_tail_and_seed() -> None:
+    config = msgspec.structs.replace(SMALL, kv_budgets=(0, 60_000), tool_tails=(0.5, 1.0), seeds=2)
+    assert len(config.grid()) == 2 * 2 * 2 * 2
+    assert len(set(config.grid())) == len(config.grid())
+    with pytest.raises(ValueError, match="kv_budgets"):
+        msgspec.structs.replace(SMALL, fleet=FleetConfig(kv_budget_tokens=1000))
+    assert Variant("append", "hold", "wait").label == "append hold wait"
 
 
 def test_a_sweep_runs_on_a_dask_cluster_with_the_same_rows() -> None:
@@ -77,7 +144,9 @@ def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFix
             "--seeds=2",
             "--modes=ws,append",
             "--policies=hold,release",
-            "--kv-budget-tokens=80000",
+            "--kv-budgets=80000",
+            "--preempt=false",
+            "--tool-tails=1",
             "--decode-slots=8",
             "--workers=1",
             "--quiet",
@@ -86,13 +155,15 @@ def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFix
     )
     assert code == 0
     text = capsys.readouterr().out
-    assert "goodput" in text and "append" in text and "release" in text
+    assert "goodput" in text and "append hold wait" in text and "release" in text
+    assert "session time saved vs ws" in text
     with (out / "points.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == POINT_COLUMNS
-    assert len(rows) == 3 * 2  # (ws, append hold, append release) x 2 loads
-    assert (out / "frontier.png").stat().st_size > 0
-    assert msgspec.json.decode((out / "config.json").read_bytes())["fleet"]["kv_budget_tokens"] == 80000
+    assert len(rows) == 3 * 2  # (ws, append hold wait, append release) x 2 loads
+    assert (out / "frontier.png").stat().st_size > 0 and (out / "crossover.png").stat().st_size > 0
+    saved = msgspec.json.decode((out / "config.json").read_bytes())
+    assert saved["kv_budgets"] == [80000] and saved["preempt"] == [False]
 
 
 def test_the_cli_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:

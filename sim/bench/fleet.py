@@ -1,11 +1,11 @@
 """Target 9 of `python -m sim.bench`: the fleet model's speed (docs/performance.md, docs/capacity.md).
 
-One capacity point of `agentic` sessions in append mode under the default fleet, timed in this
+One capacity point of `agentic` sessions in append mode under the default fleet (its largest KV budget), timed in this
 process. Floor: the same number of events (four a turn: ready, first token, free, end) pushed
 and popped on a bare `heapq` in the same run, the cost of any discrete-event loop over these
 turns before it does any bookkeeping. Building the sessions (planning and tokenizing each
 output, as the server does) is timed beside it, and the two give the time of a 10,000-session
-point of all 7 variants.
+point of every default variant (the capacity job's `variants`).
 """
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ import heapq
 import time
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 
 from prototype.pipeline import load_profile
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import workload_sessions
-from sim.harness.capacity import CapacityConfig, arrivals
+from sim.harness.capacity import CapacityConfig, arrivals, variants
 from sim.harness.workload import WORKLOADS
 
 __all__ = ["fleet"]
 
-VARIANTS = 7  # http, http_prev, ws, append under 4 hold policies
+VARIANTS = len(variants(CapacityConfig()))  # http, http_prev, ws, append's hold policies and preemption
 BIG_POINT_SESSIONS = 10_000
 
 
@@ -49,7 +50,8 @@ def fleet(report: Callable[[str, str, float, float, float, str, bool | None], No
     turns = sum(s.turns for s in built)
     times = arrivals(0, sessions, 2.0)
     t = time.perf_counter()
-    simulate("append", load_profile(config.profile), config.fleet, built, arrivals=times)
+    fleet_config = msgspec.structs.replace(config.fleet, kv_budget_tokens=max(config.kv_budgets))
+    simulate("append", load_profile(config.profile), fleet_config, built, arrivals=times)
     engine_s = time.perf_counter() - t
     floor_s = _heap_floor(4 * turns, 0)
     rate, floor_rate = turns / engine_s, turns / floor_s

@@ -1,24 +1,30 @@
-"""The capacity job (`python -m sim capacity`, docs/capacity.md): goodput against offered load.
+"""The capacity job (`python -m sim capacity`, docs/capacity.md): goodput against offered load,
+and where holding append's KV stops paying.
 
-A config value goes in (`CapacityConfig`, with its seed); out come rows per (mode, hold policy,
-offered load) with intervals over seeds. One *point* is one offered load and one seed: its
-sessions are drawn once (common random numbers: every mode and policy, and every load, serves
-the same sessions; only the arrival times scale with the load) and served by the fleet model
-(sim/fleet/) in every mode and, for append, under every hold policy. Points are independent,
-so a sweep maps them over an executor (a Dask cluster with `--dask`, sim/harness/sweep.py). The
-run folder is written by sim/harness/trace.py (`write_capacity`).
+A config value goes in (`CapacityConfig`, with its seed); out come rows per variant and grid
+cell with intervals over seeds. The grid is offered load (open loop, or users in a closed loop)
+× KV budget × tool-time tail; a *point* is one cell and one seed. Its sessions are drawn once
+(common random numbers: every variant and every cell of the seed serves the same sessions; the
+load scales only the arrival times, the tail only the tool times) and served by the fleet model
+(sim/fleet/) in every mode and, for append, under every hold policy, waiting for held KV or
+preempting it. Points are independent, so a sweep maps them over an executor (a Dask cluster
+with `--dask`, sim/harness/sweep.py). The run folder is written by sim/harness/trace.py
+(`write_capacity`).
 
 Goodput is the rate of sessions that finish with their turns' p90 time to first token within
-`ttft_slo_s`: sessions meeting the SLO / the arrival window (sessions / offered load).
+`ttft_slo_s`: sessions meeting the SLO / the arrival window (sessions / offered load; a closed
+loop's: the run's length). Each variant is also compared with `ws` on the same sessions and
+arrivals, paired by seed: the goodput difference and the session time saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, NamedTuple
 
 import msgspec
 import numpy as np
@@ -30,19 +36,39 @@ from sim.fleet.costs import FLEET_MODES
 from sim.fleet.engine import HOLD_POLICIES, FleetConfig, FleetRun, simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
 from sim.harness.live import turn_stream
-from sim.harness.workload import WORKLOADS
+from sim.harness.workload import WORKLOADS, tool_times, with_tail
 
-__all__ = ["POINT_COLUMNS", "CapacityConfig", "capacity_table", "run_capacity", "run_point", "variants"]
+__all__ = [
+    "POINT_COLUMNS",
+    "CapacityConfig",
+    "Variant",
+    "capacity_table",
+    "crossover_table",
+    "point_sessions",
+    "run_capacity",
+    "run_point",
+    "variants",
+]
 
 POINT_COLUMNS: Final = (
     "mode",
     "policy",
+    "preempt",
     "router",
     "offered_load",
+    "users",
+    "kv_budget_tokens",
+    "tool_tail",
     "n",
     "goodput",
     "goodput_ci_low",
     "goodput_ci_high",
+    "goodput_vs_ws",
+    "goodput_vs_ws_ci_low",
+    "goodput_vs_ws_ci_high",
+    "saved_vs_ws_pct",
+    "saved_vs_ws_ci_low",
+    "saved_vs_ws_ci_high",
     "slo_met",
     "ttft_p90_s",
     "e2e_mean_s",
@@ -53,21 +79,26 @@ POINT_COLUMNS: Final = (
     "offload_gb",
     "hit_rate",
     "kv_peak_tokens",
-    "kv_budget_tokens",
     "kv_active_share",
     "kv_held_share",
     "kv_cached_share",
+    "tool_p99_s",
     "sessions_arrived",
     "sessions_completed",
 )
+_MEANS: Final = POINT_COLUMNS[POINT_COLUMNS.index("slo_met") :]  # per point, averaged over seeds
 _ARRIVAL_STREAM: Final = 0xA441  # turn_stream word of a point's arrival draws
+_THINK_STREAM: Final = 0x7414  # turn_stream word of a point's think times (closed loop)
 
 
 def _default_fleet() -> FleetConfig:
-    return FleetConfig(replicas=2, decode_slots=64, kv_budget_tokens=600_000, cache_ttl_s=300.0)
+    return FleetConfig(replicas=2, decode_slots=64, cache_ttl_s=300.0)
 
 
 class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """A capacity sweep: the grid is load (or users) × KV budget × tool-time tail × seed, and
+    every point serves the same sessions in every variant (mode, hold policy, preemption)."""
+
     workload: Annotated[str, Meta(description="a workload profile (sim/harness/workload.py)")] = "agentic"
     sessions: Annotated[int, Meta(ge=1, description="sessions per point")] = 1000
     loads: Annotated[tuple[float, ...], Meta(description="offered loads, sessions/s (open loop)")] = (
@@ -76,12 +107,28 @@ class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         2.0,
         4.0,
     )
-    seeds: Annotated[int, Meta(ge=1, description="seeds per load: the intervals are over seeds")] = 3
+    users: Annotated[
+        tuple[int, ...], Meta(description="closed loop instead: users, each starting a session after a think time")
+    ] = ()
+    think_median_s: Annotated[float, Meta(ge=0, description="closed loop: median think time (lognormal)")] = 84.0
+    think_sigma: Annotated[float, Meta(ge=0, description="closed loop: the think time's lognormal sigma")] = 1.0
+    kv_budgets: Annotated[
+        tuple[int, ...], Meta(description="KV budgets per replica in tokens (0 = unlimited), each a grid axis point")
+    ] = (300_000, 600_000, 1_200_000)
+    tool_tails: Annotated[
+        tuple[float, ...], Meta(description="tool-time tails: the workload's lognormal sigma times each")
+    ] = (0.5, 1.0)
+    seeds: Annotated[int, Meta(ge=1, description="seeds per point: the intervals are over seeds")] = 3
     seed: int = 0
     modes: tuple[str, ...] = FLEET_MODES
     policies: Annotated[tuple[str, ...], Meta(description="append's hold policies")] = HOLD_POLICIES
+    preempt: Annotated[
+        tuple[bool, ...],
+        Meta(description="for hold and ttl: may a turn short of KV preempt held KV (recompute), or does it wait"),
+    ] = (False, True)
     profile: Annotated[str, Meta(description="API cost profile: local, hosted, or a JSON file")] = "hosted"
     ttft_slo_s: Annotated[float, Meta(gt=0, description="a session meets the SLO if its p90 TTFT is within this")] = 2.0
+    # The fleet's budget, hold policy and preemption are set by each point and variant.
     fleet: FleetConfig = msgspec.field(default_factory=_default_fleet)
 
     def __post_init__(self) -> None:
@@ -93,14 +140,73 @@ class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         for policy in self.policies:
             if policy not in HOLD_POLICIES:
                 raise ValueError(f"policies: each one of {', '.join(HOLD_POLICIES)}, got {policy!r}")
-        if not self.loads or any(not load > 0 for load in self.loads):
+        if not self.users and (not self.loads or any(not load > 0 for load in self.loads)):
             raise ValueError("loads: one or more offered loads > 0")
+        if any(u < 1 for u in self.users):
+            raise ValueError("users: each >= 1")
+        if not self.kv_budgets or any(b < 0 for b in self.kv_budgets):
+            raise ValueError("kv_budgets: one or more budgets >= 0")
+        if not self.tool_tails or any(not t > 0 for t in self.tool_tails):
+            raise ValueError("tool_tails: one or more scales > 0")
+        if not self.preempt:
+            raise ValueError("preempt: true, false, or both")
+        if self.fleet.kv_budget_tokens:
+            raise ValueError("fleet.kv_budget_tokens: the budgets are a grid axis, set them with kv_budgets")
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.users)
+
+    def grid(self) -> list[tuple[float, int, float, int]]:
+        """Every point: (load or users, KV budget, tool tail, seed), ordered by seed and tail so a
+        worker's session cache serves a seed's points in turn."""
+        axis: tuple[float, ...] = tuple(map(float, self.users)) if self.closed else self.loads
+        return [
+            (load, budget, tail, self.seed + i)
+            for i in range(self.seeds)
+            for tail in self.tool_tails
+            for budget in self.kv_budgets
+            for load in axis
+        ]
+
+
+class Variant(NamedTuple):
+    mode: str
+    policy: str  # append's hold policy, "-" for the others
+    preempt: str  # "preempt" or "wait" for hold and ttl, "-" where nothing is held
+
+    @property
+    def label(self) -> str:
+        return self.mode + "".join(f" {v}" for v in (self.policy, self.preempt) if v != "-")
+
+
+def variants(config: CapacityConfig) -> list[Variant]:
+    out: list[Variant] = []
+    for mode in config.modes:
+        if mode != "append":
+            out.append(Variant(mode, "-", "-"))
+            continue
+        for policy in config.policies:
+            if policy in ("hold", "ttl"):
+                out.extend(Variant(mode, policy, "preempt" if p else "wait") for p in config.preempt)
+            else:
+                out.append(Variant(mode, policy, "-"))
+    return out
 
 
 @functools.lru_cache(maxsize=4)
 def _sessions(workload: str, seed: int, count: int) -> tuple[SessionTokens, ...]:
-    """A point's sessions, kept for the other loads of the seed (the costly part of a point)."""
+    """A seed's sessions, kept for its other points (the costly part of a point)."""
     return tuple(workload_sessions(WORKLOADS[workload], seed, count))
+
+
+def point_sessions(workload: str, seed: int, count: int, tail: float) -> list[SessionTokens]:
+    """The seed's sessions with the tool-time tail scaled: the same tokens and draws, other times."""
+    sessions = _sessions(workload, seed, count)
+    if tail == 1.0:
+        return list(sessions)
+    w = with_tail(WORKLOADS[workload], tail)
+    return [dataclasses.replace(s, tool_times_s=tool_times(w, seed, s.index, len(s.tool_times_s))) for s in sessions]
 
 
 def arrivals(seed: int, count: int, load: float) -> list[float]:
@@ -110,30 +216,39 @@ def arrivals(seed: int, count: int, load: float) -> list[float]:
     return times
 
 
-def variants(config: CapacityConfig) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
-    for mode in config.modes:
-        if mode == "append":
-            out.extend((mode, policy) for policy in config.policies)
-        else:
-            out.append((mode, "-"))
-    return out
+def think_times(seed: int, count: int, median_s: float, sigma: float) -> list[float]:
+    """Closed loop: session i's think time before it starts (lognormal; the first users start at 0)."""
+    z = turn_stream(seed, 0, 0, _THINK_STREAM).standard_normal(count)
+    times: list[float] = (median_s * np.exp(sigma * z)).tolist()
+    return times
 
 
-def _row(config: CapacityConfig, mode: str, policy: str, load: float, seed: int, run: FleetRun) -> dict[str, Any]:
-    window = config.sessions / load
+def _row(
+    config: CapacityConfig,
+    v: Variant,
+    at: tuple[float, int, float, int],
+    sessions: Sequence[SessionTokens],
+    run: FleetRun,
+) -> dict[str, Any]:
+    load, budget, tail, seed = at
+    window = run.end_s if config.closed else config.sessions / load
     ttfts = np.array([t for s in run.sessions for t in s.ttft_s])
     waits = np.array([w for s in run.sessions for w in s.admission_wait_s])
     good = sum(1 for s in run.sessions if s.done and np.quantile(s.ttft_s, 0.9) <= config.ttft_slo_s)
     kv = run.kv_token_s
     kv_total = sum(kv.values()) or 1.0
+    tools = [t for s in sessions for t in s.tool_times_s]
     return {
-        "mode": mode,
-        "policy": policy,
+        "mode": v.mode,
+        "policy": v.policy,
+        "preempt": v.preempt,
         "router": config.fleet.router,
-        "offered_load": load,
+        "offered_load": 0.0 if config.closed else load,
+        "users": int(load) if config.closed else 0,
+        "kv_budget_tokens": budget,
+        "tool_tail": tail,
         "seed": seed,
-        "goodput": good / window,
+        "goodput": good / window if window > 0 else math.nan,
         "slo_met": good / max(1, run.arrived),
         "ttft_p90_s": float(np.quantile(ttfts, 0.9)) if len(ttfts) else math.nan,
         "e2e_mean_s": float(np.mean([s.finished_at - s.arrived_at for s in run.sessions if s.done])),
@@ -144,25 +259,36 @@ def _row(config: CapacityConfig, mode: str, policy: str, load: float, seed: int,
         "offload_gb": run.offload_bytes / 1e9,
         "hit_rate": run.hit_tokens / max(1, run.prompt_tokens),
         "kv_peak_tokens": run.kv_peak_tokens,
-        "kv_budget_tokens": run.kv_budget_tokens,
         "kv_active_share": kv["active"] / kv_total,
         "kv_held_share": kv["held"] / kv_total,
         "kv_cached_share": kv["cached"] / kv_total,
+        "tool_p99_s": float(np.quantile(tools, 0.99)) if tools else math.nan,
         "sessions_arrived": run.arrived,
         "sessions_completed": run.completed,
     }
 
 
-def run_point(config: CapacityConfig, load: float, seed: int) -> list[dict[str, Any]]:
-    """One offered load and one seed, every mode and policy on the same sessions. Picklable."""
-    sessions = _sessions(config.workload, seed, config.sessions)
-    times = arrivals(seed, config.sessions, load)
+def run_point(config: CapacityConfig, load: float, budget: int, tail: float, seed: int) -> list[dict[str, Any]]:
+    """One grid point, every variant on the same sessions and arrivals. Picklable."""
+    sessions = point_sessions(config.workload, seed, config.sessions, tail)
     profile = load_profile(config.profile)
+    if config.closed:
+        timing: dict[str, Any] = {
+            "users": int(load),
+            "think_s": think_times(seed, config.sessions, config.think_median_s, config.think_sigma),
+        }
+    else:
+        timing = {"arrivals": arrivals(seed, config.sessions, load)}
     rows = []
-    for mode, policy in variants(config):
-        fleet = config.fleet if policy == "-" else msgspec.structs.replace(config.fleet, hold_policy=policy)
-        run = simulate(mode, profile, fleet, sessions, arrivals=times, seed=seed)
-        rows.append(_row(config, mode, policy, load, seed, run))
+    for v in variants(config):
+        fleet = msgspec.structs.replace(
+            config.fleet,
+            kv_budget_tokens=budget,
+            hold_policy=v.policy if v.policy != "-" else "hold",
+            preempt_held=v.preempt != "wait",
+        )
+        run = simulate(v.mode, profile, fleet, sessions, seed=seed, **timing)
+        rows.append(_row(config, v, (load, budget, tail, seed), sessions, run))
     return rows
 
 
@@ -176,44 +302,66 @@ def _interval(values: Sequence[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+def _cell(row: dict[str, Any]) -> tuple[float, int, int, float]:
+    return (row["offered_load"], row["users"], row["kv_budget_tokens"], row["tool_tail"])
+
+
 def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (mode, policy, load): the goodput's mean and interval over seeds, the other
-    columns' means (counts: per point)."""
-    groups: dict[tuple[str, str, float], list[dict[str, Any]]] = {}
+    """One row per (variant, grid cell): the goodput's mean and interval over seeds; against
+    `ws` on the same sessions and arrivals, the paired difference in goodput and the session
+    time saved (%, > 0: faster than ws), each with its interval; the other columns' means."""
+    rows = list(rows)
+    ws = {(*_cell(r), r["seed"]): r for r in rows if r["mode"] == "ws"}
+    groups: dict[tuple[Variant, tuple[float, int, int, float]], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((row["mode"], row["policy"], row["offered_load"]), []).append(row)
+        groups.setdefault((Variant(row["mode"], row["policy"], row["preempt"]), _cell(row)), []).append(row)
     out = []
-    for (mode, policy, load), group in groups.items():
+    for (v, cell), group in groups.items():
         goodput, low, high = _interval([r["goodput"] for r in group])
         point: dict[str, Any] = {
-            "mode": mode,
-            "policy": policy,
+            **v._asdict(),
             "router": config.fleet.router,
-            "offered_load": load,
+            "offered_load": cell[0],
+            "users": cell[1],
+            "kv_budget_tokens": cell[2],
+            "tool_tail": cell[3],
             "n": len(group),
             "goodput": goodput,
             "goodput_ci_low": low,
             "goodput_ci_high": high,
         }
-        for column in POINT_COLUMNS[8:]:
-            if column not in point:
-                point[column] = float(np.mean([r[column] for r in group]))
+        base = [ws.get((*cell, r["seed"])) for r in group]
+        if all(b is not None for b in base):
+            pairs = list(zip(group, base, strict=True))
+            d = _interval([r["goodput"] - b["goodput"] for r, b in pairs])  # type: ignore[index]
+            saved = _interval([100 * (1 - r["e2e_mean_s"] / b["e2e_mean_s"]) for r, b in pairs])  # type: ignore[index]
+        else:
+            d = saved = (math.nan, math.nan, math.nan)
+        point.update(zip(("goodput_vs_ws", "goodput_vs_ws_ci_low", "goodput_vs_ws_ci_high"), d, strict=True))
+        point.update(zip(("saved_vs_ws_pct", "saved_vs_ws_ci_low", "saved_vs_ws_ci_high"), saved, strict=True))
+        for column in _MEANS:
+            point[column] = float(np.mean([r[column] for r in group]))
         out.append(point)
     order = {v: i for i, v in enumerate(variants(config))}
-    return sorted(out, key=lambda p: (order[(p["mode"], p["policy"])], p["offered_load"]))
+    return sorted(
+        out, key=lambda p: (p["tool_tail"], p["kv_budget_tokens"], order[_variant(p)], p["users"], p["offered_load"])
+    )
+
+
+def _variant(p: dict[str, Any]) -> Variant:
+    return Variant(p["mode"], p["policy"], p["preempt"])
 
 
 def run_capacity(
     config: CapacityConfig, executor: Executor | None = None, *, on_point: Callable[[int, int], None] | None = None
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every (load, seed) point, on `executor` if given: (per-seed rows, aggregated points)."""
-    grid = [(load, config.seed + i) for i in range(config.seeds) for load in config.loads]
-    # Ordered by seed so that a worker's session cache serves a seed's loads in turn.
+    """Every grid point, on `executor` if given: (per-seed rows, aggregated points)."""
+    grid = config.grid()
     mapped: Iterable[list[dict[str, Any]]]
     if executor is not None:
-        mapped = executor.map(run_point, [config] * len(grid), [g[0] for g in grid], [g[1] for g in grid])
+        mapped = executor.map(run_point, [config] * len(grid), *(list(axis) for axis in zip(*grid, strict=True)))
     else:
-        mapped = (run_point(config, load, seed) for load, seed in grid)
+        mapped = (run_point(config, *at) for at in grid)
     rows: list[dict[str, Any]] = []
     for done, point_rows in enumerate(mapped, 1):
         rows.extend(point_rows)
@@ -222,21 +370,76 @@ def run_capacity(
     return rows, aggregate(config, rows)
 
 
+def _blocks(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The points by (tool tail, KV budget), each with a title line."""
+    w = WORKLOADS[config.workload]
+    out = []
+    for tail in config.tool_tails:
+        sigmas = "/".join(f"{c.sigma * tail:.2f}" for c in w.tool_time)
+        for budget in config.kv_budgets:
+            block = [p for p in points if p["tool_tail"] == tail and p["kv_budget_tokens"] == budget]
+            p99 = block[0]["tool_p99_s"] if block else math.nan
+            kv = f"{budget:,} KV tokens a replica" if budget else "unlimited KV"
+            out.append((f"tool tail x{tail:g} (sigma {sigmas}, tool P99 {p99:.1f} s), {kv}", block))
+    return out
+
+
+def _axis(config: CapacityConfig) -> tuple[str, str, list[float]]:
+    if config.closed:
+        return "users", "users", [float(u) for u in config.users]
+    return "offered_load", "load/s", list(config.loads)
+
+
+def _ci(mean: float, low: float, high: float, fmt: str) -> str:
+    if math.isnan(low):
+        return format(mean, fmt)
+    return f"{mean:{fmt}} ({low:{fmt}}–{high:{fmt}})"
+
+
 def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
-    """The frontier as text: goodput with its interval per variant and load."""
+    """The frontier as text: goodput with its interval per variant, load and grid cell."""
+    key, unit, axis = _axis(config)
+    loop = f"closed loop, think median {config.think_median_s:g} s" if config.closed else "open loop"
     lines = [
         f"goodput (sessions/s meeting p90 TTFT <= {config.ttft_slo_s:g} s), mean over seeds with 95 % CI, "
-        f"n = seeds; {config.sessions} sessions a point, workload {config.workload}, "
-        f"{config.fleet.replicas} replicas x {config.fleet.kv_budget_tokens:,} KV tokens, router {config.fleet.router}",
-        f"{'mode':<10} {'policy':<8} {'load/s':>7} {'n':>3} {'goodput':>22} {'SLO met':>8} {'p90 TTFT':>9} "
-        f"{'adm. p90':>9} {'re-prefill':>11} {'preempt':>8} {'held KV':>8}",
+        f"n = {config.seeds} seeds; {config.sessions} sessions a point, workload {config.workload}, {loop}, "
+        f"{config.fleet.replicas} replicas x {config.fleet.decode_slots or 'unlimited'} slots, "
+        f"router {config.fleet.router}",
     ]
-    for p in points:
-        ci = f"({p['goodput_ci_low']:.3f}–{p['goodput_ci_high']:.3f})" if p["n"] > 1 else ""
-        lines.append(
-            f"{p['mode']:<10} {p['policy']:<8} {p['offered_load']:>7g} {p['n']:>3} "
-            f"{p['goodput']:>8.3f} {ci:>13} {100 * p['slo_met']:>7.1f}% {p['ttft_p90_s']:>8.3f}s "
-            f"{p['admission_wait_p90_s']:>8.3f}s {p['reprefill_tokens']:>11,.0f} {p['preemptions']:>8,.0f} "
-            f"{100 * p['kv_held_share']:>7.1f}%"
-        )
+    for title, block in _blocks(config, points):
+        lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>24}" for x in axis)]
+        for v in variants(config):
+            cells = {p[key]: p for p in block if _variant(p) == v}
+            text = [
+                _ci(c["goodput"], c["goodput_ci_low"], c["goodput_ci_high"], ".3f") if c else "-"
+                for c in (cells.get(x) for x in axis)
+            ]
+            lines.append(f"{v.label:<22}" + "".join(f"{t:>24}" for t in text))
+    return "\n".join(lines)
+
+
+def crossover_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
+    """Where holding stops paying: each append variant's session time saved against `ws` on the
+    same sessions (%, paired over seeds, 95 % CI), marked + (saves), - (loses) or ~ (the interval
+    holds 0)."""
+    key, unit, axis = _axis(config)
+    lines = [
+        f"session time saved vs ws (%, > 0 faster), paired mean over n = {config.seeds} seeds with 95 % CI; "
+        "+ saves, - loses, ~ not resolved"
+    ]
+    for title, block in _blocks(config, points):
+        lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>28}" for x in axis)]
+        for v in variants(config):
+            if v.mode != "append":
+                continue
+            cells = {p[key]: p for p in block if _variant(p) == v}
+            text = []
+            for c in (cells.get(x) for x in axis):
+                if c is None or math.isnan(c["saved_vs_ws_pct"]):
+                    text.append("-")
+                    continue
+                low, high = c["saved_vs_ws_ci_low"], c["saved_vs_ws_ci_high"]
+                mark = "~" if math.isnan(low) or low <= 0 <= high else "+" if low > 0 else "-"
+                text.append(_ci(c["saved_vs_ws_pct"], low, high, "+.1f") + " " + mark)
+            lines.append(f"{v.label:<22}" + "".join(f"{t:>28}" for t in text))
     return "\n".join(lines)

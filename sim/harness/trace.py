@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 from sim.analysis.metrics import compacted, per_turn_work, turn_intervals
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import Estimate
-from sim.harness.capacity import CapacityConfig, variants
+from sim.harness.capacity import CapacityConfig, Variant, variants
 from sim.harness.experiment import CompareResult
 
 __all__ = ["turn_rows", "write_json", "write_run", "write_table"]
@@ -206,31 +206,61 @@ def c_is_stage(column: str) -> bool:
 def write_capacity(
     directory: str | Path, config: CapacityConfig, rows: list[dict[str, Any]], points: list[dict[str, Any]]
 ) -> Path:
-    """A capacity run folder: config.json, runs.csv (per seed), points.csv (with intervals), frontier.png."""
+    """A capacity run folder: config.json, runs.csv (per seed), points.csv (with intervals),
+    frontier.png (goodput) and crossover.png (append's session time saved against ws)."""
     out = Path(directory)
     write_json(config, out / "config.json")
     write_table(rows, out / "runs.csv")
     write_table(points, out / "points.csv")
-    _frontier(out / "frontier.png", config, points)
+    _capacity_grid(out / "frontier.png", config, points, "goodput", f"goodput (p90 TTFT ≤ {config.ttft_slo_s:g} s)")
+    if "ws" in config.modes:
+        _capacity_grid(out / "crossover.png", config, points, "saved_vs_ws", "session time saved vs ws (%)")
     return out
 
 
-def _frontier(path: Path, config: CapacityConfig, points: list[dict[str, Any]]) -> None:
+def _capacity_grid(path: Path, config: CapacityConfig, points: list[dict[str, Any]], what: str, ylabel: str) -> None:
+    """One panel per (tool tail, KV budget): `what` against the load per variant, with bands."""
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt  # after choosing the backend
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, policy in variants(config):
-        line = [p for p in points if p["mode"] == mode and p["policy"] == policy]
-        x = [p["offered_load"] for p in line]
-        label = mode if policy == "-" else f"{mode} ({policy})"
-        ax.plot(x, [p["goodput"] for p in line], marker="o", label=label)
-        if all(p["n"] > 1 for p in line):
-            ax.fill_between(x, [p["goodput_ci_low"] for p in line], [p["goodput_ci_high"] for p in line], alpha=0.2)
-    ax.plot(list(config.loads), list(config.loads), color="grey", linestyle=":", label="offered")
-    ax.set_xlabel("offered load (sessions/s)")
-    ax.set_ylabel(f"goodput (sessions/s, p90 TTFT ≤ {config.ttft_slo_s:g} s)")
-    ax.legend(fontsize=8)
+    key = "users" if config.closed else "offered_load"
+    crossover = what == "saved_vs_ws"
+    column = "saved_vs_ws_pct" if crossover else "goodput"
+    low = ("saved_vs_ws" if crossover else "goodput") + "_ci_low"
+    high = low.replace("_low", "_high")
+    tails, budgets = config.tool_tails, config.kv_budgets
+    fig, axes = plt.subplots(
+        len(tails), len(budgets), figsize=(4.2 * len(budgets), 3.4 * len(tails)), squeeze=False, sharex=True
+    )
+    shown = [v for v in variants(config) if not crossover or v.mode == "append"]
+    for i, tail in enumerate(tails):
+        for j, budget in enumerate(budgets):
+            ax = axes[i][j]
+            cell = [p for p in points if p["tool_tail"] == tail and p["kv_budget_tokens"] == budget]
+            for v in shown:
+                line = sorted((p for p in cell if _variant_of(p) == v), key=lambda p: p[key])
+                x = [p[key] for p in line]
+                ax.plot(x, [p[column] for p in line], marker="o", markersize=3, label=v.label)
+                if line and all(p["n"] > 1 for p in line):
+                    ax.fill_between(x, [p[low] for p in line], [p[high] for p in line], alpha=0.2)
+            if crossover:
+                ax.axhline(0.0, color="grey", linewidth=0.8)
+                ax.set_yscale("symlog", linthresh=1.0)
+            elif not config.closed:
+                ax.plot(list(config.loads), list(config.loads), color="grey", linestyle=":", label="offered")
+            if not config.closed:
+                ax.set_xscale("log", base=2)
+            kv = f"{budget / 1e3:g}k KV" if budget else "unlimited KV"
+            ax.set_title(f"tail ×{tail:g}, {kv}", fontsize=9)
+            if i == len(tails) - 1:
+                ax.set_xlabel("users" if config.closed else "offered load (sessions/s)")
+            if j == 0:
+                ax.set_ylabel(ylabel, fontsize=9)
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _variant_of(p: dict[str, Any]) -> Variant:
+    return Variant(p["mode"], p["policy"], p["preempt"])

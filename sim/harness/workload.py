@@ -29,7 +29,7 @@ import msgspec
 from prototype.conversation import conversation_key
 from sim.harness.live import RolloutSpec, instructions, tool_output_text, turn_stream
 
-__all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts"]
+__all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts", "tool_times", "with_tail"]
 
 TOOL_OUTPUT_CAP_TOKENS: Final = 10_000  # the Vercel demo truncates tool output at 10,000 characters
 
@@ -80,6 +80,27 @@ def _tool_time(w: Workload, u: float, z: float) -> float:
             component = c
             break
     return min(component.median_s * math.exp(component.sigma * z), w.tool_time_cap_s)
+
+
+def with_tail(w: Workload, scale: float) -> Workload:
+    """`w` with every tool-time component's σ multiplied by `scale` (its median kept): a lighter
+    (< 1) or heavier (> 1) tail on the same draws."""
+    if scale == 1.0:
+        return w
+    tools = tuple(msgspec.structs.replace(c, sigma=c.sigma * scale) for c in w.tool_time)
+    return msgspec.structs.replace(w, tool_time=tools)
+
+
+def tool_times(w: Workload, seed: int, index: int, calls: int) -> tuple[float, ...]:
+    """Rollout `index`'s tool times as `draw_rollouts` draws them, without its texts: the same
+    stream and draws, so `with_tail` changes the times and nothing else."""
+    out = []
+    for k in range(calls):
+        rng = turn_stream(seed, index, k, _WORKLOAD_STREAM)
+        u = float(rng.random())
+        z_time = float(rng.standard_normal(2)[0])
+        out.append(_tool_time(w, u, z_time))
+    return tuple(out)
 
 
 def draw_rollouts(w: Workload, seed: int, count: int, *, start: int = 0) -> tuple[list[RolloutSpec], dict[int, int]]:
