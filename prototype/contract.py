@@ -33,6 +33,7 @@ __all__ = [
     "CALL_ID_MAX",
     "CONTEXT_LENGTH_MESSAGE",
     "FUNCTION_NAME_MAX",
+    "CLIENT_PARAMETERS",
     "KNOWN_PARAMETERS",
     "METADATA_KEYS_MAX",
     "MOVED_PARAMETERS",
@@ -52,10 +53,15 @@ __all__ = [
     "unsupported_message",
 ]
 
+# Parameters real clients send that the SDK's types and the spec do not list, and the API
+# accepts: Codex CLI's request builder (`ResponsesApiRequest` in openai/codex's codex-api) sends
+# `client_metadata`, a map of strings.
+CLIENT_PARAMETERS: Final = frozenset({"client_metadata"})
+
 # Every top-level parameter of `CreateResponse` in the spec, and of openai-python 3.57's
-# `ResponseCreateParams` (which adds `access_programs`, `background_options`, `image`). A body
-# naming anything else over HTTP is refused.
-KNOWN_PARAMETERS: Final = frozenset(
+# `ResponseCreateParams` (which adds `access_programs`, `background_options`, `image`), and the
+# client parameters above. A body naming anything else is refused, on either transport.
+KNOWN_PARAMETERS: Final = CLIENT_PARAMETERS | frozenset(
     {
         "access_programs",
         "background",

@@ -223,11 +223,13 @@ class EngineStatistics:
     store_writes: int  # post-inference store writes
     stage_s: dict[str, float]  # Σ seconds per stage
     compactions: int = 0  # server-side compactions and `/responses/compact` calls
+    responses_websocket: int = 0  # of `responses`, those created over a WebSocket
 
 
 @dataclass(slots=True)
 class _Counts:
     responses: int = 0
+    responses_websocket: int = 0  # of `responses`, those created over a WebSocket
     model_calls: int = 0
     items_rendered: int = 0
     tokens_rendered: int = 0
@@ -593,6 +595,7 @@ class Engine:
         s = self.statistics()
         counters = {
             "responses_total": s.responses,
+            "responses_websocket_total": s.responses_websocket,
             "model_calls_total": s.model_calls,
             "tokens_rendered_total": s.tokens_rendered,
             "tokens_classified_total": s.tokens_classified,
@@ -616,6 +619,7 @@ class Engine:
             c.store_writes,
             dict(c.stage_s),
             c.compactions,
+            c.responses_websocket,
         )
 
     async def get_stored(self, response_id: str) -> Response:
@@ -696,6 +700,7 @@ class ResponseRun:
         engine, stages, request = self.engine, self.stages, self.request
         profile = engine.profile
         engine._counts.responses += 1
+        engine._counts.responses_websocket += self.arrival.transport == "ws"
         if self.pauses is not None:
             self.pauses.started(self)  # from now on the core's acknowledgements reach this run
         try:

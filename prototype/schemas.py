@@ -6,10 +6,11 @@ longrun does with them is in docs/protocol.md, docs/lanes.md and docs/contract.m
 
 Input is tolerant, output is exact:
 
-* The HTTP body (`HTTPCreateParams`) refuses unknown top-level fields, as the real
-  API does; WebSocket frames ignore them (msgspec's default), because real clients
-  send some (`client_metadata`). Every parameter the real API knows is a field
-  (prototype/contract.py has the rules, docs/contract.md the table). Input *items*
+* A create's body refuses unknown top-level fields on both transports, as the real
+  API does (`HTTPCreateParams`, `ResponseCreate`). Every parameter the real API
+  knows is a field, with the ones real clients send beyond the SDK's types
+  (Codex's `client_metadata`); prototype/contract.py has the rules, docs/contract.md
+  the table. Input *items*
   are kept as `msgspec.Raw` so that whatever a client sends
   (its own `fco_…`/`msg_…` ids, replayed `status`/`annotations`/`logprobs`,
   `reasoning` items with `encrypted_content`) is stored and replayed verbatim;
@@ -148,6 +149,7 @@ class CreateParams(msgspec.Struct, kw_only=True):
     safety_identifier: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: Raw = NULL
+    client_metadata: dict[str, str] | None = None  # Codex's request builder sends it; the API accepts it
     stream_options: Raw = NULL
     moderation: Raw = NULL
     conversation: Raw = NULL  # not implemented: 400
@@ -159,19 +161,18 @@ class CreateParams(msgspec.Struct, kw_only=True):
 
 
 class HTTPCreateParams(CreateParams, kw_only=True, forbid_unknown_fields=True):
-    """`POST /v1/responses`: the real API refuses a parameter it does not know
-    (`unknown_parameter`). Over WebSocket unknown fields are ignored, as real clients send
-    some (Codex's `client_metadata`)."""
+    """`POST /v1/responses` (and the nested WebSocket form's body): the real API refuses a
+    parameter it does not know (`unknown_parameter`)."""
 
 
 class _ClientEvent(msgspec.Struct, tag_field="type", kw_only=True):
     """Base of every client → server WebSocket message."""
 
 
-class ResponseCreate(_ClientEvent, CreateParams, tag="response.create"):
+class ResponseCreate(_ClientEvent, CreateParams, tag="response.create", forbid_unknown_fields=True):
     # Some third-party clients nest the body (`{"type":"response.create","response":{…}}`,
     # docs/protocol.md): accepted, never emitted.
-    response: CreateParams | None = None
+    response: HTTPCreateParams | None = None
 
 
 class ResponseAppend(_ClientEvent, tag="response.append"):

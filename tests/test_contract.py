@@ -17,7 +17,13 @@ import pytest
 from msgspec import Raw
 
 from prototype.app import ServerConfig
-from prototype.contract import CONTEXT_LENGTH_MESSAGE, KNOWN_PARAMETERS, STRING_MAX, unsupported_message
+from prototype.contract import (
+    CLIENT_PARAMETERS,
+    CONTEXT_LENGTH_MESSAGE,
+    KNOWN_PARAMETERS,
+    STRING_MAX,
+    unsupported_message,
+)
 from prototype.conversation import Context, check_continuation, parse_items
 from prototype.errors import ProtocolError
 from prototype.sse import SSEDecoder
@@ -79,15 +85,14 @@ RULES = [
         "input",
         "Missing required parameter: 'input'.",
     ),
-    # -- unknown and moved parameters (HTTP; a WebSocket frame's unknown fields are ignored)
-    Rule("unknown parameter", body(foo=1), "unknown_parameter", "foo", "Unknown parameter: 'foo'.", ws_ok=True),
+    # -- unknown and moved parameters, refused alike on both transports
+    Rule("unknown parameter", body(foo=1), "unknown_parameter", "foo", "Unknown parameter: 'foo'."),
     Rule(
         "messages moved",
         {"model": "sim", "messages": [{"role": "user", "content": "hi"}], "input": "hi"},
         "unsupported_parameter",
         None,
         "Unsupported parameter: 'messages'. In the Responses API, this parameter has moved to 'input'. " + MOVED_HINT,
-        ws_ok=True,
     ),
     Rule(
         "response_format moved",
@@ -96,7 +101,6 @@ RULES = [
         None,
         "Unsupported parameter: 'response_format'. In the Responses API, this parameter has moved to "
         "'text.format'. " + MOVED_HINT,
-        ws_ok=True,
     ),
     Rule(
         "max_completion_tokens moved",
@@ -105,7 +109,6 @@ RULES = [
         None,
         "Unsupported parameter: 'max_completion_tokens'. In the Responses API, this parameter has moved to "
         "'max_output_tokens'. " + MOVED_HINT,
-        ws_ok=True,
     ),
     Rule(
         "reasoning_effort moved",
@@ -114,7 +117,6 @@ RULES = [
         None,
         "Unsupported parameter: 'reasoning_effort'. In the Responses API, this parameter has moved to "
         "'reasoning.effort'. " + MOVED_HINT,
-        ws_ok=True,
     ),
     Rule(
         "generate over HTTP",
@@ -160,6 +162,13 @@ RULES = [
         "invalid_type",
         "input[0].content[0].text",
         "Invalid type for 'input[0].content[0].text': expected a string, but got an integer instead.",
+    ),
+    Rule(
+        "client_metadata type",
+        body(client_metadata="exec"),
+        "invalid_type",
+        "client_metadata",
+        "Invalid type for 'client_metadata': expected an object, but got a string instead.",
     ),
     Rule(
         "tools type",
@@ -679,6 +688,7 @@ async def test_every_known_parameter_is_accepted(live: Live, session: aiohttp.Cl
         "access_programs": {"cyber": "standard"},
         "background": False,
         "background_options": {"completion_window": "soonest"},
+        "client_metadata": {"session_source": "exec"},
         "image": {"context_compression": "auto"},
         "context_management": None,
         "conversation": None,
@@ -709,7 +719,7 @@ async def test_every_known_parameter_is_accepted(live: Live, session: aiohttp.Cl
         "truncation": "disabled",
         "user": "u",
     }
-    assert set(payload) == KNOWN_PARAMETERS == sdk_parameters()
+    assert set(payload) == KNOWN_PARAMETERS == sdk_parameters() | CLIENT_PARAMETERS
     status, reply = await post(session, live, payload)
     assert status == 200, reply
     async with session.ws_connect(live.ws_url) as ws:
