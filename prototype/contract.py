@@ -49,6 +49,8 @@ __all__ = [
     "check_has_input",
     "check_params",
     "check_string_length",
+    "empty_array",
+    "supported_values",
     "moved_parameter",
     "unsupported_message",
 ]
@@ -175,6 +177,13 @@ INCLUDABLE: Final = (
 )
 REASONING_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 VERBOSITIES: Final = ("low", "medium", "high")
+# The spec's enums on nested fields (`Reasoning`, `TextResponseFormatConfiguration`,
+# `PromptCacheOptions`); tests/test_spec_constraints.py derives the cases from the spec.
+REASONING_SUMMARIES: Final = ("auto", "concise", "detailed")  # `summary` and the older `generate_summary`
+REASONING_CONTEXTS: Final = ("auto", "current_turn", "all_turns")
+TEXT_FORMATS: Final = ("text", "json_schema", "json_object")
+PROMPT_CACHE_TTLS: Final = ("30m",)
+PROMPT_CACHE_MODES: Final = ("implicit", "explicit")
 
 METADATA_KEYS_MAX: Final = 16
 METADATA_KEY_MAX: Final = 64
@@ -218,7 +227,7 @@ def _check_range(rule: Range, value: float) -> None:
         )
 
 
-def _supported_values(values: Iterable[str]) -> str:
+def supported_values(values: Iterable[str]) -> str:
     quoted = [f"'{v}'" for v in values]
     if len(quoted) <= 2:
         return " and ".join(quoted)
@@ -228,10 +237,20 @@ def _supported_values(values: Iterable[str]) -> str:
 def _check_enum(param: str, value: str, values: tuple[str, ...]) -> None:
     if value not in values:
         raise ProtocolError(
-            f"Invalid value: '{value}'. Supported values are: {_supported_values(values)}.",
+            f"Invalid value: '{value}'. Supported values are: {supported_values(values)}.",
             code="invalid_value",
             param=param,
         )
+
+
+def empty_array(param: str) -> ProtocolError:
+    """An array the spec gives `minItems: 1`, sent empty (the real API's message: a recorded
+    Chat Completions reply in envoyproxy/ai-gateway's fakeopenai cassettes)."""
+    return ProtocolError(
+        f"Invalid '{param}': empty array. Expected an array with minimum length 1, but got an empty array instead.",
+        code="empty_array",
+        param=param,
+    )
 
 
 def check_string_length(param: str, value: str, maximum: int) -> None:
@@ -276,14 +295,34 @@ def _check_metadata(metadata: dict[str, str]) -> None:
 
 class _Reasoning(msgspec.Struct):
     effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None
+    context: str | None = None
+
+
+class _Format(msgspec.Struct):
+    type: str | None = None
 
 
 class _Text(msgspec.Struct):
     verbosity: str | None = None
+    format: _Format | None = None
+
+
+class _PromptCacheOptions(msgspec.Struct):
+    ttl: str | None = None
+    mode: str | None = None
 
 
 _decode_reasoning: Final = msgspec.json.Decoder(_Reasoning).decode
 _decode_text: Final = msgspec.json.Decoder(_Text).decode
+_decode_prompt_cache_options: Final = msgspec.json.Decoder(_PromptCacheOptions).decode
+
+
+def _check_enums(parent: str, fields: Iterable[tuple[str, str | None, tuple[str, ...]]]) -> None:
+    for name, value, values in fields:
+        if value is not None:
+            _check_enum(f"{parent}.{name}", value, values)
 
 
 T = TypeVar("T")
@@ -340,13 +379,24 @@ def check_params(params: CreateParams, *, websocket: bool) -> None:
     if params.metadata:
         _check_metadata(params.metadata)
     if not is_null(params.reasoning):
-        effort = _nested(_decode_reasoning, params.reasoning, "reasoning").effort
-        if effort is not None:
-            _check_enum("reasoning.effort", effort, REASONING_EFFORTS)
+        r = _nested(_decode_reasoning, params.reasoning, "reasoning")
+        _check_enums(
+            "reasoning",
+            (
+                ("effort", r.effort, REASONING_EFFORTS),
+                ("summary", r.summary, REASONING_SUMMARIES),
+                ("generate_summary", r.generate_summary, REASONING_SUMMARIES),
+                ("context", r.context, REASONING_CONTEXTS),
+            ),
+        )
     if not is_null(params.text):
-        verbosity = _nested(_decode_text, params.text, "text").verbosity
-        if verbosity is not None:
-            _check_enum("text.verbosity", verbosity, VERBOSITIES)
+        t = _nested(_decode_text, params.text, "text")
+        _check_enums("text", (("verbosity", t.verbosity, VERBOSITIES),))
+        if t.format is not None:
+            _check_enums("text.format", (("type", t.format.type, TEXT_FORMATS),))
+    if not is_null(params.prompt_cache_options):
+        o = _nested(_decode_prompt_cache_options, params.prompt_cache_options, "prompt_cache_options")
+        _check_enums("prompt_cache_options", (("ttl", o.ttl, PROMPT_CACHE_TTLS), ("mode", o.mode, PROMPT_CACHE_MODES)))
     if isinstance(params.input, str):
         check_string_length("input", params.input, STRING_MAX)
     compact_threshold(params)
@@ -365,6 +415,8 @@ def compact_threshold(params: CreateParams) -> int | None:
     if is_null(params.context_management):
         return None
     entries = _nested(decode_context_management, params.context_management, "context_management")
+    if not entries:  # the spec's `minItems: 1`
+        raise empty_array("context_management")
     thresholds = []
     for index, entry in enumerate(entries):
         _check_enum(f"context_management[{index}].type", entry.type, CONTEXT_MANAGEMENT_TYPES)

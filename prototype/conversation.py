@@ -42,6 +42,7 @@ from .contract import (
     check_params,
     check_string_length,
     compact_threshold,
+    supported_values,
 )
 from .errors import ProtocolError, from_validation_error
 from .model import FunctionTool, TokenArray
@@ -93,6 +94,25 @@ OUTPUT_TYPES: Final = frozenset({"function_call_output", "custom_tool_call_outpu
 REFERENCE_TYPE: Final = "item_reference"
 # tool_choice types the simulator honours; a forced hosted tool is a feature it lacks.
 TOOL_CHOICE_TYPES: Final = frozenset({"function", "allowed_tools"})
+# Every `type` of the spec's `ToolChoiceParam` objects: another is not a tool choice at all.
+TOOL_CHOICE_KNOWN_TYPES: Final = (
+    "allowed_tools",
+    "function",
+    "mcp",
+    "custom",
+    "programmatic_tool_calling",
+    "apply_patch",
+    "shell",
+    "file_search",
+    "web_search_preview",
+    "computer",
+    "computer_use_preview",
+    "computer_use",
+    "web_search_preview_2025_03_11",
+    "image_generation",
+    "code_interpreter",
+)
+ALLOWED_TOOLS_MODES: Final = ("auto", "required")
 
 
 def conversation_key(first_user_text: str) -> int:
@@ -466,6 +486,7 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
 class _NamedChoice(msgspec.Struct):
     type: str
     name: str | None = None
+    mode: str | None = None  # allowed_tools
 
 
 _decode_tool_choice: Final = guarded_decoder(msgspec.json.Decoder(str | _NamedChoice))
@@ -494,6 +515,18 @@ def _parse_tool_choice(raw: Raw, tools: tuple[FunctionTool, ...]) -> str:
                 param="tool_choice",
             )
         return str(value.name)
+    if value.type not in TOOL_CHOICE_KNOWN_TYPES:
+        raise ProtocolError(
+            f"Invalid value: '{value.type}'. Supported values are: {supported_values(TOOL_CHOICE_KNOWN_TYPES)}.",
+            code="invalid_value",
+            param="tool_choice.type",
+        )
+    if value.type == "allowed_tools" and value.mode is not None and value.mode not in ALLOWED_TOOLS_MODES:
+        raise ProtocolError(
+            f"Invalid value: '{value.mode}'. Supported values are: {supported_values(ALLOWED_TOOLS_MODES)}.",
+            code="invalid_value",
+            param="tool_choice.mode",
+        )
     if value.type not in TOOL_CHOICE_TYPES:
         raise ProtocolError(
             f"Forcing the tool type '{value.type}' with 'tool_choice' is not supported by this server "

@@ -476,10 +476,10 @@ RULES = [
     ),
     Rule(
         "hosted tool forced",
-        body(tools=[{"type": "web_search"}], tool_choice={"type": "web_search"}),
+        body(tools=[{"type": "web_search_preview"}], tool_choice={"type": "web_search_preview"}),
         "unsupported_parameter",
         "tool_choice",
-        "Forcing the tool type 'web_search' with 'tool_choice' is not supported by this server "
+        "Forcing the tool type 'web_search_preview' with 'tool_choice' is not supported by this server "
         "(a simulator of the Responses API: its model calls function tools only).",
     ),
     # -- items: lengths, ids, tool-call pairing within the input

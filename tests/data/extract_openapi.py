@@ -1,5 +1,7 @@
 """Rebuild `openapi-responses.json` (and `openapi-beta.json`, the responses_multi_agent beta's
-inject events, docs/beta.md) from a full copy of the openai/openai-openapi spec.
+inject events, docs/beta.md, and `openapi-request.json`, the create's request body, whose
+constraints tests/test_spec_constraints.py enforces) from a full copy of the openai/openai-openapi
+spec.
 
     python tests/data/extract_openapi.py path/to/openapi.json
 
@@ -27,6 +29,7 @@ ROOTS = (
 )
 # Kept apart so that the GA extract, which every checked payload is validated against, stays small.
 BETA_ROOTS = ("BetaResponseInjectCreatedEvent", "BetaResponseInjectFailedEvent")
+REQUEST_ROOTS = ("CreateResponse",)
 PREFIX = "#/components/schemas/"
 HERE = Path(__file__).parent
 
@@ -75,6 +78,10 @@ def main(source: str) -> None:
     (HERE / "openapi-beta.json").write_text(beta, encoding="utf-8")
     provenance["beta_extract_sha256"] = hashlib.sha256(beta.encode()).hexdigest()
     provenance["beta_roots"] = list(BETA_ROOTS)
+    request = json.dumps(extract(json.loads(raw), REQUEST_ROOTS), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+    (HERE / "openapi-request.json").write_text(request, encoding="utf-8")
+    provenance["request_extract_sha256"] = hashlib.sha256(request.encode()).hexdigest()
+    provenance["request_roots"] = list(REQUEST_ROOTS)
     (HERE / "openapi-responses.source.json").write_text(json.dumps(provenance, indent=2) + "\n")
 
 
