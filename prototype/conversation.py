@@ -62,7 +62,7 @@ from .schemas import (
     is_null,
 )
 from .tokenizer import Tokenizer
-from .tool_schema import check_parameters
+from .tool_schema import check_parameters, strict_compatible
 
 __all__ = [
     "Context",
@@ -247,6 +247,7 @@ class CreateRequest:
     items: tuple[Item, ...]
     tools: tuple[FunctionTool, ...]
     tools_raw: tuple[Raw, ...]
+    tools_echo: tuple[Raw, ...]  # `tools_raw` as the response echoes them (`echo_tools`)
     tool_choice: str
     store: bool
     generate: bool
@@ -365,6 +366,7 @@ def normalize_create(
         items=items,
         tools=tools,
         tools_raw=tools_raw,
+        tools_echo=echo_tools(tools_raw),
         tool_choice=tool_choice,
         store=params.store is not False,
         generate=generate,
@@ -481,6 +483,29 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
         seen.add(view.name)
         tools.append(FunctionTool(view.name, view.description, params, view.strict, view.is_async is True))
     return tuple(tools)
+
+
+def echo_tools(tools_raw: tuple[Raw, ...]) -> tuple[Raw, ...]:
+    """The tools as a response echoes them: as sent, except that a function tool gets the
+    fields the spec's `FunctionTool` requires and a client may omit, with the values the API
+    states: `parameters` null, `strict` whether the schema allows strict mode
+    (`tool_schema.strict_compatible`; null without a schema). The list is already validated."""
+    out = []
+    for raw in tools_raw:
+        data = bytes(raw)
+        if b'"strict"' in data and b'"parameters"' in data:
+            out.append(raw)  # nothing to fill in (a false hit only costs the decode below)
+            continue
+        tool = msgspec.json.decode(data)
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            out.append(raw)
+            continue
+        tool.setdefault("parameters", None)
+        if tool.get("strict") is None and tool["parameters"] is not None:
+            tool["strict"] = strict_compatible(tool["parameters"])
+        tool.setdefault("strict", None)
+        out.append(Raw(encode(tool)))
+    return tuple(out)
 
 
 class _NamedChoice(msgspec.Struct):

@@ -427,7 +427,7 @@ class Engine:
             prompt_cache_key=p.prompt_cache_key,
             store=request.store,
             temperature=1.0 if p.temperature is None else p.temperature,
-            tools=list(request.tools_raw),
+            tools=list(request.tools_echo),
             top_p=1.0 if p.top_p is None else p.top_p,
             truncation=p.truncation or "disabled",
             user=p.user,

@@ -31,7 +31,15 @@ from typing import Final
 
 from .errors import ProtocolError
 
-__all__ = ["EXTRA_ITEMS", "MAX_ARGUMENT_CHARS", "MAX_BOUND", "MAX_DEPTH", "MAX_NESTING", "check_parameters"]
+__all__ = [
+    "EXTRA_ITEMS",
+    "MAX_ARGUMENT_CHARS",
+    "MAX_BOUND",
+    "MAX_DEPTH",
+    "MAX_NESTING",
+    "check_parameters",
+    "strict_compatible",
+]
 
 JSON_TYPES: Final = frozenset({"object", "string", "integer", "number", "boolean", "array", "null"})
 MAX_DEPTH: Final = 32
@@ -193,3 +201,33 @@ def _check_numbers(node: dict[str, object], at: str, types: object) -> None:
         hi_i = math.ceil(hi) - 1 if hi_x else math.floor(hi)
         if lo_i > hi_i:
             raise _Invalid(f"{at}minimum", "the numeric bounds admit no integer")
+
+
+def strict_compatible(schema: object) -> bool:
+    """Whether a function's `parameters` can be enforced strictly, as the Structured Outputs
+    guide states strict mode's rules: every object schema sets `additionalProperties: false` and
+    requires each of its properties. The spec's `FunctionToolParam.strict`: omitted, the API
+    uses strict validation when the schema allows it and non-strict otherwise. Only a schema
+    `check_parameters` accepted reaches here."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        props = node.get("properties")
+        if node.get("type") == "object" or isinstance(props, dict):
+            if node.get("additionalProperties", True) is not False:
+                return False
+            if isinstance(props, dict):
+                if set(node.get("required") or ()) != set(props):
+                    return False
+                stack.extend(props.values())
+        items = node.get("items")
+        stack.extend(items if isinstance(items, list) else [items])
+        for key in _SCHEMA_LISTS:
+            stack.extend(node.get(key) or ())
+        for key in ("$defs", "definitions"):
+            defs = node.get(key)
+            if isinstance(defs, dict):
+                stack.extend(defs.values())
+    return True

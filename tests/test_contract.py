@@ -829,3 +829,25 @@ def test_an_item_reference_names_an_item_and_is_no_duplicate() -> None:
         ]
     )
     check_continuation(Context(), answer)
+
+
+async def test_function_tools_are_echoed_with_the_fields_the_spec_requires(
+    live: Live, session: aiohttp.ClientSession
+) -> None:
+    """`FunctionTool` on a response requires `strict` and `parameters`; a client may omit both.
+    Omitted, `strict` is what the API would use: strict when the schema allows it."""
+    closed = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
+    tools = [
+        {"type": "function", "name": "strict_ok", "parameters": {**closed, "additionalProperties": False}},
+        {"type": "function", "name": "open_schema", "parameters": closed},
+        {"type": "function", "name": "bare"},
+        {"type": "function", "name": "said", "parameters": closed, "strict": False},
+        {"type": "web_search"},
+    ]
+    status, reply = await post(session, live, body(tools=tools, tool_choice="none"))
+    assert status == 200, reply
+    echoed = {t.get("name", t["type"]): t for t in reply["tools"]}
+    assert echoed["strict_ok"]["strict"] is True
+    assert echoed["open_schema"]["strict"] is False
+    assert echoed["bare"]["parameters"] is None and echoed["bare"]["strict"] is None
+    assert echoed["said"] == tools[3] and echoed["web_search"] == tools[4]
