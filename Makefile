@@ -13,11 +13,13 @@ install:
 		|| { echo "make install: redis-server is missing and could not be installed (Debian package redis-server; apt-get needs root)" >&2; exit 1; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "make install: redis-server is still not on PATH" >&2; exit 1; }
 
-# The pinned openai-node client the lane tests drive (tests/node/package-lock.json).
+# The pinned Node clients the tests drive (tests/node/package-lock.json, docs/clients.md), and the
+# runtime of the Open Responses compliance suite (tests/openresponses/package-lock.json).
 node-clients:
 	@command -v npm >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq nodejs npm >/dev/null; } \
 		|| { echo "make node-clients: node/npm are missing and could not be installed (Debian packages nodejs npm; apt-get needs root)" >&2; exit 1; }
 	npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
+	npm ci --prefix tests/openresponses --no-audit --no-fund --loglevel=error
 
 test: install node-clients
 	LONGRUN_REQUIRE_ALL=$(LONGRUN_REQUIRE_ALL) $(PY) -m pytest $(PYTEST_ARGS)

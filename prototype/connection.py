@@ -506,6 +506,7 @@ class Connection:
         reuse_tools: bool = True,
         max_in_flight: int = MAX_IN_FLIGHT,
         max_named_lanes: int = MAX_NAMED_LANES,
+        open_responses: bool = False,
     ) -> None:
         self.lifetime_s = lifetime_s
         self.reject_concurrent = reject_concurrent
@@ -515,6 +516,7 @@ class Connection:
         self.max_cache_bytes = max_cache_bytes
         self.max_in_flight = max_in_flight
         self.max_named_lanes = max_named_lanes
+        self.open_responses = open_responses  # the Open Responses dialect's request fields
         self.ids = ids or IdFactory()
         self.default = Lane(None, None)
         self.lanes: dict[str | None, Lane] = {None: self.default}
@@ -682,7 +684,9 @@ class Connection:
                 if self.named_lanes >= self.max_named_lanes:
                     return BadFrame(STREAM_LIMIT, None, stream_id)  # a refused fork keeps its parent
             try:
-                request = normalize_create(params, websocket=True, tool_cache=self.tools)
+                request = normalize_create(
+                    params, websocket=True, tool_cache=self.tools, open_responses=self.open_responses
+                )
             except ProtocolError as err:
                 return BadFrame(err, params.previous_response_id, stream_id)
             if stream_id not in self.lanes:  # a valid create opens its lane

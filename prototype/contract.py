@@ -35,6 +35,7 @@ __all__ = [
     "FUNCTION_NAME_MAX",
     "CLIENT_PARAMETERS",
     "KNOWN_PARAMETERS",
+    "OPEN_RESPONSES_PARAMETERS",
     "METADATA_KEYS_MAX",
     "MOVED_PARAMETERS",
     "RANGES",
@@ -59,6 +60,10 @@ __all__ = [
 # accepts: Codex CLI's request builder (`ResponsesApiRequest` in openai/codex's codex-api) sends
 # `client_metadata`, a map of strings.
 CLIENT_PARAMETERS: Final = frozenset({"client_metadata"})
+
+# Request fields of the Open Responses spec (`CreateResponseBody`) that OpenAI's does not have:
+# accepted only when the server speaks that dialect (`ServerConfig.open_responses`).
+OPEN_RESPONSES_PARAMETERS: Final = ("frequency_penalty", "presence_penalty")
 
 # Every top-level parameter of `CreateResponse` in the spec, and of openai-python 3.57's
 # `ResponseCreateParams` (which adds `access_programs`, `background_options`, `image`), and the
@@ -343,9 +348,13 @@ def _nested(decode: Callable[[Raw], T], raw: Raw, param: str) -> T:
         raise err from None
 
 
-def check_params(params: CreateParams, *, websocket: bool) -> None:
+def check_params(params: CreateParams, *, websocket: bool, open_responses: bool = False) -> None:
     """The top-level rules: required parameters, exclusive pairs, features not implemented,
-    ranges, enums, lengths, metadata. Raise the first broken rule's `ProtocolError`."""
+    ranges, enums, lengths, metadata. Raise the first broken rule's `ProtocolError`.
+    `open_responses`: the Open Responses dialect, which adds its request fields."""
+    for name in OPEN_RESPONSES_PARAMETERS:
+        if not open_responses and getattr(params, name) is not msgspec.UNSET:
+            raise ProtocolError(f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name)
     if not params.model:
         raise ProtocolError("Missing required parameter: 'model'.", code="missing_required_parameter", param="model")
     if params.previous_response_id is not None and not is_null(params.conversation):

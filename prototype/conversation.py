@@ -34,6 +34,7 @@ import msgspec
 from msgspec import Raw
 
 from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload
+from .constraints import SCHEMAS, violation
 from .contract import (
     CALL_ID_MAX,
     STRING_MAX,
@@ -304,7 +305,20 @@ def parse_item(data: bytes, index: int) -> Item:
     """One input item's JSON, validated; errors name it as ``input[index]``."""
     view = _decode_at(decode_item, data, f"input[{index}]")
     _check_item(view, index)
+    _check_constraints(INPUT_ITEM, data, f"input[{index}]")
     return Item(data, view)
+
+
+INPUT_ITEM: Final = SCHEMAS["InputItem"]
+TOOL: Final = SCHEMAS["Tool"]
+
+
+def _check_constraints(schema: dict[str, object], data: bytes | Raw, where: str) -> None:
+    """The spec's value constraints on one item or tool (prototype/constraints.py), after the
+    rules above, which name their own errors first."""
+    err = violation(schema, msgspec.json.decode(data), where)
+    if err is not None:
+        raise err
 
 
 def _decode_at(decode: Callable[[bytes | Raw], T], data: bytes | Raw, where: str) -> T:
@@ -328,13 +342,19 @@ def _relocate(err: ProtocolError, where: str) -> ProtocolError:
 
 
 def normalize_create(
-    params: CreateParams, *, websocket: bool, tool_cache: ToolCache | None = None, parse: ItemParser = parse_items
+    params: CreateParams,
+    *,
+    websocket: bool,
+    tool_cache: ToolCache | None = None,
+    parse: ItemParser = parse_items,
+    open_responses: bool = False,
 ) -> CreateRequest:
     """Validate one create; raise `ProtocolError` with the offending `param`. With `tool_cache`
     (a WebSocket connection's), a tool list identical to the last one is not validated again;
-    `parse` validates the input items (`sim.memo` passes one that looks them up). The
+    `parse` validates the input items (`sim.memo` passes one that looks them up);
+    `open_responses` accepts that spec's extra request fields. The
     top-level rules are `contract.check_params`; the item rules are checked per item here."""
-    check_params(params, websocket=websocket)
+    check_params(params, websocket=websocket, open_responses=open_responses)
     assert params.model is not None  # check_params refuses a create without one
     prev = params.previous_response_id
     if prev is not None and not prev.startswith("resp_"):
@@ -397,12 +417,14 @@ def _check_item(view: InputItemView, index: int) -> None:
         _decode_parts(view.content, f"{where}.content")
     elif view.type == "function_call":
         for name in ("call_id", "name", "arguments"):
-            if getattr(view, name) is None:
+            value = getattr(view, name)
+            if value is None or (name == "arguments" and is_null(value)):
                 raise ProtocolError(
                     f"Missing required parameter: '{where}.{name}'.",
                     code="missing_required_parameter",
                     param=f"{where}.{name}",
                 )
+        _decode_at(_decode_str, view.arguments, f"{where}.arguments")
     elif view.type == "function_call_output":
         if view.call_id is None or is_null(view.output):
             missing = "call_id" if view.call_id is None else "output"
@@ -422,6 +444,9 @@ def _check_item(view: InputItemView, index: int) -> None:
         check_string_length(f"{where}.encrypted_content", view.encrypted_content, ENCRYPTED_CONTENT_MAX)
         decode_payload(view.encrypted_content, f"{where}.encrypted_content")
     # Other item types (reasoning, additional_tools, custom_tool_call, item_reference, …) pass through.
+
+
+_decode_str: Final = guarded_decoder(msgspec.json.Decoder(str))
 
 
 def _decode_parts(raw: Raw, param: str) -> str:
@@ -459,6 +484,7 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
     for index, raw in enumerate(tools_raw):
         view = _decode_at(decode_tool, raw, f"tools[{index}]")
         if view.type != "function":
+            _check_constraints(TOOL, raw, f"tools[{index}]")
             continue  # namespace, web_search, custom, …: accepted and echoed, never called by the simulator
         if not view.name:
             raise ProtocolError(
@@ -481,6 +507,7 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
                 f"Duplicate tool name: '{view.name}'.", code="invalid_value", param=f"tools[{index}].name"
             )
         seen.add(view.name)
+        _check_constraints(TOOL, raw, f"tools[{index}]")
         tools.append(FunctionTool(view.name, view.description, params, view.strict, view.is_async is True))
     return tuple(tools)
 
@@ -566,9 +593,8 @@ def item_from_output(item: OutputItem) -> Item:
     """The model's own output as an input item of the next turn (what a client replays)."""
     raw = encode(item)
     if isinstance(item, FunctionCall):
-        view = InputItemView(
-            type="function_call", id=item.id, call_id=item.call_id, name=item.name, arguments=item.arguments
-        )
+        args = Raw(encode(item.arguments))
+        view = InputItemView(type="function_call", id=item.id, call_id=item.call_id, name=item.name, arguments=args)
     elif isinstance(item, CompactionItem):
         view = InputItemView(type=COMPACTION_TYPE, id=item.id, encrypted_content=item.encrypted_content)
     else:
@@ -583,7 +609,7 @@ def _render_text(view: InputItemView) -> str:
     if t == "message":
         return f"<|start|>{view.role}<|message|>{_text_of(view)}<|end|>"
     if t == "function_call":
-        return f"<|start|>assistant to=functions.{view.name}<|message|>{view.arguments}<|call|>"
+        return f"<|start|>assistant to=functions.{view.name}<|message|>{_decode_str(view.arguments)}<|call|>"
     if t == "function_call_output":
         return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     if t == "custom_tool_call":

@@ -150,6 +150,10 @@ class CreateParams(msgspec.Struct, kw_only=True):
     prompt_cache_retention: str | None = None
     prompt_cache_options: Raw = NULL
     client_metadata: dict[str, str] | None = None  # Codex's request builder sends it; the API accepts it
+    # The Open Responses spec's sampling penalties: refused (unknown) unless the server speaks that
+    # dialect (`ServerConfig.open_responses`, docs/contract.md); UNSET tells a `null` from absent.
+    frequency_penalty: float | None | UnsetType = UNSET
+    presence_penalty: float | None | UnsetType = UNSET
     stream_options: Raw = NULL
     moderation: Raw = NULL
     conversation: Raw = NULL  # not implemented: 400
@@ -225,7 +229,7 @@ class InputItemView(msgspec.Struct):
     content: Raw = NULL  # str | list[ContentPartView] on messages; decoded by `decode_content`
     call_id: str | None = None
     name: str | None = None
-    arguments: str | None = None
+    arguments: Raw = NULL  # a string on function_call (checked there); an object on tool_search_call
     output: Raw = NULL  # str | list[ContentPartView] on function_call_output
     input: str | None = None  # custom_tool_call
     status: str | None = None
@@ -323,6 +327,7 @@ class Response(msgspec.Struct, kw_only=True):
     status: str
     background: bool = False
     error: ResponseError | None = None
+    frequency_penalty: float = 0.0  # not in the spec's Response; the real API sends it (docs/protocol.md)
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -330,15 +335,19 @@ class Response(msgspec.Struct, kw_only=True):
     model: str
     output: list[OutputItem] = []
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0  # as frequency_penalty
     previous_response_id: str | None = None
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     reasoning: Raw = DEFAULT_REASONING
+    safety_identifier: str | None = None
     service_tier: str = "default"
     store: bool = True
     temperature: float = 1.0
     text: Raw = DEFAULT_TEXT
     tool_choice: Raw = DEFAULT_TOOL_CHOICE
     tools: list[Raw] = []
+    top_logprobs: int = 0
     top_p: float = 1.0
     truncation: str = "disabled"
     usage: Usage | None = None

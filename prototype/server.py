@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--sse-done", action="store_true", help="end SSE streams with 'data: [DONE]'")
     p.add_argument(
+        "--open-responses",
+        action="store_true",
+        help="accept the Open Responses spec's request fields OpenAI's lacks (frequency_penalty, presence_penalty)",
+    )
+    p.add_argument(
         "--reuse-port",
         action="store_true",
         help="bind with SO_REUSEPORT (Linux), so several server processes share one port; give them a redis store",
@@ -209,6 +214,7 @@ async def serve(args: argparse.Namespace) -> None:
         reject_concurrent=args.reject_concurrent,
         refuse_websocket=args.refuse_websocket,
         sse_done=args.sse_done,
+        open_responses=args.open_responses,
         append_timeout_s=args.append_timeout,
         profile=load_profile(args.profile),
         optimizations=ALL_OPTIMIZATIONS - {Optimization(o) for o in args.disable},

@@ -95,6 +95,9 @@ class ServerConfig:
     reject_concurrent: bool = False  # 409 instead of FIFO queueing
     refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
     sse_done: bool = False  # end SSE streams with `data: [DONE]`
+    # Speak the Open Responses dialect where it differs from OpenAI's: accept its request fields
+    # (`frequency_penalty`, `presence_penalty`; docs/contract.md). Off, they are unknown parameters.
+    open_responses: bool = False
     # A paused append-mode response holds KV while it waits; 300 s is within the retention of idle
     # prompt caches (cleared after 5 to 10 minutes of inactivity, OpenAI's prompt-caching guide).
     append_timeout_s: float = 300.0
@@ -145,7 +148,9 @@ def http_create(
     `ProtocolError` to answer with. `tool_cache`: skip validating a tool list identical to the last."""
     arrival = Arrival(engine.clock.now(), len(body), "http")
     params = _decoded(body, config, decode_create_params)
-    create = normalize_create(params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser)
+    create = normalize_create(
+        params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser, open_responses=config.open_responses
+    )
     return params, create, arrival
 
 
@@ -262,6 +267,7 @@ class WebSocketSession:
             max_queued=config.max_queued_creates,
             max_cache_bytes=config.max_cache_bytes,
             reuse_tools=Optimization.STATE_CACHE in config.optimizations,
+            open_responses=config.open_responses,
         )
         self.jobs: dict[int, asyncio.Task[None]] = {}  # by job number
         self.pause_timers: dict[int, asyncio.Task[None]] = {}

@@ -38,11 +38,12 @@ PURE_CORE = {
     "clock",
     "tokenizer",
     "timing",
+    "constraints",
 }
 # Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
 # token arrays are numpy arrays).
 BANNED_TRANSITIVELY = {"asyncio", "aiohttp", "uvloop", "redis", "sqlite3"}
-NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock"}
+NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock", "constraints"}
 ENTRY_POINTS = {
     ROOT / "prototype" / "server.py",
     ROOT / "sim" / "__main__.py",

@@ -1,7 +1,7 @@
 """Every constraint the spec states on a create's parameters is enforced, on both transports.
 
-The cases come from the spec itself (tests/data/openapi-request.json, extracted from the pinned
-openai/openai-openapi spec by tests/data/extract_openapi.py), not from a list in this file: each
+The cases come from the spec itself (prototype/data/openapi-request.json, extracted from the
+pinned openai/openai-openapi spec by tests/data/extract_openapi.py), not from a list in this file: each
 `minimum`, `maximum`, `minLength`, `maxLength`, `minItems`, `maxItems` and `enum` that a
 top-level parameter of `CreateResponse` states, on the parameter itself, on a field of an object
 it takes, or on the items of an array it takes. For each one a body is built from a minimal valid
@@ -32,10 +32,11 @@ from prototype.contract import UNSUPPORTED_FEATURES
 
 from .support import Live, live_server
 
-DATA: Final = Path(__file__).parent / "data"
+DATA: Final = Path(__file__).parents[1] / "prototype" / "data"
 SCHEMAS: Final[dict[str, Any]] = json.loads((DATA / "openapi-request.json").read_text())["components"]["schemas"]
+# (the server's copy: prototype/constraints.py walks the same schemas)
 PREFIX: Final = "#/components/schemas/"
-SKIPPED: Final = frozenset({"input", "tools"})  # their rules are tests/test_contract.py's
+SKIPPED: Final = frozenset({"input", "tools"})  # walked per variant by `_part_cases`
 CHECKED: Final = ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "enum")
 BAD_ENUM: Final = "longrun-not-a-value"
 BASE: Final[dict[str, Any]] = {"model": "sim", "input": "hi"}
@@ -135,9 +136,10 @@ class Case:
     keyword: str
     body: dict[str, Any]
     code: str
+    variant: str = ""  # the item or tool type the case breaks a field of
 
     def __str__(self) -> str:
-        return f"{self.param}:{self.keyword}"
+        return f"{self.variant + ':' if self.variant else ''}{self.param}:{self.keyword}"
 
 
 def _with(root: str, value: Any) -> dict[str, Any]:
@@ -183,11 +185,104 @@ def _cases() -> list[Case]:
                                 last,
                                 lambda v, b=base, n=name, m=mid, d=deep: {**b, n: {**m, d: v}},
                             )
-    # The root document carries the components, so the spec's local `$ref`s resolve in it.
-    validator = jsonschema.Draft202012Validator({"$ref": PREFIX + "CreateResponse", "components": {"schemas": SCHEMAS}})
     # A case binds only if the spec refuses its body (an alternative without the constraint
     # would accept it).
-    return [c for c in found.values() if not validator.is_valid(c.body)]
+    return [c for c in found.values() if not VALIDATOR.is_valid(c.body)] + _part_cases()
+
+
+# The root document carries the components, so the spec's local `$ref`s resolve in it.
+VALIDATOR: Final = jsonschema.Draft202012Validator(
+    {"$ref": PREFIX + "CreateResponse", "components": {"schemas": SCHEMAS}}
+)
+PART_DEPTH: Final = 3  # fields of an item or tool, of their objects, and of those objects' objects
+Path_ = tuple[str | int, ...]
+
+
+def _variants(name: str) -> list[dict[str, Any]]:
+    """The object variants of a union schema (nested unions spread out)."""
+    out = []
+    for alt in _alternatives(SCHEMAS[name]):
+        nested = alt.get("anyOf") or alt.get("oneOf")
+        out += _variants_of(nested) if nested else [alt] if alt.get("type") == "object" or "properties" in alt else []
+    return out
+
+
+def _variants_of(alts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for alt in alts:
+        for a in _alternatives(alt):
+            nested = a.get("anyOf") or a.get("oneOf")
+            out += _variants_of(nested) if nested else [a]
+    return out
+
+
+def _put(value: Any, path: Path_, leaf: Any) -> Any:
+    """`value` with the spot at `path` set to `leaf` (copies along the path)."""
+    if not path:
+        return leaf
+    head, rest = path[0], path[1:]
+    if isinstance(head, int):
+        items = list(value)
+        items[head] = _put(items[head], rest, leaf)
+        return items
+    return {**value, head: _put(value.get(head, {}), rest, leaf)}
+
+
+def _param(path: Path_) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
+def _sites(node: dict[str, Any], root: Any, path: Path_, depth: int) -> list[tuple[Path_, dict[str, Any], Any]]:
+    """(path, the constrained schema, a valid root holding the path's parents) of every field of
+    `node` at `path` in `root`, and of the objects below it to `PART_DEPTH`."""
+    fields, _ = _properties(node)
+    out = []
+    for name, sub in fields.items():
+        here = (*path, name)
+        for leaf in _alternatives(sub):
+            out.append((here, leaf, root))
+            if depth >= PART_DEPTH:
+                continue
+            if leaf.get("type") == "object" or "properties" in leaf:
+                out += _sites(leaf, _put(root, here, _minimal(leaf)), here, depth + 1)
+            elif leaf.get("type") == "array" and isinstance(leaf.get("items"), dict):
+                for item in _alternatives(leaf["items"]):
+                    if item.get("type") == "object" or "properties" in item:
+                        out += _sites(item, _put(root, here, [_minimal(item)]), (*here, 0), depth + 1)
+    return out
+
+
+# Fields the spec leaves optional that the server's own item rules require (docs/contract.md):
+# a minimal instance carries them, so that the case breaks the constraint and nothing else.
+REQUIRED_BY_SERVER: Final = {"function_call_output": ("call_id",), "custom_tool_call_output": ("call_id",)}
+
+
+def _part_cases() -> list[Case]:
+    """Input items and tools: every variant of `InputItem` and `Tool`, its minimal instance in an
+    otherwise valid body, each constrained field broken in turn."""
+    found: dict[str, Case] = {}
+    for root, union in (("input", "InputItem"), ("tools", "Tool")):
+        for variant in _variants(union):
+            instance = _minimal(variant)
+            fields, _ = _properties(variant)
+            for name in REQUIRED_BY_SERVER.get(instance.get("type", ""), ()):
+                instance.setdefault(name, _minimal(fields[name]))
+            base = {**BASE, root: [instance]}
+            if not VALIDATOR.is_valid(base):
+                continue  # a variant whose minimal instance the generator cannot build validly
+            tag = base[root][0].get("type", "message")
+            for path, leaf, holder in _sites(variant, base, (root, 0), 1):
+                for keyword in CHECKED:
+                    if keyword not in leaf or leaf.get("type") not in ("integer", "number", "string", "array"):
+                        continue
+                    if keyword == "maxLength" and leaf[keyword] > 1 << 16:
+                        continue  # a 10 MB string per case is the size tests' (tests/test_contract_sizes.py)
+                    body = _put(holder, path, _broken(leaf, keyword))
+                    if VALIDATOR.is_valid(body) or not VALIDATOR.is_valid(holder):
+                        continue
+                    case = Case(_param(path), keyword, body, _code(leaf, keyword), tag)
+                    found.setdefault(f"{tag}:{case.param}:{keyword}", case)
+    return list(found.values())
 
 
 CASES: Final = _cases()

@@ -1,7 +1,7 @@
 """Rebuild `openapi-responses.json` (and `openapi-beta.json`, the responses_multi_agent beta's
-inject events, docs/beta.md, and `openapi-request.json`, the create's request body, whose
-constraints tests/test_spec_constraints.py enforces) from a full copy of the openai/openai-openapi
-spec.
+inject events, docs/beta.md, and prototype/data/openapi-request.json, the create's request
+body, whose constraints the server walks (prototype/constraints.py) and
+tests/test_spec_constraints.py checks) from a full copy of the openai/openai-openapi spec.
 
     python tests/data/extract_openapi.py path/to/openapi.json
 
@@ -79,7 +79,7 @@ def main(source: str) -> None:
     provenance["beta_extract_sha256"] = hashlib.sha256(beta.encode()).hexdigest()
     provenance["beta_roots"] = list(BETA_ROOTS)
     request = json.dumps(extract(json.loads(raw), REQUEST_ROOTS), indent=1, sort_keys=True, ensure_ascii=False) + "\n"
-    (HERE / "openapi-request.json").write_text(request, encoding="utf-8")
+    (HERE.parents[1] / "prototype" / "data" / "openapi-request.json").write_text(request, encoding="utf-8")
     provenance["request_extract_sha256"] = hashlib.sha256(request.encode()).hexdigest()
     provenance["request_roots"] = list(REQUEST_ROOTS)
     (HERE / "openapi-responses.source.json").write_text(json.dumps(provenance, indent=2) + "\n")

@@ -1,0 +1,294 @@
+"""The spec's constraints on request values, walked generically: input items and tools.
+
+The request schemas of the pinned OpenAI spec (`prototype/data/openapi-request.json`, extracted by
+tests/data/extract_openapi.py) state `minimum`, `maximum`, `minLength`, `maxLength`, `minItems`,
+`maxItems` and `enum` on the fields of every input item and tool. `violation` walks a decoded
+value against its schema and returns the first constraint it breaks, as the real API names it
+(code by the kind of constraint, `param` the value's path), or None. It checks constraints only:
+types, required and unknown fields are the decoders' and `conversation.py`'s rules. A union's
+`type` is an enum too: a `type` no variant has is `invalid_value` at `….type`; item and tool
+types the spec lists but the simulator does not implement pass (docs/contract.md). Where a
+union's variants differ, the value passes if one plausible variant accepts it (`_candidates`):
+the spec is stricter than the API about which fields a replayed item carries.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+from typing import Any, Final
+
+from .errors import ProtocolError
+
+__all__ = ["SCHEMAS", "violation"]
+
+_PREFIX: Final = "#/components/schemas/"
+_JSON_TYPES: Final = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "boolean": bool,
+    "null": type(None),
+}
+
+
+def _load() -> dict[str, Any]:
+    text = resources.files("prototype").joinpath("data/openapi-request.json").read_text(encoding="utf-8")
+    schemas: dict[str, Any] = json.loads(text)["components"]["schemas"]
+    return schemas
+
+
+SCHEMAS: Final = _load()
+
+
+def _resolve(node: dict[str, Any]) -> dict[str, Any]:
+    while "$ref" in node:
+        node = SCHEMAS[node["$ref"][len(_PREFIX) :]]
+    return node
+
+
+def _fits(node: dict[str, Any], value: object) -> bool:
+    """Whether `value`'s JSON type is one `node` allows (no `type`: any)."""
+    kind = node.get("type")
+    if kind is None:
+        return True
+    kinds = kind if isinstance(kind, list) else [kind]
+    for k in kinds:
+        if k == "integer" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if k == "number" and isinstance(value, int | float) and not isinstance(value, bool):
+            return True
+        if k in _JSON_TYPES and isinstance(value, _JSON_TYPES[k]) and not (k != "boolean" and isinstance(value, bool)):
+            return True
+    return False
+
+
+@functools.cache
+def _discriminators(name: str) -> frozenset[str] | None:
+    """The `type` values a named object schema admits (its `type` property's const or enum)."""
+    return _tag_values(_properties(SCHEMAS[name]).get("type"))
+
+
+def _tag_values(tag: dict[str, Any] | None) -> frozenset[str] | None:
+    if tag is None:
+        return None
+    tag = _resolve(tag)
+    if "const" in tag:
+        return frozenset({tag["const"]})
+    if "enum" in tag:
+        return frozenset(v for v in tag["enum"] if isinstance(v, str))
+    values = [_tag_values(a) for a in tag.get("anyOf") or tag.get("oneOf") or ()]  # e.g. an enum or null
+    found = frozenset().union(*(v for v in values if v))
+    return found or None
+
+
+def _properties(node: dict[str, Any]) -> dict[str, Any]:
+    node = _resolve(node)
+    props: dict[str, Any] = dict(node.get("properties", {}))
+    for part in node.get("allOf", []):
+        props.update(_properties(part))
+    return props
+
+
+def _tags(node: dict[str, Any]) -> frozenset[str] | None:
+    if "$ref" in node:
+        return _discriminators(node["$ref"][len(_PREFIX) :])
+    return _tag_values(_properties(node).get("type"))
+
+
+def _flatten(alternatives: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A union's variants, nested unions spread out (their `$ref`s kept, for the tags)."""
+    out: list[dict[str, Any]] = []
+    for alt in alternatives:
+        inner = _resolve(alt)
+        nested = inner.get("anyOf") or inner.get("oneOf")
+        if nested and not inner.get("properties"):
+            out.extend(_flatten(nested))
+        else:
+            out.append(alt)
+    return out
+
+
+def _required(node: dict[str, Any]) -> set[str]:
+    node = _resolve(node)
+    need = set(node.get("required", []))
+    for part in node.get("allOf", []):
+        need |= _required(part)
+    return need
+
+
+def _candidates(alternatives: list[dict[str, Any]], value: object) -> list[dict[str, Any]] | None:
+    """The variants `value` may be: those of its JSON type and, for an object, of its `type`,
+    whose fields' types its fields have, and that name at least one of its other fields. Any of
+    them may accept it (the API does not hold a replayed item to every field its variant lists
+    or requires); the likeliest first, whose error is the one reported: those that name all its
+    fields, then those whose required fields it has. None: its `type` names no variant."""
+    fitting = [a for a in alternatives if _fits(_resolve(a), value)]
+    if not isinstance(value, dict):
+        return fitting
+    tag = value.get("type")
+    if isinstance(tag, str):
+        tagged = [a for a in fitting if tag in (_tags(a) or ())]
+        if not tagged and any(_tags(a) for a in fitting):
+            return None
+        fitting = tagged or fitting
+    fitting = [a for a in fitting if _fields_fit(a, value)] or fitting
+    own = value.keys() - {"type"}
+    if own:
+        fitting = [a for a in fitting if own & _properties(a).keys()] or fitting
+
+    def rank(a: dict[str, Any]) -> int:
+        named = value.keys() <= _properties(a).keys()
+        return (0 if named else 2) + (0 if _required(a) <= value.keys() else 1)
+
+    return sorted(fitting, key=rank)
+
+
+def _fields_fit(node: dict[str, Any], value: dict[str, Any]) -> bool:
+    """Whether each field of `value` that `node` names has a JSON type the field's schema allows."""
+    props = _properties(node)
+    for key, field in value.items():
+        sub = props.get(key)
+        if sub is None:
+            continue
+        sub = _resolve(sub)
+        alts = (
+            _flatten(sub["anyOf"] if "anyOf" in sub else sub["oneOf"]) if ("anyOf" in sub or "oneOf" in sub) else [sub]
+        )
+        if not any(_fits(_resolve(a), field) for a in alts):
+            return False
+    return True
+
+
+def _supported(values: list[object]) -> str:
+    quoted = [f"'{v}'" for v in values]
+    return " and ".join(quoted) if len(quoted) <= 2 else ", ".join(quoted[:-1]) + ", and " + quoted[-1]
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(value)
+
+
+def _own(node: dict[str, Any], value: object, path: str) -> ProtocolError | None:
+    """`node`'s own constraints on `value` (one level, no descent)."""
+    if "enum" in node and value not in node["enum"]:
+        return ProtocolError(
+            f"Invalid value: '{value}'. Supported values are: {_supported(node['enum'])}.",
+            code="invalid_value",
+            param=path,
+        )
+    if isinstance(value, str):
+        if "maxLength" in node and len(value) > node["maxLength"]:
+            bound = node["maxLength"]
+            return ProtocolError(
+                f"Invalid '{path}': string too long. Expected a string with maximum length {bound}, "
+                f"but got a string with length {len(value)} instead.",
+                code="string_above_max_length",
+                param=path,
+            )
+        if "minLength" in node and len(value) < node["minLength"]:
+            bound = node["minLength"]
+            if bound == 1:
+                return ProtocolError(
+                    f"Invalid '{path}': empty string. Expected a string with minimum length 1, "
+                    "but got an empty string instead.",
+                    code="empty_string",
+                    param=path,
+                )
+            return ProtocolError(
+                f"Invalid '{path}': string too short. Expected a string with minimum length {bound}, "
+                f"but got a string with length {len(value)} instead.",
+                code="string_below_min_length",
+                param=path,
+            )
+    if isinstance(value, list):
+        if "maxItems" in node and len(value) > node["maxItems"]:
+            bound = node["maxItems"]
+            return ProtocolError(
+                f"Invalid '{path}': array too long. Expected an array with maximum length {bound}, "
+                f"but got an array with length {len(value)} instead.",
+                code="array_above_max_length",
+                param=path,
+            )
+        if "minItems" in node and len(value) < node["minItems"]:
+            bound = node["minItems"]
+            if bound == 1:
+                return ProtocolError(
+                    f"Invalid '{path}': empty array. Expected an array with minimum length 1, "
+                    "but got an empty array instead.",
+                    code="empty_array",
+                    param=path,
+                )
+            return ProtocolError(
+                f"Invalid '{path}': array too short. Expected an array with minimum length {bound}, "
+                f"but got an array with length {len(value)} instead.",
+                code="array_below_min_length",
+                param=path,
+            )
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        kind = "integer" if node.get("type") == "integer" else "decimal"
+        if "minimum" in node and value < node["minimum"]:
+            return ProtocolError(
+                f"Invalid '{path}': {kind} below minimum value. Expected a value >= {_num(node['minimum'])}, "
+                f"but got {_num(value)} instead.",
+                code=f"{kind}_below_min_value",
+                param=path,
+            )
+        if "maximum" in node and value > node["maximum"]:
+            return ProtocolError(
+                f"Invalid '{path}': {kind} above maximum value. Expected a value <= {_num(node['maximum'])}, "
+                f"but got {_num(value)} instead.",
+                code=f"{kind}_above_max_value",
+                param=path,
+            )
+    return None
+
+
+def violation(node: dict[str, Any], value: object, path: str, depth: int = 0) -> ProtocolError | None:
+    """The first constraint of `node` that `value` breaks, named at `path`; None if it meets them."""
+    if depth > 64:
+        return None  # deeper than any schema of the spec: a value only (the decoders bound nesting)
+    node = _resolve(node)
+    alternatives = node.get("anyOf") or node.get("oneOf")
+    if alternatives:
+        variants = _flatten(alternatives)
+        candidates = _candidates(variants, value)
+        if candidates is None:  # a `type` no variant has: the union's discriminator is an enum too
+            assert isinstance(value, dict)
+            tags = sorted({t for a in variants for t in (_tags(a) or ())})
+            return _own({"enum": tags}, value["type"], f"{path}.type")
+        first: ProtocolError | None = None
+        for alt in candidates:
+            err = violation(alt, value, path, depth + 1)
+            if err is None:
+                return None
+            first = first or err
+        return first
+    for part in node.get("allOf", []):
+        err = violation(part, value, path, depth + 1)
+        if err is not None:
+            return err
+    err = _own(node, value, path)
+    if err is not None:
+        return err
+    if isinstance(value, dict):
+        for key, sub in node.get("properties", {}).items():
+            if key in value:
+                err = violation(sub, value[key], f"{path}.{key}", depth + 1)
+                if err is not None:
+                    return err
+        extra = node.get("additionalProperties")
+        if isinstance(extra, dict):
+            known = node.get("properties", {})
+            for key, item in value.items():
+                if key not in known:
+                    err = violation(extra, item, f"{path}.{key}", depth + 1)
+                    if err is not None:
+                        return err
+    elif isinstance(value, list) and isinstance(node.get("items"), dict):
+        for index, item in enumerate(value):
+            err = violation(node["items"], item, f"{path}[{index}]", depth + 1)
+            if err is not None:
+                return err
+    return None
