@@ -83,22 +83,43 @@ def _tag_values(tag: dict[str, Any] | None) -> frozenset[str] | None:
     return found or None
 
 
+# The schemas never change: what is derived from a node is kept by the node's identity.
+_PROPERTIES: dict[int, dict[str, Any]] = {}
+_REQUIRED: dict[int, frozenset[str]] = {}
+_FLAT: dict[int, list[dict[str, Any]]] = {}
+_TAGS: dict[int, frozenset[str] | None] = {}
+
+
 def _properties(node: dict[str, Any]) -> dict[str, Any]:
-    node = _resolve(node)
-    props: dict[str, Any] = dict(node.get("properties", {}))
-    for part in node.get("allOf", []):
-        props.update(_properties(part))
-    return props
+    found = _PROPERTIES.get(id(node))
+    if found is None:
+        inner = _resolve(node)
+        found = dict(inner.get("properties", {}))
+        for part in inner.get("allOf", []):
+            found.update(_properties(part))
+        _PROPERTIES[id(node)] = found
+    return found
 
 
 def _tags(node: dict[str, Any]) -> frozenset[str] | None:
-    if "$ref" in node:
-        return _discriminators(node["$ref"][len(_PREFIX) :])
-    return _tag_values(_properties(node).get("type"))
+    key = id(node)
+    if key not in _TAGS:
+        if "$ref" in node:
+            _TAGS[key] = _discriminators(node["$ref"][len(_PREFIX) :])
+        else:
+            _TAGS[key] = _tag_values(_properties(node).get("type"))
+    return _TAGS[key]
 
 
 def _flatten(alternatives: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A union's variants, nested unions spread out (their `$ref`s kept, for the tags)."""
+    found = _FLAT.get(id(alternatives))
+    if found is None:
+        found = _FLAT[id(alternatives)] = _spread(alternatives)
+    return found
+
+
+def _spread(alternatives: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for alt in alternatives:
         inner = _resolve(alt)
@@ -110,12 +131,15 @@ def _flatten(alternatives: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _required(node: dict[str, Any]) -> set[str]:
-    node = _resolve(node)
-    need = set(node.get("required", []))
-    for part in node.get("allOf", []):
-        need |= _required(part)
-    return need
+def _required(node: dict[str, Any]) -> frozenset[str]:
+    found = _REQUIRED.get(id(node))
+    if found is None:
+        inner = _resolve(node)
+        need = set(inner.get("required", []))
+        for part in inner.get("allOf", []):
+            need |= _required(part)
+        found = _REQUIRED[id(node)] = frozenset(need)
+    return found
 
 
 def _candidates(alternatives: list[dict[str, Any]], value: object) -> list[dict[str, Any]] | None:
@@ -124,15 +148,16 @@ def _candidates(alternatives: list[dict[str, Any]], value: object) -> list[dict[
     them may accept it (the API does not hold a replayed item to every field its variant lists
     or requires); the likeliest first, whose error is the one reported: those that name all its
     fields, then those whose required fields it has. None: its `type` names no variant."""
+    tag = value.get("type") if isinstance(value, dict) else None
+    if isinstance(tag, str):
+        by_tag, any_tag = _tag_index(alternatives)
+        tagged = by_tag.get(tag)
+        if tagged is None and any_tag:
+            return None
+        alternatives = tagged or alternatives
     fitting = [a for a in alternatives if _fits(_resolve(a), value)]
     if not isinstance(value, dict):
         return fitting
-    tag = value.get("type")
-    if isinstance(tag, str):
-        tagged = [a for a in fitting if tag in (_tags(a) or ())]
-        if not tagged and any(_tags(a) for a in fitting):
-            return None
-        fitting = tagged or fitting
     fitting = [a for a in fitting if _fields_fit(a, value)] or fitting
     own = value.keys() - {"type"}
     if own:
@@ -143,6 +168,21 @@ def _candidates(alternatives: list[dict[str, Any]], value: object) -> list[dict[
         return (0 if named else 2) + (0 if _required(a) <= value.keys() else 1)
 
     return sorted(fitting, key=rank)
+
+
+_TAG_INDEX: dict[int, tuple[dict[str, list[dict[str, Any]]], bool]] = {}
+
+
+def _tag_index(alternatives: list[dict[str, Any]]) -> tuple[dict[str, list[dict[str, Any]]], bool]:
+    """A union's variants by the `type` values they admit, and whether any admits one."""
+    found = _TAG_INDEX.get(id(alternatives))
+    if found is None:
+        index: dict[str, list[dict[str, Any]]] = {}
+        for alt in alternatives:
+            for tag in _tags(alt) or ():
+                index.setdefault(tag, []).append(alt)
+        found = _TAG_INDEX[id(alternatives)] = (index, bool(index))
+    return found
 
 
 def _fields_fit(node: dict[str, Any], value: dict[str, Any]) -> bool:
