@@ -210,6 +210,34 @@ def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(value)
 
 
+def _length(node: dict[str, Any], n: int, path: str, noun: str, keys: tuple[str, str]) -> ProtocolError | None:
+    """A string's or an array's length against `minLength`/`maxLength` or `minItems`/`maxItems`."""
+    a = "an" if noun == "array" else "a"
+    low, high = (node.get(k) for k in keys)
+    if high is not None and n > high:
+        return ProtocolError(
+            f"Invalid '{path}': {noun} too long. Expected {a} {noun} with maximum length {high}, "
+            f"but got {a} {noun} with length {n} instead.",
+            code=f"{noun}_above_max_length",
+            param=path,
+        )
+    if low is not None and n < low:
+        if low == 1:
+            return ProtocolError(
+                f"Invalid '{path}': empty {noun}. Expected {a} {noun} with minimum length 1, "
+                f"but got an empty {noun} instead.",
+                code=f"empty_{noun}",
+                param=path,
+            )
+        return ProtocolError(
+            f"Invalid '{path}': {noun} too short. Expected {a} {noun} with minimum length {low}, "
+            f"but got {a} {noun} with length {n} instead.",
+            code=f"{noun}_below_min_length",
+            param=path,
+        )
+    return None
+
+
 def _own(node: dict[str, Any], value: object, path: str) -> ProtocolError | None:
     """`node`'s own constraints on `value` (one level, no descent)."""
     if "enum" in node and value not in node["enum"]:
@@ -219,53 +247,9 @@ def _own(node: dict[str, Any], value: object, path: str) -> ProtocolError | None
             param=path,
         )
     if isinstance(value, str):
-        if "maxLength" in node and len(value) > node["maxLength"]:
-            bound = node["maxLength"]
-            return ProtocolError(
-                f"Invalid '{path}': string too long. Expected a string with maximum length {bound}, "
-                f"but got a string with length {len(value)} instead.",
-                code="string_above_max_length",
-                param=path,
-            )
-        if "minLength" in node and len(value) < node["minLength"]:
-            bound = node["minLength"]
-            if bound == 1:
-                return ProtocolError(
-                    f"Invalid '{path}': empty string. Expected a string with minimum length 1, "
-                    "but got an empty string instead.",
-                    code="empty_string",
-                    param=path,
-                )
-            return ProtocolError(
-                f"Invalid '{path}': string too short. Expected a string with minimum length {bound}, "
-                f"but got a string with length {len(value)} instead.",
-                code="string_below_min_length",
-                param=path,
-            )
+        return _length(node, len(value), path, "string", ("minLength", "maxLength"))
     if isinstance(value, list):
-        if "maxItems" in node and len(value) > node["maxItems"]:
-            bound = node["maxItems"]
-            return ProtocolError(
-                f"Invalid '{path}': array too long. Expected an array with maximum length {bound}, "
-                f"but got an array with length {len(value)} instead.",
-                code="array_above_max_length",
-                param=path,
-            )
-        if "minItems" in node and len(value) < node["minItems"]:
-            bound = node["minItems"]
-            if bound == 1:
-                return ProtocolError(
-                    f"Invalid '{path}': empty array. Expected an array with minimum length 1, "
-                    "but got an empty array instead.",
-                    code="empty_array",
-                    param=path,
-                )
-            return ProtocolError(
-                f"Invalid '{path}': array too short. Expected an array with minimum length {bound}, "
-                f"but got an array with length {len(value)} instead.",
-                code="array_below_min_length",
-                param=path,
-            )
+        return _length(node, len(value), path, "array", ("minItems", "maxItems"))
     if isinstance(value, int | float) and not isinstance(value, bool):
         kind = "integer" if node.get("type") == "integer" else "decimal"
         if "minimum" in node and value < node["minimum"]:

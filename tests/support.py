@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -115,3 +117,26 @@ async def receive_event(ws: aiohttp.ClientWebSocketResponse, timeout: float = RE
     assert msg.type is aiohttp.WSMsgType.TEXT, f"expected a text frame, got {msg.type.name}: {msg.data!r}"
     event: dict[str, Any] = json.loads(msg.data)
     return event
+
+
+async def run_client(
+    *args: str, cwd: Path, timeout_s: float, env: Mapping[str, str] | None = None
+) -> tuple[int, bytes, bytes]:
+    """Run a real client's process to its end: (exit status, stdout, stderr). Killed past
+    `timeout_s`, so a client waiting for an event that never comes fails its test."""
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        cwd=cwd,
+        env=dict(env) if env is not None else None,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out, err

@@ -14,7 +14,6 @@ LONGRUN_REQUIRE_ALL=1 (CI) and skips elsewhere.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from prototype.model import ModelRequest
 from prototype.tokenizer import get_tokenizer
 from sim.model.policy import PlannedItem, ScriptPolicy, parse_script
 
-from .support import live_server
+from .support import live_server, run_client
 
 CODEX: Final = Path(__file__).parent / "node" / "node_modules" / ".bin" / "codex"
 MARKER: Final = "longrun-tool-ok"
@@ -67,7 +66,7 @@ async def _exec(home: Path, work: Path) -> tuple[int, str, str]:
         "LONGRUN_API_KEY": "sk-longrun",
         "NO_COLOR": "1",
     }
-    proc = await asyncio.create_subprocess_exec(
+    code, out, err = await run_client(
         str(CODEX),
         "exec",
         "--skip-git-repo-check",
@@ -75,18 +74,9 @@ async def _exec(home: Path, work: Path) -> tuple[int, str, str]:
         TASK,
         cwd=work,
         env=env,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        timeout_s=CODEX_TIMEOUT_S,
     )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), CODEX_TIMEOUT_S)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        raise
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+    return code, out.decode(errors="replace"), err.decode(errors="replace")
 
 
 @dataclass

@@ -11,7 +11,6 @@ ends with the same text. The server counts the responses and the transport they 
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Final
 
@@ -19,7 +18,7 @@ import pytest
 
 from prototype.app import ENGINE
 
-from .support import live_server
+from .support import live_server, run_client
 from .test_real_clients_lanes import NODE_DIR, node_executable
 
 TOOL_CALLS: Final = 3
@@ -32,24 +31,11 @@ CLIENTS: Final = ("vercel-generate", "vercel-stream", "agents-http", "agents-web
 async def _run(client: str) -> tuple[dict[str, object], int, int]:
     node = node_executable()
     async with live_server(tool_calls=TOOL_CALLS) as live:
-        proc = await asyncio.create_subprocess_exec(
-            node,
-            str(SCRIPT),
-            live.base_url,
-            client,
-            cwd=NODE_DIR,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        code, out, err = await run_client(
+            node, str(SCRIPT), live.base_url, client, cwd=NODE_DIR, timeout_s=CLIENT_TIMEOUT_S
         )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), CLIENT_TIMEOUT_S)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise
         stats = live.app[ENGINE].statistics()
-    assert proc.returncode == 0, f"{client} exited {proc.returncode}:\n{err.decode(errors='replace')[-4000:]}"
+    assert code == 0, f"{client} exited {code}:\n{err.decode(errors='replace')[-4000:]}"
     return json.loads(out.decode().strip().splitlines()[-1]), stats.responses, stats.responses_websocket
 
 

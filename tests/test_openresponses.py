@@ -15,7 +15,6 @@ which the last test checks on both transports.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 from typing import Any, Final
@@ -25,7 +24,7 @@ import pytest
 
 from prototype.session import ServerConfig
 
-from .support import live_server
+from .support import live_server, run_client
 
 SUITE: Final = Path(__file__).parent / "openresponses"
 BUN: Final = SUITE / "node_modules" / ".bin" / "bun"
@@ -36,30 +35,14 @@ TESTS: Final = 17
 
 async def _suite(config: ServerConfig) -> dict[str, Any]:
     async with live_server(config=config) as live:
-        proc = await asyncio.create_subprocess_exec(
-            str(BUN),
-            "run",
-            "bin/compliance-test.ts",
-            "--base-url",
-            live.base_url,
-            "--api-key",
-            "sk-longrun",
-            "--json",
-            cwd=SUITE,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
+        args = ("--base-url", live.base_url, "--api-key", "sk-longrun", "--json")
+        code, out, err = await run_client(
+            str(BUN), "run", "bin/compliance-test.ts", *args, cwd=SUITE, timeout_s=SUITE_TIMEOUT_S
         )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), SUITE_TIMEOUT_S)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise
     try:
         report: dict[str, Any] = json.loads(out)
     except json.JSONDecodeError:
-        raise AssertionError(f"the suite printed no report ({proc.returncode}):\n{err.decode()[-4000:]}") from None
+        raise AssertionError(f"the suite printed no report ({code}):\n{err.decode()[-4000:]}") from None
     return report
 
 
