@@ -59,7 +59,7 @@ def _fits(node: dict[str, Any], value: object) -> bool:
             return True
         if k == "number" and isinstance(value, int | float) and not isinstance(value, bool):
             return True
-        if k in _JSON_TYPES and isinstance(value, _JSON_TYPES[k]) and not (k != "boolean" and isinstance(value, bool)):
+        if k in _JSON_TYPES and isinstance(value, _JSON_TYPES[k]):  # a bool is none of the others
             return True
     return False
 
