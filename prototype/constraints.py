@@ -14,7 +14,6 @@ the spec is stricter than the API about which fields a replayed item carries.
 
 from __future__ import annotations
 
-import functools
 import json
 from importlib import resources
 from typing import Any, Final
@@ -64,12 +63,6 @@ def _fits(node: dict[str, Any], value: object) -> bool:
     return False
 
 
-@functools.cache
-def _discriminators(name: str) -> frozenset[str] | None:
-    """The `type` values a named object schema admits (its `type` property's const or enum)."""
-    return _tag_values(_properties(SCHEMAS[name]).get("type"))
-
-
 def _tag_values(tag: dict[str, Any] | None) -> frozenset[str] | None:
     if tag is None:
         return None
@@ -102,12 +95,10 @@ def _properties(node: dict[str, Any]) -> dict[str, Any]:
 
 
 def _tags(node: dict[str, Any]) -> frozenset[str] | None:
+    """The `type` values a variant admits (its `type` property's const or enum)."""
     key = id(node)
     if key not in _TAGS:
-        if "$ref" in node:
-            _TAGS[key] = _discriminators(node["$ref"][len(_PREFIX) :])
-        else:
-            _TAGS[key] = _tag_values(_properties(node).get("type"))
+        _TAGS[key] = _tag_values(_properties(node).get("type"))  # `_properties` follows a `$ref`
     return _TAGS[key]
 
 

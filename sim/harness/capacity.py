@@ -175,6 +175,11 @@ class Variant(NamedTuple):
     policy: str  # append's hold policy, "-" for the others
     preempt: str  # "preempt" or "wait" for hold and ttl, "-" where nothing is held
 
+    @classmethod
+    def of(cls, row: dict[str, Any]) -> Variant:
+        """The variant a row or point is of."""
+        return cls(row["mode"], row["policy"], row["preempt"])
+
     @property
     def label(self) -> str:
         return self.mode + "".join(f" {v}" for v in (self.policy, self.preempt) if v != "-")
@@ -314,7 +319,7 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
     ws = {(*_cell(r), r["seed"]): r for r in rows if r["mode"] == "ws"}
     groups: dict[tuple[Variant, tuple[float, int, int, float]], list[dict[str, Any]]] = {}
     for row in rows:
-        groups.setdefault((Variant(row["mode"], row["policy"], row["preempt"]), _cell(row)), []).append(row)
+        groups.setdefault((Variant.of(row), _cell(row)), []).append(row)
     out = []
     for (v, cell), group in groups.items():
         goodput, low, high = _interval([r["goodput"] for r in group])
@@ -344,12 +349,8 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         out.append(point)
     order = {v: i for i, v in enumerate(variants(config))}
     return sorted(
-        out, key=lambda p: (p["tool_tail"], p["kv_budget_tokens"], order[_variant(p)], p["users"], p["offered_load"])
+        out, key=lambda p: (p["tool_tail"], p["kv_budget_tokens"], order[Variant.of(p)], p["users"], p["offered_load"])
     )
-
-
-def _variant(p: dict[str, Any]) -> Variant:
-    return Variant(p["mode"], p["policy"], p["preempt"])
 
 
 def run_capacity(
@@ -409,7 +410,7 @@ def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> 
     for title, block in _blocks(config, points):
         lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>24}" for x in axis)]
         for v in variants(config):
-            cells = {p[key]: p for p in block if _variant(p) == v}
+            cells = {p[key]: p for p in block if Variant.of(p) == v}
             text = [
                 _ci(c["goodput"], c["goodput_ci_low"], c["goodput_ci_high"], ".3f") if c else "-"
                 for c in (cells.get(x) for x in axis)
@@ -432,7 +433,7 @@ def crossover_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) ->
         for v in variants(config):
             if v.mode != "append":
                 continue
-            cells = {p[key]: p for p in block if _variant(p) == v}
+            cells = {p[key]: p for p in block if Variant.of(p) == v}
             text = []
             for c in (cells.get(x) for x in axis):
                 if c is None or math.isnan(c["saved_vs_ws_pct"]):

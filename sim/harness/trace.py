@@ -238,7 +238,7 @@ def _capacity_grid(path: Path, config: CapacityConfig, points: list[dict[str, An
             ax = axes[i][j]
             cell = [p for p in points if p["tool_tail"] == tail and p["kv_budget_tokens"] == budget]
             for v in shown:
-                line = sorted((p for p in cell if _variant_of(p) == v), key=lambda p: p[key])
+                line = sorted((p for p in cell if Variant.of(p) == v), key=lambda p: p[key])
                 x = [p[key] for p in line]
                 ax.plot(x, [p[column] for p in line], marker="o", markersize=3, label=v.label)
                 if line and all(p["n"] > 1 for p in line):
@@ -260,7 +260,3 @@ def _capacity_grid(path: Path, config: CapacityConfig, points: list[dict[str, An
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _variant_of(p: dict[str, Any]) -> Variant:
-    return Variant(p["mode"], p["policy"], p["preempt"])
