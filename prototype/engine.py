@@ -104,7 +104,7 @@ from .schemas import (
 )
 from .store import ResponseStore, StoreUnavailable
 from .stream import (
-    RS,
+    DIALECTS,
     CompactionDone,
     CompactionStarted,
     Continue,
@@ -128,8 +128,9 @@ __all__ = [
     "Emit",
     "Engine",
     "EngineStatistics",
+    "Channel",
+    "Inbox",
     "Outcome",
-    "PauseChannel",
     "ResponseRun",
     "Resumed",
     "STORE_UNAVAILABLE",
@@ -190,23 +191,84 @@ class Aborted:
     reason: str  # `incomplete_details.reason`: append_timeout, connection_limit
 
 
-class PauseChannel(Protocol):
-    """Whom a pausing response tells that it started, emitted an async call, and paused (the
-    session, which asks the connection core). The core's decision comes back through
-    `ResponseRun.resume`. `dialect` names the pause's wire rendering (stream.DIALECTS)."""
+Ack = InjectAccepted | InjectRefused | SteerAccepted
+
+
+class Inbox:
+    """What the connection core sends one running response over a WebSocket: acknowledgements
+    to number in its stream, the input handed over at a turn's end, the decision that ends a
+    pause. The session puts; only the response's own task takes, so every event of the stream
+    is numbered by one writer. `steers` is what this response was told of the steers queued for
+    it (the submissions themselves are the core's)."""
+
+    __slots__ = ("acks", "steers", "_decision", "_handed", "_wake")
+
+    def __init__(self) -> None:
+        self.acks: list[Ack] = []  # in arrival order; the run's hot path tests this list
+        self.steers: list[SteerRef] = []
+        self._decision: Resumed | Aborted | None = None
+        self._handed: tuple[Item, ...] | None = None
+        self._wake: asyncio.Event | None = None
+
+    def acknowledge(self, ack: Ack) -> None:
+        self.acks.append(ack)
+        if isinstance(ack, SteerAccepted):
+            self.steers.append(ack.steer)
+        self._notify()
+
+    def hand(self, items: tuple[Item, ...]) -> None:
+        """Beta, at a turn's end: what was injected so far."""
+        self._handed = items
+
+    def decide(self, decision: Resumed | Aborted) -> None:
+        self._decision = decision
+        self._notify()
+
+    def take_handed(self) -> tuple[Item, ...]:
+        items, self._handed = self._handed or (), None
+        return items
+
+    def take_decision(self) -> Resumed | Aborted | None:
+        decision, self._decision = self._decision, None
+        return decision
+
+    async def wait(self) -> None:
+        """Until something is put (return at once if something is waiting)."""
+        if self.acks or self._decision is not None:
+            return
+        self._wake = asyncio.Event()
+        try:
+            await self._wake.wait()
+        finally:
+            self._wake = None
+
+    def _notify(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+
+class Channel(Protocol):
+    """A WebSocket response's link to its connection core (the session's per-job handle).
+    The run tells the core what happened; the core's answers come back as return values
+    (`turn_ended`) or through `inbox`, which only the run's task drains. `dialect` is the
+    connection's: `create` (no pauses; steering), `append` or `beta` (the pause's wire
+    rendering, stream.DIALECTS)."""
 
     dialect: str
+    inbox: Inbox
 
-    def started(self, run: ResponseRun) -> None: ...
-
-    async def called(self, run: ResponseRun, call: RequiredInput) -> None: ...
-
-    async def turn_ended(self, run: ResponseRun) -> None:
-        """Beta: the run's turn ended in async calls; the core hands it what was injected so far
-        (`ResponseRun.take_input`), before the run decides whether its model decodes on."""
+    async def called(self, call: RequiredInput) -> None:
+        """Beta: an async call was emitted; its output may be injected from now on."""
         ...
 
-    async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None: ...
+    async def turn_ended(self) -> tuple[Item, ...]:
+        """Beta: the run's turn ended in async calls; returns what was injected so far, before
+        the run decides whether its model decodes on."""
+        ...
+
+    async def paused(self, required: tuple[RequiredInput, ...]) -> None:
+        """The response paused for `required`; the decision arrives in `inbox`."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,7 +560,7 @@ class Engine:
         *,
         arrival: Arrival | None = None,
         response_id: str | None = None,
-        pauses: PauseChannel | None = None,
+        channel: Channel | None = None,
         fork: bool = False,
     ) -> Coroutine[None, None, Outcome]:
         """Serve one create: the coroutine of a new `ResponseRun`, which owns its life (returned
@@ -507,13 +569,13 @@ class Engine:
         with `response.failed` (`Outcome.failure` says which error). Cancellation propagates
         after cleanup.
 
-        With `pauses` (append mode) a turn that ends in function calls pauses the
-        response instead of finishing it: `response.done`, then the channel says
-        whether to resume with appended items or to end `incomplete`.
+        `channel`: the response runs on a WebSocket connection core. In its `append` and `beta`
+        dialects a turn that ends in function calls pauses the response instead of finishing
+        it, and the core decides whether to resume with appended items or to end `incomplete`.
 
         `fork`: another response already continues from `cached` (a fork onto another lane),
         so its context is copied rather than extended in place."""
-        run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, pauses)
+        run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, channel)
         return run.run(cached, fork=fork)
 
     async def compact_context(
@@ -675,45 +737,21 @@ class ResponseRun:
         emit: Emit,
         arrival: Arrival,
         response_id: str | None,
-        pauses: PauseChannel | None,
+        channel: Channel | None,
     ) -> None:
         self.engine = engine
         self.request = request
         self.emit = emit
         self.arrival = arrival
-        self.pauses = pauses
-        self._decision: asyncio.Future[Resumed | Aborted] | None = None  # set while paused
+        # Append and beta pause; a `create` connection's responses end where HTTP's do.
+        self.pauses = channel if channel is not None and channel.dialect in DIALECTS else None
+        # Acknowledgements that arrive from the core wait here until this run's task numbers
+        # them, at its next event boundary or at once while it waits, so sequence numbers go out
+        # in order. Over HTTP nothing arrives.
+        self.inbox = channel.inbox if channel is not None else Inbox()
+        self._queued = self.inbox.acks
         self.stages = _Stages(engine.clock, engine._counts, arrival.at)
         self.template = engine.new_response(request, response_id)
-        self.in_context = 0  # append mode: output items already interleaved in the context
-        self.beta = pauses is not None and pauses.dialect == "beta"
-        self.steers: list[SteerRef] = []  # beta: steers queued for this response, in order
-        # While this run's task is producing the stream's events, acknowledgements that arrive from
-        # the connection are queued and numbered by the task at its next event boundary, so sequence
-        # numbers go out in order; while it waits (paused, or done) they are sent at once.
-        self._owner_busy = True
-        self._queued: list[InjectAccepted | InjectRefused | SteerAccepted] = []
-        # Beta async tools: the unanswered async calls (call_id -> the turn_index of the turn that
-        # made them), and what the core handed over at the last turn boundary.
-        self._open_calls: dict[str, int] = {}
-        self._taken: tuple[Item, ...] = ()
-
-    def _uses(self, optimization: Optimization) -> bool:
-        return self.engine._uses(self.arrival, optimization)
-
-    async def run(self, cached: CacheEntry | None, *, fork: bool = False) -> Outcome:
-        engine, stages, request = self.engine, self.stages, self.request
-        profile = engine.profile
-        engine._counts.responses += 1
-        engine._counts.responses_websocket += self.arrival.transport == "ws"
-        if self.pauses is not None:
-            self.pauses.started(self)  # from now on the core's acknowledgements reach this run
-        try:
-            await stages.wait(Stage.NETWORK, profile.upload_s(self.arrival.body_bytes))
-            stages.lap(Stage.PARSE)
-            self.resolved = await self.resolve(cached, fork=fork)
-        except ProtocolError as err:
-            return Outcome(self.template, None, err)
         if self.pauses is not None:
             async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
             self.stream = ResponseStream(
@@ -721,6 +759,35 @@ class ResponseRun:
             )
         else:
             self.stream = ResponseStream(self.template, engine.ids)
+        self.in_context = 0  # append mode: output items already interleaved in the context
+        self.beta = self.pauses is not None and self.pauses.dialect == "beta"
+        # Beta async tools: the unanswered async calls (call_id -> the turn_index of the turn that made them).
+        self._open_calls: dict[str, int] = {}
+
+    def _uses(self, optimization: Optimization) -> bool:
+        return self.engine._uses(self.arrival, optimization)
+
+    async def run(self, cached: CacheEntry | None, *, fork: bool = False) -> Outcome:
+        """The response's life, then what the core acknowledged while its last events went out
+        (numbered after them: see stream.py). Nothing awaits between the last look at the inbox
+        and the return, so the core learns of the end before it can acknowledge anything else."""
+        outcome = await self._life(cached, fork)
+        if outcome.error is None:
+            while self._queued:
+                await self.emit(self._drain())
+        return outcome
+
+    async def _life(self, cached: CacheEntry | None, fork: bool) -> Outcome:
+        engine, stages, request = self.engine, self.stages, self.request
+        profile = engine.profile
+        engine._counts.responses += 1
+        engine._counts.responses_websocket += self.arrival.transport == "ws"
+        try:
+            await stages.wait(Stage.NETWORK, profile.upload_s(self.arrival.body_bytes))
+            stages.lap(Stage.PARSE)
+            self.resolved = await self.resolve(cached, fork=fork)
+        except ProtocolError as err:
+            return Outcome(self.template, None, err)
         self.turn = _Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
@@ -870,8 +937,8 @@ class ResponseRun:
         try:
             await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.inference_hop_s)
             while True:
-                if self.steers and self._steerable():
-                    # Beta: a steer queued before this segment's first token; nothing decoded yet.
+                if self.inbox.steers and self._steerable():
+                    # A steer queued before this segment's first token; nothing decoded yet.
                     return await self._finish(stream.receive(Interrupt()))
                 done = await self._sample(turn.model_request())
                 if isinstance(done, Interrupt):
@@ -906,7 +973,6 @@ class ResponseRun:
             log.exception("response %s failed", stream.response.id)
             failed = stream.abort("server_error", INTERNAL_ERROR.message)
             self._queued.clear()  # the response failed: what was acknowledged comes back from the core
-            self._owner_busy = False
             await self.emit(failed)
             return Outcome(stream.response, None, failure=INTERNAL_ERROR)
 
@@ -915,7 +981,7 @@ class ResponseRun:
     def _may_decode_on(self) -> bool:
         """Whether the model is asked at all: it must decide (`DecidesAsync`), and a queued steer
         takes the next safe boundary, which is a resume."""
-        return isinstance(self.engine.model, DecidesAsync) and not self.steers
+        return isinstance(self.engine.model, DecidesAsync) and not self.inbox.steers
 
     async def _boundary(self) -> tuple[Item, ...]:
         """The end of a turn that made async calls: the calls join the context, and the core
@@ -927,18 +993,11 @@ class ResponseRun:
         self.in_context = turn.outputs_in_context
         turn.prompt_tokens = turn.count()
         self.stages.lap(Stage.RENDER)
-        self._taken = ()
-        await self.pauses.turn_ended(self)
-        taken: tuple[Item, ...] = self._taken  # set by `take_input` during the call
-        self._taken = ()
+        taken = await self.pauses.turn_ended()
         for item in taken:
             if item.view.type == "function_call_output":
                 self._open_calls.pop(str(item.view.call_id), None)
         return taken
-
-    def take_input(self, items: tuple[Item, ...]) -> None:
-        """From the connection core, during `PauseChannel.turn_ended`: what was injected so far."""
-        self._taken = items
 
     def _decodes_on(self) -> bool:
         """The model's decision (`DecidesAsync.decodes_on`) for the next turn, given the turns
@@ -974,7 +1033,7 @@ class ResponseRun:
         return None
 
     async def _pause(
-        self, pauses: PauseChannel, required: tuple[RequiredInput, ...], carried: tuple[Item, ...] = ()
+        self, pauses: Channel, required: tuple[RequiredInput, ...], carried: tuple[Item, ...] = ()
     ) -> Outcome | None:
         """Pause for tool outputs; resume with what was appended (None), or end incomplete.
         `carried`: beta, input the core handed over at the turn's end, committed first."""
@@ -987,13 +1046,8 @@ class ResponseRun:
         await self.emit(self._drain() + pause if self._queued else pause)
         engine._counts.pauses += 1
         paused_at = engine.clock.now()
-        self._decision = asyncio.get_running_loop().create_future()
-        self._owner_busy = False  # waiting: acknowledgements go out as they come
-        try:
-            await pauses.paused(self, required)
-            decision = await self._decision
-        finally:
-            self._decision = None
+        await pauses.paused(required)
+        decision = await self._decision()
         # The response's KV stays resident while the client runs its tools.
         engine._counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
         if isinstance(decision, Aborted):
@@ -1008,7 +1062,7 @@ class ResponseRun:
         if isinstance(taken, Outcome):
             return taken
         compaction = taken
-        if self.steers:
+        if self.inbox.steers:
             # Beta: the resume point is a safe output boundary (no output in flight, no call
             # owed): a queued steer ends the response here; its successor commits the steer.
             return await self._finish(stream.end_incomplete("steered"))
@@ -1034,7 +1088,6 @@ class ResponseRun:
             compaction = await self._compact_paused()
         if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
             failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
-            self._owner_busy = False
             await self.emit(failed + self._drain())
             return Outcome(stream.response, None)
         await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * (stages.report.tokens_rendered - before))
@@ -1056,29 +1109,17 @@ class ResponseRun:
         self.stages.lap(Stage.COMPACTION)
         return compaction
 
-    def resume(self, decision: Resumed | Aborted) -> None:
-        """The connection core's decision for the paused response: go on with the appended
-        items, or end `incomplete`."""
-        if self._decision is not None and not self._decision.done():
-            self._owner_busy = True
-            self._decision.set_result(decision)
-
-    async def acknowledge_inject(self, refused: InjectRefused | None) -> None:
-        """`response.inject.created` (or `.failed`), numbered in this response's stream."""
-        await self._acknowledge(refused or InjectAccepted())
-
-    async def acknowledge_steer(self, steer: SteerRef) -> None:
-        """Beta: `response.steer.accepted`, numbered in this response's stream; the steer takes
-        effect at the next safe boundary (a resume), or when the response ends."""
-        self.steers.append(steer)
-        await self._acknowledge(SteerAccepted(steer))
-
-    async def _acknowledge(self, ack: InjectAccepted | InjectRefused | SteerAccepted) -> None:
-        stream = getattr(self, "stream", None)
-        if self._owner_busy or stream is None or stream.state is RS.QUEUED:
-            self._queued.append(ack)  # the run's task sends it, in sequence
-            return
-        await self.emit(stream.receive(ack))
+    async def _decision(self) -> Resumed | Aborted:
+        """The core's decision for the paused response (go on with the appended items, or end
+        `incomplete`); what it acknowledges meanwhile goes out as it comes."""
+        inbox = self.inbox
+        while True:
+            if self._queued:
+                await self.emit(self._drain())
+            decision = inbox.take_decision()
+            if decision is not None:
+                return decision
+            await inbox.wait()
 
     def _drain(self) -> list[ServerEvent]:
         """The queued acknowledgements, numbered now."""
@@ -1107,7 +1148,7 @@ class ResponseRun:
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
-            receive, queued = stream.receive, self._queued
+            receive, queued, steers = stream.receive, self._queued, self.inbox.steers
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if isinstance(event, Prefilled):
@@ -1125,10 +1166,10 @@ class ResponseRun:
                         if isinstance(call, FunctionCall) and call.is_async is True and self.pauses is not None:
                             # Its output may be injected from now on, while the model decodes on.
                             self._open_calls[call.call_id] = request.turn_index
-                            await self.pauses.called(self, RequiredInput(call_id=call.call_id, name=call.name))
+                            await self.pauses.called(RequiredInput(call_id=call.call_id, name=call.name))
                         if queued:
                             await emit(self._drain())
-                            if self.steers and self._steerable():
+                            if steers and self._steerable():
                                 stages.lap(Stage.DECODE)
                                 stages.report.tokens_decoded = stream.output_tokens
                                 return Interrupt()
@@ -1136,7 +1177,7 @@ class ResponseRun:
                 await emit(receive(event))
                 if queued:  # an acknowledgement arrived while the model decoded
                     await emit(self._drain())
-                    if self.steers and self._steerable():
+                    if steers and self._steerable():
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return Interrupt()
@@ -1184,13 +1225,12 @@ class ResponseRun:
             resolved.safety_chunks,
         )
         events.extend(self._drain())  # numbered after the terminal event: see stream.py
-        if owed and self.steers and response.status == "completed":
-            for steer in self.steers:
+        if owed and self.inbox.steers and response.status == "completed":
+            for steer in self.inbox.steers:
                 events.extend(stream.receive(SteerPending(steer, owed)))
         else:
             owed = owed if response.status == "completed" else ()
         await self.emit(events)
-        self._owner_busy = False
         return Outcome(response, entry, owed=owed)
 
     async def _unstored(self, events: list[ServerEvent], err: ProtocolError) -> Outcome:
@@ -1211,5 +1251,4 @@ class ResponseRun:
         events[-1] = ResponseFailed(sequence_number=terminal.sequence_number, response=failed)
         events.extend(self._drain())
         await self.emit(events)
-        self._owner_busy = False
         return Outcome(failed, None, failure=err)

@@ -29,13 +29,14 @@ from .connection import (
     CloseSocket,
     Connection,
     Job,
+    Output,
     ResumeJob,
     SendFrame,
     StartJob,
     TakeInput,
 )
-from .conversation import CreateRequest, ToolCache, normalize_create
-from .engine import Aborted, Arrival, Emit, Engine, ResponseRun, Resumed
+from .conversation import CreateRequest, Item, ToolCache, normalize_create
+from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .schemas import (
@@ -50,6 +51,7 @@ from .schemas import (
     decode_text,
     encode,
 )
+from .stream import InjectAccepted, SteerAccepted
 from .timing import TimingFrames
 
 T = TypeVar("T")
@@ -269,10 +271,8 @@ class WebSocketSession:
             reuse_tools=Optimization.STATE_CACHE in config.optimizations,
             open_responses=config.open_responses,
         )
-        self.jobs: dict[int, asyncio.Task[None]] = {}  # by job number
-        self.pause_timers: dict[int, asyncio.Task[None]] = {}
-        self.paused_runs: dict[int, ResponseRun] = {}  # by job number, while paused
-        self.runs: dict[int, ResponseRun] = {}  # by job number, append or beta, while in flight
+        self.jobs: dict[int, _JobHandle] = {}  # by job number, while in flight
+        self.dialect = "beta" if beta else "append" if self.conn.append_mode else "create"
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
@@ -292,9 +292,9 @@ class WebSocketSession:
             timer.cancel()
             self.conn.disconnected()
             await self._flush()
-            tasks = [timer, *self.pause_timers.values(), *self.jobs.values()]
-            for number in list(self.pause_timers):
-                self._disarm_pause(number)
+            tasks = [timer, *(handle.task for handle in self.jobs.values() if handle.task is not None)]
+            for handle in self.jobs.values():
+                handle.disarm()
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -313,47 +313,19 @@ class WebSocketSession:
                     if not self.ws.closed:
                         await self.writer.send_text(data)
                 case StartJob(job=job):
-                    self.jobs[job.number] = asyncio.get_running_loop().create_task(self._run(job))
-                case CancelJob(job=job):
-                    task = self.jobs.get(job.number)
-                    if task is not None:
-                        task.cancel()
+                    handle = self.jobs[job.number] = _JobHandle(self, job, self.dialect)
+                    handle.task = asyncio.get_running_loop().create_task(self._run(handle))
                 case CloseSocket(code=code, reason=reason):
                     self._flush_frames()
                     await self.ws.close(code=code, message=reason.encode())
-                case ArmPauseTimer(job=job):
-                    self.pause_timers[job.number] = asyncio.get_running_loop().create_task(self._pause_timeout(job))
-                case ResumeJob(job=job, items=items, at=at, body_bytes=size):
-                    self._decide(job, Resumed(items, Arrival(at, size, "ws", routed=True)))
-                case AbortPause(job=job, reason=reason):
-                    self._decide(job, Aborted(reason))
-                case AckInject(job=job, refused=refused):
-                    run = self.runs.get(job.number)
-                    if run is not None:
-                        await run.acknowledge_inject(refused)
-                case TakeInput(job=job, items=items):
-                    run = self.runs.get(job.number)
-                    if run is not None:
-                        run.take_input(items)
-                case AckSteer(job=job, steer=steer):
-                    run = self.runs.get(job.number)
-                    if run is not None:
-                        await run.acknowledge_steer(steer)
+                case _:
+                    target = self.jobs.get(out.job.number)
+                    if target is not None:  # a job that ended meanwhile has nothing left to hear
+                        target.carry_out(out)
 
     def _flush_frames(self) -> None:
         if isinstance(self.writer, BatchedFrames):
             self.writer.flush()
-
-    def _decide(self, job: Job, decision: Resumed | Aborted) -> None:
-        self._disarm_pause(job.number)
-        run = self.paused_runs.pop(job.number, None)
-        if run is not None:
-            run.resume(decision)
-
-    def _disarm_pause(self, number: int) -> None:
-        timer = self.pause_timers.pop(number, None)
-        if timer is not None and timer is not asyncio.current_task():
-            timer.cancel()
 
     async def _pause_timeout(self, job: Job) -> None:
         clock = self.engine.clock
@@ -361,14 +333,8 @@ class WebSocketSession:
         self.conn.pause_timed_out(job)
         await self._flush()
 
-    async def paused(self, job: Job, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
-        """`PauseChannel` for `job`: tell the core; its decision reaches `run.resume`."""
-        self.paused_runs[job.number] = run
-        self.conn.response_paused(job, required)
-        await self._flush()
-
-    async def _run(self, job: Job) -> None:
-        writer = self.writer
+    async def _run(self, handle: _JobHandle) -> None:
+        job, writer = handle.job, self.writer
         prefix = stream_prefix(job.stream_id)
         # Frames straight from the encoder's bytes; a named lane's get its `stream_id` first.
         # The default lane's path makes no extra call per event.
@@ -406,9 +372,7 @@ class WebSocketSession:
                 emit,
                 arrival=arrival,
                 response_id=job.response_id,
-                pauses=_JobPauses(self, job, "beta" if self.conn.beta else "append")
-                if self.conn.append_mode or self.conn.beta
-                else None,
+                channel=handle,
                 fork=not job.exclusive,
             )
         except ConnectionResetError:
@@ -419,31 +383,63 @@ class WebSocketSession:
         else:
             self.conn.response_ended(job, outcome.entry, outcome.error, outcome.owed, at=self.engine.clock.now())
         finally:
+            handle.disarm()
             self.jobs.pop(job.number, None)
-            self.runs.pop(job.number, None)
         await self._flush()
 
 
-class _JobPauses:
-    """The `PauseChannel` of one response of a session."""
+class _JobHandle:
+    """One response in flight on a session: its task, its pause timer, and the `Channel` its
+    run talks to the core through. The core's outputs for the job land in `inbox`, which only
+    the run's task drains."""
 
-    __slots__ = ("dialect", "job", "session")
+    __slots__ = ("dialect", "inbox", "job", "pause_timer", "session", "task")
 
     def __init__(self, session: WebSocketSession, job: Job, dialect: str) -> None:
         self.session = session
         self.job = job
         self.dialect = dialect
+        self.inbox = Inbox()
+        self.task: asyncio.Task[None] | None = None
+        self.pause_timer: asyncio.Task[None] | None = None
 
-    def started(self, run: ResponseRun) -> None:
-        self.session.runs[self.job.number] = run
+    def carry_out(self, out: Output) -> None:
+        """One of the core's outputs for this job."""
+        match out:
+            case CancelJob():
+                if self.task is not None:
+                    self.task.cancel()
+            case ArmPauseTimer():
+                self.pause_timer = asyncio.get_running_loop().create_task(self.session._pause_timeout(self.job))
+            case ResumeJob(items=items, at=at, body_bytes=size):
+                self.disarm()
+                self.inbox.decide(Resumed(items, Arrival(at, size, "ws", routed=True)))
+            case AbortPause(reason=reason):
+                self.disarm()
+                self.inbox.decide(Aborted(reason))
+            case AckInject(refused=refused):
+                self.inbox.acknowledge(refused or InjectAccepted())
+            case AckSteer(steer=steer):
+                self.inbox.acknowledge(SteerAccepted(steer))
+            case TakeInput(items=items):
+                self.inbox.hand(items)
 
-    async def called(self, run: ResponseRun, call: RequiredInput) -> None:
+    def disarm(self) -> None:
+        timer, self.pause_timer = self.pause_timer, None
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
+
+    # -- Channel -----------------------------------------------------------------------------------
+
+    async def called(self, call: RequiredInput) -> None:
         self.session.conn.call_emitted(self.job, call)
         await self.session._flush()
 
-    async def turn_ended(self, run: ResponseRun) -> None:
+    async def turn_ended(self) -> tuple[Item, ...]:
         self.session.conn.turn_ended(self.job)
-        await self.session._flush()
+        await self.session._flush()  # the core hands the input over at once (`TakeInput`)
+        return self.inbox.take_handed()
 
-    async def paused(self, run: ResponseRun, required: tuple[RequiredInput, ...]) -> None:
-        await self.session.paused(self.job, run, required)
+    async def paused(self, required: tuple[RequiredInput, ...]) -> None:
+        self.session.conn.response_paused(self.job, required)
+        await self.session._flush()
