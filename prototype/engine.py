@@ -125,10 +125,10 @@ __all__ = [
     "Aborted",
     "Arrival",
     "CacheEntry",
+    "Channel",
     "Emit",
     "Engine",
     "EngineStatistics",
-    "Channel",
     "Inbox",
     "Outcome",
     "ResponseRun",
@@ -749,7 +749,6 @@ class ResponseRun:
         # them, at its next event boundary or at once while it waits, so sequence numbers go out
         # in order. Over HTTP nothing arrives.
         self.inbox = channel.inbox if channel is not None else Inbox()
-        self._queued = self.inbox.acks
         self.stages = _Stages(engine.clock, engine._counts, arrival.at)
         self.template = engine.new_response(request, response_id)
         if self.pauses is not None:
@@ -773,7 +772,7 @@ class ResponseRun:
         and the return, so the core learns of the end before it can acknowledge anything else."""
         outcome = await self._life(cached, fork)
         if outcome.error is None:
-            while self._queued:
+            while self.inbox.acks:
                 await self.emit(self._drain())
         return outcome
 
@@ -972,7 +971,7 @@ class ResponseRun:
             # stream with `response.failed`, details only in the log.
             log.exception("response %s failed", stream.response.id)
             failed = stream.abort("server_error", INTERNAL_ERROR.message)
-            self._queued.clear()  # the response failed: what was acknowledged comes back from the core
+            self.inbox.acks.clear()  # the response failed: what was acknowledged comes back from the core
             await self.emit(failed)
             return Outcome(stream.response, None, failure=INTERNAL_ERROR)
 
@@ -1022,7 +1021,7 @@ class ResponseRun:
             return taken
         compaction = taken
         events = stream.receive(Continue(input_tokens=turn.prompt_tokens))
-        if self._queued:
+        if self.inbox.acks:
             events += self._drain()
         if events:
             await self.emit(events)
@@ -1043,7 +1042,7 @@ class ResponseRun:
         stages.lap(Stage.RENDER)
         stream.response = structs.replace(stream.response, longrun=stages.end_segment())
         pause = stream.receive(Pause())
-        await self.emit(self._drain() + pause if self._queued else pause)
+        await self.emit(self._drain() + pause if self.inbox.acks else pause)
         engine._counts.pauses += 1
         paused_at = engine.clock.now()
         await pauses.paused(required)
@@ -1114,7 +1113,7 @@ class ResponseRun:
         `incomplete`); what it acknowledges meanwhile goes out as it comes."""
         inbox = self.inbox
         while True:
-            if self._queued:
+            if self.inbox.acks:
                 await self.emit(self._drain())
             decision = inbox.take_decision()
             if decision is not None:
@@ -1124,14 +1123,14 @@ class ResponseRun:
     def _drain(self) -> list[ServerEvent]:
         """The queued acknowledgements, numbered now."""
         out: list[ServerEvent] = []
-        for ack in self._queued:
+        for ack in self.inbox.acks:
             out.extend(self.stream.receive(ack))
-        self._queued.clear()
+        self.inbox.acks.clear()
         return out
 
     def _started(self, events: list[ServerEvent]) -> list[ServerEvent]:
         """The stream's first events, then the acknowledgements that came before them."""
-        return events + self._drain() if self._queued else events
+        return events + self._drain() if self.inbox.acks else events
 
     def _steerable(self) -> bool:
         """Beta: whether the response may stop here for a queued steer (docs/beta.md): no call
@@ -1148,7 +1147,7 @@ class ResponseRun:
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
-            receive, queued, steers = stream.receive, self._queued, self.inbox.steers
+            receive, queued, steers = stream.receive, self.inbox.acks, self.inbox.steers
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if isinstance(event, Prefilled):
