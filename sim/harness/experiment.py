@@ -361,7 +361,6 @@ async def run_compare(
     kv_idle = dict.fromkeys(config.modes, 0.0)
     caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
     gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
-    done = 0
     shared: dict[tuple[Mode, int, int], list[WSClient]] = {}
 
     def lane_client(mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
@@ -377,10 +376,7 @@ async def run_compare(
             share_socket(group)
         return group[index % config.lanes]
 
-    async def one(
-        mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int, total: int, n: int
-    ) -> RolloutResult:
-        nonlocal done
+    async def one(mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int) -> RolloutResult:
         async with gate:
             client = lane_client(mode, batch, index, size)
             try:
@@ -403,16 +399,16 @@ async def run_compare(
             finally:
                 await client.close()
         result.prompt_tokens = prompts.take(mode, spec)
-        done += 1
-        if progress:
-            _progress(done, total, n)
+        bar.update()
         return result
 
     stopped = ""
+    bar = _progress_bar(progress, total=len(config.modes) * len(specs))
     try:
         for batch in itertools.count():
-            total = done + len(config.modes) * len(specs)
             n = len(results) // max(1, len(config.modes)) + len(specs)
+            bar.total = bar.n + len(config.modes) * len(specs)  # each batch adds its rollouts to the bar
+            bar.set_postfix_str(f"n={n} per mode")
             for mode in config.modes:
                 # Each mode has its own prefix cache, cold at its first rollout and kept across
                 # batches: the same prompts run in every mode, and a shared cache would favour
@@ -421,7 +417,7 @@ async def run_compare(
                 prompts.mode = mode
                 idle_before = engine.statistics().kv_idle_token_s
                 # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
-                runs = (one(mode, batch, i, spec, len(specs), total, n) for i, spec in enumerate(specs))  # type: ignore[arg-type]
+                runs = (one(mode, batch, i, spec, len(specs)) for i, spec in enumerate(specs))  # type: ignore[arg-type]
                 results.extend(await asyncio.gather(*runs))
                 kv_idle[mode] += engine.statistics().kv_idle_token_s - idle_before
             if config.ci_width <= 0:
@@ -438,9 +434,8 @@ async def run_compare(
                 break
             specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
             specs = _interjected(config, specs)
-        if progress:
-            print(file=sys.stderr)
     finally:
+        bar.close()
         if runner is not None:
             await runner.cleanup()
         if threads is not None:
@@ -516,11 +511,13 @@ def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[Rollou
 _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
 
 
-def _progress(done: int, total: int, n: int, width: int = 30) -> None:
-    filled = width * done // total
-    print(
-        f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} rollouts (n={n} per mode)",
-        end="",
-        file=sys.stderr,
-        flush=True,
-    )
+def _progress_bar(enabled: bool, *, total: int) -> Any:
+    """A bar of the rollouts run, on stderr, when `enabled`: a widget in a notebook, a bar on a
+    terminal, and nothing where stderr is no terminal (a log, a pipe), which the bar's carriage
+    returns would fill (tqdm's `disable=None`). Its total grows by a batch's rollouts as each
+    batch starts."""
+    # Imported here: in a notebook kernel without ipywidgets importing tqdm.auto warns, and the
+    # notebooks import this module without asking for a bar.
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="rollout", file=sys.stderr, disable=None if enabled else True, leave=True)
