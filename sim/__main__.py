@@ -14,17 +14,18 @@ headline comparison into a small committed folder and renders the README's table
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 import uvloop
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
@@ -222,11 +223,7 @@ def capacity_main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     grid = len(config.grid())
-    with tqdm(total=grid, unit="point", disable=True if args.quiet else None, file=sys.stderr) as bar:
-
-        def on_point(done: int, total: int) -> None:
-            bar.update(done - bar.n)
-
+    with _points_bar(grid, quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows, points_ = run_capacity(config, executor, on_point=on_point)
@@ -310,27 +307,29 @@ def sweep_from(args: argparse.Namespace) -> SweepConfig:
 
 def sweep_main(args: argparse.Namespace) -> int:
     sweep = sweep_from(args)
-    progress = None if args.quiet else _progress_bar("points")
-    if args.dask:
-        with dask_executor(args.dask, workers=args.workers) as executor:
-            rows = run_sweep(sweep, executor, on_point=progress)
-    else:
-        with ProcessPoolExecutor(max_workers=args.workers) as pool:
-            rows = run_sweep(sweep, pool, on_point=progress)
+    with _points_bar(len(points(sweep)), quiet=args.quiet) as on_point:
+        if args.dask:
+            with dask_executor(args.dask, workers=args.workers) as executor:
+                rows = run_sweep(sweep, executor, on_point=on_point)
+        else:
+            with ProcessPoolExecutor(max_workers=args.workers) as pool:
+                rows = run_sweep(sweep, pool, on_point=on_point)
     path = write_table(rows, args.out)
     print(f"{len(rows)} rows ({len(points(sweep))} points x {len(sweep.modes)} modes) written to {path}")
     return 0
 
 
-def _progress_bar(unit: str) -> Callable[[int, int], None]:
-    def show(done: int, total: int, width: int = 30) -> None:
-        filled = width * done // total
-        end = "\n" if done == total else ""
-        print(
-            f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {unit}", end=end, file=sys.stderr, flush=True
-        )
+@contextlib.contextmanager
+def _points_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int, int], None]]:
+    """An `on_point(done, total)` callback that moves a bar of `total` grid points on stderr: a
+    bar on a terminal, nothing with `quiet` or where stderr is no terminal (a log, a pipe), which
+    the bar's carriage returns would fill (tqdm's `disable=None`)."""
+    with tqdm(total=total, unit="point", file=sys.stderr, disable=True if quiet else None) as bar:
 
-    return show
+        def on_point(done: int, total: int) -> None:
+            bar.update(done - bar.n)
+
+        yield on_point
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema  # type: ignore[import-untyped]
 from aiohttp import web
 
 from prototype.app import ServerConfig, make_app
@@ -39,6 +40,17 @@ GET_WEATHER_SCHEMA: dict[str, Any] = {
     "title": "get_weather_args",
     "additionalProperties": False,
 }
+
+
+def schema_errors(schema: object, value: object) -> list[str]:
+    """What the `jsonschema` library finds wrong with `value` against `schema` ([] = valid): an
+    independent check of the simulator's sampler (`sim.model.schema_values`). The draft is the
+    one the schema's `$schema` names, else 2020-12; the schema itself must be valid in it."""
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    validator.check_schema(schema)
+    errors = validator(schema).iter_errors(value)
+    return [f"${''.join(f'[{p!r}]' for p in e.absolute_path)}: {e.message}" for e in errors]
+
 
 EXEC_TOOL: dict[str, Any] = {
     "type": "function",

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
 import re
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from sim.__main__ import main, run, table
+from sim.__main__ import _points_bar, main, run, table
 from sim.analysis.metrics import headline
-from sim.harness.experiment import CompareConfig
+from sim.harness.experiment import CompareConfig, compare
 
 SMALL = CompareConfig(rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7, profile="local", system_prompt_tokens=500)
 
@@ -252,3 +254,36 @@ def test_ci_width_on_the_command_line_says_why_it_stopped(capsys: pytest.Capture
     out = capsys.readouterr().out
     assert "adding batches until every time saved is within ±0.0001 points" in out
     assert "stopped adding rollouts: cap of 8 rollouts reached (widest ±" in out and "ws           8" in out
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+TWO_MODES = CompareConfig(rollouts=2, tool_calls=1, tps=0, modes=("http", "ws"))
+
+
+def test_progress_draws_a_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    stderr = _Terminal()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    compare(TWO_MODES, virtual=True, free_cpu=True, progress=True)
+    assert "\r" in stderr.getvalue() and "4/4" in stderr.getvalue() and "n=2 per mode" in stderr.getvalue()
+
+
+def test_progress_writes_no_carriage_return_where_stderr_is_no_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    compare(TWO_MODES, virtual=True, free_cpu=True, progress=True)
+    main(["compare", "--virtual", "--free-cpu", "--rollouts", "2", "--tool-calls", "1", "--modes", "http,ws"])
+    err = capsys.readouterr().err
+    assert "\r" not in err
+
+
+@pytest.mark.parametrize(("stderr", "drawn"), [(_Terminal(), True), (io.StringIO(), False)], ids=["tty", "log"])
+def test_the_cli_bar_of_points_is_drawn_only_on_a_terminal(
+    stderr: io.StringIO, drawn: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with _points_bar(3, quiet=False) as on_point:
+        for done in (1, 2, 3):
+            on_point(done, 3)
+    assert ("3/3" in stderr.getvalue(), "\r" in stderr.getvalue()) == (drawn, drawn)

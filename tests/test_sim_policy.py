@@ -21,9 +21,8 @@ from sim.model.policy import (
     load_script,
     parse_script,
 )
-from sim.model.schema_values import validate_json
 
-from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA
+from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA, schema_errors
 
 EXEC_COMMAND = FunctionTool("exec_command", "Run a shell command.", msgspec.json.encode(EXEC_COMMAND_SCHEMA))
 GET_WEATHER = FunctionTool("get_weather", None, msgspec.json.encode(GET_WEATHER_SCHEMA), strict=True)
@@ -55,7 +54,7 @@ def plan(policy: DefaultPolicy | ScriptPolicy, request: ModelRequest, seed: int 
 
 def assert_valid_call(item: PlannedItem) -> None:
     assert item.kind == "function_call"
-    assert validate_json(SCHEMAS[item.name], msgspec.json.decode(item.text)) == []
+    assert schema_errors(SCHEMAS[item.name], msgspec.json.decode(item.text)) == []
 
 
 # --------------------------------------------------------------------------- DefaultPolicy

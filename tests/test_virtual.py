@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import configparser
 import hashlib
 import statistics
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from sim.__main__ import run
 from sim.harness.experiment import CompareConfig
-from sim.runtime.virtual import VirtualClock, VirtualDeadlock, VirtualTimeLoop, run_virtual
+from sim.runtime import virtual as virtual_module
+from sim.runtime.virtual import TESTED_PYTHONS, VirtualClock, VirtualDeadlock, VirtualTimeLoop, run_virtual
 
 
 def test_sleeps_advance_virtual_time_in_deadline_order_without_waiting() -> None:
@@ -318,3 +323,29 @@ def test_with_cpu_charged_work_on_a_thread_is_waited_for_in_real_time_and_charge
     assert 0.05 <= done < 0.5
     assert 0.01 <= during < done  # the loop ran it while it waited for the thread
     assert 1.0 <= after < 1.05 and end >= 2.05
+
+
+def test_the_loop_refuses_an_untested_python_naming_the_supported_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    for untested in ((3, 10), (3, 14), (4, 0)):
+        monkeypatch.setattr(virtual_module, "_running_python", lambda v=untested: v)
+        with pytest.raises(RuntimeError) as refused:
+            VirtualTimeLoop()
+        message = str(refused.value)
+        assert f"not {untested[0]}.{untested[1]}" in message
+        assert "supports Python 3.11, 3.12, 3.13" in message and "private BaseEventLoop._run_once" in message
+        with pytest.raises(RuntimeError, match="supports Python 3.11, 3.12, 3.13"):
+            run_virtual(lambda: asyncio.sleep(0), charge_cpu=False)
+
+
+def test_this_python_is_tested_and_runs_the_loop() -> None:
+    assert sys.version_info[:2] in TESTED_PYTHONS
+    virtual_module.check_python()
+    assert run_virtual(asyncio.sleep(1.0, result="slept"), charge_cpu=False) == "slept"
+
+
+def test_python_requires_admits_exactly_the_tested_versions() -> None:
+    setup = configparser.ConfigParser()
+    setup.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    requires = SpecifierSet(setup["options"]["python_requires"])
+    admitted = [(3, minor) for minor in range(30) if f"3.{minor}" in requires]
+    assert admitted == list(TESTED_PYTHONS)

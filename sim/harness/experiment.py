@@ -14,17 +14,22 @@ With `ci_width` > 0 the run continues in batches of `rollouts` on the same serve
 mode keeps its own prefix cache across batches, so the rollouts are those of one larger
 run) until every time-saved interval is narrower than ± `ci_width` points or
 `max_rollouts` is reached; `CompareResult.stopped` says which (docs/statistics.md).
+
+`run_compare` composes three parts: `_World` (the tool steps, the simulated model, the server and a
+client per mode), `_Scheduler` (a batch of rollouts in every mode, with each mode's prefix cache,
+the concurrency gate and shared lanes) and `_stopping_rule` (whether another batch runs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import itertools
 import math
 import sys
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
@@ -37,6 +42,7 @@ from prototype.app import ENGINE, ServerConfig, make_app, make_engine, render_ex
 from prototype.clock import Clock
 from prototype.contract import COMPACT_THRESHOLD_MIN
 from prototype.conversation import ToolCache, conversation_key, parse_items
+from prototype.engine import Engine
 from prototype.model import ModelEvent, ModelRequest
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
@@ -44,7 +50,7 @@ from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summar
 from sim.harness.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from sim.harness.live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
 from sim.harness.replay import load_trace, replay_plan
-from sim.harness.tools import tool_runner
+from sim.harness.tools import ToolRunner, tool_runner
 from sim.harness.workload import WORKLOADS, draw_rollouts
 from sim.model.accelerator import SimulatedModel
 from sim.model.kv import PrefixCache
@@ -292,103 +298,187 @@ async def run_compare(
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
     if tap is not None and not virtual:
         raise ValueError("tap= sees the in-process transport of a virtual run; a live run uses sockets")
-    tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     specs, drawn = _rollouts(config, memoize=memoize)
     specs = _interjected(config, specs)
-    model = SimulatedModel(
-        clock=clock,
-        policy=MemoPolicy(drawn) if memoize else drawn,
-        seed=config.seed,
-        decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
-        model_latency_s=config.model_latency_s,
-        prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
-        decode_slots=config.decode_slots or None,
-        concurrency_slowdown=config.concurrency_slowdown,
-        pace_by_turn=pace_by_turn,
-        tokenizer=memo_tokenizer() if memoize else None,
-        async_independent=config.async_independent,
+    world = _World.build(config, clock, drawn, virtual=virtual, pace_by_turn=pace_by_turn, memoize=memoize)
+    async with world.serve(config, clock, virtual=virtual, memoize=memoize, tap=tap):
+        scheduler = _Scheduler(config, world, clock, memoize=memoize)
+        stopped = ""
+        with _progress_bar(progress, total=len(config.modes) * len(specs)) as bar:
+            for batch in itertools.count():
+                n = scheduler.per_mode + len(specs)
+                bar.total = bar.n + len(config.modes) * len(specs)  # each batch adds its rollouts to the bar
+                bar.set_postfix_str(f"n={n} per mode")
+                await scheduler.run_batch(batch, specs, done=bar.update)
+                reason = _stopping_rule(config, scheduler, n)
+                if reason is not None:
+                    stopped = reason
+                    break
+                specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
+                specs = _interjected(config, specs)
+    summary = summarize(scheduler.results, scheduler.kv_idle, seed=config.seed)
+    return CompareResult(
+        config, virtual, scheduler.results, summary, pair_summaries(scheduler.results, seed=config.seed), stopped
     )
-    prompts = _PromptLog(model)
-    server_config = _server_config(config)
-    store = MemoryStore()
-    runner: web.AppRunner | None = None
-    threads = None
-    if virtual:
+
+
+@dataclass(slots=True)
+class _World:
+    """What the rollouts run against: the tool steps, the server's simulated model (behind the
+    prompt log), its store and config, and once `serve` runs, its engine and a client per mode:
+    in process (virtual time) or on a loopback socket (live)."""
+
+    tools: ToolRunner
+    model: SimulatedModel
+    prompts: _PromptLog
+    store: MemoryStore
+    server_config: ServerConfig
+    engine: Engine | None = None
+    client_for: Callable[[Mode], ResponsesClient] | None = None
+
+    @classmethod
+    def build(
+        cls, config: CompareConfig, clock: Clock, policy: Policy, *, virtual: bool, pace_by_turn: bool, memoize: bool
+    ) -> _World:
+        tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
+        model = SimulatedModel(
+            clock=clock,
+            policy=MemoPolicy(policy) if memoize else policy,
+            seed=config.seed,
+            decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
+            model_latency_s=config.model_latency_s,
+            prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
+            decode_slots=config.decode_slots or None,
+            concurrency_slowdown=config.concurrency_slowdown,
+            pace_by_turn=pace_by_turn,
+            tokenizer=memo_tokenizer() if memoize else None,
+            async_independent=config.async_independent,
+        )
+        return cls(tools, model, _PromptLog(model), MemoryStore(), _server_config(config))
+
+    @contextlib.asynccontextmanager
+    async def serve(
+        self, config: CompareConfig, clock: Clock, *, virtual: bool, memoize: bool, tap: Tap | None
+    ) -> AsyncIterator[None]:
+        """The server up for the block: `engine` and `client_for` set; its threads or socket closed after."""
+        if virtual:
+            with self._in_process(config, clock, memoize=memoize, tap=tap):
+                yield
+            return
+        app = make_app(model=self.prompts, store=self.store, clock=clock, config=self.server_config, seed=config.seed)
+        self.engine = app[ENGINE]
+        runner = web.AppRunner(app)
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+            self.client_for = lambda mode: open_client(mode, base_url, clock)
+            yield
+        finally:
+            await runner.cleanup()
+
+    @contextlib.contextmanager
+    def _in_process(self, config: CompareConfig, clock: Clock, *, memoize: bool, tap: Tap | None) -> Iterator[None]:
         # With CPU charged, long texts are tokenized on render threads as on the live server, and
         # the loop waits for them in real time (`sim.runtime.virtual`): the hop and the threads' priority
         # cost what they cost live. With CPU free, on the loop (there it takes no time).
+        threads = None
         if getattr(asyncio.get_running_loop(), "charge_cpu", False) and not memoize:
-            threads = render_executor(server_config)
-        engine = make_engine(
-            model=prompts,
-            store=store,
-            clock=clock,
-            config=server_config,
-            seed=config.seed,
-            tokenizer=memo_tokenizer() if memoize else None,
-            classifier=memo_classifier() if memoize else None,
-            item_parser=MemoItems() if memoize else parse_items,
-            rendered=MemoRendered() if memoize else None,
-            render_executor=threads,
+            threads = render_executor(self.server_config)
+        try:
+            self.engine = make_engine(
+                model=self.prompts,
+                store=self.store,
+                clock=clock,
+                config=self.server_config,
+                seed=config.seed,
+                tokenizer=memo_tokenizer() if memoize else None,
+                classifier=memo_classifier() if memoize else None,
+                item_parser=MemoItems() if memoize else parse_items,
+                rendered=MemoRendered() if memoize else None,
+                render_executor=threads,
+            )
+            # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
+            server = InProcessServer(
+                self.engine,
+                self.server_config,
+                tool_cache=ToolCache() if memoize else None,
+                tap=tap,
+                live_costs=load_live_costs(config.live_costs) if config.live_costs else None,
+            )
+            self.client_for = lambda mode: server.client(mode, clock)
+            yield
+        finally:
+            if threads is not None:
+                threads.shutdown(wait=True)
+
+
+class _Scheduler:
+    """Runs a batch of rollouts in every mode in turn against one world, and keeps the results and
+    each mode's KV idle time across batches. Each mode has its own prefix cache, cold at its first
+    rollout and kept across batches: the same prompts run in every mode, and a shared cache would
+    favour whichever mode runs later. Within a mode, `concurrency` (or `lanes`) rollouts are in
+    flight at once; with `lanes`, the rollouts of a WebSocket mode share connections."""
+
+    def __init__(self, config: CompareConfig, world: _World, clock: Clock, *, memoize: bool) -> None:
+        self.config, self.world, self.clock = config, world, clock
+        self.results: list[RolloutResult] = []
+        self.kv_idle = dict.fromkeys(config.modes, 0.0)
+        self._caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
+        self._gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
+        self._shared: dict[tuple[Mode, int, int], list[WSClient]] = {}
+        self._context_management = (
+            [{"type": "compaction", "compact_threshold": config.compact_threshold}]
+            if config.compact_threshold
+            else None
         )
-        # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
-        server = InProcessServer(
-            engine,
-            server_config,
-            tool_cache=ToolCache() if memoize else None,
-            tap=tap,
-            live_costs=load_live_costs(config.live_costs) if config.live_costs else None,
-        )
 
-        def client_for(mode: Mode) -> ResponsesClient:
-            return server.client(mode, clock)
-    else:
-        app = make_app(model=prompts, store=store, clock=clock, config=server_config, seed=config.seed)
-        engine = app[ENGINE]
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    @property
+    def per_mode(self) -> int:
+        """Rollouts run so far in each mode."""
+        return len(self.results) // max(1, len(self.config.modes))
 
-        def client_for(mode: Mode) -> ResponsesClient:
-            return open_client(mode, base_url, clock)
+    async def run_batch(self, batch: int, specs: list[RolloutSpec], *, done: Callable[[], object]) -> None:
+        """Every mode's rollouts of `specs`, mode after mode; `done()` after each rollout."""
+        world = self.world
+        assert world.engine is not None, "the world serves while batches run"
+        for mode in self.config.modes:
+            world.model.prefix_cache = self._caches[mode]
+            world.prompts.mode = mode
+            idle_before = world.engine.statistics().kv_idle_token_s
+            # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
+            runs = (self._one(mode, batch, i, spec, len(specs), done) for i, spec in enumerate(specs))  # type: ignore[arg-type]
+            self.results.extend(await asyncio.gather(*runs))
+            self.kv_idle[mode] += world.engine.statistics().kv_idle_token_s - idle_before
 
-    context_management = (
-        [{"type": "compaction", "compact_threshold": config.compact_threshold}] if config.compact_threshold else None
-    )
-    results: list[RolloutResult] = []
-    kv_idle = dict.fromkeys(config.modes, 0.0)
-    caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
-    gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
-    done = 0
-    shared: dict[tuple[Mode, int, int], list[WSClient]] = {}
-
-    def lane_client(mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
+    def _client(self, mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
         """With `lanes`, rollout `index` of a batch of `size` rollouts of a WebSocket mode runs on
         lane index % lanes of the connection its group of `lanes` rollouts shares."""
-        if not config.lanes or mode not in WS_MODES:
+        lanes, client_for = self.config.lanes, self.world.client_for
+        assert client_for is not None, "the world serves while batches run"
+        if not lanes or mode not in WS_MODES:
             return client_for(mode)
-        key = (mode, batch, index // config.lanes)
-        group = shared.get(key)
+        key = (mode, batch, index // lanes)
+        group = self._shared.get(key)
         if group is None:
-            start = key[2] * config.lanes
-            group = shared[key] = [client_for(mode) for _ in range(min(config.lanes, size - start))]  # type: ignore[misc]
+            start = key[2] * lanes
+            group = self._shared[key] = [client_for(mode) for _ in range(min(lanes, size - start))]  # type: ignore[misc]
             share_socket(group)
-        return group[index % config.lanes]
+        return group[index % lanes]
 
-    async def one(
-        mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int, total: int, n: int
+    async def _one(
+        self, mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int, done: Callable[[], object]
     ) -> RolloutResult:
-        nonlocal done
-        async with gate:
-            client = lane_client(mode, batch, index, size)
+        config, clock, tools = self.config, self.clock, self.world.tools
+        async with self._gate:
+            client = self._client(mode, batch, index, size)
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
                 if isinstance(client, WSClient) and client.overlap:
                     result = await run_async_rollout(
-                        client, clock, spec, model="sim", tools=tools, context_management=context_management
+                        client, clock, spec, model="sim", tools=tools, context_management=self._context_management
                     )
                 else:
                     result = await run_rollout(
@@ -398,61 +488,29 @@ async def run_compare(
                         model="sim",
                         tools=tools,
                         store=store,
-                        context_management=context_management,
+                        context_management=self._context_management,
                     )
             finally:
                 await client.close()
-        result.prompt_tokens = prompts.take(mode, spec)
-        done += 1
-        if progress:
-            _progress(done, total, n)
+        result.prompt_tokens = self.world.prompts.take(mode, spec)
+        done()
         return result
 
-    stopped = ""
-    try:
-        for batch in itertools.count():
-            total = done + len(config.modes) * len(specs)
-            n = len(results) // max(1, len(config.modes)) + len(specs)
-            for mode in config.modes:
-                # Each mode has its own prefix cache, cold at its first rollout and kept across
-                # batches: the same prompts run in every mode, and a shared cache would favour
-                # whichever mode runs later.
-                model.prefix_cache = caches[mode]
-                prompts.mode = mode
-                idle_before = engine.statistics().kv_idle_token_s
-                # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
-                runs = (one(mode, batch, i, spec, len(specs), total, n) for i, spec in enumerate(specs))  # type: ignore[arg-type]
-                results.extend(await asyncio.gather(*runs))
-                kv_idle[mode] += engine.statistics().kv_idle_token_s - idle_before
-            if config.ci_width <= 0:
-                break
-            ok, widest = narrow_enough(summarize(results, kv_idle, seed=config.seed), config.ci_width)
-            if ok:
-                stopped = f"every time-saved interval is narrower than ±{config.ci_width:g} points at n={n}"
-                break
-            if config.trace is not None:
-                stopped = f"a trace has {n} rollouts, no more to add (widest ±{widest:.2f} points)"
-                break
-            if n >= config.max_rollouts:
-                stopped = f"cap of {config.max_rollouts} rollouts reached (widest ±{widest:.2f} points)"
-                break
-            specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
-            specs = _interjected(config, specs)
-        if progress:
-            print(file=sys.stderr)
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-        if threads is not None:
-            threads.shutdown(wait=True)
-    return CompareResult(
-        config,
-        virtual,
-        results,
-        summarize(results, kv_idle, seed=config.seed),
-        pair_summaries(results, seed=config.seed),
-        stopped,
-    )
+
+def _stopping_rule(config: CompareConfig, scheduler: _Scheduler, n: int) -> str | None:
+    """After a batch that brought each mode to `n` rollouts: None to run another batch, else why
+    not ("" with `ci_width` 0, one batch): every time-saved interval narrower than ± `ci_width`
+    points, a trace with no more rollouts, or the cap of `max_rollouts`."""
+    if config.ci_width <= 0:
+        return ""
+    ok, widest = narrow_enough(summarize(scheduler.results, scheduler.kv_idle, seed=config.seed), config.ci_width)
+    if ok:
+        return f"every time-saved interval is narrower than ±{config.ci_width:g} points at n={n}"
+    if config.trace is not None:
+        return f"a trace has {n} rollouts, no more to add (widest ±{widest:.2f} points)"
+    if n >= config.max_rollouts:
+        return f"cap of {config.max_rollouts} rollouts reached (widest ±{widest:.2f} points)"
+    return None
 
 
 def _rollouts(config: CompareConfig, *, memoize: bool = False) -> tuple[list[RolloutSpec], Policy]:
@@ -516,11 +574,13 @@ def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[Rollou
 _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
 
 
-def _progress(done: int, total: int, n: int, width: int = 30) -> None:
-    filled = width * done // total
-    print(
-        f"\r  [{'#' * filled}{'.' * (width - filled)}] {done}/{total} rollouts (n={n} per mode)",
-        end="",
-        file=sys.stderr,
-        flush=True,
-    )
+def _progress_bar(enabled: bool, *, total: int) -> Any:
+    """A bar of the rollouts run, on stderr, when `enabled`: a widget in a notebook, a bar on a
+    terminal, and nothing where stderr is no terminal (a log, a pipe), which the bar's carriage
+    returns would fill (tqdm's `disable=None`). Its total grows by a batch's rollouts as each
+    batch starts."""
+    # Imported here: in a notebook kernel without ipywidgets importing tqdm.auto warns, and the
+    # notebooks import this module without asking for a bar.
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="rollout", file=sys.stderr, disable=None if enabled else True, leave=True)

@@ -1,4 +1,4 @@
-"""Plausible JSON values for a JSON-Schema subset, and a validator for the same subset.
+"""Plausible JSON values for a JSON-Schema subset.
 
 The simulated model must emit function-call arguments that a real client (Codex,
 the openai-agents SDK) can parse and act on, so arguments are sampled *from the
@@ -11,17 +11,16 @@ understood:
 * ``enum`` and ``const`` at any level (they win over everything else).
 * objects: ``properties`` and ``required``. Required properties are always
   present; optional ones with probability `OPTIONAL_PROPERTY_P`.
-  ``additionalProperties`` is ignored by the sampler (it never adds extra keys)
-  and checked by the validator when it is ``false`` or a schema.
+  ``additionalProperties`` is ignored (the sampler never adds extra keys).
 * strings: ``minLength`` / ``maxLength`` (in code points, as JSON Schema counts
   them) and a few ``format`` values; ``pattern`` is ignored.
 * numbers: ``minimum`` / ``maximum`` and ``exclusiveMinimum`` /
   ``exclusiveMaximum`` (draft 4 booleans and draft 6+ numbers).
 * arrays: ``items`` (one schema), ``minItems`` / ``maxItems``.
 * ``anyOf`` / ``oneOf`` (one branch is picked; keywords next to them are merged
-  under the branch), ``allOf`` (merged shallowly).
-* Anything else (``$ref``, no ``type``, an unknown ``type``) samples as a string
-  and is not checked by the validator.
+  under the branch; a ``oneOf`` value is drawn again, up to `_ONE_OF_ATTEMPTS` times,
+  until it matches exactly one branch as far as this subset tells), ``allOf`` (merged shallowly).
+* Anything else (``$ref``, no ``type``, an unknown ``type``) samples as a string.
 
 Sizing: `sample_json` takes ``target_chars``, the wanted length of the value
 *serialised as compact JSON*. Object framing (keys, quotes, commas) is subtracted
@@ -35,7 +34,8 @@ String content is chosen by the property name: ``cmd``/``command`` get shell
 commands (``rg -n "parse" src``, chained with ``&&`` or written as a heredoc when
 long), path-like names get paths, ``city``/``location`` get city names,
 ``code``/``content``/``patch`` get code-ish lines, everything else English-ish
-words. All randomness comes from the ``rng`` argument.
+words, from the tables in `sim.model.words`. All randomness comes from the ``rng``
+argument.
 """
 
 from __future__ import annotations
@@ -52,8 +52,19 @@ import numpy as np
 # Sampled arrays hold at most this many items past their minimum: the server's schema check
 # (prototype/tool_schema.py) sizes the arguments the simulator may write with the same number.
 from prototype.tool_schema import EXTRA_ITEMS
+from sim.model.words import (
+    CITIES,
+    CODE_TEMPLATES,
+    COMMAND_TEMPLATES,
+    DIRS,
+    EXTENSIONS,
+    IDENT_WORDS,
+    MODULES,
+    REPOS,
+    WORDS,
+)
 
-__all__ = ["OPTIONAL_PROPERTY_P", "sample_json", "sample_prose", "validate_json"]
+__all__ = ["OPTIONAL_PROPERTY_P", "sample_json", "sample_prose"]
 
 OPTIONAL_PROPERTY_P: Final = 0.5  # chance an optional object property is present
 NULL_IN_TYPE_LIST_P: Final = 0.2  # chance of null when the type list allows null and something else
@@ -67,271 +78,7 @@ _HEREDOC_MIN_CHARS: Final = 240  # below this a heredoc looks silly; chain comma
 _HEREDOC_P: Final = 0.4  # chance a long command is "write a file" rather than a command chain
 _INT_DEFAULT_SPAN: Final = 100  # integers with at most one bound range over this many values
 
-_JSON_TYPES: Final = frozenset({"object", "string", "integer", "number", "boolean", "array", "null"})
-
-# --- vocabulary -------------------------------------------------------------------------------
-
-_WORDS: Final = (
-    "the",
-    "a",
-    "to",
-    "of",
-    "and",
-    "in",
-    "is",
-    "it",
-    "that",
-    "for",
-    "this",
-    "with",
-    "on",
-    "as",
-    "be",
-    "we",
-    "can",
-    "now",
-    "not",
-    "file",
-    "test",
-    "tests",
-    "function",
-    "value",
-    "values",
-    "error",
-    "input",
-    "output",
-    "parser",
-    "config",
-    "module",
-    "change",
-    "update",
-    "fix",
-    "check",
-    "return",
-    "returns",
-    "handle",
-    "handles",
-    "case",
-    "edge",
-    "empty",
-    "list",
-    "string",
-    "number",
-    "call",
-    "calls",
-    "path",
-    "line",
-    "lines",
-    "code",
-    "build",
-    "run",
-    "runs",
-    "passing",
-    "failing",
-    "issue",
-    "bug",
-    "before",
-    "after",
-    "first",
-    "next",
-    "then",
-    "also",
-    "only",
-    "when",
-    "because",
-    "so",
-    "which",
-    "should",
-    "would",
-    "will",
-    "missing",
-    "new",
-    "old",
-    "current",
-    "default",
-    "option",
-    "flag",
-    "field",
-    "type",
-    "types",
-    "method",
-    "class",
-    "object",
-    "request",
-    "response",
-    "stream",
-    "token",
-    "tokens",
-    "cache",
-    "key",
-    "keys",
-    "index",
-    "count",
-    "limit",
-    "timeout",
-    "retry",
-    "server",
-    "client",
-    "socket",
-    "event",
-    "events",
-    "state",
-    "result",
-    "results",
-    "loop",
-    "helper",
-    "import",
-    "export",
-    "schema",
-    "version",
-    "release",
-    "docs",
-    "example",
-    "logic",
-    "branch",
-    "commit",
-    "diff",
-    "patch",
-    "suite",
-    "coverage",
-    "warning",
-    "message",
-    "argument",
-    "arguments",
-    "looks",
-    "seems",
-    "good",
-    "correct",
-    "wrong",
-    "small",
-    "simple",
-    "clean",
-    "safe",
-    "slow",
-    "fast",
-    "instead",
-    "here",
-    "there",
-    "all",
-    "each",
-    "every",
-    "some",
-    "more",
-    "less",
-    "still",
-    "already",
-)
-_IDENT_WORDS: Final = (
-    "parse",
-    "load",
-    "save",
-    "read",
-    "write",
-    "build",
-    "render",
-    "encode",
-    "decode",
-    "fetch",
-    "config",
-    "state",
-    "event",
-    "token",
-    "stream",
-    "cache",
-    "client",
-    "server",
-    "handler",
-    "item",
-    "items",
-    "value",
-    "result",
-    "request",
-    "response",
-    "buffer",
-    "index",
-    "schema",
-    "session",
-    "user",
-    "data",
-    "path",
-    "name",
-    "key",
-    "size",
-    "limit",
-    "error",
-    "queue",
-    "worker",
-    "task",
-)
-_MODULES: Final = ("os", "json", "re", "sys", "numpy", "msgspec", "aiohttp", "pathlib", "typing")
-_DIRS: Final = (
-    ".",
-    "src",
-    "tests",
-    "lib",
-    "docs",
-    "scripts",
-    "src/core",
-    "src/api",
-    "pkg/server",
-    "app/models",
-)
-_EXTENSIONS: Final = (".py", ".py", ".py", ".ts", ".rs", ".go", ".md", ".toml", ".json")
-_REPOS: Final = ("repo", "project", "app", "service", "workspace")
-_CITIES: Final = (
-    "Paris",
-    "Tokyo",
-    "London",
-    "New York",
-    "San Francisco",
-    "Berlin",
-    "Madrid",
-    "Toronto",
-    "Sydney",
-    "Seoul",
-    "Mumbai",
-    "Cairo",
-    "Lima",
-    "Oslo",
-    "Zurich",
-    "Singapore",
-    "Nairobi",
-)
-
-_COMMAND_TEMPLATES: Final[tuple[str, ...]] = (
-    "ls -la {dir}",
-    "cat {path}",
-    "sed -n '{a},{b}p' {path}",
-    'grep -rn "{word}" {dir}',
-    'rg -n "{word}" {dir}',
-    "rg --files {dir}",
-    "pytest -q {test}",
-    "python -m pytest -x -q {test}",
-    "git status --short",
-    "git diff {path}",
-    "git log --oneline -n {n}",
-    'find {dir} -name "*{ext}"',
-    "head -n {n} {path}",
-    "wc -l {path}",
-    'python -c "import {module}; print({module}.__version__)"',
-    "mypy {path}",
-    "ruff check {dir}",
-    "cd {dir} && ls",
-)
-_CODE_TEMPLATES: Final[tuple[str, ...]] = (
-    "def {ident}({arg}, {arg2}):",
-    "    return {arg}.{ident}({arg2})",
-    "    if {arg} is None:",
-    '        raise ValueError("{word} {word2}")',
-    "    {arg} = {arg2}[{n}:]",
-    "import {module}",
-    "class {Ident}:",
-    "    # {word} {word2} {word3}",
-    "    for {arg} in {arg2}:",
-    "        {arg}.append({arg2})",
-    "    {arg} = {ident}({arg2}, {n})",
-)
-
+# The property names whose string values are shell commands, paths, places or code (`_string_kind`).
 _COMMAND_NAMES: Final = frozenset({"cmd", "command", "commands", "shell", "script", "bash"})
 _PATH_NAMES: Final = frozenset(
     {"path", "file", "filename", "file_path", "filepath", "workdir", "cwd", "dir", "directory", "root"}
@@ -371,36 +118,36 @@ def _rand(rng: np.random.Generator | _Rand) -> _Rand:
 
 
 def _ident(rng: _Rand) -> str:
-    return f"{rng.pick(_IDENT_WORDS)}_{rng.pick(_IDENT_WORDS)}"
+    return f"{rng.pick(IDENT_WORDS)}_{rng.pick(IDENT_WORDS)}"
 
 
 def _path(rng: _Rand) -> str:
-    directory = rng.pick(_DIRS[1:])  # a file directly under "." reads oddly in a command
-    return f"{directory}/{_ident(rng)}{rng.pick(_EXTENSIONS)}"
+    directory = rng.pick(DIRS[1:])  # a file directly under "." reads oddly in a command
+    return f"{directory}/{_ident(rng)}{rng.pick(EXTENSIONS)}"
 
 
 def _test_path(rng: _Rand) -> str:
-    return f"tests/test_{rng.pick(_IDENT_WORDS)}.py"
+    return f"tests/test_{rng.pick(IDENT_WORDS)}.py"
 
 
 def _fields(templates: tuple[str, ...]) -> tuple[frozenset[str], ...]:
     return tuple(frozenset(f for _, f, _, _ in string.Formatter().parse(t) if f) for t in templates)
 
 
-_COMMAND_FIELDS: Final = _fields(_COMMAND_TEMPLATES)
-_CODE_FIELDS: Final = _fields(_CODE_TEMPLATES)
+_COMMAND_FIELDS: Final = _fields(COMMAND_TEMPLATES)
+_CODE_FIELDS: Final = _fields(CODE_TEMPLATES)
 
 
 def _command(rng: _Rand) -> str:
-    k = int(rng.random() * len(_COMMAND_TEMPLATES))
+    k = int(rng.random() * len(COMMAND_TEMPLATES))
     need = _COMMAND_FIELDS[k]  # draw only what the template uses
     values: dict[str, object] = {}
     if "dir" in need:
-        values["dir"] = rng.pick(_DIRS)
+        values["dir"] = rng.pick(DIRS)
     if "path" in need:
         values["path"] = _path(rng)
     if "word" in need:
-        values["word"] = rng.pick(_IDENT_WORDS)
+        values["word"] = rng.pick(IDENT_WORDS)
     if "test" in need:
         values["test"] = _test_path(rng)
     if "n" in need:
@@ -409,14 +156,14 @@ def _command(rng: _Rand) -> str:
         a = values["a"] = rng.integers(1, 200)
         values["b"] = a + rng.integers(20, 200)
     if "ext" in need:
-        values["ext"] = rng.pick(_EXTENSIONS)
+        values["ext"] = rng.pick(EXTENSIONS)
     if "module" in need:
-        values["module"] = rng.pick(_MODULES)
-    return _COMMAND_TEMPLATES[k].format_map(values)
+        values["module"] = rng.pick(MODULES)
+    return COMMAND_TEMPLATES[k].format_map(values)
 
 
 def _code_line(rng: _Rand) -> str:
-    k = int(rng.random() * len(_CODE_TEMPLATES))
+    k = int(rng.random() * len(CODE_TEMPLATES))
     need = _CODE_FIELDS[k]
     values: dict[str, object] = {}
     if "ident" in need or "Ident" in need:
@@ -424,15 +171,15 @@ def _code_line(rng: _Rand) -> str:
         values["Ident"] = "".join(part.capitalize() for part in ident.split("_"))
     for name in ("arg", "arg2"):
         if name in need:
-            values[name] = rng.pick(_IDENT_WORDS)
+            values[name] = rng.pick(IDENT_WORDS)
     for name in ("word", "word2", "word3"):
         if name in need:
-            values[name] = rng.pick(_WORDS)
+            values[name] = rng.pick(WORDS)
     if "n" in need:
         values["n"] = rng.integers(1, 64)
     if "module" in need:
-        values["module"] = rng.pick(_MODULES)
-    return _CODE_TEMPLATES[k].format_map(values)
+        values["module"] = rng.pick(MODULES)
+    return CODE_TEMPLATES[k].format_map(values)
 
 
 def _grow(rng: _Rand, first: str, piece: Callable[[], str], sep: str, target: int) -> str:
@@ -476,9 +223,9 @@ def sample_prose(rng: np.random.Generator | _Rand, target_chars: int) -> str:
                 parts[-1] += "."
                 length += 1
             left_in_sentence = int(rng.integers(5, 18))
-            word = rng.pick(_WORDS).capitalize()
+            word = rng.pick(WORDS).capitalize()
         else:
-            word = f"`{_ident(rng)}`" if rng.random() < 0.05 else rng.pick(_WORDS)
+            word = f"`{_ident(rng)}`" if rng.random() < 0.05 else rng.pick(WORDS)
         parts.append(word)
         length += len(word) + 1
         left_in_sentence -= 1
@@ -549,7 +296,7 @@ def _free_text_weight(schema: object, name: str, depth: int = 0) -> float:
 def _fit_length(text: str, lo: int, hi: int | None, rng: _Rand) -> str:
     """Pad with words to at least `lo` code points, then cut to at most `hi`."""
     while len(text) < lo:
-        text = f"{text} {rng.pick(_WORDS)}" if text else rng.pick(_WORDS)
+        text = f"{text} {rng.pick(WORDS)}" if text else rng.pick(WORDS)
     if hi is not None and len(text) > hi:
         text = text[:hi]
         stripped = text.rstrip()
@@ -572,9 +319,9 @@ def _sample_string(schema: dict[str, object], name: str, rng: _Rand, target: int
         if fmt == "date-time":
             text += f"T{int(rng.integers(10, 24))}:00:00Z"
     elif fmt == "email":
-        text = f"{rng.pick(_IDENT_WORDS)}@example.com"
+        text = f"{rng.pick(IDENT_WORDS)}@example.com"
     elif fmt in ("uri", "url"):
-        text = f"https://example.com/{rng.pick(_IDENT_WORDS)}/{rng.pick(_IDENT_WORDS)}"
+        text = f"https://example.com/{rng.pick(IDENT_WORDS)}/{rng.pick(IDENT_WORDS)}"
     elif fmt == "uuid":
         text = "-".join("".join(f"{rng.integers(16):x}" for _ in range(n)) for n in (8, 4, 4, 4, 12))
     else:
@@ -582,9 +329,9 @@ def _sample_string(schema: dict[str, object], name: str, rng: _Rand, target: int
         if kind == "command":
             text = _shell(rng, target)
         elif kind == "path":
-            text = f"/workspace/{rng.pick(_REPOS)}" if name.lower() in ("workdir", "cwd") else _path(rng)
+            text = f"/workspace/{rng.pick(REPOS)}" if name.lower() in ("workdir", "cwd") else _path(rng)
         elif kind == "place":
-            text = rng.pick(_CITIES)
+            text = rng.pick(CITIES)
         elif kind == "code":
             text = _code(rng, target)
         else:
@@ -694,7 +441,7 @@ def _sample(schema: object, name: str, rng: _Rand, target: int, depth: int) -> o
                 branch = branches[order[attempt % len(order)]]
                 sub = _merge(parent, branch) if isinstance(branch, dict) else branch
                 value = _sample(sub, name, rng, target, depth + 1)
-                if key == "anyOf" or sum(not validate_json(b, value) for b in branches) == 1:
+                if key == "anyOf" or sum(_matches(b, value) for b in branches) == 1:
                     break
             return value
     types = schema.get("type")
@@ -766,8 +513,8 @@ def sample_json(schema: object, rng: np.random.Generator, *, target_chars: int =
     """Sample a JSON value (dict/list/str/int/float/bool/None) valid against `schema`.
 
     `schema` is a decoded JSON Schema (e.g. ``msgspec.json.decode(tool.parameters_json)``).
-    The result satisfies ``validate_json(schema, result) == []`` for every schema
-    in the subset described in the module docstring; a schema that admits no
+    The result is valid against every schema in the subset described in the module
+    docstring (the tests check it with the `jsonschema` library); a schema that admits no
     value (``false``, ``minimum > maximum``, ``minItems > maxItems``) raises
     `ValueError`. `target_chars` is the wanted length of the compact JSON
     encoding; see the module docstring for how it is shared out. Deterministic
@@ -776,7 +523,7 @@ def sample_json(schema: object, rng: np.random.Generator, *, target_chars: int =
     return _sample(schema, "", _Rand(rng), max(int(target_chars), 1), 0)
 
 
-# --- validation -------------------------------------------------------------------------------
+# --- the oneOf check -------------------------------------------------------------------------
 
 
 def _json_equal(a: object, b: object) -> bool:
@@ -809,86 +556,69 @@ def _type_matches(type_name: str, value: object) -> bool:
         )
     if type_name == "number":
         return not isinstance(value, bool) and isinstance(value, int | float)
-    return True  # unknown type names are not checked (see the module docstring)
+    return True  # an unknown type name is not checked (see the module docstring)
 
 
-def _validate(schema: object, value: object, path: str, depth: int, problems: list[str]) -> None:
+def _matches(schema: object, value: object, depth: int = 0) -> bool:
+    """Whether `value` is valid against `schema`, as far as the subset the sampler understands
+    tells (keywords outside it pass). A sampled ``oneOf`` value must match exactly one branch,
+    and this decides which do: the sampler's retries, and so its output for a seed, follow it.
+    Tests check the sampler against the `jsonschema` library instead."""
     if schema is False:
-        problems.append(f"{path}: schema is false")
-        return
+        return False
     if not isinstance(schema, dict) or depth > _DEPTH_LIMIT:
-        return
+        return True
     if "const" in schema and not _json_equal(schema["const"], value):
-        problems.append(f"{path}: expected const {schema['const']!r}, got {value!r}")
+        return False
     enum = schema.get("enum")
     if isinstance(enum, list) and not any(_json_equal(e, value) for e in enum):
-        problems.append(f"{path}: {value!r} is not one of {enum!r}")
+        return False
     types = schema.get("type")
     if isinstance(types, str | list):
         names = [types] if isinstance(types, str) else [t for t in types if isinstance(t, str)]
         if names and not any(_type_matches(t, value) for t in names):
-            problems.append(f"{path}: expected {' or '.join(names)}, got {type(value).__name__}")
-            return  # the remaining keywords would only repeat the type mismatch
+            return False
     all_of = schema.get("allOf")
-    if isinstance(all_of, list):
-        for sub in all_of:
-            _validate(sub, value, path, depth + 1, problems)
+    if isinstance(all_of, list) and not all(_matches(sub, value, depth + 1) for sub in all_of):
+        return False
+    # A branch of anyOf or oneOf is checked from depth 0: the depth limit counts within a branch.
     any_of = schema.get("anyOf")
-    if isinstance(any_of, list) and any_of and all(validate_json(b, value) for b in any_of):
-        problems.append(f"{path}: matches no anyOf branch")
+    if isinstance(any_of, list) and any_of and not any(_matches(b, value) for b in any_of):
+        return False
     one_of = schema.get("oneOf")
-    if isinstance(one_of, list) and one_of:
-        matches = sum(not validate_json(b, value) for b in one_of)
-        if matches != 1:
-            problems.append(f"{path}: matches {matches} oneOf branches, expected exactly 1")
+    if isinstance(one_of, list) and one_of and sum(_matches(b, value) for b in one_of) != 1:
+        return False
     if isinstance(value, str):
         min_len, max_len = schema.get("minLength"), schema.get("maxLength")
-        if isinstance(min_len, int) and len(value) < min_len:
-            problems.append(f"{path}: length {len(value)} < minLength {min_len}")
-        if isinstance(max_len, int) and len(value) > max_len:
-            problems.append(f"{path}: length {len(value)} > maxLength {max_len}")
-    elif isinstance(value, int | float) and not isinstance(value, bool):
+        return not (
+            (isinstance(min_len, int) and len(value) < min_len) or (isinstance(max_len, int) and len(value) > max_len)
+        )
+    if isinstance(value, int | float) and not isinstance(value, bool):
         lo, lo_x, hi, hi_x = _bounds(schema)
-        if lo is not None and (value < lo or (lo_x and value == lo)):
-            problems.append(f"{path}: {value!r} is below the minimum {lo!r}{' (exclusive)' if lo_x else ''}")
-        if hi is not None and (value > hi or (hi_x and value == hi)):
-            problems.append(f"{path}: {value!r} is above the maximum {hi!r}{' (exclusive)' if hi_x else ''}")
-    elif isinstance(value, dict):
+        return not (
+            (lo is not None and (value < lo or (lo_x and value == lo)))
+            or (hi is not None and (value > hi or (hi_x and value == hi)))
+        )
+    if isinstance(value, dict):
         props_raw = schema.get("properties")
         props: dict[str, object] = props_raw if isinstance(props_raw, dict) else {}
         required = schema.get("required")
-        if isinstance(required, list):
-            for name in required:
-                if isinstance(name, str) and name not in value:
-                    problems.append(f"{path}: missing required property {name!r}")
+        if isinstance(required, list) and any(isinstance(name, str) and name not in value for name in required):
+            return False
         additional = schema.get("additionalProperties", True)
         for key, item in value.items():
-            child = f"{path}.{key}"
             if key in props:
-                _validate(props[key], item, child, depth + 1, problems)
-            elif additional is False:
-                problems.append(f"{path}: unexpected property {key!r}")
-            else:
-                _validate(additional, item, child, depth + 1, problems)
-    elif isinstance(value, list):
+                if not _matches(props[key], item, depth + 1):
+                    return False
+            elif additional is False or not _matches(additional, item, depth + 1):
+                return False
+        return True
+    if isinstance(value, list):
         min_items, max_items = schema.get("minItems"), schema.get("maxItems")
-        if isinstance(min_items, int) and len(value) < min_items:
-            problems.append(f"{path}: {len(value)} items < minItems {min_items}")
-        if isinstance(max_items, int) and len(value) > max_items:
-            problems.append(f"{path}: {len(value)} items > maxItems {max_items}")
+        if (isinstance(min_items, int) and len(value) < min_items) or (
+            isinstance(max_items, int) and len(value) > max_items
+        ):
+            return False
         items = schema.get("items")
-        if isinstance(items, dict | bool):
-            for i, item in enumerate(value):
-                _validate(items, item, f"{path}[{i}]", depth + 1, problems)
-
-
-def validate_json(schema: object, value: object) -> list[str]:
-    """Problems with `value` against `schema` (same subset as `sample_json`); [] means valid.
-
-    Each problem is one line starting with a JSONPath-like location (``$.cmd``).
-    Keywords outside the subset are ignored, so [] means "valid as far as this
-    subset can tell", not full JSON Schema validity.
-    """
-    problems: list[str] = []
-    _validate(schema, value, "$", 0, problems)
-    return problems
+        return not isinstance(items, dict | bool) or all(_matches(items, item, depth + 1) for item in value)
+    return True

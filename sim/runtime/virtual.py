@@ -43,6 +43,10 @@ clock moves as if the running callback had done that work. Never with CPU free.
 
 A loop with nothing ready and no timer would wait forever on a real clock; here
 that is a deadlock and raises `VirtualDeadlock` instead of hanging.
+
+The loop's iteration replaces asyncio's private `BaseEventLoop._run_once` and reads the
+loop's private state, so it runs only on the Python versions it is tested with
+(`TESTED_PYTHONS`); constructing it on another raises `RuntimeError`.
 """
 
 from __future__ import annotations
@@ -52,17 +56,27 @@ import collections
 import contextvars
 import heapq
 import selectors
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Self, TypeVar
 
 import msgspec
 
 from prototype.clock import Clock
 
-__all__ = ["LiveCosts", "VirtualClock", "VirtualDeadlock", "VirtualTimeLoop", "load_live_costs", "run_virtual"]
+__all__ = [
+    "TESTED_PYTHONS",
+    "LiveCosts",
+    "VirtualClock",
+    "VirtualDeadlock",
+    "VirtualTimeLoop",
+    "check_python",
+    "load_live_costs",
+    "run_virtual",
+]
 
 T = TypeVar("T")
 
@@ -71,6 +85,29 @@ _MIN_SCHEDULED = 100  # asyncio's _MIN_SCHEDULED_TIMER_HANDLES
 _CANCELLED_FRACTION = 0.5  # asyncio's _MIN_CANCELLED_TIMER_HANDLES_FRACTION
 
 EPOCH_S = 1_767_225_600.0  # 2026-01-01T00:00:00Z: `time()` of virtual t = 0
+
+
+# The (major, minor) Python versions `VirtualTimeLoop._run_once` is written against and tested on
+# (setup.cfg's python_requires matches): it replaces asyncio's private `BaseEventLoop._run_once`
+# and reads the loop's private state (`_ready`, `_scheduled`, `_stopping`, `_timer_cancelled_count`,
+# `_clock_resolution`, `_process_events`), which another version may change without notice.
+TESTED_PYTHONS: Final[tuple[tuple[int, int], ...]] = ((3, 11), (3, 12), (3, 13))
+
+
+def _running_python() -> tuple[int, int]:
+    return sys.version_info.major, sys.version_info.minor
+
+
+def check_python() -> None:
+    """Raise RuntimeError, naming the supported versions, unless this Python is in `TESTED_PYTHONS`."""
+    version = _running_python()
+    if version not in TESTED_PYTHONS:
+        supported = ", ".join(f"{major}.{minor}" for major, minor in TESTED_PYTHONS)
+        raise RuntimeError(
+            f"VirtualTimeLoop supports Python {supported}, not {version[0]}.{version[1]}: it overrides asyncio's "
+            "private BaseEventLoop._run_once and reads the loop's private state, as those versions have them "
+            "(sim/runtime/virtual.py, TESTED_PYTHONS)"
+        )
 
 
 IDLE_S: Final = 0.001  # a loop that skipped this much virtual time has slept: its next work runs "after a wait"
@@ -145,7 +182,12 @@ class _VirtualSelector(selectors.BaseSelector):
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An asyncio loop whose `time()` is virtual and which never blocks."""
+    """An asyncio loop whose `time()` is virtual and which never blocks (on `TESTED_PYTHONS` only)."""
+
+    def __new__(cls, *, charge_cpu: bool = True) -> Self:
+        # Checked before the loop exists: a loop whose __init__ raised fails again in asyncio's __del__.
+        check_python()
+        return super().__new__(cls)
 
     def __init__(self, *, charge_cpu: bool = True) -> None:
         self.virtual_now = 0.0
