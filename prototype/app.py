@@ -152,6 +152,7 @@ def make_engine(
         item_parser=item_parser,
         rendered=rendered,
         context_window=config.context_window,
+        steer_boundary=config.steer_boundary,
         output_token_limit=config.max_output_tokens,
     )
 

@@ -76,7 +76,9 @@ pause machine with its own wire:
     unknown call id, a non-message item) get an `error` event; nothing is committed.
     `response.append` is not part of the beta.
 15. `response.steer` queues user messages for the in-flight response named by
-    `previous_response_id` (`response.steer.accepted`, numbered in its stream). When the
+    `previous_response_id` (`response.steer.accepted`, numbered in its stream). It is
+    part of the stable WebSocket mode too (a `create` connection steers the same way;
+    only append mode has no steering), for models that support it. When the
     response ends `completed` or `incomplete` with no client call owed, the core starts
     an automatic successor on the lane: the parent's request with the queued input as its
     input and the parent as `previous_response_id`. When it ends owing client calls, the
@@ -162,6 +164,9 @@ RECENT_IDS: Final = 64  # ended response ids remembered per connection, for `res
 APPENDABLE_ROLES: Final = frozenset({"user", "developer"})
 MAX_PENDING_STEERS: Final = 8  # queued steers per response; more: `too_many_pending_steers`
 STEER_MESSAGE_KEYS: Final = frozenset({"type", "role", "content"})
+# Model families the steering guide says do not steer (GPT-5.6 and earlier), matched as name
+# prefixes; any other name (GPT-6, the simulator's own) steers. docs/beta.md#steering.
+UNSTEERABLE_MODELS: Final = ("gpt-3", "gpt-4", "gpt-5", "o1", "o3", "o4", "chatgpt-", "codex-")
 
 
 MAX_IN_FLIGHT: Final = 16  # responses in flight per connection, across lanes; more wait
@@ -507,11 +512,15 @@ class Connection:
         max_in_flight: int = MAX_IN_FLIGHT,
         max_named_lanes: int = MAX_NAMED_LANES,
         open_responses: bool = False,
+        unsteerable_models: tuple[str, ...] = UNSTEERABLE_MODELS,
     ) -> None:
         self.lifetime_s = lifetime_s
         self.reject_concurrent = reject_concurrent
         self.append_mode = append_mode
         self.beta = beta  # the beta dialect of the pause machine (docs/beta.md)
+        # `response.steer` is part of WebSocket mode and of the beta; append mode has no steering.
+        self.steering = not append_mode or beta
+        self.unsteerable_models = unsteerable_models
         self.max_queued = max_queued
         self.max_cache_bytes = max_cache_bytes
         self.max_in_flight = max_in_flight
@@ -695,7 +704,7 @@ class Connection:
                 )
             return CreateReceived(request)
         if isinstance(event, ResponseSteer):
-            return SteerReceived(event) if self.beta else BadFrame(_unsupported("response.steer"))
+            return SteerReceived(event) if self.steering else BadFrame(_unsupported("response.steer"))
         return AppendReceived(event)
 
     def _bad(self, data: str | bytes, exc: msgspec.ValidationError | msgspec.DecodeError) -> BadFrame:
@@ -707,8 +716,8 @@ class Connection:
             return BadFrame(
                 ProtocolError("Each WebSocket message must be a JSON object.", code="invalid_json", param=None)
             )
-        if env.type == "response.steer" and not self.beta:
-            return BadFrame(_unsupported(env.type))  # not an event type outside the beta
+        if env.type == "response.steer" and not self.steering:
+            return BadFrame(_unsupported(env.type))  # not an event type of append mode
         if env.type is None:
             err = ProtocolError("Missing required parameter: 'type'.", code="missing_required_parameter", param="type")
         elif env.type not in ("response.create", "response.append", "response.inject", "response.steer"):
@@ -1074,6 +1083,15 @@ class Connection:
                     "response_not_found",
                     f"Response '{target}' is not active on this connection.",
                 )
+            return
+        if job.request.model.lower().startswith(self.unsteerable_models):
+            self._steer_failed(
+                lane,
+                steer.input,
+                target,
+                "steering_not_supported",
+                f"The model '{job.request.model}' does not support steering.",
+            )
             return
         if job.request.compact_threshold is not None:
             # The beta's steer event: responses using automatic compaction do not support steering.

@@ -133,7 +133,9 @@ __all__ = [
     "Outcome",
     "ResponseRun",
     "Resumed",
+    "STEER_BOUNDARIES",
     "STORE_UNAVAILABLE",
+    "SteerBoundary",
     "store_errors",
 ]
 
@@ -143,6 +145,8 @@ Emit = Callable[[list[ServerEvent]], Awaitable[None]]
 # Texts at least this long are tokenized off the event loop when the engine has a render
 # executor: ≈ 0.4 ms of BPE here, against ≈ 90 µs for the hop to a thread and back (uvloop).
 OFFLOAD_CHARS: Final = 8_192
+SteerBoundary = Literal["item", "token"]
+STEER_BOUNDARIES: Final[tuple[SteerBoundary, ...]] = ("item", "token")
 
 
 class RenderedItems(Protocol):
@@ -444,6 +448,7 @@ class Engine:
         rendered: RenderedItems | None = None,
         context_window: int | None = None,
         output_token_limit: int | None = None,
+        steer_boundary: SteerBoundary = "item",
     ) -> None:
         self.model = model
         self.store = store
@@ -461,6 +466,12 @@ class Engine:
         self.context_window = context_window
         self.output_token_limit = output_token_limit
         self.input_token_limit = None if context_window is None else context_window - (output_token_limit or 0)
+        # Where a steer accepted mid-decode stops the response (docs/beta.md#steering): at the end
+        # of the output item in flight (the steering guide's rule), or at the next token (the item
+        # in flight is cut off, ending `incomplete`).
+        if steer_boundary not in STEER_BOUNDARIES:
+            raise ValueError(f"steer_boundary must be one of {STEER_BOUNDARIES}, not {steer_boundary!r}")
+        self.steer_boundary = steer_boundary
         self._counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
@@ -959,7 +970,12 @@ class ResponseRun:
                             continue
                 else:
                     required = stream.pending_calls()
-                if self.pauses is None or not required or done.reason != "stop":
+                if self.pauses is None:
+                    # WebSocket mode (and HTTP): every call is the client's; steers wait for its outputs.
+                    return await self._finish(
+                        stream.receive(done), owed=tuple(required) if done.reason == "stop" else ()
+                    )
+                if not required or done.reason != "stop":
                     return await self._finish(stream.receive(done))
                 ended = await self._pause(self.pauses, tuple(required), carried)
                 if ended is not None:
@@ -1133,21 +1149,23 @@ class ResponseRun:
         return events + self._drain() if self.inbox.acks else events
 
     def _steerable(self) -> bool:
-        """Beta: whether the response may stop here for a queued steer (docs/beta.md): no call
-        finished in this segment, so ending it leaves nothing owed. The item in flight, if any,
-        ends `incomplete` and stays out of the context."""
+        """Whether the response may stop here for a queued steer (docs/beta.md#steering): no call
+        finished in this segment, so ending it leaves nothing owed. An item in flight (only with
+        `steer_boundary="token"`) ends `incomplete` and stays out of the context."""
         return not any(isinstance(item, FunctionCall) for item in self.stream.segment_output())
 
     async def _sample(self, request: ModelRequest) -> SamplingFinished | Interrupt:
-        """One model segment. Beta: a steer accepted meanwhile stops it at the next event
-        boundary it is acknowledged at (a token boundary), if `_steerable`: the model's
-        generator is closed there, so no later token is decoded."""
+        """One model segment. A steer accepted meanwhile stops it, if `_steerable`, at the end
+        of the output item in flight (or, with `steer_boundary="token"`, at the event boundary
+        it is acknowledged at): the model's generator is closed there, so no later token is
+        decoded."""
         stream, stages, emit = self.stream, self.stages, self.emit
         self.engine._counts.model_calls += 1
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
             receive, queued, steers = stream.receive, self.inbox.acks, self.inbox.steers
+            cut = self.engine.steer_boundary == "token"
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if isinstance(event, Prefilled):
@@ -1159,24 +1177,25 @@ class ResponseRun:
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return event
-                    elif self.beta and isinstance(event, ItemFinished):
+                    elif isinstance(event, ItemFinished):
                         await emit(receive(event))
                         call = stream.output[-1]
-                        if isinstance(call, FunctionCall) and call.is_async is True and self.pauses is not None:
+                        if self.beta and isinstance(call, FunctionCall) and call.is_async is True:
+                            assert self.pauses is not None
                             # Its output may be injected from now on, while the model decodes on.
                             self._open_calls[call.call_id] = request.turn_index
                             await self.pauses.called(RequiredInput(call_id=call.call_id, name=call.name))
                         if queued:
                             await emit(self._drain())
-                            if steers and self._steerable():
-                                stages.lap(Stage.DECODE)
-                                stages.report.tokens_decoded = stream.output_tokens
-                                return Interrupt()
+                        if steers and self._steerable():  # the item is whole: a safe output boundary
+                            stages.lap(Stage.DECODE)
+                            stages.report.tokens_decoded = stream.output_tokens
+                            return Interrupt()
                         continue
                 await emit(receive(event))
                 if queued:  # an acknowledgement arrived while the model decoded
                     await emit(self._drain())
-                    if steers and self._steerable():
+                    if cut and steers and self._steerable():
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return Interrupt()

@@ -33,6 +33,7 @@ from .app import (
     ServerConfig,
     make_app,
 )
+from .engine import STEER_BOUNDARIES
 from .pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from .store import MemoryStore, open_store
 
@@ -186,6 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="open WebSocket connections; further upgrades get HTTP 503 (0 = no limit)",
     )
+    p.add_argument(
+        "--steer-boundary",
+        default="item",
+        choices=STEER_BOUNDARIES,
+        help="where a steer accepted mid-decode stops the response: at the end of the output item in flight "
+        "(the steering guide's rule), or at the next token, cutting the item off (docs/beta.md#steering)",
+    )
     p.add_argument("--log-level", default="WARNING", help="logging level")
     return p
 
@@ -225,6 +233,7 @@ async def serve(args: argparse.Namespace) -> None:
         render_threads=args.render_threads,
         context_window=args.context_window or None,
         max_output_tokens=args.max_output_tokens or None,
+        steer_boundary=args.steer_boundary,
     )
     store = open_store(args.store)
     # Seeded ids repeat on every start. A store that outlives the process (sqlite, redis) would

@@ -36,7 +36,7 @@ from .connection import (
     TakeInput,
 )
 from .conversation import CreateRequest, Item, ToolCache, normalize_create
-from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
+from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed, SteerBoundary
 from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .schemas import (
@@ -115,6 +115,9 @@ class ServerConfig:
     # A prompt longer than the difference is a 400 context_length_exceeded; None: unbounded.
     context_window: int | None = CONTEXT_WINDOW
     max_output_tokens: int | None = MAX_OUTPUT_TOKENS
+    # Where a steer accepted mid-decode lands (docs/beta.md#steering): "item", the end of the output
+    # item in flight (the steering guide's rule), or "token", at once, cutting that item off.
+    steer_boundary: SteerBoundary = "item"
 
 
 class TextSender(Protocol):

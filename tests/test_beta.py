@@ -25,6 +25,7 @@ from prototype.cache import CacheEntry
 from prototype.connection import AckInject, AckSteer, Connection, ResumeJob, SendFrame, StartJob
 from prototype.conversation import Context, Preamble
 from prototype.schemas import RequiredInput, Response
+from prototype.session import ServerConfig
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
@@ -251,14 +252,15 @@ async def test_a_steer_after_a_client_owned_call_is_pending_with_the_calls_stubs
     assert not wire.violations
 
 
-async def test_a_steer_during_a_final_answer_stops_it_mid_decode_and_the_successor_answers(
+async def test_a_token_boundary_steer_during_a_final_answer_stops_it_mid_decode_and_the_successor_answers(
     wire: strict.Checker,
 ) -> None:
-    """The mid-decode boundary: the message in flight ends `incomplete` with its text so far, the
-    response `incomplete`/`steered`; the successor inherits the settings, continues from the
-    parent (without the cut message) and answers that turn in full: the same tokens, re-planned."""
+    """Under `steer_boundary="token"` (not the default, see tests/test_steering.py): the message in
+    flight ends `incomplete` with its text so far, the response `incomplete`/`steered`; the successor
+    inherits the settings, continues from the parent (without the cut message) and answers that turn
+    in full: the same tokens, re-planned."""
     async with (
-        live_server(tool_calls=0, seed=SEED, decode_tok_per_s=500) as live,
+        live_server(tool_calls=0, seed=SEED, decode_tok_per_s=500, config=ServerConfig(steer_boundary="token")) as live,
         aiohttp.ClientSession() as session,
         await beta_socket(session, live) as ws,
     ):

@@ -188,6 +188,18 @@ def test_invalid_frame_naming_other_id_keeps_cache() -> None:
     assert c.cache is not None
 
 
+def test_append_mode_has_no_steering() -> None:
+    c = Connection(append_mode=True)
+    c.receive_text('{"type": "response.steer", "previous_response_id": "resp_a", "input": "x"}')
+    (err,) = errors(c.outputs_to_send())
+    assert err["error"] == {  # type: ignore[comparison-overlap]
+        **err["error"],  # type: ignore[dict-item]
+        "code": "unsupported_event_type",
+        "param": "type",
+        "message": "Unsupported event type: 'response.steer'.",
+    }
+
+
 @pytest.mark.parametrize(
     ("frame", "code", "param", "message"),
     [
@@ -195,7 +207,7 @@ def test_invalid_frame_naming_other_id_keeps_cache() -> None:
         ("[1, 2]", "invalid_json", None, "Each WebSocket message must be a JSON object."),
         ('"hello"', "invalid_json", None, "Each WebSocket message must be a JSON object."),
         ('{"model": "x"}', "missing_required_parameter", "type", "Missing required parameter: 'type'."),
-        ('{"type": "response.steer"}', "unsupported_event_type", "type", "Unsupported event type: 'response.steer'."),
+        ('{"type": "response.steer"}', "invalid_value", None, None),  # WebSocket mode steers; this one has no input
         ('{"type": "session.update"}', "unsupported_event_type", "type", "Unsupported event type: 'session.update'."),
         ('{"type": "response.create", "model": "m", "store": "yes"}', "invalid_type", "store", None),
         (

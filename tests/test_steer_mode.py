@@ -1,7 +1,8 @@
-"""Steering mid-decode (docs/beta.md, "The mid-decode boundary") and the comparison's
-interjections (docs/experiments.md, "Interjections"): a steer accepted while the model decodes
-stops the response at the next token boundary, the item in flight ends `incomplete` and is not
-owed, and the automatic successor plans that turn afresh with the steer in its context."""
+"""Steering mid-decode at the token boundary (`steer_boundary="token"`, docs/beta.md#steering)
+and the comparison's interjections (docs/experiments.md, "Interjections"): a steer accepted while
+the model decodes stops the response at the next token boundary, the item in flight ends
+`incomplete` and is not owed, and the automatic successor plans that turn afresh with the steer
+in its context. The default item boundary is in tests/test_steering.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
+from prototype.app import ServerConfig
 from prototype.cache import CacheEntry
 from prototype.connection import AckSteer, Connection, StartJob
 from prototype.conversation import Context, Preamble
@@ -40,6 +42,7 @@ ASYNC_TOOL: Final = {**EXEC_TOOL, "async": True}
 PROMPT: Final = "The test suite fails on test_store.py; find out why and fix it."
 STEER_TEXT: Final = "Also check whether test_cache.py fails the same way."
 TIMEOUT_S: Final = 30.0
+TOKEN_BOUNDARY: Final = ServerConfig(steer_boundary="token")
 
 
 async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checker) -> None:
@@ -47,7 +50,7 @@ async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checke
     the second call; that call ends `incomplete` (never answered), the response `steered`, and
     the successor makes the same call in full, then the loop runs to its answer."""
     async with (
-        live_server(tool_calls=TOOL_CALLS, seed=SEED, decode_tok_per_s=400) as live,
+        live_server(tool_calls=TOOL_CALLS, seed=SEED, decode_tok_per_s=400, config=TOKEN_BOUNDARY) as live,
         asyncio.timeout(TIMEOUT_S),
         AsyncOpenAI(api_key="sk-test", base_url=live.base_url, max_retries=0) as client,
         client.beta.responses.connect(extra_headers=BETA_HEADERS) as conn,
@@ -108,6 +111,7 @@ BASE = CompareConfig(
     profile="local",
     system_prompt_tokens=300,
     modes=("http", "ws", "append", "inject", "steer"),
+    steer_boundary="token",
 )
 INTERJECTED = msgspec.structs.replace(BASE, interjections=2, interjection_window_s=0.2)
 
@@ -250,7 +254,7 @@ async def test_nothing_is_decoded_after_the_cut_and_the_successor_holds_the_stee
     # its context (the context counts model turns by the items it holds).
     policy = ScriptPolicy([PlannedItem("message", "", long_answer), PlannedItem("message", "", "something else")])
     async with (
-        live_server(policy=policy, seed=SEED, decode_tok_per_s=400) as live,
+        live_server(policy=policy, seed=SEED, decode_tok_per_s=400, config=TOKEN_BOUNDARY) as live,
         aiohttp.ClientSession() as session,
         await session.ws_connect(live.ws_url, headers=BETA_HEADERS) as ws,
     ):

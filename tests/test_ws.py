@@ -170,7 +170,8 @@ async def test_error_events_keep_the_socket_open(live: Live) -> None:
         cases = [
             ("{oops", "invalid_json"),
             ("[1]", "invalid_json"),
-            (json.dumps({"type": "response.steer", "input": []}), "unsupported_event_type"),
+            # WebSocket mode steers; this steer names no previous_response_id
+            (json.dumps({"type": "response.steer", "input": []}), "invalid_value"),
             (json.dumps({"type": "response.append", "input": []}), "unsupported_event_type"),
             (json.dumps({"type": "response.create", "model": "sim", "background": True}), "unsupported_parameter"),
             (

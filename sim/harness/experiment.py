@@ -42,7 +42,7 @@ from prototype.app import ENGINE, ServerConfig, make_app, make_engine, render_ex
 from prototype.clock import Clock
 from prototype.contract import COMPACT_THRESHOLD_MIN
 from prototype.conversation import ToolCache, conversation_key, parse_items
-from prototype.engine import Engine
+from prototype.engine import Engine, SteerBoundary
 from prototype.model import ModelEvent, ModelRequest
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
@@ -138,6 +138,13 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         float,
         Meta(ge=0, description="an interjection arrives a delay uniform in [0, this) s after its turn's first token"),
     ] = 0.1
+    steer_boundary: Annotated[
+        SteerBoundary,
+        Meta(
+            description="steer mode: where a steer accepted mid-decode stops the response: item (the end of the "
+            "output item in flight, the steering guide's rule) or token (at once, cutting the item off)"
+        ),
+    ] = "item"
     async_independent: Annotated[
         float,
         Meta(
@@ -186,7 +193,9 @@ def _server_config(config: CompareConfig) -> ServerConfig:
     if config.rtt_s is not None:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
     disabled = {Optimization(name) for name in config.disable}
-    return ServerConfig(profile=profile, optimizations=ALL_OPTIMIZATIONS - disabled)
+    return ServerConfig(
+        profile=profile, optimizations=ALL_OPTIMIZATIONS - disabled, steer_boundary=config.steer_boundary
+    )
 
 
 def compare(
