@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # (tests/conftest.py). `make test LONGRUN_REQUIRE_ALL=0` lets a partial machine skip instead.
 LONGRUN_REQUIRE_ALL ?= 1
 
-.PHONY: install node-clients test compare lint typecheck
+.PHONY: install node-clients test compare lint typecheck docs-tables
 
 install:
 	$(PY) -m pip install -q -e '.[dev]'
@@ -32,3 +32,7 @@ lint:
 
 typecheck:
 	$(PY) -m mypy
+
+# docs/state-machines.md is generated from the connection's and the stream's transition tables.
+docs-tables:
+	$(PY) -m prototype.tables > docs/state-machines.md

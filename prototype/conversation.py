@@ -43,9 +43,10 @@ from .contract import (
     check_params,
     check_string_length,
     compact_threshold,
+    from_validation_error,
     supported_values,
 )
-from .errors import ProtocolError, from_validation_error
+from .errors import ProtocolError
 from .model import FunctionTool, TokenArray
 from .schemas import (
     CompactionItem,

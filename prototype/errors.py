@@ -13,16 +13,12 @@ which may be security-sensitive").
 
 from __future__ import annotations
 
-import re
 from typing import Final
-
-import msgspec
 
 from .schemas import (
     ErrorBody,
     ErrorEvent,
     HTTPErrorBody,
-    NestingTooDeep,
     Response,
     ResponseCreated,
     ResponseInProgress,
@@ -33,7 +29,6 @@ from .schemas import (
 __all__ = [
     "INTERNAL_ERROR",
     "ProtocolError",
-    "from_validation_error",
     "http_error_body",
     "IN_STREAM_CODES",
     "sse_error_events",
@@ -84,78 +79,6 @@ INTERNAL_ERROR: Final = ProtocolError(
     code="server_error",
     status=500,
 )
-
-
-_TYPE_NAMES: Final = {
-    "str": "a string",
-    "int": "an integer",
-    "float": "a decimal",
-    "bool": "a boolean",
-    "object": "an object",
-    "array": "an array",
-    "null": "null",
-}
-_EXPECTED: Final = re.compile(r"^Expected `([^`]*)`, got `([^`]*)`(?: - at `\$\.?(.*)`)?$")
-_UNKNOWN: Final = re.compile(r"^Object contains unknown field `([^`]*)`(?: - at `\$\.?(.*)`)?$")
-_MISSING: Final = re.compile(r"^Object missing required field `([^`]*)`(?: - at `\$\.?(.*)`)?$")
-_AT: Final = re.compile(r" - at `\$\.?(.*)`$")
-
-
-def _param(path: str) -> str:
-    """A msgspec path (`input[0].content`, `metadata[...]`) as the API names a parameter."""
-    return path.replace("[...]", "")
-
-
-def _type_phrase(names: str) -> str:
-    kinds = [_TYPE_NAMES.get(n.strip(), n.strip()) for n in names.split("|") if n.strip() != "null"] or ["null"]
-    if len(kinds) == 1:
-        return kinds[0]
-    return "one of " + ", ".join(kinds[:-1]) + " or " + kinds[-1]
-
-
-def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError, *, part: bool = False) -> ProtocolError:
-    """Map a msgspec failure to the real API's 400: `invalid_type` with the parameter's path,
-    `unknown_parameter` (or a moved parameter's hint, `contract.MOVED_PARAMETERS`),
-    `missing_required_parameter`, else `invalid_value` / `invalid_json`."""
-    text = str(exc)
-    if isinstance(exc, NestingTooDeep):
-        return ProtocolError(f"Invalid request: {text}", code="invalid_json", param=None)
-    if isinstance(exc, msgspec.ValidationError):
-        if m := _EXPECTED.match(text):
-            expected, got, path = m.group(1), m.group(2), _param(m.group(3) or "")
-            if not path:
-                return ProtocolError(
-                    f"Invalid request body: expected {_type_phrase(expected)}, but got {_type_phrase(got)} instead.",
-                    code="invalid_type",
-                )
-            return ProtocolError(
-                f"Invalid type for '{path}': expected {_type_phrase(expected)}, but got {_type_phrase(got)} instead.",
-                code="invalid_type",
-                param=path,
-            )
-        if m := _UNKNOWN.match(text):
-            name = ".".join(p for p in (_param(m.group(2) or ""), m.group(1)) if p)
-            from .contract import moved_parameter  # the rule table; imported here to avoid a cycle
-
-            return moved_parameter(name) or ProtocolError(
-                f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name
-            )
-        # A required field missing inside the body, or in a part decoded on its own (`part`: a
-        # tool, an item); a WebSocket event's own missing fields stay `invalid_value`.
-        if (m := _MISSING.match(text)) and (part or m.group(2)):
-            name = ".".join(p for p in (_param(m.group(2) or ""), m.group(1)) if p)
-            return ProtocolError(
-                f"Missing required parameter: '{name}'.", code="missing_required_parameter", param=name
-            )
-        param = None
-        if m := _AT.search(text):
-            param = _param(m.group(1))
-            text = text[: m.start()]
-        where = f"'{param}'" if param else "request"
-        return ProtocolError(f"Invalid {where}: {text}.", code="invalid_value", param=param)
-    return ProtocolError(
-        f"The request body is not valid JSON: {text}", code="invalid_json", type="invalid_request_error"
-    )
 
 
 def ws_error_event(err: ProtocolError) -> bytes:

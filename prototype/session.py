@@ -20,24 +20,11 @@ from typing import Final, Protocol, TypeVar
 import msgspec
 
 from .cache import stream_prefix
-from .connection import (
-    AbortPause,
-    AckInject,
-    AckSteer,
-    ArmPauseTimer,
-    CancelJob,
-    CloseSocket,
-    Connection,
-    Job,
-    Output,
-    ResumeJob,
-    SendFrame,
-    StartJob,
-    TakeInput,
-)
+from .connection import Connection
+from .contract import from_validation_error
 from .conversation import CreateRequest, Item, ToolCache, normalize_create
 from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed, SteerBoundary
-from .errors import INTERNAL_ERROR, ProtocolError, from_validation_error
+from .errors import INTERNAL_ERROR, ProtocolError
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
 from .schemas import (
     CompactParams,
@@ -53,6 +40,20 @@ from .schemas import (
 )
 from .stream import InjectAccepted, SteerAccepted
 from .timing import TimingFrames
+from .wsevents import (
+    AbortPause,
+    AckInject,
+    AckSteer,
+    ArmPauseTimer,
+    CancelJob,
+    CloseSocket,
+    Job,
+    Output,
+    ResumeJob,
+    SendFrame,
+    StartJob,
+    TakeInput,
+)
 
 T = TypeVar("T")
 
@@ -275,7 +276,7 @@ class WebSocketSession:
             open_responses=config.open_responses,
         )
         self.jobs: dict[int, _JobHandle] = {}  # by job number, while in flight
-        self.dialect = "beta" if beta else "append" if self.conn.append_mode else "create"
+        self.dialect = self.conn.dialect.name
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:

@@ -39,7 +39,7 @@ Invariants:
   compaction item, content empty), `response.compaction.compacting`, then
   `output_item.done` with the item's content, between model items.
 
-Every legal (state, input) pair is a row of `_TRANSITIONS`: the action that makes its
+Every legal (state, input) pair is a row of `TRANSITIONS`: the action that makes its
 events and the next state. A `SamplingFinished` whose reason is `max_output_tokens` is
 its own input kind (`Truncated`), so the incomplete ending is a row too. Anything else
 is a bug in the model or the caller and raises `StreamError` without moving the stream;
@@ -96,6 +96,7 @@ from .schemas import (
 
 __all__ = [
     "DIALECTS",
+    "TRANSITIONS",
     "CompactionDone",
     "CompactionStarted",
     "Continue",
@@ -323,7 +324,7 @@ class ResponseStream:
         kind: type = type(event)
         if kind is SamplingFinished and event.reason == "max_output_tokens":  # type: ignore[union-attr]
             kind = Truncated
-        move = _TRANSITIONS.get((self.state, kind))
+        move = TRANSITIONS.get((self.state, kind))
         if move is None:
             raise StreamError(f"can't handle {kind.__name__} in state {self.state.name}")
         action, nxt = move
@@ -375,6 +376,7 @@ class ResponseStream:
     # -- transitions -------------------------------------------------------------------------------
 
     def _start(self, event: Start) -> list[ServerEvent]:
+        """`response.created` and `response.in_progress`."""
         self.input_tokens = event.input_tokens
         snap = self.response
         created = ResponseCreated(sequence_number=self._next(), response=snap)
@@ -383,6 +385,7 @@ class ResponseStream:
         return [created, ResponseInProgress(sequence_number=self._next(), response=snap)]
 
     def _item_started(self, event: ItemStarted) -> list[ServerEvent]:
+        """`response.output_item.added` (and a message's `content_part.added`)."""
         index = len(self.output)
         self._parts = []
         self.item_start_tokens = self.output_tokens
@@ -408,6 +411,7 @@ class ResponseStream:
         return [OutputItemAdded(sequence_number=self._next(), output_index=index, item=call)]
 
     def _delta(self, event: TokensSampled) -> list[ServerEvent]:
+        """A text or arguments delta."""
         self.output_tokens += len(event.token_ids)
         if not event.text:
             return []  # a token ending mid UTF-8 character: its text arrives with the next token
@@ -432,6 +436,7 @@ class ResponseStream:
         ]
 
     def _item_finished(self, event: ItemFinished) -> list[ServerEvent]:
+        """The item's `.done` events."""
         item = self._item
         assert item is not None
         text = "".join(self._parts)
@@ -488,13 +493,16 @@ class ResponseStream:
         return out + self._end_incomplete(EndIncomplete(event.reason))
 
     def _interrupt(self, event: Interrupt) -> list[ServerEvent]:
+        """A steer between items: `response.incomplete` (`steered`)."""
         return self._end_incomplete(EndIncomplete(event.reason))
 
     def _prefilled(self, event: Prefilled) -> list[ServerEvent]:
+        """The prompt is prefilled: nothing on the wire."""
         self.cached_tokens += event.cached_tokens  # no wire event: counted in usage.cached_tokens
         return []
 
     def _complete(self, event: SamplingFinished) -> list[ServerEvent]:
+        """`response.completed`."""
         self.response = structs.replace(
             self.response,
             status="completed",
@@ -505,9 +513,11 @@ class ResponseStream:
         return [ResponseCompleted(sequence_number=self._next(), response=self.response)]
 
     def _truncate(self, event: SamplingFinished) -> list[ServerEvent]:
+        """`response.incomplete` (`max_output_tokens`)."""
         return self._end_incomplete(EndIncomplete(event.reason))
 
     def _end_incomplete(self, event: EndIncomplete) -> list[ServerEvent]:
+        """`response.incomplete` with the given reason."""
         self.response = structs.replace(
             self.response,
             status="incomplete",
@@ -518,12 +528,14 @@ class ResponseStream:
         return [ResponseIncomplete(sequence_number=self._next(), response=self.response)]
 
     def _pause(self, event: Pause) -> list[ServerEvent]:
+        """Append mode: the pause event with `required_input`."""
         self.response = structs.replace(self.response, status="in_progress", output=list(self.output), usage=None)
         if self.dialect == "beta":
             return []  # the beta has no pause event: the async calls' output_item.done said it all
         return [ResponseDone(sequence_number=self._next(), response=self.response, required_input=self.pending_calls())]
 
     def _resume(self, event: Resume) -> list[ServerEvent]:
+        """Append mode: `response.in_progress` again."""
         self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
         # As every in-progress snapshot (docs/protocol.md): `output: []`. The pause's `response.done`
@@ -533,14 +545,17 @@ class ResponseStream:
 
     def _continue(self, event: Continue) -> list[ServerEvent]:
         # A new segment without a pause: nothing to tell the client, who never saw the stream stop.
+        """Beta: the model decodes on past async calls; nothing on the wire."""
         self.segment_start = len(self.output)
         self.input_tokens += event.input_tokens
         return []
 
     def _inject_accepted(self, event: InjectAccepted) -> list[ServerEvent]:
+        """`response.inject.created`, numbered in this stream."""
         return [ResponseInjectCreated(sequence_number=self._next(), response_id=self.response.id)]
 
     def _inject_refused(self, event: InjectRefused) -> list[ServerEvent]:
+        """`response.inject.failed`, numbered in this stream."""
         error = InjectError(code=event.code, message=event.message)
         return [
             ResponseInjectFailed(
@@ -549,9 +564,11 @@ class ResponseStream:
         ]
 
     def _steer_accepted(self, event: SteerAccepted) -> list[ServerEvent]:
+        """`response.steer.accepted`, numbered in this stream."""
         return [ResponseSteerAccepted(sequence_number=self._next(), steer=event.steer)]
 
     def _steer_pending(self, event: SteerPending) -> list[ServerEvent]:
+        """`response.steer.pending` with the owed calls, after `response.completed`."""
         return [
             ResponseSteerPending(
                 sequence_number=self._next(),
@@ -564,6 +581,7 @@ class ResponseStream:
     def _compaction_started(self, event: CompactionStarted) -> list[ServerEvent]:
         # The item is announced with an empty `encrypted_content` (the spec requires the field);
         # `response.output_item.done` carries the content (docs/compaction.md).
+        """The compaction item's `output_item.added`."""
         index = len(self.output)
         announced = CompactionItem(id=event.item_id, encrypted_content="")
         return [
@@ -572,11 +590,13 @@ class ResponseStream:
         ]
 
     def _compaction_done(self, event: CompactionDone) -> list[ServerEvent]:
+        """The compaction item's `output_item.done`."""
         index = len(self.output)
         self.output.append(event.item)
         return [OutputItemDone(sequence_number=self._next(), output_index=index, item=event.item)]
 
     def _fail(self, event: Fail) -> list[ServerEvent]:
+        """`response.failed`."""
         self.response = structs.replace(
             self.response,
             status="failed",
@@ -595,7 +615,7 @@ _LIVE: Final = (RS.IN_PROGRESS, RS.IN_ITEM, RS.PAUSED)  # started and not ended
 # response ended is carried to its continuation (docs/beta.md), so the acknowledgement stands.
 _STARTED: Final = (*_LIVE, RS.COMPLETED, RS.INCOMPLETE, RS.FAILED)
 R = ResponseStream
-_TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
+TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.QUEUED, Start): (R._start, RS.IN_PROGRESS),
     (RS.IN_PROGRESS, Prefilled): (R._prefilled, RS.IN_PROGRESS),
     (RS.IN_PROGRESS, ItemStarted): (R._item_started, RS.IN_ITEM),

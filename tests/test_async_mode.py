@@ -14,11 +14,13 @@ import msgspec
 import pytest
 
 from prototype.app import make_engine
-from prototype.connection import CS, AckInject, ArmPauseTimer, Connection, ResumeJob, StartJob, TakeInput
+from prototype.connection import Connection
+from prototype.lanes import CS
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
 from prototype.schemas import RequiredInput, decode_stored
 from prototype.session import ServerConfig
 from prototype.store import MemoryStore
+from prototype.wsevents import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput
 from sim.__main__ import main, run
 from sim.harness import experiment
 from sim.harness.client import MODES, WSClient, tool_outputs

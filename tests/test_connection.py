@@ -11,8 +11,12 @@ import pytest
 
 from prototype import conversation
 from prototype.cache import CacheEntry
-from prototype.connection import (
-    CS,
+from prototype.connection import Connection, limit_message
+from prototype.conversation import Context, Preamble, normalize_create
+from prototype.errors import ProtocolError
+from prototype.lanes import CS, ConnectionStateError, Lane
+from prototype.schemas import CreateParams, RequiredInput, Response, ResponseSteer, decode_client_event
+from prototype.wsevents import (
     INPUT_TYPES,
     AbortPause,
     AckInject,
@@ -23,13 +27,10 @@ from prototype.connection import (
     CallEmitted,
     CancelJob,
     CloseSocket,
-    Connection,
-    ConnectionStateError,
     CreateReceived,
     Dequeue,
     Disconnected,
     Job,
-    Lane,
     LimitReached,
     PauseTimedOut,
     ResponseEnded,
@@ -40,11 +41,7 @@ from prototype.connection import (
     SteerReceived,
     TakeInput,
     TurnEnded,
-    limit_message,
 )
-from prototype.conversation import Context, Preamble, normalize_create
-from prototype.errors import ProtocolError
-from prototype.schemas import CreateParams, RequiredInput, Response, ResponseSteer, decode_client_event
 
 
 def create(**fields: object) -> str:

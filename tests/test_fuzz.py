@@ -34,11 +34,14 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from prototype.app import ServerConfig, make_app
-from prototype.connection import CS, Connection, SendFrame, StartJob
+from prototype.connection import Connection
+from prototype.contract import from_validation_error
 from prototype.conversation import normalize_create
-from prototype.errors import ProtocolError, from_validation_error
+from prototype.errors import ProtocolError
+from prototype.lanes import CS
 from prototype.schemas import RequiredInput, decode_create_params, decode_text
 from prototype.store import MemoryStore
+from prototype.wsevents import SendFrame, StartJob
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.model.schema_values import sample_json

@@ -39,6 +39,13 @@ PURE_CORE = {
     "tokenizer",
     "timing",
     "constraints",
+    "wsevents",
+    "lanes",
+    "frames",
+    "conncache",
+    "pauses",
+    "steering",
+    "tables",
 }
 # Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
 # token arrays are numpy arrays).
@@ -110,6 +117,75 @@ def test_sim_uses_asyncio_only_in_realtime(path: Path) -> None:
 def test_uvloop_only_in_entry_points(path: Path) -> None:
     if path not in ENTRY_POINTS:
         assert "uvloop" not in imports(path)
+
+
+def prototype_imports(path: Path) -> set[str]:
+    """The prototype/ modules a prototype/ module imports (relative imports, `TYPE_CHECKING` ones too)."""
+    tree = ast.parse(path.read_text(), str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                names.add(node.module.split(".")[0])
+            else:
+                names.update(alias.name for alias in node.names)
+    return names
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of more than one module (or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                top = stack.pop()
+                group.append(top)
+                if top == node:
+                    break
+            if len(group) > 1 or node in graph.get(node, ()):
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_prototype_has_no_import_cycles() -> None:
+    graph = {path.stem: prototype_imports(path) for path in modules("prototype")}
+    assert not import_cycles(graph)
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: p.name)
+def test_prototype_imports_only_at_module_level(path: Path) -> None:
+    """An import inside a function hides a dependency (and, in prototype/, usually a cycle)."""
+    tree = ast.parse(path.read_text(), str(path))
+    nested = [
+        node.lineno
+        for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(function)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    ]
+    assert not nested, f"{path.name} imports inside a function at lines {nested}"
 
 
 def test_the_checker_sees_imports() -> None:

@@ -15,12 +15,14 @@ from aiohttp import web
 
 from prototype.app import SLOTS, ServerConfig, make_app
 from prototype.cache import CacheEntry
-from prototype.connection import CS, Connection, SendFrame, StartJob
+from prototype.connection import Connection
 from prototype.conversation import Context, Item, Preamble
+from prototype.lanes import CS
 from prototype.model import ModelEvent, ModelRequest
 from prototype.schemas import InputItemView, Response
 from prototype.server import build_parser
 from prototype.store import MemoryStore
+from prototype.wsevents import SendFrame, StartJob
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.runtime.realtime import AsyncioClock

@@ -19,9 +19,10 @@ from openai import AsyncOpenAI
 
 from prototype.app import ServerConfig
 from prototype.cache import CacheEntry
-from prototype.connection import AckSteer, Connection, StartJob
+from prototype.connection import Connection
 from prototype.conversation import Context, Preamble
 from prototype.schemas import IncompleteDetails, Response
+from prototype.wsevents import AckSteer, StartJob
 from sim.__main__ import run
 from sim.harness import experiment
 from sim.harness.client import tool_outputs
