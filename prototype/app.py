@@ -23,6 +23,7 @@ from typing import Final
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from .clock import Clock
+from .config import ServerConfig
 from .conversation import ItemParser, parse_items
 from .engine import Engine, RenderedItems
 from .errors import (
@@ -39,16 +40,9 @@ from .schemas import DeletedResponse, ServerEvent, encode
 from .session import (
     APPEND_BETA,
     BATCH_BYTES,
-    CONTEXT_WINDOW,
-    MAX_CACHE_BYTES,
-    MAX_CONNECTIONS,
-    MAX_MESSAGE_BYTES,
-    MAX_OUTPUT_TOKENS,
-    MAX_QUEUED_CREATES,
     MULTI_AGENT_BETA,
     TOKEN_DELTAS,
     BatchedFrames,
-    ServerConfig,
     TextSender,
     WebSocketSession,
     http_compact,
@@ -61,15 +55,8 @@ from .timing import TIMING_HEADER, wants_timing
 from .tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
-    "CONTEXT_WINDOW",
     "ENGINE",
-    "MAX_CACHE_BYTES",
-    "MAX_CONNECTIONS",
-    "MAX_MESSAGE_BYTES",
-    "MAX_OUTPUT_TOKENS",
-    "MAX_QUEUED_CREATES",
     "BatchedFrames",
-    "ServerConfig",
     "Slots",
     "WebSocketSession",
     "make_app",
@@ -83,7 +70,7 @@ RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stay
 
 
 class Slots:
-    """Open WebSocket connections against `ServerConfig.max_connections`. A slot is taken
+    """Open WebSocket connections against `WebSocketConfig.max_connections`. A slot is taken
     before the upgrade, so concurrent upgrades cannot overshoot the limit."""
 
     def __init__(self, limit: int | None) -> None:
@@ -145,15 +132,15 @@ def make_engine(
         clock=clock,
         tokenizer=tokenizer or get_tokenizer(),
         ids=IdFactory(seed),
-        profile=config.profile,
+        profile=config.cost_profile,
         optimizations=config.optimizations,
         classifier=classifier,
         render_executor=render_executor,
         item_parser=item_parser,
         rendered=rendered,
-        context_window=config.context_window,
+        context_window=config.model.context_window,
         steer_boundary=config.steer_boundary,
-        output_token_limit=config.max_output_tokens,
+        output_token_limit=config.model.max_output_tokens,
     )
 
 
@@ -185,7 +172,7 @@ def make_app(
     app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed, render_executor=executor)
     sockets: set[web.WebSocketResponse] = set()
     app[SOCKETS] = sockets
-    app[SLOTS] = Slots(config.max_connections)
+    app[SLOTS] = Slots(config.websocket.max_connections)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/v1/responses/compact", compact_response)
     app.router.add_get("/v1/responses", websocket_or_405)
@@ -348,7 +335,7 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
             )
         )
     config = request.app[CONFIG]
-    if config.refuse_websocket:
+    if config.websocket.refuse:
         return _json_error(
             ProtocolError("WebSocket mode is disabled on this server; use HTTP.", code="upgrade_required", status=426)
         )

@@ -107,12 +107,13 @@ from typing import Any, Final
 from msgspec import structs
 
 from .cache import CacheEntry, stream_prefix, tag_stream
+from .config import WebSocketConfig
 from .conncache import ConnectionCache
 from .conversation import Item, ToolCache
 from .errors import ProtocolError, ws_error_event
 from .frames import FrameClassifier
 from .ids import IdFactory
-from .lanes import CS, MAX_NAMED_LANES, OPEN, ConnectionStateError, Lane, Pause, error_frame
+from .lanes import CS, OPEN, ConnectionStateError, Lane, Pause, error_frame
 from .pauses import PauseDialect, dialect_of
 from .schemas import RequiredInput
 from .steering import UNSTEERABLE_MODELS, Steering
@@ -140,11 +141,10 @@ from .wsevents import (
     TurnEnded,
 )
 
-__all__ = ["CLOSE_GOING_AWAY", "MAX_IN_FLIGHT", "RECENT_IDS", "TRANSITIONS", "Connection", "limit_message"]
+__all__ = ["CLOSE_GOING_AWAY", "RECENT_IDS", "TRANSITIONS", "Connection", "limit_message"]
 
 CLOSE_GOING_AWAY: Final = 1001  # server shutdown or lifetime limit; triggers openai-python's auto-reconnect
 RECENT_IDS: Final = 64  # ended response ids remembered per connection, for `response_already_completed`
-MAX_IN_FLIGHT: Final = 16  # responses in flight per connection, across lanes; more wait
 
 
 def limit_message(lifetime_s: float) -> str:
@@ -165,25 +165,19 @@ class Connection:
 
     def __init__(
         self,
+        limits: WebSocketConfig | None = None,
         *,
-        lifetime_s: float = 3600.0,
-        reject_concurrent: bool = False,
         append_mode: bool = False,
         beta: bool = False,
         ids: IdFactory | None = None,
-        max_queued: int | None = None,
-        max_cache_bytes: int | None = None,
         reuse_tools: bool = True,
-        max_in_flight: int = MAX_IN_FLIGHT,
-        max_named_lanes: int = MAX_NAMED_LANES,
         open_responses: bool = False,
         unsteerable_models: tuple[str, ...] = UNSTEERABLE_MODELS,
+        **overrides: Any,
     ) -> None:
-        self.lifetime_s = lifetime_s
-        self.reject_concurrent = reject_concurrent
-        self.max_queued = max_queued
-        self.max_in_flight = max_in_flight
-        self.max_named_lanes = max_named_lanes
+        """`limits` whole (the server's `ServerConfig.websocket`); `overrides` replace single
+        fields of it (`Connection(lifetime_s=1)`), as the core's tests build one."""
+        self.limits = structs.replace(limits or WebSocketConfig(), **overrides)
         self.ids = ids or IdFactory()
         self.default = Lane(None, None)
         self.lanes: dict[str | None, Lane] = {None: self.default}
@@ -198,7 +192,7 @@ class Connection:
         # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta.
         self.dialect: PauseDialect = dialect_of(append_mode, beta, emit, self.ended_ids)
         self.steering = Steering(emit, self.ids, self.ended_ids, unsteerable_models)
-        self.cache_book = ConnectionCache(self.lanes, max_cache_bytes)
+        self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
         self.frames = FrameClassifier(steering=self.dialect.steering, tools=self.tools, open_responses=open_responses)
 
@@ -308,7 +302,7 @@ class Connection:
     def _start_waiting(self) -> None:
         """Start queued creates on idle lanes while responses in flight are under the cap,
         the earliest arrival first."""
-        while self.n_in_flight < self.max_in_flight:
+        while self.n_in_flight < self.limits.max_in_flight:
             ready = [lane for lane in self.lanes.values() if lane.state is CS.IDLE and lane.queue]
             if not ready:
                 return
@@ -323,7 +317,7 @@ class Connection:
 
     def _fits(self, stream_id: str | None) -> bool:
         """Whether a create may run on the lane `stream_id` names: it exists, or one more fits."""
-        return stream_id in self.lanes or self.named_lanes < self.max_named_lanes
+        return stream_id in self.lanes or self.named_lanes < self.limits.max_named_lanes
 
     def _lane_of(self, event: Input) -> Lane:
         if isinstance(event, CreateReceived):
@@ -353,7 +347,7 @@ class Connection:
     # -- actions (the table's callables) -------------------------------------------------------------
 
     def _limit_error(self) -> ProtocolError:
-        return ProtocolError(limit_message(self.lifetime_s), code="websocket_connection_limit_reached")
+        return ProtocolError(limit_message(self.limits.lifetime_s), code="websocket_connection_limit_reached")
 
     def _nothing(self, lane: Lane, event: Input) -> None:
         """Nothing to do in this state."""
@@ -370,7 +364,7 @@ class Connection:
         # of the connection's in-flight slots (an idle lane with a queue).
         busy = lane.state is CS.ACTIVE or bool(lane.queue)
         waiting = len(lane.queue) - (0 if lane.state is CS.ACTIVE else 1)  # creates behind the lane's next one
-        if busy and self.reject_concurrent:
+        if busy and self.limits.reject_concurrent:
             self._refuse(
                 lane,
                 event,
@@ -379,12 +373,13 @@ class Connection:
                 ),
             )
             return
-        if busy and self.max_queued is not None and waiting >= self.max_queued:
+        max_queued = self.limits.max_queued
+        if busy and max_queued is not None and waiting >= max_queued:
             self._refuse(
                 lane,
                 event,
                 ProtocolError(
-                    f"Too many queued response.create events on this connection (at most {self.max_queued} "
+                    f"Too many queued response.create events on this connection (at most {max_queued} "
                     "wait behind the response in progress). Wait for a response to finish, or open another connection.",
                     code="queued_requests_limit_reached",
                     status=429,

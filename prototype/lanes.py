@@ -25,7 +25,6 @@ from .wsevents import CreateReceived, Job, SendFrame
 __all__ = [
     "CS",
     "INVALID_STREAM_ID",
-    "MAX_NAMED_LANES",
     "OPEN",
     "STREAM_ID_MAX",
     "STREAM_LIMIT",
@@ -38,7 +37,6 @@ __all__ = [
     "valid_stream_id",
 ]
 
-MAX_NAMED_LANES: Final = 32  # distinct `stream_id`s per connection (the default lane does not count)
 STREAM_ID_MAX: Final = 256
 _STREAM_ID_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-.")
 

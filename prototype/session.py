@@ -14,18 +14,18 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
 import msgspec
 
 from .cache import stream_prefix
+from .config import ServerConfig
 from .connection import Connection
 from .contract import from_validation_error
 from .conversation import CreateRequest, Item, ToolCache, normalize_create
-from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed, SteerBoundary
+from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError
-from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization
+from .pipeline import Optimization
 from .schemas import (
     CompactParams,
     CreateParams,
@@ -60,7 +60,6 @@ T = TypeVar("T")
 __all__ = [
     "BatchedFrames",
     "MULTI_AGENT_BETA",
-    "ServerConfig",
     "SessionSocket",
     "TextSender",
     "WebSocketSession",
@@ -73,52 +72,12 @@ log = logging.getLogger("longrun.server")
 
 CLOSE_UNSUPPORTED_DATA: Final = 1003  # RFC 6455 7.4.1: a binary frame where only text is accepted
 
-# Full-history replays and Codex's ~17k-character prompt plus tool schemas arrive
-# in one frame or body; 64 MiB covers a 10M-character history with room to spare.
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 # Append mode is opted into per connection (docs/protocol.md): the historical V1 beta header
 # value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
 APPEND_BETA: Final = "responses_websockets=2026-02-04"
 # The shipped beta of inject, steering and async tools (docs/beta.md), opted into per connection
 # with this `OpenAI-Beta` value (the value openai-python's beta methods send as `betas`).
 MULTI_AGENT_BETA: Final = "responses_multi_agent=v1"
-# Per-connection and per-server limits (ServerConfig; None = unlimited). Codex never queues
-# more than one create; a cache entry of a 10M-character history is about 20 MiB.
-MAX_QUEUED_CREATES: Final = 64
-MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
-MAX_CONNECTIONS: Final = 1024
-CONTEXT_WINDOW: Final = 400_000
-MAX_OUTPUT_TOKENS: Final = 128_000
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    api_key: str | None = None
-    connection_lifetime_s: float = 3600.0  # the Guide: "Connection duration is limited to 60 minutes."
-    reject_concurrent: bool = False  # 409 instead of FIFO queueing
-    refuse_websocket: bool = False  # answer the upgrade with 426 (Codex then falls back to HTTP)
-    sse_done: bool = False  # end SSE streams with `data: [DONE]`
-    # Speak the Open Responses dialect where it differs from OpenAI's: accept its request fields
-    # (`frequency_penalty`, `presence_penalty`; docs/contract.md). Off, they are unknown parameters.
-    open_responses: bool = False
-    # A paused append-mode response holds KV while it waits; 300 s is within the retention of idle
-    # prompt caches (cleared after 5 to 10 minutes of inactivity, OpenAI's prompt-caching guide).
-    append_timeout_s: float = 300.0
-    profile: CostProfile = PROFILES["local"]  # modeled waits of the API stages (pipeline.py)
-    optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS  # connection-cache switches, WebSocket only
-    max_message_bytes: int = MAX_MESSAGE_BYTES  # larger frames close the socket with 1009, larger bodies get 413
-    max_queued_creates: int | None = MAX_QUEUED_CREATES  # per connection, behind the one in flight: 429 beyond
-    max_cache_bytes: int | None = MAX_CACHE_BYTES  # per connection: a larger entry is not cached
-    max_connections: int | None = MAX_CONNECTIONS  # open WebSocket connections: 503 before the upgrade beyond
-    # Threads that tokenize long texts (>= engine.OFFLOAD_CHARS) off the event loop; 0: inline.
-    render_threads: int = 1
-    # The simulated model's context window and output limit, in tokens (gpt-5's: docs/contract.md).
-    # A prompt longer than the difference is a 400 context_length_exceeded; None: unbounded.
-    context_window: int | None = CONTEXT_WINDOW
-    max_output_tokens: int | None = MAX_OUTPUT_TOKENS
-    # Where a steer accepted mid-decode lands (docs/beta.md#steering): "item", the end of the output
-    # item in flight (the steering guide's rule), or "token", at once, cutting that item off.
-    steer_boundary: SteerBoundary = "item"
 
 
 class TextSender(Protocol):
@@ -263,16 +222,13 @@ class WebSocketSession:
         self.timing = TimingFrames() if timing else None
         self.ws = ws
         self.writer: TextSender = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
-        self.append_timeout_s = config.append_timeout_s
+        self.append_timeout_s = config.websocket.append_timeout_s
         self.conn = Connection(
-            lifetime_s=config.connection_lifetime_s,
-            reject_concurrent=config.reject_concurrent,
+            config.websocket,
             append_mode=append_mode and not beta,
             beta=beta,
             ids=engine.ids,
-            max_queued=config.max_queued_creates,
-            max_cache_bytes=config.max_cache_bytes,
-            reuse_tools=Optimization.STATE_CACHE in config.optimizations,
+            reuse_tools=Optimization.STATE_CACHE not in config.disable,
             open_responses=config.open_responses,
         )
         self.jobs: dict[int, _JobHandle] = {}  # by job number, while in flight
@@ -281,7 +237,7 @@ class WebSocketSession:
 
     async def serve(self) -> None:
         clock = self.engine.clock
-        timer = asyncio.get_running_loop().create_task(self._limit_at(clock.now() + self.conn.lifetime_s))
+        timer = asyncio.get_running_loop().create_task(self._limit_at(clock.now() + self.conn.limits.lifetime_s))
         try:
             async for data in self.ws:
                 if isinstance(data, str):

@@ -16,11 +16,12 @@ import aiohttp
 import jsonschema  # type: ignore[import-untyped]
 from aiohttp import web
 
-from prototype.app import ServerConfig, make_app
+from prototype.app import make_app
+from prototype.config import ServerConfig
 from prototype.store import MemoryStore, ResponseStore
+from prototype.wallclock import AsyncioClock
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, Policy
-from sim.runtime.realtime import AsyncioClock
 
 # Codex's `exec_command` tool parameters, trimmed to the fields that matter.
 EXEC_COMMAND_SCHEMA: dict[str, Any] = {

@@ -11,11 +11,12 @@ import aiohttp
 import numpy as np
 import pytest
 
-from prototype.app import ENGINE, SOCKETS, ServerConfig
+from prototype.app import ENGINE, SOCKETS
+from prototype.config import ServerConfig, WebSocketConfig
 from prototype.model import ModelEvent, ModelRequest, Prefilled, TokenModel, TokensSampled
+from prototype.wallclock import AsyncioClock
 from sim.harness.client import open_client, tool_outputs
 from sim.model.policy import PlannedItem, ScriptPolicy
-from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
 
@@ -176,7 +177,7 @@ async def test_parallel_calls_wait_for_every_output_and_inject_acks() -> None:
 
 
 async def test_pause_timeout_ends_incomplete_and_frees_the_slot() -> None:
-    async with live_server(tool_calls=3, config=ServerConfig(append_timeout_s=0.2)) as live:
+    async with live_server(tool_calls=3, config=ServerConfig(websocket=WebSocketConfig(append_timeout_s=0.2))) as live:
         async with aiohttp.ClientSession() as session, await connect(live, session) as ws:
             await send(ws, type="response.create", model="sim", input="go", tools=[EXEC_TOOL], store=False)
             done = (await read_until_stop(ws))[-1]
@@ -206,7 +207,7 @@ async def test_disconnect_while_paused_leaves_no_task_behind(live: Live) -> None
 
 
 async def test_lifetime_limit_while_paused() -> None:
-    async with live_server(tool_calls=3, config=ServerConfig(connection_lifetime_s=0.3)) as live:
+    async with live_server(tool_calls=3, config=ServerConfig(websocket=WebSocketConfig(lifetime_s=0.3))) as live:
         async with aiohttp.ClientSession() as session, await connect(live, session) as ws:
             await send(ws, type="response.create", model="sim", input="go", tools=[EXEC_TOOL])
             assert (await read_until_stop(ws))[-1]["type"] == "response.done"

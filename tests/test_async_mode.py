@@ -14,11 +14,11 @@ import msgspec
 import pytest
 
 from prototype.app import make_engine
+from prototype.config import ServerConfig, WebSocketConfig
 from prototype.connection import Connection
 from prototype.lanes import CS
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
 from prototype.schemas import RequiredInput, decode_stored
-from prototype.session import ServerConfig
 from prototype.store import MemoryStore
 from prototype.wsevents import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput
 from sim.__main__ import main, run
@@ -26,6 +26,7 @@ from sim.harness import experiment
 from sim.harness.client import MODES, WSClient, tool_outputs
 from sim.harness.experiment import CompareConfig
 from sim.harness.live import EXEC_TOOL, RolloutResult, exposed_s
+from sim.model import config as model_config
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.runtime.inprocess import InProcessServer
@@ -70,7 +71,7 @@ def _by_mode(result: experiment.CompareResult, mode: str) -> dict[int, RolloutRe
 
 def test_async_samples_the_same_tokens_as_inject_and_append(monkeypatch: pytest.MonkeyPatch) -> None:
     RecordingModel.turns = {}
-    monkeypatch.setattr(experiment, "SimulatedModel", RecordingModel)
+    monkeypatch.setattr(model_config, "SimulatedModel", RecordingModel)  # what build_model builds
     result = run(msgspec.structs.replace(SMALL, modes=("append", "inject", "async")), virtual=True, free_cpu=True)
     # every (conversation, turn) was sampled once per mode, with the same token ids each time
     assert len(RecordingModel.turns) == SMALL.rollouts * (SMALL.tool_calls + 1)
@@ -158,7 +159,7 @@ def _server(
         decode_tok_per_s=200.0,
         async_independent=independent,
     )
-    config = ServerConfig(append_timeout_s=timeout_s)
+    config = ServerConfig(websocket=WebSocketConfig(append_timeout_s=timeout_s))
     engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=3)
     return InProcessServer(engine, config), model
 

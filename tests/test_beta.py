@@ -22,10 +22,10 @@ import pytest
 from openai import AsyncOpenAI
 
 from prototype.cache import CacheEntry
+from prototype.config import ServerConfig
 from prototype.connection import Connection
 from prototype.conversation import Context, Preamble
 from prototype.schemas import RequiredInput, Response
-from prototype.session import ServerConfig
 from prototype.wsevents import AckInject, AckSteer, ResumeJob, SendFrame, StartJob
 from sim.model.policy import PlannedItem, ScriptPolicy
 

@@ -27,6 +27,10 @@ import openai
 import pytest
 import websockets.exceptions
 
+from prototype.config import ServerConfig
+from prototype.options import flag_of, leaves
+from sim.model.config import ModelConfig
+
 from .support import EXEC_TOOL
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -249,9 +253,7 @@ def test_help_lists_every_option() -> None:
         "--script",
         "--seed",
         "--store",
-        "--api-key",
-        "--connection-limit",
-        "--delta-per-token",
+        *(flag_of(field) for cls in (ServerConfig, ModelConfig) for _, field in leaves(cls)),
     ):
         assert re.search(rf"(^|\s){re.escape(option)}\b", done.stdout), (option, done.stdout)
 

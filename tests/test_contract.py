@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from msgspec import Raw
 
-from prototype.app import ServerConfig
+from prototype.config import ModelLimits, ServerConfig
 from prototype.contract import (
     CLIENT_PARAMETERS,
     CONTEXT_LENGTH_MESSAGE,
@@ -729,7 +729,7 @@ async def test_every_known_parameter_is_accepted(live: Live, session: aiohttp.Cl
 
 @pytest.fixture
 async def small_window() -> AsyncIterator[Live]:
-    config = ServerConfig(context_window=3_000, max_output_tokens=1_000)
+    config = ServerConfig(model=ModelLimits(context_window=3_000, max_output_tokens=1_000))
     policy = ScriptPolicy([PlannedItem("message", "", " word" * 5_000)])  # wants 5k tokens
     async with live_server(policy=policy, config=config) as server:
         yield server
@@ -791,7 +791,7 @@ async def test_an_append_past_the_window_fails_the_response_before_sampling() ->
     """Append mode: tool outputs appended to a paused response that take its prompt past the
     window end it with `response.failed` (code `context_length_exceeded`); the model is not
     asked to read them."""
-    config = ServerConfig(context_window=3_000, max_output_tokens=1_000)
+    config = ServerConfig(model=ModelLimits(context_window=3_000, max_output_tokens=1_000))
     async with live_server(tool_calls=5, config=config) as live, aiohttp.ClientSession() as s:
         async with s.ws_connect(live.ws_url + "?mode=append") as ws:
             done = await ws_create(ws, body(tools=[EXEC_TOOL]))

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prototype.app import ServerConfig
+from prototype.config import ModelLimits, ServerConfig
 from prototype.contract import CONTEXT_LENGTH_MESSAGE, STRING_MAX
 from prototype.tokenizer import PIECE_CHARS, get_tokenizer, split_text
 from sim.model.policy import PlannedItem, ScriptPolicy
@@ -134,7 +134,7 @@ async def test_the_issue_inputs_get_protocol_replies(session: aiohttp.ClientSess
 async def test_a_window_large_enough_serves_them(session: aiohttp.ClientSession, transport: str) -> None:
     """With a 4M-token window the long message and the 5 MB word are read in full: the
     prompt's token count is the tokenizer's count of the whole text."""
-    config = ServerConfig(context_window=4_000_000)
+    config = ServerConfig(model=ModelLimits(context_window=4_000_000))
     tokenizer = get_tokenizer()
     async with live_server(tool_calls=0, config=config) as live:
         for text in (PROSE, WORD_5MB):

@@ -20,13 +20,14 @@ import aiohttp
 import pytest
 from aiohttp import web_protocol
 
-from prototype.app import ENGINE, SOCKETS, ServerConfig, WebSocketSession
+from prototype.app import ENGINE, SOCKETS, WebSocketSession
+from prototype.config import ServerConfig, WebSocketConfig
 from prototype.model import ModelEvent, ModelRequest
 from prototype.store import RedisStore
 from prototype.tokenizer import get_tokenizer
+from prototype.wallclock import AsyncioClock
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, PlannedItem, ScriptPolicy
-from sim.runtime.realtime import AsyncioClock
 
 from .conftest import RedisProcess
 from .support import EXEC_TOOL, Live, live_server
@@ -170,7 +171,9 @@ async def test_disconnect_cancels_sampling_and_frees_everything(
 @pytest.mark.parametrize("ending", ["append_timeout", "connection_limit"])
 async def test_pause_timeout_and_lifetime_limit_release_the_held_kv(ending: str) -> None:
     config = (
-        ServerConfig(append_timeout_s=0.2) if ending == "append_timeout" else ServerConfig(connection_lifetime_s=0.3)
+        ServerConfig(websocket=WebSocketConfig(append_timeout_s=0.2))
+        if ending == "append_timeout"
+        else ServerConfig(websocket=WebSocketConfig(lifetime_s=0.3))
     )
     async with live_server(config=config, tool_calls=3) as live:  # unpaced: the pause comes at once
         async with aiohttp.ClientSession() as session:

@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
-from prototype.app import ServerConfig, make_app
+from prototype.app import make_app
+from prototype.config import ServerConfig
 from prototype.connection import Connection
 from prototype.contract import from_validation_error
 from prototype.conversation import normalize_create
@@ -41,11 +42,11 @@ from prototype.errors import ProtocolError
 from prototype.lanes import CS
 from prototype.schemas import RequiredInput, decode_create_params, decode_text
 from prototype.store import MemoryStore
+from prototype.wallclock import AsyncioClock
 from prototype.wsevents import SendFrame, StartJob
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.model.schema_values import sample_json
-from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL
 

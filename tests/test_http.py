@@ -9,7 +9,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prototype.app import ENGINE, ServerConfig
+from prototype.app import ENGINE
+from prototype.config import ServerConfig
 from prototype.conversation import Context, parse_items, render_items
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore

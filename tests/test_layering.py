@@ -2,7 +2,7 @@
 
 * `prototype/` imports `sim/` only in its composition root, `prototype/server.py`.
 * The sans-IO core (wire types, state machines, framing, rendering) and all of
-  `sim/` except its async adapters (`runtime/realtime.py`: the wall clock; `runtime/virtual.py`: the
+  `sim/` except its async adapters (`runtime/realtime.py`: live costs on the wall clock; `runtime/virtual.py`: the
   virtual-time loop; `inprocess.py`: the socket-less transport; `experiment.py`: composes
   a live or in-process server; `tools.py`: tool subprocesses) import no asyncio,
   aiohttp or uvloop.
@@ -46,11 +46,13 @@ PURE_CORE = {
     "pauses",
     "steering",
     "tables",
+    "config",
+    "options",
 }
 # Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
 # token arrays are numpy arrays).
 BANNED_TRANSITIVELY = {"asyncio", "aiohttp", "uvloop", "redis", "sqlite3"}
-NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock", "constraints"}
+NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock", "constraints", "options"}
 ENTRY_POINTS = {
     ROOT / "prototype" / "server.py",
     ROOT / "sim" / "__main__.py",

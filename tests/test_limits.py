@@ -10,22 +10,27 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
+import pytest
 from aiohttp import web
 
-from prototype.app import SLOTS, ServerConfig, make_app
+from prototype.app import SLOTS, make_app
 from prototype.cache import CacheEntry
+from prototype.config import ServerConfig, WebSocketConfig
 from prototype.connection import Connection
 from prototype.conversation import Context, Item, Preamble
 from prototype.lanes import CS
 from prototype.model import ModelEvent, ModelRequest
+from prototype.options import struct_from_args
+from prototype.pipeline import Optimization
 from prototype.schemas import InputItemView, Response
 from prototype.server import build_parser
 from prototype.store import MemoryStore
+from prototype.wallclock import AsyncioClock
 from prototype.wsevents import SendFrame, StartJob
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
-from sim.runtime.realtime import AsyncioClock
 
 from .support import Live, live_server
 from .test_ws import connect, last, read_response, turn
@@ -146,7 +151,7 @@ async def gated_server(config: ServerConfig) -> AsyncIterator[tuple[Live, GatedM
 
 
 async def test_queue_limit_over_websocket_is_an_error_event_and_the_socket_stays_open() -> None:
-    async with gated_server(ServerConfig(max_queued_creates=1)) as (server, model):
+    async with gated_server(ServerConfig(websocket=WebSocketConfig(max_queued=1))) as (server, model):
         session, ws = await connect(server)
         async with session, ws:
             await ws.send_str(create(input="first"))
@@ -165,7 +170,7 @@ async def test_queue_limit_over_websocket_is_an_error_event_and_the_socket_stays
 
 
 async def test_connection_limit_refuses_the_upgrade_with_503_and_a_json_body() -> None:
-    async with live_server(config=ServerConfig(max_connections=1)) as server:
+    async with live_server(config=ServerConfig(websocket=WebSocketConfig(max_connections=1))) as server:
         session, ws = await connect(server)
         async with session, ws:
             upgrade = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13"}
@@ -180,7 +185,7 @@ async def test_connection_limit_refuses_the_upgrade_with_503_and_a_json_body() -
 
 
 async def test_cache_byte_limit_over_websocket_falls_back_to_the_store() -> None:
-    async with live_server(config=ServerConfig(max_cache_bytes=1)) as server:
+    async with live_server(config=ServerConfig(websocket=WebSocketConfig(max_cache_bytes=1))) as server:
         session, ws = await connect(server)
         async with session, ws:
             first = last(await turn(ws, input="hello", store=True))["response"]
@@ -250,7 +255,24 @@ def test_default_bind_is_loopback_and_help_lists_the_limits() -> None:
     parser = build_parser()
     args = parser.parse_args([])
     assert args.host == "127.0.0.1"
-    assert (args.max_queued_creates, args.max_connections) == (64, 1024)
+    config = struct_from_args(args, ServerConfig)
+    assert config == ServerConfig() and (config.websocket.max_queued, config.websocket.max_connections) == (64, 1024)
     text = parser.format_help()
     for option in ("--max-message-bytes", "--max-queued-creates", "--max-cache-bytes", "--max-connections"):
         assert option in text
+
+
+def test_server_options_reach_the_config_tree_whole() -> None:
+    """Every option is generated from `ServerConfig` and lands in its sub-struct; `none` lifts
+    a limit; a list is comma-separated."""
+    args = build_parser().parse_args(
+        ["--max-cache-bytes", "none", "--max-queued-creates", "3", "--connection-lifetime-s", "60",
+         "--context-window", "9000", "--disable", "state_cache,token_cache", "--steer-boundary", "token"]
+    )  # fmt: skip
+    config = struct_from_args(args, ServerConfig)
+    assert config.websocket == WebSocketConfig(max_cache_bytes=None, max_queued=3, lifetime_s=60.0)
+    assert config.model.context_window == 9000 and config.steer_boundary == "token"
+    assert config.disable == {Optimization.STATE_CACHE, Optimization.TOKEN_CACHE}
+    assert Optimization.STATE_CACHE not in config.optimizations
+    with pytest.raises(msgspec.ValidationError, match="max_queued"):
+        struct_from_args(build_parser().parse_args(["--max-queued-creates", "-1"]), ServerConfig)

@@ -9,12 +9,12 @@ import pytest
 
 from prototype.safety import ClassifierState, SafetyClassifier
 from prototype.tokenizer import get_tokenizer
+from prototype.wallclock import AsyncioClock
 from sim.harness.experiment import CompareConfig, run_compare
 from sim.model.accelerator import turn_rng
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy, ScriptPolicy
 from sim.runtime.memo import MemoClassifier, MemoPolicy, MemoPrefixCache, MemoTokenizer, _Lru
-from sim.runtime.realtime import AsyncioClock
 from sim.runtime.virtual import VirtualClock, run_virtual
 
 from .test_sim_policy import EXEC_COMMAND, GET_WEATHER, make_request

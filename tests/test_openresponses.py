@@ -22,7 +22,7 @@ from typing import Any, Final
 import aiohttp
 import pytest
 
-from prototype.session import ServerConfig
+from prototype.config import ServerConfig
 
 from .support import live_server, run_client
 

@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prototype.app import ENGINE, ServerConfig, make_engine
+from prototype.app import ENGINE, make_engine
+from prototype.config import ServerConfig
 from prototype.pipeline import (
-    ALL_OPTIMIZATIONS,
     PROFILES,
     CostProfile,
     Optimization,
@@ -23,12 +23,12 @@ from prototype.pipeline import (
 )
 from prototype.safety import SafetyClassifier
 from prototype.store import MemoryStore
+from prototype.wallclock import AsyncioClock
 from sim.harness.client import TurnResult, open_client, tool_outputs
 from sim.model.accelerator import SimulatedModel
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy
 from sim.runtime.inprocess import InProcessServer
-from sim.runtime.realtime import AsyncioClock
 from sim.runtime.virtual import VirtualClock, run_virtual
 
 from .strict import STREAM_EVENT, WS_EVENT, Checker
@@ -204,7 +204,7 @@ async def test_on_the_live_server_each_stage_waits_at_least_its_modeled_waits() 
     [(Optimization.TOKEN_CACHE, "tokens_rendered"), (Optimization.INCREMENTAL_SAFETY, "tokens_classified")],
 )
 async def test_each_switch_alone_brings_back_the_growing_work(disabled: Optimization, field: str) -> None:
-    config = ServerConfig(optimizations=ALL_OPTIMIZATIONS - {disabled})
+    config = ServerConfig(disable=frozenset({disabled}))
     grows = per_turn(await rollout("ws", config), field)
     assert all(b > a for a, b in zip(grows[1:], grows[2:], strict=False)) and grows[-1] > 3 * grows[1], grows
     other = "tokens_classified" if field == "tokens_rendered" else "tokens_rendered"
@@ -212,7 +212,7 @@ async def test_each_switch_alone_brings_back_the_growing_work(disabled: Optimiza
 
 
 async def test_without_state_cache_ws_loads_like_http_prev() -> None:
-    config = ServerConfig(optimizations=ALL_OPTIMIZATIONS - {Optimization.STATE_CACHE})
+    config = ServerConfig(disable=frozenset({Optimization.STATE_CACHE}))
     async with live_server(tool_calls=3, seed=5, config=config) as live:
         client = open_client("ws", live.base_url, AsyncioClock())
         try:

@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 
-from prototype.app import ENGINE, RENDER_NICE, ServerConfig, _background_thread
+from prototype.app import ENGINE, RENDER_NICE, _background_thread
+from prototype.config import ServerConfig
 from prototype.engine import OFFLOAD_CHARS
 from prototype.tokenizer import TokenArray, Tokenizer
+from prototype.wallclock import AsyncioClock
 from sim.harness.client import open_client, tool_outputs
 from sim.model.policy import PlannedItem, ScriptPolicy
-from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, live_server
 

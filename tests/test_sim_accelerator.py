@@ -1,4 +1,4 @@
-"""Tests for `sim.model.accelerator` (with `sim.runtime.clock.ManualClock`) and `sim.runtime.realtime.AsyncioClock`.
+"""Tests for `sim.model.accelerator` (with `sim.runtime.clock.ManualClock`) and `prototype.wallclock.AsyncioClock`.
 
 Every timing assertion runs on virtual time: `ManualClock.sleep_until` jumps,
 so 5 s of paced decoding takes milliseconds and the numbers are exact.
@@ -29,11 +29,11 @@ from prototype.model import (
     TokensSampled,
 )
 from prototype.tokenizer import get_tokenizer
+from prototype.wallclock import AsyncioClock
 from sim.model.accelerator import LatenessRecorder, ModelStatistics, SimulatedModel, _due_by, jitter_rng, turn_rng
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import DefaultPolicy, PlannedItem, Policy, ScriptPolicy
 from sim.runtime.clock import MANUAL_CLOCK_EPOCH_S, ManualClock, Wakeup
-from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_COMMAND_SCHEMA
 

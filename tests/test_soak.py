@@ -39,8 +39,8 @@ from prototype.schemas import (
     decode_server_event,
 )
 from prototype.tokenizer import get_tokenizer
+from prototype.wallclock import AsyncioClock
 from sim.harness.client import MODES, HTTPClient, Mode, TextSocket, WSClient, tool_outputs
-from sim.runtime.realtime import AsyncioClock
 
 from .support import EXEC_TOOL, Live, live_server
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from prototype.app import ServerConfig
 from prototype.cache import CacheEntry
+from prototype.config import ServerConfig
 from prototype.connection import Connection
 from prototype.conversation import Context, Preamble
 from prototype.schemas import IncompleteDetails, Response

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prototype.app import ServerConfig
+from prototype.config import ServerConfig, WebSocketConfig
 from prototype.store import MemoryStore
 
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
@@ -313,14 +313,17 @@ async def test_auth_is_checked_before_the_upgrade() -> None:
 
 
 async def test_refuse_mode_answers_426() -> None:
-    async with live_server(config=ServerConfig(refuse_websocket=True)) as server, aiohttp.ClientSession() as session:
+    async with (
+        live_server(config=ServerConfig(websocket=WebSocketConfig(refuse=True))) as server,
+        aiohttp.ClientSession() as session,
+    ):
         with pytest.raises(aiohttp.WSServerHandshakeError) as info:
             await session.ws_connect(server.ws_url)
         assert info.value.status == 426
 
 
 async def test_lifetime_limit_closes_an_idle_socket_with_exact_error() -> None:
-    async with live_server(config=ServerConfig(connection_lifetime_s=0.5)) as server:
+    async with live_server(config=ServerConfig(websocket=WebSocketConfig(lifetime_s=0.5))) as server:
         session, ws = await connect(server)
         async with session, ws:
             assert last(await turn(ws, input="hi"))["type"] == "response.completed"
@@ -337,7 +340,9 @@ async def test_lifetime_limit_closes_an_idle_socket_with_exact_error() -> None:
 
 async def test_lifetime_limit_lets_the_in_flight_response_finish() -> None:
     # Paced at 200 tokens/s, the response outlives the 0.3 s limit.
-    async with live_server(config=ServerConfig(connection_lifetime_s=0.3), decode_tok_per_s=200.0) as server:
+    async with live_server(
+        config=ServerConfig(websocket=WebSocketConfig(lifetime_s=0.3)), decode_tok_per_s=200.0
+    ) as server:
         session, ws = await connect(server)
         async with session, ws:
             events = await turn(ws, input="write a long answer", max_output_tokens=150)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import math
 import time
@@ -35,17 +34,19 @@ import numpy as np
 import uvloop
 from aiohttp import WSMsgType, web
 
-from prototype.app import ServerConfig, make_app
+from prototype.app import make_app
+from prototype.config import ServerConfig
 from prototype.model import ModelRequest
-from prototype.pipeline import load_profile
+from prototype.options import add_struct_options, struct_from_args
 from prototype.schemas import OutputTextDelta, encode
 from prototype.server import serve_until_stopped
 from prototype.sse import SSE_HEADERS, encode_event
 from prototype.store import open_store
-from sim.model.accelerator import LatenessRecorder, SimulatedModel
+from prototype.wallclock import AsyncioClock
+from sim.model.accelerator import LatenessRecorder
+from sim.model.config import ModelConfig, build_model
 from sim.model.policy import DefaultPolicy, PlannedItem, Policy
 from sim.runtime.memo import memo_tokenizer
-from sim.runtime.realtime import AsyncioClock
 
 __all__ = ["BenchPolicy", "delta_event", "main"]
 
@@ -166,19 +167,16 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
     clock = AsyncioClock(tick_s=0.001)  # as prototype.server
     lateness = LatenessRecorder()
     policy: Policy = BenchPolicy() if args.policy == "bench" else DefaultPolicy(tool_calls=args.tool_calls)
-    model = SimulatedModel(
+    model = build_model(
+        struct_from_args(args, ModelConfig),
         clock=clock,
         policy=policy,
         # Every stream plans the same text: the simulator tokenizes it once, not once per stream
         # (its planning is a stand-in's work, not the server's; the server's tokenizer is not memoized).
         tokenizer=memo_tokenizer() if args.policy == "bench" else None,
-        decode_tok_per_s=args.tps if args.tps > 0 else math.inf,
         lateness=lateness,
-        coalesce_due=not args.delta_per_token,
     )
-    config = ServerConfig(profile=load_profile(args.profile), render_threads=args.render_threads)
-    if args.max_cache_bytes:
-        config = dataclasses.replace(config, max_cache_bytes=args.max_cache_bytes)
+    config: ServerConfig = struct_from_args(args, ServerConfig)
     app = make_app(model=model, store=open_store("memory"), clock=clock, config=config, seed=0)
 
     def lateness_body(recorder: LatenessRecorder) -> bytes:
@@ -225,13 +223,11 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim.bench.server")
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--tps", type=float, default=0.0, help="decode tokens/s; 0 = unpaced")
     p.add_argument("--policy", choices=("bench", "agent"), default="bench")
     p.add_argument("--tool-calls", type=int, default=1000, help="agent policy: tool calls before the text answer")
-    p.add_argument("--profile", default="local")
-    p.add_argument("--delta-per-token", action="store_true", help="one delta per token even when late")
-    p.add_argument("--render-threads", type=int, default=1, help="tokenizer threads off the loop (0: on the loop)")
-    p.add_argument("--max-cache-bytes", type=int, default=0, help="per-connection cache cap (0 = the default)")
+    add_struct_options(p, ServerConfig)  # every server and model option, as `prototype.server` has them
+    add_struct_options(p, ModelConfig)
+    p.set_defaults(tps=0.0)  # unpaced unless a target paces
     uvloop.run(serve(p.parse_args(argv)))
     return 0
 

@@ -38,14 +38,16 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, structs
 
-from prototype.app import ENGINE, ServerConfig, make_app, make_engine, render_executor
+from prototype.app import ENGINE, make_app, make_engine, render_executor
 from prototype.clock import Clock
+from prototype.config import ServerConfig
 from prototype.contract import COMPACT_THRESHOLD_MIN
 from prototype.conversation import ToolCache, conversation_key, parse_items
 from prototype.engine import Engine, SteerBoundary
 from prototype.model import ModelEvent, ModelRequest
 from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
 from prototype.store import MemoryStore
+from prototype.wallclock import AsyncioClock
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from sim.harness.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from sim.harness.live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
@@ -53,11 +55,11 @@ from sim.harness.replay import load_trace, replay_plan
 from sim.harness.tools import ToolRunner, tool_runner
 from sim.harness.workload import WORKLOADS, draw_rollouts
 from sim.model.accelerator import SimulatedModel
-from sim.model.kv import PrefixCache
+from sim.model.config import ModelConfig, build_model
+from sim.model.kv import DEFAULT_CAPACITY_TOKENS, PrefixCache
 from sim.model.policy import DefaultPolicy, Policy
 from sim.runtime.inprocess import InProcessServer, Tap
 from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
-from sim.runtime.realtime import AsyncioClock
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
 
 __all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "run_compare"]
@@ -192,9 +194,22 @@ def _server_config(config: CompareConfig) -> ServerConfig:
     profile = load_profile(config.profile)
     if config.rtt_s is not None:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
-    disabled = {Optimization(name) for name in config.disable}
     return ServerConfig(
-        profile=profile, optimizations=ALL_OPTIMIZATIONS - disabled, steer_boundary=config.steer_boundary
+        profile=profile,
+        disable=frozenset(Optimization(name) for name in config.disable),
+        steer_boundary=config.steer_boundary,
+    )
+
+
+def _model_config(config: CompareConfig) -> ModelConfig:
+    return ModelConfig(
+        tps=config.tps,
+        model_latency_s=config.model_latency_s,
+        prefill_tok_per_s=config.prefill_tok_per_s,
+        kv_capacity_tokens=config.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS,
+        decode_slots=config.decode_slots or None,
+        concurrency_slowdown=config.concurrency_slowdown,
+        async_independent=config.async_independent,
     )
 
 
@@ -350,18 +365,13 @@ class _World:
         cls, config: CompareConfig, clock: Clock, policy: Policy, *, virtual: bool, pace_by_turn: bool, memoize: bool
     ) -> _World:
         tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
-        model = SimulatedModel(
+        model = build_model(
+            _model_config(config),
             clock=clock,
             policy=MemoPolicy(policy) if memoize else policy,
             seed=config.seed,
-            decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
-            model_latency_s=config.model_latency_s,
-            prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
-            decode_slots=config.decode_slots or None,
-            concurrency_slowdown=config.concurrency_slowdown,
             pace_by_turn=pace_by_turn,
             tokenizer=memo_tokenizer() if memoize else None,
-            async_independent=config.async_independent,
         )
         return cls(tools, model, _PromptLog(model), MemoryStore(), _server_config(config))
 

@@ -24,11 +24,12 @@ import aiohttp
 from aiohttp import WSMsgType
 
 from prototype.clock import Clock
+from prototype.config import ServerConfig
 from prototype.conversation import ToolCache
 from prototype.engine import Engine
 from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
-from prototype.session import ServerConfig, WebSocketSession, http_create
+from prototype.session import WebSocketSession, http_create
 from prototype.sse import SSEDecoder, encode_event
 from sim.harness.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop

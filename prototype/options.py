@@ -1,0 +1,145 @@
+"""Command-line options generated from a config Struct, and the Struct back from them.
+
+A config tree (prototype/config.py's `ServerConfig`, sim's `CompareConfig`) is the one
+statement of its options: each leaf field becomes one flag named after it (`max_cache_bytes`:
+`--max-cache-bytes`; a field may name its own flag with `Meta(extra={"flag": ...})`), typed and
+documented from the field's type and `Meta(description=...)`. A nested Struct field's leaves
+are flags of the same parser, so leaf names are unique across a tree (checked here). Options
+not given are left out of the namespace (`argparse.SUPPRESS`), so the Struct's own defaults
+apply, and `struct_from_args` validates what was given with msgspec.
+
+Value syntax: a boolean is a switch (`--no-X` too when it defaults to true); a field that may
+be None takes `none`; a collection takes a comma-separated list; a `Literal` or an enum lists
+its choices. A union of a string and a Struct (a cost profile: a name, a file, or the values)
+takes the string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+
+__all__ = ["add_struct_options", "flag_of", "leaves", "struct_from_args"]
+
+_SCALARS: dict[type[mi.Type], type] = {mi.IntType: int, mi.FloatType: float, mi.StrType: str}
+_COLLECTIONS = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
+
+
+def _unwrap(t: mi.Type) -> tuple[mi.Type, dict[str, Any], dict[str, Any]]:
+    """The type under `Annotated` metadata, its JSON-schema extras and its `extra` dict."""
+    schema: dict[str, Any] = {}
+    extra: dict[str, Any] = {}
+    while isinstance(t, mi.Metadata):
+        schema.update(t.extra_json_schema or {})
+        extra.update(t.extra or {})
+        t = t.type
+    return t, schema, extra
+
+
+def _struct_of(t: mi.Type) -> type[msgspec.Struct] | None:
+    return t.cls if isinstance(t, mi.StructType) else None
+
+
+def leaves(cls: type[msgspec.Struct], path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], mi.Field]]:
+    """Every leaf field of `cls` with its path of field names (nested Structs descended)."""
+    info = mi.type_info(cls)
+    assert isinstance(info, mi.StructType)
+    for field in info.fields:
+        inner, _, _ = _unwrap(field.type)
+        nested = _struct_of(inner)
+        if nested is not None:
+            yield from leaves(nested, (*path, field.name))
+        else:
+            yield (*path, field.name), field
+
+
+def flag_of(field: mi.Field) -> str:
+    _, _, extra = _unwrap(field.type)
+    return str(extra.get("flag") or "--" + field.name.replace("_", "-"))
+
+
+def _none_or(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        return None if text.strip().lower() == "none" else kind(text)
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, frozenset | set | tuple | list):
+        return ",".join(sorted(str(v.value if isinstance(v, enum.Enum) else v) for v in value)) or "(none)"
+    if isinstance(value, msgspec.Struct):
+        return str(getattr(value, "name", type(value).__name__))
+    return "none" if value is None else str(value)
+
+
+def add_struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], *, skip: tuple[str, ...] = ()) -> None:
+    """One option per leaf field of `cls` (but those named in `skip`)."""
+    seen: dict[str, tuple[str, ...]] = {}
+    defaults = cls()
+    for path, field in leaves(cls):
+        if field.name in skip:
+            continue
+        if field.name in seen:
+            raise ValueError(f"{cls.__name__}: leaf {field.name!r} at {path} and at {seen[field.name]}")
+        seen[field.name] = path
+        default: Any = defaults
+        for name in path:
+            default = getattr(default, name)
+        t, schema, _ = _unwrap(field.type)
+        text = schema.get("description", "")
+        help_text = f"{text} (default: {_shown(default)})" if text else f"default: {_shown(default)}"
+        flag = flag_of(field)
+        common: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
+        optional = isinstance(t, mi.UnionType) and any(isinstance(u, mi.NoneType) for u in t.types)
+        if isinstance(t, mi.UnionType):  # X | None, or str | Struct
+            kinds = [_unwrap(u)[0] for u in t.types if not isinstance(u, mi.NoneType | mi.StructType)]
+            t = kinds[0] if len(kinds) == 1 else mi.StrType()
+        if isinstance(t, mi.BoolType):
+            action = argparse.BooleanOptionalAction if default else "store_true"
+            p.add_argument(flag, action=action, **common)
+        elif isinstance(t, mi.LiteralType):
+            p.add_argument(flag, choices=[str(v) for v in t.values], **common)
+        elif isinstance(t, mi.EnumType):
+            p.add_argument(flag, choices=[str(m.value) for m in t.cls], **common)
+        elif isinstance(t, _COLLECTIONS):
+            p.add_argument(flag, type=_comma_list, metavar="A,B,...", **common)
+        else:
+            kind = next((v for k, v in _SCALARS.items() if isinstance(t, k)), str)
+            p.add_argument(flag, type=_none_or(kind) if optional else kind, **common)
+
+
+def struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **given: Any) -> Any:
+    """The config of `cls` from parsed options: the options given, over the Struct's defaults
+    (and `given`, top-level fields already built), validated by msgspec."""
+    tree: dict[str, Any] = {}
+    for path, field in leaves(cls):
+        if path[0] in given or not hasattr(args, field.name):
+            continue
+        node = tree
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = getattr(args, field.name)
+    base = msgspec.to_builtins(cls())
+    merged = _merge(base, {**tree, **{k: msgspec.to_builtins(v) for k, v in given.items()}})
+    return msgspec.convert(merged, type=cls, strict=False)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key in base:
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
