@@ -160,5 +160,10 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         return self.profile if isinstance(self.profile, CostProfile) else load_profile(self.profile)
 
     @property
+    def profile_name(self) -> str:
+        """The profile as a person names it: its built-in name or file, or the values' `name`."""
+        return self.profile if isinstance(self.profile, str) else self.profile.name
+
+    @property
     def optimizations(self) -> frozenset[Optimization]:
         return frozenset(Optimization) - self.disable

@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import enum
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import msgspec.inspect as mi
 
-__all__ = ["add_struct_options", "flag_of", "leaves", "struct_from_args"]
+S = TypeVar("S", bound=msgspec.Struct)
+
+__all__ = ["add_struct_options", "flag_of", "get_leaf", "leaves", "replace_leaves", "struct_from_args"]
 
 _SCALARS: dict[type[mi.Type], type] = {mi.IntType: int, mi.FloatType: float, mi.StrType: str}
 _COLLECTIONS = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
@@ -119,9 +121,11 @@ def add_struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], *,
             p.add_argument(flag, type=_none_or(kind) if optional else kind, **common)
 
 
-def struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **given: Any) -> Any:
-    """The config of `cls` from parsed options: the options given, over the Struct's defaults
-    (and `given`, top-level fields already built), validated by msgspec."""
+def struct_from_args(
+    args: argparse.Namespace, cls: type[msgspec.Struct], *, base: msgspec.Struct | None = None, **given: Any
+) -> Any:
+    """The config of `cls` from parsed options: the options given, over `base` (default: the
+    Struct's defaults; `given`: top-level fields already built), validated by msgspec."""
     tree: dict[str, Any] = {}
     for path, field in leaves(cls):
         if path[0] in given or not hasattr(args, field.name):
@@ -130,9 +134,46 @@ def struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **give
         for name in path[:-1]:
             node = node.setdefault(name, {})
         node[path[-1]] = getattr(args, field.name)
-    base = msgspec.to_builtins(cls())
-    merged = _merge(base, {**tree, **{k: msgspec.to_builtins(v) for k, v in given.items()}})
+    start = msgspec.to_builtins(base if base is not None else cls())
+    merged = _merge(start, {**tree, **{k: msgspec.to_builtins(v) for k, v in given.items()}})
     return msgspec.convert(merged, type=cls, strict=False)
+
+
+def _paths(cls: type[msgspec.Struct]) -> dict[str, tuple[str, ...]]:
+    return {path[-1]: path for path, _ in leaves(cls)}
+
+
+def get_leaf(config: msgspec.Struct, name: str) -> Any:
+    """The value of the leaf field `name` wherever it is nested in `config`."""
+    value: Any = config
+    for step in _paths(type(config))[name]:
+        value = getattr(value, step)
+    return value
+
+
+def replace_leaves(config: S, **changes: Any) -> S:
+    """`config` with leaf fields replaced by name, wherever each is nested
+    (`replace_leaves(compare_config, tps=65.0, profile="local")`), validated and converted as
+    decoding would (a list of names becomes a set of enum members); an unknown name raises."""
+    paths = _paths(type(config))
+    nested: dict[str, Any] = {}
+    for name, value in changes.items():
+        if name not in paths:
+            raise TypeError(f"{type(config).__name__} has no field {name!r}")
+        node = nested
+        *inner, last = paths[name]
+        for step in inner:
+            node = node.setdefault(step, {})
+        node[last] = value
+    return msgspec.convert(msgspec.to_builtins(_replace(config, nested)), type(config))
+
+
+def _replace(struct: S, changes: dict[str, Any]) -> S:
+    fields = {
+        name: _replace(getattr(struct, name), value) if isinstance(value, dict) else value
+        for name, value in changes.items()
+    }
+    return msgspec.structs.replace(struct, **fields)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -21,18 +21,18 @@ import sys
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import msgspec
 import uvloop
 from tqdm import tqdm
 
+from prototype.options import add_struct_options, struct_from_args
 from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
-from sim.fleet.engine import FleetConfig
 from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, run_capacity
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare
@@ -47,48 +47,9 @@ __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "
 _FLEET_SET_BY_POINT: Final = ("kv_budget_tokens", "hold_policy", "preempt_held")  # capacity: grid axes and variants
 
 
-def _struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], skip: tuple[str, ...] = ()) -> None:
-    """One option per field of a flat config struct, typed and documented from its JSON schema
-    (the config's help text generates the CLI, as in vidur); tuples take comma lists, a boolean
-    that defaults to true also gets --no-…; nested structs are left to the caller."""
-    schema: Any = msgspec.json.schema(cls)
-    types = {"integer": int, "number": float, "string": str}
-    defaults = cls()
-    for name, prop in schema["$defs"][cls.__name__]["properties"].items():
-        if name in skip or "$ref" in prop:
-            continue
-        flag = "--" + name.replace("_", "-")
-        default = getattr(defaults, name)
-        if prop.get("type") == "array":  # comma-separated on the command line
-            joined = ",".join(map(str, default))
-            p.add_argument(flag, default=joined, help=prop.get("description", "comma-separated subset of " + joined))
-        elif prop.get("type") == "boolean":
-            action = argparse.BooleanOptionalAction if default else "store_true"
-            p.add_argument(flag, action=action, default=default, help=prop.get("description", ""))
-        else:
-            kinds = [prop.get("type")] + [alt.get("type") for alt in prop.get("anyOf", [])]
-            kind = next((types[k] for k in kinds if k in types), str)
-            p.add_argument(flag, type=kind, default=default, help=prop.get("description", ""))
-
-
-def _struct_from_args(args: argparse.Namespace, cls: type[msgspec.Struct], **given: Any) -> Any:
-    """The struct of `cls` from parsed options (comma lists split; an option left None takes the
-    field's default), validated by msgspec."""
-    defaults = cls()
-    values = {}
-    for name in cls.__struct_fields__:
-        value = getattr(args, name, None)
-        if name in given or value is None:
-            continue
-        if isinstance(value, str) and isinstance(getattr(defaults, name), tuple):
-            value = tuple(v.strip() for v in value.split(",") if v.strip())
-        values[name] = value
-    return msgspec.convert({**values, **given}, type=cls, strict=False)
-
-
 def _add_config_options(p: argparse.ArgumentParser) -> None:
-    """One option per `CompareConfig` field."""
-    _struct_options(p, CompareConfig)
+    """One option per leaf field of `CompareConfig`, its nested `server` and `model` included."""
+    add_struct_options(p, CompareConfig)
 
 
 def _add_compare_options(c: argparse.ArgumentParser) -> None:
@@ -189,15 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/capacity.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _struct_options(cap, CapacityConfig)
-    _struct_options(cap, FleetConfig, skip=_FLEET_SET_BY_POINT)
-    cap.set_defaults(
-        **{
-            name: getattr(CapacityConfig().fleet, name)
-            for name in FleetConfig.__struct_fields__
-            if name not in _FLEET_SET_BY_POINT
-        }
-    )
+    add_struct_options(cap, CapacityConfig, skip=_FLEET_SET_BY_POINT)
     cap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
@@ -217,8 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def capacity_main(args: argparse.Namespace) -> int:
     try:
-        fleet = _struct_from_args(args, FleetConfig)
-        config = _struct_from_args(args, CapacityConfig, fleet=msgspec.to_builtins(fleet))
+        config = struct_from_args(args, CapacityConfig)
     except (msgspec.ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -333,7 +285,7 @@ def _points_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int, int], Non
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:
-    config: CompareConfig = _struct_from_args(args, CompareConfig)
+    config: CompareConfig = struct_from_args(args, CompareConfig)
     return config
 
 
@@ -449,7 +401,10 @@ def _describe(config: CompareConfig) -> str:
     else:
         shape = f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
     compaction = f", compacting past {config.compact_threshold} tokens" if config.compact_threshold else ""
-    return f"{shape}, {config.tps:g} tokens/s, seed {config.seed}, {config.profile} cost profile{compaction}"
+    return (
+        f"{shape}, {config.model.tps:g} tokens/s, seed {config.seed}, {config.server.profile_name} cost profile"
+        f"{compaction}"
+    )
 
 
 def _show(title: str, result: CompareResult) -> None:

@@ -32,7 +32,7 @@ from sim.model.policy import DefaultPolicy
 from sim.runtime.inprocess import InProcessServer
 from sim.runtime.virtual import VirtualClock, run_virtual
 
-SMALL = CompareConfig(
+SMALL = CompareConfig.of(
     rollouts=4,
     tool_calls=5,
     tps=0,
@@ -94,7 +94,7 @@ def test_async_samples_the_same_tokens_as_inject_and_append(monkeypatch: pytest.
 def test_with_no_independent_calls_async_takes_injects_time() -> None:
     """Negative control: with `async_independent=0` the model always waits, so overlapping the
     client's tools saves nothing."""
-    config = msgspec.structs.replace(SMALL, async_independent=0.0, modes=("inject", "async"))
+    config = SMALL.updated(async_independent=0.0, modes=("inject", "async"))
     result = run(config, virtual=True, free_cpu=True)
     inject, overlap = _by_mode(result, "inject"), _by_mode(result, "async")
     for i, r in overlap.items():
@@ -104,7 +104,7 @@ def test_with_no_independent_calls_async_takes_injects_time() -> None:
 
 
 def test_independent_calls_overlap_tools_with_decoding() -> None:
-    config = msgspec.structs.replace(SMALL, async_independent=1.0, modes=("http", "inject", "async"))
+    config = SMALL.updated(async_independent=1.0, modes=("http", "inject", "async"))
     result = run(config, virtual=True, free_cpu=True)
     inject, overlap = _by_mode(result, "inject"), _by_mode(result, "async")
     for i, r in overlap.items():
@@ -123,7 +123,7 @@ def test_independent_calls_overlap_tools_with_decoding() -> None:
 
 def test_async_runs_live_over_sockets_with_beta_frames() -> None:
     """Real sockets: every frame of the beta socket is checked against the beta event union."""
-    config = msgspec.structs.replace(SMALL, rollouts=2, async_independent=1.0, modes=("inject", "async"))
+    config = SMALL.updated(rollouts=2, async_independent=1.0, modes=("inject", "async"))
     result = run(config, virtual=False)
     inject, overlap = _by_mode(result, "inject"), _by_mode(result, "async")
     for i, r in overlap.items():
@@ -266,7 +266,7 @@ def test_a_larger_share_only_adds_turns_that_decode_on() -> None:
 
 
 def test_async_rollouts_share_a_socket_on_lanes() -> None:
-    config = msgspec.structs.replace(SMALL, async_independent=1.0, lanes=2, modes=("inject", "async"))
+    config = SMALL.updated(async_independent=1.0, lanes=2, modes=("inject", "async"))
     result = run(config, virtual=True, free_cpu=True)
     inject, overlap = _by_mode(result, "inject"), _by_mode(result, "async")
     for i, r in overlap.items():

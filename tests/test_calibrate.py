@@ -33,7 +33,7 @@ OTHER = msgspec.structs.replace(
 
 @cache
 def _records(profile: str, rollouts: int = 6) -> tuple[TurnRecord, ...]:
-    config = CompareConfig(rollouts=rollouts, tool_calls=6, modes=MODES, profile=profile)
+    config = CompareConfig.of(rollouts=rollouts, tool_calls=6, modes=MODES, profile=profile)
     result = compare(config, virtual=True, free_cpu=True)
     return tuple(records_from_rollouts(result.rollouts, source="longrun-virtual"))
 

@@ -337,7 +337,7 @@ SMALL = CompareConfig(rollouts=1, tool_calls=12, system_prompt_tokens=400, seed=
 
 
 def run(threshold: int = 0, **kw: Any) -> CompareResult:
-    return compare(msgspec.structs.replace(SMALL, compact_threshold=threshold, **kw), virtual=True, free_cpu=True)
+    return compare(SMALL.updated(compact_threshold=threshold, **kw), virtual=True, free_cpu=True)
 
 
 def by_mode(result: CompareResult) -> dict[str, RolloutResult]:
@@ -426,7 +426,9 @@ def test_inject_compacts_at_a_resume_and_releases_its_held_kv() -> None:
 
     def uncached(r: RolloutResult) -> list[float]:
         """Per turn, the prompt tokens prefilled: (prefill − model latency) × prefill rate."""
-        return [(w["stage:prefill"] - SMALL.model_latency_s) * SMALL.prefill_tok_per_s for w in per_turn_work(r)]
+        return [
+            (w["stage:prefill"] - SMALL.model.model_latency_s) * SMALL.model.prefill_tok_per_s for w in per_turn_work(r)
+        ]
 
     append, ws = uncached(with_["append"]), uncached(with_["ws"])
     turns = with_["append"].turns

@@ -49,7 +49,7 @@ from sim.harness.fidelity import (
 # Every test here times live clients (docs/testing.md): no per-event validation on their path.
 pytestmark = pytest.mark.wire_unchecked
 
-CPU_HEAVY = CompareConfig(
+CPU_HEAVY = CompareConfig.of(
     profile="local",
     system_prompt_tokens=40_000,
     tool_calls=8,
@@ -119,7 +119,7 @@ def test_negative_control_with_cpu_free_every_check_disagrees(runs: Runs) -> Non
 # through the tool's time), which virtual time charges only with `live_costs`. The check is on
 # that part of the turn, outside every server stage (`client`); paced decode keeps the client's
 # parsing of the deltas inside the decode, as live.
-TRANSPORT_HEAVY = CompareConfig(
+TRANSPORT_HEAVY = CompareConfig.of(
     profile="local",
     system_prompt_tokens=1000,
     tool_calls=6,

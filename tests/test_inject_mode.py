@@ -15,7 +15,7 @@ from sim.harness.client import MODES
 from sim.harness.experiment import CompareConfig
 from sim.harness.live import RolloutResult
 
-SMALL = CompareConfig(
+SMALL = CompareConfig.of(
     rollouts=4,
     tool_calls=4,
     tps=0,

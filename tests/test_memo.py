@@ -19,7 +19,7 @@ from sim.runtime.virtual import VirtualClock, run_virtual
 
 from .test_sim_policy import EXEC_COMMAND, GET_WEATHER, make_request
 
-CONFIG = CompareConfig(rollouts=2, tool_calls=4, tps=1000.0, system_prompt_tokens=300, tool_time_s=0.2)
+CONFIG = CompareConfig.of(rollouts=2, tool_calls=4, tps=1000.0, system_prompt_tokens=300, tool_time_s=0.2)
 
 
 def _run(memoize: bool) -> object:

@@ -88,7 +88,7 @@ async def test_a_turn_cut_by_max_output_tokens_keeps_the_same_tokens_and_text() 
 
 
 def test_a_sweep_point_summarises_like_per_token_pacing() -> None:
-    config = CompareConfig(rollouts=1, tool_calls=3, tps=500.0, system_prompt_tokens=200, tool_time_s=0.2)
+    config = CompareConfig.of(rollouts=1, tool_calls=3, tps=500.0, system_prompt_tokens=200, tool_time_s=0.2)
     per_token = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
     rows = run_point(config)
     assert rows == [{**rows[i], **msgspec.to_builtins(s)} for i, s in enumerate(per_token.summary)]

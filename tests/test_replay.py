@@ -17,7 +17,7 @@ SAMPLE = Path(__file__).resolve().parents[1] / "sim" / "data" / "sample_trace.js
 def test_every_mode_replays_the_recorded_turns() -> None:
     recorded = load_trace(SAMPLE)
     assert [len(r.turns) for r in recorded] == [5, 3]
-    config = CompareConfig(trace=str(SAMPLE), rollouts=1, tps=0, profile="local")
+    config = CompareConfig.of(trace=str(SAMPLE), rollouts=1, tps=0, profile="local")
     result = run(config, virtual=True, free_cpu=True)
     for mode in ("http", "http_prev", "ws", "append"):
         rollouts = [r for r in result.rollouts if r.mode == mode]

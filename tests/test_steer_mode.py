@@ -103,7 +103,7 @@ async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checke
 
 # -- the comparison's interjections ------------------------------------------------------------------
 
-BASE = CompareConfig(
+BASE = CompareConfig.of(
     rollouts=4,
     tool_calls=5,
     tps=300,

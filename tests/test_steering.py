@@ -182,10 +182,8 @@ def test_at_the_item_boundary_steers_land_where_the_calls_are_answered() -> None
     for that call (the beta's response then ends at the resume point, after its output is
     injected, and a successor takes the steer), so it comes no sooner than `inject`'s next turn;
     and no decoded token is thrown away."""
-    assert CompareConfig().steer_boundary == "item"
-    config = msgspec.structs.replace(
-        BASE, modes=("inject", "steer"), interjections=2, interjection_window_s=0.2, steer_boundary="item"
-    )
+    assert CompareConfig().server.steer_boundary == "item"
+    config = BASE.updated(modes=("inject", "steer"), interjections=2, interjection_window_s=0.2, steer_boundary="item")
     plain = {
         (r.mode, r.index): r
         for r in run(msgspec.structs.replace(config, interjections=0), virtual=True, free_cpu=True).rollouts
@@ -196,7 +194,7 @@ def test_at_the_item_boundary_steers_land_where_the_calls_are_answered() -> None
         assert _output_tokens(r) == _output_tokens(plain[(r.mode, r.index)])
     steer = [r for r in result.rollouts if r.mode == "steer"]
     assert all({x.via for x in r.interjections} == {"steer"} for r in steer)
-    token = run(msgspec.structs.replace(config, steer_boundary="token"), virtual=True, free_cpu=True)
+    token = run(config.updated(steer_boundary="token"), virtual=True, free_cpu=True)
     cut = {p.other: p for p in token.pairs}["steer"]
     whole = {p.other: p for p in result.pairs}["steer"]
     assert cut.n == whole.n == config.rollouts

@@ -28,7 +28,7 @@ TINY = SweepConfig(
 
 def test_grid_order_and_values() -> None:
     grid = points(TINY)
-    assert [(p.tps, p.rtt_s) for p in grid] == [(65.0, 0.04), (65.0, 0.1), (1000.0, 0.04), (1000.0, 0.1)]
+    assert [(p.model.tps, p.rtt_s) for p in grid] == [(65.0, 0.04), (65.0, 0.1), (1000.0, 0.04), (1000.0, 0.1)]
     assert all(p.tool_calls == 3 and p.rollouts == 1 and p.system_prompt_tokens == 1000 for p in grid)
 
 
@@ -87,8 +87,8 @@ def test_sweep_points_share_their_draws() -> None:
             base=CompareConfig(rollouts=2, system_prompt_tokens=500, tool_output_tokens=100, seed=11),
         )
     )
-    specs = {(p.tps, p.tool_calls): _rollouts(p)[0] for p in grid}
-    runs = {(p.tps, p.tool_calls): compare(p, virtual=True, free_cpu=True) for p in grid}
+    specs = {(p.model.tps, p.tool_calls): _rollouts(p)[0] for p in grid}
+    runs = {(p.model.tps, p.tool_calls): compare(p, virtual=True, free_cpu=True) for p in grid}
     for r in range(2):
         short, long = specs[(1000.0, 5)][r], specs[(1000.0, 10)][r]
         assert long.tool_times_s[:5] == short.tool_times_s and long.tool_outputs[:5] == short.tool_outputs

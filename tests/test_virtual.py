@@ -203,7 +203,7 @@ def test_a_debug_loop_runs_asyncios_own_iteration_in_virtual_time() -> None:
     assert run_virtual(main, charge_cpu=False) == [0.5, 2.0, 2.0, 7.25]
 
 
-SMALL = CompareConfig(rollouts=2, tool_calls=6, tool_time_s=0.05, profile="hosted")
+SMALL = CompareConfig.of(rollouts=2, tool_calls=6, tool_time_s=0.05, profile="hosted")
 
 
 def test_virtual_results_are_deterministic_for_a_seed() -> None:

@@ -479,7 +479,9 @@ def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypat
             sessions.append(self)
 
     monkeypatch.setattr(sim.runtime.inprocess, "WebSocketSession", Counted)
-    config = CompareConfig(rollouts=5, tool_calls=2, lanes=3, modes=("ws", "append"), system_prompt_tokens=200, tps=0)
+    config = CompareConfig.of(
+        rollouts=5, tool_calls=2, lanes=3, modes=("ws", "append"), system_prompt_tokens=200, tps=0
+    )
     result = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
     assert len(sessions) == 4  # per mode: lanes 0-2 on one connection, lanes 0-1 on another
     assert sorted(len(s.conn.lanes) - 1 for s in sessions) == [2, 2, 3, 3]
@@ -491,8 +493,8 @@ def test_lanes_share_the_models_decode_slots() -> None:
     from sim.harness.experiment import CompareConfig, run_compare
     from sim.runtime.virtual import VirtualClock, run_virtual
 
-    def p50(decode_slots: int) -> float:
-        config = CompareConfig(
+    def p50(decode_slots: int | None) -> float:
+        config = CompareConfig.of(
             rollouts=2,
             tool_calls=2,
             lanes=2,
@@ -509,4 +511,4 @@ def test_lanes_share_the_models_decode_slots() -> None:
         (summary,) = result.summary
         return summary.completion_p50_s
 
-    assert p50(1) > 1.6 * p50(0)  # nearly serial: one lane decodes while the other waits
+    assert p50(1) > 1.6 * p50(None)  # nearly serial: one lane decodes while the other waits

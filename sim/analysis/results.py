@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any, Final
 
+from sim.harness.experiment import config_of
+
 __all__ = ["MARKERS", "readme_block", "render_results"]
 
 MARKERS: Final = ("<!-- results:start -->", "<!-- results:end -->")
@@ -55,11 +57,11 @@ def _mode_table(summary: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _describe(meta: dict[str, Any]) -> str:
-    c = meta["config"]
+    c = config_of(meta["config"])
     where = "virtual time" if meta["virtual"] else "live on loopback"
     return (
-        f"{where}, {c['profile']} cost profile, {c['tps']:g} tokens/s, {c['tool_calls']} tool calls per rollout, "
-        f"tool time median {c['tool_time_s']:g} s, seed {c['seed']}"
+        f"{where}, {c.server.profile_name} cost profile, {c.model.tps:g} tokens/s, {c.tool_calls} tool calls per "
+        f"rollout, tool time median {c.tool_time_s:g} s, seed {c.seed}"
     )
 
 

@@ -43,9 +43,10 @@ from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.contract import COMPACT_THRESHOLD_MIN
 from prototype.conversation import ToolCache, conversation_key, parse_items
-from prototype.engine import Engine, SteerBoundary
+from prototype.engine import Engine
 from prototype.model import ModelEvent, ModelRequest
-from prototype.pipeline import ALL_OPTIMIZATIONS, Optimization, load_profile
+from prototype.options import replace_leaves
+from prototype.pipeline import Optimization
 from prototype.store import MemoryStore
 from prototype.wallclock import AsyncioClock
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
@@ -56,13 +57,13 @@ from sim.harness.tools import ToolRunner, tool_runner
 from sim.harness.workload import WORKLOADS, draw_rollouts
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import ModelConfig, build_model
-from sim.model.kv import DEFAULT_CAPACITY_TOKENS, PrefixCache
+from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy, Policy
 from sim.runtime.inprocess import InProcessServer, Tap
 from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
 
-__all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "run_compare"]
+__all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "config_of", "run_compare"]
 
 # Rollouts per mode of the default comparison: its time-saved intervals are within ±2 points
 # at this n in virtual time (docs/statistics.md has the measured widths).
@@ -81,15 +82,11 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ] = 0.0
     max_rollouts: Annotated[int, Meta(ge=1, description="with ci_width: stop adding batches at this many")] = 256
     tool_calls: Annotated[int, Meta(ge=0, description="tool calls per rollout, then a text answer")] = 20
-    tps: Annotated[float, Meta(ge=0, description="decode tokens/s (0 = unpaced)")] = 1000.0
     tool_time_s: Annotated[float, Meta(ge=0, description="median simulated tool time (Codex-interactive: 0.3)")] = 0.3
     tool_time_sigma: Annotated[float, Meta(ge=0, description="lognormal sigma of tool time")] = 0.8
     tool_output_tokens: Annotated[int, Meta(ge=1, description="median tool output size (lognormal, sigma 1.1)")] = 500
     system_prompt_tokens: Annotated[int, Meta(ge=1, description="initial context: system prompt size")] = 6000
-    profile: Annotated[str, Meta(description="API cost profile: local, hosted, or a JSON file")] = "hosted"
     rtt_s: Annotated[float | None, Meta(description="override the profile's round trip")] = None
-    model_latency_s: Annotated[float, Meta(ge=0, description="fixed model latency")] = 0.05
-    prefill_tok_per_s: Annotated[float, Meta(ge=0, description="prefill tokens/s (0 = free)")] = 20_000.0
     workload: Annotated[
         str,
         Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
@@ -106,14 +103,6 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
             "all in flight at once (0 = a connection per rollout)",
         ),
     ] = 0
-    kv_capacity_tokens: Annotated[int, Meta(ge=0, description="prefix-cache (KV) capacity in tokens (0 = default)")] = 0
-    decode_slots: Annotated[int, Meta(ge=0, description="turns decoding at once (0 = unlimited)")] = 0
-    concurrency_slowdown: Annotated[
-        float, Meta(ge=0, description="decode slows by 1 + this x (other turns decoding)")
-    ] = 0.0
-    disable: Annotated[
-        tuple[str, ...], Meta(description="connection-cache optimizations to switch off (ablation), comma-separated")
-    ] = ()
     real_tools: Annotated[
         bool, Meta(description="live only: a real subprocess per tool step (drawn time, drawn output)")
     ] = False
@@ -140,22 +129,6 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         float,
         Meta(ge=0, description="an interjection arrives a delay uniform in [0, this) s after its turn's first token"),
     ] = 0.1
-    steer_boundary: Annotated[
-        SteerBoundary,
-        Meta(
-            description="steer mode: where a steer accepted mid-decode stops the response: item (the end of the "
-            "output item in flight, the steering guide's rule) or token (at once, cutting the item off)"
-        ),
-    ] = "item"
-    async_independent: Annotated[
-        float,
-        Meta(
-            ge=0,
-            le=1,
-            description="async mode: share of tool-call turns whose outputs the next turn does not need, so the "
-            "model decodes on while the tool runs (longrun's assumption: no public figure)",
-        ),
-    ] = 0.5
     live_costs: Annotated[
         str | None,
         Meta(
@@ -164,10 +137,26 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         ),
     ] = None
     seed: int = 0
+    # The server and the model stand-in under test, whole: a virtual run reaches every field the live
+    # server has. The comparison's defaults: the hosted cost profile; a model that pays 50 ms before
+    # its first token and prefills at 20,000 tokens/s, and whose next turn does not need half of the
+    # async tool outputs (longrun's assumption: no public figure).
+    server: ServerConfig = ServerConfig(profile="hosted")
+    model: ModelConfig = ModelConfig(model_latency_s=0.05, prefill_tok_per_s=20_000.0, async_independent=0.5)
     modes: Annotated[
         tuple[str, ...],
         Meta(description=f"comma-separated modes, in run order, from {','.join(ALL_MODES)}"),
     ] = MODES
+
+    @classmethod
+    def of(cls, **fields: Any) -> CompareConfig:
+        """The default comparison with fields set by their leaf names, wherever they are nested
+        (`CompareConfig.of(rollouts=5, tps=65.0, profile="local")`): the other defaults stay."""
+        return replace_leaves(cls(), **fields)
+
+    def updated(self, **fields: Any) -> CompareConfig:
+        """This comparison with fields replaced by their leaf names, wherever they are nested."""
+        return replace_leaves(self, **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,27 +179,44 @@ def narrow_enough(summary: list[ModeSummary], width_points: float) -> tuple[bool
     return (not math.isnan(widest) and widest < width_points), widest
 
 
+# Where a run folder's config.json may hold server and model fields at its top level (the flat
+# layout): `config_of` moves them into `server` and `model`, where a 0 meant the default.
+_FLAT_SERVER: Final = ("profile", "disable", "steer_boundary")
+_FLAT_MODEL: Final = (
+    "tps",
+    "model_latency_s",
+    "prefill_tok_per_s",
+    "kv_capacity_tokens",
+    "decode_slots",
+    "concurrency_slowdown",
+    "async_independent",
+)
+
+
+def config_of(data: dict[str, Any]) -> CompareConfig:
+    """A `CompareConfig` from its JSON form, nested or flat (a run folder's config.json)."""
+    data = dict(data)
+    nested: dict[str, dict[str, Any]] = {"server": dict(data.pop("server", {})), "model": dict(data.pop("model", {}))}
+    for part, names in (("server", _FLAT_SERVER), ("model", _FLAT_MODEL)):
+        for name in names:
+            if name in data:
+                value = data.pop(name)
+                if not (name in ("kv_capacity_tokens", "decode_slots") and value == 0):
+                    nested[part][name] = value
+    default = CompareConfig()
+    server = msgspec.convert({**msgspec.to_builtins(default.server), **nested["server"]}, ServerConfig)
+    model = msgspec.convert({**msgspec.to_builtins(default.model), **nested["model"]}, ModelConfig)
+    return msgspec.convert(
+        {**data, "server": msgspec.to_builtins(server), "model": msgspec.to_builtins(model)}, CompareConfig
+    )
+
+
 def _server_config(config: CompareConfig) -> ServerConfig:
-    profile = load_profile(config.profile)
+    """The server under test: `config.server`, its cost profile resolved and `rtt_s` applied."""
+    profile = config.server.cost_profile
     if config.rtt_s is not None:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
-    return ServerConfig(
-        profile=profile,
-        disable=frozenset(Optimization(name) for name in config.disable),
-        steer_boundary=config.steer_boundary,
-    )
-
-
-def _model_config(config: CompareConfig) -> ModelConfig:
-    return ModelConfig(
-        tps=config.tps,
-        model_latency_s=config.model_latency_s,
-        prefill_tok_per_s=config.prefill_tok_per_s,
-        kv_capacity_tokens=config.kv_capacity_tokens or DEFAULT_CAPACITY_TOKENS,
-        decode_slots=config.decode_slots or None,
-        concurrency_slowdown=config.concurrency_slowdown,
-        async_independent=config.async_independent,
-    )
+    return structs.replace(config.server, profile=profile)
 
 
 def compare(
@@ -253,15 +259,12 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
         )
     if config.workload != "custom" and config.workload not in WORKLOADS:
         raise ValueError(f"unknown workload {config.workload!r}; choose from custom, {', '.join(WORKLOADS)}")
-    for name in config.disable:
-        if name not in ALL_OPTIMIZATIONS:
-            raise ValueError(f"unknown optimization {name!r}; choose from {', '.join(Optimization)}")
     if 0 < config.compact_threshold < COMPACT_THRESHOLD_MIN:
         raise ValueError(
             f"compact_threshold {config.compact_threshold} is below the API's minimum of {COMPACT_THRESHOLD_MIN} "
             "(0 = no compaction)"
         )
-    load_profile(config.profile)
+    _server_config(config)  # a profile file that does not load is refused here
     tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     if config.live_costs:
         try:
@@ -297,7 +300,7 @@ class _PromptLog:
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
     kind = MemoPrefixCache if memoize else PrefixCache
-    return kind(capacity_tokens=config.kv_capacity_tokens) if config.kv_capacity_tokens else kind()
+    return kind(capacity_tokens=config.model.kv_capacity_tokens)
 
 
 async def run_compare(
@@ -366,7 +369,7 @@ class _World:
     ) -> _World:
         tools = tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
         model = build_model(
-            _model_config(config),
+            config.model,
             clock=clock,
             policy=MemoPolicy(policy) if memoize else policy,
             seed=config.seed,
@@ -494,7 +497,7 @@ class _Scheduler:
             client = self._client(mode, batch, index, size)
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
-                store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.disable)
+                store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.server.disable)
                 if isinstance(client, WSClient) and client.overlap:
                     result = await run_async_rollout(
                         client, clock, spec, model="sim", tools=tools, context_management=self._context_management

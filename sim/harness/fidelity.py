@@ -39,10 +39,12 @@ from typing import Any, Final
 import msgspec
 import numpy as np
 import numpy.typing as npt
+from msgspec import structs
 
+from prototype.options import leaves, struct_from_args
 from prototype.pipeline import Stage
 from sim.analysis.metrics import per_turn_work, summarize
-from sim.harness.experiment import CompareConfig, CompareResult, check, compare
+from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.runtime.realtime import live_cost_samples
 from sim.runtime.virtual import LiveCosts, load_live_costs
 
@@ -84,10 +86,10 @@ CLIENT: Final = "client"
 PRESETS: Final[dict[str, CompareConfig]] = {
     "default": CompareConfig(),
     # Only real CPU work: no modeled waits, so the server's own work is the whole overhead.
-    "local": CompareConfig(profile="local", tool_calls=10, rollouts=2),
+    "local": CompareConfig.of(profile="local", tool_calls=10, rollouts=2),
     # Contexts past 100k tokens from the first turn: every http turn re-renders and
     # re-classifies all of it. Prefill of the uncached tail at the default rate.
-    "long-context": CompareConfig(
+    "long-context": CompareConfig.of(
         profile="local", system_prompt_tokens=100_000, tool_calls=8, rollouts=2, tool_time_s=0.1
     ),
 }
@@ -314,9 +316,9 @@ def fidelity_options(p: argparse.ArgumentParser, add_config_options: Callable[[a
         help=f"a preset ({', '.join(PRESETS)}) or a JSON file: CompareConfig fields, or a run folder's config.json",
     )
     add_config_options(p)
+    fields = {field.name for _, field in leaves(CompareConfig)}
     for action in p._actions:
-        if action.dest in CompareConfig.__struct_fields__:
-            action.default = argparse.SUPPRESS
+        if action.dest in fields:
             action.help = (action.help or "") + " (overrides CONFIG)"
     p.add_argument("--free-cpu", action="store_true", help="the negative control: virtual time with CPU work free")
     p.add_argument(
@@ -343,7 +345,7 @@ def _load_config(name: str) -> CompareConfig:
     data = json.loads(path.read_text())
     if isinstance(data, dict) and isinstance(data.get("config"), dict):  # a run folder's config.json
         data = data["config"]
-    return msgspec.convert(data, CompareConfig)
+    return config_of(data)
 
 
 def fidelity_main(args: argparse.Namespace, loop_factory: LoopFactory | None = None) -> int:
@@ -356,20 +358,16 @@ def fidelity_main(args: argparse.Namespace, loop_factory: LoopFactory | None = N
         print(f"transport costs written to {path} (charged by virtual runs with live_costs={path})")
         return 0
     try:
-        config = _load_config(args.config)
-        given = {f: getattr(args, f) for f in CompareConfig.__struct_fields__ if hasattr(args, f)}
-        for f in ("modes", "disable"):
-            if f in given:
-                given[f] = tuple(x.strip() for x in given[f].split(",") if x.strip())
+        config = struct_from_args(args, CompareConfig, base=_load_config(args.config))
         if args.no_live_costs:
-            given["live_costs"] = None
-        elif "live_costs" not in given and config.live_costs is None and DEFAULT_COSTS_PATH.is_file():
-            given["live_costs"] = str(DEFAULT_COSTS_PATH)
-        config = msgspec.convert({**msgspec.to_builtins(config), **given}, CompareConfig)
+            config = structs.replace(config, live_costs=None)
+        elif not hasattr(args, "live_costs") and config.live_costs is None and DEFAULT_COSTS_PATH.is_file():
+            config = structs.replace(config, live_costs=str(DEFAULT_COSTS_PATH))
         check(config, virtual=False)
     except (ValueError, OSError, msgspec.ValidationError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    shown = {k: v for k, v in msgspec.to_builtins(config).items() if v != getattr(CompareConfig(), k)}
+    default = msgspec.to_builtins(CompareConfig())
+    shown = {k: v for k, v in msgspec.to_builtins(config).items() if v != default[k]}
     print(f"longrun fidelity: {args.config} {json.dumps(shown)} (live loopback, then virtual time)", flush=True)
     if config.live_costs and not args.free_cpu:
         charged = msgspec.to_builtins(load_live_costs(config.live_costs))

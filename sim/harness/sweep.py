@@ -23,8 +23,8 @@ from concurrent.futures import Executor
 from typing import Any
 
 import msgspec
-from msgspec import structs
 
+from prototype.options import get_leaf, replace_leaves
 from sim.harness.client import MODES
 from sim.harness.experiment import CompareConfig, run_compare
 from sim.runtime.virtual import VirtualClock, run_virtual
@@ -55,7 +55,7 @@ def points(sweep: SweepConfig) -> list[CompareConfig]:
     """The grid, in a fixed order (the last axis varies fastest)."""
     grid = itertools.product(sweep.tps, sweep.tool_calls, sweep.tool_time_s, sweep.rtt_s, sweep.profile)
     return [
-        structs.replace(
+        replace_leaves(
             sweep.base, tps=tps, tool_calls=calls, tool_time_s=tool, rtt_s=rtt, profile=profile, modes=sweep.modes
         )
         for tps, calls, tool, rtt, profile in grid
@@ -68,7 +68,7 @@ def run_point(config: CompareConfig) -> list[dict[str, Any]]:
     # free, so the pure work of a turn may be looked up from earlier points (`sim.runtime.memo`).
     main = run_compare(config, VirtualClock(), virtual=True, pace_by_turn=True, memoize=True)
     result = run_virtual(main, charge_cpu=False)
-    params = {axis: getattr(config, axis) for axis in AXES}
+    params = {axis: get_leaf(config, axis) for axis in AXES}
     return [{**params, **msgspec.to_builtins(s)} for s in result.summary]
 
 

@@ -162,7 +162,10 @@ def _plots(result: CompareResult, rows: list[dict[str, Any]], path: Path) -> Non
 
     modes = [s.mode for s in result.summary]
     config = result.config
-    title = f"{config.tps:g} tok/s, {config.tool_calls} tool calls, {config.profile} profile, seed {config.seed}"
+    title = (
+        f"{config.model.tps:g} tok/s, {config.tool_calls} tool calls, {config.server.profile_name} profile, "
+        f"seed {config.seed}"
+    )
     fig, ax = plt.subplots(figsize=(6, 3.5))
     p50 = [s.completion_p50_s for s in result.summary]
     below = [
