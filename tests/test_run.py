@@ -1,6 +1,7 @@
 """One response's run (`prototype.engine.ResponseRun`) with no transport: one test per boundary rule.
 
-No socket, no aiohttp, no session, no connection core: an `Engine` on a manual clock, a scripted
+No socket, no aiohttp, no session, no connection core: an `Engine` on a manual clock
+(`sim.runtime.clock.ManualClock`: a wait jumps to its deadline), a scripted
 `TokenModel` written here (its turns are fixed item by item, one token per character), and a fake
 `Channel` standing in for the connection core. The fake records what the run tells the core
 (`called`, `turn_ended`, `paused`) and answers from a script: the items handed over at a turn's
@@ -40,6 +41,7 @@ from prototype.schemas import RequiredInput, ServerEvent, SteerRef, decode_creat
 from prototype.store import MemoryStore, StoreUnavailable
 from prototype.stream import InjectAccepted, SteerAccepted
 from prototype.tokenizer import get_tokenizer
+from sim.runtime.clock import ManualClock
 
 TOOL: Final = {"type": "function", "name": "exec", "parameters": {"type": "object", "properties": {}}}
 ASYNC_TOOL: Final = {**TOOL, "name": "exec_async", "async": True}
@@ -54,23 +56,6 @@ def message(text: str) -> Planned:
 
 def call(name: str = "exec", arguments: str = "{}") -> Planned:
     return ("function_call", name, arguments)
-
-
-class ManualClock:
-    """Time moves only when the run waits: `sleep_until` jumps to the deadline."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def time(self) -> float:
-        return 1_700_000_000.0 + self.t
-
-    async def sleep_until(self, deadline: float) -> None:
-        self.t = max(self.t, deadline)
-        await asyncio.sleep(0)
 
 
 class ScriptedModel:
@@ -225,14 +210,23 @@ def calls_in(response: dict[str, Any]) -> list[RequiredInput]:
 
 
 def test_these_tests_load_no_transport() -> None:
-    """A fresh interpreter imports this module: no aiohttp, no session or connection core, no sim/."""
+    """A fresh interpreter imports this module: no aiohttp, no session or connection core, no
+    simulated transport or accelerator (sim/ lends only its manual clock)."""
     code = "import json, sys, tests.test_run; print(json.dumps(sorted(sys.modules)))"
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=True
     )
     loaded = set(json.loads(done.stdout))
-    transport = {"aiohttp", "prototype.session", "prototype.connection", "prototype.app", "sim"}
+    transport = {
+        "aiohttp",
+        "prototype.app",
+        "prototype.connection",
+        "prototype.session",
+        "sim.model.accelerator",
+        "sim.runtime.inprocess",
+        "sim.runtime.virtual",
+    }
     assert not loaded & transport, sorted(loaded & transport)
     assert "prototype.engine" in loaded  # the check sees what the module imports
 
