@@ -27,9 +27,10 @@ What a stage touches depends on the path (pipeline.py has the costs):
 factory) and the counters; a `ResponseRun` owns one response from its arrival to its
 terminal event. A store outage is mapped to the wire in one place (`store_errors`).
 
-The store write happens *before* the terminal event, so a continuation sent the
-moment `response.completed` arrives finds it (read-after-write; LiteLLM #28587
-lost continuations for ~10 s because its write was asynchronous).
+The run keeps the segment loop (sample, decode on, pause, the boundary rules of steers and
+calls) and calls two plain units for the rest: `prepare.py` builds and grows the prompt
+(pre-inference), `finish.py` does post-inference (billing, the store write before the
+terminal event, the stage report). Neither keeps state or emits: one owner per response.
 """
 
 from __future__ import annotations
@@ -48,23 +49,21 @@ from msgspec import Raw, structs
 from . import metrics
 from .cache import STORE_UNAVAILABLE, CacheEntry
 from .clock import Clock
-from .compaction import COMPACTION_TYPE, Compaction, encode_payload, is_kept, prune, summary_text
+from .compaction import Compaction, encode_payload, is_kept, prune, summary_text
 from .contract import CONTEXT_LENGTH_MESSAGE, check_compact_params, check_context_window
 from .conversation import (
     Context,
     CreateRequest,
     Item,
     ItemParser,
-    Preamble,
-    check_continuation,
     generation_header,
     item_from_output,
     message_text,
     parse_items,
-    render_preamble,
     render_texts,
 )
 from .errors import INTERNAL_ERROR, ProtocolError
+from .finish import Outcome, finish, outputs_in_context
 from .ids import IdFactory
 from .metrics import Histogram
 from .model import (
@@ -78,25 +77,20 @@ from .model import (
     TokensSampled,
 )
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
-from .safety import ClassifierState, SafetyClassifier
+from .prepare import Turn, resolve, take_input
+from .safety import SafetyClassifier
 from .schemas import (
     CompactedResponse,
     CompactionItem,
     CompactParams,
     FunctionCall,
     InputTokensDetails,
-    OutputItem,
     OutputTokensDetails,
     RequiredInput,
     Response,
-    ResponseCompleted,
-    ResponseError,
-    ResponseFailed,
-    ResponseIncomplete,
     ServerEvent,
     StageReport,
     SteerRef,
-    StoredResponse,
     Usage,
     decode_stored,
     encode,
@@ -135,6 +129,7 @@ __all__ = [
     "Resumed",
     "STEER_BOUNDARIES",
     "STORE_UNAVAILABLE",
+    "Stages",
     "SteerBoundary",
     "store_errors",
 ]
@@ -169,19 +164,6 @@ class Arrival:
     body_bytes: int = 0
     transport: Literal["http", "ws"] = "http"
     routed: bool = False  # auth and routing already done on this connection
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    response: Response
-    entry: CacheEntry | None  # None unless the response completed (or ended incomplete)
-    error: ProtocolError | None = None  # set when the request failed before streaming started
-    failure: ProtocolError | None = None  # set when the response ended `failed`: what to say over HTTP
-    owed: tuple[RequiredInput, ...] = ()  # beta: client calls the response ended on, unanswered
-
-    @property
-    def ok(self) -> bool:
-        return self.entry is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +300,7 @@ def store_errors(what: str) -> Iterator[None]:
         raise STORE_UNAVAILABLE from None
 
 
-class _Stages:
+class Stages:
     """Times one response's stages on the clock into a `StageReport`."""
 
     def __init__(self, clock: Clock, counts: _Counts, arrival_at: float) -> None:
@@ -353,82 +335,6 @@ class _Stages:
     def new_segment(self, arrival_at: float) -> None:
         self.segment_start = arrival_at
         self.mark = arrival_at
-
-
-@dataclass(slots=True)
-class _Resolved:
-    context: Context
-    preamble: Preamble
-    safety: ClassifierState
-    safety_chunks: int  # chunks of `context` the classifier state covers
-    compaction: Compaction | None = None  # the compaction this response's prompt went through
-
-
-class _Turn:
-    """The model-visible prompt of a response as it grows segment by segment (append mode),
-    with how much of it the model holds for this response (its KV kept across pauses)."""
-
-    def __init__(
-        self, engine: Engine, request: CreateRequest, resolved: _Resolved, conversation_id: str, *, hold_kv: bool
-    ) -> None:
-        self.engine = engine
-        self.request = request
-        self.resolved = resolved
-        self.conversation_id = conversation_id
-        self.hold_kv = hold_kv
-        self.held_tokens = 0  # first segment: whatever the model's prefix cache still has
-        self.header = generation_header(engine.tokenizer)
-        self.prompt_tokens = self.count()
-        self.outputs_in_context = 0
-
-    def count(self) -> int:
-        return len(self.resolved.preamble.tokens) + self.resolved.context.n_tokens + len(self.header)
-
-    @property
-    def resident_tokens(self) -> int:
-        return self.count() - len(self.header)
-
-    async def add_outputs(self, output: Sequence[OutputItem], report: StageReport) -> None:
-        """Interleave the response's output items not yet in the context (a pause's segment)."""
-        items = [item_from_output(o) for o in output[self.outputs_in_context :]]
-        self.outputs_in_context = len(output)
-        self.resolved.context.extend(items, await self.engine._render(items, report))
-
-    async def add_input(self, items: Sequence[Item], report: StageReport) -> None:
-        # Everything before the appended items is held KV: only they need prefill.
-        self.held_tokens = self.resident_tokens
-        self.resolved.context.extend(items, await self.engine._render(items, report))
-        self.prompt_tokens = self.count()
-
-    def _output_budget(self) -> int | None:
-        """The request's `max_output_tokens`, within the model's output limit and what is left
-        of its context window: the model never reads more than the window."""
-        engine, budget = self.engine, self.request.params.max_output_tokens
-        caps = []
-        if engine.output_token_limit is not None:
-            caps.append(engine.output_token_limit)
-        if engine.context_window is not None:
-            caps.append(max(0, engine.context_window - self.prompt_tokens))
-        if caps:
-            budget = min(caps) if budget is None else min(budget, *caps)
-        return budget
-
-    def model_request(self) -> ModelRequest:
-        request, context = self.request, self.resolved.context
-        return ModelRequest(
-            prompt=(self.resolved.preamble.tokens, *context.chunks, self.header),
-            prompt_tokens=self.prompt_tokens,
-            resident_tokens=self.held_tokens,
-            turn_index=context.turn_index,
-            conversation_key=context.conversation_key,
-            tools=request.tools,
-            tool_choice=request.tool_choice,
-            parallel_tool_calls=request.params.parallel_tool_calls is not False,
-            max_output_tokens=self._output_budget(),
-            model=request.model,
-            conversation_id=self.conversation_id,
-            hold_kv=self.hold_kv,
-        )
 
 
 class Engine:
@@ -472,7 +378,7 @@ class Engine:
         if steer_boundary not in STEER_BOUNDARIES:
             raise ValueError(f"steer_boundary must be one of {STEER_BOUNDARIES}, not {steer_boundary!r}")
         self.steer_boundary = steer_boundary
-        self._counts = _Counts()
+        self.counts = _Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
     # -- the Response object -----------------------------------------------------------------------
@@ -515,10 +421,10 @@ class Engine:
 
     # -- pre-inference -----------------------------------------------------------------------------
 
-    def _uses(self, arrival: Arrival, optimization: Optimization) -> bool:
+    def uses(self, arrival: Arrival, optimization: Optimization) -> bool:
         return arrival.transport == "ws" and optimization in self.optimizations
 
-    async def _render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
+    async def render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
         """The items' tokens. Items whose texts add up to `OFFLOAD_CHARS` or more are tokenized
         on `render_executor` if there is one (the BPE releases the GIL): the event loop keeps
         pacing other streams meanwhile."""
@@ -535,8 +441,8 @@ class Engine:
                     rendered.put(items[i], tokens)
             chunks = found  # type: ignore[assignment]  # no None left
         n = sum(len(c) for c in chunks)
-        self._counts.items_rendered += len(items)
-        self._counts.tokens_rendered += n
+        self.counts.items_rendered += len(items)
+        self.counts.tokens_rendered += n
         if report is not None:
             report.tokens_rendered += n
         return chunks
@@ -547,7 +453,7 @@ class Engine:
             return await loop.run_in_executor(self.render_executor, _encode_all, self.tokenizer, texts)
         return _encode_all(self.tokenizer, texts)
 
-    async def _load(self, response_id: str) -> list[Item]:
+    async def load(self, response_id: str) -> list[Item]:
         with store_errors(f"loading {response_id}"):
             data = await self.store.get(response_id)
         if data is None:
@@ -558,7 +464,8 @@ class Engine:
             )
         record = decode_stored(data)
         items = list(self.item_parser(record.context))
-        items.extend(item_from_output(o) for o in _in_context(record.response.output[record.output_in_context :]))
+        outputs = outputs_in_context(record.response.output[record.output_in_context :])
+        items.extend(item_from_output(o) for o in outputs)
         return items
 
     # -- one response ------------------------------------------------------------------------------
@@ -602,8 +509,8 @@ class Engine:
         as_input = item_from_output(item)
         fresh = Context()
         fresh.extend([i for i, _ in kept], [c for _, c in kept])
-        fresh.extend([as_input], await self._render([as_input], report))
-        self._counts.compactions += 1
+        fresh.extend([as_input], await self.render([as_input], report))
+        self.counts.compactions += 1
         return Compaction(item, prompt_tokens, written, sum(len(c) for c in dropped)), fresh
 
     # -- POST /v1/responses/compact -----------------------------------------------------------------
@@ -612,7 +519,7 @@ class Engine:
         """Compact a history (the request's `input`, after the stored `previous_response_id` if
         given) into its user messages and one compaction item (docs/compaction.md). The same
         work as a server-side compaction, timed in the same stages; nothing is stored."""
-        stages = _Stages(self.clock, self._counts, arrival.at)
+        stages = Stages(self.clock, self.counts, arrival.at)
         await stages.wait(Stage.NETWORK, self.profile.upload_s(arrival.body_bytes))
         if not params.model:
             raise ProtocolError(
@@ -634,11 +541,11 @@ class Engine:
                     code="invalid_value",
                     param="previous_response_id",
                 )
-            history = await self._load(prev)
+            history = await self.load(prev)
             await stages.wait(Stage.LOAD_STATE, self.profile.state_load_s)
         combined = prune([*history, *items], [item.view for item in (*history, *items)])
         context = Context()
-        context.extend(combined, await self._render(combined, stages.report))
+        context.extend(combined, await self.render(combined, stages.report))
         preamble = self.tokenizer.encode(
             f"<|start|>developer<|message|>{params.instructions}<|end|>" if params.instructions else ""
         )
@@ -685,7 +592,7 @@ class Engine:
         return metrics.render(self.histograms, counters)
 
     def statistics(self) -> EngineStatistics:
-        c = self._counts
+        c = self.counts
         return EngineStatistics(
             c.responses,
             c.model_calls,
@@ -700,6 +607,13 @@ class Engine:
             c.responses_websocket,
         )
 
+    async def put_stored(self, response_id: str, data: bytes) -> None:
+        """Persist a finished response's record (`finish.py`, before its terminal event); an
+        outage raises `STORE_UNAVAILABLE`."""
+        self.counts.store_writes += 1
+        with store_errors(f"storing {response_id}"):
+            await self.store.put(response_id, data)
+
     async def get_stored(self, response_id: str) -> Response:
         with store_errors(f"reading {response_id}"):
             data = await self.store.get(response_id)
@@ -712,12 +626,6 @@ class Engine:
             deleted = await self.store.delete(response_id)
         if not deleted:
             raise ProtocolError(f"Response with id '{response_id}' not found.", code="response_not_found", status=404)
-
-
-def _in_context(outputs: Sequence[OutputItem]) -> list[OutputItem]:
-    """The output items the next turn's context holds: not those a steer cut off mid-decode
-    (status `incomplete`), so the successor plans that turn afresh (docs/beta.md)."""
-    return [o for o in outputs if getattr(o, "status", None) != "incomplete"]
 
 
 def _user_message(item: Item, ids: IdFactory) -> bytes:
@@ -736,10 +644,11 @@ def _user_message(item: Item, ids: IdFactory) -> bytes:
 
 
 class ResponseRun:
-    """One response's whole life: pre-inference (load, render, classify), the model segments,
-    the pauses of append mode, post-inference, the store write and the terminal event. The
-    engine lends it the shared services (model, store, tokenizer, classifier, clock) and the
-    counters; everything about this response lives here."""
+    """One response's whole life: pre-inference (`prepare.resolve`), the model segments, the
+    pauses of append mode and the decode-on of beta async tools, post-inference
+    (`finish.finish`) and the terminal event. The engine lends it the shared services (model,
+    store, tokenizer, classifier, clock) and the counters; everything about this response lives
+    here, and only this run's task numbers its events."""
 
     def __init__(
         self,
@@ -760,7 +669,7 @@ class ResponseRun:
         # them, at its next event boundary or at once while it waits, so sequence numbers go out
         # in order. Over HTTP nothing arrives.
         self.inbox = channel.inbox if channel is not None else Inbox()
-        self.stages = _Stages(engine.clock, engine._counts, arrival.at)
+        self.stages = Stages(engine.clock, engine.counts, arrival.at)
         self.template = engine.new_response(request, response_id)
         if self.pauses is not None:
             async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
@@ -773,9 +682,6 @@ class ResponseRun:
         self.beta = self.pauses is not None and self.pauses.dialect == "beta"
         # Beta async tools: the unanswered async calls (call_id -> the turn_index of the turn that made them).
         self._open_calls: dict[str, int] = {}
-
-    def _uses(self, optimization: Optimization) -> bool:
-        return self.engine._uses(self.arrival, optimization)
 
     async def run(self, cached: CacheEntry | None, *, fork: bool = False) -> Outcome:
         """The response's life, then what the core acknowledged while its last events went out
@@ -790,15 +696,15 @@ class ResponseRun:
     async def _life(self, cached: CacheEntry | None, fork: bool) -> Outcome:
         engine, stages, request = self.engine, self.stages, self.request
         profile = engine.profile
-        engine._counts.responses += 1
-        engine._counts.responses_websocket += self.arrival.transport == "ws"
+        engine.counts.responses += 1
+        engine.counts.responses_websocket += self.arrival.transport == "ws"
         try:
             await stages.wait(Stage.NETWORK, profile.upload_s(self.arrival.body_bytes))
             stages.lap(Stage.PARSE)
-            self.resolved = await self.resolve(cached, fork=fork)
+            self.resolved = await resolve(engine, request, self.arrival, stages, cached, fork=fork)
         except ProtocolError as err:
             return Outcome(self.template, None, err)
-        self.turn = _Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
+        self.turn = Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
             # of the prompt (so the model's prefix cache holds it), no decode: `output: []`, zero usage.
@@ -809,7 +715,7 @@ class ResponseRun:
                     pass
             stages.lap(Stage.PREFILL)
             return await self._finish(self.stream.receive(SamplingFinished("stop")))
-        if not (self.arrival.routed and self._uses(Optimization.REUSE_ROUTING)):
+        if not (self.arrival.routed and engine.uses(self.arrival, Optimization.REUSE_ROUTING)):
             await stages.wait(Stage.ROUTING, profile.auth_s + profile.routing_s)
         await self.emit(self._started(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens))))
         if self.resolved.compaction is not None:
@@ -824,95 +730,7 @@ class ResponseRun:
             if self.pauses is not None:
                 engine.model.release(self.template.id)  # the held KV becomes ordinary, evictable prefix cache
 
-    # -- pre-inference -----------------------------------------------------------------------------
-
-    async def resolve(self, cached: CacheEntry | None, *, fork: bool = False) -> _Resolved:
-        """Load the previous turn's state, render what is not rendered yet, classify what
-        is not classified yet.
-
-        Lookup order (docs/protocol.md, docs/lanes.md): connection cache, then the store (only
-        `store:true` responses are there), else `previous_response_not_found`.
-        """
-        engine, request, stages = self.engine, self.request, self.stages
-        report = stages.report
-        prev = request.previous_response_id
-        hit = (
-            prev is not None
-            and cached is not None
-            and cached.response_id == prev
-            and self._uses(Optimization.STATE_CACHE)
-        )
-        report.connection_cache = "none" if prev is None else ("hit" if hit else "miss")
-        safety: ClassifierState | None = None
-        safety_chunks = 0
-        if hit:
-            assert cached is not None
-            if fork:  # the context is shared with another lane's continuation: take a copy of its items
-                context = Context()
-                context.extend(cached.context.items[: cached.n_items], cached.context.chunks[: cached.n_items])
-            else:
-                context = cached.context.prefix(cached.n_items)
-            stages.lap(Stage.LOAD_STATE)
-            if not self._uses(Optimization.TOKEN_CACHE):
-                items = context.items
-                context = Context()
-                context.extend(items, await engine._render(items, report))
-            same_preamble = cached.preamble.key == request.preamble_key
-            preamble = cached.preamble if same_preamble else render_preamble(request, engine.tokenizer)
-            if same_preamble and cached.safety is not None and self._uses(Optimization.INCREMENTAL_SAFETY):
-                safety, safety_chunks = cached.safety, min(cached.safety_chunks, len(context.chunks))
-        else:
-            context = Context()
-            if prev is not None:
-                items = await engine._load(prev)
-                await stages.wait(Stage.LOAD_STATE, engine.profile.state_load_s)
-                context.extend(items, await engine._render(items, report))
-            else:
-                stages.lap(Stage.LOAD_STATE)
-            preamble = render_preamble(request, engine.tokenizer)
-        new: Sequence[Item] = request.items
-        if any(item.view.type == COMPACTION_TYPE for item in new):
-            # A compaction item stands for every item before it but user messages (compaction.py).
-            new = prune(new, [item.view for item in new])
-            kept = [
-                (item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)
-            ]
-            context = Context()
-            context.extend([item for item, _ in kept], [chunk for _, chunk in kept])
-            safety, safety_chunks = None, 0
-        check_continuation(context, new)  # new items only, against the context's sets
-        context.extend(new, await engine._render(new, report))
-        header = len(generation_header(engine.tokenizer))
-        compaction = None
-        limit = self.compaction_limit()
-        prompt = len(preamble.tokens) + context.n_tokens + header
-        if (request.compact_now and request.generate) or (limit is not None and prompt > limit):
-            stages.lap(Stage.RENDER)
-            compaction, context = await self.compact(context, prompt)
-            safety, safety_chunks = None, 0  # the context is a new one: classified afresh
-            stages.lap(Stage.COMPACTION)
-        check_context_window(len(preamble.tokens) + context.n_tokens + header, engine.input_token_limit)
-        stages.lap(Stage.RENDER)
-        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * report.tokens_rendered)
-        if safety is None:
-            safety = engine.classifier.update(engine.classifier.begin(), preamble.tokens)
-            report.tokens_classified += len(preamble.tokens)
-        resolved = _Resolved(context, preamble, safety, safety_chunks, compaction)
-        await self._classify(resolved)
-        return resolved
-
     # -- compaction --------------------------------------------------------------------------------
-
-    def compaction_limit(self) -> int | None:
-        """The prompt size past which this response compacts (docs/compaction.md): the request's
-        `compact_threshold`, or the model's input limit when it gave none; None: never."""
-        threshold = self.request.compact_threshold
-        if threshold is None or not self.request.generate:
-            return None
-        return threshold or self.engine.input_token_limit
-
-    async def compact(self, context: Context, prompt_tokens: int) -> tuple[Compaction, Context]:
-        return await self.engine.compact_context(context, prompt_tokens, self.stages.report)
 
     async def _announce_compaction(self, compaction: Compaction) -> None:
         """The compaction's events and its modeled summarisation call, charged to `compaction`."""
@@ -924,21 +742,6 @@ class ResponseRun:
         await self.emit(stream.receive(CompactionDone(compaction.item)))
         # The item already stands in the context: what follows it in the output is new to it.
         self.in_context = self.turn.outputs_in_context = len(stream.output)
-
-    async def _classify(self, resolved: _Resolved) -> None:
-        """Run the classifier over the context chunks it has not read yet."""
-        engine, stages = self.engine, self.stages
-        chunks = resolved.context.chunks
-        before = stages.report.tokens_classified
-        state = resolved.safety
-        for chunk in chunks[resolved.safety_chunks :]:
-            state = engine.classifier.update(state, chunk)
-            stages.report.tokens_classified += len(chunk)
-        resolved.safety, resolved.safety_chunks = state, len(chunks)
-        n = stages.report.tokens_classified - before
-        engine._counts.tokens_classified += n
-        stages.lap(Stage.SAFETY)
-        await stages.wait(Stage.SAFETY, engine.profile.safety_call_s + engine.profile.safety_s_per_token * n)
 
     # -- model segments and pauses -----------------------------------------------------------------
 
@@ -1059,12 +862,12 @@ class ResponseRun:
         stream.response = structs.replace(stream.response, longrun=stages.end_segment())
         pause = stream.receive(Pause())
         await self.emit(self._drain() + pause if self.inbox.acks else pause)
-        engine._counts.pauses += 1
+        engine.counts.pauses += 1
         paused_at = engine.clock.now()
         await pauses.paused(required)
         decision = await self._decision()
         # The response's KV stays resident while the client runs its tools.
-        engine._counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
+        engine.counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
         if isinstance(decision, Aborted):
             stages.new_segment(engine.clock.now())
             return await self._finish(stream.end_incomplete(decision.reason))
@@ -1089,40 +892,15 @@ class ResponseRun:
         return None
 
     async def _take_input(self, items: Sequence[Item]) -> Compaction | Outcome | None:
-        """Items that join a running response's context (a resume's, or those injected while
-        the model decoded): rendered, compacted past the threshold, checked against the input
-        limit, validated and classified. The compaction to announce (or None); an `Outcome`
-        when the prompt outgrew the input limit and the response failed without sampling."""
-        engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
-        before = stages.report.tokens_rendered
-        await turn.add_input(items, stages.report)
-        stages.lap(Stage.RENDER)
-        limit = self.compaction_limit()
-        compaction = None
-        if limit is not None and turn.prompt_tokens > limit:
-            compaction = await self._compact_paused()
-        if engine.input_token_limit is not None and turn.prompt_tokens > engine.input_token_limit:
-            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)  # never sampled
-            await self.emit(failed + self._drain())
+        """Items that join the running response's context (`prepare.take_input`): the compaction
+        to announce (or None); an `Outcome` when the prompt outgrew the input limit and the
+        response failed without sampling."""
+        try:
+            return await take_input(self.engine, self.request, self.stages, self.turn, items)
+        except ProtocolError:  # the one it raises, context_length_exceeded: never sampled
+            stream = self.stream
+            await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE) + self._drain())
             return Outcome(stream.response, None)
-        await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * (stages.report.tokens_rendered - before))
-        await self._classify(self.resolved)
-        return compaction
-
-    async def _compact_paused(self) -> Compaction:
-        """Append mode: the resumed prompt is past the threshold. The context becomes the
-        compacted one, so the KV held for the dropped history no longer stands for the
-        prompt: it is released, and the next segment prefills the compacted prompt."""
-        engine, turn, resolved = self.engine, self.turn, self.resolved
-        compaction, resolved.context = await self.compact(resolved.context, turn.prompt_tokens)
-        resolved.safety = engine.classifier.update(engine.classifier.begin(), resolved.preamble.tokens)
-        resolved.safety_chunks = 0  # the new context is classified afresh
-        self.stages.report.tokens_classified += len(resolved.preamble.tokens)
-        engine.model.release(self.template.id)
-        turn.held_tokens = 0
-        turn.prompt_tokens = turn.count()
-        self.stages.lap(Stage.COMPACTION)
-        return compaction
 
     async def _decision(self) -> Resumed | Aborted:
         """The core's decision for the paused response (go on with the appended items, or end
@@ -1160,7 +938,7 @@ class ResponseRun:
         it is acknowledged at): the model's generator is closed there, so no later token is
         decoded."""
         stream, stages, emit = self.stream, self.stages, self.emit
-        self.engine._counts.model_calls += 1
+        self.engine.counts.model_calls += 1
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
@@ -1204,69 +982,16 @@ class ResponseRun:
     # -- post-inference ----------------------------------------------------------------------------
 
     async def _finish(self, events: list[ServerEvent], owed: tuple[RequiredInput, ...] = ()) -> Outcome:
-        """Post-inference, once per response: billing, persist the final Response, then the terminal
-        event (beta: then `response.steer.pending` for each queued steer if it ended owing calls)."""
-        engine, stream, stages, request, resolved = self.engine, self.stream, self.stages, self.request, self.resolved
-        billing = engine.profile.billing_s
-        if self._uses(Optimization.ASYNC_BILLING):
-            stages.report.overlapped_s += billing  # overlapped with the client's next request
-        else:
-            await stages.wait(Stage.POST, billing)
-        context = resolved.context
-        if request.store:
-            record = StoredResponse(
-                response=stream.response, context=context.raw_items(), output_in_context=self.in_context
-            )
-            engine._counts.store_writes += 1
-            try:
-                with store_errors(f"storing {stream.response.id}"):
-                    await engine.store.put(stream.response.id, encode(record))
-            except ProtocolError as err:
-                return await self._unstored(events, err)
-        stages.lap(Stage.POST)
-        outputs = [item_from_output(o) for o in _in_context(stream.response.output[self.in_context :])]
-        context.extend(outputs, await engine._render(outputs))
-        stages.lap(Stage.RENDER)  # the output, rendered for the next turn's cache
-        # The terminal event carries the timings (the stored copy does not: it was written before them).
-        report = stages.end_segment()
-        for stage, seconds in report.stages_s.items():
-            engine.histograms[stage].observe(seconds)
-        response = stream.response = structs.replace(stream.response, longrun=report)
-        events[-1] = structs.replace(events[-1], response=response)
-        entry = CacheEntry(
-            response,
-            context,
-            len(context.items),
-            resolved.preamble,
-            request.store,
-            resolved.safety,
-            resolved.safety_chunks,
+        """Post-inference, once per response (`finish.finish`: billing, the store write), then the
+        terminal event, what was acknowledged meanwhile (numbered after it: see stream.py), and
+        (beta) `response.steer.pending` for each queued steer if it completed owing calls."""
+        outcome = await finish(
+            self.engine, self.request, self.arrival, self.stages, self.stream, self.resolved, self.in_context, events
         )
-        events.extend(self._drain())  # numbered after the terminal event: see stream.py
-        if owed and self.inbox.steers and response.status == "completed":
-            for steer in self.inbox.steers:
-                events.extend(stream.receive(SteerPending(steer, owed)))
-        else:
-            owed = owed if response.status == "completed" else ()
-        await self.emit(events)
-        return Outcome(response, entry, owed=owed)
-
-    async def _unstored(self, events: list[ServerEvent], err: ProtocolError) -> Outcome:
-        """The store write failed: the terminal event, not sent yet, becomes `response.failed`
-        at the same sequence number, so nothing claims a stored response. `Response.error.code`
-        is a closed set in the API reference: `server_error`, with the store's message; HTTP
-        without streaming answers `err` itself (503 `store_unavailable`)."""
-        stream = self.stream
-        failed = stream.response = structs.replace(
-            stream.response,
-            status="failed",
-            error=ResponseError(code="server_error", message=err.message),
-            incomplete_details=None,
-            completed_at=None,
-        )
-        terminal = events[-1]
-        assert isinstance(terminal, ResponseCompleted | ResponseIncomplete)
-        events[-1] = ResponseFailed(sequence_number=terminal.sequence_number, response=failed)
         events.extend(self._drain())
+        if owed and outcome.ok and outcome.response.status == "completed":
+            for steer in self.inbox.steers:
+                events.extend(self.stream.receive(SteerPending(steer, owed)))
+            outcome = dataclasses.replace(outcome, owed=owed)
         await self.emit(events)
-        return Outcome(failed, None, failure=err)
+        return outcome

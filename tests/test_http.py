@@ -165,7 +165,7 @@ async def test_rebuild_keeps_function_calls_outputs_and_roles(live: Live) -> Non
         live, {"model": "sim", "input": [fco], "previous_response_id": first["id"], "tools": [EXEC_TOOL]}
     )
     engine = live.app[ENGINE]
-    items = await engine._load(second["id"])  # what a third turn would continue from
+    items = await engine.load(second["id"])  # what a third turn would continue from
     kinds = [(i.view.type, i.view.role) for i in items]
     assert kinds == [
         ("message", "developer"),
