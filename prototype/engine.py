@@ -41,8 +41,8 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
-from typing import Final, Literal, Protocol
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 from msgspec import Raw, structs
 
@@ -50,6 +50,7 @@ from . import metrics
 from .cache import STORE_UNAVAILABLE, CacheEntry
 from .clock import Clock
 from .compaction import Compaction, encode_payload, is_kept, prune, summary_text
+from .config import STEER_BOUNDARIES, SteerBoundary
 from .contract import CONTEXT_LENGTH_MESSAGE, check_compact_params, check_context_window
 from .conversation import (
     Context,
@@ -96,6 +97,7 @@ from .schemas import (
     encode,
     is_null,
 )
+from .services import Arrival, Counts, Stages
 from .store import ResponseStore, StoreUnavailable
 from .stream import (
     DIALECTS,
@@ -127,10 +129,8 @@ __all__ = [
     "Outcome",
     "ResponseRun",
     "Resumed",
-    "STEER_BOUNDARIES",
     "STORE_UNAVAILABLE",
     "Stages",
-    "SteerBoundary",
     "store_errors",
 ]
 
@@ -140,8 +140,6 @@ Emit = Callable[[list[ServerEvent]], Awaitable[None]]
 # Texts at least this long are tokenized off the event loop when the engine has a render
 # executor: ≈ 0.4 ms of BPE here, against ≈ 90 µs for the hop to a thread and back (uvloop).
 OFFLOAD_CHARS: Final = 8_192
-SteerBoundary = Literal["item", "token"]
-STEER_BOUNDARIES: Final[tuple[SteerBoundary, ...]] = ("item", "token")
 
 
 class RenderedItems(Protocol):
@@ -154,16 +152,6 @@ class RenderedItems(Protocol):
 
 def _encode_all(tokenizer: Tokenizer, texts: Sequence[str]) -> list[TokenArray]:
     return [tokenizer.encode(text) for text in texts]
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """How a request reached the engine: when, how big, and over what."""
-
-    at: float  # clock time the request (or append frame) arrived
-    body_bytes: int = 0
-    transport: Literal["http", "ws"] = "http"
-    routed: bool = False  # auth and routing already done on this connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,21 +262,6 @@ class EngineStatistics:
     responses_websocket: int = 0  # of `responses`, those created over a WebSocket
 
 
-@dataclass(slots=True)
-class _Counts:
-    responses: int = 0
-    responses_websocket: int = 0  # of `responses`, those created over a WebSocket
-    model_calls: int = 0
-    items_rendered: int = 0
-    tokens_rendered: int = 0
-    tokens_classified: int = 0
-    pauses: int = 0
-    kv_idle_token_s: float = 0.0
-    store_writes: int = 0
-    stage_s: dict[str, float] = field(default_factory=dict)
-    compactions: int = 0
-
-
 @contextlib.contextmanager
 def store_errors(what: str) -> Iterator[None]:
     """The one mapping of a store outage to the wire: `StoreUnavailable` becomes
@@ -298,43 +271,6 @@ def store_errors(what: str) -> Iterator[None]:
     except StoreUnavailable:
         log.exception("store unavailable while %s", what)
         raise STORE_UNAVAILABLE from None
-
-
-class Stages:
-    """Times one response's stages on the clock into a `StageReport`."""
-
-    def __init__(self, clock: Clock, counts: _Counts, arrival_at: float) -> None:
-        self.clock = clock
-        self.counts = counts
-        self.report = StageReport()
-        self.segment_start = arrival_at
-        self.mark = arrival_at  # end of the last timed stage
-
-    def add(self, stage: Stage, seconds: float) -> None:
-        stages = self.report.stages_s
-        stages[stage] = stages.get(stage, 0.0) + seconds
-        self.counts.stage_s[stage] = self.counts.stage_s.get(stage, 0.0) + seconds
-
-    def lap(self, stage: Stage) -> None:
-        """Charge the time since the last mark to `stage` (real work just done)."""
-        now = self.clock.now()
-        self.add(stage, now - self.mark)
-        self.mark = now
-
-    async def wait(self, stage: Stage, seconds: float) -> None:
-        """A modeled wait: the named stage awaits the clock, then is charged as measured."""
-        if seconds > 0:
-            await self.clock.sleep_until(self.clock.now() + seconds)
-        self.lap(stage)
-
-    def end_segment(self) -> StageReport:
-        now = self.clock.now()
-        self.report.server_s += now - self.segment_start
-        return self.report
-
-    def new_segment(self, arrival_at: float) -> None:
-        self.segment_start = arrival_at
-        self.mark = arrival_at
 
 
 class Engine:
@@ -378,7 +314,7 @@ class Engine:
         if steer_boundary not in STEER_BOUNDARIES:
             raise ValueError(f"steer_boundary must be one of {STEER_BOUNDARIES}, not {steer_boundary!r}")
         self.steer_boundary = steer_boundary
-        self.counts = _Counts()
+        self.counts = Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 
     # -- the Response object -----------------------------------------------------------------------

@@ -7,15 +7,14 @@ The store write happens *before* the terminal event is sent, so a continuation s
 `response.failed` at the same sequence number.
 
 `finish` is a plain function the run (`engine.ResponseRun`) calls with what it owns; the run
-then numbers what was acknowledged meanwhile and sends the events. engine.py imports this
-module, so the engine's types are named here for the type checker only.
+then numbers what was acknowledged meanwhile and sends the events. It reaches the engine's
+services through `services.Services`, so it does not import the engine that imports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from msgspec import structs
 
@@ -36,10 +35,8 @@ from .schemas import (
     StoredResponse,
     encode,
 )
+from .services import Arrival, Services, Stages
 from .stream import ResponseStream
-
-if TYPE_CHECKING:
-    from .engine import Arrival, Engine, Stages
 
 __all__ = ["Outcome", "finish", "outputs_in_context"]
 
@@ -64,7 +61,7 @@ def outputs_in_context(outputs: Sequence[OutputItem]) -> list[OutputItem]:
 
 
 async def finish(
-    engine: Engine,
+    engine: Services,
     request: CreateRequest,
     arrival: Arrival,
     stages: Stages,

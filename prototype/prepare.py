@@ -7,16 +7,15 @@ async tools) and `take_input` adds a resume's items to it with the same checks.
 
 These are plain functions and a value the run (`engine.ResponseRun`) calls and holds: the run
 owns the response's state (its stream, its stage timer, its inbox) and the events; nothing here
-emits an event or keeps state of its own. The `Engine` lends the shared services (renderer,
-classifier, store, clock) and counters. engine.py imports this module, so the engine's types are
-named here for the type checker only.
+emits an event or keeps state of its own. The engine lends its shared services (renderer,
+classifier, store, clock) and counters, typed as `services.Services`, so this module does not
+import the engine that imports it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from .cache import CacheEntry
 from .compaction import COMPACTION_TYPE, Compaction, is_kept, prune
@@ -35,9 +34,7 @@ from .model import ModelRequest
 from .pipeline import Optimization, Stage
 from .safety import ClassifierState
 from .schemas import OutputItem, StageReport
-
-if TYPE_CHECKING:
-    from .engine import Arrival, Engine, Stages
+from .services import Arrival, Services, Stages
 
 __all__ = ["Resolved", "Turn", "classify", "compaction_limit", "resolve", "take_input"]
 
@@ -56,7 +53,7 @@ class Turn:
     with how much of it the model holds for this response (its KV kept across pauses)."""
 
     def __init__(
-        self, engine: Engine, request: CreateRequest, resolved: Resolved, conversation_id: str, *, hold_kv: bool
+        self, engine: Services, request: CreateRequest, resolved: Resolved, conversation_id: str, *, hold_kv: bool
     ) -> None:
         self.engine = engine
         self.request = request
@@ -119,7 +116,7 @@ class Turn:
 
 
 async def resolve(
-    engine: Engine,
+    engine: Services,
     request: CreateRequest,
     arrival: Arrival,
     stages: Stages,
@@ -202,7 +199,7 @@ async def resolve(
     return resolved
 
 
-def compaction_limit(engine: Engine, request: CreateRequest) -> int | None:
+def compaction_limit(engine: Services, request: CreateRequest) -> int | None:
     """The prompt size past which a response compacts (docs/compaction.md): the request's
     `compact_threshold`, or the model's input limit when it gave none; None: never."""
     threshold = request.compact_threshold
@@ -211,7 +208,7 @@ def compaction_limit(engine: Engine, request: CreateRequest) -> int | None:
     return threshold or engine.input_token_limit
 
 
-async def classify(engine: Engine, stages: Stages, resolved: Resolved) -> None:
+async def classify(engine: Services, stages: Stages, resolved: Resolved) -> None:
     """Run the classifier over the context chunks it has not read yet."""
     chunks = resolved.context.chunks
     before = stages.report.tokens_classified
@@ -227,7 +224,7 @@ async def classify(engine: Engine, stages: Stages, resolved: Resolved) -> None:
 
 
 async def take_input(
-    engine: Engine, request: CreateRequest, stages: Stages, turn: Turn, items: Sequence[Item]
+    engine: Services, request: CreateRequest, stages: Stages, turn: Turn, items: Sequence[Item]
 ) -> Compaction | None:
     """Items that join a running response's context (a resume's, or those injected while the
     model decoded): rendered, compacted past the threshold, checked against the input limit,
@@ -247,7 +244,7 @@ async def take_input(
     return compaction
 
 
-async def _compact_resumed(engine: Engine, stages: Stages, turn: Turn) -> Compaction:
+async def _compact_resumed(engine: Services, stages: Stages, turn: Turn) -> Compaction:
     """The resumed prompt is past the threshold. The context becomes the compacted one, so
     the KV held for the dropped history no longer stands for the prompt: it is released, and
     the next segment prefills the compacted prompt."""

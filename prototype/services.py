@@ -1,0 +1,114 @@
+"""What a response's life is handed by the engine, typed without the engine.
+
+`Arrival` (how a request came in), `Stages` (the stage clock of one response, charging the
+engine's `Counts`) and `Services`, the engine's shared services as a protocol: what the run's
+preparation (prepare.py) and finish (finish.py) may call. The engine (engine.py) implements
+`Services`; those modules import this one, not the engine, so the engine can import them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from .clock import Clock
+from .compaction import Compaction
+from .conversation import Context, Item
+from .metrics import Histogram
+from .model import TokenModel
+from .pipeline import CostProfile, Optimization, Stage, StageReport
+from .safety import SafetyClassifier
+from .tokenizer import TokenArray, Tokenizer
+
+__all__ = ["Arrival", "Counts", "Services", "Stages"]
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """How a request reached the engine: when, how big, and over what."""
+
+    at: float  # clock time the request (or append frame) arrived
+    body_bytes: int = 0
+    transport: Literal["http", "ws"] = "http"
+    routed: bool = False  # auth and routing already done on this connection
+
+
+@dataclass(slots=True)
+class Counts:
+    """What the engine counts across responses (`EngineStatistics` is their published form)."""
+
+    responses: int = 0
+    responses_websocket: int = 0  # of `responses`, those created over a WebSocket
+    model_calls: int = 0
+    items_rendered: int = 0
+    tokens_rendered: int = 0
+    tokens_classified: int = 0
+    pauses: int = 0
+    kv_idle_token_s: float = 0.0
+    store_writes: int = 0
+    stage_s: dict[str, float] = field(default_factory=dict)
+    compactions: int = 0
+
+
+class Stages:
+    """Times one response's stages on the clock into a `StageReport`."""
+
+    def __init__(self, clock: Clock, counts: Counts, arrival_at: float) -> None:
+        self.clock = clock
+        self.counts = counts
+        self.report = StageReport()
+        self.segment_start = arrival_at
+        self.mark = arrival_at  # end of the last timed stage
+
+    def add(self, stage: Stage, seconds: float) -> None:
+        stages = self.report.stages_s
+        stages[stage] = stages.get(stage, 0.0) + seconds
+        self.counts.stage_s[stage] = self.counts.stage_s.get(stage, 0.0) + seconds
+
+    def lap(self, stage: Stage) -> None:
+        """Charge the time since the last mark to `stage` (real work just done)."""
+        now = self.clock.now()
+        self.add(stage, now - self.mark)
+        self.mark = now
+
+    async def wait(self, stage: Stage, seconds: float) -> None:
+        """A modeled wait: the named stage awaits the clock, then is charged as measured."""
+        if seconds > 0:
+            await self.clock.sleep_until(self.clock.now() + seconds)
+        self.lap(stage)
+
+    def end_segment(self) -> StageReport:
+        now = self.clock.now()
+        self.report.server_s += now - self.segment_start
+        return self.report
+
+    def new_segment(self, arrival_at: float) -> None:
+        self.segment_start = arrival_at
+        self.mark = arrival_at
+
+
+class Services(Protocol):
+    """The engine's shared services and counters, as a response's life uses them."""
+
+    model: TokenModel
+    tokenizer: Tokenizer
+    classifier: SafetyClassifier
+    profile: CostProfile
+    counts: Counts
+    histograms: dict[str, Histogram]
+    context_window: int | None
+    input_token_limit: int | None
+    output_token_limit: int | None
+
+    def uses(self, arrival: Arrival, optimization: Optimization) -> bool: ...
+
+    async def render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]: ...
+
+    async def load(self, response_id: str) -> list[Item]: ...
+
+    async def compact_context(
+        self, context: Context, prompt_tokens: int, report: StageReport
+    ) -> tuple[Compaction, Context]: ...
+
+    async def put_stored(self, response_id: str, data: bytes) -> None: ...
