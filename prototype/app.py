@@ -27,11 +27,8 @@ from .config import ServerConfig
 from .conversation import ItemParser, parse_items
 from .engine import Engine, RenderedItems
 from .errors import (
-    IN_STREAM_CODES,
     INTERNAL_ERROR,
     ProtocolError,
-    http_error_body,
-    sse_error_events,
 )
 from .ids import IdFactory
 from .model import TokenModel
@@ -43,10 +40,11 @@ from .session import (
     MULTI_AGENT_BETA,
     TOKEN_DELTAS,
     BatchedFrames,
+    HTTPExchange,
+    JSONReply,
     TextSender,
     WebSocketSession,
     http_compact,
-    http_create,
     request_too_large,
 )
 from .sse import DONE_FRAME, SSE_HEADERS, encode_event
@@ -207,7 +205,11 @@ async def _close_store(app: web.Application) -> None:
 
 
 def _json_error(err: ProtocolError) -> web.Response:
-    return web.Response(status=err.status, body=http_error_body(err), content_type="application/json")
+    return _json_reply(JSONReply.error(err))
+
+
+def _json_reply(reply: JSONReply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, content_type="application/json")
 
 
 @web.middleware
@@ -250,20 +252,17 @@ async def prometheus_metrics(request: web.Request) -> web.Response:
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
+    """Carries one `HTTPExchange` (session.py decides what goes back); this only moves bytes."""
     engine, config = request.app[ENGINE], request.app[CONFIG]
     try:
         body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return _json_error(request_too_large(config.max_message_bytes))
-    # ProtocolError → middleware → JSON error body
-    params, create, arrival = http_create(body, engine, config)
-    if not params.stream:
-        outcome = await engine.run(create, None, _discard, arrival=arrival)
-        if outcome.error is not None:
-            return _json_error(outcome.error)
-        if outcome.response.status == "failed":
-            return _json_error(outcome.failure or INTERNAL_ERROR)
-        return web.Response(body=encode(outcome.response), content_type="application/json")
+    exchange = HTTPExchange(body, engine, config)  # ProtocolError → middleware → JSON error body
+    if not exchange.stream:
+        reply = await exchange.run()
+        assert reply is not None
+        return _json_reply(reply)
 
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     writer: BatchedSSE | None = None
@@ -277,14 +276,12 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         await writer.send(data, urgent=not events or type(events[-1]) not in TOKEN_DELTAS)
 
     try:
-        outcome = await engine.run(create, None, emit, arrival=arrival)
-        if outcome.error is not None and outcome.error.code in IN_STREAM_CODES:
-            await emit(sse_error_events(outcome.response, outcome.error))  # as the real API: inside the stream
-        elif outcome.error is not None:  # other request errors come before the first event: a plain JSON error
-            return _json_error(outcome.error)
+        reply = await exchange.run(emit)
+        if reply is not None:
+            return _json_reply(reply)
         if writer is not None:
             await writer.flush()
-        if request.app[CONFIG].sse_done:
+        if exchange.done_frame:
             await resp.write(DONE_FRAME)
         await resp.write_eof()
     except ConnectionResetError:
@@ -305,10 +302,6 @@ async def compact_response(request: web.Request) -> web.Response:
     params, arrival = http_compact(body, engine, config)
     compacted = await engine.compact(params, arrival)
     return web.Response(body=encode(compacted), content_type="application/json")
-
-
-async def _discard(events: list[ServerEvent]) -> None:
-    return None
 
 
 async def get_response(request: web.Request) -> web.Response:

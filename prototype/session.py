@@ -4,8 +4,8 @@
 engine: it reads text frames from a `SessionSocket`, feeds them to the core, and carries
 out the core's outputs (frames to write, responses to start, resume, abort or cancel,
 pause timers, a close). The live server (`app.py`, over aiohttp) and the in-process
-transport (`sim.inprocess`, without sockets) both drive this one class. `http_create` is
-the one parse of a `POST /v1/responses` body for both of them.
+transport (`sim.inprocess`, without sockets) both drive this one class. `HTTPExchange` is the
+one plan of a `POST /v1/responses` for both of them: its parse, its run, and what goes back.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Final, Protocol, TypeVar
 
 import msgspec
@@ -24,7 +25,7 @@ from .connection import Connection
 from .contract import from_validation_error
 from .conversation import CreateRequest, Item, ToolCache, normalize_create
 from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
-from .errors import INTERNAL_ERROR, ProtocolError
+from .errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
 from .pipeline import Optimization
 from .schemas import (
     CompactParams,
@@ -64,6 +65,8 @@ __all__ = [
     "TextSender",
     "WebSocketSession",
     "http_compact",
+    "HTTPExchange",
+    "JSONReply",
     "http_create",
     "request_too_large",
 ]
@@ -117,6 +120,56 @@ def http_create(
         params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser, open_responses=config.open_responses
     )
     return params, create, arrival
+
+
+@dataclass(frozen=True, slots=True)
+class JSONReply:
+    """A whole HTTP reply with a JSON body: a response object, or an error."""
+
+    status: int
+    body: bytes
+
+    @classmethod
+    def error(cls, err: ProtocolError) -> JSONReply:
+        return cls(err.status, http_error_body(err))
+
+
+async def _discard(events: list[ServerEvent]) -> None:
+    return None
+
+
+class HTTPExchange:
+    """One `POST /v1/responses`, planned once for every way it is carried: the live server's
+    aiohttp handler and the in-process transport both construct one and drive `run`, so they
+    answer alike on every path, errors included (docs/protocol.md#errors).
+
+    Constructing it parses and validates the body (raising the `ProtocolError` to answer with
+    as a JSON error). `run(emit)`: a streaming create sends its events to `emit` and returns
+    None once the stream is whole (the caller ends it, with `data: [DONE]` when `done_frame`),
+    or a `JSONReply` when the request failed before its first event; a non-streaming create
+    returns its `JSONReply` (the response, or the error), its events discarded. An error the real
+    API reports inside a stream it began (`IN_STREAM_CODES`) goes to `emit` as that stream's
+    `error` event."""
+
+    def __init__(self, body: bytes, engine: Engine, config: ServerConfig, *, tool_cache: ToolCache | None = None):
+        self.engine = engine
+        self.params, self.create, self.arrival = http_create(body, engine, config, tool_cache=tool_cache)
+        self.stream = bool(self.params.stream)
+        self.done_frame = config.sse_done
+
+    async def run(self, emit: Emit = _discard) -> JSONReply | None:
+        outcome = await self.engine.run(self.create, None, emit if self.stream else _discard, arrival=self.arrival)
+        if not self.stream:
+            if outcome.error is not None:
+                return JSONReply.error(outcome.error)
+            if outcome.response.status == "failed":
+                return JSONReply.error(outcome.failure or INTERNAL_ERROR)
+            return JSONReply(200, encode(outcome.response))
+        if outcome.error is not None and outcome.error.code in IN_STREAM_CODES:
+            await emit(sse_error_events(outcome.response, outcome.error))  # as the real API: inside the stream
+        elif outcome.error is not None:  # other request errors come before the first event: a plain JSON error
+            return JSONReply.error(outcome.error)
+        return None
 
 
 def http_compact(body: bytes, engine: Engine, config: ServerConfig) -> tuple[CompactParams, Arrival]:

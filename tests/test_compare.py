@@ -289,3 +289,84 @@ def test_the_cli_bar_of_points_is_drawn_only_on_a_terminal(
         for done in (1, 2, 3):
             on_point(done, 3)
     assert ("3/3" in stderr.getvalue(), "\r" in stderr.getvalue()) == (drawn, drawn)
+
+
+# -- the server under test, whole -------------------------------------------------------------------
+
+# A value other than the default for every leaf of `ServerConfig`: a field added to the tree fails
+# `test_a_virtual_comparison_hands_the_server_every_field` until it is listed here.
+NOT_DEFAULT: dict[str, object] = {
+    "api_key": "sk-other",
+    "profile": "local",
+    "disable": ("reuse_routing",),
+    "open_responses": True,
+    "sse_done": True,
+    "max_message_bytes": 1 << 20,
+    "render_threads": 0,
+    "steer_boundary": "token",
+    "lifetime_s": 600.0,
+    "append_timeout_s": 30.0,
+    "reject_concurrent": True,
+    "refuse": True,
+    "max_queued": 3,
+    "max_cache_bytes": None,
+    "max_in_flight": 4,
+    "max_named_lanes": 5,
+    "max_connections": 7,
+    "context_window": 9_000,
+    "max_output_tokens": None,
+}
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_virtual_comparison_hands_the_server_every_field(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `ServerConfig` field set on a `CompareConfig` (by leaf name, or by its flag on the
+    command line) reaches the in-process server's engine and sessions as it is."""
+    from prototype.config import ServerConfig
+    from prototype.options import flag_of, leaves
+    from prototype.pipeline import PROFILES
+    from sim.__main__ import build_parser, config_from
+    from sim.harness import experiment
+
+    assert set(NOT_DEFAULT) == {field.name for _, field in leaves(ServerConfig)}
+    seen: list[object] = []
+
+    class Recording(experiment.InProcessServer):  # type: ignore[misc]
+        def client(self, mode: object, clock: object) -> object:
+            seen.append((self.config, self.engine))
+            raise _Stop
+
+    monkeypatch.setattr(experiment, "InProcessServer", Recording)
+    config = CompareConfig.of(rollouts=1, tool_calls=1, tps=0, modes=("ws",), **NOT_DEFAULT)
+    argv = ["compare"]
+    for _, field in leaves(ServerConfig):
+        value = NOT_DEFAULT[field.name]
+        if isinstance(value, bool):
+            argv.append(flag_of(field))
+        else:
+            text = ",".join(value) if isinstance(value, tuple) else "none" if value is None else str(value)
+            argv += [flag_of(field), text]
+    assert config_from(build_parser().parse_args(argv)).server == config.server
+    with pytest.raises(_Stop):
+        run(config, virtual=True, free_cpu=True)
+    ((server, engine),) = seen
+    assert server == msgspec.structs.replace(config.server, profile=PROFILES["local"])
+    assert config.server != ServerConfig(profile="hosted")
+    assert (engine.context_window, engine.output_token_limit, engine.steer_boundary) == (9_000, None, "token")
+    assert engine.profile == PROFILES["local"]
+
+
+def test_a_virtual_comparison_obeys_the_servers_cache_budget() -> None:
+    """`max_cache_bytes` of the nested server config, in a virtual run: with no room for an entry,
+    a WebSocket continuation (`store: false`) misses the connection cache and, as on the real API,
+    gets `previous_response_not_found`."""
+    from sim.harness.client import ClientError
+
+    base = CompareConfig.of(rollouts=1, tool_calls=3, tps=0, profile="local", modes=("ws",), system_prompt_tokens=300)
+    roomy = {s.mode: s for s in run(base, virtual=True, free_cpu=True).summary}["ws"]
+    assert roomy.connection_cache_hit_rate == 1.0
+    with pytest.raises(ClientError, match="previous_response_not_found"):
+        run(base.updated(max_cache_bytes=0), virtual=True, free_cpu=True)

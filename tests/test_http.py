@@ -9,12 +9,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prototype.app import ENGINE
-from prototype.config import ServerConfig
+from prototype.app import ENGINE, make_engine
+from prototype.config import ModelLimits, ServerConfig
 from prototype.conversation import Context, parse_items, render_items
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
+from prototype.wallclock import AsyncioClock
+from sim.harness.client import ClientError, open_client
+from sim.model.config import ModelConfig, build_model
 from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.runtime.inprocess import InProcessServer
 
 from .support import EXEC_TOOL, Live, live_server
 
@@ -303,3 +307,52 @@ def test_the_full_history_client_resends_the_items_json_as_first_encoded() -> No
     new = [{"type": "function_call_output", "call_id": "c1", "output": "a\nb"}]
     settings = {"model": "m", "tools": []}
     assert client.body(new, settings) == encode({**settings, "input": [*sent, *output, *new], "stream": True})
+
+
+# -- one exchange, carried live and in process ---------------------------------------------------------
+
+
+async def _carried(client: Any, body: dict[str, Any]) -> tuple[list[str], tuple[int, Any] | None]:
+    """The event types a client's transport yields for one request, and its error, if any."""
+    seen: list[str] = []
+    try:
+        async for event in client._exchange(json.dumps({**body, "stream": True}).encode()):
+            seen.append(event.__struct_config__.tag)
+    except ClientError as err:
+        return seen, (err.status, err.body)
+    finally:
+        await client.close()
+    return seen, None
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"input": " word" * 2_100},  # past the window: refused inside the stream it began
+        {"input": "hi", "previous_response_id": "resp_missing"},  # refused before the stream
+        {"input": "hi", "temperature": 9},  # refused by the contract, before the stream
+        {"input": "hi"},  # served
+    ],
+    ids=["in-stream error", "unknown previous response", "bad parameter", "served"],
+)
+async def test_live_and_in_process_http_answer_alike(case: dict[str, Any]) -> None:
+    """`HTTPExchange` decides what a `POST /v1/responses` gets back, and the aiohttp handler and
+    the in-process transport only carry it: the same events and the same error on every path."""
+    config = ServerConfig(model=ModelLimits(context_window=3_000, max_output_tokens=1_000))
+    policy = ScriptPolicy([PlannedItem("message", "", " word" * 20)])
+    body = {"model": "sim", **case}
+    async with live_server(policy=policy, config=config) as live:
+        over_socket = await _carried(open_client("http", live.base_url, AsyncioClock()), body)
+    clock = AsyncioClock()
+    model = build_model(ModelConfig(tps=0), clock=clock, policy=policy)
+    engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=0)
+    in_process = await _carried(InProcessServer(engine, config).client("http", clock), body)
+    assert in_process == over_socket
+    types, error = over_socket
+    if "temperature" in case or "previous_response_id" in case:  # a JSON 400 instead of a stream
+        code = "previous_response_not_found" if "previous_response_id" in case else "decimal_above_max_value"
+        assert types == [] and error is not None and (error[0], error[1]["error"]["code"]) == (400, code)
+    elif len(case["input"]) > 100:
+        assert types == ["response.created", "response.in_progress", "error"] and error is None
+    else:
+        assert types[-1] == "response.completed" and error is None

@@ -253,3 +253,17 @@ def test_this_python_has_the_private_loop_state_the_virtual_loop_reads() -> None
         assert isinstance(loop._scheduled, list)  # type: ignore[attr-defined]
     finally:
         loop.close()
+
+
+MAX_CLASS_LINES = 400  # h11's `Connection` is about 500 lines; a class past this owns too much
+
+
+@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: p.name)
+def test_no_class_in_prototype_is_over_400_lines(path: Path) -> None:
+    tree = ast.parse(path.read_text(), str(path))
+    sizes = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+    }
+    assert not {name: n for name, n in sizes.items() if n > MAX_CLASS_LINES}, sizes

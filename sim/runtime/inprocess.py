@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Generic, Literal, TypeVar
 
 import aiohttp
+import msgspec
 from aiohttp import WSMsgType
 
 from prototype.clock import Clock
@@ -29,7 +30,7 @@ from prototype.conversation import ToolCache
 from prototype.engine import Engine
 from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
-from prototype.session import WebSocketSession, http_create
+from prototype.session import HTTPExchange, JSONReply, WebSocketSession
 from prototype.sse import SSEDecoder, encode_event
 from sim.harness.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
@@ -163,6 +164,12 @@ class _ClientSocket:
             await self.session_task
 
 
+def _reply_error(reply: JSONReply) -> ClientError:
+    """What the measuring client raises for a JSON reply on a socket (`sim.harness.client`: the
+    status and the decoded body). The client always streams, so a reply here is an error."""
+    return ClientError(reply.status, msgspec.json.decode(reply.body))
+
+
 class _InProcessHTTP(HTTPClient):
     def __init__(self, server: InProcessServer, clock: Clock, *, chained: bool) -> None:
         super().__init__("inprocess://", clock, chained=chained)
@@ -178,10 +185,10 @@ class _InProcessHTTP(HTTPClient):
         charges = self.charges
         if charges is not None:  # the request's way to the handler, before the server reads the body
             charges.charge(charges.costs.http_request, charges.costs.http_request_after_wait)
-        try:  # the live server's own parse of a body (prototype.session)
-            _, create, arrival = http_create(data, engine, self.server.config, tool_cache=self.server.tool_cache)
+        try:  # the live server's own exchange (prototype.session): the same answer on every path
+            exchange = HTTPExchange(data, engine, self.server.config, tool_cache=self.server.tool_cache)
         except ProtocolError as err:
-            raise ClientError(err.status, err.body()) from None
+            raise _reply_error(JSONReply.error(err)) from None
         queue: _Channel[ServerEvent | None] = _Channel()
         # With CPU charged, the server frames its events as SSE and the client's task parses them
         # with the client's decoder when it runs, as over a socket (real work at both ends, each
@@ -214,9 +221,9 @@ class _InProcessHTTP(HTTPClient):
 
         async def run() -> None:
             try:
-                outcome = await engine.run(create, None, emit if sse is None else emit_sse, arrival=arrival)
-                if outcome.error is not None:
-                    raise ClientError(outcome.error.status, outcome.error.body())
+                reply = await exchange.run(emit if sse is None else emit_sse)
+                if reply is not None:  # a JSON reply instead of a stream: the error, as a socket carries it
+                    raise _reply_error(reply)
             finally:
                 (queue if sse is None else chunks).put_nowait(None)
 
