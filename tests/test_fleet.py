@@ -66,7 +66,7 @@ def test_a_shared_accelerator_agrees_with_the_full_path_per_session() -> None:
     differently, so single turns may queue in another order)."""
     n = 8
     modes = ("http", "ws", "append")
-    config = CompareConfig(rollouts=n, tool_calls=CALLS, modes=modes, concurrency=4, decode_slots=2)
+    config = CompareConfig.of(rollouts=n, tool_calls=CALLS, modes=modes, concurrency=4, decode_slots=2)
     result = compare(config, virtual=True, free_cpu=True)
     sessions = _sessions(n)
     for mode in modes:

@@ -26,7 +26,8 @@ from sim.harness.experiment import CompareConfig
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, live_server, receive_event
+from .support import EXEC_TOOL, live_server
+from .test_beta import until
 from .test_steer_mode import BASE, _completed_items, _output_tokens
 
 MODEL: Final = "sim"
@@ -43,16 +44,6 @@ TWO_CALLS: Final = ScriptPolicy(
     ]
 )
 ENDS: Final = ("response.completed", "response.incomplete", "response.failed")
-
-
-async def until(ws: aiohttp.ClientWebSocketResponse, *types: str) -> list[dict[str, Any]]:
-    """Events up to and including the first of `types`."""
-    out = []
-    while True:
-        event = await receive_event(ws)
-        out.append(event)
-        if event["type"] in types:
-            return out
 
 
 def create(**fields: Any) -> str:
