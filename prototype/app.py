@@ -136,9 +136,8 @@ def make_engine(
         render_executor=render_executor,
         item_parser=item_parser,
         rendered=rendered,
-        context_window=config.model.context_window,
+        limits=config.model,
         steer_boundary=config.steer_boundary,
-        output_token_limit=config.model.max_output_tokens,
     )
 
 

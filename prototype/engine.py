@@ -50,7 +50,7 @@ from . import metrics
 from .cache import STORE_UNAVAILABLE, CacheEntry
 from .clock import Clock
 from .compaction import Compaction, encode_payload, is_kept, prune, summary_text
-from .config import STEER_BOUNDARIES, SteerBoundary
+from .config import STEER_BOUNDARIES, ModelLimits, SteerBoundary
 from .contract import CONTEXT_LENGTH_MESSAGE, check_compact_params, check_context_window
 from .conversation import (
     Context,
@@ -140,6 +140,7 @@ Emit = Callable[[list[ServerEvent]], Awaitable[None]]
 # Texts at least this long are tokenized off the event loop when the engine has a render
 # executor: ≈ 0.4 ms of BPE here, against ≈ 90 µs for the hop to a thread and back (uvloop).
 OFFLOAD_CHARS: Final = 8_192
+UNBOUNDED: Final = ModelLimits(context_window=None, max_output_tokens=None)  # an engine built without limits
 
 
 class RenderedItems(Protocol):
@@ -288,8 +289,7 @@ class Engine:
         render_executor: Executor | None = None,
         item_parser: ItemParser = parse_items,
         rendered: RenderedItems | None = None,
-        context_window: int | None = None,
-        output_token_limit: int | None = None,
+        limits: ModelLimits = UNBOUNDED,
         steer_boundary: SteerBoundary = "item",
     ) -> None:
         self.model = model
@@ -305,8 +305,9 @@ class Engine:
         self.rendered = rendered  # None: every item is rendered and tokenized when used
         # The model's context window and output limit (tokens; None: unbounded): a prompt longer
         # than the window minus the output limit is refused before inference (contract.py).
-        self.context_window = context_window
-        self.output_token_limit = output_token_limit
+        # The model's limits, taken whole (`ServerConfig.model`); None: unbounded.
+        self.context_window = context_window = limits.context_window
+        self.output_token_limit = output_token_limit = limits.max_output_tokens
         self.input_token_limit = None if context_window is None else context_window - (output_token_limit or 0)
         # Where a steer accepted mid-decode stops the response (docs/beta.md#steering): at the end
         # of the output item in flight (the steering guide's rule), or at the next token (the item

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -139,7 +140,9 @@ def struct_from_args(
     return msgspec.convert(merged, type=cls, strict=False)
 
 
+@functools.cache
 def _paths(cls: type[msgspec.Struct]) -> dict[str, tuple[str, ...]]:
+    """Each leaf's path by its name (a Struct class's fields do not change: computed once)."""
     return {path[-1]: path for path, _ in leaves(cls)}
 
 
