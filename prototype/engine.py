@@ -78,7 +78,7 @@ from .model import (
     TokensSampled,
 )
 from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
-from .prepare import Turn, resolve, take_input
+from .prepare import Turn, add_resumed, resolve
 from .safety import SafetyClassifier
 from .schemas import (
     CompactedResponse,
@@ -772,7 +772,7 @@ class ResponseRun:
         The KV stays in use, so none of this is idle KV time."""
         engine, stream, turn = self.engine, self.stream, self.turn
         self.resolved.context.end_turn()  # the next turn's calls are not this turn's parallel calls
-        taken = await self._take_input(carried)
+        taken = await self._add_resumed(carried)
         if isinstance(taken, Outcome):
             return taken
         compaction = taken
@@ -813,7 +813,7 @@ class ResponseRun:
         stages.new_segment(resumed.at)
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(resumed.body_bytes))
         stages.lap(Stage.PARSE)
-        taken = await self._take_input((*carried, *decision.items))
+        taken = await self._add_resumed((*carried, *decision.items))
         if isinstance(taken, Outcome):
             return taken
         compaction = taken
@@ -828,12 +828,12 @@ class ResponseRun:
             return await self._finish(stream.end_incomplete("content_filter"))
         return None
 
-    async def _take_input(self, items: Sequence[Item]) -> Compaction | Outcome | None:
-        """Items that join the running response's context (`prepare.take_input`): the compaction
+    async def _add_resumed(self, items: Sequence[Item]) -> Compaction | Outcome | None:
+        """Items that join the running response's context (`prepare.add_resumed`): the compaction
         to announce (or None); an `Outcome` when the prompt outgrew the input limit and the
         response failed without sampling."""
         try:
-            return await take_input(self.engine, self.request, self.stages, self.turn, items)
+            return await add_resumed(self.engine, self.request, self.stages, self.turn, items)
         except ProtocolError:  # the one it raises, context_length_exceeded: never sampled
             stream = self.stream
             await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE) + self._drain())

@@ -3,7 +3,7 @@
 `resolve` builds it once, before the first segment (load the previous turn's state, render what
 is not rendered yet, compact past the threshold, check the input limit, classify what is not
 classified yet); `Turn` holds it as it grows (the pauses of append mode, the decode-on of beta
-async tools) and `take_input` adds a resume's items to it with the same checks.
+async tools) and `add_resumed` adds a resume's items to it with the same checks.
 
 These are plain functions and a value the run (`engine.ResponseRun`) calls and holds: the run
 owns the response's state (its stream, its stage timer, its inbox) and the events; nothing here
@@ -36,7 +36,7 @@ from .safety import ClassifierState
 from .schemas import OutputItem, StageReport
 from .services import Arrival, Services, Stages
 
-__all__ = ["Resolved", "Turn", "classify", "compaction_limit", "resolve", "take_input"]
+__all__ = ["Resolved", "Turn", "classify", "compaction_limit", "resolve", "add_resumed"]
 
 
 @dataclass(slots=True)
@@ -223,7 +223,7 @@ async def classify(engine: Services, stages: Stages, resolved: Resolved) -> None
     await stages.wait(Stage.SAFETY, engine.profile.safety_call_s + engine.profile.safety_s_per_token * n)
 
 
-async def take_input(
+async def add_resumed(
     engine: Services, request: CreateRequest, stages: Stages, turn: Turn, items: Sequence[Item]
 ) -> Compaction | None:
     """Items that join a running response's context (a resume's, or those injected while the

@@ -164,7 +164,7 @@ class LatenessRecorder:
 
     ``now`` must read the time base of the model's clock at full resolution: the asyncio
     loop's ``time()`` is ``time.monotonic()`` (uvloop's truncated to the millisecond), so
-    the default fits both. Off (``SimulatedModel(lateness=None)``) it costs one test per event.
+    the default fits both. Off (``lateness=None``, the default) it costs one test per event.
     """
 
     __slots__ = ("_groups", "now", "turns")
