@@ -119,6 +119,8 @@ def add_struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], *,
             p.add_argument(flag, type=_comma_list, metavar="A,B,...", **common)
         else:
             kind = next((v for k, v in _SCALARS.items() if isinstance(t, k)), str)
+            if optional and kind is not str:  # a limit that `none` lifts
+                common["help"] = f"{help_text.removesuffix(')')}; none: no limit)"
             p.add_argument(flag, type=_none_or(kind) if optional else kind, **common)
 
 

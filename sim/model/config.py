@@ -35,7 +35,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     prefix_cache: Annotated[bool, Meta(description="the simulator's prefix cache (--no-prefix-cache: off)")] = True
     decode_slots: Annotated[
         Annotated[int, Meta(ge=1)] | None,
-        Meta(description="turns decoding at once; more queue FIFO (none = unlimited)"),
+        Meta(description="turns decoding at once; more queue FIFO"),
     ] = None
     decode_jitter: Annotated[float, Meta(ge=0, description="sigma of a per-turn lognormal decode-rate factor")] = 0.0
     concurrency_slowdown: Annotated[
