@@ -90,7 +90,7 @@ The core reads no clock and does no I/O: the adapter feeds it client frames and
 "disconnected" inputs, then drains `outputs_to_send()`: frames to write, a job
 to start, resume, abort or cancel, a pause timer to arm, a close (wsevents.py).
 Every input goes to one lane (lanes.py); each lane's legal moves are the rows of
-`_TRANSITIONS`, whose actions are the methods that carry out the move. Anything else raises
+`TRANSITIONS`, whose actions are the methods that carry out the move. Anything else raises
 `ConnectionStateError`. The connection keeps the multiplexing (which lane an input is for,
 the in-flight cap, the lifetime) and hands each other rule set to its unit, as h2 splits a
 connection: frame classification (frames.py), the connection cache's budget, LRU and forks
