@@ -10,12 +10,12 @@ command line).
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 from msgspec import Meta
 
-from .pipeline import CostProfile, Optimization, load_profile
+from .pipeline import ALL_OPTIMIZATIONS, CostProfile, Optimization, load_profile
 
 __all__ = [
     "CONTEXT_WINDOW",
@@ -48,7 +48,7 @@ CONTEXT_WINDOW: Final = 400_000
 MAX_OUTPUT_TOKENS: Final = 128_000
 
 SteerBoundary = Literal["item", "token"]
-STEER_BOUNDARIES: Final[tuple[SteerBoundary, ...]] = ("item", "token")
+STEER_BOUNDARIES: Final[tuple[SteerBoundary, ...]] = get_args(SteerBoundary)
 
 
 class WebSocketConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -166,4 +166,4 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     @property
     def optimizations(self) -> frozenset[Optimization]:
-        return frozenset(Optimization) - self.disable
+        return ALL_OPTIMIZATIONS - self.disable
