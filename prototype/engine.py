@@ -68,6 +68,7 @@ from .finish import Outcome, finish, outputs_in_context
 from .ids import IdFactory
 from .metrics import Histogram
 from .model import (
+    ContextWindowExceeded,
     DecidesAsync,
     ItemFinished,
     ModelRequest,
@@ -722,6 +723,12 @@ class ResponseRun:
                     return ended
         except ConnectionResetError:
             raise  # the peer is gone: nothing to tell it
+        except ContextWindowExceeded:  # a real engine's own context limit, before its first token
+            failed = stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE)
+            self.inbox.acks.clear()
+            await self.emit(failed)
+            too_long = ProtocolError(CONTEXT_LENGTH_MESSAGE, code="context_length_exceeded", param="input")
+            return Outcome(stream.response, None, failure=too_long)
         except Exception:
             # The model, the stream core or the store failed after the first event: end the
             # stream with `response.failed`, details only in the log.

@@ -36,6 +36,7 @@ __all__ = [
     "ModelEvent",
     "ModelRequest",
     "DecidesAsync",
+    "ContextWindowExceeded",
     "Prefilled",
     "SamplingFinished",
     "TokenModel",
@@ -104,6 +105,12 @@ class ItemFinished:
 @dataclass(frozen=True, slots=True)
 class SamplingFinished:
     reason: Literal["stop", "max_output_tokens"] = "stop"
+
+
+class ContextWindowExceeded(Exception):
+    """Raised by a `TokenModel` before its first event when the prompt and the turn's output do
+    not fit the model's context (a real engine's own limit): the response fails with
+    `context_length_exceeded`, not `server_error`."""
 
 
 ModelEvent = Prefilled | ItemStarted | TokensSampled | ItemFinished | SamplingFinished

@@ -15,14 +15,19 @@ import os
 import signal
 import sys
 
+import msgspec
 import uvloop
 from aiohttp import web
 
+from sim.engine.backend import check_installed, engine_limits, engine_model
+from sim.engine.config import EngineConfig
+from sim.engine.process import EngineNotInstalled
 from sim.model.config import ModelConfig, build_model
 from sim.model.policy import DefaultPolicy, Policy, load_script
 
 from .app import make_app
 from .config import ServerConfig
+from .model import TokenModel
 from .options import add_struct_options, struct_from_args
 from .store import MemoryStore, open_store
 from .wallclock import AsyncioClock
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="WARNING", help="logging level")
     add_struct_options(p.add_argument_group("server (ServerConfig)"), ServerConfig)  # type: ignore[arg-type]
     add_struct_options(p.add_argument_group("model stand-in (ModelConfig)"), ModelConfig)  # type: ignore[arg-type]
+    add_struct_options(p.add_argument_group("real engine (EngineConfig, docs/engine.md)"), EngineConfig)  # type: ignore[arg-type]
     return p
 
 
@@ -72,6 +78,18 @@ async def serve(args: argparse.Namespace) -> None:
     policy: Policy = load_script(args.script) if args.script else DefaultPolicy(tool_calls=args.tool_calls)
     model = build_model(struct_from_args(args, ModelConfig), clock=clock, policy=policy, seed=args.seed)
     config: ServerConfig = struct_from_args(args, ServerConfig)
+    engine: EngineConfig = struct_from_args(args, EngineConfig)
+    if engine.engine_kind == "none":
+        await _serve_model(args, model, config, clock)
+        return
+    # The simulator plans each turn's tokens; the engine prefills and decodes them (docs/engine.md).
+    config = msgspec.structs.replace(config, model=engine_limits(engine))
+    async with engine_model(engine, planner=model, clock=clock) as real:
+        print(f"longrun: llama.cpp engine at {real.url}", flush=True)
+        await _serve_model(args, real, config, clock)
+
+
+async def _serve_model(args: argparse.Namespace, model: TokenModel, config: ServerConfig, clock: AsyncioClock) -> None:
     store = open_store(args.store)
     # Seeded ids repeat on every start. A store that outlives the process (sqlite, redis) would
     # then see a restarted or second process reissue stored ids and overwrite them: random ids there.
@@ -107,6 +125,11 @@ async def _pid_header(request: web.Request, response: web.StreamResponse) -> Non
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        check_installed(struct_from_args(args, EngineConfig))
+    except EngineNotInstalled as err:
+        print(f"python -m prototype.server: {err}", file=sys.stderr)
+        return 2
     uvloop.run(serve(args))
     return 0
 

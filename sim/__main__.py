@@ -33,6 +33,7 @@ from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
+from sim.engine.process import EngineNotInstalled
 from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, run_capacity
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare
@@ -426,12 +427,18 @@ def compare_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"invalid option: {exc}") from None
     if args.live_rollouts < 0:
         raise SystemExit("invalid option: --live-rollouts must be >= 0")
+    if config.engine.engine_kind != "none":  # a real engine is real time: the comparison is the live one
+        if args.virtual:
+            raise SystemExit("invalid option: --engine runs in real time only (drop --virtual)")
+        args.live = True
     try:
         check(config, virtual=not args.live)
         if not args.virtual and not args.live and args.live_rollouts:
             check(config, virtual=False)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
+    except EngineNotInstalled as exc:
+        raise SystemExit(f"python -m sim compare: {exc}") from None
     beside = 0 if (args.virtual or args.live) else args.live_rollouts
     cpu = "CPU free" if args.free_cpu else "CPU charged"
     plan = (

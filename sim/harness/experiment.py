@@ -50,6 +50,9 @@ from prototype.pipeline import Optimization
 from prototype.store import MemoryStore
 from prototype.wallclock import AsyncioClock
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
+from sim.engine.backend import check_installed, engine_limits, engine_model
+from sim.engine.config import EngineConfig
+from sim.engine.llamacpp import EngineModel
 from sim.harness.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from sim.harness.live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
 from sim.harness.replay import load_trace, replay_plan
@@ -147,6 +150,9 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         tuple[str, ...],
         Meta(description=f"comma-separated modes, in run order, from {','.join(ALL_MODES)}"),
     ] = MODES
+    # A real engine behind the server instead of the simulator (docs/engine.md): live only; the
+    # simulator still plans every turn's tokens, the engine prefills and decodes them.
+    engine: EngineConfig = EngineConfig()
 
     @classmethod
     def of(cls, **fields: Any) -> CompareConfig:
@@ -265,6 +271,10 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
             "(0 = no compaction)"
         )
     _server_config(config)  # a profile file that does not load is refused here
+    if config.engine.engine_kind != "none":
+        if virtual:
+            raise ValueError("a real engine runs in real time only: run it live (--live)")
+        check_installed(config.engine)
     tool_runner(real_tools=config.real_tools, tool_command=config.tool_command, virtual=virtual)
     if config.live_costs:
         try:
@@ -280,7 +290,7 @@ class _PromptLog:
     extra step."""
 
     def __init__(self, model: SimulatedModel) -> None:
-        self.model = model
+        self.model: SimulatedModel | EngineModel = model
         self.mode = ""
         self.prompts: dict[tuple[str, int], list[int]] = {}
 
@@ -362,6 +372,7 @@ class _World:
     server_config: ServerConfig
     engine: Engine | None = None
     client_for: Callable[[Mode], ResponsesClient] | None = None
+    real_engine: EngineModel | None = None  # the llama.cpp engine behind the server, when the config asks for one
 
     @classmethod
     def build(
@@ -387,18 +398,22 @@ class _World:
             with self._in_process(config, clock, memoize=memoize, tap=tap):
                 yield
             return
-        app = make_app(model=self.prompts, store=self.store, clock=clock, config=self.server_config, seed=config.seed)
-        self.engine = app[ENGINE]
-        runner = web.AppRunner(app)
-        await runner.setup()
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            server_config = self.server_config
+            if config.engine.engine_kind != "none":
+                real = await stack.enter_async_context(engine_model(config.engine, planner=self.model, clock=clock))
+                self.prompts.model = self.real_engine = real
+                server_config = structs.replace(server_config, model=engine_limits(config.engine))
+            app = make_app(model=self.prompts, store=self.store, clock=clock, config=server_config, seed=config.seed)
+            self.engine = app[ENGINE]
+            runner = web.AppRunner(app)
+            await runner.setup()
+            stack.push_async_callback(runner.cleanup)
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
             self.client_for = lambda mode: open_client(mode, base_url, clock)
             yield
-        finally:
-            await runner.cleanup()
 
     @contextlib.contextmanager
     def _in_process(self, config: CompareConfig, clock: Clock, *, memoize: bool, tap: Tap | None) -> Iterator[None]:

@@ -112,7 +112,7 @@ from prototype.tokenizer import Tokenizer, get_tokenizer
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import PlannedItem, Policy
 
-__all__ = ["LatenessRecorder", "ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
+__all__ = ["ItemText", "LatenessRecorder", "ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
 
 _U64_MASK: Final = (1 << 64) - 1
 _JITTER_STREAM: Final = 1  # 4th SeedSequence word of the decode-jitter rng (the token rng has 3 words)
@@ -197,7 +197,7 @@ class LatenessRecorder:
         self.turns = []
 
 
-class _ItemText:
+class ItemText:
     """The texts of one item's tokens, in order: an incremental UTF-8 decoder over their
     bytes, with the texts of tokens that decode whole on their own taken from `texts`
     (shared by the model's turns) while no character is pending."""
@@ -412,9 +412,7 @@ class SimulatedModel:
         # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
         # `turn_rng(seed, conversation, turn)`, as one generator reset to that state: the plan
         # draws from it before anything else runs, and a policy keeps no rng past `plan`.
-        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
-        rng = self._rng
-        items, truncated = self._cut(self.policy.plan(request, rng), budget)
+        items, truncated = self.plan_tokens(request)
         cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
         n_tokens = sum(len(ids) for _, ids in items)
 
@@ -479,7 +477,7 @@ class SimulatedModel:
                     yield ItemFinished()
                     continue
                 last = len(ids) - 1
-                token_text = _ItemText(ids, token_bytes, texts).text
+                token_text = ItemText(ids, token_bytes, texts).text
                 position = 0
                 while position <= last:
                     end = position + 1  # this event's tokens: ids[position:end]
@@ -516,6 +514,13 @@ class SimulatedModel:
                 decoding.end = min(decoding.end, now)
                 if slot >= 0 and self._slot_holder[slot] == serial:
                     self._slot_free_at[slot] = min(self._slot_free_at[slot], now)
+
+    def plan_tokens(self, request: ModelRequest) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
+        """The turn's items with their token ids, ``max_output_tokens`` applied, and whether the
+        cap cut them: a function of (seed, conversation, turn) and the model-visible request only.
+        A real engine behind the seam (`sim.engine`) decodes exactly these tokens."""
+        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
+        return self._cut(self.policy.plan(request, self._rng), request.max_output_tokens)
 
     def _cut(self, planned: list[PlannedItem], budget: int | None) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
         """Tokenize the plan and apply ``max_output_tokens``: (items with their ids, whether cut)."""

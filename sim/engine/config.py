@@ -1,0 +1,72 @@
+"""What a run says about the real engine behind the model seam (docs/engine.md).
+
+`EngineConfig` is a value like every other config: `python -m prototype.server` and
+`python -m sim compare` generate their `--engine-*` options from it, and a comparison carries it
+whole (`CompareConfig.engine`). ``engine_kind="none"`` (the default) keeps the simulator.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .slots import OnFull
+
+__all__ = ["ENGINE_KINDS", "EngineConfig", "EngineKind"]
+
+EngineKind = Literal["none", "llamacpp"]
+ENGINE_KINDS: Final[tuple[EngineKind, ...]] = ("none", "llamacpp")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    engine_kind: Annotated[
+        EngineKind,
+        Meta(
+            description="the model behind the API: none (the simulator) or llamacpp (a real llama.cpp engine)",
+            extra={"flag": "--engine"},
+        ),
+    ] = "none"
+    engine_url: Annotated[
+        str | None,
+        Meta(description="attach to a running llama.cpp server at this URL instead of starting one"),
+    ] = None
+    engine_slots: Annotated[int, Meta(ge=1, description="llama.cpp --parallel: sequences decoding at once")] = 2
+    engine_ctx_per_slot: Annotated[
+        int, Meta(ge=256, description="context tokens per slot (llama.cpp -c is this x slots)")
+    ] = 8192
+    engine_threads: Annotated[int, Meta(ge=1, description="llama.cpp -t: CPU threads of the engine")] = 1
+    engine_swa_full: Annotated[
+        bool,
+        Meta(
+            description="--swa-full: full KV for Gemma's sliding-window layers, so prefix reuse and restore are whole"
+        ),
+    ] = True
+    engine_cache_ram_mib: Annotated[
+        int,
+        Meta(
+            ge=-1,
+            description="llama.cpp --cache-ram in MiB, a host-RAM prompt cache shared by the slots (0: off, so a "
+            "design's KV is what its slot keeps; -1: no limit)",
+        ),
+    ] = 0
+    engine_decode: Annotated[
+        Literal["forced", "length"],
+        Meta(
+            description="forced: a token-id grammar makes the engine decode the planned tokens exactly; "
+            "length: free decoding of the planned length (what-if: faster, but the KV holds other tokens)"
+        ),
+    ] = "forced"
+    engine_affinity: Annotated[
+        bool, Meta(description="a create turn takes the slot that last served its conversation when it is free")
+    ] = True
+    engine_on_full: Annotated[
+        OnFull,
+        Meta(
+            description="when every slot is busy or pinned by a paused response: wait, drop its KV, or swap it to host"
+        ),
+    ] = "wait"
+    engine_startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for the engine's /health")] = (
+        120.0
+    )
