@@ -80,6 +80,7 @@ __all__ = [
     "parse_item",
     "parse_items",
     "render_items",
+    "render_model_output",
     "render_texts",
     "render_preamble",
 ]
@@ -605,12 +606,25 @@ def item_from_output(item: OutputItem) -> Item:
     return Item(raw, view)
 
 
+def render_model_output(kind: str, name: str, text: str) -> str:
+    """What an item the model says (an assistant message, or a call of function `name`) stands
+    for in the context: the same text whether the item comes back as input or is being decoded,
+    so a real engine that decodes it (sim/engine) holds the KV the next turn's prompt starts with."""
+    if kind == "function_call":
+        return f"<|start|>assistant to=functions.{name}<|message|>{text}<|call|>"
+    return _message_text("assistant", text)
+
+
+def _message_text(role: str | None, text: str) -> str:
+    return f"<|start|>{role}<|message|>{text}<|end|>"
+
+
 def _render_text(view: InputItemView) -> str:
     t = view.type
     if t == "message":
-        return f"<|start|>{view.role}<|message|>{_text_of(view)}<|end|>"
+        return _message_text(view.role, _text_of(view))
     if t == "function_call":
-        return f"<|start|>assistant to=functions.{view.name}<|message|>{_decode_str(view.arguments)}<|call|>"
+        return render_model_output("function_call", view.name or "", _decode_str(view.arguments))
     if t == "function_call_output":
         return f"<|start|>tool<|message|>{_decode_parts(view.output, 'output')}<|end|>"
     if t == "custom_tool_call":

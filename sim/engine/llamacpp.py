@@ -29,7 +29,7 @@ The engine's per-turn counters (``prompt_n``, ``cache_n``, ``prompt_ms``, ``pred
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -38,6 +38,7 @@ import msgspec
 import numpy as np
 
 from prototype.clock import Clock
+from prototype.conversation import generation_header, render_model_output
 from prototype.model import (
     ContextWindowExceeded,
     ItemFinished,
@@ -49,6 +50,7 @@ from prototype.model import (
     TokensSampled,
 )
 from sim.model.accelerator import ItemText, SimulatedModel
+from sim.model.policy import PlannedItem
 
 from .config import EngineConfig
 from .process import LlamaServer
@@ -72,6 +74,7 @@ def engine_ids(ids: np.ndarray[Any, Any] | list[int]) -> list[int]:
 class EngineTurn:
     """One turn as the engine served it (its own counters, milliseconds as it reports them)."""
 
+    tag: str  # what the caller was running (a comparison: the mode)
     conversation_key: int
     turn_index: int
     slot: int
@@ -108,6 +111,7 @@ class EngineModel:
     clock: Clock
     slots: SlotTable = field(init=False)
     turns: list[EngineTurn] = field(default_factory=list)
+    tag: str = ""  # stamped on each `EngineTurn` (a comparison sets the mode it runs)
     server: LlamaServer | None = None  # the process, when this run owns it (fault tests restart it)
     _session: aiohttp.ClientSession | None = None
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
@@ -128,20 +132,20 @@ class EngineModel:
 
     async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         items, truncated = self.planner.plan_tokens(request)
-        planned = [i for _, ids in items for i in ids]
+        framed = self._framed(items)
+        forced = [t for ids in framed for t in ids]
         prompt = [BOS_ID, *engine_ids(np.concatenate(request.prompt) if request.prompt else [])]
-        if len(prompt) + len(planned) > self.config.engine_ctx_per_slot:
-            raise ContextWindowExceeded(f"{len(prompt)} + {len(planned)} tokens > {self.config.engine_ctx_per_slot}")
+        if len(prompt) + len(forced) > self.config.engine_ctx_per_slot:
+            raise ContextWindowExceeded(f"{len(prompt)} + {len(forced)} tokens > {self.config.engine_ctx_per_slot}")
         body: dict[str, Any] = {
             "prompt": prompt,
-            "n_predict": len(planned),
+            "n_predict": len(forced),
             "cache_prompt": True,
             "stream": True,
             "timings_per_token": True,
             "return_tokens": True,
             "temperature": 0.0,
         }
-        forced = engine_ids(planned)
         if self.config.engine_decode == "forced" and forced:
             body["grammar"] = "root ::= " + " ".join(f"<[{t}]>" for t in forced)
         else:
@@ -151,21 +155,16 @@ class EngineModel:
         grant = await self._acquire(request)
         queued_s = self.clock.now() - waited_from
         body["id_slot"] = grant.slot
-        session = self._client()
         pin = request.conversation_id if request.hold_kv else None
-        token_bytes = self.planner.tokenizer.token_bytes
         try:
+            session = self._client()
             for action in grant.actions:
                 await self._slot_action(session, action)
             sent = self.clock.now()
             first_at = 0.0
             timings: dict[str, float] = {}
-            got: list[int] = []
-            pending = iter(items)
-            item, ids = next(pending, (None, []))
-            text = ItemText(ids, token_bytes, {}).text if ids else None
-            position = 0
-            started = False
+            got = 0  # engine tokens received
+            pace = _Pacer(items, framed, self.planner.tokenizer.token_bytes)
             try:
                 response = await session.post(f"{self.url}/completion", json=body)
             except aiohttp.ClientError as err:
@@ -185,64 +184,74 @@ class EngineModel:
                         if not first_at:
                             first_at = self.clock.now()
                             yield self._prefilled(request, timings, queued_s)
-                        k = len(got)
-                        if k >= len(planned):
+                        if got >= len(forced):
                             raise EngineError("the engine decoded past the planned tokens")
-                        if self.config.engine_decode == "forced" and token != forced[k]:
-                            raise EngineError(f"forced decoding diverged at token {k}: {token} != {forced[k]}")
-                        got.append(token)
-                        while item is not None and not ids:  # an empty item: no token of its own
-                            yield ItemStarted(item.kind, item.name)
-                            yield ItemFinished()
-                            item, ids = next(pending, (None, []))
-                            text = ItemText(ids, token_bytes, {}).text if ids else None
-                        assert item is not None and text is not None
-                        if not started:
-                            yield ItemStarted(item.kind, item.name)
-                            started = True
-                        yield TokensSampled((ids[position],), text(position))
-                        position += 1
-                        if position == len(ids):
-                            yield ItemFinished()
-                            item, ids = next(pending, (None, []))
-                            text = ItemText(ids, token_bytes, {}).text if ids else None
-                            position, started = 0, False
+                        if self.config.engine_decode == "forced" and token != forced[got]:
+                            raise EngineError(f"forced decoding diverged at token {got}: {token} != {forced[got]}")
+                        got += 1
+                        for event in pace.advance():
+                            yield event
                     if chunk.stop:
                         break
-            if len(got) != len(planned):
-                raise EngineError(f"the engine stopped after {len(got)} of {len(planned)} tokens")
+            if got != len(forced):
+                raise EngineError(f"the engine stopped after {got} of {len(forced)} tokens")
             if not first_at:  # nothing to decode (a warm-up): prefilled only
                 first_at = self.clock.now()
                 yield self._prefilled(request, timings, queued_s)
-            done = self.clock.now()
-            self.turns.append(
-                EngineTurn(
-                    conversation_key=request.conversation_key,
-                    turn_index=request.turn_index,
-                    slot=grant.slot,
-                    resident=grant.resident,
-                    prompt_tokens=request.prompt_tokens,
-                    prompt_n=int(timings.get("prompt_n", 0)),
-                    cache_n=int(timings.get("cache_n", 0)),
-                    prompt_ms=float(timings.get("prompt_ms", 0.0)),
-                    predicted_n=int(timings.get("predicted_n", 0)),
-                    predicted_ms=float(timings.get("predicted_ms", 0.0)),
-                    queued_s=queued_s,
-                    ttft_s=first_at - sent,
-                    total_s=done - sent,
-                )
-            )
-            # Items with no tokens (empty text) still stand in the output.
-            while item is not None:
-                yield ItemStarted(item.kind, item.name)
-                yield ItemFinished()
-                item, ids = next(pending, (None, []))
+            self._record(request, grant, timings, queued_s, first_at - sent, self.clock.now() - sent)
+            for event in pace.rest():
+                yield event
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
             raise EngineError(f"the engine's stream broke: {err}") from err
         finally:
             self.slots.release(grant.slot, pin_for=pin)
             self._wake()
+
+    async def reset(self) -> None:
+        """Every slot's KV erased and the slot table cleared: a cold engine, as each mode of a
+        comparison starts with (a shared cache would favour whichever mode runs later)."""
+        session = self._client()
+        for slot in range(self.config.engine_slots):
+            await self._slot_action(session, SlotAction("erase", slot))
+        c = self.config
+        self.slots = SlotTable(c.engine_slots, affinity=c.engine_affinity, on_full=c.engine_on_full)
+
+    def _framed(self, items: list[tuple[PlannedItem, list[int]]]) -> list[list[int]]:
+        """The engine ids each planned item is decoded as: its rendering in the context
+        (`render_model_output`), less the generation header the prompt already ends with for
+        the turn's first item. With these in its KV, a slot holds exactly the prefix the next
+        turn's prompt sends."""
+        tokenizer = self.planner.tokenizer
+        header = len(generation_header(tokenizer))
+        framed = []
+        for k, (item, ids) in enumerate(items):
+            text = item.text if len(ids) == len(tokenizer.encode_list(item.text)) else tokenizer.decode(ids)
+            rendered = tokenizer.encode_list(render_model_output(item.kind, item.name, text))
+            framed.append(engine_ids(rendered[header:] if k == 0 else rendered))
+        return framed
+
+    def _record(
+        self, request: ModelRequest, grant: Grant, timings: dict[str, float], queued_s: float, ttft: float, total: float
+    ) -> None:
+        self.turns.append(
+            EngineTurn(
+                tag=self.tag,
+                conversation_key=request.conversation_key,
+                turn_index=request.turn_index,
+                slot=grant.slot,
+                resident=grant.resident,
+                prompt_tokens=request.prompt_tokens,
+                prompt_n=int(timings.get("prompt_n", 0)),
+                cache_n=int(timings.get("cache_n", 0)),
+                prompt_ms=float(timings.get("prompt_ms", 0.0)),
+                predicted_n=int(timings.get("predicted_n", 0)),
+                predicted_ms=float(timings.get("predicted_ms", 0.0)),
+                queued_s=queued_s,
+                ttft_s=ttft,
+                total_s=total,
+            )
+        )
 
     # -- parts -------------------------------------------------------------------------------------
 
@@ -298,6 +307,68 @@ class EngineModel:
             "prompt_ms": sum(t.prompt_ms for t in turns),
             "predicted_ms": sum(t.predicted_ms for t in turns),
         }
+
+
+class _Pacer:
+    """The API's events of a turn, paced by the engine's tokens: item k's planned tokens go
+    out in proportion to the engine's progress through item k's framed ids (the first with the
+    item's first engine token, the last with its last), so the API streams the plan's tokens
+    (usage counts them) at the engine's speed."""
+
+    def __init__(
+        self, items: list[tuple[PlannedItem, list[int]]], framed: list[list[int]], token_bytes: Callable[[int], bytes]
+    ) -> None:
+        self.items, self.framed, self.token_bytes = items, framed, token_bytes
+        self.k = 0  # the item being decoded
+        self.engine_done = 0  # its engine tokens so far
+        self.sent = 0  # its planned tokens streamed so far
+        self.text: Callable[[int], str] | None = None
+
+    def advance(self) -> list[ModelEvent]:
+        """One engine token arrived."""
+        events: list[ModelEvent] = []
+        while self.k < len(self.items) and not self.framed[self.k]:
+            events += self._finish_item()  # an item without engine ids cannot happen; kept total
+        if self.k == len(self.items):
+            return events
+        item, ids = self.items[self.k]
+        if self.engine_done == 0:
+            events.append(ItemStarted(item.kind, item.name))
+            self.text = ItemText(ids, self.token_bytes, {}).text
+        self.engine_done += 1
+        total = len(self.framed[self.k])
+        due = -(-self.engine_done * len(ids) // total)  # ceil: the first engine token brings the first token
+        events += self._tokens(due)
+        if self.engine_done == total:
+            events += self._finish_item()
+        return events
+
+    def rest(self) -> list[ModelEvent]:
+        """Items the engine has no tokens left for (only ever empty items)."""
+        events: list[ModelEvent] = []
+        while self.k < len(self.items):
+            if self.engine_done == 0:
+                item, ids = self.items[self.k]
+                events.append(ItemStarted(item.kind, item.name))
+                self.text = ItemText(ids, self.token_bytes, {}).text
+            events += self._finish_item()
+        return events
+
+    def _tokens(self, upto: int) -> list[ModelEvent]:
+        _, ids = self.items[self.k]
+        assert self.text is not None
+        events: list[ModelEvent] = []
+        while self.sent < min(upto, len(ids)):
+            events.append(TokensSampled((ids[self.sent],), self.text(self.sent)))
+            self.sent += 1
+        return events
+
+    def _finish_item(self) -> list[ModelEvent]:
+        events = self._tokens(len(self.items[self.k][1]))
+        events.append(ItemFinished())
+        self.k += 1
+        self.engine_done = self.sent = 0
+        return events
 
 
 def _error_of(status: int, payload: bytes) -> Exception:

@@ -52,7 +52,7 @@ from prototype.wallclock import AsyncioClock
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
-from sim.engine.llamacpp import EngineModel
+from sim.engine.llamacpp import EngineModel, EngineTurn
 from sim.harness.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
 from sim.harness.live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
 from sim.harness.replay import load_trace, replay_plan
@@ -173,6 +173,7 @@ class CompareResult:
     summary: list[ModeSummary]
     pairs: list[PairSummary] = field(default_factory=list)
     stopped: str = ""  # with ci_width: why no more batches ran (intervals narrow enough, or the cap)
+    engine_turns: list[EngineTurn] = field(default_factory=list)  # a real engine's own per-turn counters
 
 
 def narrow_enough(summary: list[ModeSummary], width_points: float) -> tuple[bool, float]:
@@ -354,8 +355,15 @@ async def run_compare(
                 specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
                 specs = _interjected(config, specs)
     summary = summarize(scheduler.results, scheduler.kv_idle, seed=config.seed)
+    engine_turns = list(world.real_engine.turns) if world.real_engine is not None else []
     return CompareResult(
-        config, virtual, scheduler.results, summary, pair_summaries(scheduler.results, seed=config.seed), stopped
+        config,
+        virtual,
+        scheduler.results,
+        summary,
+        pair_summaries(scheduler.results, seed=config.seed),
+        stopped,
+        engine_turns,
     )
 
 
@@ -456,7 +464,8 @@ class _Scheduler:
     each mode's KV idle time across batches. Each mode has its own prefix cache, cold at its first
     rollout and kept across batches: the same prompts run in every mode, and a shared cache would
     favour whichever mode runs later. Within a mode, `concurrency` (or `lanes`) rollouts are in
-    flight at once; with `lanes`, the rollouts of a WebSocket mode share connections."""
+    flight at once; with `lanes`, the rollouts of a WebSocket mode share connections. A real engine
+    (`config.engine`) has one cache: its slots are erased as each mode's rollouts start."""
 
     def __init__(self, config: CompareConfig, world: _World, clock: Clock, *, memoize: bool) -> None:
         self.config, self.world, self.clock = config, world, clock
@@ -483,6 +492,9 @@ class _Scheduler:
         for mode in self.config.modes:
             world.model.prefix_cache = self._caches[mode]
             world.prompts.mode = mode
+            if world.real_engine is not None:  # a real engine has one cache: cold for each mode
+                await world.real_engine.reset()
+                world.real_engine.tag = mode
             idle_before = world.engine.statistics().kv_idle_token_s
             # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
             runs = (self._one(mode, batch, i, spec, len(specs), done) for i, spec in enumerate(specs))  # type: ignore[arg-type]

@@ -132,6 +132,11 @@ def write_run(result: CompareResult, directory: str | Path, *, tables: bool = Tr
         for record in records_from_rollouts(result.rollouts, source=source):
             fb.write(msgspec.json.encode(record))
             fb.write(b"\n")
+    if result.engine_turns:  # the real engine's own counters per turn (docs/engine.md)
+        with (path / "engine.jsonl").open("wb") as fb:
+            for turn in result.engine_turns:
+                fb.write(msgspec.json.encode(turn))
+                fb.write(b"\n")
     _plots(result, rows, path)
     return path
 
