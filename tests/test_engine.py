@@ -37,10 +37,19 @@ from sim.harness.experiment import CompareConfig, compare
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 
+from . import support
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = EngineConfig(engine_kind="llamacpp", engine_slots=2, engine_ctx_per_slot=4096)
+
+
+@pytest.fixture(autouse=True)
+def _engine_paced_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn on a real CPU engine, waiting for a slot behind others, takes tens of seconds: the
+    suite's default WebSocket read timeout (which catches a hung server) is stretched here."""
+    monkeypatch.setattr(support, "RECEIVE_TIMEOUT_S", 300.0)
 
 
 @pytest.fixture(scope="module")
@@ -50,20 +59,20 @@ def engine() -> Iterator[LlamaServer]:
 
 
 def _compare(engine: LlamaServer, modes: tuple[str, ...], **fields: Any) -> Any:
-    config = CompareConfig.of(
-        engine_kind="llamacpp",
-        engine_url=engine.url,
-        engine_slots=SMALL.engine_slots,
-        engine_ctx_per_slot=SMALL.engine_ctx_per_slot,
-        rollouts=1,
-        tool_calls=2,
-        system_prompt_tokens=200,
-        tool_output_tokens=40,
-        tool_time_s=0.05,
-        profile="local",
-        modes=modes,
-        **fields,
-    )
+    settings: dict[str, Any] = {
+        "engine_kind": "llamacpp",
+        "engine_url": engine.url,
+        "engine_slots": SMALL.engine_slots,
+        "engine_ctx_per_slot": SMALL.engine_ctx_per_slot,
+        "rollouts": 1,
+        "tool_calls": 2,
+        "system_prompt_tokens": 200,
+        "tool_output_tokens": 40,
+        "tool_time_s": 0.05,
+        "profile": "local",
+        "modes": modes,
+    }
+    config = CompareConfig.of(**{**settings, **fields})
     return compare(config, virtual=False)
 
 

@@ -288,7 +288,12 @@ class EngineModel:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+            # A connection per request: llama.cpp's server may close a kept-alive connection just
+            # as the next request is written to it (seen as "Can not write request body").
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            )
         return self._session
 
     async def aclose(self) -> None:
