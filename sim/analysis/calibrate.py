@@ -84,45 +84,29 @@ def _after(stage: str) -> bool:
 class Part:
     """One additive part of a turn: the time it takes, and the table's rows it is linear in.
 
-    A stage the records report is a part of its own (its rows, or an intercept for a stage with
-    none: real CPU work); what is left of TTFT and of the rest of the turn once the reported
-    stages are taken out is a part whose rows are those of the stages not reported (a capture's
-    whole turn), or the client's own time per mode when every stage is reported."""
+    A stage a record reports is a part of its own (its rows, or an intercept for a stage with
+    none: real CPU work); what is left of TTFT and of the rest of the turn once a record's
+    reported stages are taken out is a rest part, whose rows are those of the stages the record
+    does not report (a capture's whole turn), or the client's own time per mode where every
+    stage is reported. A field is one coefficient across parts: a turn that reports the hop
+    (timing frames) and one that does not (an HTTP turn of the same capture) fit one hop."""
 
     name: str
-    stages: tuple[str, ...]  # the reported stages this part is (one), or [] for a rest part
+    stage: str | None  # the stage this part is, or None for a rest part
     rows: tuple[StageCost, ...]
-    intercept: str  # "", ONE or MODE
     before_first_token: bool
-    known: tuple[str, ...] = ()  # rest parts: the reported stages taken out of the target
-
-    def target(self, r: TurnRecord) -> float | None:
-        if self.stages:
-            return r.stages_s.get(self.stages[0], 0.0)
-        if r.ttft_s is None:
-            return None
-        taken = sum(r.stages_s.get(s, 0.0) for s in self.known if _after(s) != self.before_first_token)
-        return (r.ttft_s if self.before_first_token else r.e2e_s - r.ttft_s) - taken
 
 
 def _parts(known: Sequence[str]) -> tuple[Part, ...]:
-    """The parts for records that report the stages `known` (module doc)."""
+    """The parts for records that report (some of) the stages `known` (module doc)."""
     parts: list[Part] = []
     for stage in STAGE_ORDER:
         if stage in known:
             rows = tuple(r for r in ROWS if r.stage == stage and r.occasion is not Occasion.COMPACTION)
-            parts.append(Part(stage, (stage,), rows, "" if rows else ONE, not _after(stage)))
+            parts.append(Part(stage, stage, rows, not _after(stage)))
     for before in (True, False):
-        rows = tuple(
-            r
-            for r in ROWS
-            if r.stage not in known and _after(r.stage) != before and r.occasion is not Occasion.COMPACTION
-        )
-        if rows:
-            name = "ttft" if before else "after_first_token"
-        else:
-            name = "client_ttft" if before else "client_tail"
-        parts.append(Part(name, (), rows, "" if rows else MODE, before, tuple(known)))
+        rows = tuple(r for r in ROWS if _after(r.stage) != before and r.occasion is not Occasion.COMPACTION)
+        parts.append(Part("ttft" if before else "after_first_token", None, rows, before))
     return tuple(parts)
 
 
@@ -189,6 +173,70 @@ class _Turns:
                 counts[Count.TOKENS_RENDERED] = max(0.0, grew - (before.output_tokens or 0))
         return counts
 
+    def reports(self, i: int, stage: str) -> bool:
+        """Whether record `i` reports `stage` (a longrun server's records report every stage)."""
+        r = self.records[i]
+        return stage in r.stages_s or Stage.PARSE.value in r.stages_s
+
+    def weights(self, part: Part) -> Vector:
+        """Each record's weight in `part`'s equations: 1 / its measured time (a relative error),
+        zero where the part does not apply (a stage the record does not report)."""
+        out = np.zeros(len(self.records))
+        for i, r in enumerate(self.records):
+            if part.stage is not None and not self.reports(i, part.stage):
+                continue
+            scale = r.ttft_s if part.before_first_token and r.ttft_s else r.e2e_s
+            out[i] = 1.0 / max(scale, 1e-6)
+        return out
+
+    def target(self, part: Part) -> Vector:
+        out = np.zeros(len(self.records))
+        for i, r in enumerate(self.records):
+            if part.stage is not None:
+                out[i] = r.stages_s.get(part.stage, 0.0)
+                continue
+            assert r.ttft_s is not None
+            whole = r.ttft_s if part.before_first_token else r.e2e_s - r.ttft_s
+            taken = sum(v for k, v in r.stages_s.items() if _after(k) != part.before_first_token)
+            out[i] = whole - taken
+        return out
+
+    def in_part(self, part: Part, row: StageCost) -> Vector | None:
+        """The row's column in `part`'s equations: in a stage's part on the records that report
+        the stage, in a rest part on those that do not."""
+        v = self.row(row)
+        if v is None or row not in part.rows:
+            return None if v is None else np.zeros(len(self.records))
+        mask = np.asarray([self.reports(i, row.stage) for i in range(len(self.records))], dtype=bool)
+        keep = mask if part.stage is not None else ~mask
+        return np.asarray(v * keep, dtype=np.float64)
+
+    def stacked(self, parts: Sequence[Part], row: StageCost) -> Vector | None:
+        blocks = [self.in_part(p, row) for p in parts]
+        if any(b is None for b in blocks):
+            return None
+        return np.concatenate([b for b in blocks if b is not None])
+
+    def stacked_column(self, parts: Sequence[Part], name: str) -> Vector:
+        """A column over every part's equations: a field (or sum of fields) or a part's intercept."""
+        n = len(self.records)
+        head, _, rest = name.partition(":")
+        if rest:  # an intercept of one part
+            blocks = []
+            for p in parts:
+                if p.name != head:
+                    blocks.append(np.zeros(n))
+                elif rest == ONE:
+                    blocks.append(np.ones(n))
+                else:
+                    kind, mode = rest.split(":", 1)
+                    first = kind == "first"
+                    blocks.append(np.asarray([r.mode == mode and (r.turn == 0) == first for r in self.records], float))
+            return np.concatenate(blocks)
+        v = self.stacked(parts, BY_FIELD[name.split(SUM)[0]])
+        assert v is not None
+        return v
+
     def row(self, row: StageCost) -> Vector | None:
         """The row's column: its count on the turns whose path pays it; None when a turn lacks the count."""
         out = np.zeros(len(self.records))
@@ -202,60 +250,55 @@ class _Turns:
                     return None
         return out
 
-    def intercept(self, column: str) -> Vector:
-        if column == ONE:
-            return np.ones(len(self.records))
-        kind, mode = column.split(":", 1)
-        return np.asarray([r.mode == mode and (r.turn == 0) == (kind == "first") for r in self.records], dtype=float)
-
-    def column(self, name: str) -> Vector:
-        if name == ONE or name.startswith(("first:", "mode:")):
-            return self.intercept(name)
-        vector = self.row(BY_FIELD[name.split(SUM)[0]])
-        assert vector is not None
-        return vector
-
 
 @dataclass(frozen=True)
 class Identification:
-    """What the records identify: per part its columns (a field, or fields joined by `+` that
-    only their sum is identified of), and the fields they cannot identify, with why."""
+    """What the records identify: the columns (a field, fields joined by `+` that only their sum
+    is identified of, or a part's intercept `part:1`, `part:first:M`, `part:mode:M`), the
+    fields they cannot identify, with why, and whether the columns are linearly dependent."""
 
-    columns: dict[str, list[str]]
+    columns: list[str]
     unidentified: dict[str, str]  # field -> reason
-    collinear: list[str]  # parts whose columns are linearly dependent beyond equal columns
+    collinear: bool
+
+
+def _intercepts(parts: Sequence[Part], turns: _Turns, modes: Sequence[str]) -> list[str]:
+    """Intercept columns: a reported stage the table has no row for (real CPU work), and the
+    client's time per mode where every record reports every stage of its side of the turn."""
+    out: list[str] = []
+    for part in parts:
+        if part.stage is not None and not part.rows:
+            out.append(f"{part.name}:{ONE}")
+        elif part.stage is None and all(
+            turns.reports(i, r.stage) for r in part.rows for i in range(len(turns.records))
+        ):
+            out += [f"{part.name}:first:{m}" for m in modes] + [f"{part.name}:mode:{m}" for m in modes]
+    return out
 
 
 def _identify(parts: Sequence[Part], turns: _Turns, modes: Sequence[str]) -> Identification:
-    columns: dict[str, list[str]] = {}
     unidentified: dict[str, str] = {}
-    collinear: list[str] = []
-    for part in parts:
-        if part.intercept == MODE:
-            columns[part.name] = [f"first:{m}" for m in modes] + [f"mode:{m}" for m in modes]
+    groups: list[tuple[list[str], Vector]] = []
+    for row in ROWS:
+        if row.occasion is Occasion.COMPACTION:
+            unidentified[row.field] = "the records carry no compaction's counts"
             continue
-        if part.intercept == ONE:
-            columns[part.name] = [ONE]
-            continue
-        groups: list[tuple[list[str], Vector]] = []
-        for row in part.rows:
-            v = turns.row(row)
-            if v is None:
-                unidentified[row.field] = f"the records lack its count ({row.count})"
-            elif not v.any():
-                unidentified[row.field] = "no turn in the records pays it"
+        v = turns.stacked(parts, row)
+        if v is None:
+            unidentified[row.field] = f"the records lack its count ({row.count})"
+        elif not v.any():
+            unidentified[row.field] = "no turn in the records pays it"
+        else:
+            same = next((g for g in groups if np.array_equal(g[1], v)), None)
+            if same is None:
+                groups.append(([row.field], v))
             else:
-                same = next((g for g in groups if np.array_equal(g[1], v)), None)
-                if same is None:
-                    groups.append(([row.field], v))
-                else:
-                    same[0].append(row.field)
-        columns[part.name] = [SUM.join(fields) for fields, _ in groups]
-        if groups:
-            x = np.column_stack([v / max(np.abs(v).max(), 1e-12) for _, v in groups])
-            if np.linalg.matrix_rank(x) < len(groups):
-                collinear.append(part.name)
-    return Identification(columns, unidentified, collinear)
+                same[0].append(row.field)
+    columns = [SUM.join(fields) for fields, _ in groups] + _intercepts(parts, turns, modes)
+    x = np.column_stack([turns.stacked_column(parts, c) for c in columns])
+    x = x[np.concatenate([turns.weights(p) for p in parts]) > 0]
+    x = x / np.maximum(np.abs(x).max(axis=0), 1e-12)
+    return Identification(columns, unidentified, bool(np.linalg.matrix_rank(x) < len(columns)))
 
 
 class Param(msgspec.Struct, frozen=True):
@@ -278,57 +321,45 @@ class Error(msgspec.Struct, frozen=True):
 
 @dataclass
 class _Design:
-    """The parts' design matrices, targets and weights over every usable record, once; a fit
-    (or a refit on resampled rollouts) takes rows of them."""
+    """Every part's equations over every usable record, stacked (part by part, record by
+    record), on the shared columns; a fit (or a refit on resampled rollouts) takes rows of them."""
 
     parts: tuple[Part, ...]
-    columns: dict[str, list[str]]
-    x: dict[str, Vector]
-    y: dict[str, Vector]
-    w: dict[str, Vector]
+    columns: list[str]
+    n: int  # records
+    x: Vector
+    y: Vector
+    w: Vector
+
+    def rows(self, records: npt.NDArray[np.intp], parts: Sequence[int] | None = None) -> npt.NDArray[np.intp]:
+        blocks = range(len(self.parts)) if parts is None else parts
+        return np.concatenate([b * self.n + records for b in blocks]).astype(np.intp)
 
 
-def _weights(part: Part, records: Sequence[TurnRecord]) -> Vector:
-    scale = [(r.ttft_s if part.before_first_token and r.ttft_s else r.e2e_s) for r in records]
-    return np.asarray(1.0 / np.maximum(np.asarray(scale, dtype=np.float64), 1e-6), dtype=np.float64)
+def _build(parts: tuple[Part, ...], turns: _Turns, columns: list[str]) -> _Design:
+    n = len(turns.records)
+    x = np.column_stack([turns.stacked_column(parts, c) for c in columns]) if columns else np.zeros((n * len(parts), 0))
+    y = np.concatenate([turns.target(p) for p in parts])
+    w = np.concatenate([turns.weights(p) for p in parts])
+    return _Design(parts, columns, n, x, y, w)
 
 
-def _matrix(columns: list[str], turns: _Turns) -> Vector:
-    if not columns:
-        return np.zeros((len(turns.records), 0))
-    return np.column_stack([turns.column(c) for c in columns])
+def _fit_rows(d: _Design, records: npt.NDArray[np.intp]) -> Vector:
+    rows = d.rows(records)
+    x, y, w = d.x[rows], d.y[rows], d.w[rows]
+    if x.shape[1] == 0:
+        return np.zeros(0)
+    # Column scaling keeps NNLS well conditioned when per-token and per-turn terms differ by 10^4.
+    scale = np.maximum(np.abs(x * w[:, None]).max(axis=0), 1e-12)
+    solution, _ = nnls((x * w[:, None]) / scale, y * w)
+    return np.asarray(solution / scale, dtype=np.float64)
 
 
-def _build(parts: tuple[Part, ...], turns: _Turns, columns: dict[str, list[str]]) -> _Design:
-    records = turns.records
-    return _Design(
-        parts,
-        columns,
-        {p.name: _matrix(columns[p.name], turns) for p in parts},
-        {p.name: np.asarray([p.target(r) for r in records], dtype=float) for p in parts},
-        {p.name: _weights(p, records) for p in parts},
-    )
-
-
-def _fit_rows(d: _Design, rows: npt.NDArray[np.intp]) -> dict[str, Vector]:
-    coef: dict[str, Vector] = {}
-    for part in d.parts:
-        x, y, w = d.x[part.name][rows], d.y[part.name][rows], d.w[part.name][rows]
-        if x.shape[1] == 0:
-            coef[part.name] = np.zeros(0)
-            continue
-        # Column scaling keeps NNLS well conditioned when per-token and per-turn terms differ by 10^4.
-        scale = np.maximum(np.abs(x * w[:, None]).max(axis=0), 1e-12)
-        solution, _ = nnls((x * w[:, None]) / scale, y * w)
-        coef[part.name] = np.asarray(solution / scale, dtype=np.float64)
-    return coef
-
-
-def _predict(d: _Design, coef: dict[str, Vector], rows: npt.NDArray[np.intp], *, first_token: bool) -> Vector:
-    total = np.zeros(len(rows))
-    for part in d.parts:
+def _predict(d: _Design, coef: Vector, records: npt.NDArray[np.intp], *, first_token: bool) -> Vector:
+    total = np.zeros(len(records))
+    for b, part in enumerate(d.parts):
         if part.before_first_token or not first_token:
-            total += d.x[part.name][rows] @ coef[part.name]
+            total += d.x[d.rows(records, [b])] @ coef
     return total
 
 
@@ -385,16 +416,15 @@ class Calibration(msgspec.Struct, frozen=True):
         return not self.problems
 
 
-def _values(d: _Design, coef: dict[str, Vector]) -> dict[str, float]:
+def _values(d: _Design, coef: Vector) -> dict[str, float]:
     """Each identified column of the table's rows in its field's unit (a rate for a rate's row)."""
     out: dict[str, float] = {}
-    for part in d.parts:
-        for j, col in enumerate(d.columns[part.name]):
-            if col == ONE or col.startswith(("first:", "mode:")):
-                continue
-            c = float(coef[part.name][j])
-            rate = any(BY_FIELD[f].rate for f in col.split(SUM))
-            out[col] = (1.0 / c if c > 0 else math.inf) if rate else c
+    for j, col in enumerate(d.columns):
+        if ":" in col:  # a part's intercept
+            continue
+        c = float(coef[j])
+        rate = any(BY_FIELD[f].rate for f in col.split(SUM))
+        out[col] = (1.0 / c if c > 0 else math.inf) if rate else c
     return out
 
 
@@ -454,16 +484,18 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
 
     # Parameters' intervals: refit on training rollouts drawn with replacement.
     rng = np.random.default_rng(seed + 1)
-    boot: list[dict[str, Vector]] = []
+    boot: list[Vector] = []
     for _ in range(PARAM_RESAMPLES if len(train_ids) > 1 else 0):
         pick = rng.integers(0, len(train_ids), size=len(train_ids))
         boot.append(_fit_rows(design, np.concatenate([index[train_ids[i]] for i in pick])))
+    every = np.arange(len(usable), dtype=np.intp)
     coefficients = {
         p.name: {
-            col: _interval([float(b[p.name][j]) for b in boot], float(coef[p.name][j]))
-            for j, col in enumerate(ident.columns[p.name])
+            col: _interval([float(b[j]) for b in boot], float(coef[j]))
+            for j, col in enumerate(ident.columns)
+            if design.x[design.rows(every, [k]), j].any()
         }
-        for p in parts
+        for k, p in enumerate(parts)
     }
     values = _values(design, coef)
     boot_values = [_values(design, b) for b in boot]
@@ -485,7 +517,8 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
     groups = [usable[i].rollout for i in test]
     api_error = None
     if set(MODEL_PARTS) <= set(known):
-        model_pred = sum((design.x[p][test] @ coef[p] for p in MODEL_PARTS), np.zeros(len(test)))
+        blocks = [k for k, p in enumerate(parts) if p.name in MODEL_PARTS]
+        model_pred = sum((design.x[design.rows(test, [k])] @ coef for k in blocks), np.zeros(len(test)))
         model_seen = np.asarray([sum(usable[i].stages_s.get(n, 0.0) for n in MODEL_PARTS) for i in test], dtype=float)
         api_seen = ttft - model_seen
         ok = api_seen > 0
@@ -504,9 +537,9 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
     ok = ttft_pred > 0
     prompts = np.asarray([usable[i].prompt_tokens or 0 for i in test], dtype=float)
     trend = _rank_correlation(np.log(ttft[ok] / ttft_pred[ok]), prompts[ok])
-    problems = [
-        f"{p}: its columns are linearly dependent (the records cannot tell them apart)" for p in ident.collinear
-    ]
+    problems = []
+    if ident.collinear:
+        problems.append("the columns are linearly dependent (the records cannot tell the costs apart)")
     if not any(v > 0 and math.isfinite(v) for k, v in values.items() if not set(k.split(SUM)) <= model_fields):
         problems.append("no API wait identified (every one zero): the records carry no sign of the API's costs")
     for name, err in (("TTFT", ttft_error), ("end time", e2e_error)):
@@ -542,10 +575,9 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
 def predict(c: Calibration, records: Sequence[TurnRecord], *, first_token: bool) -> Vector:
     """A fit's prediction of each record's TTFT (`first_token`) or end of turn, from its coefficients."""
     parts = _parts(c.known_stages)
-    turns = _Turns(records)
-    columns = {p.name: list(c.coefficients[p.name]) for p in parts}
-    design = _build(parts, turns, columns)
-    coef = {p.name: np.asarray([c.coefficients[p.name][col].value for col in columns[p.name]]) for p in parts}
+    values = {col: p.value for cols in c.coefficients.values() for col, p in cols.items()}
+    design = _build(parts, _Turns(records), list(values))
+    coef = np.asarray(list(values.values()), dtype=np.float64)
     return _predict(design, coef, np.arange(len(records), dtype=np.intp), first_token=first_token)
 
 
