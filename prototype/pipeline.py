@@ -50,6 +50,7 @@ path pays, so a fitted coefficient and a profile field mean one thing. A new des
 from __future__ import annotations
 
 import enum
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -391,13 +392,14 @@ def load_profile(spec: str, designs: Iterable[str] | None = None, *, compaction:
     if not path.is_file():
         raise ValueError(f"unknown cost profile {spec!r}: use {', '.join(PROFILES)} or a JSON file")
     try:
-        data = msgspec.json.decode(path.read_bytes())
+        # Python's reader: a fit file writes an unbounded rate (no per-byte cost found) as Infinity.
+        data = json.loads(path.read_bytes())
         if isinstance(data, dict) and "cost_profile" in data:  # a fit (`python -m sim calibrate --out`)
             fitted = msgspec.convert(data, type=FitProfile)
             profile = msgspec.convert(fitted.cost_profile, type=CostProfile)
         else:
             return msgspec.convert(data, type=CostProfile)
-    except msgspec.DecodeError as exc:  # ValidationError included
+    except (msgspec.ValidationError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{spec}: {exc}") from None
     waits = [profile.row_s(r, {c: 1.0 for c in Count}) for r in STAGE_COSTS]
     if not any(w > 0 for w in waits):

@@ -221,6 +221,8 @@ def calibrate_main(args: argparse.Namespace) -> int:
         flags = {"tps": "--tps", "prefill_tok_per_s": "--prefill-tok-per-s", "model_latency_s": "--model-latency-s"}
         given = " ".join(f"{flag} {rates[k]:.6g}" for k, flag in flags.items() if k in rates)
         print(f"wrote {args.out}: python -m sim compare --profile {args.out} --free-cpu {given}".rstrip())
+        for group in calibration.sums:
+            print(f"  {', '.join(group)}: placeholder equal shares of their sum (only the sum is identified)")
         if calibration.unidentified or calibration.sums:
             print("  (compare refuses a run whose modes pay a field the fit left open; --predict gives the range)")
     if args.predict:
