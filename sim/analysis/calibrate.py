@@ -429,11 +429,13 @@ def _values(d: _Design, coef: Vector) -> dict[str, float]:
 
 
 def _interval(samples: list[float], value: float) -> Param:
-    finite = [s for s in samples if math.isfinite(s)]
-    if len(finite) < 2:
+    """The refits' central 95 %; a rate's refits may be unbounded (no per-unit cost found), so
+    the quantiles are order statistics, not interpolations (inf − inf has no value)."""
+    known = [s for s in samples if not math.isnan(s)]
+    if len(known) < 2:
         return Param(value, math.nan, math.nan)
     alpha = (1 - LEVEL) / 2
-    low, high = np.quantile(finite, [alpha, 1 - alpha])
+    low, high = np.quantile(np.asarray(known), [alpha, 1 - alpha], method="inverted_cdf")
     return Param(value, float(low), float(high))
 
 
@@ -614,10 +616,16 @@ def report(c: Calibration) -> str:
         f"per-turn end time  {_pct(c.e2e_error)}",
         *([f"API part of TTFT   {_pct(c.api_error)} (TTFT less queue and prefill)"] if c.api_error else []),
         f"jitter (std of log measured/predicted, held out): TTFT {c.jitter['ttft']:.3f}, end {c.jitter['e2e']:.3f}",
+        f"held-out TTFT residuals against the prompt's size: rank correlation {c.residual_trend:+.2f}",
     ]
     if c.profile_params:
         lines.append("identified (95 % CI over refits; a+b: only the sum is identified):")
-        lines += [f"  {k:<22} {_num(p)}" for k, p in c.profile_params.items()]
+        for k, p in c.profile_params.items():
+            rate = any(BY_FIELD[f].rate for f in k.split(SUM))
+            bound = math.inf if rate else 0.0
+            at_bound = p.value == bound and p.ci_low == bound and p.ci_high == bound
+            note = "  (at the bound on every refit: too small for these records to resolve)" if at_bound else ""
+            lines.append(f"  {k:<22} {_num(p)}{note}")
     if c.unidentified:
         lines.append("not identified (no value is written for these):")
         lines += [f"  {k:<22} {why}" for k, why in c.unidentified.items()]

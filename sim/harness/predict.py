@@ -27,7 +27,7 @@ from typing import Final
 
 import numpy as np
 
-from prototype.pipeline import MODEL_COSTS, CostProfile, profile_gaps
+from prototype.pipeline import DESIGNS, MODEL_COSTS, CostProfile, profile_gaps
 from sim.analysis.calibrate import SUM, Calibration
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, compare
@@ -95,6 +95,9 @@ def predict_designs(
     chosen = [BASE]
     for m in modes:
         if m == BASE:
+            continue
+        if m not in DESIGNS:
+            skipped[m] = "no path in the stage-cost table (prototype/pipeline.py DESIGNS)"
             continue
         gaps = profile_gaps(list(c.unidentified), [], [m], compaction=config.compact_threshold > 0)
         if gaps:
