@@ -78,7 +78,7 @@ from .model import (
     TokenModel,
     TokensSampled,
 )
-from .pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
+from .pipeline import ALL_OPTIMIZATIONS, PROFILES, STAGE_SWITCH, CostProfile, Count, Optimization, Stage
 from .prepare import Turn, add_resumed, resolve
 from .safety import SafetyClassifier
 from .schemas import (
@@ -480,7 +480,7 @@ class Engine:
                     param="previous_response_id",
                 )
             history = await self.load(prev)
-            await stages.wait(Stage.LOAD_STATE, self.profile.state_load_s)
+            await stages.wait(Stage.LOAD_STATE, self.profile.stage_s(Stage.LOAD_STATE))
         combined = prune([*history, *items], [item.view for item in (*history, *items)])
         context = Context()
         context.extend(combined, await self.render(combined, stages.report))
@@ -488,7 +488,8 @@ class Engine:
             f"<|start|>developer<|message|>{params.instructions}<|end|>" if params.instructions else ""
         )
         stages.lap(Stage.RENDER)
-        await stages.wait(Stage.RENDER, self.profile.validate_s_per_token * stages.report.tokens_rendered)
+        rendered = stages.report.tokens_rendered
+        await stages.wait(Stage.RENDER, self.profile.stage_s(Stage.RENDER, {Count.TOKENS_RENDERED: rendered}))
         prompt = len(preamble) + context.n_tokens + len(generation_header(self.tokenizer))
         check_context_window(prompt, self.input_token_limit)
         compaction, compacted = await self.compact_context(context, prompt, stages.report)
@@ -653,8 +654,8 @@ class ResponseRun:
                     pass
             stages.lap(Stage.PREFILL)
             return await self._finish(self.stream.receive(SamplingFinished("stop")))
-        if not (self.arrival.routed and engine.uses(self.arrival, Optimization.REUSE_ROUTING)):
-            await stages.wait(Stage.ROUTING, profile.auth_s + profile.routing_s)
+        if not (self.arrival.routed and engine.uses(self.arrival, STAGE_SWITCH[Stage.ROUTING])):
+            await stages.wait(Stage.ROUTING, profile.stage_s(Stage.ROUTING))
         await self.emit(self._started(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens))))
         if self.resolved.compaction is not None:
             await self._announce_compaction(self.resolved.compaction)
@@ -686,7 +687,7 @@ class ResponseRun:
     async def _segments(self) -> Outcome:
         stream, turn, stages = self.stream, self.turn, self.stages
         try:
-            await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.inference_hop_s)
+            await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.stage_s(Stage.INFERENCE_HOP))
             while True:
                 if self.inbox.steers and self._steerable():
                     # A steer queued before this segment's first token; nothing decoded yet.

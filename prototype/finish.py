@@ -21,7 +21,7 @@ from msgspec import structs
 from .cache import CacheEntry
 from .conversation import CreateRequest, item_from_output
 from .errors import ProtocolError
-from .pipeline import Optimization, Stage
+from .pipeline import STAGE_SWITCH, Stage
 from .prepare import Resolved
 from .schemas import (
     OutputItem,
@@ -74,8 +74,8 @@ async def finish(
     terminal event, `events[-1]`, is replaced in place by the one carrying the stage report
     (the stored copy does not: it was written before the report). `in_context`: output items
     already interleaved in the context (append mode)."""
-    billing = engine.profile.billing_s
-    if engine.uses(arrival, Optimization.ASYNC_BILLING):
+    billing = engine.profile.stage_s(Stage.POST)
+    if engine.uses(arrival, STAGE_SWITCH[Stage.POST]):
         stages.report.overlapped_s += billing  # overlapped with the client's next request
     else:
         await stages.wait(Stage.POST, billing)

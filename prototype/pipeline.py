@@ -31,14 +31,31 @@ Profiles:
 
 `Optimizations` are the connection-cache switches, each on its own, so a
 researcher can ask "what if only the token cache existed?".
+
+The stage-cost table
+--------------------
+`STAGE_COSTS` is the one statement of which modeled wait a turn pays: per row, the stage that
+waits, the `CostProfile` field, the count it multiplies (`Count`: once, the request's bytes, the
+tokens rendered or classified, ...), the occasion that pays it (`Occasion`: every upload, a new
+request, a store load, the response's end, a compaction) and the `Optimization` that lets a
+WebSocket connection skip it. `DESIGNS` says, per design (the harness's modes), which path each
+turn takes (`TurnPath`), and `pays` reads a row against a path. The live path waits per stage
+with `CostProfile.stage_s` (its control flow is the occasions: a resume never reaches routing),
+and the two models of the turn that have no server to run, the fleet's per-turn formula
+(sim/fleet/costs.py) and calibration's design matrix (sim/analysis/calibrate.py), sum the rows a
+path pays, so a fitted coefficient and a profile field mean one thing. A new design declares its
+`Design` here; its rows follow.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, Literal
 
 import msgspec
 
@@ -47,11 +64,26 @@ from .schemas import StageReport
 __all__ = [
     "StageReport",
     "ALL_OPTIMIZATIONS",
+    "AFTER_FIRST_TOKEN",
+    "DESIGNS",
+    "MODEL_COSTS",
     "PROFILES",
+    "STAGE_COSTS",
+    "STAGE_SWITCH",
     "CostProfile",
+    "Count",
+    "Design",
+    "FitProfile",
+    "Occasion",
     "Optimization",
     "Stage",
+    "StageCost",
+    "TurnPath",
+    "design_paths",
     "load_profile",
+    "pays",
+    "profile_gaps",
+    "turn_s",
 ]
 
 
@@ -84,6 +116,141 @@ class Optimization(enum.StrEnum):
 ALL_OPTIMIZATIONS: Final = frozenset(Optimization)
 
 
+class Count(enum.StrEnum):
+    """What a stage-cost row's field multiplies (a rate's field divides it)."""
+
+    ONCE = "once"
+    BYTES = "bytes"  # the request's (or the resume's) body bytes
+    TOKENS_RENDERED = "tokens_rendered"  # tokens the API rendered for the turn
+    TOKENS_CLASSIFIED = "tokens_classified"  # tokens the safety classifier read for the turn
+    TOKENS_COMPACTED = "tokens_compacted"  # the prompt a compaction call reads
+    TOKENS_SUMMARISED = "tokens_summarised"  # the summary it writes
+    TOKENS_PREFILLED = "tokens_prefilled"  # prompt tokens the model prefilled (not cached, not held)
+    TOKENS_AFTER_FIRST = "tokens_after_first"  # output tokens decoded after the first
+
+
+class Occasion(enum.StrEnum):
+    """When a turn pays a row."""
+
+    UPLOAD = "upload"  # every request, and every resume of a held response
+    REQUEST = "request"  # a new response (not a held response's resume)
+    STORE_LOAD = "store_load"  # a request continuing a previous response by its id
+    RESPONSE_END = "response_end"  # the response's end (a held response's: its last turn)
+    COMPACTION = "compaction"  # a compaction of the context
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """One modeled wait: `stage` waits `field` × `count` (`count` / `field` for a rate), on each
+    `occasion`; on a WebSocket connection with `switch` on it is not on the critical path
+    (reuse_routing: after the connection's first request; state_cache: the connection's cache
+    holds the previous turn; async_billing: overlapped with the client's next request)."""
+
+    stage: Stage
+    field: str  # a CostProfile field
+    count: Count
+    occasion: Occasion
+    switch: Optimization | None = None
+    rate: bool = False
+
+
+STAGE_COSTS: Final[tuple[StageCost, ...]] = (
+    StageCost(Stage.NETWORK, "rtt_s", Count.ONCE, Occasion.UPLOAD),
+    StageCost(Stage.NETWORK, "uplink_bytes_per_s", Count.BYTES, Occasion.UPLOAD, rate=True),
+    StageCost(Stage.LOAD_STATE, "state_load_s", Count.ONCE, Occasion.STORE_LOAD, Optimization.STATE_CACHE),
+    StageCost(Stage.RENDER, "validate_s_per_token", Count.TOKENS_RENDERED, Occasion.UPLOAD),
+    StageCost(Stage.SAFETY, "safety_call_s", Count.ONCE, Occasion.UPLOAD),
+    StageCost(Stage.SAFETY, "safety_s_per_token", Count.TOKENS_CLASSIFIED, Occasion.UPLOAD),
+    StageCost(Stage.ROUTING, "auth_s", Count.ONCE, Occasion.REQUEST, Optimization.REUSE_ROUTING),
+    StageCost(Stage.ROUTING, "routing_s", Count.ONCE, Occasion.REQUEST, Optimization.REUSE_ROUTING),
+    StageCost(Stage.INFERENCE_HOP, "inference_hop_s", Count.ONCE, Occasion.REQUEST),
+    StageCost(Stage.POST, "billing_s", Count.ONCE, Occasion.RESPONSE_END, Optimization.ASYNC_BILLING),
+    StageCost(Stage.COMPACTION, "compaction_call_s", Count.ONCE, Occasion.COMPACTION),
+    StageCost(Stage.COMPACTION, "compaction_s_per_token_read", Count.TOKENS_COMPACTED, Occasion.COMPACTION),
+    StageCost(Stage.COMPACTION, "compaction_s_per_token_written", Count.TOKENS_SUMMARISED, Occasion.COMPACTION),
+)
+# The model's own costs in the same shape (fields of the model stand-in's config,
+# sim/model/config.py), paid by every model segment: a request's and a held response's resume.
+MODEL_COSTS: Final[tuple[StageCost, ...]] = (
+    StageCost(Stage.PREFILL, "model_latency_s", Count.ONCE, Occasion.UPLOAD),
+    StageCost(Stage.PREFILL, "prefill_tok_per_s", Count.TOKENS_PREFILLED, Occasion.UPLOAD, rate=True),
+    StageCost(Stage.DECODE, "tps", Count.TOKENS_AFTER_FIRST, Occasion.UPLOAD, rate=True),
+)
+# The switch that lets a WebSocket connection skip a stage's waits (one per stage: a test checks).
+STAGE_SWITCH: Final[dict[Stage, Optimization]] = {r.stage: r.switch for r in STAGE_COSTS if r.switch is not None}
+# Stages after the first token; the rest of a turn's waits come before it.
+AFTER_FIRST_TOKEN: Final = frozenset({Stage.DECODE, Stage.POST})
+
+
+@dataclass(frozen=True, slots=True)
+class TurnPath:
+    """What one model turn is to the API: over which transport, whether it resumes a held
+    response, continues a previous one by its id, is on a connection that has routed before,
+    and ends its response."""
+
+    transport: Literal["http", "ws"]
+    resumed: bool
+    continued: bool
+    routed: bool
+    ends: bool
+
+    @property
+    def whole_context(self) -> bool:
+        """The turn renders and classifies the whole context: over HTTP, or a connection's first request."""
+        return not self.routed
+
+
+@dataclass(frozen=True, slots=True)
+class Design:
+    """How a design's turns reach the API: the transport, and how turn k > 0 carries its history
+    (`full`: the whole history again; `previous`: previous_response_id; `held`: the same
+    response, paused at the tool call and resumed)."""
+
+    transport: Literal["http", "ws"]
+    history: Literal["full", "previous", "held"]
+
+    def path(self, k: int, *, fresh: bool = False, last: bool = False) -> TurnPath:
+        """Turn `k`'s path; `fresh`: a WebSocket design's first request on a new connection (a
+        reconnect), which carries the whole history as a first turn does; `last`: the rollout's
+        last turn (a held response ends there)."""
+        first = k == 0 or (fresh and self.transport == "ws")
+        return TurnPath(
+            transport=self.transport,
+            resumed=self.history == "held" and not first,
+            continued=self.history == "previous" and not first,
+            routed=self.transport == "ws" and not first,
+            ends=self.history != "held" or last,
+        )
+
+
+DESIGNS: Final[dict[str, Design]] = {
+    "http": Design("http", "full"),
+    "http_prev": Design("http", "previous"),
+    "ws": Design("ws", "previous"),
+    "append": Design("ws", "held"),
+    "inject": Design("ws", "held"),
+    "async": Design("ws", "held"),
+    "steer": Design("ws", "held"),
+}
+
+
+def pays(row: StageCost, path: TurnPath, optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS) -> bool:
+    """Whether a turn on `path` pays `row` on its critical path (a compaction is its own occasion:
+    never part of a turn's rule)."""
+    skip = path.transport == "ws" and row.switch is not None and row.switch in optimizations
+    match row.occasion:
+        case Occasion.UPLOAD:
+            return True
+        case Occasion.REQUEST:
+            return not path.resumed and not (skip and path.routed)
+        case Occasion.STORE_LOAD:
+            return path.continued and not skip
+        case Occasion.RESPONSE_END:
+            return path.ends and not skip
+        case Occasion.COMPACTION:
+            return False
+
+
 class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Modeled waits of the API service, in seconds (per token where named so)."""
 
@@ -105,15 +272,28 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     compaction_s_per_token_written: float = 0.0  # the call's decode of the summary
     compaction_ratio: float = 0.28  # summary tokens / dropped history tokens
 
+    def row_s(self, row: StageCost, counts: Mapping[Count, float]) -> float:
+        """One row's wait for `counts` (ONCE needs no count)."""
+        n = 1.0 if row.count is Count.ONCE else counts.get(row.count)
+        if n is None:
+            raise ValueError(f"{row.stage}: {row.field} needs the count {row.count}")
+        value = float(getattr(self, row.field))
+        return n / value if row.rate else value * n
+
+    def stage_s(self, stage: Stage, counts: Mapping[Count, float] | None = None) -> float:
+        """The stage's modeled wait: the sum of its rows for `counts`."""
+        total = 0.0
+        for row in STAGE_COSTS:
+            if row.stage is stage:
+                total += self.row_s(row, counts or {})
+        return total
+
     def compaction_s(self, tokens_read: int, tokens_written: int) -> float:
-        return (
-            self.compaction_call_s
-            + self.compaction_s_per_token_read * tokens_read
-            + self.compaction_s_per_token_written * tokens_written
-        )
+        counts = {Count.TOKENS_COMPACTED: float(tokens_read), Count.TOKENS_SUMMARISED: float(tokens_written)}
+        return self.stage_s(Stage.COMPACTION, counts)
 
     def upload_s(self, body_bytes: int) -> float:
-        return self.rtt_s + body_bytes / self.uplink_bytes_per_s
+        return self.stage_s(Stage.NETWORK, {Count.BYTES: float(body_bytes)})
 
 
 PROFILES: Final[dict[str, CostProfile]] = {
@@ -138,17 +318,93 @@ PROFILES: Final[dict[str, CostProfile]] = {
 }
 
 
-def load_profile(spec: str) -> CostProfile:
-    """A built-in profile by name, a JSON file of `CostProfile` fields, or a calibration's fit file."""
+def turn_s(
+    profile: CostProfile,
+    path: TurnPath,
+    counts: Mapping[Count, float],
+    optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS,
+) -> tuple[float, float]:
+    """A turn's modeled waits on `path`: before its first token, and after its last (blocking
+    billing), from the rows it pays (`pays`)."""
+    pre = post = 0.0
+    for row in STAGE_COSTS:
+        if pays(row, path, optimizations):
+            if row.stage in AFTER_FIRST_TOKEN:
+                post += profile.row_s(row, counts)
+            else:
+                pre += profile.row_s(row, counts)
+    return pre, post
+
+
+def design_paths(designs: Iterable[str]) -> list[TurnPath]:
+    """Every path a turn of these designs can take (first, later, last, after a reconnect)."""
+    out: list[TurnPath] = []
+    for name in designs:
+        if name not in DESIGNS:
+            raise ValueError(f"unknown design {name!r}; the stage-cost table knows {', '.join(DESIGNS)}")
+        d = DESIGNS[name]
+        out += [d.path(k, fresh=fresh, last=last) for k in (0, 1) for fresh in (False, True) for last in (False, True)]
+    return out
+
+
+def profile_gaps(
+    unidentified: Iterable[str],
+    sums: Iterable[Sequence[str]],
+    designs: Iterable[str],
+    *,
+    compaction: bool = False,
+    optimizations: frozenset[Optimization] = ALL_OPTIMIZATIONS,
+) -> list[str]:
+    """What a fitted profile leaves open that a run of `designs` needs: an unidentified field one
+    of their paths pays (a compaction's, when the run compacts), or a sum of fields identified
+    only together whose split the designs pay differently (some paths pay part of it). Empty:
+    the fit is usable for that run."""
+    paths = design_paths(designs)
+    rows = {r.field: r for r in (*STAGE_COSTS, *MODEL_COSTS)}
+    needed = {
+        r.field
+        for r in rows.values()
+        if any(pays(r, p, optimizations) for p in paths) or (compaction and r.occasion is Occasion.COMPACTION)
+    }
+    gaps = [f"{f} is not identified and the run pays it" for f in unidentified if f in needed]
+    for group in sums:
+        paid = {frozenset(f for f in group if pays(rows[f], p, optimizations)) for p in paths}
+        if len(paid - {frozenset(), frozenset(group)}) > 0:
+            gaps.append(f"{'+'.join(group)} is identified only as a sum and the run pays parts of it apart")
+    return gaps
+
+
+class FitProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """What `load_profile` reads of a calibration's fit file (sim/analysis/calibrate.py `FitFile`)."""
+
+    cost_profile: dict[str, object]
+    unidentified: list[str] = []
+    sums: list[list[str]] = []
+
+
+def load_profile(spec: str, designs: Iterable[str] | None = None, *, compaction: bool = False) -> CostProfile:
+    """A built-in profile by name, a JSON file of `CostProfile` fields, or a calibration's fit file.
+    A fit is refused when it is not a usable profile for a run of `designs` (every design when
+    None): one that identified no wait at all, or leaves open what the run pays (`profile_gaps`)."""
     if spec in PROFILES:
         return PROFILES[spec]
     path = Path(spec)
     if not path.is_file():
         raise ValueError(f"unknown cost profile {spec!r}: use {', '.join(PROFILES)} or a JSON file")
     try:
-        data = msgspec.json.decode(path.read_bytes())
+        # Python's reader: a fit file writes an unbounded rate (no per-byte cost found) as Infinity.
+        data = json.loads(path.read_bytes())
         if isinstance(data, dict) and "cost_profile" in data:  # a fit (`python -m sim calibrate --out`)
-            data = data["cost_profile"]
-        return msgspec.convert(data, type=CostProfile)
-    except msgspec.DecodeError as exc:  # ValidationError included
+            fitted = msgspec.convert(data, type=FitProfile)
+            profile = msgspec.convert(fitted.cost_profile, type=CostProfile)
+        else:
+            return msgspec.convert(data, type=CostProfile)
+    except (msgspec.ValidationError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ValueError(f"{spec}: {exc}") from None
+    waits = [profile.row_s(r, {c: 1.0 for c in Count}) for r in STAGE_COSTS]
+    if not any(w > 0 for w in waits):
+        raise ValueError(f"{spec}: the fit identified no API wait (every one zero): not a usable profile")
+    gaps = profile_gaps(fitted.unidentified, fitted.sums, designs or DESIGNS, compaction=compaction)
+    if gaps:
+        raise ValueError(f"{spec}: not a usable profile for this run: " + "; ".join(gaps))
+    return profile

@@ -31,7 +31,7 @@ from .conversation import (
     render_preamble,
 )
 from .model import ModelRequest
-from .pipeline import Optimization, Stage
+from .pipeline import STAGE_SWITCH, Count, Optimization, Stage
 from .safety import ClassifierState
 from .schemas import OutputItem, StageReport
 from .services import Arrival, Services, Stages
@@ -139,7 +139,7 @@ async def resolve(
         prev is not None
         and cached is not None
         and cached.response_id == prev
-        and engine.uses(arrival, Optimization.STATE_CACHE)
+        and engine.uses(arrival, STAGE_SWITCH[Stage.LOAD_STATE])
     )
     report.connection_cache = "none" if prev is None else ("hit" if hit else "miss")
     safety: ClassifierState | None = None
@@ -164,7 +164,7 @@ async def resolve(
         context = Context()
         if prev is not None:
             items = await engine.load(prev)
-            await stages.wait(Stage.LOAD_STATE, engine.profile.state_load_s)
+            await stages.wait(Stage.LOAD_STATE, engine.profile.stage_s(Stage.LOAD_STATE))
             context.extend(items, await engine.render(items, report))
         else:
             stages.lap(Stage.LOAD_STATE)
@@ -190,7 +190,9 @@ async def resolve(
         stages.lap(Stage.COMPACTION)
     check_context_window(len(preamble.tokens) + context.n_tokens + header, engine.input_token_limit)
     stages.lap(Stage.RENDER)
-    await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * report.tokens_rendered)
+    await stages.wait(
+        Stage.RENDER, engine.profile.stage_s(Stage.RENDER, {Count.TOKENS_RENDERED: report.tokens_rendered})
+    )
     if safety is None:
         safety = engine.classifier.update(engine.classifier.begin(), preamble.tokens)
         report.tokens_classified += len(preamble.tokens)
@@ -220,7 +222,7 @@ async def classify(engine: Services, stages: Stages, resolved: Resolved) -> None
     n = stages.report.tokens_classified - before
     engine.counts.tokens_classified += n
     stages.lap(Stage.SAFETY)
-    await stages.wait(Stage.SAFETY, engine.profile.safety_call_s + engine.profile.safety_s_per_token * n)
+    await stages.wait(Stage.SAFETY, engine.profile.stage_s(Stage.SAFETY, {Count.TOKENS_CLASSIFIED: n}))
 
 
 async def add_resumed(
@@ -239,7 +241,8 @@ async def add_resumed(
     if limit is not None and turn.prompt_tokens > limit:
         compaction = await _compact_resumed(engine, stages, turn)
     check_context_window(turn.prompt_tokens, engine.input_token_limit)
-    await stages.wait(Stage.RENDER, engine.profile.validate_s_per_token * (stages.report.tokens_rendered - before))
+    rendered = stages.report.tokens_rendered - before
+    await stages.wait(Stage.RENDER, engine.profile.stage_s(Stage.RENDER, {Count.TOKENS_RENDERED: rendered}))
     await classify(engine, stages, turn.resolved)
     return compaction
 

@@ -39,6 +39,7 @@ from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
+from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
 
@@ -166,6 +167,14 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", metavar="PROFILE.json", help="write the fit; `--profile PROFILE.json` reads it")
     cal.add_argument("--holdout", type=float, default=0.3, help="share of whole rollouts held out of the fit")
     cal.add_argument("--seed", type=int, default=0, help="seeds the split and the intervals")
+    cal.add_argument(
+        "--predict",
+        action="store_true",
+        help="run the virtual comparison on the fit for every design and print each one's time saved vs http",
+    )
+    cal.add_argument("--rollouts", type=int, default=4, help="--predict: rollouts per design")
+    cal.add_argument("--tool-calls", type=int, default=5, help="--predict: tool calls per rollout")
+    cal.add_argument("--refits", type=int, default=8, help="--predict: refits whose spread widens the interval")
     return p
 
 
@@ -203,17 +212,28 @@ def calibrate_main(args: argparse.Namespace) -> int:
         return 2
     print(report(calibration))
     if args.out:
-        fitted = fit_file(calibration)
+        try:
+            fitted = fit_file(calibration)
+        except ValueError as exc:  # no usable profile: none is written
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         write_json(fitted, args.out)
         rates = fitted.model
-        if rates:
-            print(
-                f"wrote {args.out}: python -m sim compare --profile {args.out} --free-cpu "
-                f"--tps {rates['tps']:.6g} --prefill-tok-per-s {rates['prefill_tok_per_s']:.6g} "
-                f"--model-latency-s {rates['model_latency_s']:.6g}"
-            )
-        else:
-            print(f"wrote {args.out}")
+        flags = {"tps": "--tps", "prefill_tok_per_s": "--prefill-tok-per-s", "model_latency_s": "--model-latency-s"}
+        given = " ".join(f"{flag} {rates[k]:.6g}" for k, flag in flags.items() if k in rates)
+        print(f"wrote {args.out}: python -m sim compare --profile {args.out} --free-cpu {given}".rstrip())
+        for group in calibration.sums:
+            print(f"  {', '.join(group)}: placeholder equal shares of their sum (only the sum is identified)")
+        if calibration.unidentified or calibration.sums:
+            print("  (compare refuses a run whose modes pay a field the fit left open; --predict gives the range)")
+    if args.predict:
+        config = CompareConfig.of(rollouts=args.rollouts, tool_calls=args.tool_calls, seed=args.seed)
+        try:
+            predictions, skipped = predict_designs(calibration, config, refits=args.refits)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("\n" + prediction_table(predictions, skipped, refits=args.refits))
     return 0
 
 

@@ -100,19 +100,34 @@ def test_the_negative_control_misses_the_known_profile(tmp_path: Path) -> None:
     path.write_bytes(msgspec.json.encode(OTHER))
     calibration = fit(_noisy(_records(str(path)), sigma=0.05))
     misses = check_profile(calibration, PROFILES["hosted"], RATES, tolerance=TOLERANCE)
-    assert {m.split(":")[0] for m in misses} >= {"rtt_s", "routing_s", "inference_hop_s", "billing_s"}
+    assert {m.split(":")[0] for m in misses} >= {"rtt_s", "auth_s+routing_s", "inference_hop_s", "billing_s"}
     assert check_profile(calibration, OTHER, RATES, tolerance=TOLERANCE) == []
 
 
-def test_a_capture_without_stages_is_fitted_whole() -> None:
-    captured = [
+def _capture(records: list[TurnRecord] | tuple[TurnRecord, ...]) -> list[TurnRecord]:
+    """What a client or proxy records of http and ws turns: no stages, no server counts."""
+    return [
         msgspec.structs.replace(r, stages_s={}, tokens_rendered=None, tokens_classified=None, source="capture")
-        for r in _noisy(_records("hosted"), sigma=0.05)
+        for r in records
+        if r.mode in ("http", "ws")
     ]
-    calibration = fit(captured)
-    assert not calibration.staged and calibration.profile_params == {} and calibration.api_error is None
+
+
+def test_a_capture_without_stages_names_what_it_cannot_identify() -> None:
+    """Without stages the turn is fitted whole on the table's rows: what every turn pays once is
+    identified only as a sum, a wait no captured design pays is unidentified, never zero; a
+    noiseless capture gives every identified value back."""
+    calibration = fit(_capture(_records("hosted")))
+    assert not calibration.staged and calibration.api_error is None and calibration.usable
     assert set(calibration.coefficients) == {"ttft", "after_first_token"}
-    assert calibration.ttft_error.median < 0.10
+    assert "state_load_s" in calibration.unidentified and "state_load_s" not in calibration.cost_profile
+    assert ["rtt_s", "safety_call_s", "inference_hop_s", "model_latency_s"] in calibration.sums
+    assert ["auth_s", "routing_s"] in calibration.sums
+    assert check_profile(calibration, PROFILES["hosted"], RATES, tolerance=0.02) == []
+    noisy = fit(_capture(_noisy(_records("hosted"), sigma=0.05)))
+    assert noisy.usable and noisy.ttft_error.median < 0.05
+    for k in ("billing_s", "auth_s+routing_s", "tps", "prefill_tok_per_s"):
+        assert noisy.profile_params[k].ci_low <= noisy.profile_params[k].value <= noisy.profile_params[k].ci_high
 
 
 def test_the_split_holds_out_whole_rollouts() -> None:

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import msgspec
 
+from prototype.pipeline import DESIGNS, Stage
+from prototype.schemas import TimingMetrics, WebsocketTiming
 from sim.analysis.metrics import per_turn_work
 from sim.harness.live import RolloutResult
 
-__all__ = ["TurnRecord", "read_records", "records_from_rollouts"]
+__all__ = ["Exchange", "TurnRecord", "Usage", "read_records", "records_from_rollouts"]
 
 
 class TurnRecord(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -81,22 +83,125 @@ def records_from_rollouts(rollouts: Sequence[RolloutResult], *, source: str) -> 
     return out
 
 
+class CachedDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    """A response's `usage`, as the Responses API returns it."""
+
+    input_tokens: int
+    output_tokens: int
+    input_tokens_details: CachedDetails | None = None
+
+
+class Exchange(msgspec.Struct, kw_only=True):
+    """One line of a proxy log (docs/calibration.md, "Input formats"): a request and its
+    response, timed at the client or a proxy. Times are seconds on any one clock; other fields
+    a log carries are ignored."""
+
+    conversation: str  # the rollout: every request of one agent conversation
+    mode: str  # the API path: http (the whole history), http_prev (previous_response_id), ws
+    sent_at: float  # the request's first byte sent
+    first_token_at: float | None = None  # the first token-carrying delta (a stream's)
+    done_at: float  # the terminal event (or the whole body)
+    request_bytes: int
+    usage: Usage
+    turn: int | None = None  # the request's index in its conversation; by default the order of the lines
+    response_id: str | None = None
+    previous_response_id: str | None = None  # where given, it must name an earlier response of the log
+    timing_metrics: TimingMetrics | None = None  # a Codex `responsesapi.websocket_timing` frame's
+    timing: WebsocketTiming | None = None  # or the whole frame
+
+
 _decoder = msgspec.json.Decoder(TurnRecord)
+_exchange = msgspec.json.Decoder(Exchange)
+
+
+def _timing_stages(m: TimingMetrics) -> dict[str, float]:
+    """A timing frame's split (prototype/timing.py): the engine's TTFT is its queue and prefill,
+    the API's view of it adds the inference hop; decode is the engine's total less its TTFT."""
+    hop = (m.engine_iapi_ttft_total_ms - m.engine_service_ttft_total_ms) / 1000
+    decode = (m.engine_service_total_ms - m.engine_service_ttft_total_ms) / 1000
+    if min(hop, decode, m.engine_service_ttft_total_ms) < 0:
+        raise ValueError("timing frame: negative hop, engine TTFT or decode time")
+    return {
+        Stage.INFERENCE_HOP.value: hop,
+        Stage.PREFILL.value: m.engine_service_ttft_total_ms / 1000,
+        Stage.DECODE.value: decode,
+    }
+
+
+def _from_exchange(e: Exchange, turn: int) -> TurnRecord:
+    if e.mode not in DESIGNS:
+        raise ValueError(f"mode {e.mode!r}: one of {', '.join(DESIGNS)}")
+    first = e.first_token_at if e.first_token_at is not None else None
+    if e.done_at < e.sent_at or (first is not None and not e.sent_at <= first <= e.done_at):
+        raise ValueError("negative time: want sent_at <= first_token_at <= done_at")
+    if e.request_bytes < 0 or e.usage.input_tokens < 0 or e.usage.output_tokens < 0:
+        raise ValueError("negative size or token count")
+    cached = e.usage.input_tokens_details.cached_tokens if e.usage.input_tokens_details else 0
+    metrics = e.timing_metrics or (e.timing.timing_metrics if e.timing else None)
+    return TurnRecord(
+        source="capture",
+        mode=e.mode,
+        rollout=e.conversation,
+        turn=turn,
+        e2e_s=e.done_at - e.sent_at,
+        bytes_in=e.request_bytes,
+        ttft_s=None if first is None else first - e.sent_at,
+        prompt_tokens=e.usage.input_tokens,
+        cached_tokens=cached,
+        uncached_tokens=e.usage.input_tokens - cached,
+        output_tokens=e.usage.output_tokens,
+        stages_s=_timing_stages(metrics) if metrics is not None else {},
+    )
+
+
+def _check(r: TurnRecord) -> None:
+    if r.turn < 0 or r.e2e_s < 0 or (r.ttft_s is not None and not 0 <= r.ttft_s <= r.e2e_s):
+        raise ValueError("negative time or turn: want turn >= 0 and 0 <= ttft_s <= e2e_s")
+    if any(v < 0 for v in r.stages_s.values()) or r.bytes_in < 0:
+        raise ValueError("negative stage time or size")
 
 
 def read_records(paths: Iterable[str | Path]) -> list[TurnRecord]:
-    """Records from JSONL files, or from run folders (their `records.jsonl`). A bad line is an
-    error naming its file and line."""
+    """Records from JSONL files (longrun's records, or a proxy log with or without timing
+    frames: docs/calibration.md), or from run folders (their `records.jsonl`). A bad line is an
+    error naming its file and line: a missing field, a negative time, a turn whose conversation
+    lacks the turns before it, a `previous_response_id` the log does not have."""
     out: list[TurnRecord] = []
     for given in paths:
         path = Path(given)
         if path.is_dir():
             path = path / "records.jsonl"
+        lines: dict[tuple[str, str, int], int] = {}  # (mode, rollout, turn) -> line
+        order: dict[tuple[str, str], int] = {}
+        responses: set[str] = set()
         for number, line in enumerate(path.read_bytes().splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                out.append(_decoder.decode(line))
-            except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+                if b'"sent_at"' in line:
+                    e = _exchange.decode(line)
+                    if e.previous_response_id is not None and e.previous_response_id not in responses:
+                        raise ValueError(f"previous_response_id {e.previous_response_id!r} is not an earlier response")
+                    if e.response_id is not None:
+                        responses.add(e.response_id)
+                    key = (e.mode, e.conversation)
+                    turn = e.turn if e.turn is not None else order.get(key, 0)
+                    order[key] = turn + 1
+                    record = _from_exchange(e, turn)
+                else:
+                    record = _decoder.decode(line)
+                _check(record)
+                if record.turn > 0 and (record.mode, record.rollout, record.turn - 1) not in lines:
+                    raise ValueError(
+                        f"turn {record.turn} of {record.mode} conversation {record.rollout!r} without its "
+                        f"turn {record.turn - 1} before it"
+                    )
+            except (msgspec.DecodeError, ValueError) as exc:  # ValidationError is a DecodeError
                 raise ValueError(f"{path}:{number}: {exc}") from None
+            lines[(record.mode, record.rollout, record.turn)] = number
+            out.append(record)
     return out

@@ -16,7 +16,9 @@ fixed stages a mode pays (docs/pipeline.md, "What each mode touches"):
 * A WebSocket mode's first request on a new connection (a reconnect) is a first turn again:
   the whole history, auth and routing.
 
-The constants are the full path's own request envelopes and template sizes; a test checks the
+Which waits a turn pays is the stage-cost table's (prototype/pipeline.py `STAGE_COSTS`, `pays`):
+this module only counts what the rows multiply (bytes, tokens rendered, tokens classified). The
+constants are the full path's own request envelopes and template sizes; a test checks the
 fleet's per-turn first-token times against the full path's, stage by stage, in every mode.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from prototype.pipeline import CostProfile
+from prototype.pipeline import DESIGNS, CostProfile, Count, turn_s
 from sim.fleet.sessions import SessionTokens
 
 __all__ = ["FLEET_MODES", "TurnCost", "turn_cost"]
@@ -59,21 +61,18 @@ def turn_cost(
     profile: CostProfile, mode: str, s: SessionTokens, k: int, prompts: list[int], *, fresh: bool
 ) -> TurnCost:
     """Turn `k`'s API work in `mode` (`prompts`: the session's prompt tokens per turn); `fresh`:
-    a WebSocket mode's first request on this connection."""
-    p = profile
+    a WebSocket mode's first request on this connection. The waits are the stage-cost table's
+    rows the turn's path pays (prototype/pipeline.py `turn_s`); this module supplies the counts."""
+    path = DESIGNS[mode].path(k, fresh=fresh)
     body = request_bytes(s, mode, k, fresh=fresh)
-    pre = p.upload_s(body)
-    cold = mode in ("http", "http_prev") or k == 0 or fresh  # the whole context, auth and routing
-    if cold:
+    if path.whole_context:
         rendered = classified = prompts[k] - s.instruction_tokens - RENDER_KEPT_TOKENS
     else:
         rendered, classified = s.tool_tokens[k - 1], prompts[k] - prompts[k - 1]
-    pre += p.validate_s_per_token * rendered + p.safety_call_s + p.safety_s_per_token * classified
-    if mode == "http_prev" and k > 0:
-        pre += p.state_load_s
-    if cold:
-        pre += p.auth_s + p.routing_s
-    if mode != "append" or cold:
-        pre += p.inference_hop_s
-    post = p.billing_s if mode in ("http", "http_prev") else 0.0
+    counts = {
+        Count.BYTES: float(body),
+        Count.TOKENS_RENDERED: float(rendered),
+        Count.TOKENS_CLASSIFIED: float(classified),
+    }
+    pre, post = turn_s(profile, path, counts)
     return TurnCost(pre, post, body)

@@ -46,7 +46,7 @@ from prototype.conversation import ToolCache, conversation_key, parse_items
 from prototype.engine import Engine
 from prototype.model import ModelEvent, ModelRequest
 from prototype.options import replace_leaves
-from prototype.pipeline import Optimization
+from prototype.pipeline import Optimization, load_profile
 from prototype.store import MemoryStore
 from prototype.wallclock import AsyncioClock
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
@@ -219,8 +219,12 @@ def config_of(data: dict[str, Any]) -> CompareConfig:
 
 
 def _server_config(config: CompareConfig) -> ServerConfig:
-    """The server under test: `config.server`, its cost profile resolved and `rtt_s` applied."""
-    profile = config.server.cost_profile
+    """The server under test: `config.server`, its cost profile resolved and `rtt_s` applied. A
+    calibration's fit is refused when it leaves open a wait the run's modes pay."""
+    spec = config.server.profile
+    profile = (
+        load_profile(spec, config.modes, compaction=config.compact_threshold > 0) if isinstance(spec, str) else spec
+    )
     if config.rtt_s is not None:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
     return structs.replace(config.server, profile=profile)

@@ -1,0 +1,155 @@
+"""Every design's time saved on a fitted profile, with an interval that carries what the fit
+left open (docs/calibration.md, "Predicting every design").
+
+A capture identifies some of the profile's fields alone and some only as a sum (what every
+captured turn pays once: the round trip, the classifier call, the inference hop and the model's
+fixed latency); a design that pays part of such a sum apart from the rest (a held response's
+resume skips the hop) saves an amount that depends on the split the capture cannot see. So each
+design's saving is computed by the virtual comparison (free CPU, exactly reproducible) at:
+
+* the fitted values, each sum split equally (the point);
+* every vertex of each such sum (all of it on one field), at the fitted values: the range the
+  unidentified split leaves;
+* refits on resampled rollouts (`Calibration.refits`), at the equal split: the fit's own
+  uncertainty.
+
+The interval is the vertices' range widened by the refits' spread around the point. A design
+whose path pays a field the capture did not identify at all is not predicted, and says which.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from prototype.pipeline import DESIGNS, MODEL_COSTS, CostProfile, profile_gaps
+from sim.analysis.calibrate import SUM, Calibration
+from sim.harness.client import ALL_MODES
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.live import RolloutResult
+
+__all__ = ["DesignPrediction", "predict_designs", "prediction_table", "time_saved"]
+
+BASE: Final = "http"
+MODEL_FIELDS: Final = frozenset(r.field for r in MODEL_COSTS)
+
+
+@dataclass(frozen=True, slots=True)
+class DesignPrediction:
+    mode: str
+    saved: float  # mean over rollouts of 1 − t(mode)/t(http), at the point
+    low: float
+    high: float
+    split_low: float  # the range over the unidentified splits, at the fitted values
+    split_high: float
+    refit_low: float  # the refits' range, at the equal split
+    refit_high: float
+    why_wide: str  # the sums whose split moves this design's saving
+
+
+def time_saved(rollouts: Sequence[RolloutResult], base: str = BASE) -> dict[str, float]:
+    """Per mode, the mean over rollouts of 1 − t(mode)/t(base), paired by rollout."""
+    t: dict[tuple[str, int], float] = {(r.mode, r.index): r.completion_s for r in rollouts}
+    modes = dict.fromkeys(r.mode for r in rollouts)
+    out: dict[str, float] = {}
+    for m in modes:
+        pairs = [1 - t[(m, i)] / t[(base, i)] for (mode, i) in t if mode == m and (base, i) in t]
+        out[m] = float(np.mean(pairs)) if pairs else math.nan
+    return out
+
+
+def _settings(values: dict[str, float], split: dict[str, str]) -> dict[str, object]:
+    """Compare's leaves for identified `values` (a sum's whole value on `split[sum]`, or shared
+    equally when the sum is not in `split`)."""
+    fields: dict[str, float] = {}
+    for name, v in values.items():
+        members = name.split(SUM)
+        if name in split:
+            fields.update({f: (v if f == split[name] else 0.0) for f in members})
+        else:
+            fields.update({f: v / len(members) for f in members})
+    cost = {k: v for k, v in fields.items() if k not in MODEL_FIELDS}
+    leaves: dict[str, object] = {"profile": CostProfile(name="fitted", **cost)}
+    leaves.update({k: v for k, v in fields.items() if k in MODEL_FIELDS})
+    return leaves
+
+
+def _saved(config: CompareConfig, values: dict[str, float], split: dict[str, str]) -> dict[str, float]:
+    result = compare(config.updated(**_settings(values, split)), virtual=True, free_cpu=True)
+    return time_saved(result.rollouts)
+
+
+def predict_designs(
+    c: Calibration, config: CompareConfig, *, modes: Sequence[str] = ALL_MODES, refits: int = 8
+) -> tuple[list[DesignPrediction], dict[str, str]]:
+    """Each design's time saved vs http on the fit (module doc), and the designs not predicted
+    with why. `config` is the workload to compare on (its profile and model rates are replaced)."""
+    if c.problems:
+        raise ValueError("no usable profile to predict with: " + "; ".join(c.problems))
+    skipped: dict[str, str] = {}
+    chosen = [BASE]
+    for m in modes:
+        if m == BASE:
+            continue
+        if m not in DESIGNS:
+            skipped[m] = "no path in the stage-cost table (prototype/pipeline.py DESIGNS)"
+            continue
+        gaps = profile_gaps(list(c.unidentified), [], [m], compaction=config.compact_threshold > 0)
+        if gaps:
+            skipped[m] = "; ".join(gaps)
+        else:
+            chosen.append(m)
+    if profile_gaps(list(c.unidentified), [], [BASE]):
+        raise ValueError(f"cannot predict: {BASE}, the base, pays a field the fit did not identify")
+    config = config.updated(modes=tuple(chosen))
+    values = {k: p.value for k, p in c.profile_params.items()}
+    open_sums = [SUM.join(g) for g in c.sums if profile_gaps([], [g], chosen)]
+    point = _saved(config, values, {})
+    vertices = (
+        [
+            _saved(config, values, dict(zip(open_sums, choice, strict=True)))
+            for choice in itertools.product(*(name.split(SUM) for name in open_sums))
+        ]
+        if open_sums
+        else [point]
+    )
+    refitted = [_saved(config, v, {}) for v in c.refits[:refits] if set(v) == set(values)]
+    out: list[DesignPrediction] = []
+    for m in chosen[1:]:
+        at_split = [v[m] for v in vertices]
+        at_refit = [v[m] for v in refitted] or [point[m]]
+        lo_r, hi_r = min(at_refit), max(at_refit)
+        low = min(at_split) + min(0.0, lo_r - point[m])
+        high = max(at_split) + max(0.0, hi_r - point[m])
+        moving = [s for s in open_sums if profile_gaps([], [s.split(SUM)], [BASE, m])]
+        out.append(
+            DesignPrediction(m, point[m], low, high, min(at_split), max(at_split), lo_r, hi_r, ", ".join(moving))
+        )
+    return out, skipped
+
+
+def prediction_table(predictions: Sequence[DesignPrediction], skipped: dict[str, str], *, refits: int) -> str:
+    """The text `python -m sim calibrate --predict` prints."""
+    lines = [
+        f"predicted time saved vs {BASE} (virtual comparison on the fitted profile; interval: the unidentified "
+        f"splits' range widened by {refits} refits' spread)",
+        f"{'mode':<10} {'saved':>8} {'interval':>17} {'split range':>17} {'refit range':>17}  wide because",
+    ]
+
+    def pct(x: float) -> str:
+        return f"{100 * x:.1f} %"
+
+    for p in predictions:
+        lines.append(
+            f"{p.mode:<10} {pct(p.saved):>8} {pct(p.low) + '–' + pct(p.high):>17} "
+            f"{pct(p.split_low) + '–' + pct(p.split_high):>17} {pct(p.refit_low) + '–' + pct(p.refit_high):>17}  "
+            + (f"only the sum {p.why_wide} is identified" if p.why_wide else "-")
+        )
+    for m, why in skipped.items():
+        lines.append(f"{m:<10} not predicted: {why}")
+    return "\n".join(lines)
