@@ -36,12 +36,13 @@ from sim.analysis.stats import Estimate
 from sim.engine.process import EngineNotInstalled
 from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, run_capacity
 from sim.harness.client import ALL_MODES
-from sim.harness.experiment import CompareConfig, CompareResult, check, compare
+from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
+from sim.harness.validate import validate, validate_records, validation_text
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -144,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     fidelity_options(f, _add_config_options)
+
+    val = sub.add_parser(
+        "validate",
+        help="the simulator against a real engine: run every mode live on llama.cpp, fit on some rollouts' "
+        "http and ws turns, predict the rest and append, print the held-out errors (docs/validation.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    _add_config_options(val)
+    val.add_argument("--train-share", type=float, default=0.5, help="share of rollouts the fit sees")
+    val.add_argument("--out", metavar="DIR", help="write the engine run's folder (records.jsonl, engine.jsonl)")
+    val.add_argument("--quiet", action="store_true", help="no progress bar")
+    val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
     cap = sub.add_parser(
         "capacity",
@@ -500,6 +513,50 @@ def compare_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# `python -m sim validate`'s run when no option says otherwise: a small workload every mode of
+# which a 2-core CPU engine serves in minutes, on the local profile (no modeled waits).
+VALIDATE_DEFAULTS: Final = CompareConfig.of(
+    engine_kind="llamacpp",
+    modes=("http", "ws", "append"),
+    profile="local",
+    rollouts=6,
+    tool_calls=4,
+    system_prompt_tokens=600,
+    tool_output_tokens=120,
+    tool_time_s=0.2,
+)
+
+
+def validate_main(args: argparse.Namespace) -> int:
+    if args.source:
+        folder = Path(args.source)
+        try:
+            saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+            v = validate_records(read_records([folder]), saved, train_share=args.train_share, seed=saved.seed)
+        except (OSError, KeyError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise SystemExit(f"python -m sim validate: {exc}") from None
+        print(validation_text(v))
+        return 1 if v.problems else 0
+    try:
+        config: CompareConfig = struct_from_args(args, CompareConfig, base=VALIDATE_DEFAULTS)
+        check(config, virtual=False)
+    except (msgspec.ValidationError, ValueError, OSError) as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    except EngineNotInstalled as exc:
+        raise SystemExit(f"python -m sim validate: {exc}") from None
+    print(f"longrun validate: {config.rollouts} rollouts per mode live on the engine; {_describe(config)}", flush=True)
+    measured = run(config, virtual=False, progress=not args.quiet)
+    _show(f"engine, n={config.rollouts} rollouts per mode:", measured)
+    if args.out:
+        print(f"run folder: {write_run(measured, args.out)}", file=sys.stderr)
+    try:
+        v = validate(measured, train_share=args.train_share, seed=config.seed)
+    except ValueError as exc:
+        raise SystemExit(f"python -m sim validate: {exc}") from None
+    print("\n" + validation_text(v))
+    return 1 if v.problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "sweep":
@@ -512,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         return capacity_main(args)
     if args.command == "fidelity":
         return fidelity_main(args, uvloop.new_event_loop)
+    if args.command == "validate":
+        return validate_main(args)
     if args.command == "results" and args.render:
         print(render_results(args.out))
         return 0
