@@ -87,9 +87,16 @@ def test_a_tool_tail_changes_the_times_and_nothing_else() -> None:
 
 def test_held_kv_that_waits_loses_to_ws_where_preempting_it_does_not() -> None:
     """The crossover in small: a budget the held KV overflows; waiting for it collapses, preempting
-    it does not, and the paired comparison against ws says so with its interval."""
+    it does not, and the paired comparison against ws says so with its interval. Free compute, so
+    that KV is the only resource short (with priced compute both saturate at this load)."""
     config = msgspec.structs.replace(
-        SMALL, loads=(4.0,), kv_budgets=(60_000,), modes=("ws", "append"), policies=("hold",), seeds=3
+        SMALL,
+        loads=(4.0,),
+        kv_budgets=(60_000,),
+        modes=("ws", "append"),
+        policies=("hold",),
+        seeds=3,
+        fleet=msgspec.structs.replace(SMALL.fleet, compute="free"),
     )
     _, points = run_capacity(config)
     by = {p["preempt"]: p for p in points if p["mode"] == "append"}

@@ -83,6 +83,9 @@ POINT_COLUMNS: Final = (
     "kv_held_share",
     "kv_cached_share",
     "tool_p99_s",
+    "prefill_tok_per_s",
+    "busy_share",
+    "model_share",
     "sessions_arrived",
     "sessions_completed",
 )
@@ -268,6 +271,12 @@ def _row(
         "kv_held_share": kv["held"] / kv_total,
         "kv_cached_share": kv["cached"] / kv_total,
         "tool_p99_s": float(np.quantile(tools, 0.99)) if tools else math.nan,
+        # Which resource saturates: a replica's prefill rate and share of time running steps
+        # (means over replicas), and the share of session time spent on a replica.
+        "prefill_tok_per_s": float(np.mean(run.prefill_tok_per_s())),
+        "busy_share": float(np.mean(run.busy_share())),
+        "model_share": sum(s.model_s for s in run.sessions if s.done)
+        / max(1e-12, sum(s.finished_at - s.arrived_at for s in run.sessions if s.done)),
         "sessions_arrived": run.arrived,
         "sessions_completed": run.completed,
     }
@@ -397,6 +406,13 @@ def _ci(mean: float, low: float, high: float, fmt: str) -> str:
     return f"{mean:{fmt}} ({low:{fmt}}–{high:{fmt}})"
 
 
+def _compute(fleet: FleetConfig) -> str:
+    if fleet.compute == "free":
+        return f"free compute ({fleet.prefill_tok_per_s:g} prefill tokens/s a turn, {fleet.tps:g} tokens/s a stream)"
+    cost = fleet.step_cost()
+    return f"priced compute ({cost.name}, {cost.token_budget} tokens a step)"
+
+
 def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
     """The frontier as text: goodput with its interval per variant, load and grid cell."""
     key, unit, axis = _axis(config)
@@ -405,7 +421,7 @@ def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> 
         f"goodput (sessions/s meeting p90 TTFT <= {config.ttft_slo_s:g} s), mean over seeds with 95 % CI, "
         f"n = {config.seeds} seeds; {config.sessions} sessions a point, workload {config.workload}, {loop}, "
         f"{config.fleet.replicas} replicas x {config.fleet.decode_slots or 'unlimited'} slots, "
-        f"router {config.fleet.router}",
+        f"{_compute(config.fleet)}, router {config.fleet.router}",
     ]
     for title, block in _blocks(config, points):
         lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>24}" for x in axis)]
