@@ -14,6 +14,7 @@ from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import paired_mean
 from sim.fleet.compute import ENGINES, StepCost
 from sim.fleet.engine import FleetConfig, FleetRun, simulate
+from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import SessionTokens, custom_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
 
@@ -358,3 +359,20 @@ def test_every_scheduling_switch_is_refused_when_unknown() -> None:
     for name in ("compute", "admission", "queue_order", "ttl_rule", "engine"):
         with pytest.raises(ValueError, match=name):
             FleetConfig(**{name: "nope"})  # type: ignore[arg-type]
+
+
+def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
+    """Three rollouts on two llama.cpp slots: the third waits for a slot; one rollout alone gets
+    the one-stream figures; in append its resumed turn prefills only the tool output."""
+    prompts, outputs, tools = [500, 700], [40, 40], [1.0]
+    alone = predict_turns("ws", 2, [prompts], [outputs], [tools])[0]
+    cost = ENGINES["llamacpp-cpu"]
+    assert alone[0].ttft_s == pytest.approx(cost.prefill_alone_s(0, 500))
+    assert alone[0].turn_s == pytest.approx(alone[0].ttft_s + 39 / 70.8)
+    three = predict_turns("ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3)
+    assert three[2][0].admission_wait_s > 0 and three[0][0].admission_wait_s == 0
+    assert three[2][0].ttft_s > three[0][0].ttft_s
+    held = predict_turns("append", 2, [prompts], [outputs], [tools])[0]
+    assert held[1].ttft_s < cost.prefill_alone_s(0, 700) / 2
+    with pytest.raises(ValueError, match="context"):
+        predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
