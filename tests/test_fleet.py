@@ -15,8 +15,10 @@ from sim.analysis.stats import paired_mean
 from sim.fleet.compute import ENGINES, StepCost
 from sim.fleet.engine import FleetConfig, FleetRun, simulate
 from sim.fleet.predict import predict_turns
-from sim.fleet.sessions import SessionTokens, custom_sessions
+from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
+from sim.harness.live import tool_output_text
+from sim.harness.workload import WORKLOADS
 
 HOSTED = load_profile("hosted")
 CALLS = 6
@@ -376,3 +378,24 @@ def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
     assert held[1].ttft_s < cost.prefill_alone_s(0, 700) / 2
     with pytest.raises(ValueError, match="context"):
         predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
+
+
+def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
+    """Sessions built as arrays: a tool output's tokens counted from its size match the text's
+    count, and the point's turns, tool tokens and output tokens have the exact builder's means."""
+    rng = np.random.default_rng(0)
+    for n in (1, 11, 12, 13, 250):
+        text = tool_output_text(rng, n)
+        assert text.count(" ") + 2 * text.count("\n") + 1 == n + -(-n // 12) - 1
+    w = WORKLOADS["agentic"]
+    exact, fast = workload_sessions(w, 0, 200), array_sessions(w, 0, 4000)
+    for what in (
+        lambda s: [s.turns],
+        lambda s: list(s.tool_tokens),
+        lambda s: list(s.output_tokens),
+        lambda s: list(s.tool_bytes),
+    ):
+        a = np.concatenate([what(s) for s in exact])
+        b = np.concatenate([what(s) for s in fast])
+        assert abs(b.mean() - a.mean()) < 4 * math.sqrt(a.var() / len(a) + b.var() / len(b))
+    assert {s.first_prompt_tokens for s in fast} == {exact[0].first_prompt_tokens}

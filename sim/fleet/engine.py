@@ -20,8 +20,8 @@ added as switches.
   the next step boundary: an error under one step). The replicas' prefill rate, time running
   steps and each turn's model-side time are reported.
 * **Free compute** (`compute="free"`, the model before compute was priced, kept for
-  comparison): the turn takes its decode slot through prefill and decode as the accelerator does: first
-  token at ``admitted + model_latency_s + uncached / prefill_tok_per_s``, token i at
+  comparison): the turn takes its decode slot through prefill and decode as the accelerator
+  does: first token at ``admitted + model_latency_s + uncached / prefill_tok_per_s``, token i at
   ``t0 + i / rate`` with ``rate = tps / (1 + concurrency_slowdown × others)`` (others: turns
   of the replica decoding at t0), the slot free at ``t0 + output / rate``; blocking billing
   (`post_s`) comes after the last token. Every prefill runs in parallel with every other at
@@ -52,8 +52,9 @@ added as switches.
 * **Hold policies** (append: a paused response's KV while the client runs its tool). `hold`
   keeps it until the resume; `ttl` keeps it `hold_ttl_s` (`ttl_rule="fixed"`) or, with
   `ttl_rule="reload"`, until its share of the KV budget has cost as much replica time as
-  prefilling it again (`hold_ttl`), then releases it to the prefix cache (Continuum's time-to-live); `release` hands it to the cache at once (what create relies
-  on); `offload` moves it to host memory, counting the bytes, and the resume reloads it at
+  prefilling it again (`hold_ttl`), then releases it to the prefix cache (Continuum's
+  time-to-live); `release` hands it to the cache at once (what create relies on); `offload`
+  moves it to host memory, counting the bytes, and the resume reloads it at
   `offload_gb_per_s` before its prefill.
 * **Router.** `affinity` pins a session to one replica (a WebSocket connection's replica; an
   HTTP session by its index); at `connection_limit_s` a WebSocket session reconnects to another
