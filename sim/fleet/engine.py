@@ -638,7 +638,7 @@ class _Fleet:
         shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
         own_held = st.held if (s in r.holders) else 0
-        found = self.lookup(r, st, s, k)  # before making room: the KV already here for the turn
+        self.purge(r)
         entry = r.cache.get(s)
         own_cached = int(entry[0]) if entry is not None else 0
         extra = need - own_held - own_cached + (0 if r.shared else shared)
@@ -651,6 +651,7 @@ class _Fleet:
                 self.run_.overflow_tokens += need + shared - self.budget
             else:
                 return False
+        found = self.lookup(r, st, s, k)  # the KV here for the turn (making room never takes the turn's own)
         # Admitted: what the session held or had cached here becomes its running KV.
         reload_s = 0.0
         if own_held:
