@@ -58,6 +58,8 @@ def test_a_point_serves_every_variant_the_same_sessions_and_loses_none() -> None
         assert r["sessions_arrived"] == r["sessions_completed"] == SMALL.sessions
         assert r["kv_peak_tokens"] <= r["kv_budget_tokens"]
         assert 0 <= r["goodput"] <= 4.0
+        # Priced compute reports which resource saturates, per replica and per session.
+        assert r["prefill_tok_per_s"] > 0 and 0 < r["busy_share"] <= 1 and 0 < r["model_share"] < 1
     # At the overload point the KV budget binds: something waits or is preempted.
     assert any(r["admission_wait_p90_s"] > 0 or r["preemptions"] > 0 for r in rows)
 
