@@ -358,7 +358,7 @@ def test_a_ttl_from_the_reload_cost_scales_with_the_budget() -> None:
 
 
 def test_every_scheduling_switch_is_refused_when_unknown() -> None:
-    for name in ("compute", "admission", "queue_order", "ttl_rule", "engine"):
+    for name in ("compute", "admission", "queue_order", "ttl_rule", "running_kv", "engine"):
         with pytest.raises(ValueError, match=name):
             FleetConfig(**{name: "nope"})  # type: ignore[arg-type]
 
@@ -399,3 +399,31 @@ def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
         b = np.concatenate([what(s) for s in fast])
         assert abs(b.mean() - a.mean()) < 4 * math.sqrt(a.var() / len(a) + b.var() / len(b))
     assert {s.first_prompt_tokens for s in fast} == {exact[0].first_prompt_tokens}
+
+
+def test_growing_kv_preempts_the_newest_running_turn_and_recomputes_it() -> None:
+    """Two turns whose prompts fit together but not their outputs: reserving the output makes
+    the second wait for admission; growing it at the first token (vLLM) admits both, then
+    preempts the newer one, which runs again after the first ends, its prompt's blocks still
+    cached unless they are dropped."""
+    sessions = [_raw(0, 1000, (800,)), _raw(1, 1000, (800,))]
+    config = FleetConfig(engine="llamacpp-cpu", kv_budget_tokens=3000)
+    runs = {
+        name: simulate("ws", LOCAL, msgspec.structs.replace(config, **changes), sessions, arrivals=[0.0, 0.01])
+        for name, changes in (
+            ("reserve", {}),
+            ("grow", {"running_kv": "grow"}),
+            ("grow, dropped", {"running_kv": "grow", "evict_tail": False}),
+        )
+    }
+    for run in runs.values():
+        assert run.completed == 2 and run.turns == 2 and run.overflow_tokens == 0
+        assert run.kv_peak_tokens <= 3000
+        assert [len(s.ttft_s) for s in run.sessions] == [1, 1]
+    reserve, grow, dropped = runs.values()
+    assert reserve.running_preemptions == 0 and reserve.sessions[1].admission_wait_s[0] > 10
+    assert grow.running_preemptions == dropped.running_preemptions == 1
+    assert grow.sessions[1].ttft_s[0] > grow.sessions[0].e2e_s[0]  # it waited for the first to end
+    assert 0 <= grow.sessions[1].reprefill_tokens < dropped.sessions[1].reprefill_tokens
+    with pytest.raises(ValueError, match="running_kv"):
+        FleetConfig(compute="free", running_kv="grow")

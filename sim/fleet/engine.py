@@ -42,8 +42,13 @@ added as switches.
   free block queue takes a request's blocks tail first). If it still does not fit it waits in
   the replica's **admission queue**: first come first served by turn (`queue_order="turn"`), or
   by session arrival (`"program"`, Continuum's program-level first come first served, so a
-  resume passes newer sessions' turns). A turn larger than the whole budget runs alone, over
-  budget, and the excess is counted (`overflow_tokens`): the one way KV exceeds the budget.
+  resume passes newer sessions' turns). With `running_kv="grow"` (priced compute) a turn takes
+  its prompt's KV at admission and its output's at its first token; short of it, it evicts the
+  cache (and held KV with `preempt_held`), then preempts the newest running turn, which is
+  queued again and recomputed, its blocks left in the prefix cache (vLLM's preemption by
+  recomputation, with the output allocated at once rather than block by block). A turn larger
+  than the whole budget runs alone, over budget, and the excess is counted (`overflow_tokens`):
+  the one way KV exceeds the budget.
 * **Prefix cache.** After a turn, its session's blocks go to the replica's cache: the prompt,
   and with `cache_generated` the generated call too (vLLM's v1 KV-cache manager caches full
   blocks of generated tokens). Hits are block-granular with the last prompt token recomputed.
@@ -94,6 +99,7 @@ COMPUTE: Final = ("priced", "free")
 ADMISSIONS: Final = ("plan", "greedy")
 QUEUE_ORDERS: Final = ("turn", "program")
 TTL_RULES: Final = ("fixed", "reload")
+RUNNING_KV: Final = ("reserve", "grow")
 
 
 class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -132,6 +138,13 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     queue_order: Annotated[
         str, Meta(description="admission queue: turn (first come) or program (oldest session first, Continuum)")
     ] = "turn"
+    running_kv: Annotated[
+        str,
+        Meta(
+            description="priced: reserve a running turn's output KV at admission, or grow it at its first token "
+            "and preempt the newest running turn when short (vLLM's recompute)"
+        ),
+    ] = "reserve"
     ttl_rule: Annotated[
         str, Meta(description="ttl policy: fixed hold_ttl_s, or reload (ski rental on the context's reload cost)")
     ] = "fixed"
@@ -149,9 +162,12 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             ("admission", ADMISSIONS),
             ("queue_order", QUEUE_ORDERS),
             ("ttl_rule", TTL_RULES),
+            ("running_kv", RUNNING_KV),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.running_kv == "grow" and self.compute == "free":
+            raise ValueError("running_kv: grow needs priced compute (engine steps)")
         if isinstance(self.engine, str) and self.engine not in ENGINES:
             raise ValueError(f"engine: one of {', '.join(ENGINES)} or a StepCost, got {self.engine!r}")
 
@@ -188,6 +204,7 @@ class FleetRun:
     prefilled_tokens: int = 0
     reprefill_tokens: int = 0
     preemptions: int = 0
+    running_preemptions: int = 0  # running turns preempted for KV (`running_kv="grow"`), recomputed
     ttl_releases: int = 0
     reconnects: int = 0
     offload_bytes: int = 0
@@ -239,6 +256,7 @@ class _Replica:
         "prefilled",
         "prefilling",
         "queue",
+        "runners",
         "running",
         "seg_t",
         "shared",
@@ -262,6 +280,7 @@ class _Replica:
         self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first
         self.queue: list[tuple[float, int, int, int, float]] = []  # heap of (priority, seq, session, turn, ready at)
         self.prefilled = 0
+        self.runners: dict[int, int] = {}  # priced compute: running session → its turn, oldest admission first
         # Priced compute: the step loop's state (see _Fleet.schedule).
         self.prefilling: list[list[float]] = []  # FCFS: [session, turn, tokens left, s per token]
         self.dheap: list[tuple[float, int, int, int]] = []  # decoding: (position of its last token, seq, session, turn)
@@ -303,6 +322,12 @@ class _Session:
     hint: int = 0  # prompt tokens found cached when the turn reached its replica
     admitted_at: float = 0.0
     cached_now: int = 0  # prompt tokens of the running turn found cached at admission
+    run_id: int = 0  # the running turn's admission number: a prefill entry of an older one is stale
+    pending_kv: int = 0  # `running_kv="grow"`: the output's KV, taken at the first token
+    ready_at: float = 0.0  # the running turn's ready time (its place if it is preempted)
+    requeued: bool = False  # preempted while running: its next admission continues the same turn
+    first_done: bool = False  # the running turn's first token is out
+    decoding: bool = False
     dctx: float = 0.0  # priced compute: the decoding turn's mean context
 
 
@@ -351,6 +376,7 @@ class _Fleet:
         self.profile = profile
         self.c = config
         self.priced = config.compute == "priced"
+        self.grow = config.running_kv == "grow"
         self.cost = config.step_cost()
         self.program = config.queue_order == "program"
         self.qseq = 0
@@ -637,6 +663,10 @@ class _Fleet:
         out = st.spec.output_tokens[k]
         shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
+        grow = self.grow
+        if grow:  # the prompt now, the output at the first token
+            st.pending_kv = out + CALL_TEMPLATE_TOKENS
+            need -= st.pending_kv
         own_held = st.held if (s in r.holders) else 0
         self.purge(r)
         entry = r.cache.get(s)
@@ -672,15 +702,20 @@ class _Fleet:
         r.running += 1
         run = self.run_
         uncached = prompt - cached
-        run.turns += 1
-        run.prompt_tokens += prompt
+        if st.requeued:  # the same turn again after a preemption: its wait adds to the turn's
+            st.requeued = False
+            st.record.admission_wait_s[-1] += self.now - ready
+        else:
+            run.turns += 1
+            run.prompt_tokens += prompt
+            st.first_done = False
+            st.record.admission_wait_s.append(self.now - ready)
         run.hit_tokens += cached
         run.prefilled_tokens += uncached
         again = max(0, min(st.seen, prompt) - cached)
         run.reprefill_tokens += again
         st.record.reprefill_tokens += again
         st.seen = prompt + out + CALL_TEMPLATE_TOKENS
-        st.record.admission_wait_s.append(self.now - ready)
         r.prefilled += uncached
         st.running_on = r.index
         st.admitted_at = self.now
@@ -690,6 +725,9 @@ class _Fleet:
                 self.totals[2] += shared
                 self.run_.kv_peak_tokens = max(self.run_.kv_peak_tokens, r.used())
             st.dctx = float(self.cost.prefill_s_per(cached, uncached))  # until it decodes: the per-token cost
+            st.run_id += 1
+            st.ready_at = ready
+            r.runners[s] = k
             if reload_s > 0:
                 self.push(self.now + reload_s, _JOIN, s, k)
             else:
@@ -763,7 +801,7 @@ class _Fleet:
     def join(self, r: _Replica, s: int, k: int) -> None:
         """An admitted turn's uncached prompt joins the replica's prefill queue (FCFS)."""
         st = self.states[s]
-        r.prefilling.append([s, k, float(st.prompts[k] - st.cached_now), st.dctx])
+        r.prefilling.append([s, k, float(st.prompts[k] - st.cached_now), st.dctx, st.run_id])
         self.kick(r)
 
     def kick(self, r: _Replica) -> None:
@@ -834,16 +872,22 @@ class _Fleet:
             r.ctx_sum -= st.dctx
             self.last_token(r, s, k)
         for entry in done:
-            self.first_token(r, int(entry[0]), int(entry[1]))
+            if entry[4] == self.states[int(entry[0])].run_id:  # not preempted meanwhile
+                self.first_token(r, int(entry[0]), int(entry[1]))
         r.in_step = False
         self.schedule(r)
 
     def first_token(self, r: _Replica, s: int, k: int) -> None:
         st = self.states[s]
-        st.record.ttft_s.append(self.now - st.sent_at)
         if math.isinf(r.shared_at):
             r.shared_at = self.now
+        if self.grow and not self.grow_room(r, s):
+            return  # preempted itself: the newest running turn
+        if not st.first_done:
+            st.first_done = True
+            st.record.ttft_s.append(self.now - st.sent_at)
         out = st.spec.output_tokens[k]
+        st.decoding = True
         if out <= 1:
             self.last_token(r, s, k)
             return
@@ -855,6 +899,57 @@ class _Fleet:
     def last_token(self, r: _Replica, s: int, k: int) -> None:
         st = self.states[s]
         st.dctx = 0.0
+        st.decoding = False
+        r.runners.pop(s, None)
         st.record.model_s += self.now - st.admitted_at
         self.push(self.now + st.post_s, _END, s, k)
         self.turn_done(s, k)
+
+    # -- running_kv="grow": output KV at the first token, preemption of the newest running turn --
+
+    def grow_room(self, r: _Replica, s: int) -> bool:
+        """Session `s`'s output KV, taken at its first token: cache and (with `preempt_held`) held
+        KV first, then the newest running turn, recomputed later, as vLLM preempts when a running
+        request needs blocks that are not there. False when `s` itself was the newest."""
+        st = self.states[s]
+        need = st.pending_kv
+        while self.budget - r.used() < need and not self.make_room(r, need, s, preempt=self.c.preempt_held):
+            victim = next(reversed(r.runners))
+            if victim == s and len(r.runners) == 1:  # alone and over the budget: counted, not hidden
+                self.make_room(r, need, s, preempt=True, force=True)
+                self.run_.overflow_tokens += max(0, need - (self.budget - r.used()))
+                break
+            self.preempt_running(r, victim)
+            if victim == s:
+                return False
+        st.pending_kv = 0
+        st.active += need
+        self.add(r, 0, need)
+        return True
+
+    def preempt_running(self, r: _Replica, v: int) -> None:
+        st = self.states[v]
+        k = r.runners.pop(v)
+        self.run_.running_preemptions += 1
+        if st.decoding:
+            r.dheap = [e for e in r.dheap if e[2] != v]
+            heapq.heapify(r.dheap)
+            r.ctx_sum -= st.dctx
+            st.decoding = False
+            computed = st.prompts[k]
+        else:
+            left = next((e[2] for e in r.prefilling if e[0] == v and e[4] == st.run_id), 0.0)
+            r.prefilling = [e for e in r.prefilling if not (e[0] == v and e[4] == st.run_id)]
+            computed = st.prompts[k] - int(left)
+        st.run_id += 1
+        st.dctx = 0.0
+        self.add(r, 0, -st.active)
+        st.active = 0
+        r.free_slots += 1
+        r.running -= 1
+        st.record.model_s += self.now - st.admitted_at
+        if self.c.evict_tail and computed > 0:  # its blocks stay in the prefix cache until evicted
+            self.to_cache(r, v, computed)
+        st.requeued = True
+        st.hint = st.prompts[k]
+        self.enqueue(r, v, k, st.ready_at)
