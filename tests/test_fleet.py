@@ -427,3 +427,29 @@ def test_growing_kv_preempts_the_newest_running_turn_and_recomputes_it() -> None
     assert 0 <= grow.sessions[1].reprefill_tokens < dropped.sessions[1].reprefill_tokens
     with pytest.raises(ValueError, match="running_kv"):
         FleetConfig(compute="free", running_kv="grow")
+
+
+@pytest.mark.parametrize("policy", ["hold", "ttl", "offload"])
+@pytest.mark.parametrize("running_kv", ["reserve", "grow"])
+def test_every_switch_combination_serves_every_session_within_the_budget(policy: str, running_kv: str) -> None:
+    """Tight KV, scheduling switches crossed: every session ends, KV stays within its budget, and
+    each turn has one first token, one end and one admission wait (a preempted running turn,
+    an offloaded one reloading among them, continues its own records)."""
+    sessions = array_sessions(WORKLOADS["interactive"], 1, 60)
+    for admission, queue_order, evict_tail in (("plan", "turn", True), ("greedy", "program", False)):
+        config = FleetConfig(
+            replicas=2,
+            decode_slots=8,
+            kv_budget_tokens=120_000,
+            hold_policy=policy,
+            hold_ttl_s=1.0,
+            admission=admission,
+            queue_order=queue_order,
+            evict_tail=evict_tail,
+            running_kv=running_kv,
+        )
+        run = simulate("append", HOSTED, config, sessions, arrivals=[0.5 * i for i in range(len(sessions))])
+        assert run.completed == len(sessions) and run.overflow_tokens == 0
+        assert run.kv_peak_tokens <= 120_000
+        for s in run.sessions:
+            assert len(s.ttft_s) == len(s.e2e_s) == len(s.admission_wait_s) == sessions[s.index].turns

@@ -328,6 +328,7 @@ class _Session:
     requeued: bool = False  # preempted while running: its next admission continues the same turn
     first_done: bool = False  # the running turn's first token is out
     decoding: bool = False
+    join_at: float = math.nan  # an offloaded turn's end of reload: when it joins the prefill queue
     dctx: float = 0.0  # priced compute: the decoding turn's mean context
 
 
@@ -455,7 +456,8 @@ class _Fleet:
             elif kind == _SEND:
                 self.send(s, k)
             elif kind == _JOIN:
-                self.join(self.replicas[st.running_on], s, k)
+                if t == st.join_at:  # not preempted (and admitted again) while it reloaded
+                    self.join(self.replicas[st.running_on], s, k)
             elif kind == _TTL:
                 r = self.replicas[st.replica]
                 if st.epoch == k and s in r.holders:
@@ -729,7 +731,8 @@ class _Fleet:
             st.ready_at = ready
             r.runners[s] = k
             if reload_s > 0:
-                self.push(self.now + reload_s, _JOIN, s, k)
+                st.join_at = self.now + reload_s
+                self.push(st.join_at, _JOIN, s, k)
             else:
                 self.join(r, s, k)
             return True
@@ -943,6 +946,7 @@ class _Fleet:
             computed = st.prompts[k] - int(left)
         st.run_id += 1
         st.dctx = 0.0
+        st.join_at = math.nan
         self.add(r, 0, -st.active)
         st.active = 0
         r.free_slots += 1
