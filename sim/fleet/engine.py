@@ -36,7 +36,7 @@ added as switches.
   nothing runs on the replica: then nothing else could free room, and paused sessions would
   wait on each other for ever). With `admission="plan"` (the default) the victims are planned
   first and nothing is evicted unless they make the room, as vLLM's scheduler allocates a
-  request's blocks only when they fit; `"greedy"` evicts, then checks (the earlier rule). With
+  request's blocks only when they fit; `"greedy"` evicts, then checks. With
   `evict_tail` (default) a victim loses its tail blocks only, as many as the turn needs, and a
   preempted paused context goes to the prefix cache first, so its prefix still hits (vLLM's
   free block queue takes a request's blocks tail first). If it still does not fit it waits in
@@ -110,7 +110,7 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         int, Meta(ge=0, description="turns running at once per replica, vLLM's max_num_seqs (0 = unlimited)")
     ] = 0
     compute: Annotated[
-        str, Meta(description="priced: engine steps with a shared token budget; free: the old per-turn rates")
+        str, Meta(description="priced: engine steps with a shared token budget; free: each turn at its own rates")
     ] = "priced"
     engine: Annotated[
         str | StepCost,
@@ -282,7 +282,7 @@ class _Replica:
         self.prefilled = 0
         self.runners: dict[int, int] = {}  # priced compute: running session → its turn, oldest admission first
         # Priced compute: the step loop's state (see _Fleet.schedule).
-        self.prefilling: list[list[float]] = []  # FCFS: [session, turn, tokens left, s per token]
+        self.prefilling: list[list[float]] = []  # FCFS: [session, turn, tokens left, s per token, run id]
         self.dheap: list[tuple[float, int, int, int]] = []  # decoding: (position of its last token, seq, session, turn)
         self.pos = 0.0  # decode steps run so far (fractional inside a decode-only segment)
         self.ctx_sum = 0.0  # decoding sequences' contexts (their KV reads)
