@@ -166,6 +166,8 @@ def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFix
     text = capsys.readouterr().out
     assert "goodput" in text and "append hold wait" in text and "release" in text
     assert "session time saved vs ws" in text
+    busy = text.split("busy share / prefill k tokens/s")[1]  # which resource saturates, per variant and cell
+    assert "ws" in busy and "append hold wait" in busy and "k;" in busy
     with (out / "points.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == POINT_COLUMNS

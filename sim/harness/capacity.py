@@ -44,6 +44,7 @@ __all__ = [
     "Variant",
     "capacity_table",
     "crossover_table",
+    "resource_table",
     "point_sessions",
     "run_capacity",
     "run_point",
@@ -458,5 +459,29 @@ def crossover_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) ->
                 low, high = c["saved_vs_ws_ci_low"], c["saved_vs_ws_ci_high"]
                 mark = "~" if math.isnan(low) or low <= 0 <= high else "+" if low > 0 else "-"
                 text.append(_ci(c["saved_vs_ws_pct"], low, high, "+.1f") + " " + mark)
+            lines.append(f"{v.label:<22}" + "".join(f"{t:>28}" for t in text))
+    return "\n".join(lines)
+
+
+def resource_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
+    """Which resource saturates: per variant and cell, the replicas' share of the run spent
+    running steps, their prefill tokens/s (means over replicas), the running turns' share of KV
+    token-seconds, and the share of session time spent on a replica (means over seeds)."""
+    key, unit, axis = _axis(config)
+    lines = [
+        "per replica: busy share / prefill k tokens/s; KV share of running turns / share of session time "
+        f"on a replica; means over n = {config.seeds} seeds"
+    ]
+    for title, block in _blocks(config, points):
+        lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>28}" for x in axis)]
+        for v in variants(config):
+            cells = {p[key]: p for p in block if Variant.of(p) == v}
+            text = [
+                f"{c['busy_share']:.2f} / {c['prefill_tok_per_s'] / 1000:.1f}k; "
+                f"{c['kv_active_share']:.2f} / {c['model_share']:.2f}"
+                if c
+                else "-"
+                for c in (cells.get(x) for x in axis)
+            ]
             lines.append(f"{v.label:<22}" + "".join(f"{t:>28}" for t in text))
     return "\n".join(lines)
