@@ -34,7 +34,7 @@ from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
 from sim.engine.process import EngineNotInstalled
-from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, run_capacity
+from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, resource_table, run_capacity
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
@@ -210,6 +210,7 @@ def capacity_main(args: argparse.Namespace) -> int:
     print(capacity_table(config, points_))
     if "append" in config.modes and "ws" in config.modes:
         print("\n" + crossover_table(config, points_))
+    print("\n" + resource_table(config, points_))
     if args.out:
         write_capacity(Path(args.out), config, rows, points_)
         print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, crossover.png, config.json)")

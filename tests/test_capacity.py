@@ -58,6 +58,8 @@ def test_a_point_serves_every_variant_the_same_sessions_and_loses_none() -> None
         assert r["sessions_arrived"] == r["sessions_completed"] == SMALL.sessions
         assert r["kv_peak_tokens"] <= r["kv_budget_tokens"]
         assert 0 <= r["goodput"] <= 4.0
+        # Priced compute reports which resource saturates, per replica and per session.
+        assert r["prefill_tok_per_s"] > 0 and 0 < r["busy_share"] <= 1 and 0 < r["model_share"] < 1
     # At the overload point the KV budget binds: something waits or is preempted.
     assert any(r["admission_wait_p90_s"] > 0 or r["preemptions"] > 0 for r in rows)
 
@@ -87,9 +89,16 @@ def test_a_tool_tail_changes_the_times_and_nothing_else() -> None:
 
 def test_held_kv_that_waits_loses_to_ws_where_preempting_it_does_not() -> None:
     """The crossover in small: a budget the held KV overflows; waiting for it collapses, preempting
-    it does not, and the paired comparison against ws says so with its interval."""
+    it does not, and the paired comparison against ws says so with its interval. Free compute, so
+    that KV is the only resource short (with priced compute both saturate at this load)."""
     config = msgspec.structs.replace(
-        SMALL, loads=(4.0,), kv_budgets=(60_000,), modes=("ws", "append"), policies=("hold",), seeds=3
+        SMALL,
+        loads=(4.0,),
+        kv_budgets=(60_000,),
+        modes=("ws", "append"),
+        policies=("hold",),
+        seeds=3,
+        fleet=msgspec.structs.replace(SMALL.fleet, compute="free"),
     )
     _, points = run_capacity(config)
     by = {p["preempt"]: p for p in points if p["mode"] == "append"}
@@ -157,6 +166,8 @@ def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFix
     text = capsys.readouterr().out
     assert "goodput" in text and "append hold wait" in text and "release" in text
     assert "session time saved vs ws" in text
+    busy = text.split("busy share / prefill k tokens/s")[1]  # which resource saturates, per variant and cell
+    assert "ws" in busy and "append hold wait" in busy and "k;" in busy
     with (out / "points.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == POINT_COLUMNS

@@ -6,14 +6,19 @@ import dataclasses
 import math
 
 import msgspec
+import numpy as np
 import pytest
 
 from prototype.pipeline import load_profile
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import paired_mean
+from sim.fleet.compute import ENGINES, StepCost
 from sim.fleet.engine import FleetConfig, FleetRun, simulate
-from sim.fleet.sessions import SessionTokens, custom_sessions
+from sim.fleet.predict import predict_turns
+from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
+from sim.harness.live import tool_output_text
+from sim.harness.workload import WORKLOADS
 
 HOSTED = load_profile("hosted")
 CALLS = 6
@@ -48,7 +53,7 @@ def test_one_session_at_a_time_reproduces_compare(sequential: tuple[CompareConfi
     turn's first token and end, and each rollout's time, are the full path's, within 0.1 ms a turn."""
     _, result = sequential
     records = records_from_rollouts(result.rollouts, source="v")
-    run = simulate(mode, HOSTED, FleetConfig(cache_generated=False), _sessions(3), users=1)
+    run = simulate(mode, HOSTED, FleetConfig(compute="free", cache_generated=False), _sessions(3), users=1)
     for rec in run.sessions:
         full = sorted((r for r in records if r.mode == mode and r.rollout == str(rec.index)), key=lambda r: r.turn)
         assert len(rec.ttft_s) == len(full)
@@ -70,7 +75,9 @@ def test_a_shared_accelerator_agrees_with_the_full_path_per_session() -> None:
     result = compare(config, virtual=True, free_cpu=True)
     sessions = _sessions(n)
     for mode in modes:
-        run = simulate(mode, HOSTED, FleetConfig(cache_generated=False, decode_slots=2), sessions, users=4)
+        run = simulate(
+            mode, HOSTED, FleetConfig(compute="free", cache_generated=False, decode_slots=2), sessions, users=4
+        )
         fleet = {r.index: r.finished_at - r.arrived_at for r in run.sessions}
         full = {r.index: r.completion_s for r in result.rollouts if r.mode == mode}
         diff = paired_mean([fleet[i] - full[i] for i in range(n)])
@@ -209,3 +216,240 @@ def test_bad_switches_are_refused() -> None:
     with pytest.raises(ValueError, match="mode"):
         simulate("steer", HOSTED, FleetConfig(), _sessions(1), arrivals=[0.0])
     assert math.isnan(simulate("ws", HOSTED, FleetConfig(), [], arrivals=[]).end_s) is False
+
+
+# -- priced compute and the engines' scheduling rules ------------------------------------------
+
+LOCAL = load_profile("local")
+# The free model's rates as a step cost: 20,000 prefill tokens/s, 1,000 tokens/s a stream at any batch.
+FREE_LIKE = StepCost(
+    name="free-like",
+    step_s=1e-3,
+    prefill_s_per_token=1 / 20_000,
+    prefill_s_per_token_ctx=0.0,
+    decode_batch=(1,),
+    decode_s_per_token=(1e-9,),
+    decode_s_per_ctx_token=0.0,
+    token_budget=8192,
+)
+
+
+def test_a_turn_alone_costs_its_steps() -> None:
+    """One turn on an idle llama.cpp replica: the prompt in budget-sized chunks, then one decode
+    step a token at the measured one-stream rate."""
+    (spec,) = _sessions(1)
+    spec = dataclasses.replace(spec, output_tokens=spec.output_tokens[:1], tool_times_s=(), tool_tokens=())
+    run = simulate("ws", LOCAL, FleetConfig(engine="llamacpp-cpu"), [spec], arrivals=[0.0])
+    cost = ENGINES["llamacpp-cpu"]
+    prompt, out = spec.first_prompt_tokens, spec.output_tokens[0]
+    assert prompt > cost.token_budget  # chunked
+    prefill = cost.prefill_alone_s(0, prompt)
+    assert run.sessions[0].ttft_s == [pytest.approx(prefill, rel=1e-9)]
+    assert run.sessions[0].e2e_s == [pytest.approx(prefill + (out - 1) / 70.8, rel=1e-9)]
+    assert run.replica_busy_s == [pytest.approx(run.sessions[0].model_s)]
+    assert run.replica_prefill_tokens == [prompt]
+
+
+def test_decode_slows_with_the_batch_as_measured() -> None:
+    cost = ENGINES["llamacpp-cpu"]
+    assert [round(n / cost.decode_s(n), 1) for n in (1, 2, 4)] == [70.8, 76.9, 111.7]
+    assert cost.decode_s(3) / 3 == pytest.approx((cost.decode_s(2) / 2 + cost.decode_s(4) / 4) / 2)
+    assert cost.decode_s(8) / 8 == pytest.approx(cost.decode_s(4) / 4)  # flat past the last point
+    with pytest.raises(ValueError, match="decode_batch"):
+        msgspec.structs.replace(cost, decode_batch=(2, 1))
+
+
+def test_a_shared_prefill_budget_saturates_a_load_free_prefill_calls_fine() -> None:
+    """The same sessions, arrivals and per-request rates: free compute prefills every turn at
+    20,000 tokens/s in parallel and calls a load asking twice that fine; one shared prefill
+    budget at that rate saturates (the replica is busy throughout, TTFT and session time grow),
+    and at half that load both are fine."""
+    sessions = _sessions(120, tool_output_median_tokens=2000)
+    for gap, saturated in ((0.5, True), (2.0, False)):
+        times = [gap * i for i in range(len(sessions))]
+        free = simulate("ws", HOSTED, FleetConfig(compute="free"), sessions, arrivals=times)
+        priced = simulate("ws", HOSTED, FleetConfig(engine=FREE_LIKE), sessions, arrivals=times)
+        demand = free.prefilled_tokens / times[-1]
+        ttft = {
+            name: np.quantile([t for s in r.sessions for t in s.ttft_s], 0.9)
+            for name, r in (("free", free), ("priced", priced))
+        }
+        session_s = {
+            name: np.mean([s.finished_at - s.arrived_at for s in r.sessions])
+            for name, r in (("free", free), ("priced", priced))
+        }
+        assert ttft["free"] < 1.0 and free.prefilled_tokens == priced.prefilled_tokens
+        assert priced.prefill_tok_per_s()[0] <= 20_000
+        if saturated:
+            assert demand > 1.5 * 20_000
+            assert priced.busy_share()[0] > 0.95 and priced.prefill_tok_per_s()[0] > 0.9 * 20_000
+            assert ttft["priced"] > 5 * ttft["free"] and session_s["priced"] > 5 * session_s["free"]
+        else:
+            assert demand < 0.6 * 20_000
+            assert ttft["priced"] < 2 * ttft["free"]
+            assert session_s["priced"] < 1.5 * session_s["free"]
+
+
+def _raw(index: int, prompt: int, outputs: tuple[int, ...], tools: tuple[float, ...] = ()) -> SessionTokens:
+    return SessionTokens(
+        index=index,
+        instruction_tokens=16,
+        first_prompt_tokens=prompt,
+        instruction_bytes=64,
+        first_request_bytes=4 * prompt,
+        output_tokens=outputs,
+        output_bytes=tuple(4 * o for o in outputs),
+        tool_times_s=tools,
+        tool_tokens=(10,) * len(tools),
+        tool_bytes=(40,) * len(tools),
+    )
+
+
+def _contended(c_prompt: int, **changes: object) -> FleetRun:
+    """A runs a long turn, B (append) holds its paused context through a 100 s tool, C arrives
+    at 5 s needing `c_prompt` tokens of a 5,000-token budget."""
+    config = FleetConfig(compute="free", tps=10.0, kv_budget_tokens=5000, cache_generated=False, **changes)  # type: ignore[arg-type]
+    sessions = [_raw(0, 1000, (2000,)), _raw(1, 1000, (10, 10), (100.0,)), _raw(2, c_prompt, (10,))]
+    return simulate("append", LOCAL, config, sessions, arrivals=[0.0, 0.0, 5.0])
+
+
+def test_an_impossible_admission_changes_no_pin_or_account() -> None:
+    """C cannot fit even with B's held KV taken: planned admission leaves B's pin alone (no
+    preemption, B resumes without prefilling again); the greedy rule preempts B for nothing."""
+    planned, greedy = _contended(3000), _contended(3000, admission="greedy")
+    for run in (planned, greedy):
+        assert run.completed == 3 and run.overflow_tokens == 0
+        assert run.sessions[2].admission_wait_s[0] > 150  # C waits for A's turn either way
+    assert planned.preemptions == 0 and planned.sessions[1].reprefill_tokens == 0
+    assert greedy.preemptions == 1 and greedy.sessions[1].reprefill_tokens > 0
+
+
+def test_preempted_held_kv_returns_to_the_cache_tail_first() -> None:
+    """C fits by taking part of B's held KV: tail-first eviction keeps B's prefix cached, so B
+    prefills less again at its resume than when its whole context is dropped."""
+    tail, whole = _contended(1500), _contended(1500, evict_tail=False)
+    assert tail.preemptions == whole.preemptions == 1
+    assert 0 < tail.sessions[1].reprefill_tokens < whole.sessions[1].reprefill_tokens
+
+
+def test_program_order_lets_a_resume_pass_the_turns_waiting() -> None:
+    """B's resume (its session arrived first) waits behind C under first come first served, and
+    goes first under program-level order (Continuum)."""
+    turn, program = _contended(3000), _contended(3000, queue_order="program")
+    assert turn.sessions[1].admission_wait_s[1] > 50
+    assert program.sessions[1].admission_wait_s[1] == 0
+    assert program.sessions[1].finished_at < turn.sessions[1].finished_at
+
+
+def test_a_ttl_from_the_reload_cost_scales_with_the_budget() -> None:
+    """Ski rental: held while the KV's share of the budget has cost less than a reload. A budget
+    40 times the context holds through a 1 s tool; a budget just over it releases (a GPU
+    prefills the context again in about 0.3 s)."""
+    base = FleetConfig(hold_policy="ttl", ttl_rule="reload", cache_generated=False)
+    (spec,) = _sessions(1)
+    spec = dataclasses.replace(spec, tool_times_s=(1.0,) * CALLS)
+    largest = max(spec.prompt_tokens()) + max(spec.output_tokens) + 14
+    roomy = simulate(
+        "append", LOCAL, msgspec.structs.replace(base, kv_budget_tokens=40 * largest), [spec], arrivals=[0.0]
+    )
+    tight = simulate("append", LOCAL, msgspec.structs.replace(base, kv_budget_tokens=largest), [spec], arrivals=[0.0])
+    assert roomy.ttl_releases == 0 and roomy.reprefill_tokens == 0
+    assert tight.ttl_releases == CALLS
+
+
+def test_every_scheduling_switch_is_refused_when_unknown() -> None:
+    for name in ("compute", "admission", "queue_order", "ttl_rule", "running_kv", "engine"):
+        with pytest.raises(ValueError, match=name):
+            FleetConfig(**{name: "nope"})  # type: ignore[arg-type]
+
+
+def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
+    """Three rollouts on two llama.cpp slots: the third waits for a slot; one rollout alone gets
+    the one-stream figures; in append its resumed turn prefills only the tool output."""
+    prompts, outputs, tools = [500, 700], [40, 40], [1.0]
+    alone = predict_turns("ws", 2, [prompts], [outputs], [tools])[0]
+    cost = ENGINES["llamacpp-cpu"]
+    assert alone[0].ttft_s == pytest.approx(cost.prefill_alone_s(0, 500))
+    assert alone[0].turn_s == pytest.approx(alone[0].ttft_s + 39 / 70.8)
+    three = predict_turns("ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3)
+    assert three[2][0].admission_wait_s > 0 and three[0][0].admission_wait_s == 0
+    assert three[2][0].ttft_s > three[0][0].ttft_s
+    held = predict_turns("append", 2, [prompts], [outputs], [tools])[0]
+    assert held[1].ttft_s < cost.prefill_alone_s(0, 700) / 2
+    with pytest.raises(ValueError, match="context"):
+        predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
+
+
+def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
+    """Sessions built as arrays: a tool output's tokens counted from its size match the text's
+    count, and the point's turns, tool tokens and output tokens have the exact builder's means."""
+    rng = np.random.default_rng(0)
+    for n in (1, 11, 12, 13, 250):
+        text = tool_output_text(rng, n)
+        assert text.count(" ") + 2 * text.count("\n") + 1 == n + -(-n // 12) - 1
+    w = WORKLOADS["agentic"]
+    exact, fast = workload_sessions(w, 0, 200), array_sessions(w, 0, 4000)
+    for what in (
+        lambda s: [s.turns],
+        lambda s: list(s.tool_tokens),
+        lambda s: list(s.output_tokens),
+        lambda s: list(s.tool_bytes),
+    ):
+        a = np.concatenate([what(s) for s in exact])
+        b = np.concatenate([what(s) for s in fast])
+        assert abs(b.mean() - a.mean()) < 4 * math.sqrt(a.var() / len(a) + b.var() / len(b))
+    assert {s.first_prompt_tokens for s in fast} == {exact[0].first_prompt_tokens}
+
+
+def test_growing_kv_preempts_the_newest_running_turn_and_recomputes_it() -> None:
+    """Two turns whose prompts fit together but not their outputs: reserving the output makes
+    the second wait for admission; growing it at the first token (vLLM) admits both, then
+    preempts the newer one, which runs again after the first ends, its prompt's blocks still
+    cached unless they are dropped."""
+    sessions = [_raw(0, 1000, (800,)), _raw(1, 1000, (800,))]
+    config = FleetConfig(engine="llamacpp-cpu", kv_budget_tokens=3000)
+    runs = {
+        name: simulate("ws", LOCAL, msgspec.structs.replace(config, **changes), sessions, arrivals=[0.0, 0.01])
+        for name, changes in (
+            ("reserve", {}),
+            ("grow", {"running_kv": "grow"}),
+            ("grow, dropped", {"running_kv": "grow", "evict_tail": False}),
+        )
+    }
+    for run in runs.values():
+        assert run.completed == 2 and run.turns == 2 and run.overflow_tokens == 0
+        assert run.kv_peak_tokens <= 3000
+        assert [len(s.ttft_s) for s in run.sessions] == [1, 1]
+    reserve, grow, dropped = runs.values()
+    assert reserve.running_preemptions == 0 and reserve.sessions[1].admission_wait_s[0] > 10
+    assert grow.running_preemptions == dropped.running_preemptions == 1
+    assert grow.sessions[1].ttft_s[0] > grow.sessions[0].e2e_s[0]  # it waited for the first to end
+    assert 0 <= grow.sessions[1].reprefill_tokens < dropped.sessions[1].reprefill_tokens
+    with pytest.raises(ValueError, match="running_kv"):
+        FleetConfig(compute="free", running_kv="grow")
+
+
+@pytest.mark.parametrize("policy", ["hold", "ttl", "offload"])
+@pytest.mark.parametrize("running_kv", ["reserve", "grow"])
+def test_every_switch_combination_serves_every_session_within_the_budget(policy: str, running_kv: str) -> None:
+    """Tight KV, scheduling switches crossed: every session ends, KV stays within its budget, and
+    each turn has one first token, one end and one admission wait (a preempted running turn,
+    an offloaded one reloading among them, continues its own records)."""
+    sessions = array_sessions(WORKLOADS["interactive"], 1, 60)
+    for admission, queue_order, evict_tail in (("plan", "turn", True), ("greedy", "program", False)):
+        config = FleetConfig(
+            replicas=2,
+            decode_slots=8,
+            kv_budget_tokens=120_000,
+            hold_policy=policy,
+            hold_ttl_s=1.0,
+            admission=admission,
+            queue_order=queue_order,
+            evict_tail=evict_tail,
+            running_kv=running_kv,
+        )
+        run = simulate("append", HOSTED, config, sessions, arrivals=[0.5 * i for i in range(len(sessions))])
+        assert run.completed == len(sessions) and run.overflow_tokens == 0
+        assert run.kv_peak_tokens <= 120_000
+        for s in run.sessions:
+            assert len(s.ttft_s) == len(s.e2e_s) == len(s.admission_wait_s) == sessions[s.index].turns

@@ -8,12 +8,24 @@ stages (sim/fleet/costs.py) run for many sessions at once, with what one process
 added as switches.
 
 * **A turn** pays its mode's API work (`turn_cost.pre_s`), then waits for admission on its
-  replica, then takes a decode slot through prefill and decode as the accelerator does: first
-  token at ``admitted + model_latency_s + uncached / prefill_tok_per_s``, token i at
+  replica (a slot of `decode_slots`, vLLM's `max_num_seqs`, and its KV), then runs on the
+  replica's compute. The client then runs the tool and sends the next turn.
+* **Priced compute** (`compute="priced"`, the default): a replica runs engine steps
+  (sim/fleet/compute.py): each step gives every decoding turn a token and fills the rest of
+  the token budget with prefill chunks of the admitted turns, first come first served (vLLM
+  v1's chunked prefill; llama.cpp's `n_batch`); its time is the engine's step cost. A turn's
+  first token comes with the step that ends its prefill, its last `output − 1` steps later.
+  Steps with prefill are simulated one by one; identical decode-only steps run as one segment
+  up to the next last token (a turn admitted inside it cuts it, joining at once rather than at
+  the next step boundary: an error under one step). The replicas' prefill rate, time running
+  steps and each turn's model-side time are reported.
+* **Free compute** (`compute="free"`, the model before compute was priced, kept for
+  comparison): the turn takes its decode slot through prefill and decode as the accelerator
+  does: first token at ``admitted + model_latency_s + uncached / prefill_tok_per_s``, token i at
   ``t0 + i / rate`` with ``rate = tps / (1 + concurrency_slowdown × others)`` (others: turns
   of the replica decoding at t0), the slot free at ``t0 + output / rate``; blocking billing
-  (`post_s`) comes after the last token. The client then runs the tool and sends the next
-  turn. The cache is looked up when the turn reaches its replica, as the accelerator does.
+  (`post_s`) comes after the last token. Every prefill runs in parallel with every other at
+  its own rate. The cache is looked up when the turn reaches its replica, as the accelerator does.
 * **KV budget** (`kv_budget_tokens` per replica, 0 = unlimited). A replica's KV holds the
   shared instructions' blocks once (every prompt starts with them), running turns (*active*:
   prompt, output and the call's template, reserved at admission, so a running turn never
@@ -22,18 +34,32 @@ added as switches.
   used first, then the held KV of other paused sessions, oldest pause first, each a counted
   **preemption** whose session re-prefills at its resume (with `preempt_held` off, only when
   nothing runs on the replica: then nothing else could free room, and paused sessions would
-  wait on each other for ever). If it still does not fit it waits, first come first served,
-  in the replica's **admission queue**. A turn larger than the whole budget runs alone, over
-  budget, and the excess is counted (`overflow_tokens`): the one way KV exceeds the budget.
+  wait on each other for ever). With `admission="plan"` (the default) the victims are planned
+  first and nothing is evicted unless they make the room, as vLLM's scheduler allocates a
+  request's blocks only when they fit; `"greedy"` evicts, then checks. With
+  `evict_tail` (default) a victim loses its tail blocks only, as many as the turn needs, and a
+  preempted paused context goes to the prefix cache first, so its prefix still hits (vLLM's
+  free block queue takes a request's blocks tail first). If it still does not fit it waits in
+  the replica's **admission queue**: first come first served by turn (`queue_order="turn"`), or
+  by session arrival (`"program"`, Continuum's program-level first come first served, so a
+  resume passes newer sessions' turns). With `running_kv="grow"` (priced compute) a turn takes
+  its prompt's KV at admission and its output's at its first token; short of it, it evicts the
+  cache (and held KV with `preempt_held`), then preempts the newest running turn, which is
+  queued again and recomputed, its blocks left in the prefix cache (vLLM's preemption by
+  recomputation, with the output allocated at once rather than block by block). A turn larger
+  than the whole budget runs alone, over budget, and the excess is counted (`overflow_tokens`):
+  the one way KV exceeds the budget.
 * **Prefix cache.** After a turn, its session's blocks go to the replica's cache: the prompt,
   and with `cache_generated` the generated call too (vLLM's v1 KV-cache manager caches full
   blocks of generated tokens). Hits are block-granular with the last prompt token recomputed.
   An entry idle longer than `cache_ttl_s` (0 = kept until evicted) is dropped: idle tool or
   think time then costs a re-prefill.
 * **Hold policies** (append: a paused response's KV while the client runs its tool). `hold`
-  keeps it until the resume; `ttl` keeps it `hold_ttl_s`, then releases it to the prefix cache
-  (Continuum's time-to-live); `release` hands it to the cache at once (what create relies
-  on); `offload` moves it to host memory, counting the bytes, and the resume reloads it at
+  keeps it until the resume; `ttl` keeps it `hold_ttl_s` (`ttl_rule="fixed"`) or, with
+  `ttl_rule="reload"`, until its share of the KV budget has cost as much replica time as
+  prefilling it again (`hold_ttl`), then releases it to the prefix cache (Continuum's
+  time-to-live); `release` hands it to the cache at once (what create relies on); `offload`
+  moves it to host memory, counting the bytes, and the resume reloads it at
   `offload_gb_per_s` before its prefill.
 * **Router.** `affinity` pins a session to one replica (a WebSocket connection's replica; an
   HTTP session by its index); at `connection_limit_s` a WebSocket session reconnects to another
@@ -48,7 +74,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Final
@@ -58,6 +84,7 @@ import numpy as np
 from msgspec import Meta
 
 from prototype.pipeline import CostProfile
+from sim.fleet.compute import ENGINES, StepCost
 from sim.fleet.costs import FLEET_MODES, turn_cost
 from sim.fleet.sessions import SessionTokens
 
@@ -68,13 +95,28 @@ CALL_TEMPLATE_TOKENS: Final = 14  # a generated call's closing template: the pau
 SHARED_PREFIX_EXTRA: Final = 81  # template tokens rendered with the instructions, before the task (costs.py)
 HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload")
 ROUTERS: Final = ("affinity", "prefix", "least", "random")
+COMPUTE: Final = ("priced", "free")
+ADMISSIONS: Final = ("plan", "greedy")
+QUEUE_ORDERS: Final = ("turn", "program")
+TTL_RULES: Final = ("fixed", "reload")
+RUNNING_KV: Final = ("reserve", "grow")
 
 
 class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The accelerators and the serving policies: everything but the sessions and the API path."""
 
     replicas: Annotated[int, Meta(ge=1)] = 1
-    decode_slots: Annotated[int, Meta(ge=0, description="turns running at once per replica (0 = unlimited)")] = 0
+    decode_slots: Annotated[
+        int, Meta(ge=0, description="turns running at once per replica, vLLM's max_num_seqs (0 = unlimited)")
+    ] = 0
+    compute: Annotated[
+        str, Meta(description="priced: engine steps with a shared token budget; free: each turn at its own rates")
+    ] = "priced"
+    engine: Annotated[
+        str | StepCost,
+        Meta(description="priced compute: a step-cost set by name (sim/fleet/compute.py), or its values"),
+    ] = "h100x8-70b"
+    token_budget: Annotated[int, Meta(ge=0, description="priced: tokens a step (0 = the engine's)")] = 0
     kv_budget_tokens: Annotated[int, Meta(ge=0, description="KV capacity per replica in tokens (0 = unlimited)")] = 0
     tps: Annotated[float, Meta(gt=0)] = 1000.0
     prefill_tok_per_s: Annotated[float, Meta(gt=0)] = 20_000.0
@@ -87,6 +129,25 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     offload_gb_per_s: Annotated[float, Meta(gt=0)] = 25.0
     kv_bytes_per_token: Annotated[int, Meta(ge=1)] = 327_680  # 80 layers × 8 KV heads × 128 × (K, V) × 2 bytes
     preempt_held: bool = True
+    admission: Annotated[
+        str, Meta(description="plan: evict only if the planned victims make room (vLLM); greedy: evict, then check")
+    ] = "plan"
+    evict_tail: Annotated[
+        bool, Meta(description="evict a victim's blocks tail first, keeping its prefix cached (vLLM's free queue)")
+    ] = True
+    queue_order: Annotated[
+        str, Meta(description="admission queue: turn (first come) or program (oldest session first, Continuum)")
+    ] = "turn"
+    running_kv: Annotated[
+        str,
+        Meta(
+            description="priced: reserve a running turn's output KV at admission, or grow it at its first token "
+            "and preempt the newest running turn when short (vLLM's recompute)"
+        ),
+    ] = "reserve"
+    ttl_rule: Annotated[
+        str, Meta(description="ttl policy: fixed hold_ttl_s, or reload (ski rental on the context's reload cost)")
+    ] = "fixed"
     router: str = "affinity"
     prefix_load_cap: Annotated[float, Meta(ge=1)] = 1.5
     connection_limit_s: Annotated[float, Meta(gt=0)] = 3600.0
@@ -96,6 +157,24 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             raise ValueError(f"hold_policy: one of {', '.join(HOLD_POLICIES)}, got {self.hold_policy!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router: one of {', '.join(ROUTERS)}, got {self.router!r}")
+        for name, allowed in (
+            ("compute", COMPUTE),
+            ("admission", ADMISSIONS),
+            ("queue_order", QUEUE_ORDERS),
+            ("ttl_rule", TTL_RULES),
+            ("running_kv", RUNNING_KV),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.running_kv == "grow" and self.compute == "free":
+            raise ValueError("running_kv: grow needs priced compute (engine steps)")
+        if isinstance(self.engine, str) and self.engine not in ENGINES:
+            raise ValueError(f"engine: one of {', '.join(ENGINES)} or a StepCost, got {self.engine!r}")
+
+    def step_cost(self) -> StepCost:
+        """The engine's step costs, with this config's token budget if set."""
+        cost = ENGINES[self.engine] if isinstance(self.engine, str) else self.engine
+        return msgspec.structs.replace(cost, token_budget=self.token_budget) if self.token_budget else cost
 
 
 @dataclass(slots=True)
@@ -106,6 +185,7 @@ class SessionRecord:
     ttft_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
     admission_wait_s: list[float] = field(default_factory=list)
+    model_s: float = 0.0  # time its turns spent on a replica: admission to last token
     reprefill_tokens: int = 0
 
     @property
@@ -124,6 +204,7 @@ class FleetRun:
     prefilled_tokens: int = 0
     reprefill_tokens: int = 0
     preemptions: int = 0
+    running_preemptions: int = 0  # running turns preempted for KV (`running_kv="grow"`), recomputed
     ttl_releases: int = 0
     reconnects: int = 0
     offload_bytes: int = 0
@@ -132,6 +213,19 @@ class FleetRun:
     kv_peak_tokens: int = 0
     kv_token_s: dict[str, float] = field(default_factory=lambda: {"active": 0.0, "held": 0.0, "cached": 0.0})
     kv_series: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, active, held, cached)
+    replica_prefill_tokens: list[int] = field(default_factory=list)
+    replica_busy_s: list[float] = field(default_factory=list)  # priced compute: time a replica ran steps
+    replica_steps: list[int] = field(default_factory=list)  # priced compute: steps with prefill, decode segments
+
+    def prefill_tok_per_s(self) -> list[float]:
+        """Each replica's prefilled tokens over the run's length."""
+        return [t / self.end_s if self.end_s > 0 else 0.0 for t in self.replica_prefill_tokens]
+
+    def busy_share(self) -> list[float]:
+        """Each replica's share of the run spent running steps (priced compute; NaN with free compute)."""
+        if not self.replica_busy_s:
+            return [math.nan] * len(self.replica_prefill_tokens)
+        return [b / self.end_s if self.end_s > 0 else 0.0 for b in self.replica_busy_s]
 
     @property
     def arrived(self) -> int:
@@ -145,17 +239,31 @@ class FleetRun:
 class _Replica:
     __slots__ = (
         "active",
+        "busy",
         "cache",
         "cached",
+        "ctx_sum",
         "decoding",
+        "dheap",
         "free_slots",
         "held",
         "holders",
+        "in_step",
         "index",
+        "phase",
+        "plan",
+        "pos",
+        "prefilled",
+        "prefilling",
         "queue",
+        "runners",
         "running",
+        "seg_t",
         "shared",
         "shared_at",
+        "steps",
+        "tau",
+        "version",
     )
 
     def __init__(self, index: int, slots: int) -> None:
@@ -167,10 +275,25 @@ class _Replica:
         self.cached = 0
         self.shared = 0  # the instructions' blocks, cached once the first turn has prefilled them
         self.shared_at = math.inf  # when they are: the first turn's end of prefill
-        self.decoding: dict[int, tuple[float, float]] = {}  # running session → (first token, slot free)
+        self.decoding: dict[int, tuple[float, float]] = {}  # free compute: running session → (first token, slot free)
         self.cache: OrderedDict[int, list[float]] = OrderedDict()  # session → [unique tokens, last use], LRU first
         self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first
-        self.queue: deque[tuple[int, int, float]] = deque()  # (session, turn, ready at)
+        self.queue: list[tuple[float, int, int, int, float]] = []  # heap of (priority, seq, session, turn, ready at)
+        self.prefilled = 0
+        self.runners: dict[int, int] = {}  # priced compute: running session → its turn, oldest admission first
+        # Priced compute: the step loop's state (see _Fleet.schedule).
+        self.prefilling: list[list[float]] = []  # FCFS: [session, turn, tokens left, s per token, run id]
+        self.dheap: list[tuple[float, int, int, int]] = []  # decoding: (position of its last token, seq, session, turn)
+        self.pos = 0.0  # decode steps run so far (fractional inside a decode-only segment)
+        self.ctx_sum = 0.0  # decoding sequences' contexts (their KV reads)
+        self.phase = 0  # 0 idle, 1 a step with prefill in flight, 2 a decode-only segment
+        self.plan: list[tuple[list[float], float]] = []  # the step in flight: (prefill entry, chunk)
+        self.tau = 0.0  # the step's (or the segment's per-step) time
+        self.seg_t = 0.0  # the segment's start
+        self.version = 0  # a step event of an older version is stale
+        self.in_step = False
+        self.busy = 0.0
+        self.steps = 0
 
     def used(self) -> int:
         return self.shared + self.active + self.held + self.cached
@@ -197,9 +320,19 @@ class _Session:
     sent_at: float = 0.0
     post_s: float = 0.0
     hint: int = 0  # prompt tokens found cached when the turn reached its replica
+    admitted_at: float = 0.0
+    cached_now: int = 0  # prompt tokens of the running turn found cached at admission
+    run_id: int = 0  # the running turn's admission number: a prefill entry of an older one is stale
+    pending_kv: int = 0  # `running_kv="grow"`: the output's KV, taken at the first token
+    ready_at: float = 0.0  # the running turn's ready time (its place if it is preempted)
+    requeued: bool = False  # preempted while running: its next admission continues the same turn
+    first_done: bool = False  # the running turn's first token is out
+    decoding: bool = False
+    join_at: float = math.nan  # an offloaded turn's end of reload: when it joins the prefill queue
+    dctx: float = 0.0  # priced compute: the decoding turn's mean context
 
 
-_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL = range(7)
+_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL, _STEP, _JOIN = range(9)
 
 
 def _floor(tokens: int) -> int:
@@ -243,6 +376,11 @@ class _Fleet:
         self.websocket = mode in ("ws", "append")
         self.profile = profile
         self.c = config
+        self.priced = config.compute == "priced"
+        self.grow = config.running_kv == "grow"
+        self.cost = config.step_cost()
+        self.program = config.queue_order == "program"
+        self.qseq = 0
         self.budget = config.kv_budget_tokens or (1 << 62)
         self.replicas = [_Replica(i, config.decode_slots or (1 << 30)) for i in range(config.replicas)]
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
@@ -286,6 +424,9 @@ class _Fleet:
             heapq.heappop(heap)
             self.account(t)
             self.now = t
+            if kind == _STEP:
+                self.on_step(self.replicas[s], k)
+                continue
             st = self.states[s]
             if kind == _ARRIVE:
                 st.record.arrived_at = t
@@ -294,8 +435,11 @@ class _Fleet:
             elif kind == _READY:
                 r = self.replicas[st.replica]
                 st.hint = self.lookup(r, st, s, k)
-                if r.queue or not self.admit(r, s, k, t):
-                    r.queue.append((s, k, t))
+                if self.program:  # the oldest session first: a resume may pass the turns waiting
+                    self.enqueue(r, s, k, t)
+                    self.try_admit(r)
+                elif r.queue or not self.admit(r, s, k, t):
+                    self.enqueue(r, s, k, t)
             elif kind == _FIRST:
                 st.record.ttft_s.append(t - st.sent_at)
             elif kind == _FREE:
@@ -311,6 +455,9 @@ class _Fleet:
                     self.push(t + st.spec.tool_times_s[k], _SEND, s, k + 1)
             elif kind == _SEND:
                 self.send(s, k)
+            elif kind == _JOIN:
+                if t == st.join_at:  # not preempted (and admitted again) while it reloaded
+                    self.join(self.replicas[st.running_on], s, k)
             elif kind == _TTL:
                 r = self.replicas[st.replica]
                 if st.epoch == k and s in r.holders:
@@ -322,6 +469,10 @@ class _Fleet:
             raise RuntimeError(f"fleet stalled at {self.now:.3f} s with turns queued and no event to free room")
         self.account(self.now)
         self.run_.end_s = self.now
+        self.run_.replica_prefill_tokens = [r.prefilled for r in self.replicas]
+        if self.priced:
+            self.run_.replica_busy_s = [r.busy for r in self.replicas]
+            self.run_.replica_steps = [r.steps for r in self.replicas]
         return self.run_
 
     def account(self, t: float) -> None:
@@ -387,23 +538,47 @@ class _Fleet:
             self.to_cache(r, s, st.resident)
         st.resident = 0
 
-    def make_room(self, r: _Replica, extra: int, me: int, *, preempt: bool) -> bool:
+    def evict_entry(self, r: _Replica, s: int, deficit: int) -> None:
+        """Free `deficit` tokens of `s`'s cache entry: its tail blocks (`evict_tail`), or all of it."""
+        entry = r.cache[s]
+        cut = -(-deficit // BLOCK) * BLOCK
+        if self.c.evict_tail and entry[0] > cut:
+            entry[0] -= cut
+            self.add(r, 2, -cut)
+        else:
+            self.drop_entry(r, s)
+
+    def make_room(self, r: _Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
+        """Free `extra` tokens on `r` for session `me`: cache entries least recently used first,
+        then (with `preempt`) other sessions' held KV, oldest pause first, each a preemption.
+        With `admission="plan"` nothing is evicted unless the victims would make the room (as
+        vLLM's scheduler allocates a request's blocks only when they fit); `force` evicts all
+        the same (a turn over the whole budget runs alone)."""
         self.purge(r)
         free = self.budget - r.used()
         if free >= extra:
             return True
+        if self.c.admission == "plan" and not force:
+            room = free + r.cached - (int(r.cache[me][0]) if me in r.cache else 0)
+            if preempt:
+                room += r.held - r.holders.get(me, 0)
+            if room < extra:
+                return False
         for s in list(r.cache):
             if s != me:
-                self.drop_entry(r, s)
+                self.evict_entry(r, s, extra - free)
                 free = self.budget - r.used()
                 if free >= extra:
                     return True
         if preempt:
             for s in list(r.holders):
                 if s != me:
-                    self.release_held(r, s, to_cache=False)
                     self.run_.preemptions += 1
+                    self.release_held(r, s, to_cache=self.c.evict_tail)
                     free = self.budget - r.used()
+                    if free < extra and s in r.cache:
+                        self.evict_entry(r, s, extra - free)
+                        free = self.budget - r.used()
                     if free >= extra:
                         return True
         return False
@@ -458,12 +633,17 @@ class _Fleet:
         st.connected_at = self.now
         st.fresh = True
 
+    def enqueue(self, r: _Replica, s: int, k: int, ready: float) -> None:
+        self.qseq += 1
+        priority = self.states[s].record.arrived_at if self.program else ready
+        heapq.heappush(r.queue, (priority, self.qseq, s, k, ready))
+
     def try_admit(self, r: _Replica) -> None:
         while r.queue:
-            s, k, ready = r.queue[0]
+            _, _, s, k, ready = r.queue[0]
             if not self.admit(r, s, k, ready):
                 return
-            r.queue.popleft()
+            heapq.heappop(r.queue)
 
     def lookup(self, r: _Replica, st: _Session, s: int, k: int) -> int:
         """Prompt tokens of turn `k` whose KV is on `r` now: held, or block-granular cache hits
@@ -485,8 +665,12 @@ class _Fleet:
         out = st.spec.output_tokens[k]
         shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
+        grow = self.grow
+        if grow:  # the prompt now, the output at the first token
+            st.pending_kv = out + CALL_TEMPLATE_TOKENS
+            need -= st.pending_kv
         own_held = st.held if (s in r.holders) else 0
-        found = self.lookup(r, st, s, k)  # before making room: the KV already here for the turn
+        self.purge(r)
         entry = r.cache.get(s)
         own_cached = int(entry[0]) if entry is not None else 0
         extra = need - own_held - own_cached + (0 if r.shared else shared)
@@ -495,9 +679,11 @@ class _Fleet:
         preempt = self.c.preempt_held or r.running == 0
         if extra > self.budget - r.used() and not self.make_room(r, extra, s, preempt=preempt):
             if r.running == 0 and need + shared > self.budget:
+                self.make_room(r, extra, s, preempt=preempt, force=True)
                 self.run_.overflow_tokens += need + shared - self.budget
             else:
                 return False
+        found = self.lookup(r, st, s, k)  # the KV here for the turn (making room never takes the turn's own)
         # Admitted: what the session held or had cached here becomes its running KV.
         reload_s = 0.0
         if own_held:
@@ -510,6 +696,7 @@ class _Fleet:
             self.drop_entry(r, s)
         st.held = st.resident = 0
         cached = min(st.hint, found)
+        st.cached_now = cached
         first = not r.shared
         st.active = need
         self.add(r, 0, need)
@@ -517,15 +704,38 @@ class _Fleet:
         r.running += 1
         run = self.run_
         uncached = prompt - cached
-        run.turns += 1
-        run.prompt_tokens += prompt
+        if st.requeued:  # the same turn again after a preemption: its wait adds to the turn's
+            st.requeued = False
+            st.record.admission_wait_s[-1] += self.now - ready
+        else:
+            run.turns += 1
+            run.prompt_tokens += prompt
+            st.first_done = False
+            st.record.admission_wait_s.append(self.now - ready)
         run.hit_tokens += cached
         run.prefilled_tokens += uncached
         again = max(0, min(st.seen, prompt) - cached)
         run.reprefill_tokens += again
         st.record.reprefill_tokens += again
         st.seen = prompt + out + CALL_TEMPLATE_TOKENS
-        st.record.admission_wait_s.append(self.now - ready)
+        r.prefilled += uncached
+        st.running_on = r.index
+        st.admitted_at = self.now
+        if self.priced:
+            if first:  # cached once its prefill is done (first_token)
+                r.shared, r.shared_at = shared, math.inf
+                self.totals[2] += shared
+                self.run_.kv_peak_tokens = max(self.run_.kv_peak_tokens, r.used())
+            st.dctx = float(self.cost.prefill_s_per(cached, uncached))  # until it decodes: the per-token cost
+            st.run_id += 1
+            st.ready_at = ready
+            r.runners[s] = k
+            if reload_s > 0:
+                st.join_at = self.now + reload_s
+                self.push(st.join_at, _JOIN, s, k)
+            else:
+                self.join(r, s, k)
+            return True
         c = self.c
         t0 = self.now + reload_s + c.model_latency_s + uncached / c.prefill_tok_per_s
         if first:  # the shared blocks: in r.shared (not an entry of r.cached), cached in the fleet's totals
@@ -537,7 +747,7 @@ class _Fleet:
             others = sum(1 for a, b in r.decoding.values() if a <= t0 < b)
             rate /= 1.0 + c.concurrency_slowdown * others
         r.decoding[s] = (t0, t0 + out / rate)
-        st.running_on = r.index
+        st.record.model_s += t0 + out / rate - self.now
         self.push(t0, _FIRST, s, k)
         self.push(t0 + out / rate, _FREE, s, k)
         self.push(t0 + (out - 1) / rate + st.post_s, _END, s, k)
@@ -549,7 +759,7 @@ class _Fleet:
         r = self.replicas[st.running_on]
         r.free_slots += 1
         r.running -= 1
-        del r.decoding[s]
+        r.decoding.pop(s, None)
         self.add(r, 0, -st.active)
         st.active = 0
         last = k == st.spec.turns - 1
@@ -569,7 +779,181 @@ class _Fleet:
                 r.holders[s] = unique
                 self.add(r, 1, unique)
                 if policy == "ttl":
-                    self.push(self.now + self.c.hold_ttl_s, _TTL, s, st.epoch)
+                    self.push(self.now + self.hold_ttl(unique, context), _TTL, s, st.epoch)
         else:
             self.to_cache(r, s, cacheable)
         self.try_admit(r)
+
+    def hold_ttl(self, unique: int, context: int) -> float:
+        """How long a paused context is held under `ttl`: `hold_ttl_s`, or (`ttl_rule="reload"`)
+        until the KV it holds, as a share of the budget, has cost as much replica time as
+        prefilling it again would: ski rental's break-even, the rule Continuum's TTL refines with
+        the tool's duration distribution. Unlimited KV holds to the resume."""
+        if self.c.ttl_rule == "fixed":
+            return self.c.hold_ttl_s
+        if not self.c.kv_budget_tokens:
+            return math.inf
+        if self.priced:  # its unique tokens after the shared prefix, which stays cached
+            reload_s = self.cost.prefill_alone_s(context - unique, unique)
+        else:
+            reload_s = self.c.model_latency_s + unique / self.c.prefill_tok_per_s
+        return reload_s * self.budget / max(1, unique)
+
+    # -- priced compute: the step loop ---------------------------------------------------------
+
+    def join(self, r: _Replica, s: int, k: int) -> None:
+        """An admitted turn's uncached prompt joins the replica's prefill queue (FCFS)."""
+        st = self.states[s]
+        r.prefilling.append([s, k, float(st.prompts[k] - st.cached_now), st.dctx, st.run_id])
+        self.kick(r)
+
+    def kick(self, r: _Replica) -> None:
+        """New work on `r`: a step in flight takes it at its end; a decode-only segment is cut now."""
+        if r.in_step or r.phase == 1:
+            return
+        if r.phase == 2:
+            self.advance(r)
+        self.schedule(r)
+
+    def advance(self, r: _Replica) -> None:
+        elapsed = self.now - r.seg_t
+        if elapsed > 0 and r.tau > 0:
+            r.pos += elapsed / r.tau
+            r.busy += elapsed
+        r.seg_t = self.now
+
+    def schedule(self, r: _Replica) -> None:
+        """The replica's next step (vLLM v1's scheduler, in outline): every decoding sequence
+        gets a token, prefill chunks fill the rest of the token budget first come first served;
+        with no prefill, identical decode steps run as one segment up to the next last token."""
+        r.version += 1
+        cost = self.cost
+        decoding = len(r.dheap)
+        tau = cost.step_s + cost.decode_s(decoding) + cost.decode_s_per_ctx_token * r.ctx_sum
+        if r.prefilling:
+            avail = float(cost.token_budget - decoding)
+            plan = []
+            for entry in r.prefilling:
+                if avail <= 0:
+                    break
+                chunk = min(entry[2], avail)
+                plan.append((entry, chunk))
+                tau += chunk * entry[3]
+                avail -= chunk
+            r.plan = plan
+            r.phase, r.tau = 1, tau
+            self.push(self.now + tau, _STEP, r.index, r.version)
+        elif decoding:
+            r.phase, r.tau, r.seg_t = 2, tau, self.now
+            self.push(self.now + max(0.0, r.dheap[0][0] - r.pos) * tau, _STEP, r.index, r.version)
+        else:
+            r.phase = 0
+
+    def on_step(self, r: _Replica, version: int) -> None:
+        if version != r.version:
+            return
+        r.in_step = True
+        if r.phase == 1:
+            r.busy += r.tau
+            r.steps += 1
+            r.pos += 1.0
+            done = []
+            for entry, chunk in r.plan:
+                entry[2] -= chunk
+                if entry[2] <= 0:
+                    done.append(entry)
+            if done:
+                del r.prefilling[: len(done)]  # FCFS: the finished ones are the queue's head
+            r.plan = []
+        else:
+            self.advance(r)
+            r.pos = max(r.pos, r.dheap[0][0])
+            done = []
+        while r.dheap and r.dheap[0][0] <= r.pos + 1e-9:
+            _, _, s, k = heapq.heappop(r.dheap)
+            st = self.states[s]
+            r.ctx_sum -= st.dctx
+            self.last_token(r, s, k)
+        for entry in done:
+            if entry[4] == self.states[int(entry[0])].run_id:  # not preempted meanwhile
+                self.first_token(r, int(entry[0]), int(entry[1]))
+        r.in_step = False
+        self.schedule(r)
+
+    def first_token(self, r: _Replica, s: int, k: int) -> None:
+        st = self.states[s]
+        if math.isinf(r.shared_at):
+            r.shared_at = self.now
+        if self.grow and not self.grow_room(r, s):
+            return  # preempted itself: the newest running turn
+        if not st.first_done:
+            st.first_done = True
+            st.record.ttft_s.append(self.now - st.sent_at)
+        out = st.spec.output_tokens[k]
+        st.decoding = True
+        if out <= 1:
+            self.last_token(r, s, k)
+            return
+        self.seq += 1
+        st.dctx = st.prompts[k] + out / 2
+        r.ctx_sum += st.dctx
+        heapq.heappush(r.dheap, (r.pos + out - 1, self.seq, s, k))
+
+    def last_token(self, r: _Replica, s: int, k: int) -> None:
+        st = self.states[s]
+        st.dctx = 0.0
+        st.decoding = False
+        r.runners.pop(s, None)
+        st.record.model_s += self.now - st.admitted_at
+        self.push(self.now + st.post_s, _END, s, k)
+        self.turn_done(s, k)
+
+    # -- running_kv="grow": output KV at the first token, preemption of the newest running turn --
+
+    def grow_room(self, r: _Replica, s: int) -> bool:
+        """Session `s`'s output KV, taken at its first token: cache and (with `preempt_held`) held
+        KV first, then the newest running turn, recomputed later, as vLLM preempts when a running
+        request needs blocks that are not there. False when `s` itself was the newest."""
+        st = self.states[s]
+        need = st.pending_kv
+        while self.budget - r.used() < need and not self.make_room(r, need, s, preempt=self.c.preempt_held):
+            victim = next(reversed(r.runners))
+            if victim == s and len(r.runners) == 1:  # alone and over the budget: counted, not hidden
+                self.make_room(r, need, s, preempt=True, force=True)
+                self.run_.overflow_tokens += max(0, need - (self.budget - r.used()))
+                break
+            self.preempt_running(r, victim)
+            if victim == s:
+                return False
+        st.pending_kv = 0
+        st.active += need
+        self.add(r, 0, need)
+        return True
+
+    def preempt_running(self, r: _Replica, v: int) -> None:
+        st = self.states[v]
+        k = r.runners.pop(v)
+        self.run_.running_preemptions += 1
+        if st.decoding:
+            r.dheap = [e for e in r.dheap if e[2] != v]
+            heapq.heapify(r.dheap)
+            r.ctx_sum -= st.dctx
+            st.decoding = False
+            computed = st.prompts[k]
+        else:
+            left = next((e[2] for e in r.prefilling if e[0] == v and e[4] == st.run_id), 0.0)
+            r.prefilling = [e for e in r.prefilling if not (e[0] == v and e[4] == st.run_id)]
+            computed = st.prompts[k] - int(left)
+        st.run_id += 1
+        st.dctx = 0.0
+        st.join_at = math.nan
+        self.add(r, 0, -st.active)
+        st.active = 0
+        r.free_slots += 1
+        r.running -= 1
+        st.record.model_s += self.now - st.admitted_at
+        if self.c.evict_tail and computed > 0:  # its blocks stay in the prefix cache until evicted
+            self.to_cache(r, v, computed)
+        st.requeued = True
+        st.hint = st.prompts[k]
+        self.enqueue(r, v, k, st.ready_at)

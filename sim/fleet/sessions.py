@@ -23,16 +23,24 @@ from dataclasses import dataclass
 from typing import Final
 
 import msgspec
+import numpy as np
 
 from prototype.conversation import conversation_key
 from prototype.model import FunctionTool, ModelRequest
 from prototype.tokenizer import get_tokenizer
-from sim.harness.live import EXEC_TOOL, RolloutSpec, make_spec
+from sim.harness.live import _WORDS, EXEC_TOOL, RolloutSpec, make_spec
 from sim.harness.workload import Workload, draw_rollouts
 from sim.model.accelerator import turn_rng
 from sim.model.policy import DefaultPolicy
 
-__all__ = ["STEP_TEMPLATE_TOKENS", "SessionTokens", "custom_sessions", "from_spec", "workload_sessions"]
+__all__ = [
+    "STEP_TEMPLATE_TOKENS",
+    "SessionTokens",
+    "array_sessions",
+    "custom_sessions",
+    "from_spec",
+    "workload_sessions",
+]
 
 STEP_TEMPLATE_TOKENS: Final = 36  # template around one function call and its output (checked against the full path)
 FIRST_TEMPLATE_TOKENS: Final = 96  # template and tool definition around the instructions and the task
@@ -147,3 +155,65 @@ def workload_sessions(w: Workload, seed: int, count: int, *, start: int = 0) -> 
     """`draw_rollouts`'s rollouts `start` … `start + count − 1` as sessions."""
     specs, _ = draw_rollouts(w, seed, count, start=start)
     return [from_spec(s, len(s.tool_outputs)) for s in specs]
+
+
+_ARRAY_STREAM: Final = 0xA77A  # SeedSequence word of the array-built sessions' draws
+_POOL_SESSIONS: Final = 64  # sessions whose policy outputs form the resampled pool
+
+
+def array_sessions(w: Workload, seed: int, count: int) -> list[SessionTokens]:
+    """`count` sessions of workload `w` built as arrays, for points too large to plan and tokenize
+    every turn (100,000 sessions): the same distributions as `workload_sessions`, other draws.
+
+    * Turns, tool times (the workload's mixture and cap) and tool-output sizes are drawn for the
+      whole point at once from one stream, not per rollout and turn; a tool output's tokens are
+      counted from its size (its words are one token each, each of its ⌈n/12⌉ − 1 newlines
+      one more: `tool_output_text`'s layout) and its JSON bytes from the vocabulary's mean word
+      length, so no text is made.
+    * Each turn's output (tokens and JSON bytes) is resampled from the server policy's own
+      outputs for the first `_POOL_SESSIONS` rollouts of `workload_sessions` (a call turn from
+      the calls, the last turn from the answers), so the output sizes keep their distribution.
+
+    The sessions are the same in every mode and variant of a point; they are not the full path's
+    rollouts turn for turn (`workload_sessions` is, and a test checks it)."""
+    pool = workload_sessions(w, seed, min(_POOL_SESSIONS, count))
+    calls = np.array([(t, b) for s in pool for t, b in zip(s.output_tokens[:-1], s.output_bytes[:-1], strict=True)])
+    answers = np.array([(s.output_tokens[-1], s.output_bytes[-1]) for s in pool])
+    first = pool[0]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, _ARRAY_STREAM]))
+    turns = np.clip(np.rint(w.turns_median * np.exp(w.turns_sigma * rng.standard_normal(count))), 1, w.turns_cap)
+    steps = (turns - 1).astype(np.int64)
+    total = int(steps.sum())
+    weights = np.array([c.weight for c in w.tool_time], dtype=float)
+    component = rng.choice(len(w.tool_time), size=total, p=weights / weights.sum())
+    medians = np.array([c.median_s for c in w.tool_time])[component]
+    sigmas = np.array([c.sigma for c in w.tool_time])[component]
+    times = np.minimum(medians * np.exp(sigmas * rng.standard_normal(total)), w.tool_time_cap_s)
+    size = np.minimum(w.tool_output_median_tokens * np.exp(w.tool_output_sigma * rng.standard_normal(total)), 10_000)
+    words = np.maximum(1, size.astype(np.int64))
+    lines = -(-words // 12)
+    tokens = words + lines - 1
+    mean_word = float(np.mean([len(x) for x in _WORDS]))
+    nbytes = np.rint(words * mean_word + (words - lines) + 2 * (lines - 1) + 2).astype(np.int64)
+    pick_calls = calls[rng.integers(0, len(calls), size=total)]
+    pick_answers = answers[rng.integers(0, len(answers), size=count)]
+    ends = np.cumsum(steps)
+    out = []
+    for i in range(count):
+        a, b = int(ends[i] - steps[i]), int(ends[i])
+        c_tok, c_bytes = pick_calls[a:b, 0].tolist(), pick_calls[a:b, 1].tolist()
+        out.append(
+            SessionTokens(
+                index=i,
+                instruction_tokens=first.instruction_tokens,
+                first_prompt_tokens=first.first_prompt_tokens,
+                instruction_bytes=first.instruction_bytes,
+                first_request_bytes=first.first_request_bytes,
+                output_tokens=(*c_tok, int(pick_answers[i, 0])),
+                output_bytes=(*c_bytes, int(pick_answers[i, 1])),
+                tool_times_s=tuple(times[a:b].tolist()),
+                tool_tokens=tuple(tokens[a:b].tolist()),
+                tool_bytes=tuple(nbytes[a:b].tolist()),
+            )
+        )
+    return out

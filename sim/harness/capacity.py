@@ -44,6 +44,7 @@ __all__ = [
     "Variant",
     "capacity_table",
     "crossover_table",
+    "resource_table",
     "point_sessions",
     "run_capacity",
     "run_point",
@@ -83,6 +84,9 @@ POINT_COLUMNS: Final = (
     "kv_held_share",
     "kv_cached_share",
     "tool_p99_s",
+    "prefill_tok_per_s",
+    "busy_share",
+    "model_share",
     "sessions_arrived",
     "sessions_completed",
 )
@@ -268,6 +272,12 @@ def _row(
         "kv_held_share": kv["held"] / kv_total,
         "kv_cached_share": kv["cached"] / kv_total,
         "tool_p99_s": float(np.quantile(tools, 0.99)) if tools else math.nan,
+        # Which resource saturates: a replica's prefill rate and share of time running steps
+        # (means over replicas), and the share of session time spent on a replica.
+        "prefill_tok_per_s": float(np.mean(run.prefill_tok_per_s())),
+        "busy_share": float(np.mean(run.busy_share())),
+        "model_share": sum(s.model_s for s in run.sessions if s.done)
+        / max(1e-12, sum(s.finished_at - s.arrived_at for s in run.sessions if s.done)),
         "sessions_arrived": run.arrived,
         "sessions_completed": run.completed,
     }
@@ -397,6 +407,13 @@ def _ci(mean: float, low: float, high: float, fmt: str) -> str:
     return f"{mean:{fmt}} ({low:{fmt}}–{high:{fmt}})"
 
 
+def _compute(fleet: FleetConfig) -> str:
+    if fleet.compute == "free":
+        return f"free compute ({fleet.prefill_tok_per_s:g} prefill tokens/s a turn, {fleet.tps:g} tokens/s a stream)"
+    cost = fleet.step_cost()
+    return f"priced compute ({cost.name}, {cost.token_budget} tokens a step)"
+
+
 def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
     """The frontier as text: goodput with its interval per variant, load and grid cell."""
     key, unit, axis = _axis(config)
@@ -405,7 +422,7 @@ def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> 
         f"goodput (sessions/s meeting p90 TTFT <= {config.ttft_slo_s:g} s), mean over seeds with 95 % CI, "
         f"n = {config.seeds} seeds; {config.sessions} sessions a point, workload {config.workload}, {loop}, "
         f"{config.fleet.replicas} replicas x {config.fleet.decode_slots or 'unlimited'} slots, "
-        f"router {config.fleet.router}",
+        f"{_compute(config.fleet)}, router {config.fleet.router}",
     ]
     for title, block in _blocks(config, points):
         lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>24}" for x in axis)]
@@ -442,5 +459,29 @@ def crossover_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) ->
                 low, high = c["saved_vs_ws_ci_low"], c["saved_vs_ws_ci_high"]
                 mark = "~" if math.isnan(low) or low <= 0 <= high else "+" if low > 0 else "-"
                 text.append(_ci(c["saved_vs_ws_pct"], low, high, "+.1f") + " " + mark)
+            lines.append(f"{v.label:<22}" + "".join(f"{t:>28}" for t in text))
+    return "\n".join(lines)
+
+
+def resource_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
+    """Which resource saturates: per variant and cell, the replicas' share of the run spent
+    running steps, their prefill tokens/s (means over replicas), the running turns' share of KV
+    token-seconds, and the share of session time spent on a replica (means over seeds)."""
+    key, unit, axis = _axis(config)
+    lines = [
+        "per replica: busy share / prefill k tokens/s; KV share of running turns / share of session time "
+        f"on a replica; means over n = {config.seeds} seeds"
+    ]
+    for title, block in _blocks(config, points):
+        lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>28}" for x in axis)]
+        for v in variants(config):
+            cells = {p[key]: p for p in block if Variant.of(p) == v}
+            text = [
+                f"{c['busy_share']:.2f} / {c['prefill_tok_per_s'] / 1000:.1f}k; "
+                f"{c['kv_active_share']:.2f} / {c['model_share']:.2f}"
+                if c
+                else "-"
+                for c in (cells.get(x) for x in axis)
+            ]
             lines.append(f"{v.label:<22}" + "".join(f"{t:>28}" for t in text))
     return "\n".join(lines)
