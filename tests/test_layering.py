@@ -96,9 +96,10 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
 # experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client;
 # contract: the benchmark's rollout client (sim.bench contract)
 # lanes: the benchmark's lanes-against-sockets load; client: the harness's measuring client (HTTP, SSE, WebSocket)
-# llamacpp, backend: the real engine's HTTP client and its process's lifetime (sim/engine/)
+# llamacpp, backend, rates: the real engine's HTTP client, its process's lifetime, its measured rates (sim/engine/)
 SIM_ASYNC_ADAPTERS = {
     "llamacpp.py",
+    "rates.py",
     "backend.py",
     "realtime.py",
     "virtual.py",
