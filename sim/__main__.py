@@ -156,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("--train-share", type=float, default=0.5, help="share of rollouts the fit sees")
     val.add_argument("--out", metavar="DIR", help="write the engine run's folder (records.jsonl, engine.jsonl)")
     val.add_argument("--quiet", action="store_true", help="no progress bar")
+    val.add_argument(
+        "--capture",
+        action="store_true",
+        help="fit on what a capture of the http and ws turns holds (times, sizes, usage; no server stages)",
+    )
     val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
     cap = sub.add_parser(
@@ -436,10 +441,13 @@ def _describe(config: CompareConfig) -> str:
     else:
         shape = f"{config.tool_calls} tool calls, tool time median {config.tool_time_s:g} s"
     compaction = f", compacting past {config.compact_threshold} tokens" if config.compact_threshold else ""
-    return (
-        f"{shape}, {config.model.tps:g} tokens/s, seed {config.seed}, {config.server.profile_name} cost profile"
-        f"{compaction}"
+    e = config.engine
+    speed = (
+        f"llama.cpp engine ({e.engine_slots} slots, {e.engine_decode} decoding)"
+        if e.engine_kind != "none"
+        else f"{config.model.tps:g} tokens/s"
     )
+    return f"{shape}, {speed}, seed {config.seed}, {config.server.profile_name} cost profile{compaction}"
 
 
 def _show(title: str, result: CompareResult) -> None:
@@ -533,7 +541,9 @@ def validate_main(args: argparse.Namespace) -> int:
         folder = Path(args.source)
         try:
             saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
-            v = validate_records(read_records([folder]), saved, train_share=args.train_share, seed=saved.seed)
+            v = validate_records(
+                read_records([folder]), saved, train_share=args.train_share, seed=saved.seed, capture=args.capture
+            )
         except (OSError, KeyError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise SystemExit(f"python -m sim validate: {exc}") from None
         print(validation_text(v))
@@ -551,7 +561,7 @@ def validate_main(args: argparse.Namespace) -> int:
     if args.out:
         print(f"run folder: {write_run(measured, args.out)}", file=sys.stderr)
     try:
-        v = validate(measured, train_share=args.train_share, seed=config.seed)
+        v = validate(measured, train_share=args.train_share, seed=config.seed, capture=args.capture)
     except ValueError as exc:
         raise SystemExit(f"python -m sim validate: {exc}") from None
     print("\n" + validation_text(v))

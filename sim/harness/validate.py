@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
+from msgspec import structs
 
 from sim.analysis.calibrate import Calibration, fit
 from sim.analysis.records import TurnRecord, records_from_rollouts
@@ -36,6 +37,7 @@ __all__ = [
     "TRAIN_MODES",
     "Score",
     "Validation",
+    "as_capture",
     "predicted_config",
     "validate",
     "validate_records",
@@ -129,19 +131,32 @@ def _rollout_times(records: Sequence[TurnRecord]) -> dict[tuple[str, str], float
     return out
 
 
-def validate(result: CompareResult, *, train_share: float = 0.5, seed: int = 0) -> Validation:
+def as_capture(r: TurnRecord) -> TurnRecord:
+    """What a user's proxy or client capture of the same turn holds: times, sizes and `usage`,
+    no server stages and no counts only the server knows (docs/calibration.md)."""
+    return structs.replace(r, source="capture", tokens_rendered=None, tokens_classified=None, stages_s={})
+
+
+def validate(result: CompareResult, *, train_share: float = 0.5, seed: int = 0, capture: bool = False) -> Validation:
     """Fit on the training rollouts' `http` and `ws` turns of the engine run `result`, predict
     every mode it measured with the simulator, and score the held-out turns (module doc)."""
     if result.virtual:
         raise ValueError("validate needs a comparison measured live on a real engine (--engine)")
     records = records_from_rollouts(result.rollouts, source="longrun-live")
-    return validate_records(records, result.config, train_share=train_share, seed=seed)
+    return validate_records(records, result.config, train_share=train_share, seed=seed, capture=capture)
 
 
 def validate_records(
-    measured_records: list[TurnRecord], measured_config: CompareConfig, *, train_share: float = 0.5, seed: int = 0
+    measured_records: list[TurnRecord],
+    measured_config: CompareConfig,
+    *,
+    train_share: float = 0.5,
+    seed: int = 0,
+    capture: bool = False,
 ) -> Validation:
-    """`validate` on a run's records and config (a run folder's records.jsonl and config.json)."""
+    """`validate` on a run's records and config (a run folder's records.jsonl and config.json).
+    `capture`: fit on what a capture of the training turns would hold (`as_capture`), as a user
+    who records their own http and ws traffic can (issue 41's path), instead of the server's stages."""
     if measured_config.engine.engine_kind == "none":
         raise ValueError("validate needs a comparison measured live on a real engine (--engine)")
     missing = [m for m in (*TRAIN_MODES, HELD_OUT_DESIGN) if m not in measured_config.modes]
@@ -157,6 +172,8 @@ def validate_records(
     train = sorted(rng.choice(rollouts, size=n_train, replace=False).tolist(), key=int)
     test = [r for r in rollouts if r not in train]
     training = [r for r in measured_records if r.rollout in train and r.mode in TRAIN_MODES]
+    if capture:
+        training = [as_capture(r) for r in training]
     c = fit(training, holdout=0.5 if len(train) < 4 else 0.3, seed=seed)
     # A poor fit is what this measures (its held-out error says how poor); a fit that identifies
     # too little to run the simulator on is refused.
