@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 import msgspec
-from msgspec import Raw
+from msgspec import UNSET, Raw, UnsetType, structs
 
 from . import agents_wire as w
 from .errors import ProtocolError
@@ -63,6 +63,8 @@ from .schemas import (
     OutputTextDelta,
     OutputTextDone,
     RequiredInput,
+    Response,
+    ResponseDone,
     ServerEvent,
     Usage,
     encode,
@@ -160,6 +162,7 @@ class TurnEnded:
     reason: str | None = None
     message: str | None = None
     stored: bool = False  # the response can be continued by the next turn
+    response: Response | None = None  # its final snapshot (for the `longrun` extension field)
 
 
 Input = (
@@ -298,6 +301,13 @@ def _output_item(call_id: str, result: w.InputToolResult) -> bytes:
     return encode({"type": "function_call_output", "call_id": call_id, "output": output})
 
 
+def _ext(response: Response | None) -> w.LongrunExt | UnsetType:
+    """The `longrun` extension field: the response trimmed of its output, tools and instructions."""
+    if response is None:
+        return UNSET
+    return w.LongrunExt(structs.replace(response, output=[], tools=[], instructions=None))
+
+
 Action = Callable[["SessionCore", Any], None]
 
 
@@ -332,6 +342,7 @@ class SessionCore:
         self.last_response_id: str | None = None  # the response the next turn continues
         self.keys: dict[str, bytes] = {}  # Idempotency-Key -> digest of the body it applied
         self._messages: dict[str, w.MessageItemOut] = {}  # assistant messages in flight, by item id
+        self._paused_as: Response | None = None  # the running turn's response at its latest pause
         self._out: list[Output] = []
 
     # -- the public surface ------------------------------------------------------------------------
@@ -441,6 +452,8 @@ class SessionCore:
                 self._publish(w.ItemDone, item=done, output_index=ev.output_index, session_id=sid, turn_id=tid)
             elif isinstance(ev, OutputItemDone) and isinstance(ev.item, FunctionCall):
                 self.receive(CallAdded(ev.item, ev.output_index))
+            elif isinstance(ev, ResponseDone):
+                self._paused_as = ev.response  # the pause: `TurnPaused` follows
             # Everything else (the response's lifecycle, argument deltas, compaction) has no
             # session event of its own: the turn's lifecycle comes from the core's inputs.
 
@@ -545,7 +558,7 @@ class SessionCore:
         if all(c.result is not None for c in self.calls.values()):
             self.receive(AllAnswered())  # every result came while the step was still running
         else:
-            self._publish(w.SessionRequiresAction, session=self.snapshot())
+            self._publish(w.SessionRequiresAction, session=self.snapshot(), longrun=_ext(self._paused_as))
 
     def _resume(self, event: AllAnswered) -> None:
         """Hand the outputs and the queued messages to the paused response; the turn runs again."""
@@ -582,13 +595,15 @@ class SessionCore:
         steers = tuple(self.steers)
         self.active, self.calls, self.paused, self.steers = None, {}, False, []
         view: Callable[[], w.TurnOut] = lambda: self.turn_view(turn)  # noqa: E731
+        ext = _ext(event.response)
+        self._paused_as = None
         if event.status == "completed":
             self._move(turn, "complete")
-            self._publish(w.TurnCompleted, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage)
+            self._publish(w.TurnCompleted, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
         elif event.status == "cancelled":
             self._move(turn, "cancel")
             steers = ()  # rule 6
-            self._publish(w.TurnCancelled, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage)
+            self._publish(w.TurnCancelled, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
         else:
             code = event.reason if event.reason in ("max_output_tokens", "context_length_exceeded") else "server_error"
             message = event.message or f"The turn ended {event.status} ({event.reason or 'no reason given'})."
@@ -596,7 +611,7 @@ class SessionCore:
             self._move(turn, "fail")
             error = w.SessionErrorOut(code=code, message=message, param=None, type="server_error")
             self._publish(w.ErrorEvent, error=error, session_id=self.id)
-            self._publish(w.TurnFailed, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage)
+            self._publish(w.TurnFailed, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
         if steers:
             self.state = SS.IN_PROGRESS
             self._start(MessageReceived(steers))

@@ -228,9 +228,9 @@ class SessionRunner:
                 reason = response.incomplete_details.reason if response.incomplete_details is not None else None
                 if response.error is not None:
                     reason = response.error.code
-                ended = TurnEnded(
-                    response.status, response.id, response.usage, reason, stored=outcome.entry is not None
-                )
+                stored = outcome.entry is not None
+                usage = response.usage
+                ended = TurnEnded(response.status, response.id, usage, reason, stored=stored, response=response)
         except asyncio.CancelledError:
             if not self.cancelling:
                 raise
@@ -277,7 +277,7 @@ class AgentsAPI:
         self.engine = engine
         self.config = config
         # Its own ids: the engine's stay the same sequence in every mode for a seed.
-        self.ids = IdFactory(None if seed is None else seed ^ 0xA6E)
+        self.ids = IdFactory((seed or 0) ^ 0xA6E)
         self.sessions: dict[str, SessionRunner] = {}
 
     # -- decoding ----------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Any, Final, Literal
 
 import msgspec
-from msgspec import Raw
+from msgspec import UNSET, Raw, UnsetType
+
+from .schemas import Response
 
 __all__ = [
     "AGENTS_BETA",
@@ -309,6 +311,14 @@ class ListPage(msgspec.Struct, kw_only=True):
 # -- events ------------------------------------------------------------------------------------------
 
 
+class LongrunExt(msgspec.Struct):
+    """longrun's extension field on pause and turn-end events (as `longrun` on a Response
+    object): the turn's response as it stands, without its output, tools and instructions,
+    so a measuring client reads usage and stage timings per step (sim.harness.agents_client)."""
+
+    response: Response
+
+
 class _Event(msgspec.Struct, tag_field="type", kw_only=True):
     event_id: str
 
@@ -323,6 +333,7 @@ class SessionInProgress(_Event, tag="agent.session.in_progress"):
 
 class SessionRequiresAction(_Event, tag="agent.session.requires_action"):
     session: AgentSessionOut
+    longrun: LongrunExt | UnsetType = UNSET
 
 
 class SessionIdle(_Event, tag="agent.session.idle"):
@@ -346,6 +357,7 @@ class TurnCompleted(_Event, tag="agent.session.turn.completed"):
     turn: TurnOut
     turn_id: str
     usage: TokenUsageOut | None = None
+    longrun: LongrunExt | UnsetType = UNSET
 
 
 class TurnFailed(_Event, tag="agent.session.turn.failed"):
@@ -353,6 +365,7 @@ class TurnFailed(_Event, tag="agent.session.turn.failed"):
     turn: TurnOut
     turn_id: str
     usage: TokenUsageOut | None = None
+    longrun: LongrunExt | UnsetType = UNSET
 
 
 class TurnCancelled(_Event, tag="agent.session.turn.cancelled"):
@@ -360,6 +373,7 @@ class TurnCancelled(_Event, tag="agent.session.turn.cancelled"):
     turn: TurnOut
     turn_id: str
     usage: TokenUsageOut | None = None
+    longrun: LongrunExt | UnsetType = UNSET
 
 
 class ItemAdded(_Event, tag="agent.session.turn.item.added"):
