@@ -11,7 +11,12 @@ from typing import Any, Final
 
 import aiohttp
 import msgspec
+import pydantic
 import pytest
+from openai.types.beta.agent_session import AgentSession
+from openai.types.beta.agent_session_event import AgentSessionEvent
+from openai.types.beta.agent_session_item import AgentSessionItem
+from openai.types.beta.agents.sessions.turn import Turn
 
 from prototype import agents_wire as w
 from prototype.agents import (
@@ -39,6 +44,7 @@ from prototype.errors import ProtocolError
 from prototype.ids import IdFactory
 from prototype.schemas import FunctionCall, RequiredInput, encode
 
+from .strict import _members
 from .support import EXEC_COMMAND_SCHEMA, Live, live_server
 
 BETA: Final = {"OpenAI-Beta": "agents=v1"}
@@ -48,6 +54,10 @@ TOOL: Final[dict[str, Any]] = {
     "description": "Run a shell command.",
     "parameters": EXEC_COMMAND_SCHEMA,
 }
+# The SDK's models with validation on (its own parsing skips it): every event, session, turn and
+# item the routes send is checked against them.
+EVENT_MODELS: Final = _members(AgentSessionEvent)
+ITEM_MODELS: Final = _members(AgentSessionItem)
 USER: Final = encode({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
 
 pytestmark = pytest.mark.timeout(60)
@@ -237,7 +247,23 @@ async def _frames(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]
             event = json.loads(data)
             name = next(line[7:].decode() for line in lines if line.startswith(b"event: "))
             assert name == event["type"]
+            EVENT_MODELS[event["type"]].model_validate(event)
             yield event
+
+
+async def _get(http: aiohttp.ClientSession, url: str) -> Any:
+    """GET a resource or a page, each object checked against the SDK's model."""
+    resp = await http.get(url, headers=BETA)
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    for obj in body["data"] if body.get("object") == "list" else [body]:
+        if obj.get("object") == "agent.session":
+            AgentSession.model_validate(obj)
+        elif obj.get("object") == "agent.session.turn":
+            Turn.model_validate(obj)
+        else:
+            ITEM_MODELS[obj["type"]].model_validate(obj)
+    return body
 
 
 def _create(**extra: Any) -> dict[str, Any]:
@@ -337,11 +363,11 @@ async def test_the_raw_loop_race_replay_and_idle(live: Live, http: aiohttp.Clien
                 ok = await _post_events(http, live, sid, [_tool_result(item)], key=f"key-{item['call_id']}")
                 assert ok.status == 202 and await ok.read() == b""
     assert seen[0] == "agent.session.created" and seen[-2:] == ["agent.session.turn.completed", "agent.session.idle"]
-    items = await (await http.get(f"{live.base_url}/agents/sessions/{sid}/items?order=asc", headers=BETA)).json()
+    items = await _get(http, f"{live.base_url}/agents/sessions/{sid}/items?order=asc")
     kinds = [i["type"] for i in items["data"]]
     assert kinds == ["message", *["function_call", "function_call_output"] * 2, "message"]
     assert items["has_more"] is False and items["first_id"] == items["data"][0]["id"]
-    page = await (await http.get(f"{live.base_url}/agents/sessions/{sid}/items?limit=2", headers=BETA)).json()
+    page = await _get(http, f"{live.base_url}/agents/sessions/{sid}/items?limit=2")
     assert page["has_more"] is True and [i["type"] for i in page["data"]] == ["message", "function_call_output"]
 
 
@@ -358,7 +384,7 @@ async def test_steer_and_cancel_over_http(live: Live, http: aiohttp.ClientSessio
     events = await http.get(f"{live.base_url}/agents/sessions/{sid}/events", headers=BETA)
     frames = _frames(events)
     # The first turn may be waiting already (subscribed after the create), so read its state.
-    session = await (await http.get(f"{live.base_url}/agents/sessions/{sid}", headers=BETA)).json()
+    session = await _get(http, f"{live.base_url}/agents/sessions/{sid}")
     if session["status"] != "requires_action":
         session = (await _wait_for(frames, "agent.session.requires_action"))["session"]
     (action,) = session["required_actions"]
@@ -369,7 +395,7 @@ async def test_steer_and_cancel_over_http(live: Live, http: aiohttp.ClientSessio
     assert (await _post_events(http, live, sid, [steer])).status == 202
     assert (await _post_events(http, live, sid, [_tool_result(action)])).status == 202
     session = (await _wait_for(frames, "agent.session.requires_action"))["session"]
-    items = await (await http.get(f"{live.base_url}/agents/sessions/{sid}/items?order=asc", headers=BETA)).json()
+    items = await _get(http, f"{live.base_url}/agents/sessions/{sid}/items?order=asc")
     kinds = [(i["type"], i.get("role")) for i in items["data"]]
     # The steer joined at the step boundary: after the output, before the next call.
     assert kinds[:5] == [
@@ -388,7 +414,7 @@ async def test_steer_and_cancel_over_http(live: Live, http: aiohttp.ClientSessio
     late = await _post_events(http, live, sid, [_tool_result(session["required_actions"][0])])
     assert late.status == 400
     events.close()
-    turns = await (await http.get(f"{live.base_url}/agents/sessions/{sid}/turns", headers=BETA)).json()
+    turns = await _get(http, f"{live.base_url}/agents/sessions/{sid}/turns")
     assert [t["status"] for t in turns["data"]] == ["cancelled"]
     deleted = await (await http.delete(f"{live.base_url}/agents/sessions/{sid}", headers=BETA)).json()
     assert deleted == {"id": sid, "deleted": True, "object": "agent.session.deleted"}
@@ -400,3 +426,9 @@ def test_wire_events_decode_as_the_sdk_types() -> None:
     """Every event struct is tagged with its `type` (the SDK's discriminator)."""
     for kind in w.SessionEvent.__args__:  # type: ignore[attr-defined]
         assert msgspec.inspect.type_info(kind).tag_field == "type"  # type: ignore[attr-defined]
+
+
+def test_the_strict_check_can_fail() -> None:
+    """The SDK models do validate: a session event missing its snapshot is refused."""
+    with pytest.raises(pydantic.ValidationError):
+        EVENT_MODELS["agent.session.idle"].model_validate({"type": "agent.session.idle", "event_id": "e"})
