@@ -12,8 +12,12 @@ from typing import Any, Final
 import openai
 import pytest
 from openai import AsyncOpenAI
+from openai.types.beta.agent_session import AgentSession
+from openai.types.beta.agents.sessions.turn import Turn
 
 from .support import EXEC_COMMAND_SCHEMA, Live, live_server
+from .test_agents_api import EVENT_MODELS, ITEM_MODELS
+from .test_real_clients_lanes import NODE_DIR, run_node
 
 SEED: Final = 11
 TOOL_CALLS: Final = 4
@@ -130,3 +134,31 @@ async def test_tool_handler_failure_reaches_the_model_as_a_failed_result(client:
     failed = [item for item in items if item.type == "function_call_output"]
     assert len(failed) == TOOL_CALLS
     assert all(item.status == "failed" and item.error == "Tool handler failed." for item in failed)
+
+
+async def test_openai_node_runs_the_same_tool_loop(live: Live) -> None:
+    """openai-node 7.60's `sessions.create({stream: true, toolHandlers})` then `sessions.stream`
+    (tests/node/agents.mjs); what it received is checked against openai-python's models."""
+    plan = {
+        "baseURL": live.base_url,
+        "model": "sim",
+        "tool": TOOL,
+        "prompt": PROMPT,
+        "followUp": "Summarize what you changed.",
+    }
+    report = await run_node(plan, NODE_DIR / "agents.mjs", 60.0)
+    assert len(report["calls"]) == TOOL_CALLS and report["firstStatus"] == "completed" and report["firstText"]
+    events = [EVENT_MODELS[e["type"]].model_validate(e) for e in report["events"]]
+    assert events[0].type == "agent.session.turn.created"
+    assert [e.type for e in events[-2:]] == ["agent.session.turn.completed", "agent.session.idle"]
+    items = [ITEM_MODELS[i["type"]].model_validate(i) for i in report["items"]]
+    kinds = [item.type for item in items]
+    assert kinds == [
+        "message",
+        *["function_call", "function_call_output"] * TOOL_CALLS,
+        "message",
+        "message",
+        "message",
+    ]
+    assert [Turn.model_validate(t).status for t in report["turns"]] == ["completed", "completed"]
+    assert AgentSession.model_validate(report["session"]).status == "idle"
