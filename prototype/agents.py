@@ -80,6 +80,7 @@ __all__ = [
     "TRANSITIONS",
     "TS",
     "TURN_TRANSITIONS",
+    "output_item",
     "unknown_call",
 ]
 
@@ -291,7 +292,7 @@ def _add_usage(a: w.TokenUsageOut | None, b: w.TokenUsageOut | None) -> w.TokenU
     )
 
 
-def _output_item(call_id: str, result: w.InputToolResult) -> bytes:
+def output_item(call_id: str, result: w.InputToolResult) -> bytes:
     """The Responses `function_call_output` a tool result becomes in the turn's context."""
     output: str | list[Raw]
     if result.success:
@@ -522,7 +523,7 @@ class SessionCore:
         result, turn = event.result, self.active
         assert turn is not None
         call = self.calls[result.call_id]  # `check` made sure
-        call.result = _output_item(result.call_id, result)
+        call.result = output_item(result.call_id, result)
         status: Literal["completed", "failed"] = "completed" if result.success else "failed"
         done = w.FunctionCallItemOut(
             id=call.item_id,

@@ -37,6 +37,7 @@ from .agents import (
     ToolResultReceived,
     TurnEnded,
     TurnPaused,
+    output_item,
 )
 from .cache import CacheEntry
 from .config import ServerConfig
@@ -156,6 +157,12 @@ class SessionRunner:
             for i, event in enumerate(parsed.events)
         ]
         core.check(parsed.events)
+        for index, event in enumerate(parsed.events):
+            if isinstance(event, w.InputToolResult):  # what the result becomes in the context, validated now
+                try:
+                    parse_item(output_item(event.call_id, event), index)
+                except ProtocolError as err:
+                    raise ProtocolError(err.message, code=err.code, param=f"events[{index}].output") from None
         self.last_post = (at, len(body))
         for event, items in zip(parsed.events, messages, strict=True):
             if isinstance(event, w.InputMessage):
@@ -314,6 +321,15 @@ class AgentsAPI:
         values = [v.strip() for v in headers.get("OpenAI-Beta", "").split(",")]
         if w.AGENTS_BETA not in values:
             raise beta_missing()
+
+    def update(self, session_id: str) -> JSONReply:
+        """`POST .../sessions/{id}` (session updates) is not served: refused in the API's shape."""
+        self.runner(session_id)
+        raise ProtocolError(
+            "Session updates are not supported by longrun's Agents API subset.",
+            code="unsupported_operation",
+            param=None,
+        )
 
     def create(self, body: bytes) -> JSONReply | StreamReply:
         params: w.SessionCreateBody = self.decoded(body, w.decode_session_create)

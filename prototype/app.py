@@ -185,6 +185,7 @@ def make_app(
     app.router.add_get(sessions, agents_list)
     app.router.add_get(sessions + "/{session_id}", agents_retrieve)
     app.router.add_delete(sessions + "/{session_id}", agents_delete)
+    app.router.add_post(sessions + "/{session_id}", agents_update)
     app.router.add_post(sessions + "/{session_id}/events", agents_post_events)
     app.router.add_get(sessions + "/{session_id}/events", agents_stream)
     app.router.add_get(sessions + "/{session_id}/turns", agents_turns)
@@ -376,6 +377,10 @@ async def agents_list(request: web.Request) -> web.Response:
 
 async def agents_retrieve(request: web.Request) -> web.Response:
     return _json_reply(_agents(request).retrieve(request.match_info["session_id"]))
+
+
+async def agents_update(request: web.Request) -> web.Response:
+    return _json_reply(_agents(request).update(request.match_info["session_id"]))
 
 
 async def agents_delete(request: web.Request) -> web.Response:

@@ -432,3 +432,23 @@ def test_the_strict_check_can_fail() -> None:
     """The SDK models do validate: a session event missing its snapshot is refused."""
     with pytest.raises(pydantic.ValidationError):
         EVENT_MODELS["agent.session.idle"].model_validate({"type": "agent.session.idle", "event_id": "e"})
+
+
+async def test_a_bad_tool_output_is_refused_whole_and_updates_are_not_served(
+    live: Live, http: aiohttp.ClientSession
+) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create())
+    sid = (await resp.json())["id"]
+    events = await http.get(f"{live.base_url}/agents/sessions/{sid}/events", headers=BETA)
+    session = await _get(http, f"{live.base_url}/agents/sessions/{sid}")
+    if session["status"] != "requires_action":
+        session = (await _wait_for(_frames(events), "agent.session.requires_action"))["session"]
+    events.close()
+    (action,) = session["required_actions"]
+    bad = {**_tool_result(action), "output": [{"type": "input_bogus", "text": "x"}]}
+    refused = await _post_events(http, live, sid, [bad])
+    assert refused.status == 400 and (await refused.json())["error"]["param"].startswith("events[0].output")
+    still = await _get(http, f"{live.base_url}/agents/sessions/{sid}")
+    assert still["status"] == "requires_action" and still["required_actions"] == [action]  # nothing applied
+    update = await http.post(f"{live.base_url}/agents/sessions/{sid}", headers=BETA, json={"metadata": {}})
+    assert update.status == 400 and (await update.json())["error"]["code"] == "unsupported_operation"
