@@ -344,6 +344,8 @@ class SessionCore:
         self.keys: dict[str, bytes] = {}  # Idempotency-Key -> digest of the body it applied
         self._messages: dict[str, w.MessageItemOut] = {}  # assistant messages in flight, by item id
         self._paused_as: Response | None = None  # the running turn's response at its latest pause
+        self._in_batch = False  # applying one POST's events: the step boundary waits for the whole batch
+        self._cancelling = False  # the active turn's cancel was asked for
         self._out: list[Output] = []
 
     # -- the public surface ------------------------------------------------------------------------
@@ -361,6 +363,23 @@ class SessionCore:
             self.last_active_at = int(at)
         self.state = after
         action(self, event)
+
+    def apply(self, inputs: Sequence[Input], *, at: float | None = None) -> None:
+        """One POST's input events, in order, as one step: messages that come with the results
+        completing a step are committed at that boundary, after the results (rule 5)."""
+        self._in_batch = True
+        try:
+            for event in inputs:
+                self.receive(event, at=at)
+        finally:
+            self._in_batch = False
+        if self._answered() and not self._cancelling:
+            self.receive(AllAnswered(), at=at)
+
+    def _answered(self) -> bool:
+        """The turn waits and every call of its step has its result."""
+        waiting = self.state is SS.REQUIRES_ACTION and self.paused
+        return waiting and all(c.result is not None for c in self.calls.values())
 
     def replayed(self, key: str | None, body: bytes) -> bool:
         """Whether a POST of input events with this Idempotency-Key was applied already
@@ -488,6 +507,7 @@ class SessionCore:
         turn = TurnRecord(self.ids.new("turn"), self.last_active_at)
         self.turns.append(turn)
         self.active, self.calls, self.paused, self.steers = turn, {}, False, []
+        self._cancelling = False
         self._publish(w.TurnCreated, session_id=self.id, turn=self.turn_view(turn), turn_id=turn.id)
         self._commit_messages(event.messages)
         self._move(turn, "start")
@@ -544,7 +564,7 @@ class SessionCore:
         )
         self.items.append((turn.id, output))
         self._publish(w.ItemAdded, item=output, output_index=None, session_id=self.id, turn_id=turn.id)
-        if self.paused and all(c.result is not None for c in self.calls.values()):
+        if not self._in_batch and self._answered():
             self.receive(AllAnswered())
 
     def _paused(self, event: TurnPaused) -> None:
@@ -578,6 +598,7 @@ class SessionCore:
         """Ask the adapter to cancel the turn's response; its end comes back as `TurnEnded`."""
         turn = self.active
         assert turn is not None
+        self._cancelling = True
         self._out.append(CancelTurn(turn.id))
 
     def _nothing(self, event: object) -> None:

@@ -164,13 +164,15 @@ class SessionRunner:
                 except ProtocolError as err:
                     raise ProtocolError(err.message, code=err.code, param=f"events[{index}].output") from None
         self.last_post = (at, len(body))
+        inputs: list[MessageReceived | ToolResultReceived | CancelReceived] = []
         for event, items in zip(parsed.events, messages, strict=True):
             if isinstance(event, w.InputMessage):
-                core.receive(MessageReceived(items), at=at)
+                inputs.append(MessageReceived(items))
             elif isinstance(event, w.InputToolResult):
-                core.receive(ToolResultReceived(event), at=at)
+                inputs.append(ToolResultReceived(event))
             else:
-                core.receive(CancelReceived(), at=at)
+                inputs.append(CancelReceived())
+        core.apply(inputs, at=self.api.engine.clock.time())
         core.remember(key, body)
         self.flush()
 

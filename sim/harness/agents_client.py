@@ -71,6 +71,7 @@ class AgentsClient:
         self.http: aiohttp.ClientSession | None = None
         self._events: AsyncIterator[_Event] | None = None
         self._posts = 0
+        self._idle = False  # the session's turn ended: the next input starts another turn
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
         if self._events is None:
@@ -84,6 +85,12 @@ class AgentsClient:
             self._events = self._decoded(self._create(data))
         else:
             assert self.session_id is not None and self.turn_id is not None
+            if self._idle:
+                # A new turn (a message held past the answer): the create's stream has ended, so
+                # subscribe to the session's events first, as openai-python's `sessions.stream` does.
+                await self._events.aclose()  # type: ignore[attr-defined]
+                self._events = self._decoded(await self._subscribe(self.session_id))
+                self._idle = False
             events = [self._input(item) for item in new_items]
             data = encode({"events": events})
             tracker = _Tracker(self.clock, self.clock.now(), len(data))
@@ -127,6 +134,7 @@ class AgentsClient:
             elif kind in TURN_ENDS:
                 ended = self._response(event)
             elif kind == "agent.session.idle" and ended is not None:
+                self._idle = True
                 return tracker.ended(ended)
         raise ClientError(502, "the session's event stream ended before the turn did")
 
@@ -160,6 +168,22 @@ class AgentsClient:
                 raise ClientError(resp.status, await resp.json())
             async for chunk in resp.content.iter_any():
                 yield chunk
+
+    async def _subscribe(self, session_id: str) -> AsyncIterator[bytes]:
+        """`GET .../events`, subscribed when this returns (the response's headers are in)."""
+        assert self.http is not None
+        resp = await self.http.get(f"{self.url}/{session_id}/events", headers=self._headers())
+        if resp.status != 200:
+            raise ClientError(resp.status, await resp.json())
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+            finally:
+                resp.close()
+
+        return chunks()
 
     async def _post(self, session_id: str, data: bytes, key: str) -> None:
         assert self.http is not None

@@ -294,6 +294,20 @@ class _InProcessAgents(AgentsClient):
         finally:
             reply.runner.unsubscribe(reply.feed)
 
+    async def _subscribe(self, session_id: str) -> AsyncIterator[bytes]:
+        reply = self.server.agents.stream_events(session_id)  # subscribed now
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while (chunk := await reply.feed.get()) is not None:
+                    if self.server.tap is not None:
+                        self.server.tap("down", chunk)
+                    yield chunk
+            finally:
+                reply.runner.unsubscribe(reply.feed)
+
+        return chunks()
+
     async def _post(self, session_id: str, data: bytes, key: str) -> None:
         if self.server.tap is not None:
             self.server.tap("up", data)
