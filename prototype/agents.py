@@ -22,7 +22,9 @@ OpenAI's Agents API guides):
    (`agent.session.in_progress`, `agent.session.turn.in_progress`).
 5. Steering: a message posted while a turn is active is queued and committed at the turn's
    next step boundary, the resume after its calls are answered (the outputs first, then the
-   messages). A turn that ends without another step hands the queued messages to a new turn.
+   messages); one POST's events are one step (`apply`), so a message that comes with the results
+   completing a step is committed at that boundary. A turn that ends without another step hands
+   the queued messages to a new turn.
 6. Cancel ends the active turn `cancelled` (its queued messages are dropped with it); on an
    idle session it is a no-op. The turn's response is cancelled in the engine and its
    outputs stay out of the next turn's context.
