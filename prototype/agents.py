@@ -30,7 +30,9 @@ OpenAI's Agents API guides):
    outputs stay out of the next turn's context.
 7. The root turn's end (`turn.completed` / `turn.failed` / `turn.cancelled`) is followed by
    `agent.session.idle`, unless queued messages start the next turn at once.
-8. `Idempotency-Key`: a POST of input events replayed with a key already applied is accepted
+8. A turn that waits past the pause timeout (append mode's, `WebSocketConfig.append_timeout_s`)
+   ends `failed` with `request_timeout`: the adapter aborts its paused response.
+9. `Idempotency-Key`: a POST of input events replayed with a key already applied is accepted
    (202) and not applied again; the same key with a different body is refused (400
    `idempotency_key_reused`, longrun's code).
 
@@ -86,6 +88,12 @@ __all__ = [
     "unknown_call",
 ]
 
+# A turn's end reason (its response's incomplete reason or failure code) as `SessionTurnError.code`.
+TURN_ERROR_CODES: Final = {
+    "max_output_tokens": "max_output_tokens",
+    "context_length_exceeded": "context_length_exceeded",
+    "append_timeout": "request_timeout",  # the pause timeout (agents_service.py)
+}
 MAX_TOOLS_BYTES: Final = 8 * 1024 * 1024  # the resolved tool list, as compact UTF-8 JSON (session_create_params)
 
 
@@ -629,7 +637,7 @@ class SessionCore:
             steers = ()  # rule 6
             self._publish(w.TurnCancelled, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
         else:
-            code = event.reason if event.reason in ("max_output_tokens", "context_length_exceeded") else "server_error"
+            code = TURN_ERROR_CODES.get(event.reason or "", "server_error")
             message = event.message or f"The turn ended {event.status} ({event.reason or 'no reason given'})."
             turn.error = w.TurnErrorOut(code=code, message=message)
             self._move(turn, "fail")

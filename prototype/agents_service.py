@@ -26,6 +26,7 @@ from msgspec import Raw
 from . import agents_wire as w
 from .agents import (
     MAX_TOOLS_BYTES,
+    SS,
     CancelReceived,
     CancelTurn,
     DeleteReceived,
@@ -43,7 +44,7 @@ from .cache import CacheEntry
 from .config import ServerConfig
 from .contract import from_validation_error
 from .conversation import Item, parse_item
-from .engine import Arrival, Engine, Inbox, Resumed
+from .engine import Aborted, Arrival, Engine, Inbox, Resumed
 from .errors import INTERNAL_ERROR, ProtocolError
 from .ids import IdFactory
 from .schemas import RequiredInput, ServerEvent, decode_text, encode
@@ -133,6 +134,7 @@ class SessionRunner:
         self.cached: CacheEntry | None = None  # the last turn's context, continued by the next turn
         self.cancelling = False
         self.last_post: tuple[float, int] = (0.0, 0)  # when the last input POST arrived, its size
+        self.pause_timer: asyncio.Task[None] | None = None
 
     # -- the routes' side --------------------------------------------------------------------------
 
@@ -177,6 +179,7 @@ class SessionRunner:
         self.flush()
 
     def delete(self) -> None:
+        self.disarm()
         self.core.receive(DeleteReceived(), at=self.api.engine.clock.time())
         self.flush()
         for feed in self.feeds:
@@ -200,10 +203,12 @@ class SessionRunner:
                     self.inbox = Inbox()
                     self.task = asyncio.get_running_loop().create_task(self._run(out))
                 case ResumeTurn(items=items):
+                    self.disarm()
                     at, size = self.last_post
                     parsed = tuple(parse_item(data, i) for i, data in enumerate(items))
                     self.inbox.decide(Resumed(parsed, Arrival(at, size, "http", routed=True)))
                 case CancelTurn():
+                    self.disarm()
                     if self.task is not None:
                         self.cancelling = True
                         self.task.cancel()
@@ -249,6 +254,7 @@ class SessionRunner:
         except Exception:
             log.exception("session %s: turn %s failed", core.id, start.turn_id)
             ended = TurnEnded("failed", reason="server_error", message=INTERNAL_ERROR.message)
+        self.disarm()
         self.cancelling = False
         self.task = None
         core.receive(ended, at=engine.clock.time())
@@ -265,6 +271,21 @@ class SessionRunner:
     async def paused(self, required: tuple[RequiredInput, ...]) -> None:
         self.core.receive(TurnPaused(required), at=self.api.engine.clock.time())
         self.flush()
+        if self.core.state is SS.REQUIRES_ACTION:  # it waits (it did not resume at once)
+            self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout())
+
+    async def _pause_timeout(self) -> None:
+        """The server decides how long a waiting turn holds its KV: past the pause timeout
+        (`WebSocketConfig.append_timeout_s`, append mode's) its response ends `incomplete`."""
+        clock = self.api.engine.clock
+        await clock.sleep_until(clock.now() + self.api.config.websocket.append_timeout_s)
+        self.pause_timer = None
+        self.inbox.decide(Aborted("append_timeout"))
+
+    def disarm(self) -> None:
+        timer, self.pause_timer = self.pause_timer, None
+        if timer is not None and timer is not asyncio.current_task():
+            timer.cancel()
 
 
 def turn_body(agent: w.AgentOut, tools: list[dict[str, Any]], items: tuple[bytes, ...], previous: str | None) -> bytes:
@@ -416,6 +437,8 @@ class AgentsAPI:
             for feed in runner.feeds:
                 feed.put(None)
             runner.feeds.clear()
+        for runner in self.sessions.values():
+            runner.disarm()
         tasks = [r.task for r in self.sessions.values() if r.task is not None]
         for task in tasks:
             task.cancel()

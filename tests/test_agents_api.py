@@ -39,7 +39,8 @@ from prototype.agents import (
     TurnEnded,
     TurnPaused,
 )
-from prototype.config import ServerConfig
+from prototype.app import ENGINE
+from prototype.config import ServerConfig, WebSocketConfig
 from prototype.errors import ProtocolError
 from prototype.ids import IdFactory
 from prototype.schemas import FunctionCall, RequiredInput, encode
@@ -452,3 +453,17 @@ async def test_a_bad_tool_output_is_refused_whole_and_updates_are_not_served(
     assert still["status"] == "requires_action" and still["required_actions"] == [action]  # nothing applied
     update = await http.post(f"{live.base_url}/agents/sessions/{sid}", headers=BETA, json={"metadata": {}})
     assert update.status == 400 and (await update.json())["error"]["code"] == "unsupported_operation"
+
+
+async def test_a_turn_waiting_past_the_pause_timeout_fails_and_frees_its_kv(http: aiohttp.ClientSession) -> None:
+    config = ServerConfig(websocket=WebSocketConfig(append_timeout_s=0.2))
+    async with live_server(tool_calls=2, seed=5, config=config) as live:
+        resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create(stream=True))
+        seen: dict[str, dict[str, Any]] = {}
+        async for event in _frames(resp):
+            seen[event["type"]] = event
+        assert "agent.session.requires_action" in seen  # it waited, nobody answered
+        failed = seen["agent.session.turn.failed"]["turn"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
+        assert seen["error"]["error"]["code"] == "request_timeout"
+        assert live.app[ENGINE].statistics().kv_idle_token_s > 0
