@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -133,7 +134,9 @@ class SessionRunner:
         self.task: asyncio.Task[None] | None = None
         self.cached: CacheEntry | None = None  # the last turn's context, continued by the next turn
         self.cancelling = False
-        self.last_post: tuple[float, int] = (0.0, 0)  # when the last input POST arrived, its size
+        # The POST being applied (when it arrived, its size): what a turn it starts or resumes was
+        # uploaded as; None between POSTs (a turn started by queued messages arrived with nothing).
+        self.posted: tuple[float, int] | None = None
         self.pause_timer: asyncio.Task[None] | None = None
 
     # -- the routes' side --------------------------------------------------------------------------
@@ -165,7 +168,7 @@ class SessionRunner:
                     parse_item(output_item(event.call_id, event), index)
                 except ProtocolError as err:
                     raise ProtocolError(err.message, code=err.code, param=f"events[{index}].output") from None
-        self.last_post = (at, len(body))
+        self.posted = (at, len(body))
         inputs: list[MessageReceived | ToolResultReceived | CancelReceived] = []
         for event, items in zip(parsed.events, messages, strict=True):
             if isinstance(event, w.InputMessage):
@@ -176,7 +179,10 @@ class SessionRunner:
                 inputs.append(CancelReceived())
         core.apply(inputs, at=self.api.engine.clock.time())
         core.remember(key, body)
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            self.posted = None
 
     def delete(self) -> None:
         self.disarm()
@@ -201,27 +207,28 @@ class SessionRunner:
                             self.unsubscribe(feed)
                 case StartTurn():
                     self.inbox = Inbox()
-                    self.task = asyncio.get_running_loop().create_task(self._run(out))
+                    self.task = asyncio.get_running_loop().create_task(self._run(out, self._arrival()))
                 case ResumeTurn(items=items):
                     self.disarm()
-                    at, size = self.last_post
                     parsed = tuple(parse_item(data, i) for i, data in enumerate(items))
-                    self.inbox.decide(Resumed(parsed, Arrival(at, size, "http", routed=True)))
+                    self.inbox.decide(Resumed(parsed, dataclasses.replace(self._arrival(), routed=True)))
                 case CancelTurn():
                     self.disarm()
                     if self.task is not None:
                         self.cancelling = True
                         self.task.cancel()
 
-    async def _run(self, start: StartTurn) -> None:
+    def _arrival(self) -> Arrival:
+        """How the input that starts or resumes a turn arrived: the POST being applied, else now."""
+        at, size = self.posted if self.posted is not None else (self.api.engine.clock.now(), 0)
+        return Arrival(at, size, "http")
+
+    async def _run(self, start: StartTurn, arrival: Arrival) -> None:
         engine, core = self.api.engine, self.core
         ended: TurnEnded
         try:
             body = turn_body(core.agent, self.tools, start.items, start.previous_response_id)
-            _, create, arrival = http_create(body, engine, self.api.config)
-            at, size = self.last_post
-            if size:
-                arrival = Arrival(at, size, "http")
+            _, create, _ = http_create(body, engine, self.api.config)
             cached = (
                 self.cached
                 if self.cached is not None and self.cached.response_id == start.previous_response_id
@@ -378,10 +385,13 @@ class AgentsAPI:
         runner = self.sessions[core.id] = SessionRunner(self, core, tools)
         feed = runner.subscribe(until_idle=True) if params.stream else None
         core.announce()
-        runner.last_post = (self.engine.clock.now(), len(body))
+        runner.posted = (self.engine.clock.now(), len(body))
         core.receive(MessageReceived(messages), at=now)
         snapshot = core.snapshot()
-        runner.flush()
+        try:
+            runner.flush()
+        finally:
+            runner.posted = None
         if feed is not None:
             return StreamReply(feed, runner)
         return JSONReply(200, encode(snapshot))
