@@ -22,6 +22,7 @@ from typing import Final
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from .agents_service import AgentsAPI, StreamReply
 from .clock import Clock
 from .config import ServerConfig
 from .conversation import ItemParser, parse_items
@@ -104,6 +105,7 @@ ENGINE: Final = web.AppKey("engine", Engine)
 CONFIG: Final = web.AppKey("config", ServerConfig)
 SOCKETS: Final = web.AppKey[set[web.WebSocketResponse]]("sockets")
 SLOTS: Final = web.AppKey("slots", Slots)
+AGENTS: Final = web.AppKey("agents", AgentsAPI)
 
 
 def make_engine(
@@ -177,7 +179,21 @@ def make_app(
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", prometheus_metrics)
+    app[AGENTS] = AgentsAPI(app[ENGINE], config, seed=seed)
+    sessions = "/v1/agents/sessions"
+    app.router.add_post(sessions, agents_create)
+    app.router.add_get(sessions, agents_list)
+    app.router.add_get(sessions + "/{session_id}", agents_retrieve)
+    app.router.add_delete(sessions + "/{session_id}", agents_delete)
+    app.router.add_post(sessions + "/{session_id}", agents_update)
+    app.router.add_post(sessions + "/{session_id}/events", agents_post_events)
+    app.router.add_get(sessions + "/{session_id}/events", agents_stream)
+    app.router.add_get(sessions + "/{session_id}/turns", agents_turns)
+    app.router.add_get(sessions + "/{session_id}/turns/{turn_id}", agents_turn)
+    app.router.add_get(sessions + "/{session_id}/items", agents_items)
+    app.router.add_get(sessions + "/{session_id}/turns/{turn_id}/items", agents_items)
     app.on_shutdown.append(_close_sockets)
+    app.on_shutdown.append(_close_agents)
     app.on_cleanup.append(_close_store)
     return app
 
@@ -186,6 +202,10 @@ async def _close_sockets(app: web.Application) -> None:
     sockets = app[SOCKETS]
     for ws in list(sockets):
         await ws.close(code=WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+
+async def _close_agents(app: web.Application) -> None:
+    await app[AGENTS].close()
 
 
 def _background_thread() -> None:
@@ -312,6 +332,85 @@ async def delete_response(request: web.Request) -> web.Response:
     response_id = request.match_info["response_id"]
     await request.app[ENGINE].delete_stored(response_id)
     return web.Response(body=encode(DeletedResponse(id=response_id)), content_type="application/json")
+
+
+# -- Agents API (agents_service.py has each route's plan) ---------------------------------------------
+
+
+def _agents(request: web.Request) -> AgentsAPI:
+    api = request.app[AGENTS]
+    api.check_beta(request.headers)
+    return api
+
+
+async def _agents_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise request_too_large(request.app[CONFIG].max_message_bytes) from None
+
+
+async def _agents_reply(request: web.Request, reply: JSONReply | StreamReply) -> web.StreamResponse:
+    if isinstance(reply, JSONReply):
+        return _json_reply(reply)
+    resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    try:
+        await resp.prepare(request)
+        while (chunk := await reply.feed.get()) is not None:
+            await resp.write(chunk)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the subscriber went away; the session runs on
+    finally:
+        reply.runner.unsubscribe(reply.feed)
+    return resp
+
+
+async def agents_create(request: web.Request) -> web.StreamResponse:
+    api = _agents(request)
+    return await _agents_reply(request, api.create(await _agents_body(request)))
+
+
+async def agents_list(request: web.Request) -> web.Response:
+    return _json_reply(_agents(request).list_sessions(request.query))
+
+
+async def agents_retrieve(request: web.Request) -> web.Response:
+    return _json_reply(_agents(request).retrieve(request.match_info["session_id"]))
+
+
+async def agents_update(request: web.Request) -> web.Response:
+    return _json_reply(_agents(request).update(request.match_info["session_id"]))
+
+
+async def agents_delete(request: web.Request) -> web.Response:
+    return _json_reply(_agents(request).delete(request.match_info["session_id"]))
+
+
+async def agents_post_events(request: web.Request) -> web.Response:
+    api = _agents(request)
+    body = await _agents_body(request)
+    key = request.headers.get("Idempotency-Key")
+    return _json_reply(api.post_events(request.match_info["session_id"], body, key))
+
+
+async def agents_stream(request: web.Request) -> web.StreamResponse:
+    api = _agents(request)
+    return await _agents_reply(request, api.stream_events(request.match_info["session_id"]))
+
+
+async def agents_turns(request: web.Request) -> web.Response:
+    return _json_reply(_agents(request).list_turns(request.match_info["session_id"], request.query))
+
+
+async def agents_turn(request: web.Request) -> web.Response:
+    info = request.match_info
+    return _json_reply(_agents(request).get_turn(info["session_id"], info["turn_id"]))
+
+
+async def agents_items(request: web.Request) -> web.Response:
+    info = request.match_info
+    return _json_reply(_agents(request).list_items(info["session_id"], request.query, info.get("turn_id")))
 
 
 # -- WebSocket -------------------------------------------------------------------------------------

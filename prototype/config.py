@@ -100,6 +100,13 @@ class WebSocketConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_connections: Annotated[
         Annotated[int, Meta(ge=1)] | None, Meta(description="open WebSocket connections; further upgrades get HTTP 503")
     ] = MAX_CONNECTIONS
+    inject_messages: Annotated[
+        bool,
+        Meta(
+            description="what-if: the beta's response.inject also commits user and developer messages "
+            "(the beta takes client-owned tool outputs only)"
+        ),
+    ] = False
 
 
 class ModelLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -114,7 +114,7 @@ from .errors import ProtocolError, ws_error_event
 from .frames import FrameClassifier
 from .ids import IdFactory
 from .lanes import CS, OPEN, ConnectionStateError, Lane, Pause, error_frame
-from .pauses import PauseDialect, dialect_of
+from .pauses import CLOSE_BAD_INJECT, PauseDialect, dialect_of
 from .schemas import RequiredInput
 from .steering import UNSTEERABLE_MODELS, Steering
 from .wsevents import (
@@ -190,7 +190,9 @@ class Connection:
         self._out: list[Output] = []
         emit = self._out.append
         # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta.
-        self.dialect: PauseDialect = dialect_of(append_mode, beta, emit, self.ended_ids)
+        self.dialect: PauseDialect = dialect_of(
+            append_mode, beta, emit, self.ended_ids, inject_messages=self.limits.inject_messages
+        )
         self.steering = Steering(emit, self.ids, self.ended_ids, unsteerable_models)
         self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
@@ -474,6 +476,8 @@ class Connection:
             self.cache_book.evict(lane, event.previous_response_id)
         # The error names the lane the frame named; an invalid id or a frame without one: none.
         self._out.append(SendFrame(tag_stream(ws_error_event(event.error), stream_prefix(event.stream_id))))
+        if event.event_type == "response.inject" and self.dialect.closes_on_bad_inject:
+            self._out.append(CloseSocket(CLOSE_BAD_INJECT, "response.inject does not conform to its schema"))
 
     def _disconnect(self, lane: Lane, event: Disconnected) -> None:
         """Cancel the response in flight, drop the queue and the cache entry."""

@@ -188,7 +188,7 @@ VERBOSITIES: Final = ("low", "medium", "high")
 REASONING_SUMMARIES: Final = ("auto", "concise", "detailed")  # `summary` and the older `generate_summary`
 REASONING_CONTEXTS: Final = ("auto", "current_turn", "all_turns")
 TEXT_FORMATS: Final = ("text", "json_schema", "json_object")
-PROMPT_CACHE_TTLS: Final = ("30m",)
+PROMPT_CACHE_TTLS: Final = ("30m", "12h")  # openai-python 3.60's `PromptCacheOptions.ttl`
 PROMPT_CACHE_MODES: Final = ("implicit", "explicit")
 
 METADATA_KEYS_MAX: Final = 16
@@ -318,6 +318,15 @@ class _Text(msgspec.Struct):
 class _PromptCacheOptions(msgspec.Struct):
     ttl: str | None = None
     mode: str | None = None
+    prewarm: bool | None = None
+
+
+def prewarms(params: CreateParams) -> bool:
+    """`prompt_cache_options.prewarm: true`: prepare the prompt cache, generate nothing (it
+    overrides `generate`, openai-python 3.60's `PromptCacheOptions`); checked by `check_params`."""
+    if is_null(params.prompt_cache_options):
+        return False
+    return _decode_prompt_cache_options(params.prompt_cache_options).prewarm is True
 
 
 _decode_reasoning: Final = msgspec.json.Decoder(_Reasoning).decode

@@ -44,6 +44,7 @@ from .contract import (
     check_string_length,
     compact_threshold,
     from_validation_error,
+    prewarms,
     supported_values,
 )
 from .errors import ProtocolError
@@ -380,7 +381,7 @@ def normalize_create(
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
     check_has_input(params)
-    generate = True if params.generate is msgspec.UNSET else bool(params.generate)
+    generate = (True if params.generate is msgspec.UNSET else bool(params.generate)) and not prewarms(params)
     key = encode((params.instructions, [bytes(t) for t in tools_raw]))
     return CreateRequest(
         params=params,

@@ -92,7 +92,7 @@ class FrameClassifier:
         else:
             err = from_validation_error(exc)
         if env.type != "response.create":
-            return BadFrame(err)
+            return BadFrame(err, event_type=env.type)
         # The frame still names its lane (if that lane exists) and the response it continued.
         stream_id = env.stream_id if isinstance(env.stream_id, str) and valid_stream_id(env.stream_id) else None
         return BadFrame(err, env.previous_response_id, stream_id)

@@ -36,6 +36,7 @@ from .wsevents import (
     AppendReceived,
     ArmPauseTimer,
     CallEmitted,
+    CloseSocket,
     Output,
     PauseTimedOut,
     ResponsePaused,
@@ -45,9 +46,20 @@ from .wsevents import (
     TurnEnded,
 )
 
-__all__ = ["APPENDABLE_ROLES", "AppendDialect", "BetaDialect", "CreateDialect", "PauseDialect", "dialect_of"]
+__all__ = [
+    "APPENDABLE_ROLES",
+    "CLOSE_BAD_INJECT",
+    "AppendDialect",
+    "BetaDialect",
+    "CreateDialect",
+    "PauseDialect",
+    "dialect_of",
+]
 
 APPENDABLE_ROLES: Final = frozenset({"user", "developer"})
+# An inject that does not conform to its schema: a generic 400 `error`, then the server closes the
+# socket (the multi-agent guide); the close code is longrun's (policy violation, RFC 6455 7.4.1).
+CLOSE_BAD_INJECT: Final = 1008
 # The inject failures that are about the response, not the input: `response.inject.failed`
 # in the beta (its error code is a closed set of these), so the input can go to another one.
 INJECT_FAILURES: Final = frozenset({"response_not_found", "response_already_completed"})
@@ -58,6 +70,8 @@ class PauseDialect:
 
     name = "append"
     steering = False  # whether `response.steer` is an event type on the connection
+    closes_on_bad_inject = False  # whether a schema-invalid `response.inject` closes the socket
+    takes_messages = True  # whether an append or inject may carry user or developer messages
 
     def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str]) -> None:
         self.emit = emit
@@ -131,8 +145,13 @@ class PauseDialect:
             self.emit(error_frame(refused, None))
             return
         try:
+            # A dialect that closes on a schema-invalid inject checks the schema first.
+            parsed = self._parse(append) if self.closes_on_bad_inject else None
             pause = self._target(lane, append.response_id)
-            items = self._validate(pause, append)
+            items = self._validate(pause, append, parsed)
+        except _SchemaError as err:
+            self._close_on(lane, err)
+            return
         except ProtocolError as err:
             self._refuse(lane, append, err)
             return
@@ -168,9 +187,24 @@ class PauseDialect:
         shown = f"'{response_id}'" if response_id else "to append to"
         raise ProtocolError(f"Response {shown} not found.", code="response_not_found", param="response_id")
 
-    @staticmethod
-    def _validate(pause: Pause, append: ResponseAppend | ResponseInject) -> tuple[Item, ...]:
-        items = parse_items(append.input)
+    def _parse(self, append: ResponseAppend | ResponseInject) -> tuple[Item, ...]:
+        """The frame's items, validated; a dialect that closes on a bad inject raises `_SchemaError`."""
+        try:
+            return parse_items(append.input)
+        except ProtocolError as err:
+            if self.closes_on_bad_inject and isinstance(append, ResponseInject):
+                raise _SchemaError(err) from None
+            raise
+
+    def _close_on(self, lane: Lane, err: _SchemaError) -> None:
+        """A schema-invalid inject: its 400 `error`, then the socket is closed."""
+        self.emit(error_frame(err.error, lane if lane.in_flight is not None else None))
+        self.emit(CloseSocket(CLOSE_BAD_INJECT, "response.inject does not conform to its schema"))
+
+    def _validate(
+        self, pause: Pause, append: ResponseAppend | ResponseInject, parsed: tuple[Item, ...] | None = None
+    ) -> tuple[Item, ...]:
+        items = parsed if parsed is not None else parse_items(append.input)
         answered: set[str] = set()
         for index, item in enumerate(items):
             view = item.view
@@ -183,6 +217,13 @@ class PauseDialect:
                         param=f"input[{index}].call_id",
                     )
                 answered.add(call_id)
+            elif view.type == "message" and not self.takes_messages and isinstance(append, ResponseInject):
+                raise ProtocolError(
+                    f"Invalid item in 'input[{index}]': response.inject takes client-owned tool outputs "
+                    "(function_call_output items) only.",
+                    code="invalid_value",
+                    param=f"input[{index}]",
+                )
             elif not (view.type == "message" and view.role in APPENDABLE_ROLES):
                 raise ProtocolError(
                     f"Invalid item in 'input[{index}]': an append carries function_call_output items "
@@ -242,10 +283,17 @@ class CreateDialect(PauseDialect):
 
 
 class BetaDialect(PauseDialect):
-    """`OpenAI-Beta: responses_multi_agent=v1` (docs/beta.md)."""
+    """`OpenAI-Beta: responses_multi_agent=v1` (docs/beta.md). The beta's inject takes
+    client-owned tool outputs only (its SDK type says so); `inject_messages` is the what-if that
+    also commits user and developer messages, as append mode does."""
 
     name = "beta"
     steering = True
+    closes_on_bad_inject = True
+
+    def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str], *, inject_messages: bool = False) -> None:
+        super().__init__(emit, ended_ids)
+        self.takes_messages = inject_messages
 
     def refuse_event(self, append: ResponseAppend | ResponseInject) -> ProtocolError | None:
         if isinstance(append, ResponseAppend):
@@ -267,7 +315,22 @@ class BetaDialect(PauseDialect):
         return committed
 
 
-def dialect_of(append_mode: bool, beta: bool, emit: Callable[[Output], None], ended_ids: deque[str]) -> PauseDialect:
+class _SchemaError(Exception):
+    """An inject whose items do not conform to the schema (in a dialect that closes on it)."""
+
+    def __init__(self, error: ProtocolError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def dialect_of(
+    append_mode: bool,
+    beta: bool,
+    emit: Callable[[Output], None],
+    ended_ids: deque[str],
+    *,
+    inject_messages: bool = False,
+) -> PauseDialect:
     if beta:
-        return BetaDialect(emit, ended_ids)
+        return BetaDialect(emit, ended_ids, inject_messages=inject_messages)
     return (AppendDialect if append_mode else CreateDialect)(emit, ended_ids)

@@ -12,7 +12,7 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from . import connection, stream
+from . import agents, connection, stream
 from .lanes import CS
 
 __all__ = ["render", "table"]
@@ -24,7 +24,8 @@ HEADER = """# State machines
 Generated from the code by `python3 -m prototype.tables` (`make docs-tables`); do not edit by
 hand: tests/test_docs.py fails when this page and the tables differ. Each row is one legal move:
 in that state, that input runs the action and the machine goes to the next state. Any other
-(state, input) pair is a bug in the caller and raises (`ConnectionStateError`, `StreamError`).
+(state, input) pair is a bug in the caller and raises (`ConnectionStateError`, `StreamError`,
+`AgentStateError`).
 """
 
 
@@ -57,6 +58,10 @@ def render() -> str:
         + "\n\n## A response's event stream (`prototype/stream.py`)\n\n"
         + "Model events in, Responses events out, numbered in one sequence.\n\n"
         + table(stream.TRANSITIONS, stream.RS)
+        + "\n\n## An Agents API session (`prototype/agents.py`)\n\n"
+        + "Input events and the running turn's milestones in, session events and turn work out"
+        + " (docs/agents-api.md). A turn's own states are `agents.TURN_TRANSITIONS`.\n\n"
+        + table(agents.TRANSITIONS, agents.SS)
         + "\n"
     )
 

@@ -93,6 +93,7 @@ class BadFrame:
     error: ProtocolError
     previous_response_id: str | None = None
     stream_id: str | None = None  # the lane the frame named (its error carries it); None: the default lane
+    event_type: str | None = None  # the frame's `type`, when it names one
 
 
 @dataclass(frozen=True, slots=True)

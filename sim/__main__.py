@@ -76,14 +76,14 @@ def _add_compare_options(c: argparse.ArgumentParser) -> None:
 
 
 # `python -m sim long`: 10 rollouts of 200 tool calls in every mode but `steer` (which is `inject` when
-# there are no interjections, and the beta does not steer a compacting response), compacting past
+# there are no interjections, and the beta does not steer a compacting response) and `agents`, compacting past
 # 20,000 tokens; tool outputs of median 250 tokens, so that no rollout outgrows the context window
 # without compaction.
 LONG_DEFAULTS: Final = {
     "rollouts": 10,
     "tool_calls": 200,
     "tool_output_tokens": 250,
-    "modes": ",".join(m for m in ALL_MODES if m != "steer"),
+    "modes": ",".join(m for m in ALL_MODES if m not in ("steer", "agents")),
     "compact_threshold": 20_000,
 }
 

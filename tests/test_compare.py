@@ -313,6 +313,7 @@ NOT_DEFAULT: dict[str, object] = {
     "max_in_flight": 4,
     "max_named_lanes": 5,
     "max_connections": 7,
+    "inject_messages": True,
     "context_window": 9_000,
     "max_output_tokens": None,
 }

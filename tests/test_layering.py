@@ -45,6 +45,8 @@ PURE_CORE = {
     "conncache",
     "pauses",
     "steering",
+    "agents",
+    "agents_wire",
     "tables",
     "config",
     "options",
@@ -95,7 +97,8 @@ def test_sans_io_core_does_no_io(path: Path) -> None:
 
 # experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client;
 # contract: the benchmark's rollout client (sim.bench contract)
-# lanes: the benchmark's lanes-against-sockets load; client: the harness's measuring client (HTTP, SSE, WebSocket)
+# lanes: the benchmark's lanes-against-sockets load; client: the harness's measuring client (HTTP, SSE, WebSocket);
+# agents_client: its Agents API counterpart (HTTP, SSE)
 # llamacpp, backend, rates: the real engine's HTTP client, its process's lifetime, its measured rates (sim/engine/)
 SIM_ASYNC_ADAPTERS = {
     "llamacpp.py",
@@ -110,6 +113,7 @@ SIM_ASYNC_ADAPTERS = {
     "contract.py",
     "lanes.py",
     "client.py",
+    "agents_client.py",
 }
 
 

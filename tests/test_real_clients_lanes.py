@@ -1,6 +1,6 @@
 """Real clients that multiplex WebSocket lanes (`stream_id`) against the server on loopback, unchanged.
 
-- openai-node 7.59.0 (`ResponsesWebSocketSession`, tests/node/lanes.mjs, run with `node`): two named
+- openai-node 7.60.0 (`ResponsesWebSocketSession`, tests/node/lanes.mjs, run with `node`): two named
   lanes run concurrent tool loops on one socket, and one lane's response is forked onto a new lane.
 - openai-python (`AsyncResponsesWebSocketSession` lanes, and `stream_id` on a plain connection).
 - pydantic-ai (`OpenAIResponsesModel` with `openai_transport='websocket'` and `stream_id` lanes on).

@@ -32,6 +32,10 @@ Modes (names used everywhere):
   in flight; the client follows the automatic successor (`response.incomplete` with reason
   `steered`, then the successor's `response.created`) within the same turn. The other
   modes hold such a message and send it with the next turn's input.
+* `agents`: one Agents API session (beta `agents=v1`, docs/agents-api.md) per rollout:
+  the first turn creates it with `stream: true` and reads that stream on; each later turn
+  POSTs the tool outputs as input events. A turn ends at `agent.session.requires_action`
+  or at the session turn's end (sim/harness/agents_client.py).
 
 In the WebSocket modes several rollouts may share one socket, each on its own lane
 (`stream_id`, docs/lanes.md): `share_socket` puts a list of clients on one `LaneSocket`,
@@ -93,10 +97,10 @@ __all__ = [
     "tool_outputs",
 ]
 
-Mode = Literal["http", "http_prev", "ws", "append", "inject", "async", "steer"]
+Mode = Literal["http", "http_prev", "ws", "append", "inject", "async", "steer", "agents"]
 # The default comparison's modes; `inject`, `async` and `steer` are opt-in (`--modes`, docs/experiments.md).
 MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
-ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "async", "steer")
+ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "async", "steer", "agents")
 WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject", "async", "steer")
 TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
@@ -721,6 +725,10 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
         return HTTPClient(base_url, clock, chained=True, api_key=api_key)
     if mode in WS_MODES:
         return WSClient(base_url, clock, api_key=api_key, mode=mode)
+    if mode == "agents":
+        from sim.harness.agents_client import AgentsClient  # it builds on this module
+
+        return AgentsClient(base_url, clock, api_key=api_key)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(ALL_MODES)}")
 
 

@@ -227,7 +227,12 @@ def _server_config(config: CompareConfig) -> ServerConfig:
     )
     if config.rtt_s is not None:
         profile = structs.replace(profile, rtt_s=config.rtt_s)
-    return structs.replace(config.server, profile=profile)
+    server = structs.replace(config.server, profile=profile)
+    if config.interjections and {"inject", "async"} & set(config.modes):
+        # The beta's inject takes tool outputs only; its clients hand a held interjection to the
+        # paused response with the outputs, so these runs take the what-if (docs/beta.md).
+        server = structs.replace(server, websocket=structs.replace(server.websocket, inject_messages=True))
+    return server
 
 
 def compare(

@@ -24,6 +24,8 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
+from prototype.agents_service import AgentsAPI
+from prototype.agents_wire import AGENTS_BETA
 from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.conversation import ToolCache
@@ -32,6 +34,7 @@ from prototype.errors import ProtocolError
 from prototype.schemas import ServerEvent, decode_server_event, encode
 from prototype.session import HTTPExchange, JSONReply, WebSocketSession
 from prototype.sse import SSEDecoder, encode_event
+from sim.harness.agents_client import AgentsClient
 from sim.harness.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 
@@ -262,6 +265,58 @@ class _InProcessWS(WSClient):
         return client_end
 
 
+class _InProcessAgents(AgentsClient):
+    """The `agents` client over the server's own `AgentsAPI` (the routes' plans), no sockets."""
+
+    def __init__(self, server: InProcessServer, clock: Clock) -> None:
+        super().__init__("inprocess://", clock)
+        self.server = server
+
+    def _headers(self) -> dict[str, str]:
+        return {"OpenAI-Beta": AGENTS_BETA}
+
+    async def _create(self, data: bytes) -> AsyncIterator[bytes]:
+        api, tap = self.server.agents, self.server.tap
+        if tap is not None:
+            tap("up", data)
+        api.check_beta(self._headers())
+        try:
+            reply = api.create(data)
+        except ProtocolError as err:
+            raise _reply_error(JSONReply.error(err)) from None
+        if isinstance(reply, JSONReply):
+            raise _reply_error(reply)
+        try:
+            while (chunk := await reply.feed.get()) is not None:
+                if tap is not None:
+                    tap("down", chunk)
+                yield chunk
+        finally:
+            reply.runner.unsubscribe(reply.feed)
+
+    async def _subscribe(self, session_id: str) -> AsyncIterator[bytes]:
+        reply = self.server.agents.stream_events(session_id)  # subscribed now
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                while (chunk := await reply.feed.get()) is not None:
+                    if self.server.tap is not None:
+                        self.server.tap("down", chunk)
+                    yield chunk
+            finally:
+                reply.runner.unsubscribe(reply.feed)
+
+        return chunks()
+
+    async def _post(self, session_id: str, data: bytes, key: str) -> None:
+        if self.server.tap is not None:
+            self.server.tap("up", data)
+        try:
+            self.server.agents.post_events(session_id, data, key)
+        except ProtocolError as err:
+            raise _reply_error(JSONReply.error(err)) from None
+
+
 class InProcessServer:
     """The server's parts, reachable without sockets. One per simulated server."""
 
@@ -284,10 +339,13 @@ class InProcessServer:
         self.tool_cache = tool_cache
         self.tap = tap
         self.live_costs = live_costs
+        self.agents = AgentsAPI(engine, self.config)  # the Agents API's sessions (`agents` mode)
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):
             return _InProcessHTTP(self, clock, chained=mode == "http_prev")
         if mode in WS_MODES:
             return _InProcessWS(self, clock, mode)
+        if mode == "agents":
+            return _InProcessAgents(self, clock)
         raise ValueError(f"unknown mode {mode!r}")
