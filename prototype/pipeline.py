@@ -218,7 +218,7 @@ class Design:
             transport=self.transport,
             resumed=self.history == "held" and not first,
             continued=self.history == "previous" and not first,
-            routed=self.transport == "ws" and not first,
+            routed=(self.transport == "ws" or self.history == "held") and not first,
             ends=self.history != "held" or last,
         )
 
@@ -231,6 +231,9 @@ DESIGNS: Final[dict[str, Design]] = {
     "inject": Design("ws", "held"),
     "async": Design("ws", "held"),
     "steer": Design("ws", "held"),
+    # The Agents API (docs/agents-api.md): a session's turn is one held response; each tool result
+    # is a POST, so the response's end is billed on the path as over HTTP.
+    "agents": Design("http", "held"),
 }
 
 
