@@ -383,35 +383,60 @@ def _affinity() -> set[int]:
 # -- 6. memory ------------------------------------------------------------------------------------
 
 
-async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None:
+def memory_server_args(n_turns: int, cap: int | None) -> list[str]:
+    """The memory target's server: the agent policy for `n_turns` tool turns; `cap` its
+    `max_cache_bytes`, None to keep the server's default. (The server's flag takes its value as
+    it is: 0 is a cap of nothing, under which no chain gets past its first turn.)"""
+    args = ["--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10)]
+    return args if cap is None else [*args, "--max-cache-bytes", str(cap)]
+
+
+def chain_ended_by_cap(error: ClientError) -> bool:
+    """Whether `error` is how a chain ends under `max_cache_bytes`: an entry over the cap is not
+    cached, so the next turn's `previous_response_id` is not found."""
+    return isinstance(error.body, dict) and error.body.get("code") == "previous_response_not_found"
+
+
+async def _held_rollout(client: Any, clock: PerfClock, spec: RolloutSpec, capped: bool) -> None:
+    """One rollout on `client`; under a cap its chain may end early, any other error is the bench's."""
+    try:
+        await run_rollout(client, clock, spec, model="sim")
+    except ClientError as e:
+        if not (capped and chain_ended_by_cap(e)):
+            raise
+
+
+async def memory(conns: int, n_turns: int, output_tokens: int, cap: int | None) -> None:
+    """`cap`: the connections' `max_cache_bytes` (None: the server's default)."""
     clock = PerfClock()
     import numpy as np
 
     text = tool_output_text(np.random.default_rng(0), output_tokens)
     spec = RolloutSpec(0, 0, "Task 0: fix the failing test.", (0.0,) * n_turns, (text,) * n_turns)
-    args = ["--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10), "--max-cache-bytes", str(cap)]
-    with bench_server(*args) as port:
+    with bench_server(*memory_server_args(n_turns, cap)) as port:
         base = f"http://127.0.0.1:{port}/v1"
         warm = open_client("ws", base, clock)
-        await run_rollout(warm, clock, RolloutSpec(0, 0, "warm", (0.0,) * 5, (text,) * 5), model="sim")
-        await warm.close()
+        try:
+            await _held_rollout(warm, clock, RolloutSpec(0, 0, "warm", (0.0,) * 5, (text,) * 5), cap is not None)
+        finally:
+            await warm.close()
         before = (await get_json(port, "/bench/memory"))["rss_bytes"]
         clients = []
         history_bytes = 0
-        turns_done = n_turns
-        for _ in range(conns):
-            client = open_client("ws", base, clock)
-            clients.append(client)
-            try:
-                await run_rollout(client, clock, spec, model="sim")
-            except ClientError:  # over the cap the entry is not cached: the next turn cannot chain
-                turns_done = len(client.history.items) // 2  # type: ignore[attr-defined]
-            history_bytes = len(encode(client.history.items))  # type: ignore[attr-defined]
-        after = (await get_json(port, "/bench/memory"))["rss_bytes"]
-        for client in clients:
-            await client.close()
+        try:
+            for _ in range(conns):
+                client = open_client("ws", base, clock)
+                clients.append(client)
+                await _held_rollout(client, clock, spec, cap is not None)
+                history_bytes = len(encode(client.history.items))  # type: ignore[attr-defined]
+            held = client.history.items  # type: ignore[attr-defined]
+            turns_done = sum(item.get("type") == "function_call_output" for item in held)
+            after = (await get_json(port, "/bench/memory"))["rss_bytes"]
+        finally:
+            for client in clients:
+                await client.close()
     per = (after - before) / conns
-    if not cap:
+    if cap is None:
         what = f"bytes per idle ws conn, {n_turns}-turn cache"
         report("6", what, per, history_bytes, per / history_bytes, "report", None)
     else:
@@ -494,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
             equal_rollouts=2,
         ),
         "memory": lambda: [
-            uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
+            uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap))
+            for cap in ([None, args.cap] if args.cap else [None])
         ],
         "contract": lambda: (
             contract_rows_report(
