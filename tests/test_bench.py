@@ -3,6 +3,8 @@ that its targets run to the end (at small sizes; the full sizes are `python -m s
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import uvloop
 
@@ -56,3 +58,72 @@ def test_the_memory_target_runs_to_the_end(cap: int | None, capsys: pytest.Captu
         turn = int(row.figure.split("turn ~")[1].rstrip(")"))
         assert 1 <= turn < 8  # the cap ended the chain before its last turn
     assert row.line() in capsys.readouterr().out
+
+
+# -- the smoke run ----------------------------------------------------------------------------------
+
+NOT_SIZES = {"help", "targets", "only", "smoke", "server_arg", "report"}  # what to run, not how much
+
+
+def test_the_smoke_run_runs_every_target_the_full_run_runs() -> None:
+    full, smoke = bench.parse([]), bench.parse(["--smoke"])
+    assert bench.selected(smoke) == bench.selected(full) == list(bench.TARGETS)
+    assert set(bench.jobs(smoke)) == set(bench.jobs(full)) == set(bench.TARGETS)
+    assert bench.selected(bench.parse(["--smoke", "memory", "--only", "fleet"])) == ["memory", "fleet"]
+
+
+def test_every_sizing_option_has_a_smoke_size_no_larger_than_the_full_one() -> None:
+    """A new target's sizes cannot be left at their full values in the CI's smoke run."""
+    options = {a.dest: a.default for a in bench.parser()._actions if a.dest not in NOT_SIZES}
+    assert set(bench.SMOKE) == set(options)
+    full, smoke = vars(bench.parse([])), vars(bench.parse(["--smoke"]))
+    for name, size in bench.SMOKE.items():
+        assert smoke[name] == size, name
+        if isinstance(full[name], int | float) and full[name]:
+            assert 0 <= size <= full[name], name
+    assert bench.parse(["--smoke", "--turns", "20"]).turns == 20  # given sizes win
+
+
+def test_a_smoke_run_does_not_write_the_performance_page(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse(["--smoke", "--report", "docs/performance.md"])
+    assert exit_.value.code == 2 and "--report" in capsys.readouterr().err
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, argv: list[str], table: dict[str, Callable[[], object]]) -> int:
+    monkeypatch.setattr(bench, "jobs", lambda args: table)
+    monkeypatch.setattr(bench.os, "sched_setaffinity", lambda *a: None)  # keep this process on its cores
+    monkeypatch.setattr(bench, "ROWS", [])
+    monkeypatch.setattr(bench, "VERDICTS", [True])
+    return bench.main(argv)
+
+
+def _failing_row() -> None:
+    bench.report("1", "a figure under its goal", 1.0, 2.0, 0.5, ">= 0.6", False)
+
+
+def _crash() -> None:
+    raise RuntimeError("this target crashed")
+
+
+def test_a_smoke_run_prints_figures_without_verdicts_and_exits_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert _run(monkeypatch, ["--smoke", "throughput"], {"throughput": _failing_row}) == 0
+    (row,) = bench.ROWS
+    assert row.ok is None and row.goal == "(smoke)"
+    out = capsys.readouterr().out
+    assert "FAIL" not in out and "PASS" not in out and "a figure under its goal" in out
+    # The same row in a full run is a failure.
+    assert _run(monkeypatch, ["throughput"], {"throughput": _failing_row}) == 1
+
+
+def test_a_crashed_target_fails_the_run_and_the_others_still_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ran: list[str] = []
+    table = {"throughput": _crash, "fleet": lambda: ran.append("fleet")}
+    assert _run(monkeypatch, ["--smoke", "throughput", "fleet"], table) == 1
+    assert ran == ["fleet"]
+    err = capsys.readouterr().err
+    assert "this target crashed" in err and "crashed: throughput" in err
