@@ -3,7 +3,8 @@ that its targets run to the end (at small sizes; the full sizes are `python -m s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 
 import pytest
 import uvloop
@@ -90,9 +91,9 @@ def test_a_smoke_run_does_not_write_the_performance_page(capsys: pytest.CaptureF
     assert exit_.value.code == 2 and "--report" in capsys.readouterr().err
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, argv: list[str], table: dict[str, Callable[[], object]]) -> int:
+def _run(monkeypatch: pytest.MonkeyPatch, argv: list[str], table: Mapping[str, Callable[[], object]]) -> int:
     monkeypatch.setattr(bench, "jobs", lambda args: table)
-    monkeypatch.setattr(bench.os, "sched_setaffinity", lambda *a: None)  # keep this process on its cores
+    monkeypatch.setattr(os, "sched_setaffinity", lambda *a: None)  # keep this process on its cores
     monkeypatch.setattr(bench, "ROWS", [])
     monkeypatch.setattr(bench, "VERDICTS", [True])
     return bench.main(argv)
