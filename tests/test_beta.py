@@ -30,8 +30,7 @@ from prototype.wsevents import AckInject, AckSteer, ResumeJob, SendFrame, StartJ
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, Live, live_server, receive_event
-from .test_real_clients_lanes import NODE_DIR, run_node
+from .support import EXEC_TOOL, NODE_DIR, Live, live_server, receive_event, run_node, until
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -134,16 +133,6 @@ async def test_official_node_beta_client_drives_the_same_loop(live: Live, wire: 
 
 async def beta_socket(session: aiohttp.ClientSession, live: Live) -> aiohttp.ClientWebSocketResponse:
     return await session.ws_connect(live.ws_url, headers=BETA_HEADERS)
-
-
-async def until(ws: aiohttp.ClientWebSocketResponse, *types: str) -> list[dict[str, Any]]:
-    """Events up to and including the first of `types`."""
-    out = []
-    while True:
-        event = await receive_event(ws)
-        out.append(event)
-        if event["type"] in types:
-            return out
 
 
 def create(**fields: Any) -> str:

@@ -29,7 +29,7 @@ from prototype.wallclock import AsyncioClock
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, PlannedItem, ScriptPolicy
 
-from .conftest import RedisProcess
+from .processes import RedisProcess
 from .support import EXEC_TOOL, Live, live_server
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete", "response.done", "error"}

@@ -18,8 +18,7 @@ import pytest
 
 from prototype.app import ENGINE
 
-from .support import live_server, run_client
-from .test_real_clients_lanes import NODE_DIR, node_executable
+from .support import NODE_DIR, live_server, node_executable, run_client
 
 TOOL_CALLS: Final = 3
 SCRIPT: Final = NODE_DIR / "sdks.mjs"

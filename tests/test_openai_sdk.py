@@ -24,7 +24,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.responses.responses_server_event import ResponseWsError
 
-from .support import EXEC_TOOL, Live, live_server
+from .support import EXEC_TOOL, Live, Seen, live_server
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -52,18 +52,6 @@ class Turn:
 
 
 TurnFn = Callable[[Items, "str | None"], Awaitable[Turn]]
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What the model produced on one turn, as far as it is transport-independent."""
-
-    kind: str
-    name: str | None
-    arguments: str | None
-    text: str | None
-    input_tokens: int
-    output_tokens: int
 
 
 @pytest.fixture

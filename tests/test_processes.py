@@ -1,6 +1,6 @@
 """Server processes: a restart on SQLite, and two processes on one port sharing a Redis store.
 
-Each server is `python -m prototype.server` in a subprocess (`test_cli.start_server`:
+Each server is `python -m prototype.server` in a subprocess (`processes.start_server`:
 readiness is its stdout line, a watchdog bounds its life, it is always killed).
 """
 
@@ -15,9 +15,9 @@ import pytest
 
 from prototype.server import PID_HEADER
 
-from .conftest import _free_port
+from .processes import free_port as _free_port
+from .processes import start_server
 from .support import EXEC_TOOL
-from .test_cli import start_server
 
 TERMINAL: Final = {"response.completed", "response.failed", "response.incomplete", "error"}
 MAX_FRESH_CONNECTIONS: Final = 64

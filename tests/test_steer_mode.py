@@ -34,6 +34,9 @@ from sim.runtime.inprocess import InProcessServer
 
 from . import strict
 from .support import EXEC_TOOL, live_server, receive_event
+from .support import STEER_COMPARE_BASE as BASE
+from .support import completed_items as _completed_items
+from .support import output_tokens as _output_tokens
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -103,28 +106,7 @@ async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checke
 
 # -- the comparison's interjections ------------------------------------------------------------------
 
-BASE = CompareConfig.of(
-    rollouts=4,
-    tool_calls=5,
-    tps=300,
-    tool_time_s=0.2,
-    seed=11,
-    profile="local",
-    system_prompt_tokens=300,
-    modes=("http", "ws", "append", "inject", "steer"),
-    steer_boundary="token",
-)
 INTERJECTED = msgspec.structs.replace(BASE, interjections=2, interjection_window_s=0.2)
-
-
-def _completed_items(r: RolloutResult) -> list[Any]:
-    items = [i for t in r.turns for i in t.output_items if i.get("status") != "incomplete"]
-    return [(i["name"], i["arguments"]) if i["type"] == "function_call" else i["content"][0]["text"] for i in items]
-
-
-def _output_tokens(r: RolloutResult) -> int:
-    ended = {resp.id: resp for t in r.turns for resp in (*t.steered, t.response) if resp.usage is not None}
-    return sum(resp.usage.output_tokens for resp in ended.values() if resp.usage is not None)
 
 
 def _reference_rollout_loop(

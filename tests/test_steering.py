@@ -26,9 +26,10 @@ from sim.harness.experiment import CompareConfig
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, live_server
-from .test_beta import until
-from .test_steer_mode import BASE, _completed_items, _output_tokens
+from .support import EXEC_TOOL, live_server, until
+from .support import STEER_COMPARE_BASE as BASE
+from .support import completed_items as _completed_items
+from .support import output_tokens as _output_tokens
 
 MODEL: Final = "sim"
 SEED: Final = 7
