@@ -6,7 +6,9 @@ Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanou
 measures. The server (`sim.bench.server`) is a separate process pinned to core 1; this process
 (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
-``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails.
+``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails or crashes.
+``--smoke`` runs every target at a small size (`SMOKE`): figures without verdicts, exit status 1
+only when a target crashes; CI runs it so the benchmark cannot rot.
 """
 
 from __future__ import annotations
