@@ -110,6 +110,7 @@ def http_sse_conversation(client: openai.OpenAI, turns: int = 3) -> list[Any]:
 # -- tests --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_help_lists_every_option() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "prototype.server", "--help"],
@@ -133,6 +134,7 @@ def test_help_lists_every_option() -> None:
         assert re.search(rf"(^|\s){re.escape(option)}\b", done.stdout), (option, done.stdout)
 
 
+@pytest.mark.slow
 def test_conversations_over_websocket_and_http_then_sigterm(server: ServerProcess) -> None:
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1" and server.port > 0
     with sdk(server) as client:
@@ -155,6 +157,7 @@ def test_conversations_over_websocket_and_http_then_sigterm(server: ServerProces
             assert excinfo.value.rcvd is not None and excinfo.value.rcvd.code == 1001, excinfo.value
 
 
+@pytest.mark.slow
 def test_wrong_api_key_is_refused_over_http_and_websocket(server: ServerProcess) -> None:
     with sdk(server, api_key="sk-wrong") as bad:
         with pytest.raises(openai.AuthenticationError) as excinfo:
@@ -172,6 +175,7 @@ def test_wrong_api_key_is_refused_over_http_and_websocket(server: ServerProcess)
     assert server.terminate() == 0, server.log
 
 
+@pytest.mark.slow
 def test_script_replays_exact_call_then_text(tmp_path: Path) -> None:
     arguments = {"cmd": "pytest -q tests/test_store.py", "workdir": "/repo"}
     text = "Done — the store tests pass now (12 passed)."

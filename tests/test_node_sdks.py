@@ -38,6 +38,7 @@ async def _run(client: str) -> tuple[dict[str, object], int, int]:
     return json.loads(out.decode().strip().splitlines()[-1]), stats.responses, stats.responses_websocket
 
 
+@pytest.mark.slow
 async def test_vercel_ai_sdk_and_agents_js_run_the_same_tool_loop() -> None:
     if not (NODE_DIR / "node_modules" / "ai" / "package.json").is_file():
         pytest.skip("the Vercel AI SDK is not installed: run `npm ci --prefix tests/node`")

@@ -239,6 +239,7 @@ def assert_same(expected: list[Seen], got: list[Seen], what: str) -> None:
 # -- conversations per transport ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["create", "sse", "stream_helper"])
 async def test_http_conversation_chained_and_full_resend_agree(client: AsyncOpenAI, transport: str) -> None:
     make = {"create": create_turn, "sse": sse_turn, "stream_helper": helper_turn}[transport]
@@ -251,6 +252,7 @@ async def test_http_conversation_chained_and_full_resend_agree(client: AsyncOpen
     assert_same(baseline, resend, f"{transport} full resend vs non-streaming chained")
 
 
+@pytest.mark.slow
 async def test_websocket_conversation_chained_and_full_resend_agree(client: AsyncOpenAI) -> None:
     async with asyncio.timeout(CONVERSATION_TIMEOUT_S):
         baseline = seen(await drive(create_turn(client), chained=True))
@@ -268,6 +270,7 @@ async def test_websocket_conversation_chained_and_full_resend_agree(client: Asyn
     assert all(c > 0 for c in cached[1:]), cached
 
 
+@pytest.mark.slow
 async def test_same_seed_same_tokens_on_another_server(client: AsyncOpenAI) -> None:
     """A second server with the same seed: SSE chained on one equals a stream-helper full resend on the other."""
     async with asyncio.timeout(CONVERSATION_TIMEOUT_S):

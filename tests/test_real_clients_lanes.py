@@ -187,6 +187,7 @@ def overlapped(raw: list[dict[str, Any]], a: str, b: str) -> bool:
 # -- openai-node ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_node_two_lanes_run_concurrent_tool_loops_and_a_fork(live: Live, replay: AsyncOpenAI) -> None:
     plan = {
         "baseURL": live.base_url,
@@ -333,6 +334,7 @@ async def python_lane_loop(
     return result
 
 
+@pytest.mark.slow
 async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(
     client: AsyncOpenAI, replay: AsyncOpenAI
 ) -> None:
@@ -467,6 +469,7 @@ async def test_python_connection_bad_lane_input_leaves_the_running_lane_alone(cl
     assert bad_fork.stream_id == "fork"  # a request error on a named lane carries its id
 
 
+@pytest.mark.slow
 async def test_python_session_33rd_lane_gets_the_stream_limit_error(client: AsyncOpenAI) -> None:
     """32 named lanes per connection; the 33rd create is refused on its own lane and the others keep working."""
     session_type, limits_type, error_type = python_session_types()
@@ -520,6 +523,7 @@ def agent_with_tool(agent_type: Any, model: Any, calls: list[str], tag: str) -> 
     return agent
 
 
+@pytest.mark.slow
 async def test_pydantic_ai_concurrent_runs_share_one_socket_on_lanes(live: Live) -> None:
     try:
         import httpx2

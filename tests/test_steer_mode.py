@@ -49,6 +49,7 @@ TIMEOUT_S: Final = 30.0
 TOKEN_BOUNDARY: Final = ServerConfig(steer_boundary="token")
 
 
+@pytest.mark.slow
 async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checker) -> None:
     """openai-python's beta client, unchanged: the steer goes out on the first argument delta of
     the second call; that call ends `incomplete` (never answered), the response `steered`, and
@@ -134,6 +135,7 @@ def _reference_rollout_loop(
     return loop()
 
 
+@pytest.mark.slow
 def test_interjections_off_leave_every_mode_as_the_plain_rollout_loop_gives_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -153,6 +155,7 @@ def test_interjections_off_leave_every_mode_as_the_plain_rollout_loop_gives_it(
         assert times[("steer", i)] == pytest.approx(times[("inject", i)], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_interjections_keep_every_models_tokens_and_steer_answers_them_sooner() -> None:
     off = run(BASE, virtual=True, free_cpu=True)
     on = run(INTERJECTED, virtual=True, free_cpu=True)
@@ -219,6 +222,7 @@ def test_negative_control_steer_mode_without_steering_waits_like_inject(monkeypa
     assert steered.interjection_latency_difference_ci_high < 0  # with steering: sooner, clearly
 
 
+@pytest.mark.slow
 def test_interjections_run_live_over_sockets_and_pass_the_beta_wire_checker(wire: strict.Checker) -> None:
     config = msgspec.structs.replace(INTERJECTED, rollouts=2, modes=("inject", "steer"))
     result = run(config, virtual=False)
@@ -229,6 +233,7 @@ def test_interjections_run_live_over_sockets_and_pass_the_beta_wire_checker(wire
     assert wire.counts[strict.BETA_WS_EVENT] > 0 and not wire.violations
 
 
+@pytest.mark.slow
 async def test_nothing_is_decoded_after_the_cut_and_the_successor_holds_the_steer(wire: strict.Checker) -> None:
     """The model's generator is closed at the boundary: every token the accelerator decoded is in a
     response's usage (the cut ones in the parent's), and the successor's prompt has the steer."""
