@@ -117,6 +117,7 @@ def _capture(records: list[TurnRecord] | tuple[TurnRecord, ...]) -> list[TurnRec
     ]
 
 
+@pytest.mark.slow
 def test_a_capture_without_stages_names_what_it_cannot_identify() -> None:
     """Without stages the turn is fitted whole on the table's rows: what every turn pays once is
     identified only as a sum, a wait no captured design pays is unidentified, never zero; a
