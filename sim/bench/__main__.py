@@ -42,7 +42,7 @@ from sim.runtime.virtual import VirtualClock, run_virtual
 from . import grid
 from . import report as page
 from .contract import contract_rows, contract_rows_report
-from .fleet import fleet
+from .fleet import LARGE_POINT_SESSIONS, fleet
 from .lanes import lanes_vs_connections
 from .process import bench_process
 from .report import Row
@@ -462,6 +462,7 @@ async def lanes(n: int, tokens: int, repeats: int) -> None:
 # command line win. tests/test_bench.py checks that every sizing option has an entry here.
 SMOKE: Final[dict[str, Any]] = {
     "fleet_sessions": 20,
+    "fleet_large_sessions": 200,
     "tokens": 2_000,
     "repeats": 1,
     "pacing_rates": "1000,4000",
@@ -501,6 +502,12 @@ def parser() -> argparse.ArgumentParser:
         "exits 1 only when a target crashes",
     )
     p.add_argument("--fleet-sessions", type=int, default=1000, help="fleet: sessions of the timed capacity point")
+    p.add_argument(
+        "--fleet-large-sessions",
+        type=int,
+        default=LARGE_POINT_SESSIONS,
+        help="fleet: sessions of the point measured whole (0 = skip)",
+    )
     p.add_argument("--tokens", type=int, default=20_000, help="1: tokens per unpaced stream")
     p.add_argument("--repeats", type=int, default=3, help="1: runs of each stream (median)")
     p.add_argument("--pacing-rates", default="65,1000,4000", metavar="R,R,...", help="2: paced rates, tokens/s")
@@ -606,7 +613,7 @@ def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
             points=args.stats_points,
             equal_rollouts=2,
         ),
-        "fleet": lambda: fleet(report, args.fleet_sessions),
+        "fleet": lambda: fleet(report, args.fleet_sessions, args.fleet_large_sessions),
     }
 
 
