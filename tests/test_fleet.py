@@ -382,6 +382,7 @@ def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
         predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
 
 
+@pytest.mark.slow
 def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
     """Sessions built as arrays: a tool output's tokens counted from its size match the text's
     count, and the point's turns, tool tokens and output tokens have the exact builder's means."""
