@@ -1,6 +1,7 @@
 # The README's two commands are `make compare` (the main job) and `make test`.
 PY ?= python3
-PYTEST_ARGS ?=
+# The 25 slowest tests are listed at the end of a run (docs/testing.md: the fast loop).
+PYTEST_ARGS ?= --durations=25
 # `make test` (and CI) turn a skipped test into a failure that names what is missing
 # (tests/conftest.py). `make test LONGRUN_REQUIRE_ALL=0` lets a partial machine skip instead.
 LONGRUN_REQUIRE_ALL ?= 1

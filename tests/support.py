@@ -1,4 +1,6 @@
-"""Shared helpers for adapter tests: a live server on loopback, in process."""
+"""Shared helpers of the tests: a live server on loopback, in process; WebSocket turns; the
+simulated model's requests; the node clients. A test module imports these, never another test
+module (servers in subprocesses: tests/processes.py)."""
 
 from __future__ import annotations
 
@@ -7,19 +9,26 @@ import contextlib
 import json
 import math
 import os
+import shutil
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, NoReturn
 
 import aiohttp
 import jsonschema  # type: ignore[import-untyped]
+import msgspec
+import numpy as np
+import pytest
 from aiohttp import web
 
 from prototype.app import make_app
 from prototype.config import ServerConfig
+from prototype.model import FunctionTool, ModelRequest
 from prototype.store import MemoryStore, ResponseStore
 from prototype.wallclock import AsyncioClock
+from sim.harness.experiment import CompareConfig
+from sim.harness.live import RolloutResult
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, Policy
 
@@ -153,3 +162,166 @@ async def run_client(
         raise
     assert proc.returncode is not None
     return proc.returncode, out, err
+
+
+# -- WebSocket turns over aiohttp (tests/test_ws.py, tests/test_limits.py) -----------------------------------
+
+TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
+
+
+async def turn(ws: aiohttp.ClientWebSocketResponse, **body: Any) -> list[dict[str, Any]]:
+    """Send one response.create and read events up to its terminal event."""
+    await ws.send_str(json.dumps({"type": "response.create", "model": "sim", **body}))
+    return await read_response(ws)
+
+
+async def read_response(ws: aiohttp.ClientWebSocketResponse) -> list[dict[str, Any]]:
+    events = []
+    while True:
+        msg = await asyncio.wait_for(ws.receive(), 30)
+        assert msg.type is aiohttp.WSMsgType.TEXT, msg
+        ev = json.loads(msg.data)
+        events.append(ev)
+        if ev["type"] in TERMINAL:
+            return events
+
+
+def last(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return events[-1]
+
+
+async def connect(live: Live, **kw: Any) -> tuple[aiohttp.ClientSession, aiohttp.ClientWebSocketResponse]:
+    session = aiohttp.ClientSession()
+    ws = await session.ws_connect(live.ws_url, **kw)
+    return session, ws
+
+
+# -- the simulated model's requests (tests/test_sim_policy.py, tests/test_memo.py) ---------------------------
+
+EXEC_COMMAND = FunctionTool("exec_command", "Run a shell command.", msgspec.json.encode(EXEC_COMMAND_SCHEMA))
+GET_WEATHER = FunctionTool("get_weather", None, msgspec.json.encode(GET_WEATHER_SCHEMA), strict=True)
+
+
+def make_request(
+    *,
+    turn_index: int = 0,
+    conversation_key: int = 1234,
+    tools: tuple[FunctionTool, ...] = (EXEC_COMMAND, GET_WEATHER),
+    tool_choice: str = "auto",
+) -> ModelRequest:
+    prompt = (np.arange(8, dtype=np.uint32),)
+    return ModelRequest(
+        prompt=prompt,
+        prompt_tokens=8,
+        resident_tokens=0,
+        turn_index=turn_index,
+        conversation_key=conversation_key,
+        tools=tools,
+        tool_choice=tool_choice,
+    )
+
+
+# -- what a client saw of a turn (tests/test_openai_sdk.py, tests/test_real_clients_lanes.py) ----------------
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the model produced on one turn, as far as it is transport-independent."""
+
+    kind: str
+    name: str | None
+    arguments: str | None
+    text: str | None
+    input_tokens: int
+    output_tokens: int
+
+
+# -- a WebSocket read up to an event type (tests/test_beta.py, tests/test_steering.py) -----------------------
+
+
+async def until(ws: aiohttp.ClientWebSocketResponse, *types: str) -> list[dict[str, Any]]:
+    """Events up to and including the first of `types`."""
+    out = []
+    while True:
+        event = await receive_event(ws)
+        out.append(event)
+        if event["type"] in types:
+            return out
+
+
+# -- the comparison with steers (tests/test_steer_mode.py, tests/test_steering.py) ---------------------------
+
+STEER_COMPARE_BASE = CompareConfig.of(
+    rollouts=4,
+    tool_calls=5,
+    tps=300,
+    tool_time_s=0.2,
+    seed=11,
+    profile="local",
+    system_prompt_tokens=300,
+    modes=("http", "ws", "append", "inject", "steer"),
+    steer_boundary="token",
+)
+
+
+def completed_items(r: RolloutResult) -> list[Any]:
+    items = [i for t in r.turns for i in t.output_items if i.get("status") != "incomplete"]
+    return [(i["name"], i["arguments"]) if i["type"] == "function_call" else i["content"][0]["text"] for i in items]
+
+
+def output_tokens(r: RolloutResult) -> int:
+    ended = {resp.id: resp for t in r.turns for resp in (*t.steered, t.response) if resp.usage is not None}
+    return sum(resp.usage.output_tokens for resp in ended.values() if resp.usage is not None)
+
+
+# -- openai-node scripts of tests/node (test_real_clients_lanes.py, test_beta.py, test_node_sdks.py) ----------
+
+CLIENT_TIMEOUT_S: Final = 30.0
+"""Upper bound on one client run, so a client waiting for an event that never comes fails the test."""
+NODE_DIR: Final = Path(__file__).parent / "node"
+NODE_LANES_SCRIPT: Final = NODE_DIR / "lanes.mjs"
+
+
+def missing(what: str) -> NoReturn:
+    """A client that is not installed fails in CI (which must install it) and skips elsewhere."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what}; .ci/run installs it", pytrace=False)
+    pytest.skip(what)
+
+
+def node_executable() -> str:
+    node = shutil.which("node")
+    if node is None:
+        missing("node is not on PATH")
+    package = NODE_DIR / "node_modules" / "openai" / "package.json"
+    if not package.is_file():
+        missing("openai-node is not installed: run `npm ci --prefix tests/node`")
+    pinned = json.loads((NODE_DIR / "package.json").read_text())["dependencies"]["openai"]
+    installed = json.loads(package.read_text())["version"]
+    assert installed == pinned, f"tests/node has openai {installed}, package.json pins {pinned}: run npm ci"
+    return node
+
+
+async def run_node(
+    plan: dict[str, Any], script: Path = NODE_LANES_SCRIPT, timeout_s: float = CLIENT_TIMEOUT_S
+) -> dict[str, Any]:
+    """Run an openai-node script of tests/node with `plan` as its argument; its JSON report."""
+    node = node_executable()
+    proc = await asyncio.create_subprocess_exec(
+        node,
+        str(script),
+        json.dumps(plan),
+        cwd=NODE_DIR,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        pytest.fail("the node client did not exit", pytrace=False)
+    assert proc.returncode == 0, f"node exited {proc.returncode}: {err.decode(errors='replace')[-4000:]}"
+    report: dict[str, Any] = json.loads(out)
+    return report

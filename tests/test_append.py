@@ -51,6 +51,7 @@ async def connect(live: Live, session: aiohttp.ClientSession, **kw: Any) -> aioh
     return await session.ws_connect(live.ws_url + "?mode=append", **kw)
 
 
+@pytest.mark.slow
 async def test_one_rollout_is_one_response(live: Live) -> None:
     async with aiohttp.ClientSession() as session, await connect(live, session) as ws:
         await send(ws, type="response.create", model="sim", input="fix the bug", tools=[EXEC_TOOL], store=False)
@@ -269,6 +270,7 @@ async def rollout(mode: str, turns: int) -> tuple[Recorder, list[Any], Any]:
         return recorder, results, engine.statistics()
 
 
+@pytest.mark.slow
 async def test_thirty_turns_same_tokens_as_ws_with_work_done_once() -> None:
     ws_rec, ws_results, ws_stats = await rollout("ws", 30)
     ap_rec, ap_results, ap_stats = await rollout("append", 30)
@@ -295,6 +297,7 @@ async def test_thirty_turns_same_tokens_as_ws_with_work_done_once() -> None:
     assert ap_stats.kv_idle_token_s > 0
 
 
+@pytest.mark.slow
 async def test_http_renders_quadratically_append_linearly() -> None:
     """Tokens rendered per turn: flat in append, growing with history in http (counted, not timed)."""
     _, _, ap_stats = await rollout("append", 12)
@@ -326,6 +329,7 @@ async def test_store_true_append_response_is_stored_once_with_its_transcript(liv
     ]
 
 
+@pytest.mark.slow
 async def test_all_four_modes_feed_the_model_the_same_tokens() -> None:
     recorders = {mode: (await rollout(mode, 8))[0] for mode in ("http", "http_prev", "ws", "append")}
     reference = recorders["http"]

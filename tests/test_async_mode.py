@@ -121,6 +121,7 @@ def test_independent_calls_overlap_tools_with_decoding() -> None:
     assert summary["async"].saved_vs_http > summary["inject"].saved_vs_http
 
 
+@pytest.mark.slow
 def test_async_runs_live_over_sockets_with_beta_frames() -> None:
     """Real sockets: every frame of the beta socket is checked against the beta event union."""
     config = SMALL.updated(rollouts=2, async_independent=1.0, modes=("inject", "async"))

@@ -30,8 +30,7 @@ from prototype.wsevents import AckInject, AckSteer, ResumeJob, SendFrame, StartJ
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, Live, live_server, receive_event
-from .test_real_clients_lanes import NODE_DIR, run_node
+from .support import EXEC_TOOL, NODE_DIR, Live, live_server, receive_event, run_node, until
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -53,6 +52,7 @@ def tool_output(arguments: str) -> str:
     return f"ran {json.loads(arguments).get('cmd', '?')}: ok"
 
 
+@pytest.mark.slow
 async def test_official_python_beta_client_drives_an_inject_loop_with_one_steer(
     live: Live, wire: strict.Checker
 ) -> None:
@@ -106,6 +106,7 @@ async def test_official_python_beta_client_drives_an_inject_loop_with_one_steer(
     assert wire.counts[strict.BETA_WS_EVENT] == len(seen) and not wire.violations
 
 
+@pytest.mark.slow
 async def test_official_node_beta_client_drives_the_same_loop(live: Live, wire: strict.Checker) -> None:
     plan = {
         "baseURL": live.base_url,
@@ -134,16 +135,6 @@ async def test_official_node_beta_client_drives_the_same_loop(live: Live, wire: 
 
 async def beta_socket(session: aiohttp.ClientSession, live: Live) -> aiohttp.ClientWebSocketResponse:
     return await session.ws_connect(live.ws_url, headers=BETA_HEADERS)
-
-
-async def until(ws: aiohttp.ClientWebSocketResponse, *types: str) -> list[dict[str, Any]]:
-    """Events up to and including the first of `types`."""
-    out = []
-    while True:
-        event = await receive_event(ws)
-        out.append(event)
-        if event["type"] in types:
-            return out
 
 
 def create(**fields: Any) -> str:
@@ -253,6 +244,7 @@ async def test_a_steer_after_a_client_owned_call_is_pending_with_the_calls_stubs
     assert not wire.violations
 
 
+@pytest.mark.slow
 async def test_a_token_boundary_steer_during_a_final_answer_stops_it_mid_decode_and_the_successor_answers(
     wire: strict.Checker,
 ) -> None:
@@ -428,6 +420,7 @@ async def _rollout(ws: aiohttp.ClientWebSocketResponse, resume: str, tool: dict[
             return {"end": event, "arguments": arguments}
 
 
+@pytest.mark.slow
 async def test_beta_and_append_are_one_machine_same_prompts_and_tokens(live: Live) -> None:
     """The same seeded rollout, paused at each call and resumed by `response.append` (append mode)
     or by `response.inject` (the beta, with the tool declared async): the same calls, the same final

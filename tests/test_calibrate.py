@@ -53,6 +53,7 @@ def _noisy(records: tuple[TurnRecord, ...], sigma: float, seed: int = 1) -> list
     return out
 
 
+@pytest.mark.slow
 def test_every_turn_has_one_record_with_the_servers_counts(tmp_path: Path) -> None:
     config = CompareConfig(rollouts=2, tool_calls=3, modes=MODES)
     result = compare(config, virtual=True, free_cpu=True)
@@ -75,6 +76,7 @@ def test_every_turn_has_one_record_with_the_servers_counts(tmp_path: Path) -> No
     assert by[("http", "0", last)].tool_s is None and by[("http", "0", 0)].tool_s is not None
 
 
+@pytest.mark.slow
 def test_a_noiseless_fit_gives_the_profile_back() -> None:
     calibration = fit(_records("hosted"))
     assert calibration.staged
@@ -82,6 +84,7 @@ def test_a_noiseless_fit_gives_the_profile_back() -> None:
     assert calibration.ttft_error.median < 0.01 and calibration.e2e_error.median < 0.01
 
 
+@pytest.mark.slow
 def test_a_noisy_fit_recovers_the_profile_within_the_tolerance() -> None:
     calibration = fit(_noisy(_records("hosted"), sigma=0.05))
     assert check_profile(calibration, PROFILES["hosted"], RATES, tolerance=TOLERANCE) == []
@@ -95,6 +98,7 @@ def test_a_noisy_fit_recovers_the_profile_within_the_tolerance() -> None:
         assert p.ci_low <= p.value <= p.ci_high or not np.isfinite(p.value)
 
 
+@pytest.mark.slow
 def test_the_negative_control_misses_the_known_profile(tmp_path: Path) -> None:
     path = tmp_path / "other.json"
     path.write_bytes(msgspec.json.encode(OTHER))
@@ -113,6 +117,7 @@ def _capture(records: list[TurnRecord] | tuple[TurnRecord, ...]) -> list[TurnRec
     ]
 
 
+@pytest.mark.slow
 def test_a_capture_without_stages_names_what_it_cannot_identify() -> None:
     """Without stages the turn is fitted whole on the table's rows: what every turn pays once is
     identified only as a sum, a wait no captured design pays is unidentified, never zero; a
@@ -130,6 +135,7 @@ def test_a_capture_without_stages_names_what_it_cannot_identify() -> None:
         assert noisy.profile_params[k].ci_low <= noisy.profile_params[k].value <= noisy.profile_params[k].ci_high
 
 
+@pytest.mark.slow
 def test_the_split_holds_out_whole_rollouts() -> None:
     calibration = fit(_records("hosted"), holdout=0.5, seed=3)
     assert set(calibration.train_rollouts).isdisjoint(calibration.test_rollouts)
@@ -138,6 +144,7 @@ def test_the_split_holds_out_whole_rollouts() -> None:
     assert fit(_records("hosted"), holdout=0.5, seed=3) == calibration  # seeded: the same fit twice
 
 
+@pytest.mark.slow
 def test_the_cli_prints_the_held_out_error_and_writes_a_profile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -163,6 +170,7 @@ def test_bad_records_are_an_error_naming_the_line(tmp_path: Path, capsys: pytest
     assert "bad.jsonl:2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_predict_is_the_fits_own_prediction() -> None:
     records = _noisy(_records("hosted"), sigma=0.05)
     calibration = fit(records)

@@ -75,6 +75,7 @@ def _capture(profile: CostProfile, model: dict[str, float], seed: int) -> list[T
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_a_capture_of_http_and_ws_predicts_append_and_inject(seed: int) -> None:
     profile, model = _draw(seed)
@@ -105,6 +106,7 @@ def _quadratic(records: list[TurnRecord]) -> list[TurnRecord]:
     return out
 
 
+@pytest.mark.slow
 def test_a_capture_that_does_not_follow_the_model_is_called_poor(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -64,6 +64,7 @@ def test_a_point_serves_every_variant_the_same_sessions_and_loses_none() -> None
     assert any(r["admission_wait_p90_s"] > 0 or r["preemptions"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 def test_goodput_has_an_interval_over_seeds_and_falls_with_a_tighter_slo() -> None:
     _, points = run_capacity(SMALL)
     assert {p["n"] for p in points} == {2}
@@ -134,6 +135,7 @@ def test_the_grid_is_every_load_budget_tail_and_seed() -> None:
     assert Variant("append", "hold", "wait").label == "append hold wait"
 
 
+@pytest.mark.slow
 def test_a_sweep_runs_on_a_dask_cluster_with_the_same_rows() -> None:
     config = msgspec.structs.replace(SMALL, loads=(1.0,), modes=("ws", "append"), policies=("hold",))
     local, _ = run_capacity(config)
@@ -142,6 +144,7 @@ def test_a_sweep_runs_on_a_dask_cluster_with_the_same_rows() -> None:
     assert remote == local
 
 
+@pytest.mark.slow
 def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cap"
     code = main(

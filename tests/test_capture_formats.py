@@ -102,6 +102,7 @@ def test_a_bad_line_is_an_error_naming_it(tmp_path: Path, case: str, capsys: pyt
     assert "capture.jsonl:2" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_cli_predicts_every_design_from_a_capture(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "fit.json"
     args = ["calibrate", str(DATA / "codex_timing.jsonl"), "--out", str(out), "--predict"]

@@ -1,7 +1,7 @@
 """The entry point as a subprocess: `python -m prototype.server`, driven by the sync openai SDK.
 
 Readiness is the server's own stdout line, read event-driven (selector + raw
-reads, as for redis-server in conftest.py); no sleeps, no port polling. Every
+reads, as for redis-server in processes.py); no sleeps, no port polling. Every
 test is bounded: HTTP calls by the client timeout, everything else (a blocked
 WebSocket `recv()`) by a watchdog that kills the server at a deadline, which
 turns a hang into a closed socket and a failed test.
@@ -9,16 +9,10 @@ turns a hang into a closed socket and a failed test.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import selectors
-import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -31,135 +25,16 @@ from prototype.config import ServerConfig
 from prototype.options import flag_of, leaves
 from sim.model.config import ModelConfig
 
+from .processes import REPO, START_TIMEOUT_S, ServerProcess, start_server
 from .support import EXEC_TOOL
 
-REPO: Final = Path(__file__).resolve().parents[1]
-READY: Final = re.compile(rb"longrun server listening on (http://127\.0\.0\.1:(\d+)/v1)")
-START_TIMEOUT_S: Final = 15.0
-"""Upper bound on startup (imports + tokenizer load); normally well under a second."""
-STOP_TIMEOUT_S: Final = 10.0
-"""How long SIGTERM gets to end the process."""
-DEADLINE_S: Final = 30.0
-"""Watchdog: the server is killed if a test keeps it alive longer than this."""
 REQUEST_TIMEOUT_S: Final = 10.0
-READ_CHUNK: Final = 1 << 16
 API_KEY: Final = "sk-x"
 TERMINAL: Final = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
 TOOLS: Final[Any] = [EXEC_TOOL]  # Any: the SDK's TypedDict params do not accept a plain dict
 FIRST_INPUT: Final[Any] = [
     {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the repo and run the tests."}]}
 ]
-
-
-class ServerProcess:
-    """`python -m prototype.server ARGS` with stdout+stderr captured for diagnostics."""
-
-    def __init__(self, *args: str) -> None:
-        self.args = args
-        self.output = bytearray()
-        self.base_url = ""
-        self.port = 0
-        self.killed_by_watchdog = False
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._drain: threading.Thread | None = None
-        self._watchdog: threading.Timer | None = None
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes]:
-        assert self._proc is not None
-        return self._proc
-
-    def start(self) -> ServerProcess:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "prototype.server", *self.args],
-            cwd=REPO,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            bufsize=0,  # raw pipe: a buffered reader could swallow the ready line (see conftest.py)
-        )
-        self._watchdog = threading.Timer(DEADLINE_S, self._on_deadline)
-        self._watchdog.daemon = True
-        self._watchdog.start()
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.kill()
-            raise
-        self._drain = threading.Thread(target=self._drain_output, daemon=True)
-        self._drain.start()
-        return self
-
-    def _on_deadline(self) -> None:
-        self.killed_by_watchdog = True
-        self.proc.kill()
-
-    def _wait_ready(self) -> None:
-        stdout = self.proc.stdout
-        assert stdout is not None
-        fd = stdout.fileno()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with selectors.DefaultSelector() as selector:
-            selector.register(fd, selectors.EVENT_READ)
-            while True:
-                remaining = deadline - time.monotonic()
-                # Blocks until the server writes something (or the deadline): event-driven.
-                if remaining <= 0 or not selector.select(timeout=remaining):
-                    raise RuntimeError(f"server not ready after {START_TIMEOUT_S} s: {self.log}")
-                chunk = os.read(fd, READ_CHUNK)
-                if not chunk:
-                    raise RuntimeError(f"server exited during startup (rc={self.proc.wait()}): {self.log}")
-                self.output += chunk
-                match = READY.search(self.output)
-                if match:
-                    self.base_url = match.group(1).decode()
-                    self.port = int(match.group(2))
-                    return
-
-    def _drain_output(self) -> None:
-        stdout = self.proc.stdout
-        assert stdout is not None
-        while chunk := os.read(stdout.fileno(), READ_CHUNK):
-            self.output += chunk
-
-    @property
-    def log(self) -> str:
-        return self.output.decode(errors="replace")
-
-    def terminate(self) -> int:
-        """SIGTERM, then the exit code (bounded wait)."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=STOP_TIMEOUT_S)
-        finally:
-            self.kill()
-
-    def kill(self) -> None:
-        """Idempotent cleanup: kill if still running, join the drain, close the pipe, stop the watchdog."""
-        proc = self._proc
-        if proc is None:
-            return
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        if self._drain is not None:
-            self._drain.join()
-            self._drain = None
-        assert proc.stdout is not None
-        proc.stdout.close()
-        self._proc = None
-
-
-@contextlib.contextmanager
-def start_server(*args: str) -> Iterator[ServerProcess]:
-    server = ServerProcess(*args).start()
-    try:
-        yield server
-    finally:
-        server.kill()
-        assert not server.killed_by_watchdog, f"test exceeded {DEADLINE_S} s; server log:\n{server.log}"
 
 
 @pytest.fixture
@@ -235,6 +110,7 @@ def http_sse_conversation(client: openai.OpenAI, turns: int = 3) -> list[Any]:
 # -- tests --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_help_lists_every_option() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "prototype.server", "--help"],
@@ -258,6 +134,7 @@ def test_help_lists_every_option() -> None:
         assert re.search(rf"(^|\s){re.escape(option)}\b", done.stdout), (option, done.stdout)
 
 
+@pytest.mark.slow
 def test_conversations_over_websocket_and_http_then_sigterm(server: ServerProcess) -> None:
     assert server.base_url == f"http://127.0.0.1:{server.port}/v1" and server.port > 0
     with sdk(server) as client:
@@ -280,6 +157,7 @@ def test_conversations_over_websocket_and_http_then_sigterm(server: ServerProces
             assert excinfo.value.rcvd is not None and excinfo.value.rcvd.code == 1001, excinfo.value
 
 
+@pytest.mark.slow
 def test_wrong_api_key_is_refused_over_http_and_websocket(server: ServerProcess) -> None:
     with sdk(server, api_key="sk-wrong") as bad:
         with pytest.raises(openai.AuthenticationError) as excinfo:
@@ -297,6 +175,7 @@ def test_wrong_api_key_is_refused_over_http_and_websocket(server: ServerProcess)
     assert server.terminate() == 0, server.log
 
 
+@pytest.mark.slow
 def test_script_replays_exact_call_then_text(tmp_path: Path) -> None:
     arguments = {"cmd": "pytest -q tests/test_store.py", "workdir": "/repo"}
     text = "Done — the store tests pass now (12 passed)."

@@ -93,6 +93,7 @@ class Recording:
         return self.script.plan(request, rng)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["http", "websocket"])
 async def test_codex_exec_runs_a_tool_loop(tmp_path: Path, transport: str) -> None:
     if not CODEX.exists():

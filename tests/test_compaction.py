@@ -367,6 +367,7 @@ def test_compacts_exactly_when_the_prompt_is_past_the_threshold() -> None:
     assert at.prompt_tokens[: k + 1] == plain.prompt_tokens[: k + 1]
 
 
+@pytest.mark.slow
 def test_same_model_outputs_in_every_mode_with_and_without_compaction() -> None:
     """The same seeded rollouts: every mode, inject included, with and without compaction, makes
     the same calls and says the same text; with compaction every mode reads the same prompts."""
@@ -383,6 +384,7 @@ def test_same_model_outputs_in_every_mode_with_and_without_compaction() -> None:
     )
 
 
+@pytest.mark.slow
 def test_compact_threshold_zero_sends_no_context_management() -> None:
     """0, the default: no body or frame carries `context_management`, nothing compacts, and the run
     is the comparison as it is without the field; N: every mode's creates carry the spec's shape."""
@@ -471,6 +473,7 @@ def test_compaction_cost_lands_in_the_compaction_stage(tmp_path: Path) -> None:
     assert summary.seconds_per_compaction == pytest.approx(sum(stage) / summary.compactions)
 
 
+@pytest.mark.slow
 def test_per_turn_prompt_plateaus_with_compaction_and_grows_without() -> None:
     """Through the comparison, in each mode: without compaction the prompt of a turn grows window
     by window; with it, it stops at the threshold's plateau. A turn that re-reads its history
@@ -503,6 +506,7 @@ def test_per_turn_prompt_plateaus_with_compaction_and_grows_without() -> None:
     assert 0.85 < plain_turns("http", 31, 41) / plain_turns("http", 11, 20) < 1.15
 
 
+@pytest.mark.slow
 def test_long_command_prints_the_window_tables_and_writes_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -22,6 +22,7 @@ SMALL = CompareConfig.of(
 )
 
 
+@pytest.mark.slow
 def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
     result = run(SMALL, virtual=False)
     by_mode = {m: [r for r in result.rollouts if r.mode == m] for m in ("http", "http_prev", "ws", "append")}
@@ -69,6 +70,7 @@ def test_cli_rejects_unknown_mode_and_bad_values() -> None:
         main(["compare", "--profile", "cloud"])
 
 
+@pytest.mark.slow
 def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     assert (
@@ -118,6 +120,7 @@ def test_workload_profiles_give_each_rollout_its_own_length() -> None:
         assert lengths == [per_conversation[k] + 1 for k in list(per_conversation)[:2]]
 
 
+@pytest.mark.slow
 def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
     config = CompareConfig.of(
         rollouts=1, tool_calls=2, tps=0, tool_time_s=0.02, seed=5, profile="local", system_prompt_tokens=200
@@ -143,6 +146,7 @@ async def test_tool_command_output_and_exit_status_go_back() -> None:
     assert output == "out-2\nerr\n\n[exit status 3]" and 0 < seconds < 9.0
 
 
+@pytest.mark.slow
 def test_concurrent_rollouts_under_kv_pressure_keep_tokens_and_lose_ws_prefixes() -> None:
     base = CompareConfig.of(
         rollouts=6, tool_calls=6, seed=2, system_prompt_tokens=1500, decode_slots=3, modes=("ws", "append")
@@ -207,6 +211,7 @@ def test_the_tap_sees_what_each_client_sent_and_every_event() -> None:
         assert msgspec.json.decode(down[-1])["type"] == "response.completed", mode
 
 
+@pytest.mark.slow
 def test_ci_width_adds_batches_until_narrow_or_the_cap() -> None:
     base = CompareConfig(
         rollouts=3, tool_calls=3, seed=6, system_prompt_tokens=800, tool_output_tokens=200, modes=("http", "ws")
@@ -224,6 +229,7 @@ def test_ci_width_adds_batches_until_narrow_or_the_cap() -> None:
     assert run(base, virtual=True, free_cpu=True).stopped == ""  # ci_width 0: one batch, nothing to say
 
 
+@pytest.mark.slow
 def test_default_compare_has_a_live_run_beside_the_virtual_one(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["compare", "--rollouts", "6", "--live-rollouts", "1", "--tool-calls", "1", "--tps", "0", "--quiet"]
     assert main([*argv, "--profile", "local", "--system-prompt-tokens", "200", "--tool-time-s", "0.01"]) == 0

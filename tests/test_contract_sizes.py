@@ -26,6 +26,7 @@ ALPHABET = ["a", "B", "é", "漢", "1", "'s", "'", " ", "  ", "\t", "\n", "\r", 
 texts = st.lists(st.sampled_from(ALPHABET), max_size=400).map("".join)
 
 
+@pytest.mark.slow
 @settings(max_examples=1500, deadline=None)
 @given(text=texts, limit=st.integers(1, 64))
 def test_pieces_give_the_tokens_of_one_pass(text: str, limit: int) -> None:
@@ -47,6 +48,7 @@ def test_a_long_text_is_the_concatenation_of_its_halves_cut_at_a_line_break() ->
     assert tokens.tolist() == get_tokenizer().encode_once(half) * 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "text",
     ["x" * 5_000_000, "漢字" * 400_000, "!" * 3_000_000, " " * 2_000_000, "1" * 2_000_000],
@@ -116,6 +118,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["http", "sse", "ws"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_the_issue_inputs_get_protocol_replies(session: aiohttp.ClientSession, transport: str, case: str) -> None:
@@ -130,6 +133,7 @@ async def test_the_issue_inputs_get_protocol_replies(session: aiohttp.ClientSess
         assert body["message"] == CONTEXT_LENGTH_MESSAGE
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["http", "sse", "ws"])
 async def test_a_window_large_enough_serves_them(session: aiohttp.ClientSession, transport: str) -> None:
     """With a 4M-token window the long message and the 5 MB word are read in full: the
@@ -143,6 +147,7 @@ async def test_a_window_large_enough_serves_them(session: aiohttp.ClientSession,
             assert response["usage"]["input_tokens"] > len(tokenizer.encode(text))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["http", "sse", "ws"])
 async def test_a_script_with_a_huge_output_is_sampled(session: aiohttp.ClientSession, transport: str) -> None:
     """A script (`ScriptPolicy`, as loaded from a script file) may ask the model to write a

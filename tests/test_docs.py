@@ -196,6 +196,7 @@ def test_the_readme_shows_the_help_of_each_entry_point() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", HELP_COMMANDS)
 def test_readme_help_commands_run(command: str) -> None:
     argv = shlex.split(command)

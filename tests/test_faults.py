@@ -29,7 +29,7 @@ from prototype.wallclock import AsyncioClock
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, PlannedItem, ScriptPolicy
 
-from .conftest import RedisProcess
+from .processes import RedisProcess
 from .support import EXEC_TOOL, Live, live_server
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete", "response.done", "error"}
@@ -143,6 +143,7 @@ async def sse_mid_stream(live: Live, session: aiohttp.ClientSession) -> None:
                 break
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "disconnect", [ws_mid_stream, append_mid_stream, append_mid_pause, append_mid_append, sse_mid_stream]
 )
@@ -288,6 +289,7 @@ def record_drain_waits(monkeypatch: pytest.MonkeyPatch) -> tuple[list[int], asyn
     return waits, waited
 
 
+@pytest.mark.slow
 async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     waits, waited = record_drain_waits(monkeypatch)
     text = "word " * SLOW_TOKENS
@@ -306,6 +308,7 @@ async def test_slow_websocket_consumer_is_bounded_then_completes(monkeypatch: py
     assert waits and max(waits) <= SERVER_BUFFER_BOUND
 
 
+@pytest.mark.slow
 async def test_slow_sse_consumer_is_bounded_then_completes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same over HTTP streaming: SSE frames are batched per wake-up (`BatchedSSE`) and a
     batch waits for the peer to drain, so a client that reads nothing holds the server to a bound."""

@@ -97,6 +97,7 @@ def runs() -> Runs:
     return live, charged, free
 
 
+@pytest.mark.slow
 def test_with_cpu_charged_virtual_time_agrees_with_live_on_a_cpu_heavy_config(runs: Runs) -> None:
     live, charged, _ = runs
     report = compare_runs(live, charged)
@@ -106,6 +107,7 @@ def test_with_cpu_charged_virtual_time_agrees_with_live_on_a_cpu_heavy_config(ru
     assert not failed, f"{failed}\n{format_report(report)}"
 
 
+@pytest.mark.slow
 def test_negative_control_with_cpu_free_every_check_disagrees(runs: Runs) -> None:
     live, _, free = runs
     report = compare_runs(live, free, free_cpu=True)
@@ -142,6 +144,7 @@ def transport_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Compa
     return live, charged, uncharged
 
 
+@pytest.mark.slow
 def test_with_live_costs_charged_the_transport_difference_agrees_and_without_them_it_does_not(
     transport_runs: tuple[list[CompareResult], ...],
 ) -> None:

@@ -65,6 +65,7 @@ def test_one_session_at_a_time_reproduces_compare(sequential: tuple[CompareConfi
         assert rec.finished_at - rec.arrived_at == pytest.approx(rollout.completion_s, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_shared_accelerator_agrees_with_the_full_path_per_session() -> None:
     """Four sessions at once on two decode slots: paired by session, the fleet's rollout time is
     the full path's within the pairs' interval or 3 % (ties between simultaneous arrivals break
@@ -90,6 +91,7 @@ def _loaded(mode: str, config: FleetConfig, n: int = 40, gap: float = 0.5, **kw:
     return simulate(mode, HOSTED, config, sessions, arrivals=[gap * i for i in range(n)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["http", "ws", "append"])
 @pytest.mark.parametrize("policy", ["hold", "ttl", "release", "offload"])
 def test_kv_stays_within_budget_and_no_session_is_lost(mode: str, policy: str) -> None:
@@ -380,6 +382,7 @@ def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
         predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
 
 
+@pytest.mark.slow
 def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
     """Sessions built as arrays: a tool output's tokens counted from its size match the text's
     count, and the point's turns, tool tokens and output tokens have the exact builder's means."""

@@ -315,6 +315,7 @@ def check_ws_error(frame: bytes, sent: str | bytes) -> dict[str, Any]:
 # -- the sans-IO core ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @fuzz(500)
 @given(frame=st.one_of(text_frames, invalid_utf8()))
 def test_any_frame_gets_a_start_or_a_4xx_error_event(frame: str | bytes) -> None:
@@ -334,6 +335,7 @@ def test_any_frame_gets_a_start_or_a_4xx_error_event(frame: str | bytes) -> None
     assert [type(o) for o in c.outputs_to_send()] == [StartJob]
 
 
+@pytest.mark.slow
 @fuzz(150)
 @given(frames=st.lists(st.one_of(append_event(), text_frames), min_size=1, max_size=6))
 @example(  # found by CI: the append resumes the response, then a create queues behind it
@@ -377,6 +379,7 @@ def decode_http(body: bytes) -> ProtocolError | None:
     return None
 
 
+@pytest.mark.slow
 @fuzz(500)
 @given(body=byte_bodies)
 def test_any_http_body_decodes_or_gets_a_4xx(body: bytes) -> None:
@@ -427,6 +430,7 @@ schemas = st.recursive(
 )
 
 
+@pytest.mark.slow
 @fuzz(300)
 @given(schema=schemas, seed=st.integers(0, 2**32 - 1))
 def test_a_tool_schema_is_refused_with_a_400_or_the_simulator_can_call_it(schema: object, seed: int) -> None:
@@ -495,6 +499,7 @@ DEEP_SCHEMA = (
 )
 
 
+@pytest.mark.slow
 @fuzz(80)
 @given(body=st.one_of(byte_bodies, st.integers(MAX_FRAME + 1, 2 * MAX_FRAME).map(lambda n: b"[" * n)))
 @example(body=DEEP_SCHEMA)
@@ -534,6 +539,7 @@ def exchange(port: int, frame: str | bytes, *, binary: bool = False) -> tuple[li
     return events, None, ""
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # 60 examples, each a real socket round trip
 @fuzz(60)
 @given(frame=st.one_of(text_frames, st.integers(MAX_FRAME + 1, 2 * MAX_FRAME).map(lambda n: "x" * n)))

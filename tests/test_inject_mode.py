@@ -71,6 +71,7 @@ def test_inject_and_append_run_the_same_seeded_rollouts_in_virtual_time() -> Non
             assert r.completion_s == pytest.approx(append[r.index], rel=0.01)
 
 
+@pytest.mark.slow
 def test_inject_runs_live_over_sockets_with_beta_frames() -> None:
     """Real sockets: every frame of the beta socket is checked against the beta event union."""
     result = run(msgspec.structs.replace(SMALL, rollouts=2), virtual=False)

@@ -71,6 +71,7 @@ async def _litellm(base_url: str) -> Turns:
     raise AssertionError(f"no text after {len(turns)} turns")
 
 
+@pytest.mark.slow
 async def test_langchain_and_litellm_run_the_same_tool_loop() -> None:
     async with live_server(tool_calls=TOOL_CALLS) as live:
         runs = {

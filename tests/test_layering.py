@@ -216,6 +216,7 @@ def loaded_by(module: str) -> set[str]:
     return set(json.loads(done.stdout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PURE_CORE))
 def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
     loaded = loaded_by(f"prototype.{name}")
@@ -223,10 +224,12 @@ def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
     assert not loaded & banned, f"importing prototype.{name} loads {sorted(loaded & banned)}"
 
 
+@pytest.mark.slow
 def test_the_transitive_checker_sees_imports() -> None:
     assert {"asyncio", "aiohttp"} <= loaded_by("prototype.app")
 
 
+@pytest.mark.slow
 def test_the_session_core_loads_no_aiohttp() -> None:
     """`prototype.session` drives both the live server and the in-process transport: no aiohttp."""
     loaded = loaded_by("prototype.session")

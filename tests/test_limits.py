@@ -32,8 +32,7 @@ from prototype.wsevents import SendFrame, StartJob
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 
-from .support import Live, live_server
-from .test_ws import connect, last, read_response, turn
+from .support import Live, connect, last, live_server, read_response, turn
 
 
 def create(**fields: object) -> str:

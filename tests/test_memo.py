@@ -17,7 +17,7 @@ from sim.model.policy import DefaultPolicy, ScriptPolicy
 from sim.runtime.memo import MemoClassifier, MemoPolicy, MemoPrefixCache, MemoTokenizer, _Lru
 from sim.runtime.virtual import VirtualClock, run_virtual
 
-from .test_sim_policy import EXEC_COMMAND, GET_WEATHER, make_request
+from .support import EXEC_COMMAND, GET_WEATHER, make_request
 
 CONFIG = CompareConfig.of(rollouts=2, tool_calls=4, tps=1000.0, system_prompt_tokens=300, tool_time_s=0.2)
 

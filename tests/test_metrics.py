@@ -111,6 +111,7 @@ def test_saving_is_paired_by_rollout_with_intervals() -> None:
     assert pair.difference_ci_low < pair.difference_s < pair.difference_ci_high < 0
 
 
+@pytest.mark.slow
 def test_timeline_tiles_each_rollout_with_stages_and_tool_time() -> None:
     from sim.__main__ import run
     from sim.analysis.metrics import timeline

@@ -18,8 +18,7 @@ import pytest
 
 from prototype.app import ENGINE
 
-from .support import live_server, run_client
-from .test_real_clients_lanes import NODE_DIR, node_executable
+from .support import NODE_DIR, live_server, node_executable, run_client
 
 TOOL_CALLS: Final = 3
 SCRIPT: Final = NODE_DIR / "sdks.mjs"
@@ -39,6 +38,7 @@ async def _run(client: str) -> tuple[dict[str, object], int, int]:
     return json.loads(out.decode().strip().splitlines()[-1]), stats.responses, stats.responses_websocket
 
 
+@pytest.mark.slow
 async def test_vercel_ai_sdk_and_agents_js_run_the_same_tool_loop() -> None:
     if not (NODE_DIR / "node_modules" / "ai" / "package.json").is_file():
         pytest.skip("the Vercel AI SDK is not installed: run `npm ci --prefix tests/node`")

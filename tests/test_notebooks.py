@@ -27,6 +27,7 @@ def test_outputs_are_stripped(path: Path) -> None:
     assert code and all(not c.outputs and c.execution_count is None for c in code)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_runs_top_to_bottom_small(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SMALL", "1")

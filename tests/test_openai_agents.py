@@ -41,6 +41,7 @@ def _no_tracing() -> None:
     agents.set_tracing_disabled(True)  # the SDK would export traces to api.openai.com
 
 
+@pytest.mark.slow
 async def test_an_agent_runs_its_tool_loop_over_http() -> None:
     from openai import AsyncOpenAI
 
@@ -58,6 +59,7 @@ async def test_an_agent_runs_its_tool_loop_over_http() -> None:
     assert len(outputs) == TOOL_CALLS and all("ok" in json.dumps(o["output"]) for o in outputs)
 
 
+@pytest.mark.slow
 async def test_an_agent_runs_its_tool_loop_over_websocket() -> None:
     calls: list[str] = []
     async with live_server(tool_calls=TOOL_CALLS) as live:

@@ -24,7 +24,7 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.responses.responses_server_event import ResponseWsError
 
-from .support import EXEC_TOOL, Live, live_server
+from .support import EXEC_TOOL, Live, Seen, live_server
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -52,18 +52,6 @@ class Turn:
 
 
 TurnFn = Callable[[Items, "str | None"], Awaitable[Turn]]
-
-
-@dataclass(frozen=True)
-class Seen:
-    """What the model produced on one turn, as far as it is transport-independent."""
-
-    kind: str
-    name: str | None
-    arguments: str | None
-    text: str | None
-    input_tokens: int
-    output_tokens: int
 
 
 @pytest.fixture
@@ -251,6 +239,7 @@ def assert_same(expected: list[Seen], got: list[Seen], what: str) -> None:
 # -- conversations per transport ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["create", "sse", "stream_helper"])
 async def test_http_conversation_chained_and_full_resend_agree(client: AsyncOpenAI, transport: str) -> None:
     make = {"create": create_turn, "sse": sse_turn, "stream_helper": helper_turn}[transport]
@@ -263,6 +252,7 @@ async def test_http_conversation_chained_and_full_resend_agree(client: AsyncOpen
     assert_same(baseline, resend, f"{transport} full resend vs non-streaming chained")
 
 
+@pytest.mark.slow
 async def test_websocket_conversation_chained_and_full_resend_agree(client: AsyncOpenAI) -> None:
     async with asyncio.timeout(CONVERSATION_TIMEOUT_S):
         baseline = seen(await drive(create_turn(client), chained=True))
@@ -280,6 +270,7 @@ async def test_websocket_conversation_chained_and_full_resend_agree(client: Asyn
     assert all(c > 0 for c in cached[1:]), cached
 
 
+@pytest.mark.slow
 async def test_same_seed_same_tokens_on_another_server(client: AsyncOpenAI) -> None:
     """A second server with the same seed: SSE chained on one equals a stream-helper full resend on the other."""
     async with asyncio.timeout(CONVERSATION_TIMEOUT_S):

@@ -46,6 +46,7 @@ async def _suite(config: ServerConfig) -> dict[str, Any]:
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [ServerConfig(), ServerConfig(sse_done=True), ServerConfig(open_responses=True)],

@@ -70,6 +70,7 @@ def not_growing(values: list[int]) -> bool:
     return late < 1.5 * early
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", ["tokens_rendered", "tokens_classified"])
 async def test_per_turn_work_is_flat_for_ws_and_append_and_grows_for_http(field: str) -> None:
     work = {mode: per_turn(await rollout(mode), field) for mode in ("http", "http_prev", "ws", "append")}
@@ -176,6 +177,7 @@ def test_each_stage_holds_exactly_its_modeled_waits(mode: str, wire: Checker) ->
         previous = report.server_s if mode == "append" else 0.0
 
 
+@pytest.mark.slow
 async def test_on_the_live_server_each_stage_waits_at_least_its_modeled_waits() -> None:
     """Sockets and the real clock: a timer never fires early, so each stage is at least its
     modeled waits (CPU work and scheduling only add); exact values are the virtual test's."""
@@ -199,6 +201,7 @@ async def test_on_the_live_server_each_stage_waits_at_least_its_modeled_waits() 
                 await client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("disabled", "field"),
     [(Optimization.TOKEN_CACHE, "tokens_rendered"), (Optimization.INCREMENTAL_SAFETY, "tokens_classified")],

@@ -1,6 +1,6 @@
 """Server processes: a restart on SQLite, and two processes on one port sharing a Redis store.
 
-Each server is `python -m prototype.server` in a subprocess (`test_cli.start_server`:
+Each server is `python -m prototype.server` in a subprocess (`processes.start_server`:
 readiness is its stdout line, a watchdog bounds its life, it is always killed).
 """
 
@@ -15,9 +15,9 @@ import pytest
 
 from prototype.server import PID_HEADER
 
-from .conftest import _free_port
+from .processes import free_port as _free_port
+from .processes import start_server
 from .support import EXEC_TOOL
-from .test_cli import start_server
 
 TERMINAL: Final = {"response.completed", "response.failed", "response.incomplete", "error"}
 MAX_FRESH_CONNECTIONS: Final = 64
@@ -38,6 +38,7 @@ def tool_output(response: dict[str, Any]) -> list[dict[str, str]]:
     return [{"type": "function_call_output", "call_id": response["output"][0]["call_id"], "output": "ok"}]
 
 
+@pytest.mark.slow
 async def test_sqlite_restart_keeps_stored_responses_and_drops_connection_caches(tmp_path: Path) -> None:
     args = ("--port", "0", "--tps", "0", "--tool-calls", "3", "--store", f"sqlite:{tmp_path / 'responses.sqlite3'}")
     with start_server(*args) as before:
@@ -67,6 +68,7 @@ async def test_sqlite_restart_keeps_stored_responses_and_drops_connection_caches
                 assert await resp.json() == {k: v for k, v in kept.items() if k != "longrun"}
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 async def test_two_processes_on_one_port_share_http_prev_through_redis(redis_server: str) -> None:
     port = str(_free_port())

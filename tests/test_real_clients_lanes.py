@@ -21,17 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import pytest
 from openai import AsyncOpenAI
 
-from .support import EXEC_TOOL, Live, live_server
-from .test_openai_sdk import Seen
+from .support import CLIENT_TIMEOUT_S, EXEC_TOOL, Live, Seen, live_server, missing, run_node
 
 MODEL: Final = "sim"
 SEED: Final = 11
@@ -41,37 +37,13 @@ TURNS: Final = TOOL_CALLS + 1
 DECODE_TOK_PER_S: Final = 2000.0
 """Paced decoding, so that a response lasts long enough for lanes that run concurrently to overlap
 (served one after the other, no two lanes' responses could ever interleave)."""
-CLIENT_TIMEOUT_S: Final = 30.0
-"""Upper bound on one client run, so a client waiting for an event that never comes fails the test."""
 TERMINAL: Final = frozenset({"response.completed", "response.failed", "response.incomplete", "error"})
-NODE_DIR: Final = Path(__file__).parent / "node"
-NODE_SCRIPT: Final = NODE_DIR / "lanes.mjs"
 STREAM_LIMIT: Final = 32
 """Distinct named lanes one connection accepts (WebSocket-mode guide)."""
 STREAM_LIMIT_MESSAGE: Final = "This WebSocket connection has reached its stream limit."
 """The `websocket_stream_limit_reached` message of the spec's `ResponseWsError` example."""
 
 Items = list[dict[str, Any]]
-
-
-def missing(what: str) -> NoReturn:
-    """A client that is not installed fails in CI (which must install it) and skips elsewhere."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what}; .ci/run installs it", pytrace=False)
-    pytest.skip(what)
-
-
-def node_executable() -> str:
-    node = shutil.which("node")
-    if node is None:
-        missing("node is not on PATH")
-    package = NODE_DIR / "node_modules" / "openai" / "package.json"
-    if not package.is_file():
-        missing("openai-node is not installed: run `npm ci --prefix tests/node`")
-    pinned = json.loads((NODE_DIR / "package.json").read_text())["dependencies"]["openai"]
-    installed = json.loads(package.read_text())["version"]
-    assert installed == pinned, f"tests/node has openai {installed}, package.json pins {pinned}: run npm ci"
-    return node
 
 
 @pytest.fixture
@@ -215,31 +187,7 @@ def overlapped(raw: list[dict[str, Any]], a: str, b: str) -> bool:
 # -- openai-node ------------------------------------------------------------------------------------------
 
 
-async def run_node(
-    plan: dict[str, Any], script: Path = NODE_SCRIPT, timeout_s: float = CLIENT_TIMEOUT_S
-) -> dict[str, Any]:
-    """Run an openai-node script of tests/node with `plan` as its argument; its JSON report."""
-    node = node_executable()
-    proc = await asyncio.create_subprocess_exec(
-        node,
-        str(script),
-        json.dumps(plan),
-        cwd=NODE_DIR,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        out, err = await asyncio.wait_for(proc.communicate(), timeout_s + 10)
-    except TimeoutError:
-        proc.kill()
-        await proc.wait()
-        pytest.fail("the node client did not exit", pytrace=False)
-    assert proc.returncode == 0, f"node exited {proc.returncode}: {err.decode(errors='replace')[-4000:]}"
-    report: dict[str, Any] = json.loads(out)
-    return report
-
-
+@pytest.mark.slow
 async def test_node_two_lanes_run_concurrent_tool_loops_and_a_fork(live: Live, replay: AsyncOpenAI) -> None:
     plan = {
         "baseURL": live.base_url,
@@ -386,6 +334,7 @@ async def python_lane_loop(
     return result
 
 
+@pytest.mark.slow
 async def test_python_session_lanes_run_concurrent_tool_loops_and_a_fork(
     client: AsyncOpenAI, replay: AsyncOpenAI
 ) -> None:
@@ -520,6 +469,7 @@ async def test_python_connection_bad_lane_input_leaves_the_running_lane_alone(cl
     assert bad_fork.stream_id == "fork"  # a request error on a named lane carries its id
 
 
+@pytest.mark.slow
 async def test_python_session_33rd_lane_gets_the_stream_limit_error(client: AsyncOpenAI) -> None:
     """32 named lanes per connection; the 33rd create is refused on its own lane and the others keep working."""
     session_type, limits_type, error_type = python_session_types()
@@ -573,6 +523,7 @@ def agent_with_tool(agent_type: Any, model: Any, calls: list[str], tag: str) -> 
     return agent
 
 
+@pytest.mark.slow
 async def test_pydantic_ai_concurrent_runs_share_one_socket_on_lanes(live: Live) -> None:
     try:
         import httpx2

@@ -67,6 +67,7 @@ async def _rollout(mode: str, render_threads: int) -> tuple[list[Any], Recording
     return inputs, tokenizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["http", "ws", "append"])
 async def test_long_texts_go_to_the_render_thread_with_the_same_tokens(mode: str) -> None:
     threaded, recorded = await _rollout(mode, render_threads=1)

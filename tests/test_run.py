@@ -209,6 +209,7 @@ def calls_in(response: dict[str, Any]) -> list[RequiredInput]:
     ]
 
 
+@pytest.mark.slow
 def test_these_tests_load_no_transport() -> None:
     """A fresh interpreter imports this module: no aiohttp, no session or connection core, no
     simulated transport or accelerator (sim/ lends only its manual clock)."""

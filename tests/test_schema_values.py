@@ -107,6 +107,7 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_samples_validate_over_many_seeds(name: str) -> None:
     schema = SCHEMAS[name]

@@ -22,30 +22,9 @@ from sim.model.policy import (
     parse_script,
 )
 
-from .support import EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA, schema_errors
+from .support import EXEC_COMMAND, EXEC_COMMAND_SCHEMA, GET_WEATHER_SCHEMA, make_request, schema_errors
 
-EXEC_COMMAND = FunctionTool("exec_command", "Run a shell command.", msgspec.json.encode(EXEC_COMMAND_SCHEMA))
-GET_WEATHER = FunctionTool("get_weather", None, msgspec.json.encode(GET_WEATHER_SCHEMA), strict=True)
 SCHEMAS = {"exec_command": EXEC_COMMAND_SCHEMA, "get_weather": GET_WEATHER_SCHEMA}
-
-
-def make_request(
-    *,
-    turn_index: int = 0,
-    conversation_key: int = 1234,
-    tools: tuple[FunctionTool, ...] = (EXEC_COMMAND, GET_WEATHER),
-    tool_choice: str = "auto",
-) -> ModelRequest:
-    prompt = (np.arange(8, dtype=np.uint32),)
-    return ModelRequest(
-        prompt=prompt,
-        prompt_tokens=8,
-        resident_tokens=0,
-        turn_index=turn_index,
-        conversation_key=conversation_key,
-        tools=tools,
-        tool_choice=tool_choice,
-    )
 
 
 def plan(policy: DefaultPolicy | ScriptPolicy, request: ModelRequest, seed: int = 0) -> list[PlannedItem]:

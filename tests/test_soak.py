@@ -190,6 +190,7 @@ def traced_bytes() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(SOAK_SECONDS + 300)  # a manual soak runs as long as it is asked to
 async def test_soak_all_modes_concurrently() -> None:
     per_mode_turns = ROLLOUTS_PER_MODE * (TOOL_CALLS + 1)

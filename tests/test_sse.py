@@ -383,6 +383,7 @@ def test_responses_stream_shape() -> None:
     assert [json.loads(e.data)["sequence_number"] for e in EXPECTED[:-1]] == list(range(len(EXPECTED) - 1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(STREAMS))
 def test_responses_stream_split_at_every_byte_offset(kind: str) -> None:
     stream = STREAMS[kind]
@@ -402,6 +403,7 @@ def test_responses_stream_byte_by_byte(kind: str) -> None:
     assert decoder.close() == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(STREAMS))
 def test_responses_stream_events_arrive_as_soon_as_complete(kind: str) -> None:
     """Each event is returned by the very feed() that delivers its terminating blank line."""

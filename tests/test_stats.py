@@ -32,6 +32,7 @@ def _synthetic_pairs(rng: np.random.Generator, n: int, saving: float) -> tuple[n
     return http, http * (1 - per_rollout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [8, 16, 40])
 def test_paired_saving_covers_the_true_saving_at_its_nominal_rate(n: int) -> None:
     truth = 0.30

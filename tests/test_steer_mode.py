@@ -34,6 +34,9 @@ from sim.runtime.inprocess import InProcessServer
 
 from . import strict
 from .support import EXEC_TOOL, live_server, receive_event
+from .support import STEER_COMPARE_BASE as BASE
+from .support import completed_items as _completed_items
+from .support import output_tokens as _output_tokens
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -46,6 +49,7 @@ TIMEOUT_S: Final = 30.0
 TOKEN_BOUNDARY: Final = ServerConfig(steer_boundary="token")
 
 
+@pytest.mark.slow
 async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checker) -> None:
     """openai-python's beta client, unchanged: the steer goes out on the first argument delta of
     the second call; that call ends `incomplete` (never answered), the response `steered`, and
@@ -103,28 +107,7 @@ async def test_official_python_beta_client_steers_mid_decode(wire: strict.Checke
 
 # -- the comparison's interjections ------------------------------------------------------------------
 
-BASE = CompareConfig.of(
-    rollouts=4,
-    tool_calls=5,
-    tps=300,
-    tool_time_s=0.2,
-    seed=11,
-    profile="local",
-    system_prompt_tokens=300,
-    modes=("http", "ws", "append", "inject", "steer"),
-    steer_boundary="token",
-)
 INTERJECTED = msgspec.structs.replace(BASE, interjections=2, interjection_window_s=0.2)
-
-
-def _completed_items(r: RolloutResult) -> list[Any]:
-    items = [i for t in r.turns for i in t.output_items if i.get("status") != "incomplete"]
-    return [(i["name"], i["arguments"]) if i["type"] == "function_call" else i["content"][0]["text"] for i in items]
-
-
-def _output_tokens(r: RolloutResult) -> int:
-    ended = {resp.id: resp for t in r.turns for resp in (*t.steered, t.response) if resp.usage is not None}
-    return sum(resp.usage.output_tokens for resp in ended.values() if resp.usage is not None)
 
 
 def _reference_rollout_loop(
@@ -152,6 +135,7 @@ def _reference_rollout_loop(
     return loop()
 
 
+@pytest.mark.slow
 def test_interjections_off_leave_every_mode_as_the_plain_rollout_loop_gives_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -171,6 +155,7 @@ def test_interjections_off_leave_every_mode_as_the_plain_rollout_loop_gives_it(
         assert times[("steer", i)] == pytest.approx(times[("inject", i)], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_interjections_keep_every_models_tokens_and_steer_answers_them_sooner() -> None:
     off = run(BASE, virtual=True, free_cpu=True)
     on = run(INTERJECTED, virtual=True, free_cpu=True)
@@ -237,6 +222,7 @@ def test_negative_control_steer_mode_without_steering_waits_like_inject(monkeypa
     assert steered.interjection_latency_difference_ci_high < 0  # with steering: sooner, clearly
 
 
+@pytest.mark.slow
 def test_interjections_run_live_over_sockets_and_pass_the_beta_wire_checker(wire: strict.Checker) -> None:
     config = msgspec.structs.replace(INTERJECTED, rollouts=2, modes=("inject", "steer"))
     result = run(config, virtual=False)
@@ -247,6 +233,7 @@ def test_interjections_run_live_over_sockets_and_pass_the_beta_wire_checker(wire
     assert wire.counts[strict.BETA_WS_EVENT] > 0 and not wire.violations
 
 
+@pytest.mark.slow
 async def test_nothing_is_decoded_after_the_cut_and_the_successor_holds_the_steer(wire: strict.Checker) -> None:
     """The model's generator is closed at the boundary: every token the accelerator decoded is in a
     response's usage (the cut ones in the parent's), and the successor's prompt has the steer."""

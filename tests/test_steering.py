@@ -26,9 +26,10 @@ from sim.harness.experiment import CompareConfig
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, live_server
-from .test_beta import until
-from .test_steer_mode import BASE, _completed_items, _output_tokens
+from .support import EXEC_TOOL, live_server, until
+from .support import STEER_COMPARE_BASE as BASE
+from .support import completed_items as _completed_items
+from .support import output_tokens as _output_tokens
 
 MODEL: Final = "sim"
 SEED: Final = 7
@@ -54,6 +55,7 @@ def steer(rid: str, text: str = STEER_TEXT) -> str:
     return json.dumps({"type": "response.steer", "previous_response_id": rid, "input": text})
 
 
+@pytest.mark.slow
 async def test_the_stable_python_client_steers_a_message_which_finishes_before_the_successor(
     wire: strict.Checker,
 ) -> None:
@@ -138,6 +140,7 @@ async def test_a_steer_while_a_call_is_decoded_lets_it_finish_and_waits_for_the_
     assert not wire.violations
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt-5.5", "gpt-4.1-mini", "o3", "GPT-5.6"])
 async def test_models_that_cannot_steer_refuse_it_and_the_response_runs_on(model: str, wire: strict.Checker) -> None:
     async with (

@@ -25,7 +25,8 @@ from prototype.store import (
     StoreUnavailable,
     open_store,
 )
-from tests.conftest import RedisProcess
+
+from .processes import RedisProcess
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -89,6 +89,7 @@ def _check(timing: dict[str, Any]) -> TimingMetrics:
     return m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["true", "True", "1"])
 async def test_frames_come_before_every_terminal_when_asked(live: Live, value: str) -> None:
     headers = {TIMING_HEADER: value}

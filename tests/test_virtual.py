@@ -215,6 +215,7 @@ def test_virtual_results_are_deterministic_for_a_seed() -> None:
     assert runs[0].summary == runs[1].summary
 
 
+@pytest.mark.slow
 @pytest.mark.wire_unchecked  # times live clients: no per-event validation on their path
 def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
     """Each mode's median turn within 5 % of live's (the median over every turn, so one

@@ -12,36 +12,18 @@ import pytest
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.store import MemoryStore
 
-from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
-
-TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
-
-
-async def turn(ws: aiohttp.ClientWebSocketResponse, **body: Any) -> list[dict[str, Any]]:
-    """Send one response.create and read events up to its terminal event."""
-    await ws.send_str(json.dumps({"type": "response.create", "model": "sim", **body}))
-    return await read_response(ws)
-
-
-async def read_response(ws: aiohttp.ClientWebSocketResponse) -> list[dict[str, Any]]:
-    events = []
-    while True:
-        msg = await asyncio.wait_for(ws.receive(), 30)
-        assert msg.type is aiohttp.WSMsgType.TEXT, msg
-        ev = json.loads(msg.data)
-        events.append(ev)
-        if ev["type"] in TERMINAL:
-            return events
-
-
-def last(events: list[dict[str, Any]]) -> dict[str, Any]:
-    return events[-1]
-
-
-async def connect(live: Live, **kw: Any) -> tuple[aiohttp.ClientSession, aiohttp.ClientWebSocketResponse]:
-    session = aiohttp.ClientSession()
-    ws = await session.ws_connect(live.ws_url, **kw)
-    return session, ws
+from .support import (
+    EXEC_TOOL,
+    RECEIVE_TIMEOUT_S,
+    TERMINAL,
+    Live,
+    connect,
+    last,
+    live_server,
+    read_response,
+    receive_event,
+    turn,
+)
 
 
 @pytest.fixture

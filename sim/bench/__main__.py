@@ -6,7 +6,9 @@ Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanou
 measures. The server (`sim.bench.server`) is a separate process pinned to core 1; this process
 (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
-``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails.
+``--report PAGE`` writes the run into PAGE; the exit status is 1 when a target fails or crashes.
+``--smoke`` runs every target at a small size (`SMOKE`): figures without verdicts, exit status 1
+only when a target crashes; CI runs it so the benchmark cannot rot.
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import msgspec
 import uvloop
 
 from prototype.schemas import WebsocketTiming, decode_client_event, decode_create_params, decode_server_event, encode
@@ -37,9 +39,10 @@ from sim.harness.sweep import SweepConfig, run_sweep
 from sim.runtime.inprocess import Tap
 from sim.runtime.virtual import VirtualClock, run_virtual
 
+from . import grid
 from . import report as page
 from .contract import contract_rows, contract_rows_report
-from .fleet import fleet
+from .fleet import LARGE_POINT_SESSIONS, fleet
 from .lanes import lanes_vs_connections
 from .process import bench_process
 from .report import Row
@@ -63,6 +66,7 @@ SSE_DELTA: Final = b"event: response.output_text.delta\n"
 
 ROWS: list[Row] = []
 NOTES: list[str] = []  # the detail lines printed beside the rows, kept for --report
+VERDICTS: list[bool] = [True]  # [False] in a smoke run: every row is reported only
 
 
 def note(text: str) -> None:
@@ -71,7 +75,12 @@ def note(text: str) -> None:
 
 
 def report(target: str, figure: str, value: float, floor: float, ratio: float, goal: str, ok: bool | None) -> None:
-    row = Row(target, figure, value, floor, ratio, goal, ok)
+    """One row; in a smoke run (`VERDICTS == [False]`) without its verdict: its sizes are not the goal's."""
+    row = (
+        Row(target, figure, value, floor, ratio, goal, ok)
+        if VERDICTS[0]
+        else Row(target, figure, value, floor, ratio, "(smoke)", None)
+    )
     ROWS.append(row)
     print(row.line(), flush=True)
 
@@ -328,36 +337,30 @@ def _recorder(frames: list[tuple[str, bytes]]) -> Tap:
     return lambda direction, data: frames.append((direction, data))
 
 
-async def _virtual_rollout(mode: str, pace_by_turn: bool, tap: Tap | None = None) -> Any:
-    config = CompareConfig(rollouts=1, tool_calls=50, modes=(mode,), workload="custom")
+async def _virtual_rollout(mode: str, pace_by_turn: bool, turns: int, tap: Tap | None = None) -> Any:
+    config = CompareConfig(rollouts=1, tool_calls=turns, modes=(mode,), workload="custom")
     return await run_compare(config, VirtualClock(), virtual=True, pace_by_turn=pace_by_turn, memoize=True, tap=tap)
 
 
-def virtual(points: int) -> None:
+def virtual(points: int, turns: int) -> None:
     for mode in ("ws", "append", "http"):
         for by_turn in (False, True):
             frames: list[tuple[str, bytes]] = []
             # The warm-up run records what the transport carries.
-            run_virtual(_virtual_rollout(mode, by_turn, _recorder(frames)), charge_cpu=False)
+            run_virtual(_virtual_rollout(mode, by_turn, turns, _recorder(frames)), charge_cpu=False)
             t = time.perf_counter()
-            result = run_virtual(_virtual_rollout(mode, by_turn), charge_cpu=False)
+            result = run_virtual(_virtual_rollout(mode, by_turn, turns), charge_cpu=False)
             wall = time.perf_counter() - t
             events = sum(turn.events for r in result.rollouts for turn in r.turns)
             floor = _json_floor(mode, frames)
             ms = wall * 1e3
             mb = sum(len(data) for _, data in frames) / 1e6
             pacing = "by turn" if by_turn else "per token"
-            what = f"virtual 50-turn rollout ms ({mode}, {pacing}, {events} ev, {mb:.1f} MB of JSON)"
+            what = f"virtual {turns}-turn rollout ms ({mode}, {pacing}, {events} ev, {mb:.1f} MB of JSON)"
             report("5", what, ms, floor * 1e3, wall / floor, "<= 20 ms", ms <= 20)
-    tps = tuple(float(x) for x in (65, 250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000))
-    calls = (1, 2, 3, 5, 8, 10, 15, 20, 30, 50)
-    tools = (0.1, 0.3, 1.0, 4.5, 10.0, 0.2, 0.5, 2.0, 3.0, 6.0)
+    tps, calls, tools = grid.sample(points)  # a sample of the grid, its time scaled to the whole
     sweep = SweepConfig(tps=tps, tool_calls=calls, tool_time_s=tools, base=CompareConfig(rollouts=1))
-    grid_n = len(tps) * len(calls) * len(tools)
-    if points < grid_n:  # a sample of the grid: the first `points` tool-time values scale down
-        per = max(1, points // (len(tps) * len(calls)))
-        sweep = msgspec.structs.replace(sweep, tool_time_s=tools[:per])
-    n = len(sweep.tps) * len(sweep.tool_calls) * len(sweep.tool_time_s)
+    grid_n, n = grid.GRID_POINTS, len(tps) * len(calls) * len(tools)
     pinned = _affinity()
     with contextlib.suppress(OSError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the workers inherit it: both cores, not ours
@@ -383,35 +386,60 @@ def _affinity() -> set[int]:
 # -- 6. memory ------------------------------------------------------------------------------------
 
 
-async def memory(conns: int, n_turns: int, output_tokens: int, cap: int) -> None:
+def memory_server_args(n_turns: int, cap: int | None) -> list[str]:
+    """The memory target's server: the agent policy for `n_turns` tool turns; `cap` its
+    `max_cache_bytes`, None to keep the server's default. (The server's flag takes its value as
+    it is: 0 is a cap of nothing, under which no chain gets past its first turn.)"""
+    args = ["--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10)]
+    return args if cap is None else [*args, "--max-cache-bytes", str(cap)]
+
+
+def chain_ended_by_cap(error: ClientError) -> bool:
+    """Whether `error` is how a chain ends under `max_cache_bytes`: an entry over the cap is not
+    cached, so the next turn's `previous_response_id` is not found."""
+    return isinstance(error.body, dict) and error.body.get("code") == "previous_response_not_found"
+
+
+async def _held_rollout(client: Any, clock: PerfClock, spec: RolloutSpec, capped: bool) -> None:
+    """One rollout on `client`; under a cap its chain may end early, any other error is the bench's."""
+    try:
+        await run_rollout(client, clock, spec, model="sim")
+    except ClientError as e:
+        if not (capped and chain_ended_by_cap(e)):
+            raise
+
+
+async def memory(conns: int, n_turns: int, output_tokens: int, cap: int | None) -> None:
+    """`cap`: the connections' `max_cache_bytes` (None: the server's default)."""
     clock = PerfClock()
     import numpy as np
 
     text = tool_output_text(np.random.default_rng(0), output_tokens)
     spec = RolloutSpec(0, 0, "Task 0: fix the failing test.", (0.0,) * n_turns, (text,) * n_turns)
-    args = ["--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10), "--max-cache-bytes", str(cap)]
-    with bench_server(*args) as port:
+    with bench_server(*memory_server_args(n_turns, cap)) as port:
         base = f"http://127.0.0.1:{port}/v1"
         warm = open_client("ws", base, clock)
-        await run_rollout(warm, clock, RolloutSpec(0, 0, "warm", (0.0,) * 5, (text,) * 5), model="sim")
-        await warm.close()
+        try:
+            await _held_rollout(warm, clock, RolloutSpec(0, 0, "warm", (0.0,) * 5, (text,) * 5), cap is not None)
+        finally:
+            await warm.close()
         before = (await get_json(port, "/bench/memory"))["rss_bytes"]
         clients = []
         history_bytes = 0
-        turns_done = n_turns
-        for _ in range(conns):
-            client = open_client("ws", base, clock)
-            clients.append(client)
-            try:
-                await run_rollout(client, clock, spec, model="sim")
-            except ClientError:  # over the cap the entry is not cached: the next turn cannot chain
-                turns_done = len(client.history.items) // 2  # type: ignore[attr-defined]
-            history_bytes = len(encode(client.history.items))  # type: ignore[attr-defined]
-        after = (await get_json(port, "/bench/memory"))["rss_bytes"]
-        for client in clients:
-            await client.close()
+        try:
+            for _ in range(conns):
+                client = open_client("ws", base, clock)
+                clients.append(client)
+                await _held_rollout(client, clock, spec, cap is not None)
+                history_bytes = len(encode(client.history.items))  # type: ignore[attr-defined]
+            held = client.history.items  # type: ignore[attr-defined]
+            turns_done = sum(item.get("type") == "function_call_output" for item in held)
+            after = (await get_json(port, "/bench/memory"))["rss_bytes"]
+        finally:
+            for client in clients:
+                await client.close()
     per = (after - before) / conns
-    if not cap:
+    if cap is None:
         what = f"bytes per idle ws conn, {n_turns}-turn cache"
         report("6", what, per, history_bytes, per / history_bytes, "report", None)
     else:
@@ -429,17 +457,66 @@ async def lanes(n: int, tokens: int, repeats: int) -> None:
     report("lanes", what, on_lanes, on_conns, on_lanes / on_conns, "<= 1.25", on_lanes / on_conns <= 1.25)
 
 
-def main(argv: list[str] | None = None) -> int:
+# Every sizing option at its smoke size (`--smoke`): each target runs to the end in seconds, so
+# the run checks that the benchmark still works, not how fast anything is. Options given on the
+# command line win. tests/test_bench.py checks that every sizing option has an entry here.
+SMOKE: Final[dict[str, Any]] = {
+    "fleet_sessions": 20,
+    "fleet_large_sessions": 200,
+    "tokens": 2_000,
+    "repeats": 1,
+    "pacing_rates": "1000,4000",
+    "seconds": 0.2,
+    "conns": 4,
+    "fanout_rates": "1000,4000",
+    "fanout_seconds": 0.2,
+    "turns": 12,
+    "virtual_turns": 10,
+    "sweep_points": 2,
+    "mem_conns": 1,
+    "mem_turns": 12,
+    "cap": 20_000,  # under the 12 turns' history: the capped chain ends early, as the full run's does
+    "baseline": "HEAD",  # the checked-out code against its own last commit (the figures are noise)
+    "contract_turns": 3,
+    "contract_rounds": 1,
+    "lanes": 2,
+    "stats_baseline": str(Path(__file__).resolve().parents[2]),  # this checkout against itself
+    "stats_rounds": 1,
+    "stats_compare_rounds": 0,
+    "stats_points": 2,
+}
+
+
+def _rates(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sim.bench", description=__doc__.split("\n")[0])
     p.add_argument("targets", nargs="*", metavar="TARGET", help=f"run only these: {', '.join(TARGETS)} (default: all)")
     p.add_argument("--only", action="append", choices=TARGETS, help="run only these targets (repeatable)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every target at a small size (a few minutes on 2 cores): figures only, no verdicts; "
+        "exits 1 only when a target crashes",
+    )
     p.add_argument("--fleet-sessions", type=int, default=1000, help="fleet: sessions of the timed capacity point")
+    p.add_argument(
+        "--fleet-large-sessions",
+        type=int,
+        default=LARGE_POINT_SESSIONS,
+        help="fleet: sessions of the point measured whole (0 = skip)",
+    )
     p.add_argument("--tokens", type=int, default=20_000, help="1: tokens per unpaced stream")
     p.add_argument("--repeats", type=int, default=3, help="1: runs of each stream (median)")
+    p.add_argument("--pacing-rates", default="65,1000,4000", metavar="R,R,...", help="2: paced rates, tokens/s")
     p.add_argument("--seconds", type=float, default=5.0, help="2: seconds per paced stream")
     p.add_argument("--conns", type=int, default=100, help="3: connections")
+    p.add_argument("--fanout-rates", default="1000,4000", metavar="R,R,...", help="3: rates per stream, tokens/s")
     p.add_argument("--fanout-seconds", type=float, default=3.0, help="3: seconds per stream")
     p.add_argument("--turns", type=int, default=150, help="4: tool turns per rollout")
+    p.add_argument("--virtual-turns", type=int, default=50, help="5: tool turns of the virtual rollout")
     p.add_argument("--sweep-points", type=int, default=100, help="5: points actually run (1000 = the whole grid)")
     p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
@@ -467,24 +544,67 @@ def main(argv: list[str] | None = None) -> int:
         "--stats-compare-rounds", type=int, default=1, help="7: default-compare runs of each side (0 = skip)"
     )
     p.add_argument("--stats-points", type=int, default=100, help="7: sweep points actually run (1000 = all)")
+    return p
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's options; with `--smoke`, every size not given is its smoke size."""
+    p = parser()
     args = p.parse_args(argv)
-    SERVER_ARGS[:] = args.server_arg
+    if args.smoke:
+        if args.report is not None:
+            p.error("--report writes a full run's figures; a --smoke run has none to keep")
+        p.set_defaults(**SMOKE)
+        args = p.parse_args(argv)
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, {CLIENT_CORE})
-    only = args.targets + (args.only or []) or list(TARGETS)
-    print(f"{'target':<10} {'figure':<46} {'value':>12} {'floor':>12} {'ratio':>8}  {'goal':<14} verdict")
-    jobs: dict[str, Callable[[], Any]] = {
+    return args
+
+
+def selected(args: argparse.Namespace) -> list[str]:
+    """The targets the run runs, in `TARGETS` order: those named, else all."""
+    only = set(args.targets + (args.only or [])) or set(TARGETS)
+    return [name for name in TARGETS if name in only]
+
+
+def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
+    """Each target's run at the sizes of `args`, by name."""
+    contract_baseline: str | None = args.baseline
+    return {
         "throughput": lambda: uvloop.run(throughput(args.tokens, args.repeats)),
-        "pacing": lambda: uvloop.run(pacing([65.0, 1000.0, 4000.0], args.seconds)),
+        "pacing": lambda: uvloop.run(pacing(_rates(args.pacing_rates), args.seconds)),
         "fanout": lambda: [
-            *(uvloop.run(fanout(args.conns, [1000.0, 4000.0], args.fanout_seconds, spread)) for spread in (0.0, 0.01)),
-            uvloop.run(fanout(args.conns, [1000.0, 4000.0], args.fanout_seconds, 0.0, per_token=True)),
+            *(
+                uvloop.run(fanout(args.conns, _rates(args.fanout_rates), args.fanout_seconds, spread))
+                for spread in (0.0, 0.01)
+            ),
+            uvloop.run(fanout(args.conns, _rates(args.fanout_rates), args.fanout_seconds, 0.0, per_token=True)),
         ],
         "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
-        "virtual": lambda: virtual(args.sweep_points),
+        "virtual": lambda: virtual(args.sweep_points, args.virtual_turns),
+        "memory": lambda: [
+            uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap))
+            for cap in ([None, args.cap] if args.cap else [None])
+        ],
+        "contract": lambda: (
+            contract_rows_report(
+                report,
+                uvloop.run(
+                    contract_rows(
+                        contract_baseline,
+                        args.contract_turns,
+                        args.contract_rounds,
+                        SERVER_CORE,
+                        check_baseline=not args.smoke,
+                    )
+                ),
+                contract_baseline,
+            )
+            if contract_baseline
+            else report("contract", "skipped: needs --baseline REV (a revision without the checks)", 0, 0, 0, "-", None)
+        ),
+        "lanes": lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats)),
         "stats": lambda: stats(
             report,
             args.stats_baseline,
@@ -493,33 +613,41 @@ def main(argv: list[str] | None = None) -> int:
             points=args.stats_points,
             equal_rollouts=2,
         ),
-        "memory": lambda: [
-            uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap)) for cap in ([0, args.cap] if args.cap else [0])
-        ],
-        "contract": lambda: (
-            contract_rows_report(
-                report,
-                uvloop.run(contract_rows(args.baseline, args.contract_turns, args.contract_rounds, SERVER_CORE)),
-                args.baseline,
-            )
-            if args.baseline
-            else report("contract", "skipped: needs --baseline REV (a revision without the checks)", 0, 0, 0, "-", None)
-        ),
+        "fleet": lambda: fleet(report, args.fleet_sessions, args.fleet_large_sessions),
     }
-    jobs["lanes"] = lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats))
-    jobs["fleet"] = lambda: fleet(report, args.fleet_sessions)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    SERVER_ARGS[:] = args.server_arg
+    VERDICTS[:] = [not args.smoke]
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {CLIENT_CORE})
+    if args.smoke:
+        print("smoke run: every target at a small size, figures only (no verdicts; they need the full sizes)")
+    print(f"{'target':<10} {'figure':<46} {'value':>12} {'floor':>12} {'ratio':>8}  {'goal':<14} verdict")
+    table = jobs(args)
     started = datetime.datetime.now(datetime.UTC)
     about, revision = page.machine(), page.commit()  # the load average before the run's own load
-    for name in TARGETS:
-        if name in only:
-            jobs[name]()
+    crashed: list[str] = []
+    for name in selected(args):
+        t = time.perf_counter()
+        try:
+            table[name]()
+        except Exception:  # the other targets still run; the exit status says this one crashed
+            traceback.print_exc()
+            crashed.append(name)
+        if args.smoke:
+            note(f"{name}: {time.perf_counter() - t:.1f} s")
     failed = [r for r in ROWS if r.ok is False]
     print(f"{len(ROWS) - len(failed)} rows ok or reported, {len(failed)} failed")
+    if crashed:
+        print(f"crashed: {', '.join(crashed)}", file=sys.stderr)
     if args.report is not None:
         command = " ".join(["python -m sim.bench", *(argv if argv is not None else sys.argv[1:])])
         page.write(args.report, page.block(ROWS, NOTES, command, started, about, revision))
         print(f"wrote {args.report}")
-    return page.exit_status(ROWS)
+    return 1 if crashed else page.exit_status(ROWS)
 
 
 if __name__ == "__main__":

@@ -131,15 +131,19 @@ def _paired(a: list[float], b: list[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
-async def contract_rows(baseline: str, n_turns: int, rounds: int, core: int) -> dict[str, tuple[float, float, float]]:
+async def contract_rows(
+    baseline: str, n_turns: int, rounds: int, core: int, *, check_baseline: bool = True
+) -> dict[str, tuple[float, float, float]]:
     """{figure: (this checkout, the baseline, ratio)}: "turn", the median turn time and the
     median paired ratio; "server", the mean `server_s`; "noise" and "server_noise", the same
-    figures of the baseline against a second copy of itself (what the machine's load alone does)."""
+    figures of the baseline against a second copy of itself (what the machine's load alone does).
+    `check_baseline=False` lets the baseline run the checks too (a smoke run: this code against
+    its own last commit, every step run, the ratios noise)."""
     with exported(baseline) as old_tree:
         trees = {"new": ROOT, "old": old_tree}
         for which, tree in trees.items():
             with server(tree, 1, core) as port:
-                if await _checks_unknown_parameters(port) != (which == "new"):
+                if await _checks_unknown_parameters(port) != (which == "new" or not check_baseline):
                     raise RuntimeError(f"the {which} server does not run the code it should ({tree})")
         main = await _lockstep(trees, n_turns, rounds, core)
         twin = await _lockstep({"old": old_tree, "again": old_tree}, n_turns, rounds, core)

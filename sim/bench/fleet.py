@@ -28,7 +28,7 @@ from sim.fleet.sessions import array_sessions, workload_sessions
 from sim.harness.capacity import CapacityConfig, arrivals, variants
 from sim.harness.workload import WORKLOADS
 
-__all__ = ["fleet"]
+__all__ = ["LARGE_POINT_SESSIONS", "fleet"]
 
 VARIANTS = len(variants(CapacityConfig()))  # http, http_prev, ws, append's hold policies and preemption
 BIG_POINT_SESSIONS = 10_000

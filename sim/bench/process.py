@@ -30,3 +30,5 @@ def bench_process(args: Sequence[str], *, core: int, tree: Path | None = None) -
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()

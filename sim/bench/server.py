@@ -48,7 +48,7 @@ from sim.model.config import ModelConfig, build_model
 from sim.model.policy import DefaultPolicy, PlannedItem, Policy
 from sim.runtime.memo import memo_tokenizer
 
-__all__ = ["BenchPolicy", "delta_event", "main"]
+__all__ = ["BenchPolicy", "delta_event", "main", "parser"]
 
 WORDS: Final = (" the", " value", " return", " file", " test", " line", " data", " and", " of", " model")
 DEFAULT_TOKENS: Final = 100
@@ -220,7 +220,8 @@ async def serve(args: argparse.Namespace) -> None:
     await serve_until_stopped(runner)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The bench server's command line: its own options, then every server and model option."""
     p = argparse.ArgumentParser(prog="python -m sim.bench.server")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--policy", choices=("bench", "agent"), default="bench")
@@ -228,7 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     add_struct_options(p, ServerConfig)  # every server and model option, as `prototype.server` has them
     add_struct_options(p, ModelConfig)
     p.set_defaults(tps=0.0)  # unpaced unless a target paces
-    uvloop.run(serve(p.parse_args(argv)))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    uvloop.run(serve(parser().parse_args(argv)))
     return 0
 
 

@@ -21,13 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
+from .grid import GRID_POINTS, sample
+
 __all__ = ["stats"]
 
 REPO: Final = Path(__file__).resolve().parents[2]
-_TPS: Final = (65, 250, 500, 1000, 2000, 4000, 8000, 16000, 32000, 64000)
-_CALLS: Final = (1, 2, 3, 5, 8, 10, 15, 20, 30, 50)
-_TOOLS: Final = (0.1, 0.3, 1.0, 4.5, 10.0, 0.2, 0.5, 2.0, 3.0, 6.0)
-GRID_POINTS: Final = len(_TPS) * len(_CALLS) * len(_TOOLS)
 
 
 def _timed(root: Path, argv: list[str]) -> float:
@@ -38,15 +36,15 @@ def _timed(root: Path, argv: list[str]) -> float:
 
 
 def _sweep_argv(points: int, out: Path, rollouts: int | None) -> tuple[list[str], int]:
-    per = max(1, min(len(_TOOLS), points // (len(_TPS) * len(_CALLS))))
+    tps, calls, tools = sample(points)
     argv = [
         "sweep",
         "--tps",
-        ",".join(map(str, _TPS)),
+        ",".join(f"{x:g}" for x in tps),
         "--tool-calls",
-        ",".join(map(str, _CALLS)),
+        ",".join(map(str, calls)),
         "--tool-time-s",
-        ",".join(map(str, _TOOLS[:per])),
+        ",".join(f"{x:g}" for x in tools),
         "--workers",
         "2",
         "--quiet",
@@ -55,7 +53,7 @@ def _sweep_argv(points: int, out: Path, rollouts: int | None) -> tuple[list[str]
     ]
     if rollouts is not None:
         argv += ["--rollouts", str(rollouts)]
-    return argv, len(_TPS) * len(_CALLS) * per
+    return argv, len(tps) * len(calls) * len(tools)
 
 
 def stats(
@@ -106,9 +104,11 @@ def _measure(
             figure = f"{GRID_POINTS}-pt sweep s, {label} (ran {measured})"
             jobs.append((figure, argv, GRID_POINTS / measured, rounds))
         for figure, argv, scale, runs in jobs:
-            times: dict[Path, list[float]] = {old: [], new: []}
+            # By side, not by path: the two sides may be one checkout (a smoke run).
+            times: dict[str, list[float]] = {"base": [], "this": []}
+            sides = (("base", old), ("this", new))
             for k in range(runs):
-                for root in (old, new) if k % 2 == 0 else (new, old):
-                    times[root].append(_timed(root, argv) * scale)
-            value, floor = statistics.median(times[new]), statistics.median(times[old])
+                for side, root in sides if k % 2 == 0 else sides[::-1]:
+                    times[side].append(_timed(root, argv) * scale)
+            value, floor = statistics.median(times["this"]), statistics.median(times["base"])
             report("stats", f"{figure}, this / base", value, floor, value / floor, "report", None)
