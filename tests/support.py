@@ -21,6 +21,8 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
+from openai.types.beta.agent_session_event import AgentSessionEvent
+from openai.types.beta.agent_session_item import AgentSessionItem
 
 from prototype.app import make_app
 from prototype.config import ServerConfig
@@ -31,6 +33,8 @@ from sim.harness.experiment import CompareConfig
 from sim.harness.live import RolloutResult
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, Policy
+
+from .strict import _members
 
 # Codex's `exec_command` tool parameters, trimmed to the fields that matter.
 EXEC_COMMAND_SCHEMA: dict[str, Any] = {
@@ -325,3 +329,23 @@ async def run_node(
     assert proc.returncode == 0, f"node exited {proc.returncode}: {err.decode(errors='replace')[-4000:]}"
     report: dict[str, Any] = json.loads(out)
     return report
+
+
+# The beta's WebSocket (test_beta.py, test_beta_edges.py).
+BETA_HEADERS: Final = {"OpenAI-Beta": "responses_multi_agent=v1"}
+ASYNC_TOOL: Final = {**EXEC_TOOL, "async": True}
+
+
+async def beta_socket(session: aiohttp.ClientSession, live: Live) -> aiohttp.ClientWebSocketResponse:
+    return await session.ws_connect(live.ws_url, headers=BETA_HEADERS)
+
+
+def beta_create(**fields: Any) -> str:
+    """A beta `response.create` frame for the simulator's model with the async exec tool."""
+    return json.dumps({"type": "response.create", "model": "sim", "tools": [ASYNC_TOOL], **fields})
+
+
+# The Agents API's SDK models with validation on (its own parsing skips it): every event, session,
+# turn and item the routes send is checked against them (test_agents_api.py, test_agents_sdk.py).
+AGENT_EVENT_MODELS: Final = _members(AgentSessionEvent)
+AGENT_ITEM_MODELS: Final = _members(AgentSessionItem)

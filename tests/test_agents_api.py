@@ -14,8 +14,6 @@ import msgspec
 import pydantic
 import pytest
 from openai.types.beta.agent_session import AgentSession
-from openai.types.beta.agent_session_event import AgentSessionEvent
-from openai.types.beta.agent_session_item import AgentSessionItem
 from openai.types.beta.agents.sessions.turn import Turn
 
 from prototype import agents_wire as w
@@ -45,7 +43,8 @@ from prototype.errors import ProtocolError
 from prototype.ids import IdFactory
 from prototype.schemas import FunctionCall, RequiredInput, encode
 
-from .strict import _members
+from .support import AGENT_EVENT_MODELS as EVENT_MODELS
+from .support import AGENT_ITEM_MODELS as ITEM_MODELS
 from .support import EXEC_COMMAND_SCHEMA, Live, live_server
 
 BETA: Final = {"OpenAI-Beta": "agents=v1"}
@@ -55,10 +54,6 @@ TOOL: Final[dict[str, Any]] = {
     "description": "Run a shell command.",
     "parameters": EXEC_COMMAND_SCHEMA,
 }
-# The SDK's models with validation on (its own parsing skips it): every event, session, turn and
-# item the routes send is checked against them.
-EVENT_MODELS: Final = _members(AgentSessionEvent)
-ITEM_MODELS: Final = _members(AgentSessionItem)
 USER: Final = encode({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]})
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,9 +15,9 @@ from openai import AsyncOpenAI
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.sessions.turn import Turn
 
-from .support import EXEC_COMMAND_SCHEMA, Live, live_server
-from .test_agents_api import EVENT_MODELS, ITEM_MODELS
-from .test_real_clients_lanes import NODE_DIR, run_node
+from .support import AGENT_EVENT_MODELS as EVENT_MODELS
+from .support import AGENT_ITEM_MODELS as ITEM_MODELS
+from .support import EXEC_COMMAND_SCHEMA, NODE_DIR, Live, live_server, run_node
 
 SEED: Final = 11
 TOOL_CALLS: Final = 4

@@ -30,13 +30,23 @@ from prototype.wsevents import AckInject, AckSteer, ResumeJob, SendFrame, StartJ
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict
-from .support import EXEC_TOOL, NODE_DIR, Live, live_server, receive_event, run_node, until
+from .support import (
+    ASYNC_TOOL,
+    BETA_HEADERS,
+    EXEC_TOOL,
+    NODE_DIR,
+    Live,
+    beta_socket,
+    live_server,
+    receive_event,
+    run_node,
+    until,
+)
+from .support import beta_create as create
 
 MODEL: Final = "sim"
 SEED: Final = 7
 TOOL_CALLS: Final = 9
-BETA_HEADERS: Final = {"OpenAI-Beta": "responses_multi_agent=v1"}
-ASYNC_TOOL: Final = {**EXEC_TOOL, "async": True}
 PROMPT: Final = "The test suite fails on test_store.py; find out why and fix it."
 STEER_TEXT: Final = "Also check whether test_cache.py fails the same way."
 TIMEOUT_S: Final = 20.0
@@ -131,14 +141,6 @@ async def test_official_node_beta_client_drives_the_same_loop(live: Live, wire: 
     assert report["calls"] == TOOL_CALLS == kinds.count("response.inject.created")
     assert kinds.count("response.steer.accepted") == 1 and kinds.count("response.created") == 2
     assert "error" not in kinds and not wire.violations
-
-
-async def beta_socket(session: aiohttp.ClientSession, live: Live) -> aiohttp.ClientWebSocketResponse:
-    return await session.ws_connect(live.ws_url, headers=BETA_HEADERS)
-
-
-def create(**fields: Any) -> str:
-    return json.dumps({"type": "response.create", "model": MODEL, "tools": [ASYNC_TOOL], **fields})
 
 
 async def test_bad_injects_and_steers_get_the_beta_failures_and_lose_nothing(live: Live, wire: strict.Checker) -> None:

@@ -16,8 +16,8 @@ from prototype.config import ServerConfig, WebSocketConfig
 from prototype.pauses import CLOSE_BAD_INJECT
 
 from . import strict
-from .support import Live, live_server, receive_event
-from .test_beta import beta_socket, create, until
+from .support import Live, beta_socket, live_server, receive_event, until
+from .support import beta_create as create
 
 pytestmark = pytest.mark.timeout(60)
 

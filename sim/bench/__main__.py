@@ -2,7 +2,8 @@
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
 ``virtual`` (5), ``memory`` (6), ``contract``, ``lanes`` (N lanes on one socket against N sockets),
-``stats`` (7, the cost of intervals: sim/bench/stats.py); docs/performance.md says what each one
+``stats`` (7, the cost of intervals: sim/bench/stats.py), ``fleet`` (9), ``engine`` (11, the API's
+overhead per turn on a real llama.cpp engine: sim/bench/engine.py); docs/performance.md says what each one
 measures. The server (`sim.bench.server`) is a separate process pinned to core 1; this process
 (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
@@ -42,6 +43,7 @@ from sim.runtime.virtual import VirtualClock, run_virtual
 from . import grid
 from . import report as page
 from .contract import contract_rows, contract_rows_report
+from .engine import engine
 from .fleet import LARGE_POINT_SESSIONS, fleet
 from .lanes import lanes_vs_connections
 from .process import bench_process
@@ -50,7 +52,19 @@ from .stats import stats
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
-TARGETS: Final = ("throughput", "pacing", "fanout", "turns", "virtual", "memory", "contract", "lanes", "stats", "fleet")
+TARGETS: Final = (
+    "throughput",
+    "pacing",
+    "fanout",
+    "turns",
+    "virtual",
+    "memory",
+    "contract",
+    "lanes",
+    "stats",
+    "fleet",
+    "engine",
+)
 SERVER_CORE: Final = 1
 CLIENT_CORE: Final = 0
 DELTA: Final = b'{"type":"response.output_text.delta"'
@@ -462,6 +476,7 @@ async def lanes(n: int, tokens: int, repeats: int) -> None:
 # command line win. tests/test_bench.py checks that every sizing option has an entry here.
 SMOKE: Final[dict[str, Any]] = {
     "fleet_sessions": 20,
+    "engine_rollouts": 1,
     "fleet_large_sessions": 200,
     "tokens": 2_000,
     "repeats": 1,
@@ -508,6 +523,7 @@ def parser() -> argparse.ArgumentParser:
         default=LARGE_POINT_SESSIONS,
         help="fleet: sessions of the point measured whole (0 = skip)",
     )
+    p.add_argument("--engine-rollouts", type=int, default=3, help="engine: rollouts per mode on the real engine")
     p.add_argument("--tokens", type=int, default=20_000, help="1: tokens per unpaced stream")
     p.add_argument("--repeats", type=int, default=3, help="1: runs of each stream (median)")
     p.add_argument("--pacing-rates", default="65,1000,4000", metavar="R,R,...", help="2: paced rates, tokens/s")
@@ -614,6 +630,7 @@ def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
             equal_rollouts=2,
         ),
         "fleet": lambda: fleet(report, args.fleet_sessions, args.fleet_large_sessions),
+        "engine": lambda: engine(report, args.engine_rollouts),
     }
 
 

@@ -11,6 +11,8 @@ hides inside inference: the post's "little at 65 tokens/s").
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 
 from sim.engine.config import EngineConfig
@@ -29,6 +31,8 @@ def engine(
     tool_calls: int = 3,
     config: EngineConfig | None = None,
 ) -> None:
+    with contextlib.suppress(OSError):  # the engine and its server are not the load generator: every core
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     base = config or EngineConfig(engine_kind="llamacpp")
     settings = {f: getattr(base, f) for f in base.__struct_fields__}
     compare_config = CompareConfig.of(
