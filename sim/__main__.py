@@ -34,6 +34,7 @@ from sim.analysis.records import read_records
 from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
 from sim.engine.process import EngineNotInstalled
+from sim.engine.rates import measure, rates_text
 from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, resource_table, run_capacity
 from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
@@ -42,7 +43,14 @@ from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
-from sim.harness.validate import validate, validate_records, validation_text
+from sim.harness.validate import (
+    contention,
+    engine_step_cost,
+    scores_text,
+    validate,
+    validate_records,
+    validation_text,
+)
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -160,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--capture",
         action="store_true",
         help="fit on what a capture of the http and ws turns holds (times, sizes, usage; no server stages)",
+    )
+    val.add_argument(
+        "--contention",
+        action="store_true",
+        help="instead: more rollouts in flight than slots (ws, append), the engine's rates measured alone, the "
+        "fleet model's per-turn prediction of the same run against it",
     )
     val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
@@ -522,6 +536,22 @@ def compare_main(args: argparse.Namespace) -> int:
     return 0
 
 
+# `python -m sim validate --contention`: four rollouts in flight on the engine's two slots; the
+# engine's host-RAM prompt cache on, so a create turn's prefix follows it to any slot (the fleet
+# model's assumption about a prefix cache).
+CONTENTION_DEFAULTS: Final = CompareConfig.of(
+    engine_kind="llamacpp",
+    engine_cache_ram_mib=-1,
+    modes=("ws", "append"),
+    profile="local",
+    rollouts=4,
+    concurrency=4,
+    tool_calls=3,
+    system_prompt_tokens=600,
+    tool_output_tokens=120,
+    tool_time_s=1.0,
+)
+
 # `python -m sim validate`'s run when no option says otherwise: a small workload every mode of
 # which a 2-core CPU engine serves in minutes, on the local profile (no modeled waits).
 VALIDATE_DEFAULTS: Final = CompareConfig.of(
@@ -536,7 +566,28 @@ VALIDATE_DEFAULTS: Final = CompareConfig.of(
 )
 
 
+def contention_main(args: argparse.Namespace) -> int:
+    try:
+        config: CompareConfig = struct_from_args(args, CompareConfig, base=CONTENTION_DEFAULTS)
+        check(config, virtual=False)
+    except (msgspec.ValidationError, ValueError, OSError) as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    except EngineNotInstalled as exc:
+        raise SystemExit(f"python -m sim validate: {exc}") from None
+    rates = measure(config.engine)
+    print(f"the engine alone: {rates_text(rates)}", flush=True)
+    print(f"longrun validate --contention: {config.rollouts} rollouts in flight; {_describe(config)}", flush=True)
+    measured = run(config, virtual=False, progress=not args.quiet)
+    _show(f"engine, n={config.rollouts} rollouts per mode, {config.concurrency} in flight:", measured)
+    if args.out:
+        print(f"run folder: {write_run(measured, args.out)}", file=sys.stderr)
+    print("\n" + scores_text(contention(measured, engine_step_cost(rates), seed=config.seed)))
+    return 0
+
+
 def validate_main(args: argparse.Namespace) -> int:
+    if args.contention:
+        return contention_main(args)
     if args.source:
         folder = Path(args.source)
         try:

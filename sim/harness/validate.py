@@ -18,6 +18,7 @@ prints it (docs/validation.md).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,17 +30,25 @@ from msgspec import structs
 from sim.analysis.calibrate import Calibration, fit
 from sim.analysis.records import TurnRecord, records_from_rollouts
 from sim.analysis.stats import Estimate, paired_saving
+from sim.engine.llamacpp import EngineTurn
+from sim.fleet.compute import StepCost
+from sim.fleet.predict import predict_turns
+from sim.fleet.sessions import STEP_TEMPLATE_TOKENS
 from sim.harness.experiment import CompareConfig, CompareResult, compare
 from sim.harness.predict import _settings
 
 __all__ = [
+    "CONTENTION_MODES",
     "HELD_OUT_DESIGN",
     "TRAIN_MODES",
     "Score",
     "Validation",
     "as_capture",
+    "contention",
+    "engine_step_cost",
     "predicted_config",
     "validate",
+    "scores_text",
     "validate_records",
     "validation_text",
 ]
@@ -233,4 +242,85 @@ def validation_text(v: Validation) -> str:
             f"  {mode}: {100 * e.value:.1f} % ({100 * e.ci_low:.1f}–{100 * e.ci_high:.1f}, n={e.n}) → "
             f"{100 * p:.1f} %{'' if inside else '  (outside the measured interval)'}"
         )
+    return "\n".join(lines)
+
+
+# -- contention: the fleet model against the engine ------------------------------------------------
+
+CONTENTION_MODES: Final = ("ws", "append")
+
+
+def engine_step_cost(rates: dict[str, float]) -> StepCost:
+    """The fleet model's step costs for an engine from its measured rates
+    (`sim.engine.rates.measure`, the engine driven directly): prefill seconds per token at 2,000
+    tokens of context, forced decode seconds per token alone, and a second stream's slowdown (the
+    free decode's aggregate at 1 stream over 2, applied to the forced rate)."""
+    prefill = 1 / rates["prefill_cold_tok_s_at_2000"]
+    decode = 1 / rates["decode_forced_tok_s"]
+    slowdown = rates["decode_aggregate_tok_s_1_streams"] / rates["decode_aggregate_tok_s_2_streams"]
+    return StepCost(
+        name="measured-engine",
+        step_s=0.0,
+        prefill_s_per_token=prefill,
+        prefill_s_per_token_ctx=0.0,
+        decode_batch=(1, 2),
+        decode_s_per_token=(decode, decode * slowdown),
+        decode_s_per_ctx_token=0.0,
+        token_budget=2048,
+    )
+
+
+def contention(result: CompareResult, cost: StepCost, *, seed: int = 0) -> list[Score]:
+    """The fleet model's prediction (`sim.fleet.predict.predict_turns`) of a contention run on
+    the engine (more rollouts in flight than slots), turn by turn against the measurement: the
+    same rollouts' prompts, the engine's decoded tokens per turn, the client's tool times and
+    start times. One score per mode."""
+    slots = result.config.engine.engine_slots
+    scores = []
+    for mode in [m for m in result.config.modes if m in CONTENTION_MODES]:
+        rollouts = sorted((r for r in result.rollouts if r.mode == mode), key=lambda r: r.index)
+        by_conversation: dict[int, list[EngineTurn]] = {}
+        for t in result.engine_turns:
+            if t.tag == mode:
+                by_conversation.setdefault(t.conversation_key, []).append(t)
+        engine_of = {tuple(x.prompt_tokens for x in sorted(v, key=lambda x: x.turn_index)): v
+                     for v in by_conversation.values()}  # fmt: skip
+        prompts, outputs, tools, starts, measured = [], [], [], [], []
+        first = min(r.started_at for r in rollouts)
+        for r in rollouts:
+            turns = engine_of.get(tuple(r.prompt_tokens))
+            if turns is None or len(turns) != len(r.turns):
+                raise ValueError(f"{mode} rollout {r.index}: its engine turns cannot be matched")
+            out = [t.predicted_n for t in sorted(turns, key=lambda x: x.turn_index)]
+            grown = [r.prompt_tokens[0]]
+            for k in range(1, len(r.prompt_tokens)):  # the fleet's template is a floor on growth
+                grown.append(max(r.prompt_tokens[k], grown[-1] + out[k - 1] + STEP_TEMPLATE_TOKENS))
+            prompts.append(grown)
+            outputs.append(out)
+            tools.append([b.sent_at - a.done_at for a, b in itertools.pairwise(r.turns)])
+            starts.append(r.started_at - first)
+            measured.append(r.turns)
+        predicted = predict_turns(mode, slots, prompts, outputs, tools, engine=cost, starts_s=starts)
+        ttft, turn = [], []
+        for i, (p_turns, m_turns) in enumerate(zip(predicted, measured, strict=True)):
+            for p, m in zip(p_turns, m_turns, strict=True):
+                if m.ttft_s:
+                    ttft.append((str(i), p.ttft_s, m.ttft_s))
+                turn.append((str(i), p.turn_s, m.e2e_s))
+        ttft_err, bias = _median_error(ttft, seed=seed)
+        turn_err, _ = _median_error(turn, seed=seed)
+        scores.append(
+            Score(f"contention, {mode}: {len(rollouts)} rollouts on {slots} slots", ttft_err, turn_err, bias,
+                  len(turn), len(rollouts))
+        )  # fmt: skip
+    return scores
+
+
+def scores_text(scores: Sequence[Score]) -> str:
+    lines = []
+    for s in scores:
+        lines.append(f"{s.name}:")
+        signed = f"{100 * s.ttft_bias:+.1f} %"
+        lines.append(f"  per-turn TTFT error (median |pred/meas − 1|): {_pct(s.ttft)}; median signed {signed}")
+        lines.append(f"  per-turn turn-time error: {_pct(s.turn)}")
     return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""The validation against a real engine (sim/harness/validate.py), checked where the truth is known:
+a virtual run standing in for the engine's measurement, so the simulator must predict it closely."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sim.analysis.records import records_from_rollouts
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.validate import as_capture, engine_step_cost, validate_records, validation_text
+
+pytestmark = pytest.mark.timeout(300)
+
+MEASURED = CompareConfig.of(
+    modes=("http", "ws", "append"),
+    profile="hosted",
+    rollouts=5,
+    tool_calls=3,
+    system_prompt_tokens=600,
+    tool_output_tokens=120,
+    tps=50.0,
+    prefill_tok_per_s=250.0,
+    model_latency_s=0.02,
+)
+
+
+@pytest.fixture(scope="module")
+def measured() -> list:  # type: ignore[type-arg]
+    result = compare(MEASURED, virtual=True, free_cpu=True)
+    return records_from_rollouts(result.rollouts, source="longrun-live")
+
+
+@pytest.mark.parametrize("capture", [False, True], ids=["staged", "capture"])
+def test_a_run_the_simulator_made_is_predicted_closely(measured: list, capture: bool) -> None:  # type: ignore[type-arg]
+    as_engine = MEASURED.updated(engine_kind="llamacpp")  # scored as if an engine had measured it
+    v = validate_records(measured, as_engine, train_share=0.6, seed=0, capture=capture)
+    assert not v.problems, v.problems
+    assert set(v.test_rollouts).isdisjoint(v.train_rollouts) and v.test_rollouts
+    fitted = v.calibration.model
+    assert fitted["tps"].value == pytest.approx(50.0, rel=0.1)
+    for score in v.scores:
+        assert score.turns > 0
+        assert score.ttft.value < 0.05, (score.name, score.ttft)
+        assert score.turn.value < 0.05, (score.name, score.turn)
+    e = v.measured_saved["append"]
+    assert abs(v.predicted_saved["append"] - e.value) < 0.02
+    assert "held-out design (append" in validation_text(v)
+
+
+def test_a_capture_keeps_times_sizes_and_usage_only(measured: list) -> None:  # type: ignore[type-arg]
+    r = as_capture(measured[3])
+    assert r.source == "capture" and r.stages_s == {} and r.tokens_rendered is None
+    assert (r.e2e_s, r.ttft_s, r.prompt_tokens, r.cached_tokens) == (
+        measured[3].e2e_s,
+        measured[3].ttft_s,
+        measured[3].prompt_tokens,
+        measured[3].cached_tokens,
+    )
+
+
+def test_validation_refuses_what_it_cannot_score(measured: list) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match="real engine"):
+        validate_records(measured, MEASURED)
+    with pytest.raises(ValueError, match="modes"):
+        validate_records(measured, MEASURED.updated(engine_kind="llamacpp", modes=("http", "ws")))
+    two = [r for r in measured if r.rollout in ("0", "1")]
+    with pytest.raises(ValueError, match="at least 3 rollouts"):
+        validate_records(two, MEASURED.updated(engine_kind="llamacpp"))
+
+
+def test_step_costs_come_from_the_engines_own_rates() -> None:
+    cost = engine_step_cost(
+        {
+            "prefill_cold_tok_s_at_2000": 250.0,
+            "decode_forced_tok_s": 25.0,
+            "decode_aggregate_tok_s_1_streams": 50.0,
+            "decode_aggregate_tok_s_2_streams": 40.0,
+        }
+    )
+    assert cost.prefill_s_per_token == pytest.approx(1 / 250)
+    assert cost.decode_s(1) == pytest.approx(1 / 25)
+    assert cost.decode_s(2) == pytest.approx(2 * 1.25 / 25)
+    assert not math.isnan(cost.prefill_alone_s(0, 100))
