@@ -32,7 +32,7 @@ def _sessions(n: int, **kw: float) -> list[SessionTokens]:
 
 @pytest.fixture(scope="module")
 def sequential() -> tuple[CompareConfig, CompareResult]:
-    config = CompareConfig(rollouts=3, tool_calls=CALLS, modes=("http", "http_prev", "ws", "append"))
+    config = CompareConfig(rollouts=3, tool_calls=CALLS, modes=("http", "http_prev", "ws", "append", "agents"))
     return config, compare(config, virtual=True, free_cpu=True)
 
 
@@ -41,13 +41,13 @@ def test_sessions_have_the_full_paths_tokens(sequential: tuple[CompareConfig, Co
     _, result = sequential
     records = records_from_rollouts(result.rollouts, source="v")
     for s in _sessions(3):
-        for mode in ("http", "http_prev", "ws", "append"):
+        for mode in ("http", "http_prev", "ws", "append", "agents"):
             full = sorted((r for r in records if r.mode == mode and r.rollout == str(s.index)), key=lambda r: r.turn)
             assert [r.prompt_tokens for r in full] == s.prompt_tokens()
             assert [r.output_tokens for r in full] == list(s.output_tokens)
 
 
-@pytest.mark.parametrize("mode", ["http", "http_prev", "ws", "append"])
+@pytest.mark.parametrize("mode", ["http", "http_prev", "ws", "append", "agents"])
 def test_one_session_at_a_time_reproduces_compare(sequential: tuple[CompareConfig, CompareResult], mode: str) -> None:
     """One replica, unlimited KV, sessions one after another (compare's concurrency 1): each
     turn's first token and end, and each rollout's time, are the full path's, within 0.1 ms a turn."""

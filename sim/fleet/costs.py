@@ -30,14 +30,16 @@ from typing import Final
 from prototype.pipeline import DESIGNS, CostProfile, Count, turn_s
 from sim.fleet.sessions import SessionTokens
 
-__all__ = ["FLEET_MODES", "TurnCost", "turn_cost"]
+__all__ = ["FLEET_MODES", "HELD_MODES", "TurnCost", "turn_cost"]
 
-FLEET_MODES: Final = ("http", "http_prev", "ws", "append")
+FLEET_MODES: Final = ("http", "http_prev", "ws", "append", "agents")
+HELD_MODES: Final = frozenset({"append", "agents"})  # one response (a session's turn) held across tool waits
 
 # Request JSON around the items: a first request, by mode (its flags differ), and a later one.
-FIRST_ENVELOPE_BYTES: Final = {"http": 374, "http_prev": 401, "ws": 413, "append": 413}
+FIRST_ENVELOPE_BYTES: Final = {"http": 374, "http_prev": 401, "ws": 413, "append": 413, "agents": 399}
 HTTP_STEP_BYTES: Final = 266  # a resent call and output item's JSON around their texts
-LATER_ENVELOPE_BYTES: Final = {"http_prev": 484, "ws": 496, "append": 182}  # + instructions, but append's
+# + instructions, but a held response's (append's `response.append`, the Agents API's tool result POST)
+LATER_ENVELOPE_BYTES: Final = {"http_prev": 484, "ws": 496, "append": 182, "agents": 180}
 RENDER_KEPT_TOKENS: Final = 81  # template tokens the server renders once, with the instructions
 
 
@@ -53,7 +55,7 @@ def request_bytes(s: SessionTokens, mode: str, k: int, *, fresh: bool) -> int:
     if mode == "http" or k == 0 or (fresh and mode in ("ws", "append")):  # the whole history
         steps = HTTP_STEP_BYTES * k + sum(s.output_bytes[:k]) + sum(s.tool_bytes[:k])
         return s.first_request_bytes + FIRST_ENVELOPE_BYTES[mode] + steps
-    instructions = 0 if mode == "append" else s.instruction_bytes
+    instructions = 0 if mode in HELD_MODES else s.instruction_bytes
     return instructions + LATER_ENVELOPE_BYTES[mode] + s.tool_bytes[k - 1]
 
 
@@ -63,7 +65,7 @@ def turn_cost(
     """Turn `k`'s API work in `mode` (`prompts`: the session's prompt tokens per turn); `fresh`:
     a WebSocket mode's first request on this connection. The waits are the stage-cost table's
     rows the turn's path pays (prototype/pipeline.py `turn_s`); this module supplies the counts."""
-    path = DESIGNS[mode].path(k, fresh=fresh)
+    path = DESIGNS[mode].path(k, fresh=fresh, last=k == s.turns - 1)
     body = request_bytes(s, mode, k, fresh=fresh)
     if path.whole_context:
         rendered = classified = prompts[k] - s.instruction_tokens - RENDER_KEPT_TOKENS

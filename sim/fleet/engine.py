@@ -85,7 +85,7 @@ from msgspec import Meta
 
 from prototype.pipeline import CostProfile
 from sim.fleet.compute import ENGINES, StepCost
-from sim.fleet.costs import FLEET_MODES, turn_cost
+from sim.fleet.costs import FLEET_MODES, HELD_MODES, turn_cost
 from sim.fleet.sessions import SessionTokens
 
 __all__ = ["BLOCK", "HOLD_POLICIES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord", "simulate"]
@@ -372,7 +372,8 @@ class _Fleet:
         if mode not in FLEET_MODES:
             raise ValueError(f"mode: one of {', '.join(FLEET_MODES)}, got {mode!r}")
         self.mode = mode
-        self.append = mode == "append"
+        self.append = mode in HELD_MODES  # append, and the Agents API's session turns
+        self.whole_calls = mode == "agents"
         self.websocket = mode in ("ws", "append")
         self.profile = profile
         self.c = config
@@ -446,6 +447,10 @@ class _Fleet:
                 self.turn_done(s, k)
             elif kind == _END:
                 st.record.e2e_s.append(t - st.sent_at)
+                if self.whole_calls and k < st.spec.turns - 1 and st.record.ttft_s:
+                    # The Agents API shows a function call only once it is whole (its turn.item.added):
+                    # the client's first token of a tool turn is the turn's end (docs/agents-api.md).
+                    st.record.ttft_s[-1] = t - st.sent_at
                 if k == st.spec.turns - 1:
                     st.record.finished_at = t
                     if arrivals is None and started < len(self.specs):  # the freed user starts the next one

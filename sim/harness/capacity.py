@@ -32,7 +32,7 @@ from msgspec import Meta
 from scipy import stats as scipy_stats
 
 from prototype.pipeline import load_profile
-from sim.fleet.costs import FLEET_MODES
+from sim.fleet.costs import FLEET_MODES, HELD_MODES
 from sim.fleet.engine import HOLD_POLICIES, FleetConfig, FleetRun, simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
 from sim.harness.live import turn_stream
@@ -124,7 +124,7 @@ class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     ] = (0.5, 1.0)
     seeds: Annotated[int, Meta(ge=1, description="seeds per point: the intervals are over seeds")] = 3
     seed: int = 0
-    modes: tuple[str, ...] = FLEET_MODES
+    modes: tuple[str, ...] = ("http", "http_prev", "ws", "append")  # FLEET_MODES also takes agents
     policies: Annotated[tuple[str, ...], Meta(description="append's hold policies")] = HOLD_POLICIES
     preempt: Annotated[
         tuple[bool, ...],
@@ -192,7 +192,7 @@ class Variant(NamedTuple):
 def variants(config: CapacityConfig) -> list[Variant]:
     out: list[Variant] = []
     for mode in config.modes:
-        if mode != "append":
+        if mode not in HELD_MODES:
             out.append(Variant(mode, "-", "-"))
             continue
         for policy in config.policies:
