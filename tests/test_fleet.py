@@ -53,7 +53,7 @@ def test_one_session_at_a_time_reproduces_compare(sequential: tuple[CompareConfi
     turn's first token and end, and each rollout's time, are the full path's, within 0.1 ms a turn."""
     _, result = sequential
     records = records_from_rollouts(result.rollouts, source="v")
-    run = simulate(mode, HOSTED, FleetConfig(compute="free", cache_generated=False), _sessions(3), users=1)
+    run = simulate(mode, HOSTED, FleetConfig(compute="free"), _sessions(3), users=1)
     for rec in run.sessions:
         full = sorted((r for r in records if r.mode == mode and r.rollout == str(rec.index)), key=lambda r: r.turn)
         assert len(rec.ttft_s) == len(full)
@@ -77,7 +77,7 @@ def test_a_shared_accelerator_agrees_with_the_full_path_per_session() -> None:
     sessions = _sessions(n)
     for mode in modes:
         run = simulate(
-            mode, HOSTED, FleetConfig(compute="free", cache_generated=False, decode_slots=2), sessions, users=4
+            mode, HOSTED, FleetConfig(compute="free", decode_slots=2), sessions, users=4
         )
         fleet = {r.index: r.finished_at - r.arrived_at for r in run.sessions}
         full = {r.index: r.completion_s for r in result.rollouts if r.mode == mode}

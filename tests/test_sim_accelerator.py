@@ -370,7 +370,12 @@ async def test_prefix_cache_hits_turn_over_turn() -> None:
     """A growing conversation resent in full (http mode): each turn hits the previous prompt's full blocks."""
     clock = ManualClock(start=5.0)
     model = SimulatedModel(
-        clock=clock, policy=Fixed(), model_latency_s=0.3, prefill_tok_per_s=20_000.0, decode_tok_per_s=math.inf
+        clock=clock,
+        policy=Fixed(),
+        model_latency_s=0.3,
+        prefill_tok_per_s=20_000.0,
+        decode_tok_per_s=math.inf,
+        cache_generated=False,  # prompt blocks only: the prompts here are random tokens, not a rendered chat
     )
     conversation = random_tokens(2_000)
     turns = [  # (prompt chunks, cached tokens expected)
@@ -630,7 +635,7 @@ async def test_max_output_tokens_across_items(budget: int | None, expected_items
 
 
 async def test_statistics() -> None:
-    model = SimulatedModel(clock=ManualClock(), policy=script(message(" hello" * 7)))
+    model = SimulatedModel(clock=ManualClock(), policy=script(message(" hello" * 7)), cache_generated=False)
     assert model.statistics() == ModelStatistics()
     await collect(model, make_request(prompt_tokens=100, resident_tokens=60))
     await collect(model, make_request(prompt_tokens=30, turn_index=5))  # "(script exhausted)"; no common block
@@ -772,3 +777,25 @@ async def test_recorded_lateness_is_each_tokens_hand_on_minus_due() -> None:
     due = [3.0 + i / 1000.0 for i in range(len(handed))]
     assert np.allclose(rec.late_s, np.subtract(handed, due), atol=1e-12)
     assert rec.turns == [(300, 1000.0, handed[0], handed[-1])]
+
+
+async def test_a_turns_output_joins_the_cache_as_the_next_prompt_renders_it() -> None:
+    """With `cache_generated` (the default) a continuation that sends the previous prompt, the
+    output as the context renders it and new input finds all of it cached but the last partial
+    block; prompt-only caching stops at the previous prompt."""
+    from prototype.conversation import generation_header, render_model_output
+
+    header = generation_header(TOKENIZER)
+    said = " hello" * 40
+    prompt = np.concatenate([random_tokens(320), header])
+    rendered = TOKENIZER.encode(render_model_output("message", "", said))
+    follow_up = (prompt, rendered[len(header) :], random_tokens(50))
+    cached = {}
+    for keep in (True, False):
+        model = SimulatedModel(clock=ManualClock(), policy=script(message(said)), cache_generated=keep)
+        await collect(model, make_request(prompt=(prompt,), turn_index=0))
+        timed = await collect(model, make_request(prompt=follow_up, turn_index=1))
+        cached[keep] = timed[0][1].cached_tokens
+    whole = len(prompt) + len(rendered) - len(header)
+    assert cached[True] == whole // 16 * 16
+    assert cached[False] == len(prompt) // 16 * 16

@@ -38,7 +38,6 @@ import msgspec
 import numpy as np
 
 from prototype.clock import Clock
-from prototype.conversation import generation_header, render_model_output
 from prototype.model import (
     ContextWindowExceeded,
     ItemFinished,
@@ -49,7 +48,7 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
-from sim.model.accelerator import ItemText, SimulatedModel
+from sim.model.accelerator import ItemText, SimulatedModel, framed_output_ids
 from sim.model.policy import PlannedItem
 
 from .config import EngineConfig
@@ -218,18 +217,9 @@ class EngineModel:
         self.slots = SlotTable(c.engine_slots, affinity=c.engine_affinity, on_full=c.engine_on_full)
 
     def _framed(self, items: list[tuple[PlannedItem, list[int]]]) -> list[list[int]]:
-        """The engine ids each planned item is decoded as: its rendering in the context
-        (`render_model_output`), less the generation header the prompt already ends with for
-        the turn's first item. With these in its KV, a slot holds exactly the prefix the next
-        turn's prompt sends."""
-        tokenizer = self.planner.tokenizer
-        header = len(generation_header(tokenizer))
-        framed = []
-        for k, (item, ids) in enumerate(items):
-            text = item.text if len(ids) == len(tokenizer.encode_list(item.text)) else tokenizer.decode(ids)
-            rendered = tokenizer.encode_list(render_model_output(item.kind, item.name, text))
-            framed.append(engine_ids(rendered[header:] if k == 0 else rendered))
-        return framed
+        """The engine ids each planned item is decoded as (`framed_output_ids`): with these in
+        its KV, a slot holds exactly the prefix the next turn's prompt sends."""
+        return [engine_ids(ids) for ids in framed_output_ids(self.planner.tokenizer, items)]
 
     def _record(
         self, request: ModelRequest, grant: Grant, timings: dict[str, float], queued_s: float, ttft: float, total: float

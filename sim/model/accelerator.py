@@ -99,6 +99,7 @@ import numpy as np
 import numpy.typing as npt
 
 from prototype.clock import Clock
+from prototype.conversation import generation_header, render_model_output
 from prototype.model import (
     ItemFinished,
     ItemStarted,
@@ -112,7 +113,15 @@ from prototype.tokenizer import Tokenizer, get_tokenizer
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import PlannedItem, Policy
 
-__all__ = ["ItemText", "LatenessRecorder", "ModelStatistics", "SimulatedModel", "jitter_rng", "turn_rng"]
+__all__ = [
+    "ItemText",
+    "LatenessRecorder",
+    "ModelStatistics",
+    "SimulatedModel",
+    "framed_output_ids",
+    "jitter_rng",
+    "turn_rng",
+]
 
 _U64_MASK: Final = (1 << 64) - 1
 _JITTER_STREAM: Final = 1  # 4th SeedSequence word of the decode-jitter rng (the token rng has 3 words)
@@ -242,6 +251,20 @@ class _Decoding:
     end: float
 
 
+def framed_output_ids(tokenizer: Tokenizer, items: list[tuple[PlannedItem, list[int]]]) -> list[list[int]]:
+    """The ids each item of a turn stands for in the next turn's prompt: its rendering in the
+    context (`render_model_output`), less the generation header the turn's prompt already ends
+    with for its first item. A model that keeps these in its KV (an engine's slot, a prefix cache
+    of generated blocks) holds exactly the prefix the next prompt starts with."""
+    header = len(generation_header(tokenizer))
+    framed = []
+    for k, (item, ids) in enumerate(items):
+        text = item.text if len(ids) == len(tokenizer.encode_list(item.text)) else tokenizer.decode(ids)
+        rendered = tokenizer.encode_list(render_model_output(item.kind, item.name, text))
+        framed.append(rendered[header:] if k == 0 else rendered)
+    return framed
+
+
 class SimulatedModel:
     """A `TokenModel` whose words come from a `Policy` and whose timing from a `Clock`.
 
@@ -291,6 +314,7 @@ class SimulatedModel:
         pace_by_turn: bool = False,
         coalesce_due: bool = True,
         async_independent: float = 0.0,
+        cache_generated: bool = True,
     ) -> None:
         if not decode_tok_per_s > 0:
             raise ValueError(f"decode_tok_per_s must be > 0, got {decode_tok_per_s}")
@@ -327,6 +351,7 @@ class SimulatedModel:
         self.pace_by_turn = pace_by_turn
         self.coalesce_due = coalesce_due
         self.async_independent = async_independent
+        self.cache_generated = cache_generated
         self._slot_free_at: list[float] = [-math.inf] * (decode_slots or 0)  # per slot: busy until
         self._slot_holder: list[int] = [-1] * (decode_slots or 0)  # per slot: the turn that reserved it last
         self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
@@ -506,6 +531,10 @@ class SimulatedModel:
                 yield ItemFinished()
             if lateness is not None and index:
                 lateness.turns.append((index, rate, handed_first, handed_last))
+            if cache is not None and self.cache_generated and items:
+                # The turn's output, as the next prompt renders it, joins the cache behind its prompt.
+                said = np.fromiter(itertools.chain.from_iterable(framed_output_ids(self.tokenizer, items)), np.uint32)
+                cache.insert((*request.prompt, said), now=self.clock.now())
             finished = True
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
         finally:

@@ -38,6 +38,13 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         Meta(description="turns decoding at once; more queue FIFO"),
     ] = None
     decode_jitter: Annotated[float, Meta(ge=0, description="sigma of a per-turn lognormal decode-rate factor")] = 0.0
+    cache_generated: Annotated[
+        bool,
+        Meta(
+            description="the prefix cache also keeps each turn's output as the next prompt renders it (as a real "
+            "engine's KV does); --no-cache-generated: prompt blocks only"
+        ),
+    ] = True
     concurrency_slowdown: Annotated[
         float, Meta(ge=0, description="decode slows by 1 + this x (other turns decoding)")
     ] = 0.0
@@ -88,4 +95,5 @@ def build_model(
         pace_by_turn=pace_by_turn,
         coalesce_due=not config.delta_per_token,
         async_independent=config.async_independent,
+        cache_generated=config.cache_generated,
     )
