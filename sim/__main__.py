@@ -592,6 +592,8 @@ def validate_main(args: argparse.Namespace) -> int:
         folder = Path(args.source)
         try:
             saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+            if hasattr(args, "cache_generated"):  # the simulator's what-if, on the saved measurement
+                saved = saved.updated(cache_generated=args.cache_generated)
             v = validate_records(
                 read_records([folder]), saved, train_share=args.train_share, seed=saved.seed, capture=args.capture
             )
