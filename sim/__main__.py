@@ -566,14 +566,20 @@ VALIDATE_DEFAULTS: Final = CompareConfig.of(
 )
 
 
-def contention_main(args: argparse.Namespace) -> int:
+def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConfig:
+    """The options given over `base`, checked for a live run on the engine (exits on a bad one)."""
     try:
-        config: CompareConfig = struct_from_args(args, CompareConfig, base=CONTENTION_DEFAULTS)
+        config: CompareConfig = struct_from_args(args, CompareConfig, base=base)
         check(config, virtual=False)
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
     except EngineNotInstalled as exc:
         raise SystemExit(f"python -m sim validate: {exc}") from None
+    return config
+
+
+def contention_main(args: argparse.Namespace) -> int:
+    config = _engine_config(args, CONTENTION_DEFAULTS)
     rates = measure(config.engine)
     print(f"the engine alone: {rates_text(rates)}", flush=True)
     print(f"longrun validate --contention: {config.rollouts} rollouts in flight; {_describe(config)}", flush=True)
@@ -601,13 +607,7 @@ def validate_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"python -m sim validate: {exc}") from None
         print(validation_text(v))
         return 1 if v.problems else 0
-    try:
-        config: CompareConfig = struct_from_args(args, CompareConfig, base=VALIDATE_DEFAULTS)
-        check(config, virtual=False)
-    except (msgspec.ValidationError, ValueError, OSError) as exc:
-        raise SystemExit(f"invalid option: {exc}") from None
-    except EngineNotInstalled as exc:
-        raise SystemExit(f"python -m sim validate: {exc}") from None
+    config = _engine_config(args, VALIDATE_DEFAULTS)
     print(f"longrun validate: {config.rollouts} rollouts per mode live on the engine; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode:", measured)
