@@ -1,7 +1,8 @@
 """Command-line entry point and composition root: `python -m prototype.server`.
 
 This is the one module of `prototype/` that imports `sim/` (the token simulator and its
-policies, built from `ModelConfig`) and the one place uvloop is chosen. Its options are its
+policies, built from `ModelConfig`, and with `--engine` the real engine behind the same seam,
+from `EngineConfig`) and the one place uvloop is chosen. Its options are its
 own (address, store, seed, policy) and, generated, every field of `ServerConfig` and of
 `ModelConfig`. Everything else receives its parts through `make_app`.
 """

@@ -8,22 +8,25 @@ code as in front of the simulator. Each turn:
    would say, in every design.
 2. **Map.** The engine (Gemma 3, a 262,144-token vocabulary) reads and writes longrun's token
    sequence under a fixed injective map, ``engine_id = ID_OFFSET + o200k_id`` (ids above
-   Gemma's control and unused tokens, below its image tokens), with Gemma's BOS in front. The
-   engine therefore prefills and decodes exactly as many tokens as longrun counts, and the KV a
-   slot keeps after a turn (prompt + output) is the prefix of the conversation the next turn
-   sends, in every design. The engine's text is meaningless; longrun's is the plan's.
-3. **Force.** ``decode="forced"``: a token-id grammar (``root ::= <[id]> <[id]> …``) makes the
-   engine sample exactly the planned ids; each returned id is checked (a mismatch fails the
-   turn). ``decode="length"`` (what-if): free decoding of the planned length, faster, but the KV
-   then holds the engine's tokens, not the plan's.
-4. **Slot.** `SlotTable` picks the slot (a paused response's pinned slot, or a free one by
-   affinity or LRU; ``on_full``: wait, drop or swap).
-5. **Stream.** ``POST /completion`` with ``stream``, ``cache_prompt``, ``id_slot`` and
+   Gemma's control and unused tokens, below its image tokens), with Gemma's BOS in front: it
+   prefills exactly the prompt longrun counts. Its text is meaningless; longrun's is the plan's.
+3. **Frame.** Each item is decoded as it will stand in the next turn's prompt
+   (`framed_output_ids`: the rendering less the generation header the prompt ends with), so the
+   KV a slot keeps after a turn is the prefix of the conversation the next turn sends, in every
+   design. The framing is decoded work the API does not stream (usage counts the item's tokens).
+4. **Force.** ``engine_decode="forced"``: a token-id grammar (``root ::= <[id]> <[id]> …``) makes
+   the engine sample exactly those ids; each returned id is checked (a mismatch fails the turn).
+   ``"length"`` (what-if): free decoding of the same length, faster, but the KV then holds the
+   engine's tokens, not the plan's.
+5. **Slot.** `SlotTable` picks the slot (a paused response's pinned slot, or a free one by
+   affinity or LRU; ``engine_on_full``: wait, drop or swap).
+6. **Stream.** ``POST /completion`` with ``stream``, ``cache_prompt``, ``id_slot`` and
    ``timings_per_token``; ``Prefilled`` is yielded when the first token arrives, carrying the
-   engine's own ``cache_n`` (cached tokens), ``prompt_ms`` (prefill) and the slot wait.
+   engine's own ``cache_n`` (cached tokens), ``prompt_ms`` (prefill) and the slot wait; the API's
+   tokens go out in proportion to the engine's progress through each item (`_Pacer`).
 
 The engine's per-turn counters (``prompt_n``, ``cache_n``, ``prompt_ms``, ``predicted_n``,
-``predicted_ms``) are kept in `turns` for the validation (docs/validation.md).
+``predicted_ms``) are kept in `turns` for the run folder and the validation (docs/validation.md).
 """
 
 from __future__ import annotations
