@@ -42,7 +42,8 @@ from . import support
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = EngineConfig(engine_kind="llamacpp", engine_slots=2, engine_ctx_per_slot=4096)
+# Both cores to the engine: these tests check tokens and KV, not timings, and finish sooner.
+SMALL = EngineConfig(engine_kind="llamacpp", engine_slots=2, engine_ctx_per_slot=4096, engine_threads=2)
 
 
 @pytest.fixture(autouse=True)
@@ -75,6 +76,7 @@ def _compare(engine: LlamaServer, modes: tuple[str, ...], **fields: Any) -> Any:
         "engine_url": engine.url,
         "engine_slots": SMALL.engine_slots,
         "engine_ctx_per_slot": SMALL.engine_ctx_per_slot,
+        "engine_threads": SMALL.engine_threads,
         "rollouts": 1,
         "tool_calls": 2,
         "system_prompt_tokens": 200,
@@ -185,7 +187,7 @@ TOOLS = [{"type": "function", "name": "exec", "description": "run", "parameters"
 
 
 async def test_engine_faults_fail_the_response_in_the_apis_shape_and_the_server_recovers() -> None:
-    config = EngineConfig(engine_kind="llamacpp", engine_slots=1, engine_ctx_per_slot=2048)
+    config = EngineConfig(engine_kind="llamacpp", engine_slots=1, engine_ctx_per_slot=2048, engine_threads=2)
     async with _served(config) as (base, model):
         assert model.server is not None
         port = model.server.port
