@@ -9,6 +9,7 @@ reused as each design says, errors come in the API's shape, and the owned proces
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ from aiohttp import web
 
 from prototype.app import make_app
 from prototype.config import ServerConfig
-from prototype.model import ContextWindowExceeded, ModelRequest, TokensSampled
+from prototype.model import ContextWindowExceeded, ModelRequest, Prefilled, SamplingFinished, TokensSampled
 from prototype.sse import SSEDecoder
 from prototype.store import MemoryStore
 from prototype.wallclock import AsyncioClock
@@ -231,6 +232,12 @@ async def test_the_owned_engine_process_is_gone_after_the_run() -> None:
         )  # fmt: skip
         tokens = [e for e in [e async for e in model.sample(request)] if isinstance(e, TokensSampled)]
         assert tokens
+        # A warm-up (`generate: false`, max_output_tokens 0): the prompt prefilled, nothing decoded.
+        warm_up = dataclasses.replace(request, max_output_tokens=0, turn_index=1)
+        events = [e async for e in model.sample(warm_up)]
+        assert isinstance(events[0], Prefilled) and isinstance(events[-1], SamplingFinished)
+        assert not [e for e in events if isinstance(e, TokensSampled)]
+        assert events[0].cached_tokens > 0  # the same prompt again: the slot had it
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 

@@ -186,6 +186,8 @@ class EngineModel:
                         if not first_at:
                             first_at = self.clock.now()
                             yield self._prefilled(request, timings, queued_s)
+                        if not forced:  # a prefill alone (a warm-up): llama.cpp still samples one token
+                            break
                         if got >= len(forced):
                             raise EngineError("the engine decoded past the planned tokens")
                         if self.config.engine_decode == "forced" and token != forced[got]:
