@@ -119,9 +119,12 @@ class EngineModel:
     _waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        c = self.config
-        self.slots = SlotTable(c.engine_slots, affinity=c.engine_affinity, on_full=c.engine_on_full)
+        self.slots = self._empty_slots()
         self.url = self.url.rstrip("/")
+
+    def _empty_slots(self) -> SlotTable:
+        c = self.config
+        return SlotTable(c.engine_slots, affinity=c.engine_affinity, on_full=c.engine_on_full)
 
     # -- the seam ----------------------------------------------------------------------------------
 
@@ -134,7 +137,7 @@ class EngineModel:
 
     async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         items, truncated = self.planner.plan_tokens(request)
-        framed = self._framed(items)
+        framed = [engine_ids(ids) for ids in framed_output_ids(self.planner.tokenizer, items, truncated=truncated)]
         forced = [t for ids in framed for t in ids]
         prompt = [BOS_ID, *engine_ids(np.concatenate(request.prompt) if request.prompt else [])]
         if len(prompt) + len(forced) > self.config.engine_ctx_per_slot:
@@ -218,13 +221,7 @@ class EngineModel:
         session = self._client()
         for slot in range(self.config.engine_slots):
             await self._slot_action(session, SlotAction("erase", slot))
-        c = self.config
-        self.slots = SlotTable(c.engine_slots, affinity=c.engine_affinity, on_full=c.engine_on_full)
-
-    def _framed(self, items: list[tuple[PlannedItem, list[int]]]) -> list[list[int]]:
-        """The engine ids each planned item is decoded as (`framed_output_ids`): with these in
-        its KV, a slot holds exactly the prefix the next turn's prompt sends."""
-        return [engine_ids(ids) for ids in framed_output_ids(self.planner.tokenizer, items)]
+        self.slots = self._empty_slots()
 
     def _record(
         self, request: ModelRequest, grant: Grant, timings: dict[str, float], queued_s: float, ttft: float, total: float
@@ -382,4 +379,3 @@ def _error_of(status: int, payload: bytes) -> Exception:
     if error.get("type") == "exceed_context_size_error" or "context" in message.lower():
         return ContextWindowExceeded(message)
     return EngineError(f"llama.cpp answered {status}: {message}")
-

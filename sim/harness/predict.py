@@ -33,7 +33,7 @@ from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, compare
 from sim.harness.live import RolloutResult
 
-__all__ = ["DesignPrediction", "predict_designs", "prediction_table", "time_saved"]
+__all__ = ["DesignPrediction", "predict_designs", "prediction_table", "profile_settings", "time_saved"]
 
 BASE: Final = "http"
 MODEL_FIELDS: Final = frozenset(r.field for r in MODEL_COSTS)
@@ -63,7 +63,7 @@ def time_saved(rollouts: Sequence[RolloutResult], base: str = BASE) -> dict[str,
     return out
 
 
-def _settings(values: dict[str, float], split: dict[str, str]) -> dict[str, object]:
+def profile_settings(values: dict[str, float], split: dict[str, str]) -> dict[str, object]:
     """Compare's leaves for identified `values` (a sum's whole value on `split[sum]`, or shared
     equally when the sum is not in `split`)."""
     fields: dict[str, float] = {}
@@ -80,7 +80,7 @@ def _settings(values: dict[str, float], split: dict[str, str]) -> dict[str, obje
 
 
 def _saved(config: CompareConfig, values: dict[str, float], split: dict[str, str]) -> dict[str, float]:
-    result = compare(config.updated(**_settings(values, split)), virtual=True, free_cpu=True)
+    result = compare(config.updated(**profile_settings(values, split)), virtual=True, free_cpu=True)
     return time_saved(result.rollouts)
 
 

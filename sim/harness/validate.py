@@ -35,7 +35,7 @@ from sim.fleet.compute import StepCost
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS
 from sim.harness.experiment import CompareConfig, CompareResult, compare
-from sim.harness.predict import _settings
+from sim.harness.predict import profile_settings
 
 __all__ = [
     "CONTENTION_MODES",
@@ -88,7 +88,7 @@ def predicted_config(c: Calibration, measured: CompareConfig) -> CompareConfig:
     """The simulator's config for the measured run: the fit's profile and model rates, the
     engine's slots as decode slots, everything else (workload, seed, modes) as measured."""
     values = {k: p.value for k, p in c.profile_params.items()}
-    settings = _settings(values, {})
+    settings = profile_settings(values, {})
     return measured.updated(engine_kind="none", decode_slots=measured.engine.engine_slots, **settings)
 
 

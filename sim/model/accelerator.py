@@ -251,15 +251,18 @@ class _Decoding:
     end: float
 
 
-def framed_output_ids(tokenizer: Tokenizer, items: list[tuple[PlannedItem, list[int]]]) -> list[list[int]]:
+def framed_output_ids(
+    tokenizer: Tokenizer, items: list[tuple[PlannedItem, list[int]]], *, truncated: bool
+) -> list[list[int]]:
     """The ids each item of a turn stands for in the next turn's prompt: its rendering in the
     context (`render_model_output`), less the generation header the turn's prompt already ends
     with for its first item. A model that keeps these in its KV (an engine's slot, a prefix cache
-    of generated blocks) holds exactly the prefix the next prompt starts with."""
+    of generated blocks) holds exactly the prefix the next prompt starts with. `truncated`: the
+    cap cut the last item (`plan_tokens`), whose text is then its ids' text."""
     header = len(generation_header(tokenizer))
     framed = []
     for k, (item, ids) in enumerate(items):
-        text = item.text if len(ids) == len(tokenizer.encode_list(item.text)) else tokenizer.decode(ids)
+        text = tokenizer.decode(ids) if truncated and k == len(items) - 1 else item.text
         rendered = tokenizer.encode_list(render_model_output(item.kind, item.name, text))
         framed.append(rendered[header:] if k == 0 else rendered)
     return framed
@@ -533,7 +536,10 @@ class SimulatedModel:
                 lateness.turns.append((index, rate, handed_first, handed_last))
             if cache is not None and self.cache_generated and items:
                 # The turn's output, as the next prompt renders it, joins the cache behind its prompt.
-                said = np.fromiter(itertools.chain.from_iterable(framed_output_ids(self.tokenizer, items)), np.uint32)
+                said = np.fromiter(
+                    itertools.chain.from_iterable(framed_output_ids(self.tokenizer, items, truncated=truncated)),
+                    np.uint32,
+                )
                 cache.insert((*request.prompt, said), now=self.clock.now())
             finished = True
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
