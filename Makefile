@@ -43,4 +43,4 @@ typecheck:
 
 # docs/state-machines.md is generated from the connection's and the stream's transition tables.
 docs-tables:
-	$(PY) -m prototype.tables > docs/state-machines.md
+	$(PY) -m prototype.serve.tables > docs/state-machines.md

@@ -59,7 +59,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from .schemas import StageReport
+from .wire.schemas import StageReport
 
 __all__ = [
     "StageReport",

@@ -26,12 +26,12 @@ from sim.engine.process import EngineNotInstalled
 from sim.model.config import ModelConfig, build_model
 from sim.model.policy import DefaultPolicy, Policy, load_script
 
-from .app import make_app
 from .config import ServerConfig
 from .model import TokenModel
 from .options import add_struct_options, struct_from_args
-from .store import MemoryStore, open_store
-from .wallclock import AsyncioClock
+from .serve.app import make_app
+from .serve.wallclock import AsyncioClock
+from .store.base import MemoryStore, open_store
 
 __all__ = ["PID_HEADER", "build_parser", "main"]
 

@@ -24,11 +24,11 @@ from aiohttp import web
 from openai.types.beta.agent_session_event import AgentSessionEvent
 from openai.types.beta.agent_session_item import AgentSessionItem
 
-from prototype.app import make_app
 from prototype.config import ServerConfig
 from prototype.model import FunctionTool, ModelRequest
-from prototype.store import MemoryStore, ResponseStore
-from prototype.wallclock import AsyncioClock
+from prototype.serve.app import make_app
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import MemoryStore, ResponseStore
 from sim.harness.experiment import CompareConfig
 from sim.harness.live import RolloutResult
 from sim.model.accelerator import SimulatedModel

@@ -1,4 +1,4 @@
-"""The Agents API surface (prototype/agents.py, agents_service.py): the session core's tables,
+"""The Agents API surface (prototype/agents/machine.py, agents_service.py): the session core's tables,
 and the routes over loopback with a raw HTTP client, for what the SDK helpers never show
 (errors, the registration race, replays, steering, cancel, the beta header)."""
 
@@ -16,8 +16,8 @@ import pytest
 from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.sessions.turn import Turn
 
-from prototype import agents_wire as w
-from prototype.agents import (
+from prototype.agents import wire as w
+from prototype.agents.machine import (
     SS,
     TRANSITIONS,
     TS,
@@ -37,11 +37,11 @@ from prototype.agents import (
     TurnEnded,
     TurnPaused,
 )
-from prototype.app import ENGINE
 from prototype.config import ServerConfig, WebSocketConfig
-from prototype.errors import ProtocolError
 from prototype.ids import IdFactory
-from prototype.schemas import FunctionCall, RequiredInput, encode
+from prototype.serve.app import ENGINE
+from prototype.wire.errors import ProtocolError
+from prototype.wire.schemas import FunctionCall, RequiredInput, encode
 
 from .support import AGENT_EVENT_MODELS as EVENT_MODELS
 from .support import AGENT_ITEM_MODELS as ITEM_MODELS

@@ -79,7 +79,7 @@ def test_a_message_held_past_the_answer_starts_a_second_session_turn() -> None:
 async def test_the_client_over_loopback_follows_a_second_turn() -> None:
     """The measuring client itself over a real socket: the create's stream to the answer, then a
     message to the idle session, read on a `GET .../events` subscription."""
-    from prototype.wallclock import AsyncioClock
+    from prototype.serve.wallclock import AsyncioClock
     from sim.harness.client import open_client, tool_outputs
     from sim.harness.live import EXEC_TOOL
 

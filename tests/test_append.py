@@ -11,10 +11,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from prototype.app import ENGINE, SOCKETS
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.model import ModelEvent, ModelRequest, Prefilled, TokenModel, TokensSampled
-from prototype.wallclock import AsyncioClock
+from prototype.serve.app import ENGINE, SOCKETS
+from prototype.serve.wallclock import AsyncioClock
 from sim.harness.client import open_client, tool_outputs
 from sim.model.policy import PlannedItem, ScriptPolicy
 

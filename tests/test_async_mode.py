@@ -13,14 +13,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from prototype.app import make_engine
 from prototype.config import ServerConfig, WebSocketConfig
-from prototype.connection import Connection
-from prototype.lanes import CS
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
-from prototype.schemas import RequiredInput, decode_stored
-from prototype.store import MemoryStore
-from prototype.wsevents import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput
+from prototype.serve.app import make_engine
+from prototype.store.base import MemoryStore
+from prototype.wire.schemas import RequiredInput, decode_stored
+from prototype.ws.connection import Connection
+from prototype.ws.events import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput
+from prototype.ws.lanes import CS
 from sim.__main__ import main, run
 from sim.harness import experiment
 from sim.harness.client import MODES, WSClient, tool_outputs

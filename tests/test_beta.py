@@ -21,12 +21,12 @@ import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
-from prototype.cache import CacheEntry
 from prototype.config import ServerConfig
-from prototype.connection import Connection
-from prototype.conversation import Context, Preamble
-from prototype.schemas import RequiredInput, Response
-from prototype.wsevents import AckInject, AckSteer, ResumeJob, SendFrame, StartJob
+from prototype.context.cache import CacheEntry
+from prototype.context.conversation import Context, Preamble
+from prototype.wire.schemas import RequiredInput, Response
+from prototype.ws.connection import Connection
+from prototype.ws.events import AckInject, AckSteer, ResumeJob, SendFrame, StartJob
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from . import strict

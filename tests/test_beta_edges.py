@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from prototype.config import ServerConfig, WebSocketConfig
-from prototype.pauses import CLOSE_BAD_INJECT
+from prototype.ws.pauses import CLOSE_BAD_INJECT
 
 from . import strict
 from .support import Live, beta_socket, live_server, receive_event, until

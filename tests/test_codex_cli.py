@@ -23,9 +23,9 @@ from typing import Final
 import numpy as np
 import pytest
 
-from prototype.app import ENGINE
+from prototype.context.tokenizer import get_tokenizer
 from prototype.model import ModelRequest
-from prototype.tokenizer import get_tokenizer
+from prototype.serve.app import ENGINE
 from sim.model.policy import PlannedItem, ScriptPolicy, parse_script
 
 from .support import live_server, run_client

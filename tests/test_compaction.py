@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai.types.beta import BetaResponsesServerEvent
 
-from prototype.compaction import decode_payload
+from prototype.context.compaction import decode_payload
 from sim.__main__ import main as sim_main
 from sim.analysis.metrics import compacted, compaction_summary, per_turn_work, turn_windows
 from sim.harness.client import ALL_MODES

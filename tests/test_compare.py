@@ -139,7 +139,7 @@ def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
 
 
 async def test_tool_command_output_and_exit_status_go_back() -> None:
-    from prototype.wallclock import AsyncioClock
+    from prototype.serve.wallclock import AsyncioClock
     from sim.harness.tools import CommandTools
 
     output, seconds = await CommandTools("echo out-$((1 + 1)); echo err >&2; exit 3").run(AsyncioClock(), 9.0, "x")

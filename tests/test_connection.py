@@ -9,14 +9,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from prototype import conversation
-from prototype.cache import CacheEntry
-from prototype.connection import Connection, limit_message
-from prototype.conversation import Context, Preamble, normalize_create
-from prototype.errors import ProtocolError
-from prototype.lanes import CS, ConnectionStateError, Lane
-from prototype.schemas import CreateParams, RequiredInput, Response, ResponseSteer, decode_client_event
-from prototype.wsevents import (
+from prototype.context import conversation
+from prototype.context.cache import CacheEntry
+from prototype.context.conversation import Context, Preamble, normalize_create
+from prototype.wire.errors import ProtocolError
+from prototype.wire.schemas import CreateParams, RequiredInput, Response, ResponseSteer, decode_client_event
+from prototype.ws.connection import Connection, limit_message
+from prototype.ws.events import (
     INPUT_TYPES,
     AbortPause,
     AckInject,
@@ -42,6 +41,7 @@ from prototype.wsevents import (
     TakeInput,
     TurnEnded,
 )
+from prototype.ws.lanes import CS, ConnectionStateError, Lane
 
 
 def create(**fields: object) -> str:

@@ -1,4 +1,4 @@
-"""The request contract (prototype/contract.py, docs/contract.md), one row per rule, over
+"""The request contract (prototype/wire/contract.py, docs/contract.md), one row per rule, over
 HTTP and over WebSocket on a live server: status, code, param and message of each refusal,
 and the parameters the real API knows are accepted."""
 
@@ -17,17 +17,17 @@ import pytest
 from msgspec import Raw
 
 from prototype.config import ModelLimits, ServerConfig
-from prototype.contract import (
+from prototype.context.conversation import Context, check_continuation, parse_items
+from prototype.store.base import MemoryStore
+from prototype.wire.contract import (
     CLIENT_PARAMETERS,
     CONTEXT_LENGTH_MESSAGE,
     KNOWN_PARAMETERS,
     STRING_MAX,
     unsupported_message,
 )
-from prototype.conversation import Context, check_continuation, parse_items
-from prototype.errors import ProtocolError
-from prototype.sse import SSEDecoder
-from prototype.store import MemoryStore
+from prototype.wire.errors import ProtocolError
+from prototype.wire.sse import SSEDecoder
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from .support import EXEC_TOOL, Live, live_server

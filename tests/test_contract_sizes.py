@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prototype.config import ModelLimits, ServerConfig
-from prototype.contract import CONTEXT_LENGTH_MESSAGE, STRING_MAX
-from prototype.tokenizer import PIECE_CHARS, get_tokenizer, split_text
+from prototype.context.tokenizer import PIECE_CHARS, get_tokenizer, split_text
+from prototype.wire.contract import CONTEXT_LENGTH_MESSAGE, STRING_MAX
 from sim.model.policy import PlannedItem, ScriptPolicy
 
 from .support import Live, live_server

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from prototype.schemas import Response, StageReport
+from prototype.wire.schemas import Response, StageReport
 from sim.analysis.designs import DECIMALS, PARTS, explain, kv_price, mode_costs, rollout_parts, stage_savings, verdict
 from sim.harness.client import TurnResult
 from sim.harness.experiment import CompareConfig, compare

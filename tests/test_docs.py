@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from prototype import tables
+from prototype.serve import tables
 from sim.bench import report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def test_code_cites_docs_pages_that_exist() -> None:
 
 
 def test_the_state_machine_page_is_generated_from_the_tables() -> None:
-    """docs/state-machines.md is `prototype.tables.render()`: a row added to or changed in a
+    """docs/state-machines.md is `prototype.serve.tables.render()`: a row added to or changed in a
     table fails here until `make docs-tables` rewrites the page."""
     page = (ROOT / "docs" / "state-machines.md").read_text(encoding="utf-8")
     assert page == tables.render(), "docs/state-machines.md is stale: run `make docs-tables`"

@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from prototype.app import make_app
 from prototype.config import ServerConfig
 from prototype.model import ContextWindowExceeded, ModelRequest, Prefilled, SamplingFinished, TokensSampled
-from prototype.sse import SSEDecoder
-from prototype.store import MemoryStore
-from prototype.wallclock import AsyncioClock
+from prototype.serve.app import make_app
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import MemoryStore
+from prototype.wire.sse import SSEDecoder
 from sim.engine.backend import engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.llamacpp import EngineModel

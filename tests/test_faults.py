@@ -20,12 +20,12 @@ import aiohttp
 import pytest
 from aiohttp import web_protocol
 
-from prototype.app import ENGINE, SOCKETS, WebSocketSession
 from prototype.config import ServerConfig, WebSocketConfig
+from prototype.context.tokenizer import get_tokenizer
 from prototype.model import ModelEvent, ModelRequest
-from prototype.store import RedisStore
-from prototype.tokenizer import get_tokenizer
-from prototype.wallclock import AsyncioClock
+from prototype.serve.app import ENGINE, SOCKETS, WebSocketSession
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import RedisStore
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, PlannedItem, ScriptPolicy
 

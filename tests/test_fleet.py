@@ -76,9 +76,7 @@ def test_a_shared_accelerator_agrees_with_the_full_path_per_session() -> None:
     result = compare(config, virtual=True, free_cpu=True)
     sessions = _sessions(n)
     for mode in modes:
-        run = simulate(
-            mode, HOSTED, FleetConfig(compute="free", decode_slots=2), sessions, users=4
-        )
+        run = simulate(mode, HOSTED, FleetConfig(compute="free", decode_slots=2), sessions, users=4)
         fleet = {r.index: r.finished_at - r.arrived_at for r in run.sessions}
         full = {r.index: r.completion_s for r in result.rollouts if r.mode == mode}
         diff = paired_mean([fleet[i] - full[i] for i in range(n)])

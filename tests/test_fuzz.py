@@ -33,17 +33,17 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
-from prototype.app import make_app
 from prototype.config import ServerConfig
-from prototype.connection import Connection
-from prototype.contract import from_validation_error
-from prototype.conversation import normalize_create
-from prototype.errors import ProtocolError
-from prototype.lanes import CS
-from prototype.schemas import RequiredInput, decode_create_params, decode_text
-from prototype.store import MemoryStore
-from prototype.wallclock import AsyncioClock
-from prototype.wsevents import SendFrame, StartJob
+from prototype.context.conversation import normalize_create
+from prototype.serve.app import make_app
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import MemoryStore
+from prototype.wire.contract import from_validation_error
+from prototype.wire.errors import ProtocolError
+from prototype.wire.schemas import RequiredInput, decode_create_params, decode_text
+from prototype.ws.connection import Connection
+from prototype.ws.events import SendFrame, StartJob
+from prototype.ws.lanes import CS
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.model.schema_values import sample_json

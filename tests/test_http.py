@@ -9,12 +9,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from prototype.app import ENGINE, make_engine
 from prototype.config import ModelLimits, ServerConfig
-from prototype.conversation import Context, parse_items, render_items
-from prototype.sse import SSEDecoder
-from prototype.store import MemoryStore
-from prototype.wallclock import AsyncioClock
+from prototype.context.conversation import Context, parse_items, render_items
+from prototype.serve.app import ENGINE, make_engine
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import MemoryStore
+from prototype.wire.sse import SSEDecoder
 from sim.harness.client import ClientError, open_client
 from sim.model.config import ModelConfig, build_model
 from sim.model.policy import PlannedItem, ScriptPolicy
@@ -296,7 +296,7 @@ async def test_sse_frames_of_a_wake_up_go_out_in_one_write(monkeypatch: pytest.M
 def test_the_full_history_client_resends_the_items_json_as_first_encoded() -> None:
     """`http` keeps each item's JSON from when it was first recorded; the body is the bytes a
     client re-encoding its whole history would send."""
-    from prototype.schemas import Response, encode
+    from prototype.wire.schemas import Response, encode
     from sim.harness.client import HTTPClient, TurnResult
 
     client = HTTPClient("http://127.0.0.1:1", clock=None, chained=False)  # type: ignore[arg-type]

@@ -226,13 +226,13 @@ def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
 
 @pytest.mark.slow
 def test_the_transitive_checker_sees_imports() -> None:
-    assert {"asyncio", "aiohttp"} <= loaded_by("prototype.app")
+    assert {"asyncio", "aiohttp"} <= loaded_by("prototype.serve.app")
 
 
 @pytest.mark.slow
 def test_the_session_core_loads_no_aiohttp() -> None:
-    """`prototype.session` drives both the live server and the in-process transport: no aiohttp."""
-    loaded = loaded_by("prototype.session")
+    """`prototype.serve.session` drives both the live server and the in-process transport: no aiohttp."""
+    loaded = loaded_by("prototype.serve.session")
     assert "asyncio" in loaded and not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
 
 

@@ -15,20 +15,20 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from prototype.app import SLOTS, make_app
-from prototype.cache import CacheEntry
 from prototype.config import ServerConfig, WebSocketConfig
-from prototype.connection import Connection
-from prototype.conversation import Context, Item, Preamble
-from prototype.lanes import CS
+from prototype.context.cache import CacheEntry
+from prototype.context.conversation import Context, Item, Preamble
 from prototype.model import ModelEvent, ModelRequest
 from prototype.options import struct_from_args
 from prototype.pipeline import Optimization
-from prototype.schemas import InputItemView, Response
+from prototype.serve.app import SLOTS, make_app
+from prototype.serve.wallclock import AsyncioClock
 from prototype.server import build_parser
-from prototype.store import MemoryStore
-from prototype.wallclock import AsyncioClock
-from prototype.wsevents import SendFrame, StartJob
+from prototype.store.base import MemoryStore
+from prototype.wire.schemas import InputItemView, Response
+from prototype.ws.connection import Connection
+from prototype.ws.events import SendFrame, StartJob
+from prototype.ws.lanes import CS
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 

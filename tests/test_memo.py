@@ -7,9 +7,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from prototype.safety import ClassifierState, SafetyClassifier
-from prototype.tokenizer import get_tokenizer
-from prototype.wallclock import AsyncioClock
+from prototype.context.safety import ClassifierState, SafetyClassifier
+from prototype.context.tokenizer import get_tokenizer
+from prototype.serve.wallclock import AsyncioClock
 from sim.harness.experiment import CompareConfig, run_compare
 from sim.model.accelerator import turn_rng
 from sim.model.kv import PrefixCache
@@ -184,8 +184,8 @@ def test_prepared_prompts_are_looked_up_by_their_read_only_chunks() -> None:
 def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
     from msgspec import Raw
 
-    from prototype.conversation import parse_items
-    from prototype.errors import ProtocolError
+    from prototype.context.conversation import parse_items
+    from prototype.wire.errors import ProtocolError
     from sim.runtime.memo import MemoItems
 
     good = Raw(b'{"type":"function_call_output","call_id":"c1","output":"ok \\u00e9"}')
@@ -208,7 +208,7 @@ def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
 def test_rendered_items_are_looked_up_by_identity() -> None:
     from msgspec import Raw
 
-    from prototype.conversation import parse_items
+    from prototype.context.conversation import parse_items
     from sim.runtime.memo import MemoRendered
 
     raw = Raw(b'{"type":"function_call_output","call_id":"c1","output":"ok"}')

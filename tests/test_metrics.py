@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from prototype.schemas import InputTokensDetails, OutputTokensDetails, Response, StageReport, Usage
+from prototype.wire.schemas import InputTokensDetails, OutputTokensDetails, Response, StageReport, Usage
 from sim.analysis.metrics import pair_summaries, summarize
 from sim.harness.client import TurnResult
 from sim.harness.live import RolloutResult

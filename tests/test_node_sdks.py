@@ -16,7 +16,7 @@ from typing import Final
 
 import pytest
 
-from prototype.app import ENGINE
+from prototype.serve.app import ENGINE
 
 from .support import NODE_DIR, live_server, node_executable, run_client
 

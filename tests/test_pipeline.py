@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prototype.app import ENGINE, make_engine
 from prototype.config import ServerConfig
+from prototype.context.safety import SafetyClassifier
 from prototype.pipeline import (
     PROFILES,
     CostProfile,
@@ -21,9 +21,9 @@ from prototype.pipeline import (
     StageReport,
     load_profile,
 )
-from prototype.safety import SafetyClassifier
-from prototype.store import MemoryStore
-from prototype.wallclock import AsyncioClock
+from prototype.serve.app import ENGINE, make_engine
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import MemoryStore
 from sim.harness.client import TurnResult, open_client, tool_outputs
 from sim.model.accelerator import SimulatedModel
 from sim.model.kv import PrefixCache

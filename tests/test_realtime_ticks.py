@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from prototype.wallclock import AsyncioClock
+from prototype.serve.wallclock import AsyncioClock
 from sim.runtime.virtual import run_virtual
 
 TICK_S = 0.001

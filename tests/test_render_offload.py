@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from prototype.app import ENGINE, RENDER_NICE, _background_thread
 from prototype.config import ServerConfig
-from prototype.engine import OFFLOAD_CHARS
-from prototype.tokenizer import TokenArray, Tokenizer
-from prototype.wallclock import AsyncioClock
+from prototype.context.tokenizer import TokenArray, Tokenizer
+from prototype.response.engine import OFFLOAD_CHARS
+from prototype.serve.app import ENGINE, RENDER_NICE, _background_thread
+from prototype.serve.wallclock import AsyncioClock
 from sim.harness.client import open_client, tool_outputs
 from sim.model.policy import PlannedItem, ScriptPolicy
 

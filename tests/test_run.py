@@ -1,4 +1,4 @@
-"""One response's run (`prototype.engine.ResponseRun`) with no transport: one test per boundary rule.
+"""One response's run (`prototype.response.engine.ResponseRun`) with no transport: one test per boundary rule.
 
 No socket, no aiohttp, no session, no connection core: an `Engine` on a manual clock
 (`sim.runtime.clock.ManualClock`: a wait jumps to its deadline), a scripted
@@ -24,9 +24,8 @@ from typing import Any, Final, Literal
 import pytest
 from msgspec import Raw
 
-from prototype.conversation import CreateRequest, Item, normalize_create, parse_items
-from prototype.engine import Aborted, Engine, Inbox, Outcome, Resumed, SteerBoundary
-from prototype.errors import INTERNAL_ERROR
+from prototype.context.conversation import CreateRequest, Item, normalize_create, parse_items
+from prototype.context.tokenizer import get_tokenizer
 from prototype.ids import IdFactory
 from prototype.model import (
     ItemFinished,
@@ -37,10 +36,11 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
-from prototype.schemas import RequiredInput, ServerEvent, SteerRef, decode_create_params, decode_stored, encode
-from prototype.store import MemoryStore, StoreUnavailable
-from prototype.stream import InjectAccepted, SteerAccepted
-from prototype.tokenizer import get_tokenizer
+from prototype.response.engine import Aborted, Engine, Inbox, Outcome, Resumed, SteerBoundary
+from prototype.response.stream import InjectAccepted, SteerAccepted
+from prototype.store.base import MemoryStore, StoreUnavailable
+from prototype.wire.errors import INTERNAL_ERROR
+from prototype.wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_create_params, decode_stored, encode
 from sim.runtime.clock import ManualClock
 
 TOOL: Final = {"type": "function", "name": "exec", "parameters": {"type": "object", "properties": {}}}
@@ -221,15 +221,15 @@ def test_these_tests_load_no_transport() -> None:
     loaded = set(json.loads(done.stdout))
     transport = {
         "aiohttp",
-        "prototype.app",
-        "prototype.connection",
-        "prototype.session",
+        "prototype.serve.app",
+        "prototype.ws.connection",
+        "prototype.serve.session",
         "sim.model.accelerator",
         "sim.runtime.inprocess",
         "sim.runtime.virtual",
     }
     assert not loaded & transport, sorted(loaded & transport)
-    assert "prototype.engine" in loaded  # the check sees what the module imports
+    assert "prototype.response.engine" in loaded  # the check sees what the module imports
 
 
 # -- a turn's end -------------------------------------------------------------------------------------

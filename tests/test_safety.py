@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prototype.safety import DEFAULT_THRESHOLD, FLAG_SIGMA, ClassifierState, SafetyClassifier, Verdict
+from prototype.context.safety import DEFAULT_THRESHOLD, FLAG_SIGMA, ClassifierState, SafetyClassifier, Verdict
 
 VOCAB = 200_019
 """o200k_base vocabulary size: random streams draw ids from the real id range."""

@@ -10,9 +10,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prototype.app import ENGINE
 from prototype.model import ItemStarted, ModelEvent, ModelRequest, TokensSampled
-from prototype.store import RedisStore, SqliteStore
+from prototype.serve.app import ENGINE
+from prototype.store.base import RedisStore, SqliteStore
 
 from .support import EXEC_TOOL, Live, live_server, receive_event
 

@@ -1,4 +1,5 @@
-"""Tests for `sim.model.accelerator` (with `sim.runtime.clock.ManualClock`) and `prototype.wallclock.AsyncioClock`.
+"""Tests for `sim.model.accelerator` (with `sim.runtime.clock.ManualClock`) and the server's wall clock
+(`prototype.serve.wallclock.AsyncioClock`).
 
 Every timing assertion runs on virtual time: `ManualClock.sleep_until` jumps,
 so 5 s of paced decoding takes milliseconds and the numbers are exact.
@@ -18,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from prototype.context.tokenizer import get_tokenizer
 from prototype.model import (
     FunctionTool,
     ItemFinished,
@@ -28,8 +30,7 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
-from prototype.tokenizer import get_tokenizer
-from prototype.wallclock import AsyncioClock
+from prototype.serve.wallclock import AsyncioClock
 from sim.model.accelerator import LatenessRecorder, ModelStatistics, SimulatedModel, _due_by, jitter_rng, turn_rng
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import DefaultPolicy, PlannedItem, Policy, ScriptPolicy
@@ -783,7 +784,7 @@ async def test_a_turns_output_joins_the_cache_as_the_next_prompt_renders_it() ->
     """With `cache_generated` (the default) a continuation that sends the previous prompt, the
     output as the context renders it and new input finds all of it cached but the last partial
     block; prompt-only caching stops at the previous prompt."""
-    from prototype.conversation import generation_header, render_model_output
+    from prototype.context.conversation import generation_header, render_model_output
 
     header = generation_header(TOKENIZER)
     said = " hello" * 40

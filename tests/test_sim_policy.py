@@ -10,8 +10,8 @@ import msgspec
 import numpy as np
 import pytest
 
+from prototype.context.tokenizer import get_tokenizer
 from prototype.model import FunctionTool, ModelRequest
-from prototype.tokenizer import get_tokenizer
 from sim.model.accelerator import turn_rng
 from sim.model.policy import (
     SCRIPT_EXHAUSTED_TEXT,

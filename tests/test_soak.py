@@ -26,8 +26,10 @@ import aiohttp
 import msgspec
 import pytest
 
-from prototype.app import SOCKETS
-from prototype.schemas import (
+from prototype.context.tokenizer import get_tokenizer
+from prototype.serve.app import SOCKETS
+from prototype.serve.wallclock import AsyncioClock
+from prototype.wire.schemas import (
     FunctionCallArgumentsDelta,
     OutputTextDelta,
     ResponseCompleted,
@@ -38,8 +40,6 @@ from prototype.schemas import (
     ServerEvent,
     decode_server_event,
 )
-from prototype.tokenizer import get_tokenizer
-from prototype.wallclock import AsyncioClock
 from sim.harness.client import MODES, HTTPClient, Mode, TextSocket, WSClient, tool_outputs
 
 from .support import EXEC_TOOL, Live, live_server

@@ -28,13 +28,13 @@ import aiohttp
 import jsonschema
 import pytest
 
-from prototype.contract import UNSUPPORTED_FEATURES
+from prototype.wire.contract import UNSUPPORTED_FEATURES
 
 from .support import Live, live_server
 
 DATA: Final = Path(__file__).parents[1] / "prototype" / "data"
 SCHEMAS: Final[dict[str, Any]] = json.loads((DATA / "openapi-request.json").read_text())["components"]["schemas"]
-# (the server's copy: prototype/constraints.py walks the same schemas)
+# (the server's copy: prototype/wire/constraints.py walks the same schemas)
 PREFIX: Final = "#/components/schemas/"
 SKIPPED: Final = frozenset({"input", "tools"})  # walked per variant by `_part_cases`
 CHECKED: Final = ("minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems", "enum")

@@ -1,4 +1,4 @@
-"""Tests for `prototype.sse`: exact frame bytes, the WHATWG parsing rules, and chunking invariance."""
+"""Tests for `prototype.wire.sse`: exact frame bytes, the WHATWG parsing rules, and chunking invariance."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prototype.sse import DONE_FRAME, SSE_HEADERS, ServerSentEvent, SSEDecoder, encode_event
+from prototype.wire.sse import DONE_FRAME, SSE_HEADERS, ServerSentEvent, SSEDecoder, encode_event
 
 
 def decode_all(chunks: Iterable[bytes]) -> list[ServerSentEvent]:

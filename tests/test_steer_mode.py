@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 
-from prototype.cache import CacheEntry
 from prototype.config import ServerConfig
-from prototype.connection import Connection
-from prototype.conversation import Context, Preamble
-from prototype.schemas import IncompleteDetails, Response
-from prototype.wsevents import AckSteer, StartJob
+from prototype.context.cache import CacheEntry
+from prototype.context.conversation import Context, Preamble
+from prototype.wire.schemas import IncompleteDetails, Response
+from prototype.ws.connection import Connection
+from prototype.ws.events import AckSteer, StartJob
 from sim.__main__ import run
 from sim.harness import experiment
 from sim.harness.client import tool_outputs

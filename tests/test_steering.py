@@ -19,8 +19,8 @@ import msgspec
 import pytest
 from openai import AsyncOpenAI
 
-from prototype.connection import Connection
-from prototype.wsevents import AckSteer, StartJob
+from prototype.ws.connection import Connection
+from prototype.ws.events import AckSteer, StartJob
 from sim.__main__ import run
 from sim.harness.experiment import CompareConfig
 from sim.model.policy import PlannedItem, ScriptPolicy

@@ -9,8 +9,7 @@ import pytest
 
 from prototype.ids import IdFactory
 from prototype.model import ItemFinished, ItemStarted, Prefilled, SamplingFinished, TokensSampled
-from prototype.schemas import CompactionItem, FunctionCall, OutputMessage, RequiredInput, Response, SteerRef, encode
-from prototype.stream import (
+from prototype.response.stream import (
     INPUT_TYPES,
     RS,
     CompactionDone,
@@ -29,6 +28,15 @@ from prototype.stream import (
     SteerPending,
     StreamError,
     Truncated,
+)
+from prototype.wire.schemas import (
+    CompactionItem,
+    FunctionCall,
+    OutputMessage,
+    RequiredInput,
+    Response,
+    SteerRef,
+    encode,
 )
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from prototype.schemas import TimingMetrics
-from prototype.timing import TIMING_HEADER, wants_timing
+from prototype.wire.schemas import TimingMetrics
+from prototype.ws.timing import TIMING_HEADER, wants_timing
 
 from .support import EXEC_TOOL, Live, live_server
 

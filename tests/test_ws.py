@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from prototype.config import ServerConfig, WebSocketConfig
-from prototype.store import MemoryStore
+from prototype.store.base import MemoryStore
 
 from .support import (
     EXEC_TOOL,
@@ -345,7 +345,7 @@ async def test_disconnect_mid_stream_frees_the_connection() -> None:
                 pass
             await ws.close()
         # the server's reader saw the close, cancelled the sampling task and dropped the socket
-        from prototype.app import SOCKETS
+        from prototype.serve.app import SOCKETS
 
         for _ in range(100):
             if not server.app[SOCKETS]:
@@ -357,7 +357,7 @@ async def test_disconnect_mid_stream_frees_the_connection() -> None:
 async def test_store_unavailable_is_a_clear_5xx() -> None:
     class Down(MemoryStore):
         async def get(self, response_id: str) -> bytes | None:
-            from prototype.store import StoreUnavailable
+            from prototype.store.base import StoreUnavailable
 
             raise StoreUnavailable("down")
 
@@ -449,7 +449,7 @@ async def test_lane_errors_leave_other_lanes_running() -> None:
 
 def test_compare_with_lanes_runs_a_group_of_rollouts_on_one_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     import sim.runtime.inprocess
-    from prototype.session import WebSocketSession
+    from prototype.serve.session import WebSocketSession
     from sim.harness.experiment import CompareConfig, run_compare
     from sim.runtime.virtual import VirtualClock, run_virtual
 

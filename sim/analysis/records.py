@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from prototype.pipeline import DESIGNS, Stage
-from prototype.schemas import TimingMetrics, WebsocketTiming
+from prototype.wire.schemas import TimingMetrics, WebsocketTiming
 from sim.analysis.metrics import per_turn_work
 from sim.harness.live import RolloutResult
 
@@ -119,7 +119,7 @@ _exchange = msgspec.json.Decoder(Exchange)
 
 
 def _timing_stages(m: TimingMetrics) -> dict[str, float]:
-    """A timing frame's split (prototype/timing.py): the engine's TTFT is its queue and prefill,
+    """A timing frame's split (prototype/ws/timing.py): the engine's TTFT is its queue and prefill,
     the API's view of it adds the inference hop; decode is the engine's total less its TTFT."""
     hop = (m.engine_iapi_ttft_total_ms - m.engine_service_ttft_total_ms) / 1000
     decode = (m.engine_service_total_ms - m.engine_service_ttft_total_ms) / 1000

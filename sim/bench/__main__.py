@@ -32,7 +32,13 @@ from typing import Any, Final
 import aiohttp
 import uvloop
 
-from prototype.schemas import WebsocketTiming, decode_client_event, decode_create_params, decode_server_event, encode
+from prototype.wire.schemas import (
+    WebsocketTiming,
+    decode_client_event,
+    decode_create_params,
+    decode_server_event,
+    encode,
+)
 from sim.harness.client import ClientError, open_client
 from sim.harness.experiment import CompareConfig, run_compare
 from sim.harness.live import RolloutSpec, run_rollout, tool_output_text

@@ -12,7 +12,7 @@ import statistics
 import time
 from collections.abc import Awaitable, Callable
 
-from prototype.schemas import encode
+from prototype.wire.schemas import encode
 
 from .wsclient import connect
 

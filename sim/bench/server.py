@@ -34,15 +34,15 @@ import numpy as np
 import uvloop
 from aiohttp import WSMsgType, web
 
-from prototype.app import make_app
 from prototype.config import ServerConfig
 from prototype.model import ModelRequest
 from prototype.options import add_struct_options, struct_from_args
-from prototype.schemas import OutputTextDelta, encode
+from prototype.serve.app import make_app
+from prototype.serve.wallclock import AsyncioClock
 from prototype.server import serve_until_stopped
-from prototype.sse import SSE_HEADERS, encode_event
-from prototype.store import open_store
-from prototype.wallclock import AsyncioClock
+from prototype.store.base import open_store
+from prototype.wire.schemas import OutputTextDelta, encode
+from prototype.wire.sse import SSE_HEADERS, encode_event
 from sim.model.accelerator import LatenessRecorder
 from sim.model.config import ModelConfig, build_model
 from sim.model.policy import DefaultPolicy, PlannedItem, Policy

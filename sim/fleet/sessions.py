@@ -25,9 +25,9 @@ from typing import Final
 import msgspec
 import numpy as np
 
-from prototype.conversation import conversation_key
+from prototype.context.conversation import conversation_key
+from prototype.context.tokenizer import get_tokenizer
 from prototype.model import FunctionTool, ModelRequest
-from prototype.tokenizer import get_tokenizer
 from sim.harness.live import _WORDS, EXEC_TOOL, RolloutSpec, make_spec
 from sim.harness.workload import Workload, draw_rollouts
 from sim.model.accelerator import turn_rng

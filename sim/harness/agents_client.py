@@ -24,10 +24,10 @@ from typing import Any, Final
 import aiohttp
 import msgspec
 
-from prototype.agents_wire import AGENTS_BETA, LongrunExt
+from prototype.agents.wire import AGENTS_BETA, LongrunExt
 from prototype.clock import Clock
-from prototype.schemas import Response, encode
-from prototype.sse import SSEDecoder
+from prototype.wire.schemas import Response, encode
+from prototype.wire.sse import SSEDecoder
 from sim.harness.client import ClientError, Mode, TurnResult, _Tracker
 
 __all__ = ["AgentsClient", "agent_tool"]

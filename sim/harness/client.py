@@ -60,7 +60,7 @@ import aiohttp
 import msgspec
 
 from prototype.clock import Clock
-from prototype.schemas import (
+from prototype.wire.schemas import (
     ErrorEvent,
     FunctionCall,
     FunctionCallArgumentsDelta,
@@ -79,7 +79,7 @@ from prototype.schemas import (
     decode_stream_tag,
     encode,
 )
-from prototype.sse import SSEDecoder
+from prototype.wire.sse import SSEDecoder
 
 __all__ = [
     "ALL_MODES",

@@ -38,17 +38,17 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta, structs
 
-from prototype.app import ENGINE, make_app, make_engine, render_executor
 from prototype.clock import Clock
 from prototype.config import ServerConfig
-from prototype.contract import COMPACT_THRESHOLD_MIN
-from prototype.conversation import ToolCache, conversation_key, parse_items
-from prototype.engine import Engine
+from prototype.context.conversation import ToolCache, conversation_key, parse_items
 from prototype.model import ModelEvent, ModelRequest
 from prototype.options import replace_leaves
 from prototype.pipeline import Optimization, load_profile
-from prototype.store import MemoryStore
-from prototype.wallclock import AsyncioClock
+from prototype.response.engine import Engine
+from prototype.serve.app import ENGINE, make_app, make_engine, render_executor
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.base import MemoryStore
+from prototype.wire.contract import COMPACT_THRESHOLD_MIN
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig

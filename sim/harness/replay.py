@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from prototype.conversation import conversation_key
+from prototype.context.conversation import conversation_key
 from sim.harness.live import RolloutSpec
 from sim.model.policy import ConversationPolicy, DefaultPolicy, PlannedItem, Policy, ScriptPolicy, parse_turn
 

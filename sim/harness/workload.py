@@ -26,7 +26,7 @@ from typing import Final
 
 import msgspec
 
-from prototype.conversation import conversation_key
+from prototype.context.conversation import conversation_key
 from sim.harness.live import RolloutSpec, instructions, tool_output_text, turn_stream
 
 __all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts", "tool_times", "with_tail"]

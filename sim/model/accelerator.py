@@ -99,7 +99,8 @@ import numpy as np
 import numpy.typing as npt
 
 from prototype.clock import Clock
-from prototype.conversation import generation_header, render_model_output
+from prototype.context.conversation import generation_header, render_model_output
+from prototype.context.tokenizer import Tokenizer, get_tokenizer
 from prototype.model import (
     ItemFinished,
     ItemStarted,
@@ -109,7 +110,6 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
-from prototype.tokenizer import Tokenizer, get_tokenizer
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import PlannedItem, Policy
 

@@ -14,7 +14,7 @@ import msgspec
 from msgspec import Meta
 
 from prototype.clock import Clock
-from prototype.tokenizer import Tokenizer
+from prototype.context.tokenizer import Tokenizer
 
 from .accelerator import LatenessRecorder, SimulatedModel
 from .kv import DEFAULT_CAPACITY_TOKENS, PrefixCache

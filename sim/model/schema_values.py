@@ -50,8 +50,8 @@ from typing import Final
 import numpy as np
 
 # Sampled arrays hold at most this many items past their minimum: the server's schema check
-# (prototype/tool_schema.py) sizes the arguments the simulator may write with the same number.
-from prototype.tool_schema import EXTRA_ITEMS
+# (prototype/wire/tool_schema.py) sizes the arguments the simulator may write with the same number.
+from prototype.wire.tool_schema import EXTRA_ITEMS
 from sim.model.words import (
     CITIES,
     CODE_TEMPLATES,

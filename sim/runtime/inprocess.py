@@ -1,7 +1,7 @@
 """The server's logic without sockets: in-process transports for virtual-time runs.
 
 Covers: running the same engine, connection core and WebSocket adapter
-(`prototype.session.WebSocketSession`) as the live server, with the client's frames
+(`prototype.serve.session.WebSocketSession`) as the live server, with the client's frames
 and the server's events handed over in memory. Bytes are still encoded and
 decoded at both ends (that JSON work is part of what the modes cost), and the
 cost profile's `network` stage still charges the modeled round trip and upload,
@@ -24,16 +24,16 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
-from prototype.agents_service import AgentsAPI
-from prototype.agents_wire import AGENTS_BETA
+from prototype.agents.wire import AGENTS_BETA
 from prototype.clock import Clock
 from prototype.config import ServerConfig
-from prototype.conversation import ToolCache
-from prototype.engine import Engine
-from prototype.errors import ProtocolError
-from prototype.schemas import ServerEvent, decode_server_event, encode
-from prototype.session import HTTPExchange, JSONReply, WebSocketSession
-from prototype.sse import SSEDecoder, encode_event
+from prototype.context.conversation import ToolCache
+from prototype.response.engine import Engine
+from prototype.serve.agents_api import AgentsAPI
+from prototype.serve.session import HTTPExchange, JSONReply, WebSocketSession
+from prototype.wire.errors import ProtocolError
+from prototype.wire.schemas import ServerEvent, decode_server_event, encode
+from prototype.wire.sse import SSEDecoder, encode_event
 from sim.harness.agents_client import AgentsClient
 from sim.harness.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
@@ -102,7 +102,7 @@ def _charges(costs: LiveCosts | None) -> _LiveCharges | None:
 
 
 class _ServerSocket:
-    """The server's end of an in-process WebSocket: a `prototype.session.SessionSocket`."""
+    """The server's end of an in-process WebSocket: a `prototype.serve.session.SessionSocket`."""
 
     def __init__(self, inbox: _Channel[str | None], outbox: _Channel[aiohttp.WSMessage], tap: Tap | None) -> None:
         self.inbox = inbox
@@ -188,7 +188,7 @@ class _InProcessHTTP(HTTPClient):
         charges = self.charges
         if charges is not None:  # the request's way to the handler, before the server reads the body
             charges.charge(charges.costs.http_request, charges.costs.http_request_after_wait)
-        try:  # the live server's own exchange (prototype.session): the same answer on every path
+        try:  # the live server's own exchange (prototype.serve.session): the same answer on every path
             exchange = HTTPExchange(data, engine, self.server.config, tool_cache=self.server.tool_cache)
         except ProtocolError as err:
             raise _reply_error(JSONReply.error(err)) from None

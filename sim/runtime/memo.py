@@ -31,10 +31,10 @@ from typing import Any, Final
 import numpy as np
 from msgspec import Raw
 
-from prototype.conversation import Item, parse_item, parse_items
+from prototype.context.conversation import Item, parse_item, parse_items
+from prototype.context.safety import ClassifierState, SafetyClassifier, check_tokens
+from prototype.context.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 from prototype.model import ModelRequest
-from prototype.safety import ClassifierState, SafetyClassifier, check_tokens
-from prototype.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 from sim.model.kv import PrefixCache, PreparedPrompt, Prompt
 from sim.model.policy import PlannedItem, Policy
 
@@ -228,7 +228,7 @@ def _frozen(state: Mapping[str, Any]) -> Hashable:
 
 
 class MemoItems:
-    """An `ItemParser` (`prototype.conversation`) that looks up items by their JSON bytes: an
+    """An `ItemParser` (`prototype.context.conversation`) that looks up items by their JSON bytes: an
     item that validated once parses to the same `Item` wherever it comes again (the history
     every `http` request resends, every context `http_prev` loads). Misses are validated by
     `parse_item`, so an invalid item raises exactly as without the table."""
@@ -255,7 +255,7 @@ class MemoItems:
 
 
 class MemoRendered:
-    """`prototype.engine.RenderedItems`: an item's tokens, keyed on the item's identity (the
+    """`prototype.response.engine.RenderedItems`: an item's tokens, keyed on the item's identity (the
     table keeps the item alive, so an identity is never reused while its entry lasts). With
     `MemoItems` an item that comes again is the same object, so the history an `http` request
     resends is neither decoded to text again nor looked up by its text; the tokens are the

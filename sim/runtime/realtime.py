@@ -1,4 +1,4 @@
-"""Live costs on the real clock (the clock itself is `prototype.wallclock.AsyncioClock`).
+"""Live costs on the real clock (the clock itself is `prototype.serve.wallclock.AsyncioClock`).
 
 `live_cost_samples` measures, on this machine's real clock and loopback sockets, the
 per-operation costs a live run pays and an in-process virtual run does not
@@ -18,7 +18,7 @@ from typing import Final
 
 import numpy as np
 
-from prototype.wallclock import AsyncioClock
+from prototype.serve.wallclock import AsyncioClock
 
 __all__ = ["live_cost_samples"]
 
@@ -47,9 +47,9 @@ def live_cost_samples(
 async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     from aiohttp import ClientSession, web
 
-    from prototype.safety import SafetyClassifier
-    from prototype.sse import SSEDecoder
-    from prototype.tokenizer import get_tokenizer
+    from prototype.context.safety import SafetyClassifier
+    from prototype.context.tokenizer import get_tokenizer
+    from prototype.wire.sse import SSEDecoder
     from sim.harness.live import tool_output_text
 
     clock, loop, out = AsyncioClock(), asyncio.get_running_loop(), []

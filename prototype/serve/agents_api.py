@@ -24,8 +24,8 @@ from typing import Any, Final, Literal
 import msgspec
 from msgspec import Raw
 
-from . import agents_wire as w
-from .agents import (
+from ..agents import wire as w
+from ..agents.machine import (
     MAX_TOOLS_BYTES,
     SS,
     CancelReceived,
@@ -41,16 +41,16 @@ from .agents import (
     TurnPaused,
     output_item,
 )
-from .cache import CacheEntry
-from .config import ServerConfig
-from .contract import from_validation_error
-from .conversation import Item, parse_item
-from .engine import Aborted, Arrival, Engine, Inbox, Resumed
-from .errors import INTERNAL_ERROR, ProtocolError
-from .ids import IdFactory
-from .schemas import RequiredInput, ServerEvent, decode_text, encode
+from ..config import ServerConfig
+from ..context.cache import CacheEntry
+from ..context.conversation import Item, parse_item
+from ..ids import IdFactory
+from ..response.engine import Aborted, Arrival, Engine, Inbox, Resumed
+from ..wire.contract import from_validation_error
+from ..wire.errors import INTERNAL_ERROR, ProtocolError
+from ..wire.schemas import RequiredInput, ServerEvent, decode_text, encode
+from ..wire.sse import encode_event
 from .session import JSONReply, http_create, request_too_large
-from .sse import encode_event
 
 __all__ = ["AgentsAPI", "EventFeed", "SessionRunner", "DEFAULT_MODEL"]
 

@@ -33,9 +33,9 @@ from typing import Final, TypeVar
 import msgspec
 from msgspec import Raw
 
-from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload
-from .constraints import SCHEMAS, violation
-from .contract import (
+from ..model import FunctionTool, TokenArray
+from ..wire.constraints import SCHEMAS, violation
+from ..wire.contract import (
     CALL_ID_MAX,
     STRING_MAX,
     check_function_name,
@@ -47,9 +47,8 @@ from .contract import (
     prewarms,
     supported_values,
 )
-from .errors import ProtocolError
-from .model import FunctionTool, TokenArray
-from .schemas import (
+from ..wire.errors import ProtocolError
+from ..wire.schemas import (
     CompactionItem,
     CreateParams,
     FunctionCall,
@@ -64,8 +63,9 @@ from .schemas import (
     guarded_decoder,
     is_null,
 )
+from ..wire.tool_schema import check_parameters, strict_compatible
+from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload
 from .tokenizer import Tokenizer
-from .tool_schema import check_parameters, strict_compatible
 
 __all__ = [
     "Context",
@@ -317,7 +317,7 @@ TOOL: Final = SCHEMAS["Tool"]
 
 
 def _check_constraints(schema: dict[str, object], data: bytes | Raw, where: str) -> None:
-    """The spec's value constraints on one item or tool (prototype/constraints.py), after the
+    """The spec's value constraints on one item or tool (prototype/wire/constraints.py), after the
     rules above, which name their own errors first."""
     err = violation(schema, msgspec.json.decode(data), where)
     if err is not None:

@@ -54,10 +54,9 @@ from typing import Any, Final, Literal
 import msgspec
 from msgspec import UNSET, Raw, UnsetType, structs
 
-from . import agents_wire as w
-from .errors import ProtocolError
-from .ids import IdFactory
-from .schemas import (
+from ..ids import IdFactory
+from ..wire.errors import ProtocolError
+from ..wire.schemas import (
     ContentPartAdded,
     ContentPartDone,
     FunctionCall,
@@ -73,6 +72,7 @@ from .schemas import (
     Usage,
     encode,
 )
+from . import wire as w
 
 __all__ = [
     "AgentStateError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .cache import CacheEntry
+from ..context.cache import CacheEntry
 from .lanes import Lane
 
 __all__ = ["ConnectionCache"]

@@ -22,19 +22,23 @@ from typing import Final
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from .agents_service import AgentsAPI, StreamReply
-from .clock import Clock
-from .config import ServerConfig
-from .conversation import ItemParser, parse_items
-from .engine import Engine, RenderedItems
-from .errors import (
+from ..clock import Clock
+from ..config import ServerConfig
+from ..context.conversation import ItemParser, parse_items
+from ..context.safety import SafetyClassifier
+from ..context.tokenizer import Tokenizer, get_tokenizer
+from ..ids import IdFactory
+from ..model import TokenModel
+from ..response.engine import Engine, RenderedItems
+from ..store.base import ResponseStore
+from ..wire.errors import (
     INTERNAL_ERROR,
     ProtocolError,
 )
-from .ids import IdFactory
-from .model import TokenModel
-from .safety import SafetyClassifier
-from .schemas import DeletedResponse, ServerEvent, encode
+from ..wire.schemas import DeletedResponse, ServerEvent, encode
+from ..wire.sse import DONE_FRAME, SSE_HEADERS, encode_event
+from ..ws.timing import TIMING_HEADER, wants_timing
+from .agents_api import AgentsAPI, StreamReply
 from .session import (
     APPEND_BETA,
     BATCH_BYTES,
@@ -48,10 +52,6 @@ from .session import (
     http_compact,
     request_too_large,
 )
-from .sse import DONE_FRAME, SSE_HEADERS, encode_event
-from .store import ResponseStore
-from .timing import TIMING_HEADER, wants_timing
-from .tokenizer import Tokenizer, get_tokenizer
 
 __all__ = [
     "ENGINE",

@@ -55,9 +55,9 @@ from typing import Any, Final
 
 from msgspec import Raw, structs
 
-from .ids import IdFactory
-from .model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
-from .schemas import (
+from ..ids import IdFactory
+from ..model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
+from ..wire.schemas import (
     CompactionItem,
     ContentPartAdded,
     ContentPartDone,

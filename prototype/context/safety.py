@@ -38,7 +38,7 @@ Theory
   raised; deterministic refusals come from ``flag_tokens``: if any of those ids
   is read, the verdict is flagged with score 1.0.
 * Input. Token arrays must be one-dimensional ``numpy.uint32`` (what
-  `prototype.tokenizer` produces); anything else is rejected with `TypeError`
+  `prototype.context.tokenizer` produces); anything else is rejected with `TypeError`
   (or `ValueError` for the wrong shape) rather than converted, because silently
   wrapping int64 or negative ids would change n-gram identity.
 

@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from .cache import CacheEntry
-from .conversation import CreateRequest, Item
-from .errors import ProtocolError
-from .schemas import RequiredInput, ResponseAppend, ResponseInject, ResponseSteer, SteerRef
-from .stream import InjectRefused
+from ..context.cache import CacheEntry
+from ..context.conversation import CreateRequest, Item
+from ..response.stream import InjectRefused
+from ..wire.errors import ProtocolError
+from ..wire.schemas import RequiredInput, ResponseAppend, ResponseInject, ResponseSteer, SteerRef
 
 __all__ = [
     "INPUT_TYPES",

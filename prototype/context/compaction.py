@@ -31,8 +31,8 @@ from typing import Final, TypeVar
 import msgspec
 import numpy as np
 
-from .errors import ProtocolError
-from .schemas import CompactionItem, InputItemView
+from ..wire.errors import ProtocolError
+from ..wire.schemas import CompactionItem, InputItemView
 from .tokenizer import TokenArray, Tokenizer
 
 __all__ = [

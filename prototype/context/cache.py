@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
+from ..wire.errors import ProtocolError
+from ..wire.schemas import Response
 from .conversation import Context, Preamble
-from .errors import ProtocolError
 from .safety import ClassifierState
-from .schemas import Response
 
 __all__ = ["STORE_UNAVAILABLE", "CacheEntry", "tag_stream"]
 

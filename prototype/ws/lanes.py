@@ -16,11 +16,11 @@ from typing import Final
 
 import msgspec
 
-from .cache import CacheEntry, tag_stream
-from .conversation import Item
-from .errors import ProtocolError, ws_error_event
-from .schemas import SteerRef
-from .wsevents import CreateReceived, Job, SendFrame
+from ..context.cache import CacheEntry, tag_stream
+from ..context.conversation import Item
+from ..wire.errors import ProtocolError, ws_error_event
+from ..wire.schemas import SteerRef
+from .events import CreateReceived, Job, SendFrame
 
 __all__ = [
     "CS",

@@ -23,14 +23,12 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final
 
-from .cache import tag_stream
-from .conversation import Item, parse_items
-from .errors import ProtocolError
-from .frames import unsupported
-from .lanes import Lane, Pause, error_frame
-from .schemas import InjectError, ResponseAppend, ResponseInject, ResponseInjectFailed, encode
-from .stream import InjectRefused
-from .wsevents import (
+from ..context.cache import tag_stream
+from ..context.conversation import Item, parse_items
+from ..response.stream import InjectRefused
+from ..wire.errors import ProtocolError
+from ..wire.schemas import InjectError, ResponseAppend, ResponseInject, ResponseInjectFailed, encode
+from .events import (
     AbortPause,
     AckInject,
     AppendReceived,
@@ -45,6 +43,8 @@ from .wsevents import (
     TakeInput,
     TurnEnded,
 )
+from .frames import unsupported
+from .lanes import Lane, Pause, error_frame
 
 __all__ = [
     "APPENDABLE_ROLES",

@@ -3,7 +3,7 @@
 `connection.TRANSITIONS` (a WebSocket lane) and `stream.TRANSITIONS` (one response's event
 stream) are the one statement of the protocol's legal moves; docs/state-machines.md is this
 module's output, and tests/test_docs.py checks that it is current. `make docs-tables` (or
-`python3 -m prototype.tables > docs/state-machines.md`) rewrites it.
+`python3 -m prototype.serve.tables > docs/state-machines.md`) rewrites it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import enum
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from . import agents, connection, stream
-from .lanes import CS
+from ..agents import machine as agents
+from ..response import stream
+from ..ws import connection
+from ..ws.lanes import CS
 
 __all__ = ["render", "table"]
 
@@ -21,7 +23,7 @@ E = TypeVar("E", bound=enum.Enum)
 
 HEADER = """# State machines
 
-Generated from the code by `python3 -m prototype.tables` (`make docs-tables`); do not edit by
+Generated from the code by `python3 -m prototype.serve.tables` (`make docs-tables`); do not edit by
 hand: tests/test_docs.py fails when this page and the tables differ. Each row is one legal move:
 in that state, that input runs the action and the machine goes to the next state. Any other
 (state, input) pair is a bug in the caller and raises (`ConnectionStateError`, `StreamError`,
@@ -52,13 +54,13 @@ def table(transitions: Mapping[tuple[E, type], tuple[Callable[..., Any], E]], st
 def render() -> str:
     return (
         HEADER
-        + "\n## A WebSocket lane (`prototype/connection.py`)\n\n"
-        + "The rules are in the module's docstring; the lane records are in `prototype/lanes.py`.\n\n"
+        + "\n## A WebSocket lane (`prototype/ws/connection.py`)\n\n"
+        + "The rules are in the module's docstring; the lane records are in `prototype/ws/lanes.py`.\n\n"
         + table(connection.TRANSITIONS, CS)
-        + "\n\n## A response's event stream (`prototype/stream.py`)\n\n"
+        + "\n\n## A response's event stream (`prototype/response/stream.py`)\n\n"
         + "Model events in, Responses events out, numbered in one sequence.\n\n"
         + table(stream.TRANSITIONS, stream.RS)
-        + "\n\n## An Agents API session (`prototype/agents.py`)\n\n"
+        + "\n\n## An Agents API session (`prototype/agents/machine.py`)\n\n"
         + "Input events and the running turn's milestones in, session events and turn work out"
         + " (docs/agents-api.md). A turn's own states are `agents.TURN_TRANSITIONS`.\n\n"
         + table(agents.TRANSITIONS, agents.SS)

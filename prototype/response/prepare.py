@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cache import CacheEntry
-from .compaction import COMPACTION_TYPE, Compaction, is_kept, prune
-from .contract import check_context_window
-from .conversation import (
+from ..context.cache import CacheEntry
+from ..context.compaction import COMPACTION_TYPE, Compaction, is_kept, prune
+from ..context.conversation import (
     Context,
     CreateRequest,
     Item,
@@ -30,10 +29,11 @@ from .conversation import (
     item_from_output,
     render_preamble,
 )
-from .model import ModelRequest
-from .pipeline import STAGE_SWITCH, Count, Optimization, Stage
-from .safety import ClassifierState
-from .schemas import OutputItem, StageReport
+from ..context.safety import ClassifierState
+from ..model import ModelRequest
+from ..pipeline import STAGE_SWITCH, Count, Optimization, Stage
+from ..wire.contract import check_context_window
+from ..wire.schemas import OutputItem, StageReport
 from .services import Arrival, Services, Stages
 
 __all__ = ["Resolved", "Turn", "classify", "compaction_limit", "resolve", "add_resumed"]

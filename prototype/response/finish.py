@@ -18,12 +18,11 @@ from dataclasses import dataclass
 
 from msgspec import structs
 
-from .cache import CacheEntry
-from .conversation import CreateRequest, item_from_output
-from .errors import ProtocolError
-from .pipeline import STAGE_SWITCH, Stage
-from .prepare import Resolved
-from .schemas import (
+from ..context.cache import CacheEntry
+from ..context.conversation import CreateRequest, item_from_output
+from ..pipeline import STAGE_SWITCH, Stage
+from ..wire.errors import ProtocolError
+from ..wire.schemas import (
     OutputItem,
     RequiredInput,
     Response,
@@ -35,6 +34,7 @@ from .schemas import (
     StoredResponse,
     encode,
 )
+from .prepare import Resolved
 from .services import Arrival, Services, Stages
 from .stream import ResponseStream
 

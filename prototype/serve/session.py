@@ -19,15 +19,15 @@ from typing import Final, Protocol, TypeVar
 
 import msgspec
 
-from .cache import stream_prefix
-from .config import ServerConfig
-from .connection import Connection
-from .contract import from_validation_error
-from .conversation import CreateRequest, Item, ToolCache, normalize_create
-from .engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
-from .errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
-from .pipeline import Optimization
-from .schemas import (
+from ..config import ServerConfig
+from ..context.cache import stream_prefix
+from ..context.conversation import CreateRequest, Item, ToolCache, normalize_create
+from ..pipeline import Optimization
+from ..response.engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
+from ..response.stream import InjectAccepted, SteerAccepted
+from ..wire.contract import from_validation_error
+from ..wire.errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
+from ..wire.schemas import (
     CompactParams,
     CreateParams,
     FunctionCallArgumentsDelta,
@@ -39,9 +39,8 @@ from .schemas import (
     decode_text,
     encode,
 )
-from .stream import InjectAccepted, SteerAccepted
-from .timing import TimingFrames
-from .wsevents import (
+from ..ws.connection import Connection
+from ..ws.events import (
     AbortPause,
     AckInject,
     AckSteer,
@@ -55,6 +54,7 @@ from .wsevents import (
     StartJob,
     TakeInput,
 )
+from ..ws.timing import TimingFrames
 
 T = TypeVar("T")
 
@@ -271,7 +271,7 @@ class WebSocketSession:
         writer: TextSender | None = None,
     ) -> None:
         self.engine = engine
-        # Timing frames before each terminal or pause event, when the upgrade asked (prototype/timing.py).
+        # Timing frames before each terminal or pause event, when the upgrade asked (prototype/ws/timing.py).
         self.timing = TimingFrames() if timing else None
         self.ws = ws
         self.writer: TextSender = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)

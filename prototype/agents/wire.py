@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from .schemas import Response
+from ..wire.schemas import Response
 
 __all__ = [
     "AGENTS_BETA",

@@ -16,13 +16,13 @@ from typing import Final
 
 import msgspec
 
-from .cache import tag_stream
-from .conversation import CreateRequest, Item, parse_items
-from .errors import ProtocolError
-from .ids import IdFactory
+from ..context.cache import tag_stream
+from ..context.conversation import CreateRequest, Item, parse_items
+from ..ids import IdFactory
+from ..wire.errors import ProtocolError
+from ..wire.schemas import ResponseSteer, ResponseSteerFailed, SteerError, SteerRef, SteerSubmission, encode
+from .events import AckSteer, Output, ResponseEnded, SendFrame
 from .lanes import Lane, Parked, QueuedSteer
-from .schemas import ResponseSteer, ResponseSteerFailed, SteerError, SteerRef, SteerSubmission, encode
-from .wsevents import AckSteer, Output, ResponseEnded, SendFrame
 
 __all__ = ["MAX_PENDING_STEERS", "STEER_MESSAGE_KEYS", "UNSTEERABLE_MODELS", "Steering"]
 

@@ -14,12 +14,12 @@ from collections.abc import Callable
 import msgspec
 from msgspec import structs
 
-from .contract import from_validation_error
-from .conversation import ToolCache, normalize_create
-from .errors import ProtocolError
+from ..context.conversation import ToolCache, normalize_create
+from ..wire.contract import from_validation_error
+from ..wire.errors import ProtocolError
+from ..wire.schemas import ResponseCreate, ResponseSteer, decode_client_event, decode_envelope, decode_text
+from .events import AppendReceived, BadFrame, CreateReceived, SteerReceived
 from .lanes import INVALID_STREAM_ID, STREAM_LIMIT, valid_stream_id
-from .schemas import ResponseCreate, ResponseSteer, decode_client_event, decode_envelope, decode_text
-from .wsevents import AppendReceived, BadFrame, CreateReceived, SteerReceived
 
 __all__ = ["CLIENT_EVENT_TYPES", "FrameClassifier", "unsupported"]
 

@@ -46,13 +46,11 @@ from typing import Final, Protocol
 
 from msgspec import Raw, structs
 
-from . import metrics
-from .cache import STORE_UNAVAILABLE, CacheEntry
-from .clock import Clock
-from .compaction import Compaction, encode_payload, is_kept, prune, summary_text
-from .config import STEER_BOUNDARIES, ModelLimits, SteerBoundary
-from .contract import CONTEXT_LENGTH_MESSAGE, check_compact_params, check_context_window
-from .conversation import (
+from ..clock import Clock
+from ..config import STEER_BOUNDARIES, ModelLimits, SteerBoundary
+from ..context.cache import STORE_UNAVAILABLE, CacheEntry
+from ..context.compaction import Compaction, encode_payload, is_kept, prune, summary_text
+from ..context.conversation import (
     Context,
     CreateRequest,
     Item,
@@ -63,11 +61,10 @@ from .conversation import (
     parse_items,
     render_texts,
 )
-from .errors import INTERNAL_ERROR, ProtocolError
-from .finish import Outcome, finish, outputs_in_context
-from .ids import IdFactory
-from .metrics import Histogram
-from .model import (
+from ..context.safety import SafetyClassifier
+from ..context.tokenizer import Tokenizer
+from ..ids import IdFactory
+from ..model import (
     ContextWindowExceeded,
     DecidesAsync,
     ItemFinished,
@@ -78,10 +75,11 @@ from .model import (
     TokenModel,
     TokensSampled,
 )
-from .pipeline import ALL_OPTIMIZATIONS, PROFILES, STAGE_SWITCH, CostProfile, Count, Optimization, Stage
-from .prepare import Turn, add_resumed, resolve
-from .safety import SafetyClassifier
-from .schemas import (
+from ..pipeline import ALL_OPTIMIZATIONS, PROFILES, STAGE_SWITCH, CostProfile, Count, Optimization, Stage
+from ..store.base import ResponseStore, StoreUnavailable
+from ..wire.contract import CONTEXT_LENGTH_MESSAGE, check_compact_params, check_context_window
+from ..wire.errors import INTERNAL_ERROR, ProtocolError
+from ..wire.schemas import (
     CompactedResponse,
     CompactionItem,
     CompactParams,
@@ -98,8 +96,11 @@ from .schemas import (
     encode,
     is_null,
 )
+from . import metrics
+from .finish import Outcome, finish, outputs_in_context
+from .metrics import Histogram
+from .prepare import Turn, add_resumed, resolve
 from .services import Arrival, Counts, Stages
-from .store import ResponseStore, StoreUnavailable
 from .stream import (
     DIALECTS,
     CompactionDone,
@@ -116,7 +117,6 @@ from .stream import (
     SteerPending,
     StreamError,
 )
-from .tokenizer import Tokenizer
 
 __all__ = [
     "Aborted",

@@ -9,7 +9,7 @@ Input is tolerant, output is exact:
 * A create's body refuses unknown top-level fields on both transports, as the real
   API does (`HTTPCreateParams`, `ResponseCreate`). Every parameter the real API
   knows is a field, with the ones real clients send beyond the SDK's types
-  (Codex's `client_metadata`); prototype/contract.py has the rules, docs/contract.md
+  (Codex's `client_metadata`); prototype/wire/contract.py has the rules, docs/contract.md
   the table. Input *items*
   are kept as `msgspec.Raw` so that whatever a client sends
   (its own `fco_…`/`msg_…` ids, replayed `status`/`annotations`/`logprobs`,

@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from .clock import Clock
-from .compaction import Compaction
-from .conversation import Context, Item
+from ..clock import Clock
+from ..context.compaction import Compaction
+from ..context.conversation import Context, Item
+from ..context.safety import SafetyClassifier
+from ..context.tokenizer import TokenArray, Tokenizer
+from ..model import TokenModel
+from ..pipeline import CostProfile, Optimization, Stage, StageReport
 from .metrics import Histogram
-from .model import TokenModel
-from .pipeline import CostProfile, Optimization, Stage, StageReport
-from .safety import SafetyClassifier
-from .tokenizer import TokenArray, Tokenizer
 
 __all__ = ["Arrival", "Counts", "Services", "Stages"]
 

@@ -106,18 +106,14 @@ from typing import Any, Final
 
 from msgspec import structs
 
-from .cache import CacheEntry, stream_prefix, tag_stream
-from .config import WebSocketConfig
+from ..config import WebSocketConfig
+from ..context.cache import CacheEntry, stream_prefix, tag_stream
+from ..context.conversation import Item, ToolCache
+from ..ids import IdFactory
+from ..wire.errors import ProtocolError, ws_error_event
+from ..wire.schemas import RequiredInput
 from .conncache import ConnectionCache
-from .conversation import Item, ToolCache
-from .errors import ProtocolError, ws_error_event
-from .frames import FrameClassifier
-from .ids import IdFactory
-from .lanes import CS, OPEN, ConnectionStateError, Lane, Pause, error_frame
-from .pauses import CLOSE_BAD_INJECT, PauseDialect, dialect_of
-from .schemas import RequiredInput
-from .steering import UNSTEERABLE_MODELS, Steering
-from .wsevents import (
+from .events import (
     AbortPause,
     AllAnswered,
     AppendReceived,
@@ -140,6 +136,10 @@ from .wsevents import (
     SteerReceived,
     TurnEnded,
 )
+from .frames import FrameClassifier
+from .lanes import CS, OPEN, ConnectionStateError, Lane, Pause, error_frame
+from .pauses import CLOSE_BAD_INJECT, PauseDialect, dialect_of
+from .steering import UNSTEERABLE_MODELS, Steering
 
 __all__ = ["CLOSE_GOING_AWAY", "RECENT_IDS", "TRANSITIONS", "Connection", "limit_message"]
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from .pipeline import Stage
-from .schemas import (
+from ..pipeline import Stage
+from ..wire.schemas import (
     ResponseCompleted,
     ResponseDone,
     ResponseFailed,
