@@ -31,7 +31,8 @@ from .model import TokenModel
 from .options import add_struct_options, struct_from_args
 from .serve.app import make_app
 from .serve.wallclock import AsyncioClock
-from .store.base import MemoryStore, open_store
+from .store.memory import MemoryStore
+from .store.spec import open_store
 
 __all__ = ["PID_HEADER", "build_parser", "main"]
 

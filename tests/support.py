@@ -28,7 +28,8 @@ from prototype.config import ServerConfig
 from prototype.model import FunctionTool, ModelRequest
 from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import MemoryStore, ResponseStore
+from prototype.store.base import ResponseStore
+from prototype.store.memory import MemoryStore
 from sim.harness.experiment import CompareConfig
 from sim.harness.live import RolloutResult
 from sim.model.accelerator import SimulatedModel

@@ -16,7 +16,7 @@ import pytest
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
 from prototype.serve.app import make_engine
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.schemas import RequiredInput, decode_stored
 from prototype.ws.connection import Connection
 from prototype.ws.events import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput

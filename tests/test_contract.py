@@ -18,7 +18,7 @@ from msgspec import Raw
 
 from prototype.config import ModelLimits, ServerConfig
 from prototype.context.conversation import Context, check_continuation, parse_items
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.contract import (
     CLIENT_PARAMETERS,
     CONTEXT_LENGTH_MESSAGE,

@@ -27,7 +27,7 @@ from prototype.config import ServerConfig
 from prototype.model import ContextWindowExceeded, ModelRequest, Prefilled, SamplingFinished, TokensSampled
 from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.sse import SSEDecoder
 from sim.engine.backend import engine_limits, engine_model
 from sim.engine.config import EngineConfig

@@ -25,7 +25,7 @@ from prototype.context.tokenizer import get_tokenizer
 from prototype.model import ModelEvent, ModelRequest
 from prototype.serve.app import ENGINE, SOCKETS, WebSocketSession
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import RedisStore
+from prototype.store.redis import RedisStore
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, PlannedItem, ScriptPolicy
 

@@ -37,7 +37,7 @@ from prototype.config import ServerConfig
 from prototype.context.conversation import normalize_create
 from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.contract import from_validation_error
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import RequiredInput, decode_create_params, decode_text

@@ -13,7 +13,7 @@ from prototype.config import ModelLimits, ServerConfig
 from prototype.context.conversation import Context, parse_items, render_items
 from prototype.serve.app import ENGINE, make_engine
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.sse import SSEDecoder
 from sim.harness.client import ClientError, open_client
 from sim.model.config import ModelConfig, build_model

@@ -24,7 +24,7 @@ from prototype.pipeline import Optimization
 from prototype.serve.app import SLOTS, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.server import build_parser
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.schemas import InputItemView, Response
 from prototype.ws.connection import Connection
 from prototype.ws.events import SendFrame, StartJob

@@ -23,7 +23,7 @@ from prototype.pipeline import (
 )
 from prototype.serve.app import ENGINE, make_engine
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from sim.harness.client import TurnResult, open_client, tool_outputs
 from sim.model.accelerator import SimulatedModel
 from sim.model.kv import PrefixCache

@@ -38,7 +38,8 @@ from prototype.model import (
 )
 from prototype.response.engine import Aborted, Engine, Inbox, Outcome, Resumed, SteerBoundary
 from prototype.response.stream import InjectAccepted, SteerAccepted
-from prototype.store.base import MemoryStore, StoreUnavailable
+from prototype.store.base import StoreUnavailable
+from prototype.store.memory import MemoryStore
 from prototype.wire.errors import INTERNAL_ERROR
 from prototype.wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_create_params, decode_stored, encode
 from sim.runtime.clock import ManualClock

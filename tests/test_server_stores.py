@@ -12,7 +12,8 @@ import pytest
 
 from prototype.model import ItemStarted, ModelEvent, ModelRequest, TokensSampled
 from prototype.serve.app import ENGINE
-from prototype.store.base import RedisStore, SqliteStore
+from prototype.store.redis import RedisStore
+from prototype.store.sqlite import SqliteStore
 
 from .support import EXEC_TOOL, Live, live_server, receive_event
 

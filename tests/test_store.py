@@ -1,4 +1,4 @@
-"""Tests for prototype.store.base: one contract suite run against every backend, then
+"""Tests for the response stores (prototype/store/): one contract suite run against every backend, then
 what is specific to each (LRU bounds, durability, redis outages) and `open_store`."""
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ import pytest
 import redis.asyncio
 import redis.exceptions
 
-from prototype.store.base import (
-    MemoryStore,
-    RedisStore,
-    ResponseStore,
-    SqliteStore,
-    StoreStatistics,
-    StoreUnavailable,
-    open_store,
-)
+from prototype.store.base import ResponseStore, StoreStatistics, StoreUnavailable
+from prototype.store.memory import MemoryStore
+from prototype.store.redis import RedisStore
+from prototype.store.spec import open_store
+from prototype.store.sqlite import SqliteStore
 
 from .processes import RedisProcess
 
@@ -338,7 +334,7 @@ async def test_sqlite_put_survives_process_death(tmp_path: Path) -> None:
     path = str(tmp_path / "responses.sqlite3")
     child = (
         "import asyncio, os, sys\n"
-        "from prototype.store.base import SqliteStore\n"
+        "from prototype.store.sqlite import SqliteStore\n"
         "store = SqliteStore(sys.argv[1])\n"
         "asyncio.run(store.put('resp_from_child', b'written by a process that then died'))\n"
         "os._exit(0)  # no close(), no interpreter cleanup\n"

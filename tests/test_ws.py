@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 
 from prototype.config import ServerConfig, WebSocketConfig
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 
 from .support import (
     EXEC_TOOL,

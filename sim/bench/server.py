@@ -40,7 +40,7 @@ from prototype.options import add_struct_options, struct_from_args
 from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.server import serve_until_stopped
-from prototype.store.base import open_store
+from prototype.store.spec import open_store
 from prototype.wire.schemas import OutputTextDelta, encode
 from prototype.wire.sse import SSE_HEADERS, encode_event
 from sim.model.accelerator import LatenessRecorder

@@ -47,7 +47,7 @@ from prototype.pipeline import Optimization, load_profile
 from prototype.response.engine import Engine
 from prototype.serve.app import ENGINE, make_app, make_engine, render_executor
 from prototype.serve.wallclock import AsyncioClock
-from prototype.store.base import MemoryStore
+from prototype.store.memory import MemoryStore
 from prototype.wire.contract import COMPACT_THRESHOLD_MIN
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from sim.engine.backend import check_installed, engine_limits, engine_model
