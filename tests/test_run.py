@@ -24,6 +24,7 @@ from typing import Any, Final, Literal
 import pytest
 from msgspec import Raw
 
+from prototype.config import SteerBoundary
 from prototype.context.conversation import CreateRequest, Item, normalize_create, parse_items
 from prototype.context.tokenizer import get_tokenizer
 from prototype.ids import IdFactory
@@ -36,7 +37,9 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
-from prototype.response.engine import Aborted, Engine, Inbox, Outcome, Resumed, SteerBoundary
+from prototype.response.engine import Engine
+from prototype.response.finish import Outcome
+from prototype.response.run import Aborted, Inbox, Resumed
 from prototype.response.stream import InjectAccepted, SteerAccepted
 from prototype.store.base import StoreUnavailable
 from prototype.store.memory import MemoryStore

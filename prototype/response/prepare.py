@@ -34,6 +34,7 @@ from ..model import ModelRequest
 from ..pipeline import STAGE_SWITCH, Count, Optimization, Stage
 from ..wire.contract import check_context_window
 from ..wire.schemas import OutputItem, StageReport
+from .compact import compact_context
 from .services import Arrival, Services, Stages
 
 __all__ = ["Resolved", "Turn", "classify", "compaction_limit", "resolve", "add_resumed"]
@@ -185,7 +186,7 @@ async def resolve(
     prompt = len(preamble.tokens) + context.n_tokens + header
     if (request.compact_now and request.generate) or (limit is not None and prompt > limit):
         stages.lap(Stage.RENDER)
-        compaction, context = await engine.compact_context(context, prompt, report)
+        compaction, context = await compact_context(engine, context, prompt, report)
         safety, safety_chunks = None, 0  # the context is a new one: classified afresh
         stages.lap(Stage.COMPACTION)
     check_context_window(len(preamble.tokens) + context.n_tokens + header, engine.input_token_limit)
@@ -252,7 +253,7 @@ async def _compact_resumed(engine: Services, stages: Stages, turn: Turn) -> Comp
     the KV held for the dropped history no longer stands for the prompt: it is released, and
     the next segment prefills the compacted prompt."""
     resolved = turn.resolved
-    compaction, resolved.context = await engine.compact_context(resolved.context, turn.prompt_tokens, stages.report)
+    compaction, resolved.context = await compact_context(engine, resolved.context, turn.prompt_tokens, stages.report)
     resolved.safety = engine.classifier.update(engine.classifier.begin(), resolved.preamble.tokens)
     resolved.safety_chunks = 0  # the new context is classified afresh
     stages.report.tokens_classified += len(resolved.preamble.tokens)

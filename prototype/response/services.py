@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from ..clock import Clock
-from ..context.compaction import Compaction
-from ..context.conversation import Context, Item
+from ..config import SteerBoundary
+from ..context.conversation import Item, ItemParser
 from ..context.safety import SafetyClassifier
 from ..context.tokenizer import TokenArray, Tokenizer
+from ..ids import IdFactory
 from ..model import TokenModel
 from ..pipeline import CostProfile, Optimization, Stage, StageReport
 from .metrics import Histogram
@@ -92,6 +93,10 @@ class Services(Protocol):
     """The engine's shared services and counters, as a response's life uses them."""
 
     model: TokenModel
+    clock: Clock
+    ids: IdFactory
+    item_parser: ItemParser
+    steer_boundary: SteerBoundary
     tokenizer: Tokenizer
     classifier: SafetyClassifier
     profile: CostProfile
@@ -106,9 +111,5 @@ class Services(Protocol):
     async def render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]: ...
 
     async def load(self, response_id: str) -> list[Item]: ...
-
-    async def compact_context(
-        self, context: Context, prompt_tokens: int, report: StageReport
-    ) -> tuple[Compaction, Context]: ...
 
     async def put_stored(self, response_id: str, data: bytes) -> None: ...

@@ -45,7 +45,9 @@ from ..config import ServerConfig
 from ..context.cache import CacheEntry
 from ..context.conversation import Item, parse_item
 from ..ids import IdFactory
-from ..response.engine import Aborted, Arrival, Engine, Inbox, Resumed
+from ..response.engine import Engine
+from ..response.run import Aborted, Inbox, Resumed
+from ..response.services import Arrival
 from ..wire.contract import from_validation_error
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
 from ..wire.schemas import RequiredInput, ServerEvent, decode_text, encode

@@ -29,6 +29,7 @@ from ..context.safety import SafetyClassifier
 from ..context.tokenizer import Tokenizer, get_tokenizer
 from ..ids import IdFactory
 from ..model import TokenModel
+from ..response.compact import compact
 from ..response.engine import Engine, RenderedItems
 from ..store.base import ResponseStore
 from ..wire.errors import (
@@ -319,7 +320,7 @@ async def compact_response(request: web.Request) -> web.Response:
     except web.HTTPRequestEntityTooLarge:
         return _json_error(request_too_large(config.max_message_bytes))
     params, arrival = http_compact(body, engine, config)
-    compacted = await engine.compact(params, arrival)
+    compacted = await compact(engine, params, arrival)
     return web.Response(body=encode(compacted), content_type="application/json")
 
 

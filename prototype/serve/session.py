@@ -23,7 +23,9 @@ from ..config import ServerConfig
 from ..context.cache import stream_prefix
 from ..context.conversation import CreateRequest, Item, ToolCache, normalize_create
 from ..pipeline import Optimization
-from ..response.engine import Aborted, Arrival, Emit, Engine, Inbox, Resumed
+from ..response.engine import Engine
+from ..response.run import Aborted, Emit, Inbox, Resumed
+from ..response.services import Arrival
 from ..response.stream import InjectAccepted, SteerAccepted
 from ..wire.contract import from_validation_error
 from ..wire.errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
