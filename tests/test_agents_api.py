@@ -1,4 +1,4 @@
-"""The Agents API surface (prototype/agents/machine.py, agents_service.py): the session core's tables,
+"""The Agents API surface (prototype/agents/machine.py, prototype/serve/agents_api.py): the session core's tables,
 and the routes over loopback with a raw HTTP client, for what the SDK helpers never show
 (errors, the registration race, replays, steering, cancel, the beta header)."""
 
@@ -17,9 +17,8 @@ from openai.types.beta.agent_session import AgentSession
 from openai.types.beta.agents.sessions.turn import Turn
 
 from prototype.agents import wire as w
-from prototype.agents.machine import (
+from prototype.agents.events import (
     SS,
-    TRANSITIONS,
     TS,
     TURN_TRANSITIONS,
     AgentStateError,
@@ -31,11 +30,14 @@ from prototype.agents.machine import (
     MessageReceived,
     Publish,
     ResumeTurn,
-    SessionCore,
     StartTurn,
     ToolResultReceived,
     TurnEnded,
     TurnPaused,
+)
+from prototype.agents.machine import (
+    TRANSITIONS,
+    SessionCore,
 )
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.ids import IdFactory

@@ -153,7 +153,7 @@ class Engine:
         self.item_parser = item_parser  # validates the items of HTTP bodies and of loaded contexts
         self.rendered = rendered  # None: every item is rendered and tokenized when used
         # The model's context window and output limit (tokens; None: unbounded): a prompt longer
-        # than the window minus the output limit is refused before inference (contract.py).
+        # than the window minus the output limit is refused before inference (`wire/contract.py`).
         # The model's limits, taken whole (`ServerConfig.model`); None: unbounded.
         self.context_window = context_window = limits.context_window
         self.output_token_limit = output_token_limit = limits.max_output_tokens

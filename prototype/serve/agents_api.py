@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Raw
 
 from ..agents import wire as w
-from ..agents.machine import (
+from ..agents.events import (
     MAX_TOOLS_BYTES,
     SS,
     CancelReceived,
@@ -34,11 +34,13 @@ from ..agents.machine import (
     MessageReceived,
     Publish,
     ResumeTurn,
-    SessionCore,
     StartTurn,
     ToolResultReceived,
     TurnEnded,
     TurnPaused,
+)
+from ..agents.machine import (
+    SessionCore,
     output_item,
 )
 from ..config import ServerConfig
@@ -124,7 +126,7 @@ class StreamReply:
 
 class SessionRunner:
     """One session: carries out its core's outputs (events to the subscribers, the turn's task,
-    its resume and cancel). The running turn's `Channel` (engine.py)."""
+    its resume and cancel). The running turn's `Channel` (`response/run.py`)."""
 
     def __init__(self, api: AgentsAPI, core: SessionCore, tools: list[dict[str, Any]]) -> None:
         self.api = api

@@ -335,7 +335,7 @@ async def delete_response(request: web.Request) -> web.Response:
     return web.Response(body=encode(DeletedResponse(id=response_id)), content_type="application/json")
 
 
-# -- Agents API (agents_service.py has each route's plan) ---------------------------------------------
+# -- Agents API (agents_api.py has each route's plan) ---------------------------------------------
 
 
 def _agents(request: web.Request) -> AgentsAPI:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from ..agents import machine as agents
+from ..agents.events import SS
 from ..response import stream
 from ..ws import connection
 from ..ws.lanes import CS
@@ -62,8 +63,8 @@ def render() -> str:
         + table(stream.TRANSITIONS, stream.RS)
         + "\n\n## An Agents API session (`prototype/agents/machine.py`)\n\n"
         + "Input events and the running turn's milestones in, session events and turn work out"
-        + " (docs/agents-api.md). A turn's own states are `agents.TURN_TRANSITIONS`.\n\n"
-        + table(agents.TRANSITIONS, agents.SS)
+        + " (docs/agents-api.md). A turn's own states are `TURN_TRANSITIONS` in `prototype/agents/events.py`.\n\n"
+        + table(agents.TRANSITIONS, SS)
         + "\n"
     )
 

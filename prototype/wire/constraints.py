@@ -5,7 +5,7 @@ tests/data/extract_openapi.py) state `minimum`, `maximum`, `minLength`, `maxLeng
 `maxItems` and `enum` on the fields of every input item and tool. `violation` walks a decoded
 value against its schema and returns the first constraint it breaks, as the real API names it
 (code by the kind of constraint, `param` the value's path), or None. It checks constraints only:
-types, required and unknown fields are the decoders' and `conversation.py`'s rules. A union's
+types, required and unknown fields are the decoders' and `context/conversation.py`'s rules. A union's
 `type` is an enum too: a `type` no variant has is `invalid_value` at `….type`; item and tool
 types the spec lists but the simulator does not implement pass (docs/contract.md). Where a
 union's variants differ, the value passes if one plausible variant accepts it (`_candidates`):

@@ -9,7 +9,7 @@ was found the message follows the same family of validation messages, and the do
 
 Every check here reads only the request's own parameters (a few scalars and short
 lists), never the input items' history, so it is O(parameters) per request. Item rules
-are in `conversation.py` (checked once per item, when the item is new), continuation
+are in `context/conversation.py` (checked once per item, when the item is new), continuation
 rules (`function_call` / `function_call_output` pairing, duplicate ids) in
 `conversation.check_continuation`, which reads only the new items and the context's
 running sets.

@@ -88,7 +88,7 @@ pause machine with its own wire:
 The core reads no clock and does no I/O: the adapter feeds it client frames and
 "response paused" / "response ended" / "pause timed out" / "limit reached" /
 "disconnected" inputs, then drains `outputs_to_send()`: frames to write, a job
-to start, resume, abort or cancel, a pause timer to arm, a close (wsevents.py).
+to start, resume, abort or cancel, a pause timer to arm, a close (events.py).
 Every input goes to one lane (lanes.py); each lane's legal moves are the rows of
 `TRANSITIONS`, whose actions are the methods that carry out the move. Anything else raises
 `ConnectionStateError`. The connection keeps the multiplexing (which lane an input is for,

@@ -1,6 +1,6 @@
 """What a WebSocket connection's core takes in and puts out (connection.py).
 
-Inputs are what the adapter (session.py) tells the core: a classified client frame, or
+Inputs are what the adapter (`prototype/serve/session.py`) tells the core: a classified client frame, or
 something that happened to a response in flight (a call emitted, a turn ended, a pause, an
 end), a timer, a disconnect; a few are the core's own (`Dequeue`, `AllAnswered`). Outputs are
 what the core asks the adapter to do: frames to write, jobs to start, resume, abort or cancel,
