@@ -54,7 +54,7 @@ from ..wire.contract import from_validation_error
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
 from ..wire.schemas import RequiredInput, ServerEvent, decode_text, encode
 from ..wire.sse import encode_event
-from .session import JSONReply, http_create, request_too_large
+from .exchange import JSONReply, http_create, request_too_large
 
 __all__ = ["AgentsAPI", "EventFeed", "SessionRunner", "DEFAULT_MODEL"]
 

@@ -40,18 +40,15 @@ from ..wire.schemas import DeletedResponse, ServerEvent, encode
 from ..wire.sse import DONE_FRAME, SSE_HEADERS, encode_event
 from ..ws.timing import TIMING_HEADER, wants_timing
 from .agents_api import AgentsAPI, StreamReply
+from .exchange import HTTPExchange, JSONReply, http_compact, request_too_large
 from .session import (
     APPEND_BETA,
     BATCH_BYTES,
     MULTI_AGENT_BETA,
     TOKEN_DELTAS,
     BatchedFrames,
-    HTTPExchange,
-    JSONReply,
     TextSender,
     WebSocketSession,
-    http_compact,
-    request_too_large,
 )
 
 __all__ = [

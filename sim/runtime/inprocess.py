@@ -30,7 +30,8 @@ from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache
 from prototype.response.engine import Engine
 from prototype.serve.agents_api import AgentsAPI
-from prototype.serve.session import HTTPExchange, JSONReply, WebSocketSession
+from prototype.serve.exchange import HTTPExchange, JSONReply
+from prototype.serve.session import WebSocketSession
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
 from prototype.wire.sse import SSEDecoder, encode_event
