@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import os
 import threading
@@ -38,13 +37,11 @@ from ..wire.errors import (
 )
 from ..wire.schemas import DeletedResponse, ServerEvent, encode
 from ..wire.sse import DONE_FRAME, SSE_HEADERS, encode_event
-from ..ws.timing import TIMING_HEADER, wants_timing
+from .admission import Slots, admit_websocket, authorize
 from .agents_api import AgentsAPI, StreamReply
 from .exchange import HTTPExchange, JSONReply, http_compact, request_too_large
 from .session import (
-    APPEND_BETA,
     BATCH_BYTES,
-    MULTI_AGENT_BETA,
     TOKEN_DELTAS,
     BatchedFrames,
     TextSender,
@@ -54,7 +51,6 @@ from .session import (
 __all__ = [
     "ENGINE",
     "BatchedFrames",
-    "Slots",
     "WebSocketSession",
     "make_app",
     "make_engine",
@@ -64,24 +60,6 @@ __all__ = [
 log = logging.getLogger("longrun.server")
 
 RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stays as started)
-
-
-class Slots:
-    """Open WebSocket connections against `WebSocketConfig.max_connections`. A slot is taken
-    before the upgrade, so concurrent upgrades cannot overshoot the limit."""
-
-    def __init__(self, limit: int | None) -> None:
-        self.limit = limit
-        self.taken = 0
-
-    def acquire(self) -> bool:
-        if self.limit is not None and self.taken >= self.limit:
-            return False
-        self.taken += 1
-        return True
-
-    def release(self) -> None:
-        self.taken -= 1
 
 
 class _Socket(web.WebSocketResponse):
@@ -234,18 +212,10 @@ async def _auth_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     """Bearer auth on every /v1 route, checked before a WebSocket upgrade is accepted."""
-    key = request.app[CONFIG].api_key
-    if key is not None and request.path.startswith("/v1/"):
-        given = request.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-            return _json_error(
-                ProtocolError(
-                    "Incorrect API key provided. You can find your API key in your server's configuration.",
-                    code="invalid_api_key",
-                    status=401,
-                    type="invalid_request_error",
-                )
-            )
+    try:
+        authorize(request.app[CONFIG], request.path, request.headers.get("Authorization"))
+    except ProtocolError as err:
+        return _json_error(err)
     try:
         return await handler(request)
     except web.HTTPException:
@@ -424,25 +394,9 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
             )
         )
     config = request.app[CONFIG]
-    if config.websocket.refuse:
-        return _json_error(
-            ProtocolError("WebSocket mode is disabled on this server; use HTTP.", code="upgrade_required", status=426)
-        )
     slots = request.app[SLOTS]
-    if not slots.acquire():
-        return _json_error(
-            ProtocolError(
-                f"Too many open WebSocket connections on this server (at most {slots.limit}). "
-                "Retry later, or use HTTP.",
-                code="too_many_connections",
-                status=503,
-            )
-        )
+    terms = admit_websocket(config, request.headers, request.query, slots)  # a refusal is the middleware's JSON
     try:
-        betas = request.headers.get("OpenAI-Beta", "")
-        append_mode = request.query.get("mode") == "append" or APPEND_BETA in betas
-        beta = MULTI_AGENT_BETA in betas or request.query.get("mode") == "beta"
-        timing = wants_timing(request.headers.get(TIMING_HEADER))
         ws = _Socket(max_msg_size=config.max_message_bytes)
         await ws.prepare(request)
         request.app[SOCKETS].add(ws)
@@ -453,7 +407,11 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
             writer = BatchedFrames(transport, request.writer.drain)
         try:
             await WebSocketSession(
-                request.app[ENGINE], config, socket, append_mode=append_mode, beta=beta, timing=timing, writer=writer
+                request.app[ENGINE],
+                config,
+                socket,
+                terms=terms,
+                writer=writer,
             ).serve()
         finally:
             request.app[SOCKETS].discard(ws)

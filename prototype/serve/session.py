@@ -48,10 +48,10 @@ from ..ws.events import (
     TakeInput,
 )
 from ..ws.timing import TimingFrames
+from .admission import PLAIN, WebSocketTerms
 
 __all__ = [
     "BatchedFrames",
-    "MULTI_AGENT_BETA",
     "SessionSocket",
     "TextSender",
     "WebSocketSession",
@@ -60,13 +60,6 @@ __all__ = [
 log = logging.getLogger("longrun.server")
 
 CLOSE_UNSUPPORTED_DATA: Final = 1003  # RFC 6455 7.4.1: a binary frame where only text is accepted
-
-# Append mode is opted into per connection (docs/protocol.md): the historical V1 beta header
-# value, or `?mode=append` on the upgrade URL (openai-python can pass it with `extra_query`).
-APPEND_BETA: Final = "responses_websockets=2026-02-04"
-# The shipped beta of inject, steering and async tools (docs/beta.md), opted into per connection
-# with this `OpenAI-Beta` value (the value openai-python's beta methods send as `betas`).
-MULTI_AGENT_BETA: Final = "responses_multi_agent=v1"
 
 
 class TextSender(Protocol):
@@ -164,21 +157,20 @@ class WebSocketSession:
         config: ServerConfig,
         ws: SessionSocket,
         *,
-        append_mode: bool = False,
-        beta: bool = False,
-        timing: bool = False,
+        terms: WebSocketTerms = PLAIN,
         writer: TextSender | None = None,
     ) -> None:
+        """`terms`: what admission (`admission.admit_websocket`) granted the upgrade."""
         self.engine = engine
         # Timing frames before each terminal or pause event, when the upgrade asked (prototype/ws/timing.py).
-        self.timing = TimingFrames() if timing else None
+        self.timing = TimingFrames() if terms.timing else None
         self.ws = ws
         self.writer: TextSender = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
         self.append_timeout_s = config.websocket.append_timeout_s
         self.conn = Connection(
             config.websocket,
-            append_mode=append_mode and not beta,
-            beta=beta,
+            append_mode=terms.append_mode and not terms.beta,
+            beta=terms.beta,
             ids=engine.ids,
             reuse_tools=Optimization.STATE_CACHE not in config.disable,
             open_responses=config.open_responses,

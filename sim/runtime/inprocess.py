@@ -31,6 +31,7 @@ from prototype.context.conversation import ToolCache
 from prototype.response.engine import Engine
 from prototype.serve.agents_api import AgentsAPI
 from prototype.serve.exchange import HTTPExchange, JSONReply
+from prototype.serve.admission import WebSocketTerms
 from prototype.serve.session import WebSocketSession
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
@@ -259,9 +260,8 @@ class _InProcessWS(WSClient):
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, self.server.tap)
         client_end = _ClientSocket(to_client, to_server, self.server.tap, _charges(self.server.live_costs))
-        session = WebSocketSession(
-            self.server.engine, self.server.config, server_end, append_mode=self.mode == "append", beta=self.beta
-        )
+        terms = WebSocketTerms(append_mode=self.mode == "append", beta=self.beta, timing=False)
+        session = WebSocketSession(self.server.engine, self.server.config, server_end, terms=terms)
         client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
         return client_end
 
