@@ -1,4 +1,4 @@
-"""One response's run (`prototype.response.engine.ResponseRun`) with no transport: one test per boundary rule.
+"""One response's run (`prototype.response.run.ResponseRun`) with no transport: one test per boundary rule.
 
 No socket, no aiohttp, no session, no connection core: an `Engine` on a manual clock
 (`sim.runtime.clock.ManualClock`: a wait jumps to its deadline), a scripted

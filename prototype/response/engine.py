@@ -69,7 +69,7 @@ from ..wire.schemas import (
 from . import metrics
 from .finish import Outcome, outputs_in_context
 from .metrics import Histogram
-from .run import Channel, Emit, ResponseRun
+from .run import Channel, Emit, run_response
 from .services import Arrival, Counts
 
 __all__ = ["Engine", "EngineStatistics", "RenderedItems", "store_errors"]
@@ -229,9 +229,10 @@ class Engine:
         channel: Channel | None = None,
         fork: bool = False,
     ) -> Coroutine[None, None, Outcome]:
-        """Serve one create: the coroutine of a new `ResponseRun`, which owns its life (returned
-        as is, so awaiting it adds no frame to every resumption of the response). Request errors before the first event
-        come back in `Outcome.error` (nothing was emitted); failures after it end the stream
+        """Serve one create: the coroutine of `run.run_response`, whose `ResponseRun` owns its life
+        (returned as is, so awaiting it adds no frame to every resumption of the response).
+        Request errors before the first event come back in `Outcome.error` (nothing was
+        emitted); failures after it end the stream
         with `response.failed` (`Outcome.failure` says which error). Cancellation propagates
         after cleanup.
 
@@ -241,8 +242,8 @@ class Engine:
 
         `fork`: another response already continues from `cached` (a fork onto another lane),
         so its context is copied rather than extended in place."""
-        run = ResponseRun(self, request, emit, arrival or Arrival(self.clock.now()), response_id, channel)
-        return run.run(cached, fork=fork)
+        arrival = arrival or Arrival(self.clock.now())
+        return run_response(self, request, emit, arrival, response_id, channel, cached, fork)
 
     # -- stored responses --------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ The store write happens *before* the terminal event is sent, so a continuation s
 ~10 s because its write was asynchronous). A failed write turns the terminal event into
 `response.failed` at the same sequence number.
 
-`finish` is a plain function the run (`engine.ResponseRun`) calls with what it owns; the run
+`finish` is a plain function the run (`run.ResponseRun`) calls with what it owns; the run
 then numbers what was acknowledged meanwhile and sends the events. It reaches the engine's
 services through `services.Services`, so it does not import the engine that imports it.
 """

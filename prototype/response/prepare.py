@@ -5,7 +5,7 @@ is not rendered yet, compact past the threshold, check the input limit, classify
 classified yet); `Turn` holds it as it grows (the pauses of append mode, the decode-on of beta
 async tools) and `add_resumed` adds a resume's items to it with the same checks.
 
-These are plain functions and a value the run (`engine.ResponseRun`) calls and holds: the run
+These are plain functions and a value the run (`run.ResponseRun`) calls and holds: the run
 owns the response's state (its stream, its stage timer, its inbox) and the events; nothing here
 emits an event or keeps state of its own. The engine lends its shared services (renderer,
 classifier, store, clock) and counters, typed as `services.Services`, so this module does not

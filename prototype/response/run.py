@@ -49,7 +49,7 @@ from ..wire.schemas import (
     is_null,
 )
 from .finish import Outcome, finish
-from .prepare import Turn, add_resumed, resolve
+from .prepare import Resolved, Turn, add_resumed, resolve
 from .services import Arrival, Services, Stages
 from .stream import (
     DIALECTS,
@@ -68,7 +68,7 @@ from .stream import (
     StreamError,
 )
 
-__all__ = ["Aborted", "Channel", "Emit", "Inbox", "ResponseRun", "Resumed", "new_response"]
+__all__ = ["Aborted", "Channel", "Emit", "Inbox", "ResponseRun", "Resumed", "new_response", "run_response"]
 
 log = logging.getLogger("longrun.engine")
 
@@ -203,6 +203,32 @@ def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_
     )
 
 
+async def run_response(
+    engine: Services,
+    request: CreateRequest,
+    emit: Emit,
+    arrival: Arrival,
+    response_id: str | None,
+    channel: Channel | None,
+    cached: CacheEntry | None,
+    fork: bool,
+) -> Outcome:
+    """One response from its arrival: pre-inference up to the resolved prompt (`prepare.resolve`),
+    then its `ResponseRun`, built whole from it. A request error found before the first event
+    comes back in `Outcome.error`, nothing emitted."""
+    engine.counts.responses += 1
+    engine.counts.responses_websocket += arrival.transport == "ws"
+    stages = Stages(engine.clock, engine.counts, arrival.at)
+    template = new_response(request, engine.ids, engine.clock, response_id)
+    try:
+        await stages.wait(Stage.NETWORK, engine.profile.upload_s(arrival.body_bytes))
+        stages.lap(Stage.PARSE)
+        resolved = await resolve(engine, request, arrival, stages, cached, fork=fork)
+    except ProtocolError as err:
+        return Outcome(template, None, err)
+    return await ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved).run()
+
+
 class ResponseRun:
     """One response's whole life: pre-inference (`prepare.resolve`), the model segments, the
     pauses of append mode and the decode-on of beta async tools, post-inference
@@ -216,9 +242,12 @@ class ResponseRun:
         request: CreateRequest,
         emit: Emit,
         arrival: Arrival,
-        response_id: str | None,
         channel: Channel | None,
+        stages: Stages,
+        template: Response,
+        resolved: Resolved,
     ) -> None:
+        """Built whole from what pre-inference resolved (`run_response`)."""
         self.engine = engine
         self.request = request
         self.emit = emit
@@ -229,8 +258,8 @@ class ResponseRun:
         # them, at its next event boundary or at once while it waits, so sequence numbers go out
         # in order. Over HTTP nothing arrives.
         self.inbox = channel.inbox if channel is not None else Inbox()
-        self.stages = Stages(engine.clock, engine.counts, arrival.at)
-        self.template = new_response(request, engine.ids, engine.clock, response_id)
+        self.stages = stages
+        self.template = template
         if self.pauses is not None:
             async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
             self.stream = ResponseStream(
@@ -238,33 +267,26 @@ class ResponseRun:
             )
         else:
             self.stream = ResponseStream(self.template, engine.ids)
+        self.resolved = resolved
+        self.turn = Turn(engine, request, resolved, template.id, hold_kv=self.pauses is not None)
         self.in_context = 0  # append mode: output items already interleaved in the context
         self.beta = self.pauses is not None and self.pauses.dialect == "beta"
         # Beta async tools: the unanswered async calls (call_id -> the turn_index of the turn that made them).
         self._open_calls: dict[str, int] = {}
 
-    async def run(self, cached: CacheEntry | None, *, fork: bool = False) -> Outcome:
+    async def run(self) -> Outcome:
         """The response's life, then what the core acknowledged while its last events went out
         (numbered after them: see stream.py). Nothing awaits between the last look at the inbox
         and the return, so the core learns of the end before it can acknowledge anything else."""
-        outcome = await self._life(cached, fork)
+        outcome = await self._life()
         if outcome.error is None:
             while self.inbox.acks:
                 await self.emit(self._drain())
         return outcome
 
-    async def _life(self, cached: CacheEntry | None, fork: bool) -> Outcome:
+    async def _life(self) -> Outcome:
         engine, stages, request = self.engine, self.stages, self.request
         profile = engine.profile
-        engine.counts.responses += 1
-        engine.counts.responses_websocket += self.arrival.transport == "ws"
-        try:
-            await stages.wait(Stage.NETWORK, profile.upload_s(self.arrival.body_bytes))
-            stages.lap(Stage.PARSE)
-            self.resolved = await resolve(engine, request, self.arrival, stages, cached, fork=fork)
-        except ProtocolError as err:
-            return Outcome(self.template, None, err)
-        self.turn = Turn(engine, request, self.resolved, self.template.id, hold_kv=self.pauses is not None)
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
             # of the prompt (so the model's prefix cache holds it), no decode: `output: []`, zero usage.
