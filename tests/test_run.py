@@ -132,17 +132,26 @@ class FakeChannel:
         self.called_for: list[RequiredInput] = []
         self.turns_ended = 0
         self.paused_for: list[tuple[RequiredInput, ...]] = []
+        self.queued: list[SteerRef] = []
 
-    async def called(self, call: RequiredInput) -> None:
+    def called(self, call: RequiredInput) -> None:
         self.called_for.append(call)
 
-    async def turn_ended(self) -> tuple[Item, ...]:
+    def turn_ended(self) -> tuple[Item, ...]:
         self.turns_ended += 1
         return self.hand(self)
 
-    async def paused(self, required: tuple[RequiredInput, ...]) -> None:
+    def paused(self, required: tuple[RequiredInput, ...]) -> None:
         self.paused_for.append(required)
         self.inbox.decide(self.decide(required))
+
+    def steers(self) -> tuple[SteerRef, ...]:
+        return tuple(self.queued)
+
+    def steer(self, ref: SteerRef) -> None:
+        """A steer queued for the response and acknowledged in its stream, as the core does."""
+        self.queued.append(ref)
+        self.inbox.acknowledge(SteerAccepted(ref))
 
 
 class Wire:
@@ -391,7 +400,7 @@ async def test_an_inject_acknowledged_mid_decode_is_numbered_right_after_the_eve
 async def test_a_steer_queued_before_the_first_token_ends_it_before_the_model_is_called() -> None:
     model = ScriptedModel([message("never sampled")])
     channel, wire = FakeChannel("create"), Wire()
-    channel.inbox.acknowledge(SteerAccepted(STEER))
+    channel.steer(STEER)
     outcome = await run(make_engine(model), create(), wire, channel)
     assert wire.types == ["response.created", "response.in_progress", "response.steer.accepted", "response.incomplete"]
     assert wire.terminal["incomplete_details"] == {"reason": "steered"} and wire.terminal["output"] == []
@@ -402,7 +411,7 @@ async def test_a_steer_queued_before_the_first_token_ends_it_before_the_model_is
 async def test_a_steer_mid_decode_lands_at_the_end_of_the_item_by_default() -> None:
     model = ScriptedModel([message("Looking."), message("never sampled")])
     channel, wire = FakeChannel("create"), Wire()
-    wire.at(5, lambda: channel.inbox.acknowledge(SteerAccepted(STEER)))  # at the message's second delta
+    wire.at(5, lambda: channel.steer(STEER))  # at the message's second delta
     await run(make_engine(model), create(), wire, channel)
     assert wire.types[6] == "response.steer.accepted"
     assert wire.types.count("response.output_text.delta") == len("Looking.")  # the item finished
@@ -416,7 +425,7 @@ async def test_a_steer_mid_decode_lands_at_the_end_of_the_item_by_default() -> N
 async def test_a_steer_mid_decode_cuts_at_the_next_token_with_the_token_boundary() -> None:
     model = ScriptedModel([message("Looking."), message("never sampled")])
     channel, wire = FakeChannel("create"), Wire()
-    wire.at(5, lambda: channel.inbox.acknowledge(SteerAccepted(STEER)))
+    wire.at(5, lambda: channel.steer(STEER))
     await run(make_engine(model, steer="token"), create(), wire, channel)
     assert wire.types[5:7] == ["response.output_text.delta", "response.steer.accepted"]
     assert wire.types.count("response.output_text.delta") == 2  # none after the acknowledgement
@@ -430,7 +439,7 @@ async def test_a_steer_mid_decode_cuts_at_the_next_token_with_the_token_boundary
 async def test_a_steer_after_a_finished_call_waits_for_the_end_then_is_pending() -> None:
     model = ScriptedModel([call(), message("The call is yours.")])
     channel, wire = FakeChannel("create"), Wire()
-    wire.at(6, lambda: channel.inbox.acknowledge(SteerAccepted(STEER)))  # at the call's output_item.done
+    wire.at(6, lambda: channel.steer(STEER))  # at the call's output_item.done
     outcome = await run(make_engine(model), create(), wire, channel)
     assert wire.types[6:8] == ["response.output_item.done", "response.steer.accepted"]
     assert wire.types[-2:] == ["response.completed", "response.steer.pending"]  # the turn went on, then ended

@@ -494,3 +494,45 @@ def test_lanes_share_the_models_decode_slots() -> None:
         return summary.completion_p50_s
 
     assert p50(1) > 1.6 * p50(None)  # nearly serial: one lane decodes while the other waits
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["deflate", "batched"])
+async def test_one_task_writes_a_connections_frames(monkeypatch: pytest.MonkeyPatch, compress: bool) -> None:
+    """Two lanes streaming at once, a bad frame and the core's error for it: every frame the
+    connection sends is written by one task (the session's writer), never by a response's task or
+    the reader, in the order it was put."""
+    from prototype.serve import app, session
+
+    writers: set[asyncio.Task[Any] | None] = set()
+    for cls in (session.BatchedFrames, app._AiohttpSocket):
+        original = cls.send_text
+
+        async def send_text(self: Any, message: bytes, _original: Any = original) -> None:
+            writers.add(asyncio.current_task())
+            await _original(self, message)
+
+        monkeypatch.setattr(cls, "send_text", send_text)
+    push = session.BatchedFrames.push
+
+    def pushed(self: Any, message: bytes) -> bool:
+        writers.add(asyncio.current_task())
+        return push(self, message)
+
+    monkeypatch.setattr(session.BatchedFrames, "push", pushed)
+    async with live_server(decode_tok_per_s=2000.0) as server:
+        client, ws = await connect(server, compress=15 if compress else 0)
+        async with client, ws:
+            for lane in ("a", "b"):
+                await ws.send_str(
+                    json.dumps({"type": "response.create", "model": "sim", "input": "x", "stream_id": lane})
+                )
+            await ws.send_str("{not json")
+            done, errors = set(), 0
+            while len(done) < 2:
+                event = await receive_event(ws)
+                if event["type"] == "error":
+                    errors += 1
+                elif event["type"] in TERMINAL:
+                    done.add(event["stream_id"])
+            assert done == {"a", "b"} and errors == 1
+    assert len(writers) == 1 and None not in writers, writers

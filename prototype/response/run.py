@@ -93,22 +93,18 @@ class Inbox:
     """What the connection core sends one running response over a WebSocket: acknowledgements
     to number in its stream, the input handed over at a turn's end, the decision that ends a
     pause. The session puts; only the response's own task takes, so every event of the stream
-    is numbered by one writer. `steers` is what this response was told of the steers queued for
-    it (the submissions themselves are the core's)."""
+    is numbered by one writer."""
 
-    __slots__ = ("acks", "steers", "_decision", "_handed", "_wake")
+    __slots__ = ("acks", "_decision", "_handed", "_wake")
 
     def __init__(self) -> None:
         self.acks: list[Ack] = []  # in arrival order; the run's hot path tests this list
-        self.steers: list[SteerRef] = []
         self._decision: Resumed | Aborted | None = None
         self._handed: tuple[Item, ...] | None = None
         self._wake: asyncio.Event | None = None
 
     def acknowledge(self, ack: Ack) -> None:
         self.acks.append(ack)
-        if isinstance(ack, SteerAccepted):
-            self.steers.append(ack.steer)
         self._notify()
 
     def hand(self, items: tuple[Item, ...]) -> None:
@@ -144,26 +140,35 @@ class Inbox:
 
 class Channel(Protocol):
     """A WebSocket response's link to its connection core (the session's per-job handle).
-    The run tells the core what happened; the core's answers come back as return values
-    (`turn_ended`) or through `inbox`, which only the run's task drains. `dialect` is the
-    connection's: `create` (no pauses; steering), `append` or `beta` (the pause's wire
+    The run tells the core what happened, without waiting (nothing is written to the socket
+    from here: the connection has one writer); the core's answers come back as return values
+    (`turn_ended`, `steers`) or through `inbox`, which only the run's task drains. `dialect` is
+    the connection's: `create` (no pauses; steering), `append` or `beta` (the pause's wire
     rendering, stream.DIALECTS)."""
 
     dialect: str
     inbox: Inbox
 
-    async def called(self, call: RequiredInput) -> None:
+    def called(self, call: RequiredInput) -> None:
         """Beta: an async call was emitted; its output may be injected from now on."""
         ...
 
-    async def turn_ended(self) -> tuple[Item, ...]:
+    def turn_ended(self) -> tuple[Item, ...]:
         """Beta: the run's turn ended in async calls; returns what was injected so far, before
         the run decides whether its model decodes on."""
         ...
 
-    async def paused(self, required: tuple[RequiredInput, ...]) -> None:
+    def paused(self, required: tuple[RequiredInput, ...]) -> None:
         """The response paused for `required`; the decision arrives in `inbox`."""
         ...
+
+    def steers(self) -> tuple[SteerRef, ...]:
+        """The steers queued for this response, oldest first (the core holds them: one place)."""
+        ...
+
+
+def _no_steers() -> tuple[SteerRef, ...]:
+    return ()
 
 
 def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_id: str | None = None) -> Response:
@@ -258,6 +263,7 @@ class ResponseRun:
         # them, at its next event boundary or at once while it waits, so sequence numbers go out
         # in order. Over HTTP nothing arrives.
         self.inbox = channel.inbox if channel is not None else Inbox()
+        self.steers = channel.steers if channel is not None else _no_steers  # queued for this response
         self.stages = stages
         self.template = template
         if self.pauses is not None:
@@ -332,7 +338,7 @@ class ResponseRun:
         try:
             await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.stage_s(Stage.INFERENCE_HOP))
             while True:
-                if self.inbox.steers and self._steerable():
+                if self.steers() and self._steerable():
                     # A steer queued before this segment's first token; nothing decoded yet.
                     return await self._finish(stream.receive(Interrupt()))
                 done = await self._sample(turn.model_request())
@@ -387,7 +393,7 @@ class ResponseRun:
     def _may_decode_on(self) -> bool:
         """Whether the model is asked at all: it must decide (`DecidesAsync`), and a queued steer
         takes the next safe boundary, which is a resume."""
-        return isinstance(self.engine.model, DecidesAsync) and not self.inbox.steers
+        return isinstance(self.engine.model, DecidesAsync) and not self.steers()
 
     async def _boundary(self) -> tuple[Item, ...]:
         """The end of a turn that made async calls: the calls join the context, and the core
@@ -399,7 +405,7 @@ class ResponseRun:
         self.in_context = turn.outputs_in_context
         turn.prompt_tokens = turn.count()
         self.stages.lap(Stage.RENDER)
-        taken = await self.pauses.turn_ended()
+        taken = self.pauses.turn_ended()
         for item in taken:
             if item.view.type == "function_call_output":
                 self._open_calls.pop(str(item.view.call_id), None)
@@ -452,7 +458,7 @@ class ResponseRun:
         await self.emit(self._drain() + pause if self.inbox.acks else pause)
         engine.counts.pauses += 1
         paused_at = engine.clock.now()
-        await pauses.paused(required)
+        pauses.paused(required)
         decision = await self._decision()
         # The response's KV stays resident while the client runs its tools.
         engine.counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
@@ -468,7 +474,7 @@ class ResponseRun:
         if isinstance(taken, Outcome):
             return taken
         compaction = taken
-        if self.inbox.steers:
+        if self.steers():
             # Beta: the resume point is a safe output boundary (no output in flight, no call
             # owed): a queued steer ends the response here; its successor commits the steer.
             return await self._finish(stream.end_incomplete("steered"))
@@ -530,7 +536,7 @@ class ResponseRun:
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
-            receive, queued, steers = stream.receive, self.inbox.acks, self.inbox.steers
+            receive, queued, steers = stream.receive, self.inbox.acks, self.steers
             cut = self.engine.steer_boundary == "token"
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
@@ -550,10 +556,10 @@ class ResponseRun:
                             assert self.pauses is not None
                             # Its output may be injected from now on, while the model decodes on.
                             self._open_calls[call.call_id] = request.turn_index
-                            await self.pauses.called(RequiredInput(call_id=call.call_id, name=call.name))
+                            self.pauses.called(RequiredInput(call_id=call.call_id, name=call.name))
                         if queued:
                             await emit(self._drain())
-                        if steers and self._steerable():  # the item is whole: a safe output boundary
+                        if steers() and self._steerable():  # the item is whole: a safe output boundary
                             stages.lap(Stage.DECODE)
                             stages.report.tokens_decoded = stream.output_tokens
                             return Interrupt()
@@ -561,7 +567,7 @@ class ResponseRun:
                 await emit(receive(event))
                 if queued:  # an acknowledgement arrived while the model decoded
                     await emit(self._drain())
-                    if cut and steers and self._steerable():
+                    if cut and steers() and self._steerable():
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return Interrupt()
@@ -578,7 +584,7 @@ class ResponseRun:
         )
         events.extend(self._drain())
         if owed and outcome.ok and outcome.response.status == "completed":
-            for steer in self.inbox.steers:
+            for steer in self.steers():
                 events.extend(self.stream.receive(SteerPending(steer, owed)))
             outcome = dataclasses.replace(outcome, owed=owed)
         await self.emit(events)

@@ -52,7 +52,7 @@ from ..response.run import Aborted, Inbox, Resumed
 from ..response.services import Arrival
 from ..wire.contract import from_validation_error
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
-from ..wire.schemas import RequiredInput, ServerEvent, decode_text, encode
+from ..wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_text, encode
 from ..wire.sse import encode_event
 from .exchange import JSONReply, http_create, request_too_large
 
@@ -273,13 +273,16 @@ class SessionRunner:
 
     # -- Channel -----------------------------------------------------------------------------------
 
-    async def called(self, call: RequiredInput) -> None:
+    def called(self, call: RequiredInput) -> None:
         raise AssertionError("the append dialect reports no calls mid-turn")
 
-    async def turn_ended(self) -> tuple[Item, ...]:
+    def turn_ended(self) -> tuple[Item, ...]:
         raise AssertionError("the append dialect has no turn-end hand-over")
 
-    async def paused(self, required: tuple[RequiredInput, ...]) -> None:
+    def steers(self) -> tuple[SteerRef, ...]:
+        return ()  # a message posted during a turn is the session core's (committed at a step boundary)
+
+    def paused(self, required: tuple[RequiredInput, ...]) -> None:
         self.core.receive(TurnPaused(required), at=self.api.engine.clock.time())
         self.flush()
         if self.core.state is SS.REQUIRES_ACTION:  # it waits (it did not resume at once)

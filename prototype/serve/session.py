@@ -11,9 +11,11 @@ transport (`sim.inprocess`, without sockets) both drive this one class.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Final, Protocol
 
 from ..config import ServerConfig
@@ -21,15 +23,14 @@ from ..context.cache import stream_prefix
 from ..context.conversation import Item
 from ..pipeline import Optimization
 from ..response.engine import Engine
-from ..response.run import Aborted, Emit, Inbox, Resumed
+from ..response.run import Aborted, Inbox, Resumed
 from ..response.services import Arrival
 from ..response.stream import InjectAccepted, SteerAccepted
 from ..wire.errors import INTERNAL_ERROR
 from ..wire.schemas import (
-    FunctionCallArgumentsDelta,
-    OutputTextDelta,
     RequiredInput,
     ServerEvent,
+    SteerRef,
     encode,
 )
 from ..ws.connection import Connection
@@ -83,7 +84,6 @@ class SessionSocket(TextSender, Protocol):
 
 # -- WebSocket -------------------------------------------------------------------------------------
 
-TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 # Frames gathered before a write is forced mid wake-up (an unpaced turn never yields on its own).
 BATCH_BYTES: Final = 64 * 1024
 
@@ -146,6 +146,91 @@ class BatchedFrames:
                 self.transport.write(data)
 
 
+@dataclass(frozen=True, slots=True)
+class _Close:
+    code: int
+    reason: bytes
+
+
+_END: Final = _Close(0, b"")  # the writer's last item: the session is over
+
+
+class Outbox:
+    """A connection's one output writer. Every frame for the socket, the core's and every
+    response's, is put here in order and without waiting; one task (`run`) writes them, so the
+    socket is written from one place and frames leave in the order they were put. A response
+    that puts more than `BATCH_BYTES` ahead of the socket waits for `room` (flow control); once
+    the socket fails, `broken` is set and what is put is dropped."""
+
+    __slots__ = ("_frames", "_queued", "_ready", "_room", "broken", "writer", "ws")
+
+    def __init__(self, ws: SessionSocket, writer: TextSender) -> None:
+        self.ws = ws
+        self.writer = writer
+        self._frames: collections.deque[bytes | _Close] = collections.deque()
+        self._queued = 0  # bytes put and not yet written
+        self._ready = asyncio.Event()  # something to write
+        self._room = asyncio.Event()  # below the high-water mark again
+        self.broken = False
+
+    def put(self, frame: bytes) -> None:
+        if not self.broken:
+            self._frames.append(frame)
+            self._queued += len(frame)
+            self._ready.set()
+
+    def close(self, code: int, reason: bytes) -> None:
+        """Close the socket after the frames put before."""
+        self._frames.append(_Close(code, reason))
+        self._ready.set()
+
+    def finish(self) -> None:
+        """The writer returns once what was put before is written."""
+        self._frames.append(_END)
+        self._ready.set()
+
+    @property
+    def full(self) -> bool:
+        return self._queued > BATCH_BYTES
+
+    async def room(self) -> None:
+        while self._queued > BATCH_BYTES and not self.broken:
+            self._room.clear()
+            await self._room.wait()
+
+    async def run(self) -> None:
+        """The writer: everything put, in order, until `finish`; a batch ends when nothing more
+        is waiting (a `BatchedFrames` writes it then, in one go)."""
+        frames, ws, writer = self._frames, self.ws, self.writer
+        batched = writer.flush if isinstance(writer, BatchedFrames) else None
+        try:
+            while True:
+                await self._ready.wait()
+                self._ready.clear()
+                while frames:
+                    frame = frames.popleft()
+                    if isinstance(frame, _Close):
+                        if batched is not None:
+                            batched()
+                        if frame is _END:
+                            return
+                        await ws.close(code=frame.code, message=frame.reason)
+                        continue
+                    self._queued -= len(frame)
+                    if not ws.closed:
+                        await writer.send_text(frame)
+                    if self._queued <= BATCH_BYTES:
+                        self._room.set()
+                if batched is not None:
+                    batched()
+        except ConnectionResetError:
+            pass  # the peer is gone; the reader sees the close and frees everything
+        finally:
+            self.broken = True
+            frames.clear()
+            self._room.set()
+
+
 class WebSocketSession:
     """Owns one socket: one reader (this coroutine), one task per response in flight (one per
     lane at most), one lifetime timer and one pause timer per paused response, both on the
@@ -165,7 +250,9 @@ class WebSocketSession:
         # Timing frames before each terminal or pause event, when the upgrade asked (prototype/ws/timing.py).
         self.timing = TimingFrames() if terms.timing else None
         self.ws = ws
-        self.writer: TextSender = writer or ws  # frames go here (`BatchedFrames` on a live uncompressed socket)
+        # Every frame goes through here, written by one task (to `writer`: `BatchedFrames` on a live
+        # uncompressed socket, else the socket itself).
+        self.out = Outbox(ws, writer or ws)
         self.append_timeout_s = config.websocket.append_timeout_s
         self.conn = Connection(
             config.websocket,
@@ -180,86 +267,77 @@ class WebSocketSession:
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
-        clock = self.engine.clock
-        timer = asyncio.get_running_loop().create_task(self._limit_at(clock.now() + self.conn.limits.lifetime_s))
+        loop = asyncio.get_running_loop()
+        writer = loop.create_task(self.out.run())
+        timer = loop.create_task(self._limit_at(self.engine.clock.now() + self.conn.limits.lifetime_s))
         try:
             async for data in self.ws:
                 if isinstance(data, str):
                     self.conn.receive_text(data, at=self.engine.clock.now())
-                    await self._flush()
+                    self._dispatch()
                 else:
                     # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
-                    self._flush_frames()
-                    await self.ws.close(code=CLOSE_UNSUPPORTED_DATA, message=b"binary frames are not supported")
+                    self.out.close(CLOSE_UNSUPPORTED_DATA, b"binary frames are not supported")
                     break
         finally:
             timer.cancel()
             self.conn.disconnected()
-            await self._flush()
+            self._dispatch()
             tasks = [timer, *(handle.task for handle in self.jobs.values() if handle.task is not None)]
             for handle in self.jobs.values():
                 handle.disarm()
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            self.out.finish()  # what was put before is written (or dropped, the socket being closed)
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
 
     async def _limit_at(self, deadline: float) -> None:
         """The lifetime timer: the core decides what the limit means, this only arms it."""
         await self.engine.clock.sleep_until(deadline)
         if not self.ws.closed:
             self.conn.limit_reached()
-            await self._flush()
+            self._dispatch()
 
-    async def _flush(self) -> None:
+    def _dispatch(self) -> None:
+        """Carry out the core's outputs, without waiting: frames and a close go to the outbox,
+        a job starts as a task, everything else lands in its job's inbox."""
         for out in self.conn.outputs_to_send():
             match out:
                 case SendFrame(data=data):
-                    if not self.ws.closed:
-                        await self.writer.send_text(data)
+                    self.out.put(data)
                 case StartJob(job=job):
                     handle = self.jobs[job.number] = _JobHandle(self, job, self.dialect)
                     handle.task = asyncio.get_running_loop().create_task(self._run(handle))
                 case CloseSocket(code=code, reason=reason):
-                    self._flush_frames()
-                    await self.ws.close(code=code, message=reason.encode())
+                    self.out.close(code, reason.encode())
                 case _:
                     target = self.jobs.get(out.job.number)
                     if target is not None:  # a job that ended meanwhile has nothing left to hear
                         target.carry_out(out)
 
-    def _flush_frames(self) -> None:
-        if isinstance(self.writer, BatchedFrames):
-            self.writer.flush()
-
     async def _pause_timeout(self, job: Job) -> None:
         clock = self.engine.clock
         await clock.sleep_until(clock.now() + self.append_timeout_s)
         self.conn.pause_timed_out(job)
-        await self._flush()
+        self._dispatch()
 
     async def _run(self, handle: _JobHandle) -> None:
-        job, writer = handle.job, self.writer
+        job, out = handle.job, self.out
         prefix = stream_prefix(job.stream_id)
         # Frames straight from the encoder's bytes; a named lane's get its `stream_id` first.
         # The default lane's path makes no extra call per event.
         frame: Callable[[ServerEvent], bytes] = encode if prefix is None else lambda ev: prefix + encode(ev)[1:]
-        emit: Emit
-        if isinstance(writer, BatchedFrames):
-            push, drain, flush = writer.push, writer.drain, writer.flush
+        put = out.put
 
-            async def emit(events: list[ServerEvent]) -> None:
-                for ev in events:
-                    if push(frame(ev)):
-                        await drain()
-                if events and type(events[-1]) not in TOKEN_DELTAS:
-                    flush()  # token deltas wait for the wake-up's end; other events go now
-
-        else:
-            send = writer.send_text
-
-            async def emit(events: list[ServerEvent]) -> None:
-                for ev in events:
-                    await send(frame(ev))
+        async def emit(events: list[ServerEvent]) -> None:
+            for ev in events:
+                put(frame(ev))
+            if out.full:
+                await out.room()
+            if out.broken:
+                raise ConnectionResetError("the socket is gone")
 
         if self.timing is not None:  # only then: the default path makes no extra call per event
             untimed, around = emit, self.timing.around
@@ -289,7 +367,7 @@ class WebSocketSession:
         finally:
             handle.disarm()
             self.jobs.pop(job.number, None)
-        await self._flush()
+        self._dispatch()
 
 
 class _JobHandle:
@@ -335,15 +413,18 @@ class _JobHandle:
 
     # -- Channel -----------------------------------------------------------------------------------
 
-    async def called(self, call: RequiredInput) -> None:
+    def called(self, call: RequiredInput) -> None:
         self.session.conn.call_emitted(self.job, call)
-        await self.session._flush()
+        self.session._dispatch()
 
-    async def turn_ended(self) -> tuple[Item, ...]:
+    def turn_ended(self) -> tuple[Item, ...]:
         self.session.conn.turn_ended(self.job)
-        await self.session._flush()  # the core hands the input over at once (`TakeInput`)
+        self.session._dispatch()  # the core hands the input over at once (`TakeInput`)
         return self.inbox.take_handed()
 
-    async def paused(self, required: tuple[RequiredInput, ...]) -> None:
+    def paused(self, required: tuple[RequiredInput, ...]) -> None:
         self.session.conn.response_paused(self.job, required)
-        await self.session._flush()
+        self.session._dispatch()
+
+    def steers(self) -> tuple[SteerRef, ...]:
+        return self.session.conn.queued_steers(self.job)

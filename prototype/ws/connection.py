@@ -111,7 +111,7 @@ from ..context.cache import CacheEntry, stream_prefix, tag_stream
 from ..context.conversation import Item, ToolCache
 from ..ids import IdFactory
 from ..wire.errors import ProtocolError, ws_error_event
-from ..wire.schemas import RequiredInput
+from ..wire.schemas import RequiredInput, SteerRef
 from .conncache import ConnectionCache
 from .events import (
     AbortPause,
@@ -269,6 +269,10 @@ class Connection:
 
     def response_paused(self, job: Job, required: tuple[RequiredInput, ...]) -> None:
         self.handle(self._lane_of_job(job), ResponsePaused(job, required))
+
+    def queued_steers(self, job: Job) -> tuple[SteerRef, ...]:
+        """The steers queued for `job`'s response (read by its run: where it may stop)."""
+        return tuple(steer.ref for steer in self._lane_of_job(job).steers)
 
     def pause_timed_out(self, job: Job) -> None:
         self.handle(self._lane_of_job(job), PauseTimedOut(job))
