@@ -30,9 +30,9 @@ from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.base import MemoryStore, ResponseStore
 from sim.harness.experiment import CompareConfig
-from sim.harness.live import RolloutResult
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, Policy
+from sim.rollout.result import RolloutResult
 
 from .strict import _members
 

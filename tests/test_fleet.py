@@ -17,8 +17,8 @@ from sim.fleet.engine import FleetConfig, FleetRun, simulate
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
-from sim.harness.live import tool_output_text
-from sim.harness.workload import WORKLOADS
+from sim.rollout.spec import tool_output_text
+from sim.rollout.workload import WORKLOADS
 
 HOSTED = load_profile("hosted")
 CALLS = 6
