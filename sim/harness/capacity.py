@@ -32,8 +32,9 @@ from msgspec import Meta
 from scipy import stats as scipy_stats
 
 from prototype.pipeline import load_profile
+from sim.fleet.config import HOLD_POLICIES, FleetConfig, FleetRun
 from sim.fleet.costs import FLEET_MODES, HELD_MODES
-from sim.fleet.engine import HOLD_POLICIES, FleetConfig, FleetRun, simulate
+from sim.fleet.engine import simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
 from sim.rollout.spec import turn_stream
 from sim.rollout.workload import WORKLOADS, tool_times, with_tail
