@@ -8,7 +8,7 @@ their agreement as an interval on the paired difference; `--virtual` or `--live`
 one. A table of the metrics per mode with 95 % intervals and n, the paired differences
 between modes, and with `--out DIR` a run folder (sim/harness/trace.py). `results` writes the
 headline comparison into a small committed folder and renders the README's table from it
-(sim/analysis/results.py).
+(sim/harness/results.py).
 """
 
 from __future__ import annotations
@@ -31,16 +31,15 @@ from prototype.options import add_struct_options, struct_from_args
 from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
-from sim.analysis.results import render_results
 from sim.analysis.stats import Estimate
 from sim.engine.process import EngineNotInstalled
 from sim.engine.rates import measure, rates_text
 from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, resource_table, run_capacity
-from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
+from sim.harness.results import render_results
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
 from sim.harness.validate import (
@@ -51,6 +50,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
+from sim.rollout.result import ALL_MODES
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 

@@ -31,9 +31,9 @@ from prototype.serve.wallclock import AsyncioClock
 from prototype.store.base import ResponseStore
 from prototype.store.memory import MemoryStore
 from sim.harness.experiment import CompareConfig
-from sim.harness.live import RolloutResult
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, Policy
+from sim.rollout.result import RolloutResult
 
 from .strict import _members
 

@@ -1,5 +1,5 @@
 """The fifth design in the comparison: `agents` runs the same seeded rollouts through the Agents
-API's sessions (sim/harness/agents_client.py), live over loopback and in virtual time."""
+API's sessions (sim/client/agents_client.py), live over loopback and in virtual time."""
 
 from __future__ import annotations
 
@@ -80,8 +80,9 @@ async def test_the_client_over_loopback_follows_a_second_turn() -> None:
     """The measuring client itself over a real socket: the create's stream to the answer, then a
     message to the idle session, read on a `GET .../events` subscription."""
     from prototype.serve.wallclock import AsyncioClock
-    from sim.harness.client import open_client, tool_outputs
-    from sim.harness.live import EXEC_TOOL
+    from sim.client.client import open_client
+    from sim.rollout.result import tool_outputs
+    from sim.rollout.spec import EXEC_TOOL
 
     from .support import live_server
 

@@ -15,8 +15,9 @@ from prototype.config import ServerConfig, WebSocketConfig
 from prototype.model import ModelEvent, ModelRequest, Prefilled, TokenModel, TokensSampled
 from prototype.serve.app import ENGINE, SOCKETS
 from prototype.serve.wallclock import AsyncioClock
-from sim.harness.client import open_client, tool_outputs
+from sim.client.client import open_client
 from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.rollout.result import tool_outputs
 
 from .support import EXEC_TOOL, RECEIVE_TIMEOUT_S, Live, live_server, receive_event
 

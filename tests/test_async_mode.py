@@ -22,13 +22,15 @@ from prototype.ws.connection import Connection
 from prototype.ws.events import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput
 from prototype.ws.lanes import CS
 from sim.__main__ import main, run
+from sim.client.client import WSClient
+from sim.client.loop import exposed_s
 from sim.harness import experiment
-from sim.harness.client import MODES, WSClient, tool_outputs
 from sim.harness.experiment import CompareConfig
-from sim.harness.live import EXEC_TOOL, RolloutResult, exposed_s
 from sim.model import config as model_config
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
+from sim.rollout.result import MODES, RolloutResult, tool_outputs
+from sim.rollout.spec import EXEC_TOOL
 from sim.runtime.inprocess import InProcessServer
 from sim.runtime.virtual import VirtualClock, run_virtual
 

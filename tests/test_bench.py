@@ -13,7 +13,7 @@ from prototype.config import ServerConfig
 from prototype.options import struct_from_args
 from sim.bench import __main__ as bench
 from sim.bench import server as bench_server
-from sim.harness.client import ClientError
+from sim.rollout.result import ClientError
 
 
 def _server_config(argv: list[str]) -> ServerConfig:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from sim.__main__ import main
-from sim.fleet.engine import FleetConfig
+from sim.fleet.config import FleetConfig
 from sim.harness.capacity import (
     POINT_COLUMNS,
     CapacityConfig,

@@ -18,9 +18,8 @@ from openai.types.beta import BetaResponsesServerEvent
 from prototype.context.compaction import decode_payload
 from sim.__main__ import main as sim_main
 from sim.analysis.metrics import compacted, compaction_summary, per_turn_work, turn_windows
-from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, CompareResult, compare, run_compare
-from sim.harness.live import RolloutResult
+from sim.rollout.result import ALL_MODES, RolloutResult
 from sim.runtime.virtual import VirtualClock, run_virtual
 
 from . import strict

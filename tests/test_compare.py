@@ -106,7 +106,7 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_workload_profiles_give_each_rollout_its_own_length() -> None:
-    from sim.harness.workload import WORKLOADS, draw_rollouts
+    from sim.rollout.workload import WORKLOADS, draw_rollouts
 
     specs, per_conversation = draw_rollouts(WORKLOADS["short"], seed=3, count=20)
     calls = sorted(per_conversation.values())
@@ -140,7 +140,7 @@ def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
 
 async def test_tool_command_output_and_exit_status_go_back() -> None:
     from prototype.serve.wallclock import AsyncioClock
-    from sim.harness.tools import CommandTools
+    from sim.client.tools import CommandTools
 
     output, seconds = await CommandTools("echo out-$((1 + 1)); echo err >&2; exit 3").run(AsyncioClock(), 9.0, "x")
     assert output == "out-2\nerr\n\n[exit status 3]" and 0 < seconds < 9.0
@@ -370,7 +370,7 @@ def test_a_virtual_comparison_obeys_the_servers_cache_budget() -> None:
     """`max_cache_bytes` of the nested server config, in a virtual run: with no room for an entry,
     a WebSocket continuation (`store: false`) misses the connection cache and, as on the real API,
     gets `previous_response_not_found`."""
-    from sim.harness.client import ClientError
+    from sim.rollout.result import ClientError
 
     base = CompareConfig.of(rollouts=1, tool_calls=3, tps=0, profile="local", modes=("ws",), system_prompt_tokens=300)
     roomy = {s.mode: s for s in run(base, virtual=True, free_cpu=True).summary}["ws"]

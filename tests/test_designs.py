@@ -9,9 +9,8 @@ import pytest
 
 from prototype.wire.schemas import Response, StageReport
 from sim.analysis.designs import DECIMALS, PARTS, explain, kv_price, mode_costs, rollout_parts, stage_savings, verdict
-from sim.harness.client import TurnResult
 from sim.harness.experiment import CompareConfig, compare
-from sim.harness.live import RolloutResult
+from sim.rollout.result import RolloutResult, TurnResult
 
 
 def turn(

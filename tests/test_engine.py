@@ -33,10 +33,10 @@ from sim.engine.backend import engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.llamacpp import EngineModel
 from sim.engine.process import EngineNotInstalled, LlamaServer, binary_path
-from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, compare
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
+from sim.rollout.result import ALL_MODES
 
 from . import support
 

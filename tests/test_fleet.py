@@ -13,12 +13,13 @@ from prototype.pipeline import load_profile
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import paired_mean
 from sim.fleet.compute import ENGINES, StepCost
-from sim.fleet.engine import FleetConfig, FleetRun, simulate
+from sim.fleet.config import FleetConfig, FleetRun
+from sim.fleet.engine import simulate
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
-from sim.harness.live import tool_output_text
-from sim.harness.workload import WORKLOADS
+from sim.rollout.spec import tool_output_text
+from sim.rollout.workload import WORKLOADS
 
 HOSTED = load_profile("hosted")
 CALLS = 6

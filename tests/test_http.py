@@ -15,9 +15,10 @@ from prototype.serve.app import ENGINE, make_engine
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.sse import SSEDecoder
-from sim.harness.client import ClientError, open_client
+from sim.client.client import open_client
 from sim.model.config import ModelConfig, build_model
 from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.rollout.result import ClientError
 from sim.runtime.inprocess import InProcessServer
 
 from .support import EXEC_TOOL, Live, live_server
@@ -297,7 +298,8 @@ def test_the_full_history_client_resends_the_items_json_as_first_encoded() -> No
     """`http` keeps each item's JSON from when it was first recorded; the body is the bytes a
     client re-encoding its whole history would send."""
     from prototype.wire.schemas import Response, encode
-    from sim.harness.client import HTTPClient, TurnResult
+    from sim.client.client import HTTPClient
+    from sim.rollout.result import TurnResult
 
     client = HTTPClient("http://127.0.0.1:1", clock=None, chained=False)  # type: ignore[arg-type]
     sent = [{"type": "message", "role": "user", "content": 'héllo "there"'}]

@@ -11,9 +11,8 @@ import msgspec
 import pytest
 
 from sim.__main__ import main, run
-from sim.harness.client import MODES
 from sim.harness.experiment import CompareConfig
-from sim.harness.live import RolloutResult
+from sim.rollout.result import MODES, RolloutResult
 
 SMALL = CompareConfig.of(
     rollouts=4,

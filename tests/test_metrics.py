@@ -9,8 +9,7 @@ import pytest
 
 from prototype.wire.schemas import InputTokensDetails, OutputTokensDetails, Response, StageReport, Usage
 from sim.analysis.metrics import pair_summaries, summarize
-from sim.harness.client import TurnResult
-from sim.harness.live import RolloutResult
+from sim.rollout.result import RolloutResult, TurnResult
 
 
 def turn(

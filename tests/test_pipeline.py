@@ -24,10 +24,11 @@ from prototype.pipeline import (
 from prototype.serve.app import ENGINE, make_engine
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
-from sim.harness.client import TurnResult, open_client, tool_outputs
+from sim.client.client import open_client
 from sim.model.accelerator import SimulatedModel
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy
+from sim.rollout.result import TurnResult, tool_outputs
 from sim.runtime.inprocess import InProcessServer
 from sim.runtime.virtual import VirtualClock, run_virtual
 

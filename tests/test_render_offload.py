@@ -16,8 +16,9 @@ from prototype.context.tokenizer import TokenArray, Tokenizer
 from prototype.response.engine import OFFLOAD_CHARS
 from prototype.serve.app import ENGINE, RENDER_NICE, _background_thread
 from prototype.serve.wallclock import AsyncioClock
-from sim.harness.client import open_client, tool_outputs
+from sim.client.client import open_client
 from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.rollout.result import tool_outputs
 
 from .support import EXEC_TOOL, live_server
 

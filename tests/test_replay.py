@@ -9,7 +9,7 @@ import pytest
 
 from sim.__main__ import run
 from sim.harness.experiment import CompareConfig
-from sim.harness.replay import load_trace
+from sim.rollout.replay import load_trace
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sim" / "data" / "sample_trace.jsonl"
 

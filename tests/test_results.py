@@ -10,7 +10,7 @@ from typing import Final
 import pytest
 
 from sim.__main__ import main
-from sim.analysis.results import MARKERS, readme_block, render_results
+from sim.harness.results import MARKERS, readme_block, render_results
 
 REPO: Final = Path(__file__).resolve().parents[1]
 HEADLINE: Final = REPO / "docs" / "results" / "headline"

@@ -40,7 +40,9 @@ from prototype.wire.schemas import (
     ServerEvent,
     decode_server_event,
 )
-from sim.harness.client import MODES, HTTPClient, Mode, TextSocket, WSClient, tool_outputs
+from sim.client.client import HTTPClient, WSClient
+from sim.client.lanes import TextSocket
+from sim.rollout.result import MODES, Mode, tool_outputs
 
 from .support import EXEC_TOOL, Live, live_server
 

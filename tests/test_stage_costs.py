@@ -29,8 +29,8 @@ from prototype.pipeline import (
     profile_gaps,
     turn_s,
 )
-from sim.harness.client import ALL_MODES
 from sim.model.config import ModelConfig
+from sim.rollout.result import ALL_MODES
 
 HOSTED = PROFILES["hosted"]
 

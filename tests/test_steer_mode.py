@@ -25,11 +25,10 @@ from prototype.ws.connection import Connection
 from prototype.ws.events import AckSteer, StartJob
 from sim.__main__ import run
 from sim.harness import experiment
-from sim.harness.client import tool_outputs
 from sim.harness.experiment import CompareConfig
-from sim.harness.live import EXEC_TOOL as EXEC_TOOL_SPEC
-from sim.harness.live import RolloutResult
 from sim.model.policy import PlannedItem, ScriptPolicy
+from sim.rollout.result import RolloutResult, tool_outputs
+from sim.rollout.spec import EXEC_TOOL as EXEC_TOOL_SPEC
 from sim.runtime.inprocess import InProcessServer
 
 from . import strict

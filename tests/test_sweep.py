@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from sim.__main__ import main
-from sim.harness.client import TurnResult
 from sim.harness.experiment import CompareConfig, _rollouts, compare
 from sim.harness.sweep import SweepConfig, dask_executor, points, run_sweep
+from sim.rollout.result import TurnResult
 
 TINY = SweepConfig(
     tps=(65.0, 1000.0),
@@ -110,7 +110,7 @@ def test_sweep_points_share_their_draws() -> None:
 
 
 def test_workload_rollouts_share_their_draws_whatever_else_is_drawn() -> None:
-    from sim.harness.workload import WORKLOADS, draw_rollouts
+    from sim.rollout.workload import WORKLOADS, draw_rollouts
 
     ten, _ = draw_rollouts(WORKLOADS["swe-long"], seed=4, count=10)
     tail, _ = draw_rollouts(WORKLOADS["swe-long"], seed=4, count=3, start=7)

@@ -32,7 +32,7 @@ import numpy as np
 from prototype.pipeline import Stage
 from sim.analysis.metrics import per_turn_work
 from sim.analysis.stats import Estimate, paired_mean
-from sim.harness.live import RolloutResult
+from sim.rollout.result import RolloutResult
 
 __all__ = [
     "BEFORE_INFERENCE",

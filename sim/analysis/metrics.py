@@ -39,8 +39,7 @@ import msgspec
 import numpy as np
 
 from sim.analysis.stats import Estimate, agreement, paired_difference, paired_mean, paired_saving, quantile_interval
-from sim.harness.client import TurnResult
-from sim.harness.live import RolloutResult
+from sim.rollout.result import RolloutResult, TurnResult
 
 __all__ = [
     "MODEL_STAGES",

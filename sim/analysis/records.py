@@ -17,7 +17,7 @@ import msgspec
 from prototype.pipeline import DESIGNS, Stage
 from prototype.wire.schemas import TimingMetrics, WebsocketTiming
 from sim.analysis.metrics import per_turn_work
-from sim.harness.live import RolloutResult
+from sim.rollout.result import RolloutResult
 
 __all__ = ["Exchange", "TurnRecord", "Usage", "read_records", "records_from_rollouts"]
 

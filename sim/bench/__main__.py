@@ -39,10 +39,12 @@ from prototype.wire.schemas import (
     decode_server_event,
     encode,
 )
-from sim.harness.client import ClientError, open_client
+from sim.client.client import open_client
+from sim.client.loop import run_rollout
 from sim.harness.experiment import CompareConfig, run_compare
-from sim.harness.live import RolloutSpec, run_rollout, tool_output_text
 from sim.harness.sweep import SweepConfig, run_sweep
+from sim.rollout.result import ClientError
+from sim.rollout.spec import RolloutSpec, tool_output_text
 from sim.runtime.inprocess import Tap
 from sim.runtime.virtual import VirtualClock, run_virtual
 

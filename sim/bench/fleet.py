@@ -26,7 +26,7 @@ from prototype.pipeline import load_profile
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import array_sessions, workload_sessions
 from sim.harness.capacity import CapacityConfig, arrivals, variants
-from sim.harness.workload import WORKLOADS
+from sim.rollout.workload import WORKLOADS
 
 __all__ = ["LARGE_POINT_SESSIONS", "fleet"]
 

@@ -74,269 +74,24 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Final
+from typing import Final
 
-import msgspec
 import numpy as np
-from msgspec import Meta
 
 from prototype.pipeline import CostProfile
-from sim.fleet.compute import ENGINES, StepCost
+from sim.fleet.config import FleetConfig, FleetRun, SessionRecord
 from sim.fleet.costs import FLEET_MODES, HELD_MODES, turn_cost
+from sim.fleet.ledger import KVLedger, floor_blocks
 from sim.fleet.sessions import SessionTokens
+from sim.fleet.state import Replica, SessionState
 
-__all__ = ["BLOCK", "HOLD_POLICIES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord", "simulate"]
+__all__ = ["simulate"]
 
-BLOCK: Final = 16  # vLLM's default KV block size (sim/model/kv.py)
 CALL_TEMPLATE_TOKENS: Final = 14  # a generated call's closing template: the paused context is prompt + output + this
 SHARED_PREFIX_EXTRA: Final = 81  # template tokens rendered with the instructions, before the task (costs.py)
-HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload")
-ROUTERS: Final = ("affinity", "prefix", "least", "random")
-COMPUTE: Final = ("priced", "free")
-ADMISSIONS: Final = ("plan", "greedy")
-QUEUE_ORDERS: Final = ("turn", "program")
-TTL_RULES: Final = ("fixed", "reload")
-RUNNING_KV: Final = ("reserve", "grow")
-
-
-class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The accelerators and the serving policies: everything but the sessions and the API path."""
-
-    replicas: Annotated[int, Meta(ge=1)] = 1
-    decode_slots: Annotated[
-        int, Meta(ge=0, description="turns running at once per replica, vLLM's max_num_seqs (0 = unlimited)")
-    ] = 0
-    compute: Annotated[
-        str, Meta(description="priced: engine steps with a shared token budget; free: each turn at its own rates")
-    ] = "priced"
-    engine: Annotated[
-        str | StepCost,
-        Meta(description="priced compute: a step-cost set by name (sim/fleet/compute.py), or its values"),
-    ] = "h100x8-70b"
-    token_budget: Annotated[int, Meta(ge=0, description="priced: tokens a step (0 = the engine's)")] = 0
-    kv_budget_tokens: Annotated[int, Meta(ge=0, description="KV capacity per replica in tokens (0 = unlimited)")] = 0
-    tps: Annotated[float, Meta(gt=0)] = 1000.0
-    prefill_tok_per_s: Annotated[float, Meta(gt=0)] = 20_000.0
-    model_latency_s: Annotated[float, Meta(ge=0)] = 0.05
-    concurrency_slowdown: Annotated[float, Meta(ge=0)] = 0.0
-    cache_ttl_s: Annotated[float, Meta(ge=0, description="prefix-cache idle time-to-live (0 = until evicted)")] = 0.0
-    cache_generated: bool = True
-    hold_policy: str = "hold"
-    hold_ttl_s: Annotated[float, Meta(ge=0)] = 10.0
-    offload_gb_per_s: Annotated[float, Meta(gt=0)] = 25.0
-    kv_bytes_per_token: Annotated[int, Meta(ge=1)] = 327_680  # 80 layers × 8 KV heads × 128 × (K, V) × 2 bytes
-    preempt_held: bool = True
-    admission: Annotated[
-        str, Meta(description="plan: evict only if the planned victims make room (vLLM); greedy: evict, then check")
-    ] = "plan"
-    evict_tail: Annotated[
-        bool, Meta(description="evict a victim's blocks tail first, keeping its prefix cached (vLLM's free queue)")
-    ] = True
-    queue_order: Annotated[
-        str, Meta(description="admission queue: turn (first come) or program (oldest session first, Continuum)")
-    ] = "turn"
-    running_kv: Annotated[
-        str,
-        Meta(
-            description="priced: reserve a running turn's output KV at admission, or grow it at its first token "
-            "and preempt the newest running turn when short (vLLM's recompute)"
-        ),
-    ] = "reserve"
-    ttl_rule: Annotated[
-        str, Meta(description="ttl policy: fixed hold_ttl_s, or reload (ski rental on the context's reload cost)")
-    ] = "fixed"
-    router: str = "affinity"
-    prefix_load_cap: Annotated[float, Meta(ge=1)] = 1.5
-    connection_limit_s: Annotated[float, Meta(gt=0)] = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.hold_policy not in HOLD_POLICIES:
-            raise ValueError(f"hold_policy: one of {', '.join(HOLD_POLICIES)}, got {self.hold_policy!r}")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router: one of {', '.join(ROUTERS)}, got {self.router!r}")
-        for name, allowed in (
-            ("compute", COMPUTE),
-            ("admission", ADMISSIONS),
-            ("queue_order", QUEUE_ORDERS),
-            ("ttl_rule", TTL_RULES),
-            ("running_kv", RUNNING_KV),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}: one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        if self.running_kv == "grow" and self.compute == "free":
-            raise ValueError("running_kv: grow needs priced compute (engine steps)")
-        if isinstance(self.engine, str) and self.engine not in ENGINES:
-            raise ValueError(f"engine: one of {', '.join(ENGINES)} or a StepCost, got {self.engine!r}")
-
-    def step_cost(self) -> StepCost:
-        """The engine's step costs, with this config's token budget if set."""
-        cost = ENGINES[self.engine] if isinstance(self.engine, str) else self.engine
-        return msgspec.structs.replace(cost, token_budget=self.token_budget) if self.token_budget else cost
-
-
-@dataclass(slots=True)
-class SessionRecord:
-    index: int
-    arrived_at: float = math.nan
-    finished_at: float = math.nan
-    ttft_s: list[float] = field(default_factory=list)
-    e2e_s: list[float] = field(default_factory=list)
-    admission_wait_s: list[float] = field(default_factory=list)
-    model_s: float = 0.0  # time its turns spent on a replica: admission to last token
-    reprefill_tokens: int = 0
-
-    @property
-    def done(self) -> bool:
-        return not math.isnan(self.finished_at)
-
-
-@dataclass(slots=True)
-class FleetRun:
-    mode: str
-    sessions: list[SessionRecord]  # every session that arrived, in arrival order
-    end_s: float = 0.0
-    turns: int = 0
-    prompt_tokens: int = 0
-    hit_tokens: int = 0
-    prefilled_tokens: int = 0
-    reprefill_tokens: int = 0
-    preemptions: int = 0
-    running_preemptions: int = 0  # running turns preempted for KV (`running_kv="grow"`), recomputed
-    ttl_releases: int = 0
-    reconnects: int = 0
-    offload_bytes: int = 0
-    overflow_tokens: int = 0
-    kv_budget_tokens: int = 0
-    kv_peak_tokens: int = 0
-    kv_token_s: dict[str, float] = field(default_factory=lambda: {"active": 0.0, "held": 0.0, "cached": 0.0})
-    kv_series: list[tuple[float, int, int, int]] = field(default_factory=list)  # (t, active, held, cached)
-    replica_prefill_tokens: list[int] = field(default_factory=list)
-    replica_busy_s: list[float] = field(default_factory=list)  # priced compute: time a replica ran steps
-    replica_steps: list[int] = field(default_factory=list)  # priced compute: steps with prefill, decode segments
-
-    def prefill_tok_per_s(self) -> list[float]:
-        """Each replica's prefilled tokens over the run's length."""
-        return [t / self.end_s if self.end_s > 0 else 0.0 for t in self.replica_prefill_tokens]
-
-    def busy_share(self) -> list[float]:
-        """Each replica's share of the run spent running steps (priced compute; NaN with free compute)."""
-        if not self.replica_busy_s:
-            return [math.nan] * len(self.replica_prefill_tokens)
-        return [b / self.end_s if self.end_s > 0 else 0.0 for b in self.replica_busy_s]
-
-    @property
-    def arrived(self) -> int:
-        return len(self.sessions)
-
-    @property
-    def completed(self) -> int:
-        return sum(1 for s in self.sessions if s.done)
-
-
-class _Replica:
-    __slots__ = (
-        "active",
-        "busy",
-        "cache",
-        "cached",
-        "ctx_sum",
-        "decoding",
-        "dheap",
-        "free_slots",
-        "held",
-        "holders",
-        "in_step",
-        "index",
-        "phase",
-        "plan",
-        "pos",
-        "prefilled",
-        "prefilling",
-        "queue",
-        "runners",
-        "running",
-        "seg_t",
-        "shared",
-        "shared_at",
-        "steps",
-        "tau",
-        "version",
-    )
-
-    def __init__(self, index: int, slots: int) -> None:
-        self.index = index
-        self.free_slots = slots
-        self.running = 0
-        self.active = 0
-        self.held = 0
-        self.cached = 0
-        self.shared = 0  # the instructions' blocks, cached once the first turn has prefilled them
-        self.shared_at = math.inf  # when they are: the first turn's end of prefill
-        self.decoding: dict[int, tuple[float, float]] = {}  # free compute: running session → (first token, slot free)
-        self.cache: OrderedDict[int, list[float]] = OrderedDict()  # session → [unique tokens, last use], LRU first
-        self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first
-        self.queue: list[tuple[float, int, int, int, float]] = []  # heap of (priority, seq, session, turn, ready at)
-        self.prefilled = 0
-        self.runners: dict[int, int] = {}  # priced compute: running session → its turn, oldest admission first
-        # Priced compute: the step loop's state (see _Fleet.schedule).
-        self.prefilling: list[list[float]] = []  # FCFS: [session, turn, tokens left, s per token, run id]
-        self.dheap: list[tuple[float, int, int, int]] = []  # decoding: (position of its last token, seq, session, turn)
-        self.pos = 0.0  # decode steps run so far (fractional inside a decode-only segment)
-        self.ctx_sum = 0.0  # decoding sequences' contexts (their KV reads)
-        self.phase = 0  # 0 idle, 1 a step with prefill in flight, 2 a decode-only segment
-        self.plan: list[tuple[list[float], float]] = []  # the step in flight: (prefill entry, chunk)
-        self.tau = 0.0  # the step's (or the segment's per-step) time
-        self.seg_t = 0.0  # the segment's start
-        self.version = 0  # a step event of an older version is stale
-        self.in_step = False
-        self.busy = 0.0
-        self.steps = 0
-
-    def used(self) -> int:
-        return self.shared + self.active + self.held + self.cached
-
-    def load(self) -> int:
-        return self.running + len(self.queue)
-
-
-@dataclass(slots=True)
-class _Session:
-    spec: SessionTokens
-    prompts: list[int]
-    record: SessionRecord
-    replica: int = -1
-    connected_at: float = 0.0
-    fresh: bool = True  # the next request is a connection's first
-    held: int = 0  # unique tokens held on `replica` (or offloaded) across a pause
-    resident: int = 0  # context tokens whose KV the paused response holds
-    offloaded: bool = False
-    epoch: int = 0  # the pause's number: a TTL event of an older pause is stale
-    seen: int = 0  # context tokens of the session's conversation the fleet has computed
-    active: int = 0  # unique tokens the running turn holds
-    running_on: int = -1  # the running turn's replica (the next turn may be routed before this one frees)
-    sent_at: float = 0.0
-    post_s: float = 0.0
-    hint: int = 0  # prompt tokens found cached when the turn reached its replica
-    admitted_at: float = 0.0
-    cached_now: int = 0  # prompt tokens of the running turn found cached at admission
-    run_id: int = 0  # the running turn's admission number: a prefill entry of an older one is stale
-    pending_kv: int = 0  # `running_kv="grow"`: the output's KV, taken at the first token
-    ready_at: float = 0.0  # the running turn's ready time (its place if it is preempted)
-    requeued: bool = False  # preempted while running: its next admission continues the same turn
-    first_done: bool = False  # the running turn's first token is out
-    decoding: bool = False
-    join_at: float = math.nan  # an offloaded turn's end of reload: when it joins the prefill queue
-    dctx: float = 0.0  # priced compute: the decoding turn's mean context
-
 
 _ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL, _STEP, _JOIN = range(9)
-
-
-def _floor(tokens: int) -> int:
-    return tokens // BLOCK * BLOCK
 
 
 def simulate(
@@ -359,7 +114,7 @@ def simulate(
     return _Fleet(mode, profile, config, sessions, seed, series_every_s).run(arrivals, users, think_s, max_time_s)
 
 
-class _Fleet:
+class _Fleet(KVLedger):
     def __init__(
         self,
         mode: str,
@@ -371,27 +126,22 @@ class _Fleet:
     ) -> None:
         if mode not in FLEET_MODES:
             raise ValueError(f"mode: one of {', '.join(FLEET_MODES)}, got {mode!r}")
+        super().__init__(config, FleetRun(mode, [], kv_budget_tokens=config.kv_budget_tokens))
         self.mode = mode
         self.append = mode in HELD_MODES  # append, and the Agents API's session turns
         self.whole_calls = mode == "agents"
         self.websocket = mode in ("ws", "append")
         self.profile = profile
-        self.c = config
         self.priced = config.compute == "priced"
         self.grow = config.running_kv == "grow"
         self.cost = config.step_cost()
         self.program = config.queue_order == "program"
         self.qseq = 0
-        self.budget = config.kv_budget_tokens or (1 << 62)
-        self.replicas = [_Replica(i, config.decode_slots or (1 << 30)) for i in range(config.replicas)]
+        self.replicas = [Replica(i, config.decode_slots or (1 << 30)) for i in range(config.replicas)]
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
         self.specs = list(sessions)
-        self.states: list[_Session] = []
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
-        self.now = 0.0
-        self.run_ = FleetRun(mode, [], kv_budget_tokens=config.kv_budget_tokens)
-        self.totals = [0, 0, 0]  # fleet-wide active, held, cached (shared blocks count as cached)
         self.last_t = 0.0
         self.series_every_s = series_every_s
         self.next_sample = 0.0
@@ -406,7 +156,7 @@ class _Fleet:
         self, arrivals: Sequence[float] | None, users: int, think_s: Sequence[float], max_time_s: float
     ) -> FleetRun:
         for spec in self.specs:
-            self.states.append(_Session(spec, spec.prompt_tokens(), SessionRecord(spec.index)))
+            self.states.append(SessionState(spec, spec.prompt_tokens(), SessionRecord(spec.index)))
         started = 0
         if arrivals is not None:
             if len(arrivals) != len(self.specs):
@@ -492,105 +242,9 @@ class _Fleet:
             self.run_.kv_series.append((t, *self.totals))  # type: ignore[arg-type]
             self.next_sample = t + self.series_every_s
 
-    # -- KV bookkeeping ----------------------------------------------------------------------
-
-    def add(self, r: _Replica, which: int, tokens: int) -> None:
-        if which == 0:
-            r.active += tokens
-        elif which == 1:
-            r.held += tokens
-        else:
-            r.cached += tokens
-        self.totals[which] += tokens
-        if tokens > 0:
-            used = r.used()
-            if used > self.run_.kv_peak_tokens:
-                self.run_.kv_peak_tokens = used
-
-    def drop_entry(self, r: _Replica, s: int) -> int:
-        entry = r.cache.pop(s, None)
-        if entry is None:
-            return 0
-        self.add(r, 2, -int(entry[0]))
-        return int(entry[0])
-
-    def to_cache(self, r: _Replica, s: int, tokens: int) -> None:
-        """Session `s`'s context of `tokens` into `r`'s prefix cache (its full blocks)."""
-        self.drop_entry(r, s)
-        unique = _floor(tokens) - r.shared
-        if unique > 0:
-            r.cache[s] = [unique, self.now]
-            self.add(r, 2, unique)
-
-    def purge(self, r: _Replica) -> None:
-        """Drop entries idle past the cache's time-to-live (the LRU order is the idle order)."""
-        ttl = self.c.cache_ttl_s
-        if ttl <= 0:
-            return
-        while r.cache:
-            s, entry = next(iter(r.cache.items()))
-            if self.now - entry[1] <= ttl:
-                break
-            self.drop_entry(r, s)
-
-    def release_held(self, r: _Replica, s: int, *, to_cache: bool) -> None:
-        st = self.states[s]
-        tokens = r.holders.pop(s)
-        self.add(r, 1, -tokens)
-        st.held = 0
-        st.epoch += 1
-        if to_cache:
-            self.to_cache(r, s, st.resident)
-        st.resident = 0
-
-    def evict_entry(self, r: _Replica, s: int, deficit: int) -> None:
-        """Free `deficit` tokens of `s`'s cache entry: its tail blocks (`evict_tail`), or all of it."""
-        entry = r.cache[s]
-        cut = -(-deficit // BLOCK) * BLOCK
-        if self.c.evict_tail and entry[0] > cut:
-            entry[0] -= cut
-            self.add(r, 2, -cut)
-        else:
-            self.drop_entry(r, s)
-
-    def make_room(self, r: _Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
-        """Free `extra` tokens on `r` for session `me`: cache entries least recently used first,
-        then (with `preempt`) other sessions' held KV, oldest pause first, each a preemption.
-        With `admission="plan"` nothing is evicted unless the victims would make the room (as
-        vLLM's scheduler allocates a request's blocks only when they fit); `force` evicts all
-        the same (a turn over the whole budget runs alone)."""
-        self.purge(r)
-        free = self.budget - r.used()
-        if free >= extra:
-            return True
-        if self.c.admission == "plan" and not force:
-            room = free + r.cached - (int(r.cache[me][0]) if me in r.cache else 0)
-            if preempt:
-                room += r.held - r.holders.get(me, 0)
-            if room < extra:
-                return False
-        for s in list(r.cache):
-            if s != me:
-                self.evict_entry(r, s, extra - free)
-                free = self.budget - r.used()
-                if free >= extra:
-                    return True
-        if preempt:
-            for s in list(r.holders):
-                if s != me:
-                    self.run_.preemptions += 1
-                    self.release_held(r, s, to_cache=self.c.evict_tail)
-                    free = self.budget - r.used()
-                    if free < extra and s in r.cache:
-                        self.evict_entry(r, s, extra - free)
-                        free = self.budget - r.used()
-                    if free >= extra:
-                        return True
-        return False
-
     # -- the turn ----------------------------------------------------------------------------
 
-    def route(self, st: _Session, s: int) -> int:
+    def route(self, st: SessionState, s: int) -> int:
         reps = self.replicas
         router = self.c.router
         if router == "random":
@@ -598,13 +252,13 @@ class _Fleet:
         if router == "affinity":
             if st.replica >= 0:
                 return st.replica
-            return s % len(reps) if not self.websocket else min(reps, key=_Replica.load).index
+            return s % len(reps) if not self.websocket else min(reps, key=Replica.load).index
         if router == "prefix":
             best = max(reps, key=lambda r: (r.cache[s][0] if s in r.cache else 0.0, -r.load()))
             mean = sum(r.load() for r in reps) / len(reps)
             if s in best.cache and best.load() <= self.c.prefix_load_cap * max(mean, 1.0):
                 return best.index
-        return min(reps, key=_Replica.load).index
+        return min(reps, key=Replica.load).index
 
     def send(self, s: int, k: int) -> None:
         st = self.states[s]
@@ -622,7 +276,7 @@ class _Fleet:
         st.post_s = cost.post_s
         self.push(now + cost.pre_s, _READY, s, k)
 
-    def reconnect(self, st: _Session, s: int) -> None:
+    def reconnect(self, st: SessionState, s: int) -> None:
         self.run_.reconnects += 1
         old = self.replicas[st.replica]
         if s in old.holders:
@@ -634,23 +288,23 @@ class _Fleet:
         if self.c.router == "random":
             st.replica = others[int(self.rng.integers(len(others)))].index
         else:
-            st.replica = min(others, key=_Replica.load).index
+            st.replica = min(others, key=Replica.load).index
         st.connected_at = self.now
         st.fresh = True
 
-    def enqueue(self, r: _Replica, s: int, k: int, ready: float) -> None:
+    def enqueue(self, r: Replica, s: int, k: int, ready: float) -> None:
         self.qseq += 1
         priority = self.states[s].record.arrived_at if self.program else ready
         heapq.heappush(r.queue, (priority, self.qseq, s, k, ready))
 
-    def try_admit(self, r: _Replica) -> None:
+    def try_admit(self, r: Replica) -> None:
         while r.queue:
             _, _, s, k, ready = r.queue[0]
             if not self.admit(r, s, k, ready):
                 return
             heapq.heappop(r.queue)
 
-    def lookup(self, r: _Replica, st: _Session, s: int, k: int) -> int:
+    def lookup(self, r: Replica, st: SessionState, s: int, k: int) -> int:
         """Prompt tokens of turn `k` whose KV is on `r` now: held, or block-granular cache hits
         (the accelerator matches when the turn arrives; the last prompt token is always computed)."""
         prompt = st.prompts[k]
@@ -660,15 +314,15 @@ class _Fleet:
         entry = r.cache.get(s)
         shared = r.shared if r.shared_at <= self.now else 0
         own = int(entry[0]) + r.shared if entry is not None else 0
-        return _floor(min(max(own, shared), prompt - 1))
+        return floor_blocks(min(max(own, shared), prompt - 1))
 
-    def admit(self, r: _Replica, s: int, k: int, ready: float) -> bool:
+    def admit(self, r: Replica, s: int, k: int, ready: float) -> bool:
         if r.free_slots <= 0:
             return False
         st = self.states[s]
         prompt = st.prompts[k]
         out = st.spec.output_tokens[k]
-        shared = r.shared or _floor(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
+        shared = r.shared or floor_blocks(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
         grow = self.grow
         if grow:  # the prompt now, the output at the first token
@@ -806,13 +460,13 @@ class _Fleet:
 
     # -- priced compute: the step loop ---------------------------------------------------------
 
-    def join(self, r: _Replica, s: int, k: int) -> None:
+    def join(self, r: Replica, s: int, k: int) -> None:
         """An admitted turn's uncached prompt joins the replica's prefill queue (FCFS)."""
         st = self.states[s]
         r.prefilling.append([s, k, float(st.prompts[k] - st.cached_now), st.dctx, st.run_id])
         self.kick(r)
 
-    def kick(self, r: _Replica) -> None:
+    def kick(self, r: Replica) -> None:
         """New work on `r`: a step in flight takes it at its end; a decode-only segment is cut now."""
         if r.in_step or r.phase == 1:
             return
@@ -820,14 +474,14 @@ class _Fleet:
             self.advance(r)
         self.schedule(r)
 
-    def advance(self, r: _Replica) -> None:
+    def advance(self, r: Replica) -> None:
         elapsed = self.now - r.seg_t
         if elapsed > 0 and r.tau > 0:
             r.pos += elapsed / r.tau
             r.busy += elapsed
         r.seg_t = self.now
 
-    def schedule(self, r: _Replica) -> None:
+    def schedule(self, r: Replica) -> None:
         """The replica's next step (vLLM v1's scheduler, in outline): every decoding sequence
         gets a token, prefill chunks fill the rest of the token budget first come first served;
         with no prefill, identical decode steps run as one segment up to the next last token."""
@@ -854,7 +508,7 @@ class _Fleet:
         else:
             r.phase = 0
 
-    def on_step(self, r: _Replica, version: int) -> None:
+    def on_step(self, r: Replica, version: int) -> None:
         if version != r.version:
             return
         r.in_step = True
@@ -885,7 +539,7 @@ class _Fleet:
         r.in_step = False
         self.schedule(r)
 
-    def first_token(self, r: _Replica, s: int, k: int) -> None:
+    def first_token(self, r: Replica, s: int, k: int) -> None:
         st = self.states[s]
         if math.isinf(r.shared_at):
             r.shared_at = self.now
@@ -904,7 +558,7 @@ class _Fleet:
         r.ctx_sum += st.dctx
         heapq.heappush(r.dheap, (r.pos + out - 1, self.seq, s, k))
 
-    def last_token(self, r: _Replica, s: int, k: int) -> None:
+    def last_token(self, r: Replica, s: int, k: int) -> None:
         st = self.states[s]
         st.dctx = 0.0
         st.decoding = False
@@ -915,7 +569,7 @@ class _Fleet:
 
     # -- running_kv="grow": output KV at the first token, preemption of the newest running turn --
 
-    def grow_room(self, r: _Replica, s: int) -> bool:
+    def grow_room(self, r: Replica, s: int) -> bool:
         """Session `s`'s output KV, taken at its first token: cache and (with `preempt_held`) held
         KV first, then the newest running turn, recomputed later, as vLLM preempts when a running
         request needs blocks that are not there. False when `s` itself was the newest."""
@@ -935,7 +589,7 @@ class _Fleet:
         self.add(r, 0, need)
         return True
 
-    def preempt_running(self, r: _Replica, v: int) -> None:
+    def preempt_running(self, r: Replica, v: int) -> None:
         st = self.states[v]
         k = r.runners.pop(v)
         self.run_.running_preemptions += 1

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from prototype.pipeline import load_profile
 from sim.fleet.compute import StepCost
-from sim.fleet.engine import FleetConfig, simulate
+from sim.fleet.config import FleetConfig
+from sim.fleet.engine import simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 
 __all__ = ["TurnPrediction", "predict_turns"]

@@ -1,7 +1,7 @@
 """A session as the fleet sees it: per turn the tokens, bytes and tool time every mode sees.
 
-A session is one rollout of the comparison (`sim/harness/live.py` `make_spec`) or of a workload
-(`sim/harness/workload.py` `draw_rollouts`), built by the same functions from the same seeded
+A session is one rollout of the comparison (`sim/rollout/spec.py` `make_spec`) or of a workload
+(`sim/rollout/workload.py` `draw_rollouts`), built by the same functions from the same seeded
 streams, so a capacity run and `python -m sim compare` see the same tool times and tool outputs
 for a seed. The model's output per turn is the server's own: `DefaultPolicy.plan` on the turn's
 rng (`turn_rng(seed, conversation, turn)`) and the real o200k_base tokenizer, so every mode's
@@ -28,10 +28,10 @@ import numpy as np
 from prototype.context.conversation import conversation_key
 from prototype.context.tokenizer import get_tokenizer
 from prototype.model import FunctionTool, ModelRequest
-from sim.harness.live import _WORDS, EXEC_TOOL, RolloutSpec, make_spec
-from sim.harness.workload import Workload, draw_rollouts
 from sim.model.accelerator import turn_rng
 from sim.model.policy import DefaultPolicy
+from sim.rollout.spec import _WORDS, EXEC_TOOL, RolloutSpec, make_spec
+from sim.rollout.workload import Workload, draw_rollouts
 
 __all__ = [
     "STEP_TEMPLATE_TOKENS",

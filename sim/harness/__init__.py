@@ -1,2 +1,2 @@
-"""The harness: the measuring client, the rollout loop, tools, workloads, experiments (a config
-in, a result out), run folders and sweeps."""
+"""The harness: experiments (a config in, a result out), capacity, fidelity, prediction and
+validation jobs, run folders, the README's results table, and sweeps."""

@@ -32,11 +32,12 @@ from msgspec import Meta
 from scipy import stats as scipy_stats
 
 from prototype.pipeline import load_profile
+from sim.fleet.config import HOLD_POLICIES, FleetConfig, FleetRun
 from sim.fleet.costs import FLEET_MODES, HELD_MODES
-from sim.fleet.engine import HOLD_POLICIES, FleetConfig, FleetRun, simulate
+from sim.fleet.engine import simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
-from sim.harness.live import turn_stream
-from sim.harness.workload import WORKLOADS, tool_times, with_tail
+from sim.rollout.spec import turn_stream
+from sim.rollout.workload import WORKLOADS, tool_times, with_tail
 
 __all__ = [
     "POINT_COLUMNS",
@@ -103,7 +104,7 @@ class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     """A capacity sweep: the grid is load (or users) × KV budget × tool-time tail × seed, and
     every point serves the same sessions in every variant (mode, hold policy, preemption)."""
 
-    workload: Annotated[str, Meta(description="a workload profile (sim/harness/workload.py)")] = "agentic"
+    workload: Annotated[str, Meta(description="a workload profile (sim/rollout/workload.py)")] = "agentic"
     sessions: Annotated[int, Meta(ge=1, description="sessions per point")] = 1000
     loads: Annotated[tuple[float, ...], Meta(description="offered loads, sessions/s (open loop)")] = (
         0.5,

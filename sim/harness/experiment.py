@@ -50,18 +50,20 @@ from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import COMPACT_THRESHOLD_MIN
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
+from sim.client.client import ResponsesClient, WSClient, open_client, share_socket
+from sim.client.loop import run_async_rollout, run_rollout
+from sim.client.tools import ToolRunner, tool_runner
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.llamacpp import EngineModel, EngineTurn
-from sim.harness.client import ALL_MODES, MODES, WS_MODES, Mode, ResponsesClient, WSClient, open_client, share_socket
-from sim.harness.live import RolloutResult, RolloutSpec, draw_interjections, make_spec, run_async_rollout, run_rollout
-from sim.harness.replay import load_trace, replay_plan
-from sim.harness.tools import ToolRunner, tool_runner
-from sim.harness.workload import WORKLOADS, draw_rollouts
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import ModelConfig, build_model
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy, Policy
+from sim.rollout.replay import load_trace, replay_plan
+from sim.rollout.result import ALL_MODES, MODES, WS_MODES, Mode, RolloutResult
+from sim.rollout.spec import RolloutSpec, draw_interjections, make_spec
+from sim.rollout.workload import WORKLOADS, draw_rollouts
 from sim.runtime.inprocess import InProcessServer, Tap
 from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
@@ -95,7 +97,7 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
     ] = "custom"
     trace: Annotated[
-        str | None, Meta(description="replay a recorded trace (JSONL, see sim/harness/replay.py) instead of a workload")
+        str | None, Meta(description="replay a recorded trace (JSONL, see sim/rollout/replay.py) instead of a workload")
     ] = None
     concurrency: Annotated[int, Meta(ge=1, description="rollouts of a mode in flight at once")] = 1
     lanes: Annotated[
@@ -615,7 +617,7 @@ def _more_rollouts(
 
 
 def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[RolloutSpec]:
-    """The specs with `config.interjections` each (sim.harness.live.draw_interjections); as they are at 0."""
+    """The specs with `config.interjections` each (sim.rollout.spec.draw_interjections); as they are at 0."""
     if not config.interjections:
         return specs
     return [

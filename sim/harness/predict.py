@@ -29,9 +29,8 @@ import numpy as np
 
 from prototype.pipeline import DESIGNS, MODEL_COSTS, CostProfile, profile_gaps
 from sim.analysis.calibrate import SUM, Calibration
-from sim.harness.client import ALL_MODES
 from sim.harness.experiment import CompareConfig, compare
-from sim.harness.live import RolloutResult
+from sim.rollout.result import ALL_MODES, RolloutResult
 
 __all__ = ["DesignPrediction", "predict_designs", "prediction_table", "profile_settings", "time_saved"]
 

@@ -10,7 +10,7 @@ processes by default, or a Dask distributed cluster (`Client.get_executor()`).
 Rows: one per (point, mode), the point's parameters first, then the metrics of
 `sim.analysis.metrics.ModeSummary`, intervals included (`n`, `<metric>_ci_low`, `<metric>_ci_high`).
 Common random numbers: rollout r draws the same tool times, output sizes and texts at
-every point (sim/harness/live.py, per (rollout, turn) streams), so a curve over an axis is the
+every point (sim/rollout/spec.py, per (rollout, turn) streams), so a curve over an axis is the
 same rollouts under other parameters, not resampled noise.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 
 from prototype.options import get_leaf, replace_leaves
-from sim.harness.client import MODES
 from sim.harness.experiment import CompareConfig, run_compare
+from sim.rollout.result import MODES
 from sim.runtime.virtual import VirtualClock, run_virtual
 
 __all__ = ["AXES", "SweepConfig", "dask_executor", "points", "run_point", "run_sweep"]

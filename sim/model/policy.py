@@ -118,7 +118,7 @@ class DefaultPolicy:
 
     tool_calls: int = 10
     # Tool calls per conversation, by `ModelRequest.conversation_key`, overriding `tool_calls`:
-    # how a workload gives each rollout its own length (sim/harness/workload.py).
+    # how a workload gives each rollout its own length (sim/rollout/workload.py).
     per_conversation: Mapping[int, int] = field(default_factory=dict)
     text_tokens_median: int = 120
     arguments_tokens_median: int = 120
@@ -253,7 +253,7 @@ def parse_turn(entry: dict[str, object], where: str) -> tuple[PlannedItem, ...]:
 @dataclass(frozen=True, slots=True)
 class ConversationPolicy:
     """A policy per conversation (by `ModelRequest.conversation_key`), a fallback for the rest:
-    how a recorded trace replays each rollout's own assistant turns (sim/harness/replay.py)."""
+    how a recorded trace replays each rollout's own assistant turns (sim/rollout/replay.py)."""
 
     by_conversation: Mapping[int, Policy]
     fallback: Policy

@@ -36,8 +36,10 @@ from prototype.serve.session import WebSocketSession
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
 from prototype.wire.sse import SSEDecoder, encode_event
-from sim.harness.agents_client import AgentsClient
-from sim.harness.client import WS_MODES, ClientError, HTTPClient, Mode, ResponsesClient, TextSocket, WSClient
+from sim.client.agents_client import AgentsClient
+from sim.client.client import HTTPClient, ResponsesClient, WSClient
+from sim.client.lanes import TextSocket
+from sim.rollout.result import WS_MODES, ClientError, Mode
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 
 __all__ = ["InProcessServer", "Tap"]
@@ -170,7 +172,7 @@ class _ClientSocket:
 
 
 def _reply_error(reply: JSONReply) -> ClientError:
-    """What the measuring client raises for a JSON reply on a socket (`sim.harness.client`: the
+    """What the measuring client raises for a JSON reply on a socket (`sim.client.client`: the
     status and the decoded body). The client always streams, so a reply here is an error."""
     return ClientError(reply.status, msgspec.json.decode(reply.body))
 

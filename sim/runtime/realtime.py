@@ -50,7 +50,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
     from prototype.context.safety import SafetyClassifier
     from prototype.context.tokenizer import get_tokenizer
     from prototype.wire.sse import SSEDecoder
-    from sim.harness.live import tool_output_text
+    from sim.rollout.spec import tool_output_text
 
     clock, loop, out = AsyncioClock(), asyncio.get_running_loop(), []
     late = []
@@ -138,7 +138,7 @@ async def _live_cost_samples(repeats: int, stream_bytes: int) -> Samples:
                 """(client call to the handler holding the body, the rest of the round trip)."""
                 t = time.perf_counter()
                 async with session.post(url + "/", data=data) as resp:
-                    decoder = SSEDecoder()  # the client's own parser, as `sim.harness.client` reads
+                    decoder = SSEDecoder()  # the client's own parser, as `sim.client.client` reads
                     async for chunk in resp.content.iter_any():
                         decoder.feed(chunk)
                 return handled[-1] - t, time.perf_counter() - handled[-1]

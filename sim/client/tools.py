@@ -1,6 +1,6 @@
 """How the agent runs the tool calls it receives: simulated, or as real subprocesses.
 
-Covers: the tool step of the closed loop (sim/harness/live.py). Scenario: the default
+Covers: the tool step of the closed loop (sim/client/loop.py). Scenario: the default
 waits the drawn tool time on the injected clock (live or virtual); `--real-tools`
 spawns a real process per call that takes the drawn time and prints the drawn
 output, so process start-up and pipe I/O are real while the tokens stay the

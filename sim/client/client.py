@@ -22,7 +22,7 @@ Modes (names used everywhere):
   output before its next turn (docs/beta.md).
 * `async`: the same beta socket and create (with parallel calls allowed), driven as the
   async tools are meant to be used (`begin`, `next_turn`, `inject_when_ready`, `settle`;
-  sim/harness/live.py's `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
+  sim/client/loop.py's `run_async_rollout`): each tool starts when its call's `output_item.done` arrives, the
   client keeps reading while it runs and injects its output when it finishes; the model may
   decode its next turn meanwhile. A turn ends at an async call's `output_item.done` (the next
   one starts right there) or at the terminal event.
@@ -35,140 +35,50 @@ Modes (names used everywhere):
 * `agents`: one Agents API session (beta `agents=v1`, docs/agents-api.md) per rollout:
   the first turn creates it with `stream: true` and reads that stream on; each later turn
   POSTs the tool outputs as input events. A turn ends at `agent.session.requires_action`
-  or at the session turn's end (sim/harness/agents_client.py).
+  or at the session turn's end (sim/client/agents_client.py).
 
 In the WebSocket modes several rollouts may share one socket, each on its own lane
-(`stream_id`, docs/lanes.md): `share_socket` puts a list of clients on one `LaneSocket`,
-whose reader hands each frame to the lane its `stream_id` names.
+(`stream_id`, docs/lanes.md): `share_socket` puts a list of clients on one `LaneSocket`
+(sim/client/lanes.py), whose reader hands each frame to the lane its `stream_id` names.
 
-Each turn returns a `TurnResult` with client-side timings taken on an injected
-clock: TTFT is measured to the first *token-carrying* delta,
-E2E to the terminal event (in append mode, a segment ends at the pause). The
-turn's `output_items` are those of its `output_item.done` events. The client decodes frames with the same msgspec
-types the server encodes with.
+Each turn returns a `TurnResult` (sim/rollout/result.py) with client-side timings taken on an
+injected clock, folded from the event stream by a `Tracker` (sim/client/tracker.py). The client
+decodes frames with the same msgspec types the server encodes with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
 
 from prototype.clock import Clock
 from prototype.wire.schemas import (
-    ErrorEvent,
     FunctionCall,
-    FunctionCallArgumentsDelta,
     OutputItemDone,
-    OutputTextDelta,
     Response,
     ResponseCompleted,
     ResponseCreated,
     ResponseDone,
-    ResponseFailed,
     ResponseIncomplete,
     ResponseSteerAccepted,
     ResponseSteerFailed,
     ServerEvent,
     decode_server_event,
-    decode_stream_tag,
     encode,
 )
 from prototype.wire.sse import SSEDecoder
+from sim.client.agents_client import AgentsClient
+from sim.client.lanes import LaneSocket, TextSocket
+from sim.client.tracker import TOKEN_DELTAS, Tracker
+from sim.rollout.result import ALL_MODES, WS_MODES, ClientError, InterjectionRecord, Mode, TurnResult
+from sim.rollout.spec import Interjection
 
-__all__ = [
-    "ALL_MODES",
-    "MODES",
-    "WS_MODES",
-    "ClientError",
-    "Interjection",
-    "InterjectionRecord",
-    "LaneSocket",
-    "Mode",
-    "ResponsesClient",
-    "TurnResult",
-    "open_client",
-    "share_socket",
-    "tool_outputs",
-]
-
-Mode = Literal["http", "http_prev", "ws", "append", "inject", "async", "steer", "agents"]
-# The default comparison's modes; `inject`, `async` and `steer` are opt-in (`--modes`, docs/experiments.md).
-MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
-ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "async", "steer", "agents")
-WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject", "async", "steer")
-TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
-TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
-
-
-class ClientError(Exception):
-    def __init__(self, status: int, body: Any) -> None:
-        super().__init__(f"{status}: {body}")
-        self.status = status
-        self.body = body
-
-
-@dataclass(slots=True)
-class TurnResult:
-    response: Response
-    sent_at: float
-    first_token_at: float | None
-    done_at: float
-    bytes_sent: int
-    events: int
-    output_items: list[dict[str, Any]] = field(default_factory=list)
-    event_log: list[tuple[float, str]] = field(default_factory=list)  # (clock time, event type), in order
-    steered: list[Response] = field(default_factory=list)  # `steer` mode: responses a steer ended in this turn
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.sent_at
-
-    @property
-    def e2e_s(self) -> float:
-        return self.done_at - self.sent_at
-
-    @property
-    def call_ids(self) -> list[str]:
-        """The function calls the client owes an output for (not one a steer cut off: `incomplete`)."""
-        return [
-            item["call_id"]
-            for item in self.output_items
-            if item.get("type") == "function_call" and item.get("status") != "incomplete"
-        ]
-
-
-@dataclass(frozen=True, slots=True)
-class Interjection:
-    """A user message that arrives while rollout turn `turn` runs, `delay_s` after that turn's
-    first token (docs/experiments.md#interjections)."""
-
-    turn: int
-    delay_s: float
-    text: str
-
-    def message(self) -> dict[str, Any]:
-        return {"type": "message", "role": "user", "content": self.text}
-
-
-@dataclass(slots=True)
-class InterjectionRecord:
-    """What became of one interjection: when it arrived, and when the first token of the model
-    turn that has it in its context came (None: not yet)."""
-
-    interjection: Interjection
-    arrived_at: float
-    seen_at: float | None = None
-    via: Literal["next_turn", "steer"] = "next_turn"
-
-    @property
-    def latency_s(self) -> float | None:
-        return None if self.seen_at is None else self.seen_at - self.arrived_at
+__all__ = ["HTTPClient", "ResponsesClient", "WSClient", "open_client", "share_socket"]
 
 
 class ResponsesClient(Protocol):
@@ -177,49 +87,6 @@ class ResponsesClient(Protocol):
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult: ...
 
     async def close(self) -> None: ...
-
-
-class _Tracker:
-    """Folds a server event stream into a `TurnResult`."""
-
-    def __init__(self, clock: Clock, sent_at: float, bytes_sent: int) -> None:
-        self.clock = clock
-        self.sent_at = sent_at
-        self.bytes_sent = bytes_sent
-        self.first_token_at: float | None = None
-        self.events = 0
-        self.items: list[dict[str, Any]] = []
-        self.log: list[tuple[float, str]] = []
-
-    def see(self, event: ServerEvent) -> TurnResult | None:
-        self.events += 1
-        self.log.append((self.clock.now(), event.__struct_config__.tag))  # type: ignore[arg-type]
-        if self.first_token_at is None and isinstance(event, TOKEN_DELTAS):
-            self.first_token_at = self.clock.now()
-        if isinstance(event, OutputItemDone):
-            self.items.append(msgspec.to_builtins(event.item))
-        elif isinstance(event, TERMINALS):
-            return self.ended(event.response)
-        if isinstance(event, ErrorEvent):
-            raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))
-        return None
-
-    def paused(self, response: Response) -> TurnResult:
-        """The beta's pause: the turn ends with its async call, the response still in progress."""
-        return self.ended(response)
-
-    def ended(self, response: Response) -> TurnResult:
-        """The turn as it stands now, ending with `response`."""
-        return TurnResult(
-            response,
-            self.sent_at,
-            self.first_token_at,
-            self.clock.now(),
-            self.bytes_sent,
-            self.events,
-            self.items,
-            self.log,
-        )
 
 
 class _History:
@@ -274,7 +141,7 @@ class HTTPClient:
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
         data = self.body(new_items, settings)
-        tracker = _Tracker(self.clock, self.clock.now(), len(data))
+        tracker = Tracker(self.clock, self.clock.now(), len(data))
         result = None
         async for event in self._exchange(data):
             result = tracker.see(event) or result
@@ -299,16 +166,6 @@ class HTTPClient:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
-
-
-class TextSocket(Protocol):
-    """What `WSClient` needs of a WebSocket (aiohttp's client socket, or an in-process pair)."""
-
-    async def send_str(self, data: str) -> None: ...
-
-    async def receive(self) -> aiohttp.WSMessage: ...
-
-    async def close(self) -> Any: ...
 
 
 class WSClient:
@@ -348,7 +205,7 @@ class WSClient:
         self.ws: TextSocket | None = None
         self.lanes: LaneSocket | None = None
         self.stream_id: str | None = None
-        self._tracker: _Tracker | None = None  # async mode: the turn being read
+        self._tracker: Tracker | None = None  # async mode: the turn being read
         self._injecting: list[asyncio.Task[None]] = []  # async mode: tool steps whose output is still to send
         self._steps: list[Awaitable[list[dict[str, Any]]]] = []
 
@@ -358,7 +215,7 @@ class WSClient:
             self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
         )
 
-    async def _send_turn(self, new_items: list[dict[str, Any]], settings: dict[str, Any]) -> _Tracker:
+    async def _send_turn(self, new_items: list[dict[str, Any]], settings: dict[str, Any]) -> Tracker:
         """Send a turn's frame (the resume of a paused response, or a create) and start timing it."""
         if self.ws is None:
             self.ws = await self._connect() if self.lanes is None else self.lanes.lane(self.stream_id)
@@ -377,7 +234,7 @@ class WSClient:
             if self.stream_id is not None:
                 body["stream_id"] = self.stream_id
         data = encode(body).decode()
-        tracker = _Tracker(self.clock, self.clock.now(), len(data))
+        tracker = Tracker(self.clock, self.clock.now(), len(data))
         await self.ws.send_str(data)
         return tracker
 
@@ -537,7 +394,7 @@ class WSClient:
         if self.stream_id is not None:
             body["stream_id"] = self.stream_id
         data = encode(body).decode()
-        self._tracker = _Tracker(self.clock, self.clock.now(), len(data))
+        self._tracker = Tracker(self.clock, self.clock.now(), len(data))
         self._waiting = None
         self.paused_id = None
         await self.ws.send_str(data)
@@ -564,7 +421,7 @@ class WSClient:
             elif isinstance(event, OutputItemDone) and isinstance(event.item, FunctionCall) and event.item.is_async:
                 if self._waiting is None:
                     raise ClientError(502, "an async call before its response.created")
-                self._tracker = _Tracker(self.clock, self.clock.now(), 0)
+                self._tracker = Tracker(self.clock, self.clock.now(), 0)
                 return tracker.paused(self._waiting)
 
     async def inject(self, items: list[dict[str, Any]]) -> None:
@@ -635,77 +492,6 @@ def _steered(response: Response) -> bool:
     return response.incomplete_details is not None and response.incomplete_details.reason == "steered"
 
 
-class LaneSocket:
-    """One WebSocket shared by several lanes: one reader task routes every frame to the lane
-    its `stream_id` names (frames without one go to the default lane), as the SDKs' WebSocket
-    sessions do. The socket opens with the first lane's first turn and closes when the last
-    lane closes."""
-
-    def __init__(self, connect: Callable[[], Awaitable[TextSocket]], close: Callable[[], Awaitable[Any]]) -> None:
-        self._connect = connect
-        self._close = close
-        self._ws: TextSocket | None = None
-        self._opening: asyncio.Lock | None = None
-        self._reader: asyncio.Task[None] | None = None
-        self._inboxes: dict[str | None, asyncio.Queue[aiohttp.WSMessage]] = {}
-        self._open_lanes = 0
-
-    def lane(self, stream_id: str | None) -> _LaneEnd:
-        inbox = self._inboxes.setdefault(stream_id, asyncio.Queue())
-        return _LaneEnd(self, inbox)
-
-    async def send_str(self, data: str) -> None:
-        if self._ws is None:
-            if self._opening is None:
-                self._opening = asyncio.Lock()
-            async with self._opening:
-                if self._ws is None:
-                    self._ws = await self._connect()
-                    self._reader = asyncio.get_running_loop().create_task(self._read(self._ws))
-        await self._ws.send_str(data)
-
-    async def _read(self, ws: TextSocket) -> None:
-        inboxes = self._inboxes
-        while True:
-            msg = await ws.receive()
-            if msg.type is not aiohttp.WSMsgType.TEXT:
-                for inbox in inboxes.values():
-                    inbox.put_nowait(msg)
-                return
-            lane = inboxes.get(decode_stream_tag(msg.data).stream_id)
-            if lane is not None:
-                lane.put_nowait(msg)
-
-    async def release(self) -> None:
-        self._open_lanes -= 1
-        if self._open_lanes > 0:
-            return
-        if self._ws is not None:
-            await self._ws.close()
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
-        await self._close()
-
-
-class _LaneEnd:
-    """A `TextSocket` for one lane of a `LaneSocket`."""
-
-    def __init__(self, shared: LaneSocket, inbox: asyncio.Queue[aiohttp.WSMessage]) -> None:
-        self.shared = shared
-        self.inbox = inbox
-
-    async def send_str(self, data: str) -> None:
-        await self.shared.send_str(data)
-
-    async def receive(self) -> aiohttp.WSMessage:
-        return await self.inbox.get()
-
-    async def close(self) -> None:
-        await self.shared.release()
-
-
 def share_socket(clients: list[WSClient]) -> LaneSocket:
     """Put `clients` (WebSocket clients of one mode) on one socket, client k on lane `lane-k`.
     The socket is opened as the first client would open its own."""
@@ -726,8 +512,6 @@ def open_client(mode: Mode, base_url: str, clock: Clock, *, api_key: str = "sk-l
     if mode in WS_MODES:
         return WSClient(base_url, clock, api_key=api_key, mode=mode)
     if mode == "agents":
-        from sim.harness.agents_client import AgentsClient  # it builds on this module
-
         return AgentsClient(base_url, clock, api_key=api_key)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(ALL_MODES)}")
 
@@ -746,8 +530,3 @@ def _beta_settings(settings: dict[str, Any], *, overlap: bool) -> dict[str, Any]
 def _declared_async(tool: Any) -> Any:
     """A function tool declared `async: true` (the beta's `BetaFunctionTool`); other tools as they are."""
     return {**tool, "async": True} if isinstance(tool, dict) and tool.get("type") == "function" else tool
-
-
-def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:
-    """`function_call_output` items answering every call of a turn."""
-    return [{"type": "function_call_output", "call_id": call_id, "output": output_text} for call_id in result.call_ids]

@@ -1,15 +1,11 @@
-"""Closed-loop agent rollouts against a live server on loopback, one mode at a time.
+"""The simulated agent's closed loop: rollouts against a server, one mode at a time.
 
-Covers: the rollout loop shared by every mode. Scenario: an agent sends a task,
-streams the response, runs each tool call it receives (sim/harness/tools.py: a simulated tool
-time drawn from the workload and a tool output of a drawn size, or a real subprocess), sends the outputs
-and repeats until the model answers with text. The next turn starts at the
-previous turn's end plus tool time (closed loop, never a trace timestamp).
-
-Same tokens in every mode: the task text, tool outputs and tool times of a
-rollout come from rngs seeded by (seed, rollout index, turn) only, and the server's
-model output depends only on (seed, conversation, turn), so every mode feeds
-the simulator the same model-visible token sequence.
+Covers: the rollout loop shared by every mode. Scenario: an agent sends a task (its
+`RolloutSpec`, sim/rollout/spec.py), streams the response, runs each tool call it receives
+(sim/client/tools.py: a simulated tool time drawn from the workload and a tool output of a drawn
+size, or a real subprocess), sends the outputs and repeats until the model answers with text.
+The next turn starts at the previous turn's end plus tool time (closed loop, never a trace
+timestamp).
 
 The `async` mode has its own driver, `run_async_rollout`: one beta response, each tool
 started as its call arrives and its output injected when it finishes, while the client
@@ -19,154 +15,16 @@ draws as every other mode's (tool step k: the k-th call's time and output).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any, Final
-
-import numpy as np
+from typing import Any
 
 from prototype.clock import Clock
-from sim.harness.client import (
-    Interjection,
-    InterjectionRecord,
-    Mode,
-    ResponsesClient,
-    TurnResult,
-    WSClient,
-    tool_outputs,
-)
-from sim.harness.tools import SimulatedTools, ToolRunner
+from sim.client.client import ResponsesClient, WSClient
+from sim.client.tools import SimulatedTools, ToolRunner
+from sim.rollout.result import InterjectionRecord, Mode, RolloutResult, TurnResult, tool_outputs
+from sim.rollout.spec import EXEC_TOOL, RolloutSpec
 
-__all__ = [
-    "RolloutResult",
-    "RolloutSpec",
-    "draw_interjections",
-    "exposed_s",
-    "make_spec",
-    "run_async_rollout",
-    "run_interjected",
-    "run_rollout",
-    "tool_output_text",
-    "turn_stream",
-]
-
-EXEC_TOOL: Final[dict[str, Any]] = {
-    "type": "function",
-    "name": "exec_command",
-    "description": "Run a shell command in the repository and return its output.",
-    "parameters": {
-        "type": "object",
-        "properties": {"cmd": {"type": "string"}, "workdir": {"type": "string"}},
-        "required": ["cmd"],
-    },
-    "strict": False,
-}
-_INSTRUCTION_LINE: Final = (
-    "You are a coding agent working in a repository. Use exec_command to inspect and change files; "
-    "keep going until the task is done, then summarise what you did.\n"
-)  # 34 o200k tokens
-
-
-def instructions(tokens: int) -> str:
-    """A system prompt of about `tokens` tokens (docs/pipeline.md#calibration: Codex's prompt is ≈ 5.5K)."""
-    return _INSTRUCTION_LINE * max(1, round(tokens / 34))
-
-
-_WORDS: Final = (
-    "src tests lib def return import class self value error config test assert path file line "
-    "None True False open read write json yield async await print len range dict list str int"
-).split()
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutSpec:
-    index: int
-    seed: int
-    task: str
-    tool_times_s: tuple[float, ...]  # one per possible tool turn
-    tool_outputs: tuple[str, ...]
-    instructions: str = _INSTRUCTION_LINE
-    interjections: tuple[Interjection, ...] = ()  # user messages mid-rollout (draw_interjections)
-
-
-@dataclass(slots=True)
-class RolloutResult:
-    mode: Mode
-    index: int
-    started_at: float
-    finished_at: float
-    turns: list[TurnResult] = field(default_factory=list)
-    tool_time_s: float = 0.0
-    # Per model turn, the prompt tokens the model read (the comparison records them server-side).
-    prompt_tokens: list[int] = field(default_factory=list)
-    interjections: list[InterjectionRecord] = field(default_factory=list)
-    tokens_discarded: int = 0  # decoded tokens of items a steer cut off (`steer` mode)
-    successors: int = 0  # automatic successors the steers started (`steer` mode)
-
-    @property
-    def completion_s(self) -> float:
-        return self.finished_at - self.started_at
-
-
-def tool_output_text(rng: np.random.Generator, n_tokens: int) -> str:
-    """Plausible command output of about `n_tokens` tokens (~1 token per short word)."""
-    # The same draws as rng.choice(_WORDS, size): indices, then the words (≈ 6 × faster than choice).
-    words = [_WORDS[i] for i in rng.integers(0, len(_WORDS), size=max(1, n_tokens)).tolist()]
-    lines = [" ".join(words[i : i + 12]) for i in range(0, len(words), 12)]
-    return "\n".join(lines)
-
-
-def turn_stream(seed: int, index: int, turn: int, *stream: int) -> np.random.Generator:
-    """The rng of one turn of one rollout: a function of (seed, rollout index, turn) only,
-    so a turn's draws are the same whatever else the run draws (common random numbers)."""
-    return np.random.default_rng(np.random.SeedSequence([seed, index, turn, *stream]))
-
-
-def make_spec(
-    seed: int,
-    index: int,
-    *,
-    max_turns: int,
-    tool_time_median_s: float,
-    tool_time_sigma: float,
-    tool_output_median_tokens: int,
-    system_prompt_tokens: int = 34,
-) -> RolloutSpec:
-    """Rollout `index`: tool step k draws, from its own `turn_stream(seed, index, k)` and
-    in this order, a standard normal for its time, one for its output size, then the
-    output's words. Common random numbers: a rollout of more tool calls is this rollout
-    plus more turns, and another tool-time median or output median scales the same
-    normals (the output text of a larger size starts with the smaller one's words)."""
-    times, outputs = [], []
-    for k in range(max_turns):
-        rng = turn_stream(seed, index, k)
-        z_time, z_size = rng.standard_normal(2).tolist()
-        times.append(tool_time_median_s * math.exp(tool_time_sigma * z_time) if tool_time_median_s > 0 else 0.0)
-        size = int(min(tool_output_median_tokens * math.exp(1.1 * z_size), 10_000))
-        outputs.append(tool_output_text(rng, size))
-    task = f"Task {index}: fix the failing test in module {index % 7}."
-    return RolloutSpec(index, seed, task, tuple(times), tuple(outputs), instructions(system_prompt_tokens))
-
-
-INTERJECTION_STREAM: Final = 0x57EE  # turn_stream's extra word for a rollout's interjection draws
-
-
-def draw_interjections(seed: int, index: int, count: int, tool_turns: int, window_s: float) -> tuple[Interjection, ...]:
-    """Rollout `index`'s interjections: `count` distinct turns among the tool-call turns that
-    another tool-call turn follows (0 … tool_turns − 2, so a later request exists to carry the
-    message), each with a delay uniform in [0, window_s) after the turn's first token and a
-    short user message; drawn from their own stream, so the rollout's other draws do not move."""
-    if count <= 0 or tool_turns < 2:
-        return ()
-    rng = turn_stream(seed, index, 0, INTERJECTION_STREAM)
-    turns = sorted(rng.choice(tool_turns - 1, size=min(count, tool_turns - 1), replace=False).tolist())
-    delays = rng.uniform(0.0, window_s, size=len(turns)).tolist()
-    files = rng.integers(0, 100, size=len(turns)).tolist()
-    return tuple(
-        Interjection(turn, delay, f"Also check tests/test_{name:02d}.py before you go on.")
-        for turn, delay, name in zip(turns, delays, files, strict=True)
-    )
+__all__ = ["exposed_s", "run_async_rollout", "run_interjected", "run_rollout"]
 
 
 def _settings(

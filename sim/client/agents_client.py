@@ -28,7 +28,8 @@ from prototype.agents.wire import AGENTS_BETA, LongrunExt
 from prototype.clock import Clock
 from prototype.wire.schemas import Response, encode
 from prototype.wire.sse import SSEDecoder
-from sim.harness.client import ClientError, Mode, TurnResult, _Tracker
+from sim.client.tracker import Tracker
+from sim.rollout.result import ClientError, Mode, TurnResult
 
 __all__ = ["AgentsClient", "agent_tool"]
 
@@ -81,7 +82,7 @@ class AgentsClient:
                 agent["instructions"] = settings["instructions"]
             body = {"environment": {"type": "none"}, "agent": agent, "input": messages, "stream": True}
             data = encode(body)
-            tracker = _Tracker(self.clock, self.clock.now(), len(data))
+            tracker = Tracker(self.clock, self.clock.now(), len(data))
             self._events = self._decoded(self._create(data))
         else:
             assert self.session_id is not None and self.turn_id is not None
@@ -93,7 +94,7 @@ class AgentsClient:
                 self._idle = False
             events = [self._input(item) for item in new_items]
             data = encode({"events": events})
-            tracker = _Tracker(self.clock, self.clock.now(), len(data))
+            tracker = Tracker(self.clock, self.clock.now(), len(data))
             self._posts += 1
             await self._post(self.session_id, data, f"{self.session_id}-{self._posts}")
         return await self._read(tracker)
@@ -109,7 +110,7 @@ class AgentsClient:
             }
         return {"type": "agent.session.input.message", "input": [_message(item)]}
 
-    async def _read(self, tracker: _Tracker) -> TurnResult:
+    async def _read(self, tracker: Tracker) -> TurnResult:
         assert self._events is not None
         ended: Response | None = None
         async for event in self._events:

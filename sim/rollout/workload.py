@@ -27,7 +27,7 @@ from typing import Final
 import msgspec
 
 from prototype.context.conversation import conversation_key
-from sim.harness.live import RolloutSpec, instructions, tool_output_text, turn_stream
+from sim.rollout.spec import RolloutSpec, instructions, tool_output_text, turn_stream
 
 __all__ = ["WORKLOADS", "ToolTime", "Workload", "draw_rollouts", "tool_times", "with_tail"]
 

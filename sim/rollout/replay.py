@@ -27,8 +27,8 @@ from pathlib import Path
 import msgspec
 
 from prototype.context.conversation import conversation_key
-from sim.harness.live import RolloutSpec
 from sim.model.policy import ConversationPolicy, DefaultPolicy, PlannedItem, Policy, ScriptPolicy, parse_turn
+from sim.rollout.spec import RolloutSpec
 
 __all__ = ["RecordedRollout", "load_trace", "replay_plan"]
 

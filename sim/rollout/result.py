@@ -1,0 +1,115 @@
+"""What a rollout produced, as the measuring client saw it: per turn a `TurnResult` (client-side
+timings on an injected clock), per rollout a `RolloutResult`; and the API modes' names.
+
+TTFT is measured to the first *token-carrying* delta, E2E to the terminal event (in append
+mode, a segment ends at the pause). A turn's `output_items` are those of its
+`output_item.done` events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from prototype.wire.schemas import Response
+from sim.rollout.spec import Interjection
+
+__all__ = [
+    "ALL_MODES",
+    "MODES",
+    "WS_MODES",
+    "ClientError",
+    "InterjectionRecord",
+    "Mode",
+    "RolloutResult",
+    "TurnResult",
+    "tool_outputs",
+]
+
+Mode = Literal["http", "http_prev", "ws", "append", "inject", "async", "steer", "agents"]
+
+
+# The default comparison's modes; `inject`, `async` and `steer` are opt-in (`--modes`, docs/experiments.md).
+MODES: Final[tuple[Mode, ...]] = ("http", "http_prev", "ws", "append")
+
+
+ALL_MODES: Final[tuple[Mode, ...]] = (*MODES, "inject", "async", "steer", "agents")
+
+
+WS_MODES: Final[tuple[Mode, ...]] = ("ws", "append", "inject", "async", "steer")
+
+
+class ClientError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"{status}: {body}")
+        self.status = status
+        self.body = body
+
+
+@dataclass(slots=True)
+class TurnResult:
+    response: Response
+    sent_at: float
+    first_token_at: float | None
+    done_at: float
+    bytes_sent: int
+    events: int
+    output_items: list[dict[str, Any]] = field(default_factory=list)
+    event_log: list[tuple[float, str]] = field(default_factory=list)  # (clock time, event type), in order
+    steered: list[Response] = field(default_factory=list)  # `steer` mode: responses a steer ended in this turn
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.sent_at
+
+    @property
+    def e2e_s(self) -> float:
+        return self.done_at - self.sent_at
+
+    @property
+    def call_ids(self) -> list[str]:
+        """The function calls the client owes an output for (not one a steer cut off: `incomplete`)."""
+        return [
+            item["call_id"]
+            for item in self.output_items
+            if item.get("type") == "function_call" and item.get("status") != "incomplete"
+        ]
+
+
+@dataclass(slots=True)
+class InterjectionRecord:
+    """What became of one interjection: when it arrived, and when the first token of the model
+    turn that has it in its context came (None: not yet)."""
+
+    interjection: Interjection
+    arrived_at: float
+    seen_at: float | None = None
+    via: Literal["next_turn", "steer"] = "next_turn"
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.seen_at is None else self.seen_at - self.arrived_at
+
+
+@dataclass(slots=True)
+class RolloutResult:
+    mode: Mode
+    index: int
+    started_at: float
+    finished_at: float
+    turns: list[TurnResult] = field(default_factory=list)
+    tool_time_s: float = 0.0
+    # Per model turn, the prompt tokens the model read (the comparison records them server-side).
+    prompt_tokens: list[int] = field(default_factory=list)
+    interjections: list[InterjectionRecord] = field(default_factory=list)
+    tokens_discarded: int = 0  # decoded tokens of items a steer cut off (`steer` mode)
+    successors: int = 0  # automatic successors the steers started (`steer` mode)
+
+    @property
+    def completion_s(self) -> float:
+        return self.finished_at - self.started_at
+
+
+def tool_outputs(result: TurnResult, output_text: str) -> list[dict[str, Any]]:
+    """`function_call_output` items answering every call of a turn."""
+    return [{"type": "function_call_output", "call_id": call_id, "output": output_text} for call_id in result.call_ids]
