@@ -6,7 +6,7 @@ PYTEST_ARGS ?= --durations=25
 # (tests/conftest.py). `make test LONGRUN_REQUIRE_ALL=0` lets a partial machine skip instead.
 LONGRUN_REQUIRE_ALL ?= 1
 
-.PHONY: install engine node-clients test compare lint typecheck docs-tables
+.PHONY: install engine node-clients test compare lint typecheck docs-tables docs-layers
 
 install:
 	$(PY) -m pip install -q -e '.[dev]'
@@ -44,3 +44,7 @@ typecheck:
 # docs/state-machines.md is generated from the connection's and the stream's transition tables.
 docs-tables:
 	$(PY) -m prototype.serve.tables > docs/state-machines.md
+
+# docs/architecture.md's layer block and module table are generated from layers.toml.
+docs-layers:
+	$(PY) -m tests.layers --write

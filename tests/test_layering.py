@@ -1,15 +1,15 @@
-"""Layering, enforced by walking the import statements of every module.
+"""Layering, enforced by walking the import statements of every module against the one declaration,
+`layers.toml` (read by tests/layers.py, which also renders docs/architecture.md's layer block and
+module table):
 
-* `prototype/` imports `sim/` only in its composition root, `prototype/server.py`.
-* The sans-IO core (wire types, state machines, framing, rendering) and all of
-  `sim/` except its async adapters (`runtime/realtime.py`: live costs on the wall clock; `runtime/virtual.py`: the
-  virtual-time loop; `inprocess.py`: the socket-less transport; `experiment.py`: composes
-  a live or in-process server; `tools.py`: tool subprocesses) import no asyncio,
-  aiohttp or uvloop.
-* uvloop is chosen only in entry points.
-* The same, transitively: a fresh interpreter imports each pure module and must not
-  have loaded asyncio, aiohttp, uvloop, redis or sqlite3 (and numpy where the module
-  has no token arrays) by the end.
+* every module of prototype/ and sim/ is declared, in one layer; every import a module makes is of
+  its own layer or of a layer its layer `uses`; the layers' graph and the modules' graph are acyclic;
+* `prototype/` imports `sim/` only in its composition root, `prototype/server.py`;
+* a module declared sans-IO (`io = "none"`) imports no asyncio, aiohttp or uvloop, and a fresh
+  interpreter importing it loads none of them, nor redis or sqlite3 (nor numpy where declared);
+  `io = "asyncio"` modules load no aiohttp or uvloop; uvloop is chosen only in entry points;
+* the tree's sizes: the prototype/ root holds at most 8 modules, each sub-package at most 10, and no
+  module is over 700 lines.
 """
 
 from __future__ import annotations
@@ -23,127 +23,73 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from . import layers
+from .layers import ROOT
+
 IO_MODULES = {"asyncio", "aiohttp", "uvloop"}
-PURE_CORE = {
-    "schemas",
-    "connection",
-    "cache",
-    "stream",
-    "sse",
-    "conversation",
-    "model",
-    "errors",
-    "ids",
-    "clock",
-    "tokenizer",
-    "timing",
-    "constraints",
-    "wsevents",
-    "lanes",
-    "frames",
-    "conncache",
-    "pauses",
-    "steering",
-    "agents",
-    "agents_wire",
-    "tables",
-    "config",
-    "options",
-}
-# Loaded by no pure module, directly or through another (numpy is allowed where tokens live:
+# Loaded by no sans-IO module, directly or through another (numpy is allowed where tokens live:
 # token arrays are numpy arrays).
 BANNED_TRANSITIVELY = {"asyncio", "aiohttp", "uvloop", "redis", "sqlite3"}
-NO_NUMPY = {"schemas", "sse", "errors", "ids", "clock", "constraints", "options"}
-ENTRY_POINTS = {
-    ROOT / "prototype" / "server.py",
-    ROOT / "sim" / "__main__.py",
-    ROOT / "sim" / "bench" / "__main__.py",  # the benchmark's load generator
-    ROOT / "sim" / "bench" / "server.py",  # the benchmark's server process
-}
-
-
-def imports(path: Path) -> set[str]:
-    """Top-level package names imported by a module, resolving relative imports against its package."""
-    tree = ast.parse(path.read_text(), str(path))
-    package = path.parent.name
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                names.add(package)
-            elif node.module:
-                names.add(node.module.split(".")[0])
-    return names
+DECLARED = layers.declared_modules()
+FILES = layers.module_files()
+LAYER_OF = layers.layer_of()
+MAX_ROOT_MODULES = 8
+MAX_PACKAGE_MODULES = 10
+MAX_MODULE_LINES = 700
 
 
 def modules(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: p.name)
-def test_prototype_imports_sim_only_at_the_composition_root(path: Path) -> None:
-    if path == ROOT / "prototype" / "server.py":
-        return
-    assert "sim" not in imports(path), f"{path.name} imports sim/"
+def by_io(*kinds: str) -> list[str]:
+    return sorted(name for name, module in DECLARED.items() if module.io in kinds)
 
 
-@pytest.mark.parametrize("path", [p for p in modules("prototype") if p.stem in PURE_CORE], ids=lambda p: p.name)
-def test_sans_io_core_does_no_io(path: Path) -> None:
-    assert not imports(path) & IO_MODULES, f"{path.name} imports {imports(path) & IO_MODULES}"
+def test_every_module_is_declared_once() -> None:
+    assert sorted(set(FILES) - set(DECLARED)) == [], "modules missing from layers.toml"
+    assert sorted(set(DECLARED) - set(FILES)) == [], "layers.toml declares modules that do not exist"
+    for layer in layers.declaration():
+        for name in layer.modules:
+            assert name.rsplit(".", 1)[0] == layer.package, f"{name} is not in {layer.package}"
 
 
-# experiment: composes servers; tools: real tool subprocesses; wsclient: the benchmark's socket client;
-# contract: the benchmark's rollout client (sim.bench contract)
-# lanes: the benchmark's lanes-against-sockets load; client: the harness's measuring client (HTTP, SSE, WebSocket);
-# agents_client: its Agents API counterpart (HTTP, SSE)
-# llamacpp, backend, rates: the real engine's HTTP client, its process's lifetime, its measured rates (sim/engine/)
-SIM_ASYNC_ADAPTERS = {
-    "llamacpp.py",
-    "rates.py",
-    "backend.py",
-    "realtime.py",
-    "virtual.py",
-    "inprocess.py",
-    "experiment.py",
-    "tools.py",
-    "wsclient.py",
-    "contract.py",
-    "lanes.py",
-    "client.py",
-    "agents_client.py",
-}
+def test_the_declaration_is_well_formed() -> None:
+    names = [layer.name for layer in layers.declaration()]
+    assert len(names) == len(set(names)), "a layer is declared twice"
+    below: set[str] = set()
+    for layer in layers.declaration():
+        assert set(layer.uses) <= below, f"{layer.name} uses a layer not below it: {set(layer.uses) - below}"
+        below.add(layer.name)
+    assert {module.io for module in DECLARED.values()} <= set(layers.IO_KINDS)
 
 
-@pytest.mark.parametrize("path", [p for p in modules("sim") if p.name not in SIM_ASYNC_ADAPTERS], ids=lambda p: p.name)
-def test_sim_uses_asyncio_only_in_realtime(path: Path) -> None:
-    allowed = IO_MODULES if path in ENTRY_POINTS else set()  # entry points compose the live server
-    assert not (imports(path) & IO_MODULES) - allowed, f"{path.name} imports {imports(path) & IO_MODULES}"
+@pytest.mark.parametrize("name", sorted(FILES), ids=str)
+def test_each_import_is_of_a_layer_the_module_may_use(name: str) -> None:
+    layer = {layer.name: layer for layer in layers.declaration()}[LAYER_OF[name]]
+    allowed = {layer.name, *layer.uses}
+    wrong = {
+        target: LAYER_OF[target] for target in layers.internal_imports(FILES[name]) if LAYER_OF[target] not in allowed
+    }
+    assert not wrong, f"{name} ({layer.name}, uses {sorted(layer.uses)}) imports {wrong}"
 
 
-@pytest.mark.parametrize("path", modules("prototype") + modules("sim"), ids=lambda p: p.name)
-def test_uvloop_only_in_entry_points(path: Path) -> None:
-    if path not in ENTRY_POINTS:
-        assert "uvloop" not in imports(path)
+def test_prototype_imports_sim_only_at_the_composition_root() -> None:
+    for layer in layers.declaration():
+        if layer.package.startswith("prototype") and layer.name != "server":
+            assert not [used for used in layer.uses if used.startswith("sim")], layer.name
+    assert layers.top_packages(ROOT / "prototype" / "server.py") >= {"sim"}
 
 
-def prototype_imports(path: Path) -> set[str]:
-    """The prototype/ modules a prototype/ module imports (relative imports, `TYPE_CHECKING` ones too)."""
-    tree = ast.parse(path.read_text(), str(path))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                names.add(node.module.split(".")[0])
-            else:
-                names.update(alias.name for alias in node.names)
-    return names
+def test_package_inits_hold_no_imports() -> None:
+    """A package's `__init__` is its docstring at most: what a module imports is always a module."""
+    for path in layers.package_inits():
+        tree = ast.parse(path.read_text())
+        assert not [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)], path
 
 
 def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected group of more than one module (or a module importing itself)."""
+    """Every strongly connected group of more than one node (or a node importing itself)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -174,17 +120,65 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_prototype_has_no_import_cycles() -> None:
-    graph = {path.stem: prototype_imports(path) for path in modules("prototype")}
-    assert not import_cycles(graph)
-
-
 def test_the_cycle_finder_finds_cycles() -> None:
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
-@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: p.name)
+def test_no_module_import_cycles() -> None:
+    """`TYPE_CHECKING` imports included: each module can be read and tested from its imports down."""
+    assert not import_cycles({name: layers.internal_imports(path) for name, path in FILES.items()})
+
+
+def test_no_layer_import_cycles() -> None:
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for name, path in FILES.items():
+        graph[LAYER_OF[name]].update(LAYER_OF[target] for target in layers.internal_imports(path))
+    for layer, targets in graph.items():
+        targets.discard(layer)
+    assert not import_cycles(graph)
+
+
+def test_the_resolver_sees_relative_and_absolute_imports() -> None:
+    engine = layers.internal_imports(ROOT / "prototype" / "response" / "engine.py")
+    assert {"prototype.response.run", "prototype.wire.schemas", "prototype.clock"} <= engine
+    assert "prototype.serve.app" in layers.internal_imports(ROOT / "prototype" / "server.py")
+
+
+def test_the_tree_sizes() -> None:
+    packages: dict[Path, list[Path]] = collections.defaultdict(list)
+    for path in FILES.values():
+        packages[path.parent].append(path)
+    assert len(packages[ROOT / "prototype"]) <= MAX_ROOT_MODULES, packages[ROOT / "prototype"]
+    for folder, members in packages.items():
+        if folder != ROOT / "prototype" and folder.is_relative_to(ROOT / "prototype"):
+            assert len(members) <= MAX_PACKAGE_MODULES, folder
+    long = {name: n for name, path in FILES.items() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_the_architecture_page_is_generated_from_the_declaration() -> None:
+    page = layers.PAGE.read_text(encoding="utf-8")
+    assert layers.page_with(layers.render(), page) == page, "run `make docs-layers`"
+
+
+@pytest.mark.parametrize("name", by_io("none"), ids=str)
+def test_sans_io_modules_import_no_io(name: str) -> None:
+    assert not layers.top_packages(FILES[name]) & IO_MODULES
+
+
+@pytest.mark.parametrize("name", by_io("asyncio"), ids=str)
+def test_asyncio_modules_import_no_aiohttp(name: str) -> None:
+    assert not layers.top_packages(FILES[name]) & {"aiohttp", "uvloop"}
+
+
+@pytest.mark.parametrize("name", sorted(FILES), ids=str)
+def test_uvloop_only_in_entry_points(name: str) -> None:
+    if DECLARED[name].io != "entry":
+        assert "uvloop" not in layers.top_packages(FILES[name])
+
+
+@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_prototype_imports_only_at_module_level(path: Path) -> None:
     """An import inside a function hides a dependency (and, in prototype/, usually a cycle)."""
     tree = ast.parse(path.read_text(), str(path))
@@ -199,7 +193,7 @@ def test_prototype_imports_only_at_module_level(path: Path) -> None:
 
 
 def test_the_checker_sees_imports() -> None:
-    server = imports(ROOT / "prototype" / "server.py")
+    server = layers.top_packages(ROOT / "prototype" / "server.py")
     assert {"sim", "uvloop", "prototype", "aiohttp"} <= server
 
 
@@ -217,23 +211,25 @@ def loaded_by(module: str) -> set[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(PURE_CORE))
-def test_sans_io_core_loads_no_io_transitively(name: str) -> None:
-    loaded = loaded_by(f"prototype.{name}")
-    banned = BANNED_TRANSITIVELY | ({"numpy"} if name in NO_NUMPY else set())
-    assert not loaded & banned, f"importing prototype.{name} loads {sorted(loaded & banned)}"
+@pytest.mark.parametrize("name", by_io("none"), ids=str)
+def test_sans_io_modules_load_no_io_transitively(name: str) -> None:
+    loaded = loaded_by(name)
+    banned = BANNED_TRANSITIVELY | ({"numpy"} if not DECLARED[name].numpy else set())
+    assert not loaded & banned, f"importing {name} loads {sorted(loaded & banned)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", by_io("asyncio"), ids=str)
+def test_asyncio_modules_load_no_aiohttp_transitively(name: str) -> None:
+    """The session, the HTTP exchange and the runs drive both the live server and the in-process
+    transport: no aiohttp."""
+    loaded = loaded_by(name)
+    assert not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
 
 
 @pytest.mark.slow
 def test_the_transitive_checker_sees_imports() -> None:
     assert {"asyncio", "aiohttp"} <= loaded_by("prototype.serve.app")
-
-
-@pytest.mark.slow
-def test_the_session_core_loads_no_aiohttp() -> None:
-    """`prototype.serve.session` drives both the live server and the in-process transport: no aiohttp."""
-    loaded = loaded_by("prototype.serve.session")
-    assert "asyncio" in loaded and not loaded & {"aiohttp", "uvloop"}, sorted(loaded)
 
 
 # asyncio's private loop state, read by the virtual-time loop only (sim/runtime/virtual.py).

@@ -314,7 +314,7 @@ class ListPage(msgspec.Struct, kw_only=True):
 class LongrunExt(msgspec.Struct):
     """longrun's extension field on pause and turn-end events (as `longrun` on a Response
     object): the turn's response as it stands, without its output, tools and instructions,
-    so a measuring client reads usage and stage timings per step (sim.harness.agents_client)."""
+    so a measuring client reads usage and stage timings per step (sim.client.agents_client)."""
 
     response: Response
 

@@ -162,14 +162,14 @@ class Outbox:
     that puts more than `BATCH_BYTES` ahead of the socket waits for `room` (flow control); once
     the socket fails, `broken` is set and what is put is dropped."""
 
-    __slots__ = ("_frames", "_queued", "_ready", "_room", "broken", "writer", "ws")
+    __slots__ = ("_frames", "_queued", "_room", "_wake", "broken", "writer", "ws")
 
     def __init__(self, ws: SessionSocket, writer: TextSender) -> None:
         self.ws = ws
         self.writer = writer
         self._frames: collections.deque[bytes | _Close] = collections.deque()
         self._queued = 0  # bytes put and not yet written
-        self._ready = asyncio.Event()  # something to write
+        self._wake = asyncio.Event()  # something to write
         self._room = asyncio.Event()  # below the high-water mark again
         self.broken = False
 
@@ -177,17 +177,17 @@ class Outbox:
         if not self.broken:
             self._frames.append(frame)
             self._queued += len(frame)
-            self._ready.set()
+            self._wake.set()
 
     def close(self, code: int, reason: bytes) -> None:
         """Close the socket after the frames put before."""
         self._frames.append(_Close(code, reason))
-        self._ready.set()
+        self._wake.set()
 
     def finish(self) -> None:
         """The writer returns once what was put before is written."""
         self._frames.append(_END)
-        self._ready.set()
+        self._wake.set()
 
     @property
     def full(self) -> bool:
@@ -205,8 +205,8 @@ class Outbox:
         batched = writer.flush if isinstance(writer, BatchedFrames) else None
         try:
             while True:
-                await self._ready.wait()
-                self._ready.clear()
+                await self._wake.wait()
+                self._wake.clear()
                 while frames:
                     frame = frames.popleft()
                     if isinstance(frame, _Close):

@@ -29,9 +29,9 @@ from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache
 from prototype.response.engine import Engine
+from prototype.serve.admission import WebSocketTerms
 from prototype.serve.agents_api import AgentsAPI
 from prototype.serve.exchange import HTTPExchange, JSONReply
-from prototype.serve.admission import WebSocketTerms
 from prototype.serve.session import WebSocketSession
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
