@@ -168,6 +168,12 @@ class HTTPClient:
             await self.session.close()
 
 
+def upgrade_refused(status: int) -> ClientError:
+    """A refused WebSocket upgrade as a client sees it: its status alone (aiohttp hands over no
+    body with a failed handshake), the same whichever transport carried it."""
+    return ClientError(status, "WebSocket upgrade refused")
+
+
 class WSClient:
     """Every WebSocket mode (`WS_MODES`: `ws`, `append`, and the beta's `inject`, `async`,
     `steer`), on the same socket machinery.
@@ -209,11 +215,16 @@ class WSClient:
         self._injecting: list[asyncio.Task[None]] = []  # async mode: tool steps whose output is still to send
         self._steps: list[Awaitable[list[dict[str, Any]]]] = []
 
+    def upgrade_headers(self) -> dict[str, str]:
+        """The upgrade request's headers (its dialect is in the URL's `mode`)."""
+        return {"Authorization": f"Bearer {self.api_key}"}
+
     async def _connect(self) -> TextSocket:
         self.session = aiohttp.ClientSession()
-        return await self.session.ws_connect(
-            self.url, headers={"Authorization": f"Bearer {self.api_key}"}, max_msg_size=0
-        )
+        try:
+            return await self.session.ws_connect(self.url, headers=self.upgrade_headers(), max_msg_size=0)
+        except aiohttp.WSServerHandshakeError as exc:
+            raise upgrade_refused(exc.status) from None
 
     async def _send_turn(self, new_items: list[dict[str, Any]], settings: dict[str, Any]) -> Tracker:
         """Send a turn's frame (the resume of a paused response, or a create) and start timing it."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Generic, Literal, TypeVar
 
@@ -24,12 +25,11 @@ import aiohttp
 import msgspec
 from aiohttp import WSMsgType
 
-from prototype.agents.wire import AGENTS_BETA
 from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache
 from prototype.response.engine import Engine
-from prototype.serve.admission import WebSocketTerms
+from prototype.serve.admission import Slots, admit_websocket, authorize
 from prototype.serve.agents_api import AgentsAPI
 from prototype.serve.exchange import HTTPExchange, JSONReply
 from prototype.serve.session import WebSocketSession
@@ -37,7 +37,7 @@ from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
 from prototype.wire.sse import SSEDecoder, encode_event
 from sim.client.agents_client import AgentsClient
-from sim.client.client import HTTPClient, ResponsesClient, WSClient
+from sim.client.client import HTTPClient, ResponsesClient, WSClient, upgrade_refused
 from sim.client.lanes import TextSocket
 from sim.rollout.result import WS_MODES, ClientError, Mode
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
@@ -192,7 +192,8 @@ class _InProcessHTTP(HTTPClient):
         charges = self.charges
         if charges is not None:  # the request's way to the handler, before the server reads the body
             charges.charge(charges.costs.http_request, charges.costs.http_request_after_wait)
-        try:  # the live server's own exchange (prototype.serve.session): the same answer on every path
+        try:  # the live server's admission and exchange (prototype.serve): the same answer on every path
+            authorize(self.server.config, "/v1/responses", f"Bearer {self.api_key}")
             exchange = HTTPExchange(data, engine, self.server.config, tool_cache=self.server.tool_cache)
         except ProtocolError as err:
             raise _reply_error(JSONReply.error(err)) from None
@@ -258,13 +259,27 @@ class _InProcessWS(WSClient):
         self.server = server
 
     async def _connect(self) -> TextSocket:
+        server = self.server
+        headers = self.upgrade_headers()
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.url).query))
+        try:  # the live server's admission: the same refusal, the same terms
+            authorize(server.config, "/v1/responses", headers.get("Authorization"))
+            terms = admit_websocket(server.config, headers, query, server.slots)
+        except ProtocolError as err:
+            raise upgrade_refused(err.status) from None
         to_server: _Channel[str | None] = _Channel()
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
-        server_end = _ServerSocket(to_server, to_client, self.server.tap)
-        client_end = _ClientSocket(to_client, to_server, self.server.tap, _charges(self.server.live_costs))
-        terms = WebSocketTerms(append_mode=self.mode == "append", beta=self.beta, timing=False)
-        session = WebSocketSession(self.server.engine, self.server.config, server_end, terms=terms)
-        client_end.session_task = asyncio.get_running_loop().create_task(session.serve())
+        server_end = _ServerSocket(to_server, to_client, server.tap)
+        client_end = _ClientSocket(to_client, to_server, server.tap, _charges(server.live_costs))
+        session = WebSocketSession(server.engine, server.config, server_end, terms=terms)
+
+        async def serve() -> None:
+            try:
+                await session.serve()
+            finally:
+                server.slots.release()
+
+        client_end.session_task = asyncio.get_running_loop().create_task(serve())
         return client_end
 
 
@@ -275,14 +290,20 @@ class _InProcessAgents(AgentsClient):
         super().__init__("inprocess://", clock)
         self.server = server
 
-    def _headers(self) -> dict[str, str]:
-        return {"OpenAI-Beta": AGENTS_BETA}
+    def _admit(self) -> None:
+        """The live server's admission of every Agents API route: the key, then the beta header."""
+        headers = self._headers()
+        try:
+            authorize(self.server.config, "/v1/agents/sessions", headers.get("Authorization"))
+            self.server.agents.check_beta(headers)
+        except ProtocolError as err:
+            raise _reply_error(JSONReply.error(err)) from None
 
     async def _create(self, data: bytes) -> AsyncIterator[bytes]:
         api, tap = self.server.agents, self.server.tap
         if tap is not None:
             tap("up", data)
-        api.check_beta(self._headers())
+        self._admit()
         try:
             reply = api.create(data)
         except ProtocolError as err:
@@ -298,6 +319,7 @@ class _InProcessAgents(AgentsClient):
             reply.runner.unsubscribe(reply.feed)
 
     async def _subscribe(self, session_id: str) -> AsyncIterator[bytes]:
+        self._admit()
         reply = self.server.agents.stream_events(session_id)  # subscribed now
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -314,6 +336,7 @@ class _InProcessAgents(AgentsClient):
     async def _post(self, session_id: str, data: bytes, key: str) -> None:
         if self.server.tap is not None:
             self.server.tap("up", data)
+        self._admit()
         try:
             self.server.agents.post_events(session_id, data, key)
         except ProtocolError as err:
@@ -343,6 +366,7 @@ class InProcessServer:
         self.tap = tap
         self.live_costs = live_costs
         self.agents = AgentsAPI(engine, self.config)  # the Agents API's sessions (`agents` mode)
+        self.slots = Slots(self.config.websocket.max_connections)  # open WebSocket connections, as live
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):
