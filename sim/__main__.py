@@ -27,13 +27,14 @@ import msgspec
 import uvloop
 from tqdm import tqdm
 
-from prototype.options import add_struct_options, struct_from_args
+from prototype.options import add_struct_options, leaves, struct_from_args
 from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.stats import Estimate
 from sim.engine.process import EngineNotInstalled
 from sim.engine.rates import measure, rates_text
+from sim.fleet.config import READ_LEAVES
 from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, resource_table, run_capacity
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
@@ -56,6 +57,12 @@ __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "
 
 
 _FLEET_SET_BY_POINT: Final = ("kv_budget_tokens", "hold_policy", "preempt_held")  # capacity: grid axes and variants
+# capacity: the nested model's and server's leaves the fleet does not read
+_FLEET_UNREAD: Final = tuple(
+    field.name
+    for path, field in leaves(CapacityConfig)
+    if path[:1] == ("fleet",) and path[1:2] and path[1] in READ_LEAVES and field.name not in READ_LEAVES[path[1]]
+)
 
 
 def _add_config_options(p: argparse.ArgumentParser) -> None:
@@ -184,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         "docs/capacity.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_struct_options(cap, CapacityConfig, skip=_FLEET_SET_BY_POINT)
+    add_struct_options(cap, CapacityConfig, skip=_FLEET_SET_BY_POINT + _FLEET_UNREAD)
     cap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")

@@ -22,6 +22,7 @@ from sim.harness.capacity import (
     run_point,
 )
 from sim.harness.sweep import dask_executor
+from sim.model.config import HOSTED_MODEL
 
 SMALL = CapacityConfig(
     workload="interactive",
@@ -30,7 +31,7 @@ SMALL = CapacityConfig(
     kv_budgets=(120_000,),
     tool_tails=(1.0,),
     seeds=2,
-    fleet=FleetConfig(replicas=2, decode_slots=8, cache_ttl_s=60.0),
+    fleet=FleetConfig(replicas=2, cache_ttl_s=60.0, model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=8)),
 )
 
 

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from prototype.config import WebSocketConfig
 from prototype.pipeline import load_profile
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import paired_mean
@@ -18,6 +19,7 @@ from sim.fleet.engine import simulate
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
+from sim.model.config import HOSTED_MODEL
 from sim.rollout.spec import tool_output_text
 from sim.rollout.workload import WORKLOADS
 
@@ -77,7 +79,13 @@ def test_a_shared_accelerator_agrees_with_the_full_path_per_session() -> None:
     result = compare(config, virtual=True, free_cpu=True)
     sessions = _sessions(n)
     for mode in modes:
-        run = simulate(mode, HOSTED, FleetConfig(compute="free", decode_slots=2), sessions, users=4)
+        run = simulate(
+            mode,
+            HOSTED,
+            FleetConfig(compute="free", model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=2)),
+            sessions,
+            users=4,
+        )
         fleet = {r.index: r.finished_at - r.arrived_at for r in run.sessions}
         full = {r.index: r.completion_s for r in result.rollouts if r.mode == mode}
         diff = paired_mean([fleet[i] - full[i] for i in range(n)])
@@ -95,7 +103,12 @@ def _loaded(mode: str, config: FleetConfig, n: int = 40, gap: float = 0.5, **kw:
 @pytest.mark.parametrize("policy", ["hold", "ttl", "release", "offload"])
 def test_kv_stays_within_budget_and_no_session_is_lost(mode: str, policy: str) -> None:
     budget = 40_000
-    config = FleetConfig(kv_budget_tokens=budget, hold_policy=policy, decode_slots=8, hold_ttl_s=0.2)
+    config = FleetConfig(
+        kv_budget_tokens=budget,
+        hold_policy=policy,
+        hold_ttl_s=0.2,
+        model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=8),
+    )
     run = _loaded(mode, config)
     assert run.overflow_tokens == 0
     assert 0 < run.kv_peak_tokens <= budget
@@ -122,14 +135,19 @@ def test_a_turn_that_just_fits_the_budget_runs_within_it(mode: str) -> None:
 
 
 def test_every_mode_gets_the_same_tokens() -> None:
-    runs = [_loaded(mode, FleetConfig(kv_budget_tokens=60_000, decode_slots=4)) for mode in ("http", "ws", "append")]
+    runs = [
+        _loaded(mode, FleetConfig(kv_budget_tokens=60_000, model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=4)))
+        for mode in ("http", "ws", "append")
+    ]
     assert len({r.prompt_tokens for r in runs}) == 1
     assert len({len(s.ttft_s) for r in runs for s in r.sessions}) == 1
 
 
 def test_held_kv_blocks_admission_and_release_frees_it() -> None:
     """A tight budget and long tools: holding makes turns wait or preempts; releasing does not hold."""
-    config = FleetConfig(kv_budget_tokens=50_000, decode_slots=16, preempt_held=False)
+    config = FleetConfig(
+        kv_budget_tokens=50_000, preempt_held=False, model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=16)
+    )
     hold = _loaded("append", config, tool_time_median_s=5.0, gap=0.2)
     release = _loaded("append", dataclasses_replace(config, hold_policy="release"), tool_time_median_s=5.0, gap=0.2)
     assert hold.completed == release.completed == 40
@@ -152,7 +170,9 @@ def _one(mode: str, config: FleetConfig, tool_s: float) -> FleetRun:
 
 
 def test_ttl_release_reprefills_after_the_ttl_and_not_before() -> None:
-    config = FleetConfig(hold_policy="ttl", hold_ttl_s=1.0, cache_generated=False)
+    config = FleetConfig(
+        hold_policy="ttl", hold_ttl_s=1.0, model=msgspec.structs.replace(HOSTED_MODEL, cache_generated=False)
+    )
     short, long = _one("append", config, 0.5), _one("append", config, 2.0)
     assert short.ttl_releases == 0 and short.reprefill_tokens == 0
     assert long.ttl_releases == CALLS
@@ -168,8 +188,8 @@ def test_cache_ttl_makes_idle_gaps_miss() -> None:
 
 
 def test_caching_generated_blocks_saves_create_modes_the_output_reprefill() -> None:
-    prompt_only = _one("ws", FleetConfig(cache_generated=False), 0.3)
-    generated = _one("ws", FleetConfig(cache_generated=True), 0.3)
+    prompt_only = _one("ws", FleetConfig(model=msgspec.structs.replace(HOSTED_MODEL, cache_generated=False)), 0.3)
+    generated = _one("ws", FleetConfig(model=msgspec.structs.replace(HOSTED_MODEL, cache_generated=True)), 0.3)
     assert generated.prefilled_tokens < prompt_only.prefilled_tokens
 
 
@@ -183,7 +203,7 @@ def test_offload_counts_bytes_and_reloads_instead_of_prefilling() -> None:
 
 def test_a_reconnect_under_affinity_loses_the_cache() -> None:
     stay = _one("ws", FleetConfig(replicas=2), 1.0)
-    moved = _one("ws", FleetConfig(replicas=2, connection_limit_s=2.5), 1.0)
+    moved = _one("ws", FleetConfig(replicas=2, websocket=WebSocketConfig(lifetime_s=2.5)), 1.0)
     assert stay.reconnects == 0 and moved.reconnects > 0
     assert moved.reprefill_tokens > stay.reprefill_tokens
     assert moved.sessions[0].finished_at > stay.sessions[0].finished_at
@@ -196,7 +216,13 @@ def test_a_next_turn_routed_before_the_last_token_frees_the_right_replica(mode: 
     slot (the end event comes one token early): a reconnect or a new route at that moment must
     free the replica the turn ran on, and leave no held KV behind."""
     s = dataclasses.replace(_sessions(1)[0], tool_times_s=(0.0,) * CALLS)
-    config = FleetConfig(replicas=3, router=router, connection_limit_s=0.5, decode_slots=4, kv_budget_tokens=50_000)
+    config = FleetConfig(
+        replicas=3,
+        router=router,
+        kv_budget_tokens=50_000,
+        model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=4),
+        websocket=WebSocketConfig(lifetime_s=0.5),
+    )
     run = simulate(mode, HOSTED, config, [s, dataclasses.replace(s, index=1)], arrivals=[0.0, 0.1])
     assert run.completed == 2 and run.reconnects > 0
     assert run.kv_series == [] and run.preemptions == 0
@@ -309,7 +335,12 @@ def _raw(index: int, prompt: int, outputs: tuple[int, ...], tools: tuple[float, 
 def _contended(c_prompt: int, **changes: object) -> FleetRun:
     """A runs a long turn, B (append) holds its paused context through a 100 s tool, C arrives
     at 5 s needing `c_prompt` tokens of a 5,000-token budget."""
-    config = FleetConfig(compute="free", tps=10.0, kv_budget_tokens=5000, cache_generated=False, **changes)  # type: ignore[arg-type]
+    config = FleetConfig(
+        compute="free",
+        kv_budget_tokens=5000,
+        **changes,
+        model=msgspec.structs.replace(HOSTED_MODEL, tps=10.0, cache_generated=False),
+    )  # type: ignore[arg-type]
     sessions = [_raw(0, 1000, (2000,)), _raw(1, 1000, (10, 10), (100.0,)), _raw(2, c_prompt, (10,))]
     return simulate("append", LOCAL, config, sessions, arrivals=[0.0, 0.0, 5.0])
 
@@ -346,7 +377,9 @@ def test_a_ttl_from_the_reload_cost_scales_with_the_budget() -> None:
     """Ski rental: held while the KV's share of the budget has cost less than a reload. A budget
     40 times the context holds through a 1 s tool; a budget just over it releases (a GPU
     prefills the context again in about 0.3 s)."""
-    base = FleetConfig(hold_policy="ttl", ttl_rule="reload", cache_generated=False)
+    base = FleetConfig(
+        hold_policy="ttl", ttl_rule="reload", model=msgspec.structs.replace(HOSTED_MODEL, cache_generated=False)
+    )
     (spec,) = _sessions(1)
     spec = dataclasses.replace(spec, tool_times_s=(1.0,) * CALLS)
     largest = max(spec.prompt_tokens()) + max(spec.output_tokens) + 14
@@ -441,7 +474,6 @@ def test_every_switch_combination_serves_every_session_within_the_budget(policy:
     for admission, queue_order, evict_tail in (("plan", "turn", True), ("greedy", "program", False)):
         config = FleetConfig(
             replicas=2,
-            decode_slots=8,
             kv_budget_tokens=120_000,
             hold_policy=policy,
             hold_ttl_s=1.0,
@@ -449,6 +481,7 @@ def test_every_switch_combination_serves_every_session_within_the_budget(policy:
             queue_order=queue_order,
             evict_tail=evict_tail,
             running_kv=running_kv,
+            model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=8),
         )
         run = simulate("append", HOSTED, config, sessions, arrivals=[0.5 * i for i in range(len(sessions))])
         assert run.completed == len(sessions) and run.overflow_tokens == 0

@@ -11,9 +11,18 @@ from typing import Annotated, Final
 import msgspec
 from msgspec import Meta
 
+from prototype.config import WebSocketConfig
 from sim.fleet.compute import ENGINES, StepCost
+from sim.model.config import HOSTED_MODEL, ModelConfig
 
-__all__ = ["HOLD_POLICIES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord"]
+__all__ = ["HOLD_POLICIES", "READ_LEAVES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord"]
+
+# The leaves of the nested `model` and `websocket` the fleet reads (the rest are the simulator's and the
+# server's own: a capacity run does not offer them).
+READ_LEAVES: Final = {
+    "model": ("tps", "model_latency_s", "prefill_tok_per_s", "concurrency_slowdown", "cache_generated", "decode_slots"),
+    "websocket": ("lifetime_s",),
+}
 
 HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload")
 
@@ -37,12 +46,19 @@ RUNNING_KV: Final = ("reserve", "grow")
 
 
 class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """The accelerators and the serving policies: everything but the sessions and the API path."""
+    """The accelerators and the serving policies: everything but the sessions and the API path.
+
+    `model` is the comparison's model stand-in, nested whole (one leaf, one meaning, one default):
+    the fleet reads its decode rate (`tps`), first-token latency, prefill rate (the free-compute
+    rates; 0: free), `concurrency_slowdown`, `cache_generated` and `decode_slots` (turns running at
+    once per replica, vLLM's max_num_seqs; None: unlimited). `websocket` is the server's: a
+    WebSocket session reconnects at its `lifetime_s`. The fleet's own `kv_budget_tokens` is not the
+    simulator's `kv_capacity_tokens`: it also holds the running turns' KV."""
+
+    model: ModelConfig = HOSTED_MODEL
+    websocket: WebSocketConfig = WebSocketConfig()
 
     replicas: Annotated[int, Meta(ge=1)] = 1
-    decode_slots: Annotated[
-        int, Meta(ge=0, description="turns running at once per replica, vLLM's max_num_seqs (0 = unlimited)")
-    ] = 0
     compute: Annotated[
         str, Meta(description="priced: engine steps with a shared token budget; free: each turn at its own rates")
     ] = "priced"
@@ -52,12 +68,7 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     ] = "h100x8-70b"
     token_budget: Annotated[int, Meta(ge=0, description="priced: tokens a step (0 = the engine's)")] = 0
     kv_budget_tokens: Annotated[int, Meta(ge=0, description="KV capacity per replica in tokens (0 = unlimited)")] = 0
-    tps: Annotated[float, Meta(gt=0)] = 1000.0
-    prefill_tok_per_s: Annotated[float, Meta(gt=0)] = 20_000.0
-    model_latency_s: Annotated[float, Meta(ge=0)] = 0.05
-    concurrency_slowdown: Annotated[float, Meta(ge=0)] = 0.0
     cache_ttl_s: Annotated[float, Meta(ge=0, description="prefix-cache idle time-to-live (0 = until evicted)")] = 0.0
-    cache_generated: bool = True
     hold_policy: str = "hold"
     hold_ttl_s: Annotated[float, Meta(ge=0)] = 10.0
     offload_gb_per_s: Annotated[float, Meta(gt=0)] = 25.0
@@ -84,7 +95,6 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     ] = "fixed"
     router: str = "affinity"
     prefix_load_cap: Annotated[float, Meta(ge=1)] = 1.5
-    connection_limit_s: Annotated[float, Meta(gt=0)] = 3600.0
 
     def __post_init__(self) -> None:
         if self.hold_policy not in HOLD_POLICIES:
@@ -100,6 +110,8 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.compute == "free" and not self.model.tps > 0:
+            raise ValueError("model.tps: free compute paces each turn at its own rate, > 0")
         if self.running_kv == "grow" and self.compute == "free":
             raise ValueError("running_kv: grow needs priced compute (engine steps)")
         if isinstance(self.engine, str) and self.engine not in ENGINES:

@@ -62,7 +62,7 @@ added as switches.
   moves it to host memory, counting the bytes, and the resume reloads it at
   `offload_gb_per_s` before its prefill.
 * **Router.** `affinity` pins a session to one replica (a WebSocket connection's replica; an
-  HTTP session by its index); at `connection_limit_s` a WebSocket session reconnects to another
+  HTTP session by its index); at `websocket.lifetime_s` a WebSocket session reconnects to another
   replica, loses the connection cache (its next request is a first request again) and the old
   replica's cache; an append response dies with its connection. `prefix` sends a turn to the
   replica with the longest cached prefix of its session unless that replica's load exceeds
@@ -137,7 +137,8 @@ class _Fleet(KVLedger):
         self.cost = config.step_cost()
         self.program = config.queue_order == "program"
         self.qseq = 0
-        self.replicas = [Replica(i, config.decode_slots or (1 << 30)) for i in range(config.replicas)]
+        self.replicas = [Replica(i, config.model.decode_slots or (1 << 30)) for i in range(config.replicas)]
+        self.prefill_rate = config.model.prefill_tok_per_s or math.inf  # free compute; 0: prefill is free
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
         self.specs = list(sessions)
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -266,7 +267,7 @@ class _Fleet(KVLedger):
         if st.replica < 0:
             st.replica = self.route(st, s)
             st.connected_at = now
-        elif self.websocket and now - st.connected_at >= self.c.connection_limit_s:
+        elif self.websocket and now - st.connected_at >= self.c.websocket.lifetime_s:
             self.reconnect(st, s)
         elif not self.append:  # an append response lives on its replica until its connection ends
             st.replica = self.route(st, s)
@@ -396,15 +397,15 @@ class _Fleet(KVLedger):
                 self.join(r, s, k)
             return True
         c = self.c
-        t0 = self.now + reload_s + c.model_latency_s + uncached / c.prefill_tok_per_s
+        t0 = self.now + reload_s + c.model.model_latency_s + uncached / self.prefill_rate
         if first:  # the shared blocks: in r.shared (not an entry of r.cached), cached in the fleet's totals
             r.shared, r.shared_at = shared, t0
             self.totals[2] += shared
             self.run_.kv_peak_tokens = max(self.run_.kv_peak_tokens, r.used())
-        rate = c.tps
-        if c.concurrency_slowdown > 0:
+        rate = c.model.tps
+        if c.model.concurrency_slowdown > 0:
             others = sum(1 for a, b in r.decoding.values() if a <= t0 < b)
-            rate /= 1.0 + c.concurrency_slowdown * others
+            rate /= 1.0 + c.model.concurrency_slowdown * others
         r.decoding[s] = (t0, t0 + out / rate)
         st.record.model_s += t0 + out / rate - self.now
         self.push(t0, _FIRST, s, k)
@@ -423,7 +424,7 @@ class _Fleet(KVLedger):
         st.active = 0
         last = k == st.spec.turns - 1
         context = st.prompts[k] + st.spec.output_tokens[k] + CALL_TEMPLATE_TOKENS
-        cacheable = context if self.c.cache_generated else st.prompts[k]
+        cacheable = context if self.c.model.cache_generated else st.prompts[k]
         policy = self.c.hold_policy
         moved = r.index != st.replica  # the next turn was sent elsewhere before this one's last token
         if self.append and not last and policy != "release" and not moved:
@@ -455,7 +456,7 @@ class _Fleet(KVLedger):
         if self.priced:  # its unique tokens after the shared prefix, which stays cached
             reload_s = self.cost.prefill_alone_s(context - unique, unique)
         else:
-            reload_s = self.c.model_latency_s + unique / self.c.prefill_tok_per_s
+            reload_s = self.c.model.model_latency_s + unique / self.prefill_rate
         return reload_s * self.budget / max(1, unique)
 
     # -- priced compute: the step loop ---------------------------------------------------------

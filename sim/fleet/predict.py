@@ -16,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from prototype.pipeline import load_profile
 from sim.fleet.compute import StepCost
 from sim.fleet.config import FleetConfig
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
+from sim.model.config import HOSTED_MODEL
 
 __all__ = ["TurnPrediction", "predict_turns"]
 
@@ -70,7 +73,11 @@ def predict_turns(
             )
         )
     config = FleetConfig(
-        replicas=1, decode_slots=slots, engine=engine, kv_budget_tokens=kv_budget_tokens, hold_policy="hold"
+        replicas=1,
+        engine=engine,
+        kv_budget_tokens=kv_budget_tokens,
+        hold_policy="hold",
+        model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=slots),
     )
     starts = list(starts_s) if starts_s is not None else [0.0] * m
     run = simulate(mode, load_profile("local"), config, sessions, arrivals=starts)

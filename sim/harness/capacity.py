@@ -36,6 +36,7 @@ from sim.fleet.config import HOLD_POLICIES, FleetConfig, FleetRun
 from sim.fleet.costs import FLEET_MODES, HELD_MODES
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
+from sim.model.config import HOSTED_MODEL
 from sim.rollout.spec import turn_stream
 from sim.rollout.workload import WORKLOADS, tool_times, with_tail
 
@@ -97,7 +98,7 @@ _THINK_STREAM: Final = 0x7414  # turn_stream word of a point's think times (clos
 
 
 def _default_fleet() -> FleetConfig:
-    return FleetConfig(replicas=2, decode_slots=64, cache_ttl_s=300.0)
+    return FleetConfig(replicas=2, cache_ttl_s=300.0, model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=64))
 
 
 class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -410,7 +411,8 @@ def _ci(mean: float, low: float, high: float, fmt: str) -> str:
 
 def _compute(fleet: FleetConfig) -> str:
     if fleet.compute == "free":
-        return f"free compute ({fleet.prefill_tok_per_s:g} prefill tokens/s a turn, {fleet.tps:g} tokens/s a stream)"
+        model = fleet.model
+        return f"free compute ({model.prefill_tok_per_s:g} prefill tokens/s a turn, {model.tps:g} tokens/s a stream)"
     cost = fleet.step_cost()
     return f"priced compute ({cost.name}, {cost.token_budget} tokens a step)"
 
@@ -422,7 +424,7 @@ def capacity_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> 
     lines = [
         f"goodput (sessions/s meeting p90 TTFT <= {config.ttft_slo_s:g} s), mean over seeds with 95 % CI, "
         f"n = {config.seeds} seeds; {config.sessions} sessions a point, workload {config.workload}, {loop}, "
-        f"{config.fleet.replicas} replicas x {config.fleet.decode_slots or 'unlimited'} slots, "
+        f"{config.fleet.replicas} replicas x {config.fleet.model.decode_slots or 'unlimited'} slots, "
         f"{_compute(config.fleet)}, router {config.fleet.router}",
     ]
     for title, block in _blocks(config, points):

@@ -57,7 +57,7 @@ from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.llamacpp import EngineModel, EngineTurn
 from sim.model.accelerator import SimulatedModel
-from sim.model.config import ModelConfig, build_model
+from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy, Policy
 from sim.rollout.replay import load_trace, replay_plan
@@ -147,7 +147,7 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # its first token and prefills at 20,000 tokens/s, and whose next turn does not need half of the
     # async tool outputs (longrun's assumption: no public figure).
     server: ServerConfig = ServerConfig(profile="hosted")
-    model: ModelConfig = ModelConfig(model_latency_s=0.05, prefill_tok_per_s=20_000.0, async_independent=0.5)
+    model: ModelConfig = HOSTED_MODEL
     modes: Annotated[
         tuple[str, ...],
         Meta(description=f"comma-separated modes, in run order, from {','.join(ALL_MODES)}"),

@@ -8,7 +8,7 @@ owns (the clock, the policy, the seed, a tokenizer or prefix cache of its own), 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
 from msgspec import Meta
@@ -20,7 +20,7 @@ from .accelerator import LatenessRecorder, SimulatedModel
 from .kv import DEFAULT_CAPACITY_TOKENS, PrefixCache
 from .policy import Policy
 
-__all__ = ["ModelConfig", "build_model"]
+__all__ = ["HOSTED_MODEL", "ModelConfig", "build_model"]
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -63,6 +63,11 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             "the model decodes on while the tool runs (longrun's assumption: no public figure; docs/beta.md)",
         ),
     ] = 0.0
+
+
+HOSTED_MODEL: Final = ModelConfig(model_latency_s=0.05, prefill_tok_per_s=20_000.0, async_independent=0.5)
+"""The model a comparison and the fleet stand for by default: a hosted model's first-token latency and
+prefill rate (docs/simulator.md), and half the beta's async tool calls independent of the next turn."""
 
 
 def build_model(
