@@ -169,7 +169,7 @@ async def run_client(
     return proc.returncode, out, err
 
 
-# -- WebSocket turns over aiohttp (tests/test_ws.py, tests/test_limits.py) -----------------------------------
+# -- WebSocket turns over aiohttp (tests/prototype/ws/test_ws.py, tests/prototype/serve/test_limits.py) ---
 
 TERMINAL = {"response.completed", "response.failed", "response.incomplete", "error"}
 
@@ -201,7 +201,7 @@ async def connect(live: Live, **kw: Any) -> tuple[aiohttp.ClientSession, aiohttp
     return session, ws
 
 
-# -- the simulated model's requests (tests/test_sim_policy.py, tests/test_memo.py) ---------------------------
+# -- the simulated model's requests (tests/sim/model/test_sim_policy.py, tests/sim/runtime/test_memo.py) ---
 
 EXEC_COMMAND = FunctionTool("exec_command", "Run a shell command.", msgspec.json.encode(EXEC_COMMAND_SCHEMA))
 GET_WEATHER = FunctionTool("get_weather", None, msgspec.json.encode(GET_WEATHER_SCHEMA), strict=True)
@@ -226,7 +226,7 @@ def make_request(
     )
 
 
-# -- what a client saw of a turn (tests/test_openai_sdk.py, tests/test_real_clients_lanes.py) ----------------
+# -- what a client saw of a turn (tests/clients/test_openai_sdk.py, tests/clients/test_real_clients_lanes.py) ---
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,7 @@ class Seen:
     output_tokens: int
 
 
-# -- a WebSocket read up to an event type (tests/test_beta.py, tests/test_steering.py) -----------------------
+# -- a WebSocket read up to an event type (tests/prototype/ws/test_beta.py, tests/prototype/ws/test_steering.py) ---
 
 
 async def until(ws: aiohttp.ClientWebSocketResponse, *types: str) -> list[dict[str, Any]]:
@@ -254,7 +254,7 @@ async def until(ws: aiohttp.ClientWebSocketResponse, *types: str) -> list[dict[s
             return out
 
 
-# -- the comparison with steers (tests/test_steer_mode.py, tests/test_steering.py) ---------------------------
+# -- the comparison with steers (tests/sim/harness/test_steer_mode.py, tests/prototype/ws/test_steering.py) ---
 
 STEER_COMPARE_BASE = CompareConfig.of(
     rollouts=4,
@@ -279,11 +279,13 @@ def output_tokens(r: RolloutResult) -> int:
     return sum(resp.usage.output_tokens for resp in ended.values() if resp.usage is not None)
 
 
-# -- openai-node scripts of tests/node (test_real_clients_lanes.py, test_beta.py, test_node_sdks.py) ----------
+# -- openai-node scripts of tests/node (test_real_clients_lanes.py, test_beta.py, test_node_sdks.py) ---
 
 CLIENT_TIMEOUT_S: Final = 30.0
 """Upper bound on one client run, so a client waiting for an event that never comes fails the test."""
-NODE_DIR: Final = Path(__file__).parent / "node"
+TESTS: Final = Path(__file__).resolve().parent  # the suite's folder (its data, its Node clients)
+REPO: Final = TESTS.parent
+NODE_DIR: Final = TESTS / "node"
 NODE_LANES_SCRIPT: Final = NODE_DIR / "lanes.mjs"
 
 

@@ -210,7 +210,7 @@ def test_readme_results_block_is_marked() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     start, end = text.find("<!-- results:start -->"), text.find("<!-- results:end -->")
     assert 0 <= start < end
-    assert "time saved vs `http`" in text[start:end]  # the block tests/test_results.py renders
+    assert "time saved vs `http`" in text[start:end]  # the block tests/sim/harness/test_results.py renders
 
 
 # -- the benchmark's report -------------------------------------------------------------------------

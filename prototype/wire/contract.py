@@ -184,7 +184,7 @@ INCLUDABLE: Final = (
 REASONING_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 VERBOSITIES: Final = ("low", "medium", "high")
 # The spec's enums on nested fields (`Reasoning`, `TextResponseFormatConfiguration`,
-# `PromptCacheOptions`); tests/test_spec_constraints.py derives the cases from the spec.
+# `PromptCacheOptions`); tests/prototype/wire/test_spec_constraints.py derives the cases from the spec.
 REASONING_SUMMARIES: Final = ("auto", "concise", "detailed")  # `summary` and the older `generate_summary`
 REASONING_CONTEXTS: Final = ("auto", "current_turn", "all_turns")
 TEXT_FORMATS: Final = ("text", "json_schema", "json_object")

@@ -20,7 +20,7 @@ Two interval methods, each where it holds (docs/statistics.md):
   at n ≤ 16; the studentized one corrects for skew. Seeded, so a config gives the same
   interval twice.
 
-`tests/test_stats.py` checks both at their nominal coverage on synthetic rollouts with a
+`tests/sim/analysis/test_stats.py` checks both at their nominal coverage on synthetic rollouts with a
 known answer.
 """
 

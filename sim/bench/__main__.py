@@ -481,7 +481,7 @@ async def lanes(n: int, tokens: int, repeats: int) -> None:
 
 # Every sizing option at its smoke size (`--smoke`): each target runs to the end in seconds, so
 # the run checks that the benchmark still works, not how fast anything is. Options given on the
-# command line win. tests/test_bench.py checks that every sizing option has an entry here.
+# command line win. tests/sim/bench/test_bench.py checks that every sizing option has an entry here.
 SMOKE: Final[dict[str, Any]] = {
     "fleet_sessions": 20,
     "engine_rollouts": 1,

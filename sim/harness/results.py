@@ -4,7 +4,7 @@
 time for the precision, a short live run beside it) and writes only its JSON files there
 (`sim.harness.trace.write_run(tables=False)`); `render_results` turns that folder into the Markdown
 between the README's `<!-- results:start -->` and `<!-- results:end -->` markers, and
-`tests/test_results.py` checks that the README shows exactly this rendering. Reads only.
+`tests/sim/harness/test_results.py` checks that the README shows exactly this rendering. Reads only.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ __all__ = [
 
 # Policies plan in characters and the accelerator tokenizes, so token targets are
 # converted with average o200k_base ratios measured on this module's own output
-# (tests/test_sim_policy.py checks the resulting medians): compact JSON with
+# (tests/sim/model/test_sim_policy.py checks the resulting medians): compact JSON with
 # shell commands and paths tokenizes densely (~3.5 chars/token); English-ish prose
 # at ~5 chars/token.
 ARGUMENTS_CHARS_PER_TOKEN: Final = 3.5

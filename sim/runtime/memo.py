@@ -10,7 +10,7 @@ a token chunk into the classifier, planning a turn from the request and the turn
 hashing a prompt's KV blocks, validating an input item and rendering it. `MemoTokenizer`,
 `MemoClassifier`, `MemoPolicy`, `MemoPrefixCache`, `MemoItems` and `MemoRendered` return
 the same results from a per-process table instead of recomputing them, so every count,
-token and verdict is identical (tests/test_memo.py compares whole results) and a sweep
+token and verdict is identical (tests/sim/runtime/test_memo.py compares whole results) and a sweep
 point costs a fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is

@@ -1,7 +1,7 @@
 """Rebuild `openapi-responses.json` (and `openapi-beta.json`, the responses_multi_agent beta's
 inject events, docs/beta.md, and prototype/data/openapi-request.json, the create's request
 body, whose constraints the server walks (prototype/wire/constraints.py) and
-tests/test_spec_constraints.py checks) from a full copy of the openai/openai-openapi spec.
+tests/prototype/wire/test_spec_constraints.py checks) from a full copy of the openai/openai-openapi spec.
 
     python tests/data/extract_openapi.py path/to/openapi.json
 
