@@ -593,7 +593,9 @@ def contention_main(args: argparse.Namespace) -> int:
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode, {config.concurrency} in flight:", measured)
     if args.out:
-        print(f"run folder: {write_run(measured, args.out)}", file=sys.stderr)
+        folder = write_run(measured, args.out)
+        write_json(rates, folder / "rates.json")  # what the fleet model's step costs were built from
+        print(f"run folder: {folder}", file=sys.stderr)
     print("\n" + scores_text(contention(measured, engine_step_cost(rates), seed=config.seed)))
     return 0
 

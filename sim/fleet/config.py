@@ -74,6 +74,13 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     offload_gb_per_s: Annotated[float, Meta(gt=0)] = 25.0
     kv_bytes_per_token: Annotated[int, Meta(ge=1)] = 327_680  # 80 layers × 8 KV heads × 128 × (K, V) × 2 bytes
     preempt_held: bool = True
+    held_slot: Annotated[
+        bool,
+        Meta(
+            description="a paused response held in KV keeps its decode slot until it resumes, as a llama.cpp slot "
+            "pins its sequence (docs/engine.md); off: the slot frees at the turn's end, as vLLM's does"
+        ),
+    ] = False
     admission: Annotated[
         str, Meta(description="plan: evict only if the planned victims make room (vLLM); greedy: evict, then check")
     ] = "plan"

@@ -192,6 +192,8 @@ class _Fleet(KVLedger):
                     self.try_admit(r)
                 elif r.queue or not self.admit(r, s, k, t):
                     self.enqueue(r, s, k, t)
+                    if st.slot_held:  # it need not wait its turn for the slot it kept
+                        self.try_admit(r)
             elif kind == _FIRST:
                 st.record.ttft_s.append(t - st.sent_at)
             elif kind == _FREE:
@@ -302,8 +304,17 @@ class _Fleet(KVLedger):
         while r.queue:
             _, _, s, k, ready = r.queue[0]
             if not self.admit(r, s, k, ready):
-                return
+                break
             heapq.heappop(r.queue)
+        if self.c.held_slot and r.queue:
+            # A paused response resumes in the slot it kept, whatever waits ahead of it for a free one
+            # (a request for its pinned slot, as llama.cpp serves it).
+            for entry in sorted(r.queue):
+                _, _, s, k, ready = entry
+                st = self.states[s]
+                if st.slot_held and s in r.holders and self.admit(r, s, k, ready):
+                    r.queue.remove(entry)
+                    heapq.heapify(r.queue)
 
     def lookup(self, r: Replica, st: SessionState, s: int, k: int) -> int:
         """Prompt tokens of turn `k` whose KV is on `r` now: held, or block-granular cache hits
@@ -318,9 +329,9 @@ class _Fleet(KVLedger):
         return floor_blocks(min(max(own, shared), prompt - 1))
 
     def admit(self, r: Replica, s: int, k: int, ready: float) -> bool:
-        if r.free_slots <= 0:
-            return False
         st = self.states[s]
+        if r.free_slots <= 0 and not (st.slot_held and s in r.holders):
+            return False
         prompt = st.prompts[k]
         out = st.spec.output_tokens[k]
         shared = r.shared or floor_blocks(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
@@ -349,6 +360,9 @@ class _Fleet(KVLedger):
         if own_held:
             r.holders.pop(s)
             self.add(r, 1, -own_held)
+            if st.slot_held:  # it resumes in the slot it kept
+                st.slot_held = False
+                r.free_slots += 1
         elif st.offloaded:
             reload_s = st.held * self.c.kv_bytes_per_token / (self.c.offload_gb_per_s * 1e9)
             st.offloaded = False
@@ -438,6 +452,9 @@ class _Fleet(KVLedger):
             else:
                 r.holders[s] = unique
                 self.add(r, 1, unique)
+                if self.c.held_slot:  # the slot stays with the paused response
+                    st.slot_held = True
+                    r.free_slots -= 1
                 if policy == "ttl":
                     self.push(self.now + self.hold_ttl(unique, context), _TTL, s, st.epoch)
         else:

@@ -77,6 +77,9 @@ class KVLedger:
         tokens = r.holders.pop(s)
         self.add(r, 1, -tokens)
         st.held = 0
+        if st.slot_held:  # the slot goes with the KV
+            st.slot_held = False
+            r.free_slots += 1
         st.epoch += 1
         if to_cache:
             self.to_cache(r, s, st.resident)

@@ -8,7 +8,9 @@ KV limit unless given. The rollouts are given as the measurement has them: per t
 tokens (the whole context), the output tokens, and the tool time after each turn but the last.
 What a design changes is the KV between turns: `append` holds a paused rollout's context in its
 slot; `ws` and `http` leave it to the prefix cache (the engine's cache following a conversation,
-as llama.cpp's host-RAM prompt cache does).
+as llama.cpp's host-RAM prompt cache does). `held_slot`: the paused rollout also keeps the slot
+itself (llama.cpp's slot is one sequence: pinned, no other request runs in it), where the fleet's
+default frees it at the turn's end as vLLM does.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def predict_turns(
     engine: str | StepCost = "llamacpp-cpu",
     kv_budget_tokens: int = 0,
     starts_s: Sequence[float] | None = None,
+    held_slot: bool = False,
 ) -> list[list[TurnPrediction]]:
     """Each rollout's turns as the fleet model predicts them (see the module's docstring).
     Refuses rollouts whose contexts do not grow by at least each turn's output and template."""
@@ -77,6 +80,7 @@ def predict_turns(
         engine=engine,
         kv_budget_tokens=kv_budget_tokens,
         hold_policy="hold",
+        held_slot=held_slot,
         model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=slots),
     )
     starts = list(starts_s) if starts_s is not None else [0.0] * m

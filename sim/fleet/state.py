@@ -91,6 +91,7 @@ class SessionState:
     held: int = 0  # unique tokens held on `replica` (or offloaded) across a pause
     resident: int = 0  # context tokens whose KV the paused response holds
     offloaded: bool = False
+    slot_held: bool = False  # `held_slot`: the paused response keeps its replica's decode slot
     epoch: int = 0  # the pause's number: a TTL event of an older pause is stale
     seen: int = 0  # context tokens of the session's conversation the fleet has computed
     active: int = 0  # unique tokens the running turn holds

@@ -300,19 +300,24 @@ def contention(result: CompareResult, cost: StepCost, *, seed: int = 0) -> list[
             tools.append([b.sent_at - a.done_at for a, b in itertools.pairwise(r.turns)])
             starts.append(r.started_at - first)
             measured.append(r.turns)
-        predicted = predict_turns(mode, slots, prompts, outputs, tools, engine=cost, starts_s=starts)
-        ttft, turn = [], []
-        for i, (p_turns, m_turns) in enumerate(zip(predicted, measured, strict=True)):
-            for p, m in zip(p_turns, m_turns, strict=True):
-                if m.ttft_s:
-                    ttft.append((str(i), p.ttft_s, m.ttft_s))
-                turn.append((str(i), p.turn_s, m.e2e_s))
-        ttft_err, bias = _median_error(ttft, seed=seed)
-        turn_err, _ = _median_error(turn, seed=seed)
-        scores.append(
-            Score(f"contention, {mode}: {len(rollouts)} rollouts on {slots} slots", ttft_err, turn_err, bias,
-                  len(turn), len(rollouts))
-        )  # fmt: skip
+        # The fleet's default frees a paused response's slot (vLLM); llama.cpp keeps it pinned.
+        for held_slot in (False, True) if mode == "append" else (False,):
+            predicted = predict_turns(
+                mode, slots, prompts, outputs, tools, engine=cost, starts_s=starts, held_slot=held_slot
+            )
+            ttft, turn = [], []
+            for i, (p_turns, m_turns) in enumerate(zip(predicted, measured, strict=True)):
+                for p, m in zip(p_turns, m_turns, strict=True):
+                    if m.ttft_s:
+                        ttft.append((str(i), p.ttft_s, m.ttft_s))
+                    turn.append((str(i), p.turn_s, m.e2e_s))
+            ttft_err, bias = _median_error(ttft, seed=seed)
+            turn_err, _ = _median_error(turn, seed=seed)
+            slot = ", the paused response keeps its slot (held_slot)" if held_slot else ""
+            scores.append(
+                Score(f"contention, {mode}: {len(rollouts)} rollouts on {slots} slots{slot}", ttft_err, turn_err,
+                      bias, len(turn), len(rollouts))
+            )  # fmt: skip
     return scores
 
 

@@ -488,3 +488,26 @@ def test_every_switch_combination_serves_every_session_within_the_budget(policy:
         assert run.kv_peak_tokens <= 120_000
         for s in run.sessions:
             assert len(s.ttft_s) == len(s.e2e_s) == len(s.admission_wait_s) == sessions[s.index].turns
+
+
+@pytest.mark.parametrize("compute", ["free", "priced"])
+def test_a_held_slot_keeps_a_paused_response_in_its_slot(compute: str) -> None:
+    """`held_slot` (llama.cpp's pinned slot): two append sessions on one slot, the second arriving
+    while the first is paused at its tool. With it, the first resumes in the slot it kept and the
+    second waits for the first's whole rollout; without it (vLLM), the second takes the slot the
+    paused first left. `ws` holds no slot either way."""
+    sessions = _sessions(2, tool_time_median_s=2.0, tool_time_sigma=0.0)
+    slot = msgspec.structs.replace(HOSTED_MODEL, decode_slots=1)
+
+    def run(mode: str, held_slot: bool) -> FleetRun:
+        config = FleetConfig(compute=compute, model=slot, held_slot=held_slot)
+        return simulate(mode, HOSTED, config, sessions, arrivals=[0.0, 0.5])
+
+    pinned, shared = run("append", True), run("append", False)
+    first, second = pinned.sessions[0], pinned.sessions[1]
+    assert second.admission_wait_s[0] > 2.0 * CALLS  # waited across every pause of the first rollout
+    assert max(first.admission_wait_s) < 1e-9  # every resume found its slot
+    assert shared.sessions[1].admission_wait_s[0] < 1.0  # without the pin: at most one turn of the first
+    assert all(r.done for r in (*pinned.sessions, *shared.sessions))
+    ws = [run("ws", held).sessions[1].admission_wait_s for held in (True, False)]
+    assert ws[0] == ws[1]
