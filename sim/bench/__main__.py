@@ -542,7 +542,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", type=int, default=150, help="4: tool turns per rollout")
     p.add_argument("--virtual-turns", type=int, default=50, help="5: tool turns of the virtual rollout")
     p.add_argument("--sweep-points", type=int, default=100, help="5: points actually run (1000 = the whole grid)")
-    p.add_argument("--mem-conns", type=int, default=4, help="6: idle connections")
+    p.add_argument("--mem-conns", type=int, default=16, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
     p.add_argument("--baseline", metavar="REV", help="contract: a git revision without the checks")
