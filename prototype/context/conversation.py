@@ -351,13 +351,14 @@ def normalize_create(
     tool_cache: ToolCache | None = None,
     parse: ItemParser = parse_items,
     open_responses: bool = False,
+    multi_agent: bool = False,
 ) -> CreateRequest:
     """Validate one create; raise `ProtocolError` with the offending `param`. With `tool_cache`
     (a WebSocket connection's), a tool list identical to the last one is not validated again;
     `parse` validates the input items (`sim.memo` passes one that looks them up);
-    `open_responses` accepts that spec's extra request fields. The
+    `open_responses` accepts that spec's extra request fields; `multi_agent` the beta's. The
     top-level rules are `contract.check_params`; the item rules are checked per item here."""
-    check_params(params, websocket=websocket, open_responses=open_responses)
+    check_params(params, websocket=websocket, open_responses=open_responses, multi_agent=multi_agent)
     assert params.model is not None  # check_params refuses a create without one
     prev = params.previous_response_id
     if prev is not None and not prev.startswith("resp_"):

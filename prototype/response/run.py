@@ -268,8 +268,14 @@ class ResponseRun:
         self.template = template
         if self.pauses is not None:
             async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
+            multi_agent = request.params.multi_agent is not None and request.params.multi_agent.enabled
             self.stream = ResponseStream(
-                self.template, engine.ids, dialect=self.pauses.dialect, async_tools=async_tools
+                self.template,
+                engine.ids,
+                dialect=self.pauses.dialect,
+                async_tools=async_tools,
+                multi_agent=multi_agent,
+                holds_calls=engine.multi_agent_holds_calls,
             )
         else:
             self.stream = ResponseStream(self.template, engine.ids)
@@ -552,7 +558,7 @@ class ResponseRun:
                     elif isinstance(event, ItemFinished):
                         await emit(receive(event))
                         call = stream.output[-1]
-                        if self.beta and isinstance(call, FunctionCall) and call.is_async is True:
+                        if self.beta and isinstance(call, FunctionCall) and stream.waits(call):
                             assert self.pauses is not None
                             # Its output may be injected from now on, while the model decodes on.
                             self._open_calls[call.call_id] = request.turn_index

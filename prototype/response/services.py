@@ -97,6 +97,7 @@ class Services(Protocol):
     ids: IdFactory
     item_parser: ItemParser
     steer_boundary: SteerBoundary
+    multi_agent_holds_calls: bool
     tokenizer: Tokenizer
     classifier: SafetyClassifier
     profile: CostProfile

@@ -58,6 +58,9 @@ __all__ = [
     "OutputItemAdded",
     "OutputItemDone",
     "OutputMessage",
+    "AgentRef",
+    "MultiAgentParams",
+    "ROOT_AGENT",
     "OutputText",
     "OutputTextDelta",
     "OutputTextDone",
@@ -116,6 +119,14 @@ def is_null(raw: Raw) -> bool:
     return raw == NULL or len(raw) == 0
 
 
+class MultiAgentParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The beta create's `multi_agent` (openai-python 3.60 `types/beta/beta_responses_client_event.py`
+    `ResponseCreateMultiAgent`); accepted on a `responses_multi_agent=v1` connection only (docs/beta.md)."""
+
+    enabled: bool
+    max_concurrent_subagents: int | None = None
+
+
 class CreateParams(msgspec.Struct, kw_only=True):
     """The body of `POST /v1/responses`, and the fields of a WS `response.create`."""
 
@@ -162,6 +173,7 @@ class CreateParams(msgspec.Struct, kw_only=True):
     access_programs: Raw = NULL
     background_options: Raw = NULL  # only meaningful with background, which is refused
     image: Raw = NULL
+    multi_agent: MultiAgentParams | None = None  # the beta's hosted multi-agent (docs/beta.md)
 
 
 class HTTPCreateParams(CreateParams, kw_only=True, forbid_unknown_fields=True):
@@ -257,11 +269,23 @@ class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
     logprobs: list[Raw] = []
 
 
+class AgentRef(msgspec.Struct):
+    """The beta's attribution of an output item to the agent that produced it."""
+
+    agent_name: str
+
+
+ROOT_AGENT: Final = AgentRef(agent_name="/root")  # the hosted tree's root (longrun runs no subagents)
+
+
 class OutputMessage(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
     id: str
     status: str
     role: str = "assistant"
     content: list[OutputText] = []
+    # Beta, `multi_agent` responses only (docs/beta.md#hosted-multi-agent): absent otherwise.
+    agent: AgentRef | UnsetType = UNSET
+    phase: str | UnsetType = UNSET
 
 
 class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
@@ -272,6 +296,7 @@ class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_onl
     name: str
     # Beta dialect only: the call of an async function tool (docs/beta.md); absent otherwise.
     is_async: bool | UnsetType = msgspec.field(default=UNSET, name="async")
+    agent: AgentRef | UnsetType = UNSET  # beta `multi_agent` responses only
 
 
 class CompactionItem(msgspec.Struct, tag_field="type", tag="compaction", kw_only=True):
