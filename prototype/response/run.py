@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from msgspec import structs
+from msgspec import UNSET, structs
 
 from ..clock import Clock
 from ..context.cache import CacheEntry
@@ -49,7 +49,7 @@ from ..wire.schemas import (
     is_null,
 )
 from .finish import Outcome, finish
-from .prepare import Resolved, Turn, add_resumed, resolve
+from .prepare import Resolved, Turn, add_resumed, diagnose_cache, resolve
 from .services import Arrival, Services, Stages
 from .stream import (
     DIALECTS,
@@ -229,8 +229,11 @@ async def run_response(
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(arrival.body_bytes))
         stages.lap(Stage.PARSE)
         resolved = await resolve(engine, request, arrival, stages, cached, fork=fork)
+        diagnostics = await diagnose_cache(engine, request, resolved, cached)
     except ProtocolError as err:
         return Outcome(template, None, err)
+    if diagnostics is not UNSET:
+        template = structs.replace(template, prompt_cache_diagnostics=diagnostics)
     return await ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved).run()
 
 

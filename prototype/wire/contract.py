@@ -30,6 +30,7 @@ from .errors import ProtocolError
 from .schemas import CompactParams, CreateParams, NestingTooDeep, decode_context_management, is_null
 
 __all__ = [
+    "comparison_response_id",
     "CALL_ID_MAX",
     "CONTEXT_LENGTH_MESSAGE",
     "FUNCTION_NAME_MAX",
@@ -319,6 +320,16 @@ class _PromptCacheOptions(msgspec.Struct):
     ttl: str | None = None
     mode: str | None = None
     prewarm: bool | None = None
+    comparison_response_id: str | None = None
+
+
+def comparison_response_id(params: CreateParams) -> str | None:
+    """`prompt_cache_options.comparison_response_id`: the response whose prompt this one's is
+    compared with; supplying it requests `prompt_cache_diagnostics` (openai-python 3.60's
+    `PromptCacheOptions`). Checked by `check_params`."""
+    if is_null(params.prompt_cache_options):
+        return None
+    return _decode_prompt_cache_options(params.prompt_cache_options).comparison_response_id
 
 
 def prewarms(params: CreateParams) -> bool:

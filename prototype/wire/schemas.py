@@ -58,6 +58,11 @@ __all__ = [
     "OutputItemAdded",
     "OutputItemDone",
     "OutputMessage",
+    "CacheHit",
+    "CacheMiss",
+    "ComparisonResponseNotFound",
+    "DiagnosticsUnavailable",
+    "PromptCacheDiagnostics",
     "AgentRef",
     "MultiAgentParams",
     "ROOT_AGENT",
@@ -343,6 +348,29 @@ DEFAULT_TEXT: Final = Raw(b'{"format":{"type":"text"}}')
 DEFAULT_TOOL_CHOICE: Final = Raw(b'"auto"')
 
 
+class CacheHit(msgspec.Struct, tag_field="type", tag="cache_hit"):
+    """`prompt_cache_diagnostics`: the prompt reuses the compared response's prefix whole."""
+
+
+class CacheMiss(msgspec.Struct, tag_field="type", tag="cache_miss", kw_only=True):
+    """`prompt_cache_diagnostics`: why the prompt diverges from the compared response, and where."""
+
+    reason: str  # one of openai-python 3.60's `PromptCacheDiagnosticsCacheMiss.reason` literals
+    cache_missed_tokens: int  # input tokens after the first divergence
+    comparison_reusable_tokens: int | None = None  # the compared response's reusable prefix
+
+
+class ComparisonResponseNotFound(msgspec.Struct, tag_field="type", tag="comparison_response_not_found"):
+    """`prompt_cache_diagnostics`: `comparison_response_id` names no response longrun has."""
+
+
+class DiagnosticsUnavailable(msgspec.Struct, tag_field="type", tag="unavailable"):
+    """`prompt_cache_diagnostics`: longrun cannot say (the two contexts are unrelated)."""
+
+
+PromptCacheDiagnostics = CacheHit | CacheMiss | ComparisonResponseNotFound | DiagnosticsUnavailable
+
+
 class Response(msgspec.Struct, kw_only=True):
     """The Response object (`Response` in the openai-openapi spec), field order as OpenAI sends it."""
 
@@ -362,6 +390,8 @@ class Response(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     presence_penalty: float = 0.0  # as frequency_penalty
     previous_response_id: str | None = None
+    # Requested by `prompt_cache_options.comparison_response_id` (docs/contract.md); absent otherwise.
+    prompt_cache_diagnostics: PromptCacheDiagnostics | UnsetType = UNSET
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     reasoning: Raw = DEFAULT_REASONING
