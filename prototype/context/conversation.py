@@ -382,7 +382,7 @@ def normalize_create(
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
     check_has_input(params)
-    generate = (True if params.generate is msgspec.UNSET else bool(params.generate)) and not prewarms(params)
+    generate = params.generate is not False and not prewarms(params)  # absent or null: true
     key = encode((params.instructions, [bytes(t) for t in tools_raw]))
     return CreateRequest(
         params=params,

@@ -142,7 +142,10 @@ class CreateParams(msgspec.Struct, kw_only=True):
     store: bool | None = None  # None means the default, true (WS reference)
     stream: bool | None = None  # HTTP: JSON vs SSE. WS: accepted and ignored.
     background: bool | None = None  # not supported: 400 param "background"
-    generate: bool | UnsetType = UNSET  # WS warm-up; the HTTP API rejects the parameter
+    # WS warm-up (`generate: false`); typed `Optional[bool]` on the WebSocket create by openai-python
+    # 3.60 (`responses_client_event.py`, and the beta's), null meaning the default, true; the HTTP
+    # API rejects the parameter, null included.
+    generate: bool | None | UnsetType = UNSET
     tools: list[Raw] | None = None
     tool_choice: Raw = NULL  # "none" | "auto" | "required" | {"type":"function","name":…} | …
     parallel_tool_calls: bool | None = None
