@@ -158,6 +158,15 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "flight (the steering guide's rule), or at the next token, cutting the item off (docs/beta.md#steering)"
         ),
     ] = "item"
+    multi_agent_holds_calls: Annotated[
+        bool,
+        Meta(
+            description="a beta response created with multi_agent.enabled waits at each function call for its "
+            "injected output (what OpenAIHostedMultiAgentModel expects); off, the what-if: it ends completed "
+            "owing the call, as without multi_agent, and an inject gets response_already_completed "
+            "(docs/beta.md#hosted-multi-agent)"
+        ),
+    ] = True
     websocket: WebSocketConfig = WebSocketConfig()
     model: ModelLimits = ModelLimits()
 

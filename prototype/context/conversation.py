@@ -351,13 +351,14 @@ def normalize_create(
     tool_cache: ToolCache | None = None,
     parse: ItemParser = parse_items,
     open_responses: bool = False,
+    multi_agent: bool = False,
 ) -> CreateRequest:
     """Validate one create; raise `ProtocolError` with the offending `param`. With `tool_cache`
     (a WebSocket connection's), a tool list identical to the last one is not validated again;
     `parse` validates the input items (`sim.memo` passes one that looks them up);
-    `open_responses` accepts that spec's extra request fields. The
+    `open_responses` accepts that spec's extra request fields; `multi_agent` the beta's. The
     top-level rules are `contract.check_params`; the item rules are checked per item here."""
-    check_params(params, websocket=websocket, open_responses=open_responses)
+    check_params(params, websocket=websocket, open_responses=open_responses, multi_agent=multi_agent)
     assert params.model is not None  # check_params refuses a create without one
     prev = params.previous_response_id
     if prev is not None and not prev.startswith("resp_"):
@@ -381,7 +382,7 @@ def normalize_create(
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
     check_has_input(params)
-    generate = (True if params.generate is msgspec.UNSET else bool(params.generate)) and not prewarms(params)
+    generate = params.generate is not False and not prewarms(params)  # absent or null: true
     key = encode((params.instructions, [bytes(t) for t in tools_raw]))
     return CreateRequest(
         params=params,

@@ -140,6 +140,7 @@ class Engine:
         rendered: RenderedItems | None = None,
         limits: ModelLimits = UNBOUNDED,
         steer_boundary: SteerBoundary = "item",
+        multi_agent_holds_calls: bool = True,
     ) -> None:
         self.model = model
         self.store = store
@@ -164,6 +165,8 @@ class Engine:
         if steer_boundary not in STEER_BOUNDARIES:
             raise ValueError(f"steer_boundary must be one of {STEER_BOUNDARIES}, not {steer_boundary!r}")
         self.steer_boundary = steer_boundary
+        # Beta `multi_agent` responses wait at every function call (docs/beta.md#hosted-multi-agent).
+        self.multi_agent_holds_calls = multi_agent_holds_calls
         self.counts = Counts()
         self.histograms: dict[str, Histogram] = {stage: Histogram() for stage in Stage}
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from msgspec import UNSET, UnsetType
+
 from ..context.cache import CacheEntry
 from ..context.compaction import COMPACTION_TYPE, Compaction, is_kept, prune
 from ..context.conversation import (
@@ -32,12 +34,21 @@ from ..context.conversation import (
 from ..context.safety import ClassifierState
 from ..model import ModelRequest
 from ..pipeline import STAGE_SWITCH, Count, Optimization, Stage
-from ..wire.contract import check_context_window
-from ..wire.schemas import OutputItem, StageReport
+from ..wire.contract import check_context_window, comparison_response_id
+from ..wire.errors import ProtocolError
+from ..wire.schemas import (
+    CacheHit,
+    CacheMiss,
+    ComparisonResponseNotFound,
+    DiagnosticsUnavailable,
+    OutputItem,
+    PromptCacheDiagnostics,
+    StageReport,
+)
 from .compact import compact_context
 from .services import Arrival, Services, Stages
 
-__all__ = ["Resolved", "Turn", "classify", "compaction_limit", "resolve", "add_resumed"]
+__all__ = ["Resolved", "Turn", "classify", "compaction_limit", "diagnose_cache", "resolve", "add_resumed"]
 
 
 @dataclass(slots=True)
@@ -200,6 +211,42 @@ async def resolve(
     resolved = Resolved(context, preamble, safety, safety_chunks, compaction)
     await classify(engine, stages, resolved)
     return resolved
+
+
+async def diagnose_cache(
+    engine: Services, request: CreateRequest, resolved: Resolved, cached: CacheEntry | None
+) -> PromptCacheDiagnostics | UnsetType:
+    """`prompt_cache_diagnostics`, when the request names `prompt_cache_options.comparison_response_id`
+    (docs/contract.md#prompt-cache-diagnostics). longrun's prefix of a prompt is its preamble
+    (instructions, tools), then the context items; the compared response is found in the connection
+    cache, else the store. It says what its own caches know: a changed model or preamble diverges at
+    the first token; a prompt that continues the compared response (it is `previous_response_id`)
+    reuses it whole unless this request compacted it; prompts of unrelated contexts: `unavailable`."""
+    comparison = comparison_response_id(request.params)
+    if comparison is None:
+        return UNSET
+    if cached is not None and cached.response.id == comparison:
+        compared = cached.response
+    else:
+        try:
+            compared = await engine.get_stored(comparison)
+        except ProtocolError as err:
+            if err.code != "response_not_found":
+                raise
+            return ComparisonResponseNotFound()
+    prompt = len(resolved.preamble.tokens) + resolved.context.n_tokens
+    if compared.model != request.model:
+        return CacheMiss(reason="model_changed", cache_missed_tokens=prompt, comparison_reusable_tokens=0)
+    if [bytes(t) for t in compared.tools] != [bytes(t) for t in request.tools_echo]:
+        return CacheMiss(reason="tools_changed", cache_missed_tokens=prompt, comparison_reusable_tokens=0)
+    if compared.instructions != request.params.instructions:
+        return CacheMiss(reason="input_changed", cache_missed_tokens=prompt, comparison_reusable_tokens=0)
+    if request.previous_response_id != comparison:
+        return DiagnosticsUnavailable()
+    if resolved.compaction is not None:
+        kept = len(resolved.preamble.tokens)  # the compacted context replaces every item after it
+        return CacheMiss(reason="context_compacted", cache_missed_tokens=prompt - kept, comparison_reusable_tokens=kept)
+    return CacheHit()
 
 
 def compaction_limit(engine: Services, request: CreateRequest) -> int | None:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from msgspec import structs
+from msgspec import UNSET, structs
 
 from ..clock import Clock
 from ..context.cache import CacheEntry
@@ -49,7 +49,7 @@ from ..wire.schemas import (
     is_null,
 )
 from .finish import Outcome, finish
-from .prepare import Resolved, Turn, add_resumed, resolve
+from .prepare import Resolved, Turn, add_resumed, diagnose_cache, resolve
 from .services import Arrival, Services, Stages
 from .stream import (
     DIALECTS,
@@ -229,8 +229,11 @@ async def run_response(
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(arrival.body_bytes))
         stages.lap(Stage.PARSE)
         resolved = await resolve(engine, request, arrival, stages, cached, fork=fork)
+        diagnostics = await diagnose_cache(engine, request, resolved, cached)
     except ProtocolError as err:
         return Outcome(template, None, err)
+    if diagnostics is not UNSET:
+        template = structs.replace(template, prompt_cache_diagnostics=diagnostics)
     return await ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved).run()
 
 
@@ -268,8 +271,14 @@ class ResponseRun:
         self.template = template
         if self.pauses is not None:
             async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
+            multi_agent = request.params.multi_agent is not None and request.params.multi_agent.enabled
             self.stream = ResponseStream(
-                self.template, engine.ids, dialect=self.pauses.dialect, async_tools=async_tools
+                self.template,
+                engine.ids,
+                dialect=self.pauses.dialect,
+                async_tools=async_tools,
+                multi_agent=multi_agent,
+                holds_calls=engine.multi_agent_holds_calls,
             )
         else:
             self.stream = ResponseStream(self.template, engine.ids)
@@ -552,7 +561,7 @@ class ResponseRun:
                     elif isinstance(event, ItemFinished):
                         await emit(receive(event))
                         call = stream.output[-1]
-                        if self.beta and isinstance(call, FunctionCall) and call.is_async is True:
+                        if self.beta and isinstance(call, FunctionCall) and stream.waits(call):
                             assert self.pauses is not None
                             # Its output may be injected from now on, while the model decodes on.
                             self._open_calls[call.call_id] = request.turn_index

@@ -20,6 +20,7 @@ from ..context.tokenizer import TokenArray, Tokenizer
 from ..ids import IdFactory
 from ..model import TokenModel
 from ..pipeline import CostProfile, Optimization, Stage, StageReport
+from ..wire.schemas import Response
 from .metrics import Histogram
 
 __all__ = ["Arrival", "Counts", "Services", "Stages"]
@@ -97,6 +98,7 @@ class Services(Protocol):
     ids: IdFactory
     item_parser: ItemParser
     steer_boundary: SteerBoundary
+    multi_agent_holds_calls: bool
     tokenizer: Tokenizer
     classifier: SafetyClassifier
     profile: CostProfile
@@ -113,3 +115,5 @@ class Services(Protocol):
     async def load(self, response_id: str) -> list[Item]: ...
 
     async def put_stored(self, response_id: str, data: bytes) -> None: ...
+
+    async def get_stored(self, response_id: str) -> Response: ...

@@ -53,11 +53,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from msgspec import Raw, structs
+from msgspec import UNSET, Raw, structs
 
 from ..ids import IdFactory
 from ..model import ItemFinished, ItemStarted, ModelEvent, Prefilled, SamplingFinished, TokensSampled
 from ..wire.schemas import (
+    ROOT_AGENT,
     CompactionItem,
     ContentPartAdded,
     ContentPartDone,
@@ -297,11 +298,19 @@ class ResponseStream:
         *,
         dialect: str = "append",
         async_tools: frozenset[str] = frozenset(),
+        multi_agent: bool = False,
+        holds_calls: bool = True,
     ) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown dialect {dialect!r}")
         self.dialect = dialect
         self.async_tools = async_tools if dialect == "beta" else frozenset()  # beta: calls marked `async`
+        # Beta `multi_agent: {enabled: true}` (docs/beta.md#hosted-multi-agent): every item is the
+        # root agent's, and every function call waits for its injected output (unless the
+        # what-if `holds_calls` is off: then a call of a non-async tool ends the response).
+        self.multi_agent = multi_agent and dialect == "beta"
+        self._holds = self.multi_agent and holds_calls
+        self._agent = ROOT_AGENT if self.multi_agent else UNSET
         self.response = template
         self.state = RS.QUEUED
         self.output: list[OutputItem] = []
@@ -370,8 +379,12 @@ class ResponseStream:
         owed: list[RequiredInput] = []
         for item in self.segment_output():
             if isinstance(item, FunctionCall):
-                (waits if item.is_async is True else owed).append(RequiredInput(call_id=item.call_id, name=item.name))
+                (waits if self.waits(item) else owed).append(RequiredInput(call_id=item.call_id, name=item.name))
         return waits, owed
+
+    def waits(self, call: FunctionCall) -> bool:
+        """Beta: whether the response waits for this call's output instead of ending owing it."""
+        return call.is_async is True or self._holds
 
     # -- transitions -------------------------------------------------------------------------------
 
@@ -390,7 +403,7 @@ class ResponseStream:
         self._parts = []
         self.item_start_tokens = self.output_tokens
         if event.kind == "message":
-            msg = OutputMessage(id=self._ids.new("msg"), status="in_progress", content=[])
+            msg = OutputMessage(id=self._ids.new("msg"), status="in_progress", content=[], agent=self._agent)
             self._item = msg
             return [
                 OutputItemAdded(sequence_number=self._next(), output_index=index, item=msg),
@@ -403,7 +416,12 @@ class ResponseStream:
                 ),
             ]
         call = FunctionCall(
-            id=self._ids.new("fc"), status="in_progress", arguments="", call_id=self._ids.new("call"), name=event.name
+            id=self._ids.new("fc"),
+            status="in_progress",
+            arguments="",
+            call_id=self._ids.new("call"),
+            name=event.name,
+            agent=self._agent,
         )
         if event.name in self.async_tools:
             call = structs.replace(call, is_async=True)
@@ -444,7 +462,7 @@ class ResponseStream:
         self._item = None
         if isinstance(item, OutputMessage):
             part = OutputText(text=text)
-            done_msg = OutputMessage(id=item.id, status="completed", content=[part])
+            done_msg = OutputMessage(id=item.id, status="completed", content=[part], agent=item.agent)
             self.output.append(done_msg)
             return [
                 OutputTextDone(
@@ -477,7 +495,7 @@ class ResponseStream:
         out: list[ServerEvent] = []
         if isinstance(item, OutputMessage):
             part = OutputText(text=text)
-            done: OutputItem = OutputMessage(id=item.id, status="incomplete", content=[part])
+            done: OutputItem = OutputMessage(id=item.id, status="incomplete", content=[part], agent=item.agent)
             out += [
                 OutputTextDone(
                     sequence_number=self._next(), item_id=item.id, output_index=index, content_index=0, text=text
@@ -506,11 +524,25 @@ class ResponseStream:
         self.response = structs.replace(
             self.response,
             status="completed",
-            output=list(self.output),
+            output=self._phased(self.output),
             usage=self.usage(),
             completed_at=self.response.created_at,
         )
         return [ResponseCompleted(sequence_number=self._next(), response=self.response)]
+
+    def _phased(self, output: list[OutputItem]) -> list[OutputItem]:
+        """The completed response's output; with `multi_agent`, each message carries its phase:
+        the last item, when a message, is the root agent's final answer, every other message
+        commentary. The streamed `.done` events carry none (the phase is known only at the end)."""
+        if not self.multi_agent:
+            return list(output)
+        last = len(output) - 1
+        return [
+            structs.replace(item, phase="final_answer" if i == last else "commentary")
+            if isinstance(item, OutputMessage)
+            else item
+            for i, item in enumerate(output)
+        ]
 
     def _truncate(self, event: SamplingFinished) -> list[ServerEvent]:
         """`response.incomplete` (`max_output_tokens`)."""

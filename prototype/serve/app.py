@@ -118,6 +118,7 @@ def make_engine(
         rendered=rendered,
         limits=config.model,
         steer_boundary=config.steer_boundary,
+        multi_agent_holds_calls=config.multi_agent_holds_calls,
     )
 
 

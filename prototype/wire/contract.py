@@ -30,6 +30,7 @@ from .errors import ProtocolError
 from .schemas import CompactParams, CreateParams, NestingTooDeep, decode_context_management, is_null
 
 __all__ = [
+    "comparison_response_id",
     "CALL_ID_MAX",
     "CONTEXT_LENGTH_MESSAGE",
     "FUNCTION_NAME_MAX",
@@ -319,6 +320,16 @@ class _PromptCacheOptions(msgspec.Struct):
     ttl: str | None = None
     mode: str | None = None
     prewarm: bool | None = None
+    comparison_response_id: str | None = None
+
+
+def comparison_response_id(params: CreateParams) -> str | None:
+    """`prompt_cache_options.comparison_response_id`: the response whose prompt this one's is
+    compared with; supplying it requests `prompt_cache_diagnostics` (openai-python 3.60's
+    `PromptCacheOptions`). Checked by `check_params`."""
+    if is_null(params.prompt_cache_options):
+        return None
+    return _decode_prompt_cache_options(params.prompt_cache_options).comparison_response_id
 
 
 def prewarms(params: CreateParams) -> bool:
@@ -358,10 +369,13 @@ def _nested(decode: Callable[[Raw], T], raw: Raw, param: str) -> T:
         raise err from None
 
 
-def check_params(params: CreateParams, *, websocket: bool, open_responses: bool = False) -> None:
+def check_params(
+    params: CreateParams, *, websocket: bool, open_responses: bool = False, multi_agent: bool = False
+) -> None:
     """The top-level rules: required parameters, exclusive pairs, features not implemented,
     ranges, enums, lengths, metadata. Raise the first broken rule's `ProtocolError`.
-    `open_responses`: the Open Responses dialect, which adds its request fields."""
+    `open_responses`: the Open Responses dialect, which adds its request fields; `multi_agent`:
+    a `responses_multi_agent=v1` WebSocket connection, the only place `multi_agent` is a parameter."""
     for name in OPEN_RESPONSES_PARAMETERS:
         if not open_responses and getattr(params, name) is not msgspec.UNSET:
             raise ProtocolError(f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name)
@@ -381,6 +395,16 @@ def check_params(params: CreateParams, *, websocket: bool, open_responses: bool 
             raise _unsupported(name)
     if not websocket and params.generate is not msgspec.UNSET:
         raise ProtocolError("Unsupported parameter: generate", code="unsupported_parameter", param="generate")
+    if not multi_agent and params.multi_agent is not None:
+        raise ProtocolError("Unknown parameter: 'multi_agent'.", code="unknown_parameter", param="multi_agent")
+    if params.multi_agent is not None and params.multi_agent.max_concurrent_subagents is not None:
+        if params.multi_agent.max_concurrent_subagents < 1:
+            raise ProtocolError(
+                "Invalid 'multi_agent.max_concurrent_subagents': integer below minimum value. Expected a value "
+                f">= 1, but got {params.multi_agent.max_concurrent_subagents} instead.",
+                code="integer_below_min_value",
+                param="multi_agent.max_concurrent_subagents",
+            )
     if not websocket and params.stream_id is not None:
         raise ProtocolError("Unknown parameter: 'stream_id'.", code="unknown_parameter", param="stream_id")
     for rule in RANGES:

@@ -58,6 +58,14 @@ __all__ = [
     "OutputItemAdded",
     "OutputItemDone",
     "OutputMessage",
+    "CacheHit",
+    "CacheMiss",
+    "ComparisonResponseNotFound",
+    "DiagnosticsUnavailable",
+    "PromptCacheDiagnostics",
+    "AgentRef",
+    "MultiAgentParams",
+    "ROOT_AGENT",
     "OutputText",
     "OutputTextDelta",
     "OutputTextDone",
@@ -116,6 +124,14 @@ def is_null(raw: Raw) -> bool:
     return raw == NULL or len(raw) == 0
 
 
+class MultiAgentParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The beta create's `multi_agent` (openai-python 3.60 `types/beta/beta_responses_client_event.py`
+    `ResponseCreateMultiAgent`); accepted on a `responses_multi_agent=v1` connection only (docs/beta.md)."""
+
+    enabled: bool
+    max_concurrent_subagents: int | None = None
+
+
 class CreateParams(msgspec.Struct, kw_only=True):
     """The body of `POST /v1/responses`, and the fields of a WS `response.create`."""
 
@@ -126,7 +142,10 @@ class CreateParams(msgspec.Struct, kw_only=True):
     store: bool | None = None  # None means the default, true (WS reference)
     stream: bool | None = None  # HTTP: JSON vs SSE. WS: accepted and ignored.
     background: bool | None = None  # not supported: 400 param "background"
-    generate: bool | UnsetType = UNSET  # WS warm-up; the HTTP API rejects the parameter
+    # WS warm-up (`generate: false`); typed `Optional[bool]` on the WebSocket create by openai-python
+    # 3.60 (`responses_client_event.py`, and the beta's), null meaning the default, true; the HTTP
+    # API rejects the parameter, null included.
+    generate: bool | None | UnsetType = UNSET
     tools: list[Raw] | None = None
     tool_choice: Raw = NULL  # "none" | "auto" | "required" | {"type":"function","name":…} | …
     parallel_tool_calls: bool | None = None
@@ -162,6 +181,7 @@ class CreateParams(msgspec.Struct, kw_only=True):
     access_programs: Raw = NULL
     background_options: Raw = NULL  # only meaningful with background, which is refused
     image: Raw = NULL
+    multi_agent: MultiAgentParams | None = None  # the beta's hosted multi-agent (docs/beta.md)
 
 
 class HTTPCreateParams(CreateParams, kw_only=True, forbid_unknown_fields=True):
@@ -257,11 +277,23 @@ class OutputText(msgspec.Struct, tag_field="type", tag="output_text"):
     logprobs: list[Raw] = []
 
 
+class AgentRef(msgspec.Struct):
+    """The beta's attribution of an output item to the agent that produced it."""
+
+    agent_name: str
+
+
+ROOT_AGENT: Final = AgentRef(agent_name="/root")  # the hosted tree's root (longrun runs no subagents)
+
+
 class OutputMessage(msgspec.Struct, tag_field="type", tag="message", kw_only=True):
     id: str
     status: str
     role: str = "assistant"
     content: list[OutputText] = []
+    # Beta, `multi_agent` responses only (docs/beta.md#hosted-multi-agent): absent otherwise.
+    agent: AgentRef | UnsetType = UNSET
+    phase: str | UnsetType = UNSET
 
 
 class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_only=True):
@@ -272,6 +304,7 @@ class FunctionCall(msgspec.Struct, tag_field="type", tag="function_call", kw_onl
     name: str
     # Beta dialect only: the call of an async function tool (docs/beta.md); absent otherwise.
     is_async: bool | UnsetType = msgspec.field(default=UNSET, name="async")
+    agent: AgentRef | UnsetType = UNSET  # beta `multi_agent` responses only
 
 
 class CompactionItem(msgspec.Struct, tag_field="type", tag="compaction", kw_only=True):
@@ -318,6 +351,29 @@ DEFAULT_TEXT: Final = Raw(b'{"format":{"type":"text"}}')
 DEFAULT_TOOL_CHOICE: Final = Raw(b'"auto"')
 
 
+class CacheHit(msgspec.Struct, tag_field="type", tag="cache_hit"):
+    """`prompt_cache_diagnostics`: the prompt reuses the compared response's prefix whole."""
+
+
+class CacheMiss(msgspec.Struct, tag_field="type", tag="cache_miss", kw_only=True):
+    """`prompt_cache_diagnostics`: why the prompt diverges from the compared response, and where."""
+
+    reason: str  # one of openai-python 3.60's `PromptCacheDiagnosticsCacheMiss.reason` literals
+    cache_missed_tokens: int  # input tokens after the first divergence
+    comparison_reusable_tokens: int | None = None  # the compared response's reusable prefix
+
+
+class ComparisonResponseNotFound(msgspec.Struct, tag_field="type", tag="comparison_response_not_found"):
+    """`prompt_cache_diagnostics`: `comparison_response_id` names no response longrun has."""
+
+
+class DiagnosticsUnavailable(msgspec.Struct, tag_field="type", tag="unavailable"):
+    """`prompt_cache_diagnostics`: longrun cannot say (the two contexts are unrelated)."""
+
+
+PromptCacheDiagnostics = CacheHit | CacheMiss | ComparisonResponseNotFound | DiagnosticsUnavailable
+
+
 class Response(msgspec.Struct, kw_only=True):
     """The Response object (`Response` in the openai-openapi spec), field order as OpenAI sends it."""
 
@@ -337,6 +393,8 @@ class Response(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool = True
     presence_penalty: float = 0.0  # as frequency_penalty
     previous_response_id: str | None = None
+    # Requested by `prompt_cache_options.comparison_response_id` (docs/contract.md); absent otherwise.
+    prompt_cache_diagnostics: PromptCacheDiagnostics | UnsetType = UNSET
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     reasoning: Raw = DEFAULT_REASONING

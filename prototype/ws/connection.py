@@ -196,7 +196,9 @@ class Connection:
         self.steering = Steering(emit, self.ids, self.ended_ids, unsteerable_models)
         self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
-        self.frames = FrameClassifier(steering=self.dialect.steering, tools=self.tools, open_responses=open_responses)
+        self.frames = FrameClassifier(
+            steering=self.dialect.steering, tools=self.tools, open_responses=open_responses, multi_agent=beta
+        )
 
     # -- the default lane (a connection without `stream_id`s is exactly that lane) --------------------
 

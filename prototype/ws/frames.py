@@ -38,8 +38,11 @@ class FrameClassifier:
     an event type on this connection (it is not in append mode). `tools` is the connection's
     cache of the last validated tool list; `open_responses` admits that dialect's fields."""
 
-    def __init__(self, *, steering: bool, tools: ToolCache | None, open_responses: bool) -> None:
+    def __init__(
+        self, *, steering: bool, tools: ToolCache | None, open_responses: bool, multi_agent: bool = False
+    ) -> None:
         self.steering = steering
+        self.multi_agent = multi_agent  # the beta connection: `multi_agent` is a create parameter
         self.tools = tools
         self.open_responses = open_responses
 
@@ -63,7 +66,11 @@ class FrameClassifier:
                 return BadFrame(STREAM_LIMIT, None, stream_id)  # a refused fork keeps its parent
             try:
                 request = normalize_create(
-                    params, websocket=True, tool_cache=self.tools, open_responses=self.open_responses
+                    params,
+                    websocket=True,
+                    tool_cache=self.tools,
+                    open_responses=self.open_responses,
+                    multi_agent=self.multi_agent,
                 )
             except ProtocolError as err:
                 return BadFrame(err, params.previous_response_id, stream_id)

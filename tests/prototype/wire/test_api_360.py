@@ -42,3 +42,25 @@ async def test_prewarm_prepares_the_cache_and_generates_nothing(client: tuple[Li
     answer = await c.responses.create(model="sim", input=INPUT)
     assert answer.output_text and answer.usage is not None
     assert answer.usage.input_tokens_details.cached_tokens > 0
+
+
+async def test_the_typed_websocket_generate_field(client: tuple[Live, AsyncOpenAI]) -> None:
+    """openai-python 3.60 types `generate` on the WebSocket create as `Optional[bool]`: `false` is
+    the warm-up, `null` and `true` generate. Sent through the SDK's typed connection; every
+    completed Response validated against the 3.60 model. HTTP has no such parameter."""
+    _, c = client
+    outputs: dict[bool | None, int] = {}
+    async with c.responses.connect() as connection:
+        for generate in (False, None, True):
+            await connection.response.create(model="sim", input=INPUT, generate=generate)
+            async for event in connection:
+                assert event.type not in ("error", "response.failed"), event
+                if event.type == "response.completed":
+                    done = Response.model_validate(event.response.model_dump(mode="json"), strict=True)
+                    assert done.usage is not None
+                    outputs[generate] = done.usage.output_tokens
+                    break
+    assert outputs[False] == 0 and outputs[None] == outputs[True] > 0
+    with pytest.raises(BadRequestError) as info:
+        await c.responses.create(model="sim", input=INPUT, extra_body={"generate": None})
+    assert info.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
