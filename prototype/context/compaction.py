@@ -32,7 +32,8 @@ import msgspec
 import numpy as np
 
 from ..wire.errors import ProtocolError
-from ..wire.schemas import CompactionItem, InputItemView
+from ..wire.requests import InputItemView
+from ..wire.schemas import CompactionItem
 from .tokenizer import TokenArray, Tokenizer
 
 __all__ = [

@@ -48,11 +48,10 @@ from ..wire.contract import (
     supported_values,
 )
 from ..wire.errors import ProtocolError
+from ..wire.requests import CreateParams, InputItemView, is_null
 from ..wire.schemas import (
     CompactionItem,
-    CreateParams,
     FunctionCall,
-    InputItemView,
     OutputItem,
     OutputMessage,
     decode_content,
@@ -61,7 +60,6 @@ from ..wire.schemas import (
     decode_tool,
     encode,
     guarded_decoder,
-    is_null,
 )
 from ..wire.tool_schema import check_parameters, strict_compatible
 from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload

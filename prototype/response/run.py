@@ -40,14 +40,8 @@ from ..model import (
 from ..pipeline import STAGE_SWITCH, Stage
 from ..wire.contract import CONTEXT_LENGTH_MESSAGE
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
-from ..wire.schemas import (
-    FunctionCall,
-    RequiredInput,
-    Response,
-    ServerEvent,
-    SteerRef,
-    is_null,
-)
+from ..wire.requests import is_null
+from ..wire.schemas import FunctionCall, RequiredInput, Response, ServerEvent, SteerRef
 from .finish import Outcome, finish
 from .prepare import Resolved, Turn, add_resumed, diagnose_cache, resolve
 from .services import Arrival, Services, Stages

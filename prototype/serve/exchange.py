@@ -18,15 +18,8 @@ from ..response.run import Emit
 from ..response.services import Arrival
 from ..wire.contract import from_validation_error
 from ..wire.errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
-from ..wire.schemas import (
-    CompactParams,
-    CreateParams,
-    ServerEvent,
-    decode_compact_params,
-    decode_create_params,
-    decode_text,
-    encode,
-)
+from ..wire.requests import CreateParams
+from ..wire.schemas import CompactParams, ServerEvent, decode_compact_params, decode_create_params, decode_text, encode
 
 T = TypeVar("T")
 

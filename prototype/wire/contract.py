@@ -27,7 +27,8 @@ import msgspec
 from msgspec import Raw
 
 from .errors import ProtocolError
-from .schemas import CompactParams, CreateParams, NestingTooDeep, decode_context_management, is_null
+from .requests import CreateParams, is_null
+from .schemas import CompactParams, NestingTooDeep, decode_context_management
 
 __all__ = [
     "comparison_response_id",

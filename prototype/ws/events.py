@@ -17,7 +17,8 @@ from ..context.cache import CacheEntry
 from ..context.conversation import CreateRequest, Item
 from ..response.stream import InjectRefused
 from ..wire.errors import ProtocolError
-from ..wire.schemas import RequiredInput, ResponseAppend, ResponseInject, ResponseSteer, SteerRef
+from ..wire.requests import ResponseAppend, ResponseInject, ResponseSteer
+from ..wire.schemas import RequiredInput, SteerRef
 
 __all__ = [
     "INPUT_TYPES",

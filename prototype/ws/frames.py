@@ -17,7 +17,8 @@ from msgspec import structs
 from ..context.conversation import ToolCache, normalize_create
 from ..wire.contract import from_validation_error
 from ..wire.errors import ProtocolError
-from ..wire.schemas import ResponseCreate, ResponseSteer, decode_client_event, decode_envelope, decode_text
+from ..wire.requests import ResponseCreate, ResponseSteer
+from ..wire.schemas import decode_client_event, decode_envelope, decode_text
 from .events import AppendReceived, BadFrame, CreateReceived, SteerReceived
 from .lanes import INVALID_STREAM_ID, STREAM_LIMIT, valid_stream_id
 

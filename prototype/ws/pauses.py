@@ -27,7 +27,8 @@ from ..context.cache import tag_stream
 from ..context.conversation import Item, parse_items
 from ..response.stream import InjectRefused
 from ..wire.errors import ProtocolError
-from ..wire.schemas import InjectError, ResponseAppend, ResponseInject, ResponseInjectFailed, encode
+from ..wire.requests import ResponseAppend, ResponseInject
+from ..wire.schemas import InjectError, ResponseInjectFailed, encode
 from .events import (
     AbortPause,
     AckInject,

@@ -20,7 +20,8 @@ from ..context.cache import tag_stream
 from ..context.conversation import CreateRequest, Item, parse_items
 from ..ids import IdFactory
 from ..wire.errors import ProtocolError
-from ..wire.schemas import ResponseSteer, ResponseSteerFailed, SteerError, SteerRef, SteerSubmission, encode
+from ..wire.requests import ResponseSteer
+from ..wire.schemas import ResponseSteerFailed, SteerError, SteerRef, SteerSubmission, encode
 from .events import AckSteer, Output, ResponseEnded, SendFrame
 from .lanes import Lane, Parked, QueuedSteer
 

@@ -25,7 +25,8 @@ from prototype.serve.app import SLOTS, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.server import build_parser
 from prototype.store.memory import MemoryStore
-from prototype.wire.schemas import InputItemView, Response
+from prototype.wire.requests import InputItemView
+from prototype.wire.schemas import Response
 from prototype.ws.connection import Connection
 from prototype.ws.events import SendFrame, StartJob
 from prototype.ws.lanes import CS

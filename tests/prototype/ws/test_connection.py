@@ -13,7 +13,8 @@ from prototype.context import conversation
 from prototype.context.cache import CacheEntry
 from prototype.context.conversation import Context, Preamble, normalize_create
 from prototype.wire.errors import ProtocolError
-from prototype.wire.schemas import CreateParams, RequiredInput, Response, ResponseSteer, decode_client_event
+from prototype.wire.requests import CreateParams, ResponseSteer
+from prototype.wire.schemas import RequiredInput, Response, decode_client_event
 from prototype.ws.connection import Connection, limit_message
 from prototype.ws.events import (
     INPUT_TYPES,

@@ -320,6 +320,7 @@ NOT_DEFAULT: dict[str, object] = {
     "max_named_lanes": 5,
     "max_connections": 7,
     "inject_messages": True,
+    "multi_agent_holds_calls": False,
     "context_window": 9_000,
     "max_output_tokens": None,
 }
@@ -351,8 +352,8 @@ def test_a_virtual_comparison_hands_the_server_every_field(monkeypatch: pytest.M
     argv = ["compare"]
     for _, field in leaves(ServerConfig):
         value = NOT_DEFAULT[field.name]
-        if isinstance(value, bool):
-            argv.append(flag_of(field))
+        if isinstance(value, bool):  # a switch: --X sets it, --no-X clears one that defaults to true
+            argv.append(flag_of(field) if value else "--no-" + flag_of(field).removeprefix("--"))
         else:
             text = ",".join(value) if isinstance(value, tuple) else "none" if value is None else str(value)
             argv += [flag_of(field), text]
@@ -363,6 +364,7 @@ def test_a_virtual_comparison_hands_the_server_every_field(monkeypatch: pytest.M
     assert server == msgspec.structs.replace(config.server, profile=PROFILES["local"])
     assert config.server != ServerConfig(profile="hosted")
     assert (engine.context_window, engine.output_token_limit, engine.steer_boundary) == (9_000, None, "token")
+    assert engine.multi_agent_holds_calls is False
     assert engine.profile == PROFILES["local"]
 
 

@@ -10,8 +10,8 @@ from typing import Any, Final
 import aiohttp
 import pytest
 
-from . import strict
-from .support import Live, live_server, turn
+from tests import strict
+from tests.support import Live, live_server, turn
 
 pytestmark = pytest.mark.timeout(60)
 

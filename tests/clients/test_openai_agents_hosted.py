@@ -24,9 +24,8 @@ import pytest
 from prototype.config import ServerConfig
 from prototype.serve.app import ENGINE
 from prototype.ws.connection import Connection
-
-from . import strict
-from .support import beta_socket, live_server, receive_event, until
+from tests import strict
+from tests.support import beta_socket, live_server, receive_event, until
 
 TOOL_CALLS: Final = 3
 PROMPT: Final = "Fix the failing test in module 3."
