@@ -18,6 +18,7 @@ import logging
 import subprocess
 import sys
 from collections.abc import AsyncGenerator, Callable, Sequence
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import pytest
@@ -45,7 +46,6 @@ from prototype.store.memory import MemoryStore
 from prototype.wire.errors import INTERNAL_ERROR
 from prototype.wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_create_params, decode_stored, encode
 from sim.runtime.clock import ManualClock
-from tests.support import REPO
 
 TOOL: Final = {"type": "function", "name": "exec", "parameters": {"type": "object", "properties": {}}}
 ASYNC_TOOL: Final = {**TOOL, "name": "exec_async", "async": True}
@@ -226,8 +226,8 @@ def calls_in(response: dict[str, Any]) -> list[RequiredInput]:
 def test_these_tests_load_no_transport() -> None:
     """A fresh interpreter imports this module: no aiohttp, no session or connection core, no
     simulated transport or accelerator (sim/ lends only its manual clock)."""
-    code = "import json, sys, tests.test_run; print(json.dumps(sorted(sys.modules)))"
-    root = REPO
+    code = "import json, sys, tests.prototype.response.test_run; print(json.dumps(sorted(sys.modules)))"
+    root = Path(__file__).resolve().parents[3]  # the repository (tests.support would load aiohttp)
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120, check=True
     )
