@@ -8,20 +8,20 @@ connection cache").
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
 from ..wire.errors import ProtocolError
 from ..wire.schemas import Response
 from .conversation import Context, Preamble
 from .safety import ClassifierState
 
-__all__ = ["STORE_UNAVAILABLE", "CacheEntry", "tag_stream"]
+__all__ = ["CacheEntry", "store_unavailable", "tag_stream"]
 
-# The one mapping of a store outage to the wire: 503 `store_unavailable` (HTTP body, or the
-# `error` of a `response.failed` / WebSocket `error` event).
-STORE_UNAVAILABLE: Final = ProtocolError(
-    "The response store is unavailable. Please retry.", code="store_unavailable", status=503
-)
+
+def store_unavailable() -> ProtocolError:
+    """The one mapping of a store outage to the wire: 503 `store_unavailable` (HTTP body, or the
+    `error` of a `response.failed` / WebSocket `error` event). A new one each time: a raised
+    exception keeps its traceback, and with it the frames of the response that met the outage."""
+    return ProtocolError("The response store is unavailable. Please retry.", code="store_unavailable", status=503)
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,7 @@ from typing import Final, Protocol
 
 from ..clock import Clock
 from ..config import STEER_BOUNDARIES, ModelLimits, SteerBoundary
-from ..context.cache import STORE_UNAVAILABLE, CacheEntry
+from ..context.cache import CacheEntry, store_unavailable
 from ..context.conversation import (
     CreateRequest,
     Item,
@@ -115,12 +115,12 @@ class EngineStatistics:
 @contextlib.contextmanager
 def store_errors(what: str) -> Iterator[None]:
     """The one mapping of a store outage to the wire: `StoreUnavailable` becomes
-    `STORE_UNAVAILABLE` (503), the details go to the log."""
+    `store_unavailable()` (503), the details go to the log."""
     try:
         yield
     except StoreUnavailable:
         log.exception("store unavailable while %s", what)
-        raise STORE_UNAVAILABLE from None
+        raise store_unavailable() from None
 
 
 class Engine:
@@ -283,7 +283,7 @@ class Engine:
 
     async def put_stored(self, response_id: str, data: bytes) -> None:
         """Persist a finished response's record (`finish.py`, before its terminal event); an
-        outage raises `STORE_UNAVAILABLE`."""
+        outage raises `store_unavailable()`."""
         self.counts.store_writes += 1
         with store_errors(f"storing {response_id}"):
             await self.store.put(response_id, data)

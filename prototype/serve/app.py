@@ -35,13 +35,14 @@ from ..wire.errors import (
     INTERNAL_ERROR,
     ProtocolError,
 )
-from ..wire.schemas import DeletedResponse, FunctionCallArgumentsDelta, OutputTextDelta, ServerEvent, encode
+from ..wire.schemas import DeletedResponse, ServerEvent, encode
 from ..wire.sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .admission import Slots, admit_websocket, authorize
 from .agents_api import AgentsAPI, StreamReply
 from .exchange import HTTPExchange, JSONReply, http_compact, request_too_large
 from .session import (
     BATCH_BYTES,
+    TOKEN_DELTAS,
     BatchedFrames,
     TextSender,
     WebSocketSession,
@@ -55,9 +56,6 @@ __all__ = [
     "make_engine",
     "render_executor",
 ]
-
-# Token deltas wait for the wake-up's end in an SSE batch; every other event goes now.
-TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 
 log = logging.getLogger("longrun.server")
 

@@ -23,11 +23,13 @@ from ..context.cache import stream_prefix
 from ..context.conversation import Item
 from ..pipeline import Optimization
 from ..response.engine import Engine
-from ..response.run import Aborted, Inbox, Resumed
+from ..response.run import Aborted, Emit, Inbox, Resumed
 from ..response.services import Arrival
 from ..response.stream import InjectAccepted, SteerAccepted
 from ..wire.errors import INTERNAL_ERROR
 from ..wire.schemas import (
+    FunctionCallArgumentsDelta,
+    OutputTextDelta,
     RequiredInput,
     ServerEvent,
     SteerRef,
@@ -84,6 +86,7 @@ class SessionSocket(TextSender, Protocol):
 
 # -- WebSocket -------------------------------------------------------------------------------------
 
+TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 # Frames gathered before a write is forced mid wake-up (an unpaced turn never yields on its own).
 BATCH_BYTES: Final = 64 * 1024
 
@@ -157,61 +160,82 @@ _END: Final = _Close(0, b"")  # the writer's last item: the session is over
 
 class Outbox:
     """A connection's one output writer. Every frame for the socket, the core's and every
-    response's, is put here in order and without waiting; one task (`run`) writes them, so the
-    socket is written from one place and frames leave in the order they were put. A response
-    that puts more than `BATCH_BYTES` ahead of the socket waits for `room` (flow control); once
-    the socket fails, `broken` is set and what is put is dropped."""
+    response's, is put here in order and without waiting, so frames leave in the order they were
+    put and nothing else writes the socket.
 
-    __slots__ = ("_frames", "_queued", "_room", "_wake", "broken", "writer", "ws")
+    On a live uncompressed socket the frames go straight into its `BatchedFrames` buffer, one
+    buffer written in one go at the end of the event-loop wake-up (or at once past `BATCH_BYTES`);
+    otherwise into a deque that one task (`run`) writes out. A response waits for `room` when the
+    socket is behind (flow control). A close is written by that task after the frames put before
+    it; frames put after it are dropped. Once the socket fails, `broken` is set and what is put is
+    dropped."""
+
+    __slots__ = ("_frames", "_queued", "_room", "_waiting", "_wake", "batched", "broken", "closing", "writer", "ws")
 
     def __init__(self, ws: SessionSocket, writer: TextSender) -> None:
         self.ws = ws
         self.writer = writer
+        self.batched = writer if isinstance(writer, BatchedFrames) else None
         self._frames: collections.deque[bytes | _Close] = collections.deque()
-        self._queued = 0  # bytes put and not yet written
-        self._wake = asyncio.Event()  # something to write
-        self._room = asyncio.Event()  # below the high-water mark again
+        self._queued = 0  # bytes in the deque, not yet written
+        self._wake = asyncio.Event()  # something for the task to write
+        self._room = asyncio.Event()  # the deque below the high-water mark again
+        self._waiting = 0  # responses waiting for room
         self.broken = False
+        self.closing = False
 
-    def put(self, frame: bytes) -> None:
-        if not self.broken:
-            self._frames.append(frame)
-            self._queued += len(frame)
-            self._wake.set()
+    def put(self, frame: bytes) -> bool:
+        """One frame; True when the caller should wait for `room` (the socket is behind)."""
+        if self.broken or self.closing:
+            return False
+        if self.batched is not None:
+            try:
+                return self.batched.push(frame)
+            except ConnectionResetError:
+                self.broken = True
+                return False
+        self._frames.append(frame)
+        self._queued += len(frame)
+        self._wake.set()
+        return self._queued > BATCH_BYTES
 
     def close(self, code: int, reason: bytes) -> None:
-        """Close the socket after the frames put before."""
+        """Close the socket after the frames put before (later ones are dropped)."""
+        if self.batched is not None:
+            self.batched.flush()
+        self.closing = True
         self._frames.append(_Close(code, reason))
         self._wake.set()
 
     def finish(self) -> None:
-        """The writer returns once what was put before is written."""
+        """The writer task returns once what was put before is written."""
         self._frames.append(_END)
         self._wake.set()
 
-    @property
-    def full(self) -> bool:
-        return self._queued > BATCH_BYTES
-
     async def room(self) -> None:
+        """Until the socket has taken what was put (the batch's transport drained, the deque
+        below `BATCH_BYTES`)."""
+        if self.batched is not None:
+            await self.batched.drain()
+            return
         while self._queued > BATCH_BYTES and not self.broken:
             self._room.clear()
-            await self._room.wait()
+            self._waiting += 1
+            try:
+                await self._room.wait()
+            finally:
+                self._waiting -= 1
 
     async def run(self) -> None:
-        """The writer: everything put, in order, until `finish`; a batch ends when nothing more
-        is waiting (a `BatchedFrames` writes it then, in one go)."""
-        frames, ws, writer = self._frames, self.ws, self.writer
-        batched = writer.flush if isinstance(writer, BatchedFrames) else None
+        """The writer task: the deque, in order, until `finish`."""
+        frames, ws, writer, wake = self._frames, self.ws, self.writer, self._wake
         try:
             while True:
-                await self._wake.wait()
-                self._wake.clear()
+                await wake.wait()
+                wake.clear()
                 while frames:
                     frame = frames.popleft()
                     if isinstance(frame, _Close):
-                        if batched is not None:
-                            batched()
                         if frame is _END:
                             return
                         await ws.close(code=frame.code, message=frame.reason)
@@ -219,10 +243,10 @@ class Outbox:
                     self._queued -= len(frame)
                     if not ws.closed:
                         await writer.send_text(frame)
-                    if self._queued <= BATCH_BYTES:
+                    if self._waiting and self._queued <= BATCH_BYTES:
                         self._room.set()
-                if batched is not None:
-                    batched()
+                if self.batched is not None:
+                    self.batched.flush()
         except ConnectionResetError:
             pass  # the peer is gone; the reader sees the close and frees everything
         finally:
@@ -329,15 +353,30 @@ class WebSocketSession:
         # Frames straight from the encoder's bytes; a named lane's get its `stream_id` first.
         # The default lane's path makes no extra call per event.
         frame: Callable[[ServerEvent], bytes] = encode if prefix is None else lambda ev: prefix + encode(ev)[1:]
-        put = out.put
+        emit: Emit
+        if out.batched is not None:  # the per-token path: straight into the one buffer, in order
+            push, drain, flush = out.batched.push, out.batched.drain, out.batched.flush
 
-        async def emit(events: list[ServerEvent]) -> None:
-            for ev in events:
-                put(frame(ev))
-            if out.full:
-                await out.room()
-            if out.broken:
-                raise ConnectionResetError("the socket is gone")
+            async def emit(events: list[ServerEvent]) -> None:
+                if out.closing or out.broken:
+                    raise ConnectionResetError("the socket is closing")
+                for ev in events:
+                    if push(frame(ev)):
+                        await drain()
+                if events and type(events[-1]) not in TOKEN_DELTAS:
+                    flush()  # token deltas wait for the wake-up's end; other events go now
+
+        else:
+            put = out.put
+
+            async def emit(events: list[ServerEvent]) -> None:
+                behind = False
+                for ev in events:
+                    behind = put(frame(ev)) or behind
+                if behind:
+                    await out.room()
+                if out.broken or out.closing:
+                    raise ConnectionResetError("the socket is closing")
 
         if self.timing is not None:  # only then: the default path makes no extra call per event
             untimed, around = emit, self.timing.around

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from typing import Any
 
@@ -366,6 +367,12 @@ async def test_store_unavailable_is_a_clear_5xx() -> None:
             err = last(await turn(ws, input="x", previous_response_id="resp_abc"))
             assert err["status"] == 503 and err["error"]["code"] == "store_unavailable"
             assert err["error"]["type"] == "server_error"
+    # Nothing keeps the session once it is closed: the outage's error (raised through the
+    # response's frames) is a new object each time, not a constant holding its traceback.
+    from prototype.serve.session import WebSocketSession
+
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, WebSocketSession)]
 
 
 # -- lanes (`stream_id`) ---------------------------------------------------------------------------
@@ -495,29 +502,7 @@ def test_lanes_share_the_models_decode_slots() -> None:
     assert p50(1) > 1.6 * p50(None)  # nearly serial: one lane decodes while the other waits
 
 
-@pytest.mark.parametrize("compress", [True, False], ids=["deflate", "batched"])
-async def test_one_task_writes_a_connections_frames(monkeypatch: pytest.MonkeyPatch, compress: bool) -> None:
-    """Two lanes streaming at once, a bad frame and the core's error for it: every frame the
-    connection sends is written by one task (the session's writer), never by a response's task or
-    the reader, in the order it was put."""
-    from prototype.serve import app, session
-
-    writers: set[asyncio.Task[Any] | None] = set()
-    for cls in (session.BatchedFrames, app._AiohttpSocket):
-        original = cls.send_text
-
-        async def send_text(self: Any, message: bytes, _original: Any = original) -> None:
-            writers.add(asyncio.current_task())
-            await _original(self, message)
-
-        monkeypatch.setattr(cls, "send_text", send_text)
-    push = session.BatchedFrames.push
-
-    def pushed(self: Any, message: bytes) -> bool:
-        writers.add(asyncio.current_task())
-        return push(self, message)
-
-    monkeypatch.setattr(session.BatchedFrames, "push", pushed)
+async def _two_lanes_and_a_bad_frame(compress: bool) -> None:
     async with live_server(decode_tok_per_s=2000.0) as server:
         client, ws = await connect(server, compress=15 if compress else 0)
         async with client, ws:
@@ -534,4 +519,46 @@ async def test_one_task_writes_a_connections_frames(monkeypatch: pytest.MonkeyPa
                 elif event["type"] in TERMINAL:
                     done.add(event["stream_id"])
             assert done == {"a", "b"} and errors == 1
+
+
+async def test_one_task_writes_a_compressed_connections_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two lanes streaming at once, a bad frame and the core's error for it, on a compressed socket
+    (frames are sent one by one): every frame is written by one task (the connection's `Outbox`),
+    never by a response's task or the reader, in the order it was put."""
+    from prototype.serve import app
+
+    writers: set[asyncio.Task[Any] | None] = set()
+    original = app._AiohttpSocket.send_text
+
+    async def send_text(self: Any, message: bytes) -> None:
+        writers.add(asyncio.current_task())
+        await original(self, message)
+
+    monkeypatch.setattr(app._AiohttpSocket, "send_text", send_text)
+    await _two_lanes_and_a_bad_frame(compress=True)
     assert len(writers) == 1 and None not in writers, writers
+
+
+async def test_an_uncompressed_connections_frames_all_go_through_its_one_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same on an uncompressed socket: every frame, the responses' and the core's, goes into the
+    connection's one `BatchedFrames` buffer (written by its flush), none to the socket past it."""
+    from prototype.serve import app, session
+
+    buffered, direct = 0, 0
+    push = session.BatchedFrames.push
+
+    def pushed(self: Any, message: bytes) -> bool:
+        nonlocal buffered
+        buffered += 1
+        return push(self, message)
+
+    async def send_text(self: Any, message: bytes) -> None:
+        nonlocal direct
+        direct += 1
+
+    monkeypatch.setattr(session.BatchedFrames, "push", pushed)
+    monkeypatch.setattr(app._AiohttpSocket, "send_text", send_text)
+    await _two_lanes_and_a_bad_frame(compress=False)
+    assert buffered > 2 and direct == 0
