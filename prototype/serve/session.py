@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Final, Protocol, runtime_checkable
 
 from ..config import ServerConfig
 from ..context.cache import stream_prefix
@@ -98,6 +98,19 @@ def _text_head(n: int) -> bytes:
     return bytes((0x81, 126)) + n.to_bytes(2) if n < 65536 else bytes((0x81, 127)) + n.to_bytes(8)
 
 
+@runtime_checkable
+class FrameBuffer(Protocol):
+    """A writer that takes a text frame without waiting: into one buffer written in one go
+    (`BatchedFrames`), or handed over in memory (the in-process transport's socket). `push` says
+    when the caller should `drain` (flow control); `flush` writes what is held now."""
+
+    def push(self, message: bytes) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+    def flush(self) -> None: ...
+
+
 class BatchedFrames:
     """Text frames of an uncompressed socket, written in one go per event-loop wake-up.
 
@@ -163,8 +176,9 @@ class Outbox:
     response's, is put here in order and without waiting, so frames leave in the order they were
     put and nothing else writes the socket.
 
-    On a live uncompressed socket the frames go straight into its `BatchedFrames` buffer, one
-    buffer written in one go at the end of the event-loop wake-up (or at once past `BATCH_BYTES`);
+    When the writer takes a frame without waiting (a `FrameBuffer`: on a live uncompressed socket
+    its `BatchedFrames`, one buffer written in one go at the end of the event-loop wake-up or at
+    once past `BATCH_BYTES`; the in-process transport's socket), the frames go straight into it;
     otherwise into a deque that one task (`run`) writes out. A response waits for `room` when the
     socket is behind (flow control). A close is written by that task after the frames put before
     it; frames put after it are dropped. Once the socket fails, `broken` is set and what is put is
@@ -175,7 +189,7 @@ class Outbox:
     def __init__(self, ws: SessionSocket, writer: TextSender) -> None:
         self.ws = ws
         self.writer = writer
-        self.batched = writer if isinstance(writer, BatchedFrames) else None
+        self.batched = writer if isinstance(writer, FrameBuffer) else None
         self._frames: collections.deque[bytes | _Close] = collections.deque()
         self._queued = 0  # bytes in the deque, not yet written
         self._wake = asyncio.Event()  # something for the task to write

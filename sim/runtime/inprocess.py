@@ -115,10 +115,21 @@ class _ServerSocket:
         self.tap = tap
 
     async def send_text(self, data: bytes) -> None:
+        self.push(data)
+
+    # A `prototype.serve.session.FrameBuffer`: a frame is handed over at once, nothing to drain.
+    def push(self, data: bytes) -> bool:
         frame = bytes(data)  # the writer may hand over a view of its buffer
         if self.tap is not None:
             self.tap("down", frame)
         self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, frame.decode(), None))
+        return False
+
+    async def drain(self) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
 
     async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
         if not self.closed:
