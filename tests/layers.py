@@ -61,6 +61,7 @@ def declared_modules() -> dict[str, Module]:
     return {name: module for layer in declaration() for name, module in layer.modules.items()}
 
 
+@cache
 def module_files() -> dict[str, Path]:
     """Every module of the trees by dotted name (package `__init__` files are not modules here)."""
     found = {}
