@@ -38,7 +38,7 @@ from ..model import (
     TokensSampled,
 )
 from ..pipeline import STAGE_SWITCH, Stage
-from ..wire.contract import CONTEXT_LENGTH_MESSAGE
+from ..wire.contract import CONTEXT_LENGTH_MESSAGE, applied_prompt_cache_options
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
 from ..wire.requests import is_null
 from ..wire.schemas import FunctionCall, RequiredInput, Response, ServerEvent, SteerRef
@@ -186,6 +186,7 @@ def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_
         parallel_tool_calls=p.parallel_tool_calls is not False,
         previous_response_id=p.previous_response_id,
         prompt_cache_key=p.prompt_cache_key,
+        prompt_cache_options=applied_prompt_cache_options(p),
         prompt_cache_retention=p.prompt_cache_retention,
         frequency_penalty=p.frequency_penalty if isinstance(p.frequency_penalty, float | int) else 0.0,
         presence_penalty=p.presence_penalty if isinstance(p.presence_penalty, float | int) else 0.0,

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 import msgspec
-from msgspec import Raw
+from msgspec import UNSET, Raw, UnsetType
 
 from .errors import ProtocolError
 from .requests import CreateParams, is_null
-from .schemas import CompactParams, NestingTooDeep, decode_context_management
+from .schemas import CompactParams, NestingTooDeep, PromptCacheOptions, decode_context_management
 
 __all__ = [
+    "applied_prompt_cache_options",
     "comparison_response_id",
     "CALL_ID_MAX",
     "CONTEXT_LENGTH_MESSAGE",
@@ -331,6 +332,18 @@ def comparison_response_id(params: CreateParams) -> str | None:
     if is_null(params.prompt_cache_options):
         return None
     return _decode_prompt_cache_options(params.prompt_cache_options).comparison_response_id
+
+
+def applied_prompt_cache_options(params: CreateParams) -> PromptCacheOptions | UnsetType:
+    """The Response's `prompt_cache_options` when the request sets them: the mode and time-to-live
+    applied (the spec's defaults, `implicit` and `30m`, where the request leaves them out) and the
+    comparison it named. Checked by `check_params`."""
+    if is_null(params.prompt_cache_options):
+        return UNSET
+    o = _decode_prompt_cache_options(params.prompt_cache_options)
+    return PromptCacheOptions(
+        mode=o.mode or "implicit", ttl=o.ttl or "30m", comparison_response_id=o.comparison_response_id
+    )
 
 
 def prewarms(params: CreateParams) -> bool:

@@ -218,6 +218,15 @@ class DiagnosticsUnavailable(msgspec.Struct, tag_field="type", tag="unavailable"
 PromptCacheDiagnostics = CacheHit | CacheMiss | ComparisonResponseNotFound | DiagnosticsUnavailable
 
 
+class PromptCacheOptions(msgspec.Struct, kw_only=True):
+    """The Response's `prompt_cache_options`: the options applied, each default filled in (`implicit`,
+    `30m`), and the comparison the request named (openai-python 3.60's `PromptCacheOptions`)."""
+
+    mode: str
+    ttl: str
+    comparison_response_id: str | None = None
+
+
 class Response(msgspec.Struct, kw_only=True):
     """The Response object (`Response` in the openai-openapi spec), field order as OpenAI sends it."""
 
@@ -240,6 +249,8 @@ class Response(msgspec.Struct, kw_only=True):
     # Requested by `prompt_cache_options.comparison_response_id` (docs/contract.md); absent otherwise.
     prompt_cache_diagnostics: PromptCacheDiagnostics | UnsetType = UNSET
     prompt_cache_key: str | None = None
+    # Echoed when the request sets `prompt_cache_options` (docs/contract.md); absent otherwise.
+    prompt_cache_options: PromptCacheOptions | UnsetType = UNSET
     prompt_cache_retention: str | None = None
     reasoning: Raw = DEFAULT_REASONING
     safety_identifier: str | None = None

@@ -151,6 +151,36 @@ def test_each_spec_exception_is_broken_by_the_specs_own_example() -> None:
             assert not any(marker in line for line in strict.spec_errors(kind, example)), rule["path"]
 
 
+def _set(payload: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(payload)
+    *parents, leaf = path.split(".")
+    node = out
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[leaf] = value
+    return out
+
+
+async def test_each_value_the_spec_predates_is_the_sdks_and_only_it_passes(live: Live) -> None:
+    """A value newer than the pinned spec: the spec rejects it and the SDK's types take it, so
+    the exception excuses exactly what the SDK allows (a made-up value still fails both)."""
+    response = {**await _create(live), "prompt_cache_options": {"mode": "implicit", "ttl": "30m"}}
+    for rule in strict.exceptions()["spec_older_than_sdk"]:
+        for kind in rule["kinds"]:
+            base = (
+                response
+                if kind == strict.RESPONSE
+                else {"type": "response.completed", "sequence_number": 1, "response": response}
+            )
+            assert strict.spec_errors(kind, base) == [] and strict.sdk_errors(kind, base) == []
+            for value in rule["values"]:
+                newer = _set(base, rule["path"], value)
+                assert strict.spec_errors(kind, newer, excuse=False) and strict.sdk_errors(kind, newer) == []
+                assert strict.spec_errors(kind, newer) == []
+            made_up = _set(base, rule["path"], "made_up")
+            assert strict.spec_errors(kind, made_up) and strict.sdk_errors(kind, made_up)
+
+
 def _incomplete(response: dict[str, Any], reason: str) -> dict[str, Any]:
     ended = {**response, "status": "incomplete", "incomplete_details": {"reason": reason}}
     return {"type": "response.incomplete", "sequence_number": 9, "response": ended}

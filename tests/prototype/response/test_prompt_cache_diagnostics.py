@@ -76,3 +76,27 @@ async def test_diagnostics_find_the_compared_response_in_the_connection_cache(li
         created = (await turn(ws, **body, **_compare(hit["id"])))[0]["response"]
         assert created["prompt_cache_diagnostics"] == {"type": "comparison_response_not_found"}
     assert not wire.violations
+
+
+async def test_the_response_echoes_the_applied_prompt_cache_options(live: Live, wire: strict.Checker) -> None:
+    """The Response's `prompt_cache_options` are the options applied: the request's, with the spec's
+    defaults (`implicit`, `30m`) filled in, and the comparison named; absent when the request sets none."""
+    async with aiohttp.ClientSession() as session:
+        plain = await _post(session, live)
+        assert "prompt_cache_options" not in plain
+        empty = await _post(session, live, prompt_cache_options={})
+        assert empty["prompt_cache_options"] == {"mode": "implicit", "ttl": "30m", "comparison_response_id": None}
+        chosen = await _post(
+            session,
+            live,
+            prompt_cache_options={"mode": "explicit", "ttl": "12h", "comparison_response_id": plain["id"]},
+        )
+        assert chosen["prompt_cache_options"] == {
+            "mode": "explicit",
+            "ttl": "12h",
+            "comparison_response_id": plain["id"],
+        }
+        fetched_url = f"{live.base_url}/responses/{chosen['id']}"
+        async with session.get(fetched_url) as resp:
+            assert (await resp.json())["prompt_cache_options"] == chosen["prompt_cache_options"]
+    assert not wire.violations and wire.counts
