@@ -214,12 +214,12 @@ async def resolve(
 
 
 async def diagnose_cache(
-    engine: Services, request: CreateRequest, resolved: Resolved, cached: CacheEntry | None
+    engine: Services, request: CreateRequest, resolved: Resolved, cached: CacheEntry | None, stages: Stages
 ) -> PromptCacheDiagnostics | UnsetType:
     """`prompt_cache_diagnostics`, when the request names `prompt_cache_options.comparison_response_id`
     (docs/contract.md#prompt-cache-diagnostics). longrun's prefix of a prompt is its preamble
     (instructions, tools), then the context items; the compared response is found in the connection
-    cache, else the store. It says what its own caches know: a changed model or preamble diverges at
+    cache, else the store (a store read charged to `load_state`). It says what its own caches know: a changed model or preamble diverges at
     the first token; a prompt that continues the compared response (it is `previous_response_id`)
     reuses it whole unless this request compacted it; prompts of unrelated contexts: `unavailable`."""
     comparison = comparison_response_id(request.params)
@@ -228,11 +228,16 @@ async def diagnose_cache(
     if cached is not None and cached.response.id == comparison:
         compared = cached.response
     else:
+        # A store read like a continuation's: its real time and its modeled round trip are load_state's.
         try:
             compared = await engine.get_stored(comparison)
         except ProtocolError as err:
             if err.code != "response_not_found":
                 raise
+            compared = None
+        stages.lap(Stage.LOAD_STATE)
+        await stages.wait(Stage.LOAD_STATE, engine.profile.stage_s(Stage.LOAD_STATE))
+        if compared is None:
             return ComparisonResponseNotFound()
     prompt = len(resolved.preamble.tokens) + resolved.context.n_tokens
     if compared.model != request.model:

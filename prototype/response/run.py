@@ -224,7 +224,7 @@ async def run_response(
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(arrival.body_bytes))
         stages.lap(Stage.PARSE)
         resolved = await resolve(engine, request, arrival, stages, cached, fork=fork)
-        diagnostics = await diagnose_cache(engine, request, resolved, cached)
+        diagnostics = await diagnose_cache(engine, request, resolved, cached, stages)
     except ProtocolError as err:
         return Outcome(template, None, err)
     if diagnostics is not UNSET:

@@ -177,6 +177,38 @@ def test_each_stage_holds_exactly_its_modeled_waits(mode: str, wire: Checker) ->
         previous = report.server_s if mode == "append" else 0.0
 
 
+async def _diagnosed_load_state(comparison: str | None, wire: Checker) -> float:
+    """load_state of a fresh request (no previous response) that names `comparison` for
+    `prompt_cache_diagnostics` (the id of a stored response, or one that does not exist)."""
+    clock = VirtualClock()
+    model = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=0), seed=5, decode_tok_per_s=math.inf)
+    config = ServerConfig(profile=KNOWN_WAITS)
+    engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=5)
+    server = InProcessServer(engine, config)
+    items = [{"role": "user", "content": "Fix the failing test."}]
+    first, second = server.client("http", clock), server.client("http", clock)
+    try:
+        stored = await first.turn(items, model="sim", tools=[EXEC_TOOL])
+        named = stored.response.id if comparison == "stored" else comparison
+        options = {} if named is None else {"prompt_cache_options": {"comparison_response_id": named}}
+        result = await second.turn(items, model="sim", tools=[EXEC_TOOL], **options)
+    finally:
+        await first.close()
+        await second.close()
+    report = result.response.longrun
+    assert isinstance(report, StageReport)
+    return report.stages_s.get("load_state", 0.0)
+
+
+@pytest.mark.parametrize("comparison", ["stored", "resp_0000000000000000000000000000dead"])
+def test_a_diagnostics_store_read_pays_the_store_round_trip(comparison: str, wire: Checker) -> None:
+    """`prompt_cache_options.comparison_response_id` reads the compared response from the store
+    (found or not): its round trip is charged to load_state, as a continuation's store load is."""
+    plain = run_virtual(_diagnosed_load_state(None, wire), charge_cpu=False)
+    diagnosed = run_virtual(_diagnosed_load_state(comparison, wire), charge_cpu=False)
+    assert plain == 0.0 and diagnosed == pytest.approx(STATE_LOAD, abs=1e-9)
+
+
 @pytest.mark.slow
 async def test_on_the_live_server_each_stage_waits_at_least_its_modeled_waits() -> None:
     """Sockets and the real clock: a timer never fires early, so each stage is at least its
