@@ -43,6 +43,7 @@ from ..wire.schemas import (
     DiagnosticsUnavailable,
     OutputItem,
     PromptCacheDiagnostics,
+    Response,
     StageReport,
 )
 from .compact import compact_context
@@ -219,12 +220,14 @@ async def diagnose_cache(
     """`prompt_cache_diagnostics`, when the request names `prompt_cache_options.comparison_response_id`
     (docs/contract.md#prompt-cache-diagnostics). longrun's prefix of a prompt is its preamble
     (instructions, tools), then the context items; the compared response is found in the connection
-    cache, else the store (a store read charged to `load_state`). It says what its own caches know: a changed model or preamble diverges at
-    the first token; a prompt that continues the compared response (it is `previous_response_id`)
-    reuses it whole unless this request compacted it; prompts of unrelated contexts: `unavailable`."""
+    cache, else the store (a store read charged to `load_state`). It says what its own caches know:
+    a changed model or preamble diverges at the first token; a prompt that continues the compared
+    response (it is `previous_response_id`) reuses it whole unless this request compacted it;
+    prompts of unrelated contexts: `unavailable`."""
     comparison = comparison_response_id(request.params)
     if comparison is None:
         return UNSET
+    compared: Response | None
     if cached is not None and cached.response.id == comparison:
         compared = cached.response
     else:
