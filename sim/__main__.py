@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_compare_options(r)
-    r.set_defaults(out="docs/results/headline")
+    # The README's table: the baselines, the shipped create design, append and the Agents API.
+    r.set_defaults(out="docs/results/headline", modes="http,http_prev,ws,append,agents")
     r.add_argument("--render", action="store_true", help="only print the table of the folder at --out (no run)")
 
     w = sub.add_parser(
