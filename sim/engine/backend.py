@@ -11,12 +11,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import aiohttp
+
 from prototype.clock import Clock
 from prototype.config import ModelLimits
 from sim.model.accelerator import SimulatedModel
 
+from .completions import CompletionsDialect, served_model
 from .config import EngineConfig
-from .llamacpp import EngineModel
+from .llamacpp import LLAMACPP
+from .model import Dialect, EngineModel
 from .process import LlamaServer, binary_path, model_path
 
 __all__ = ["ENGINE_MAX_OUTPUT_TOKENS", "check_installed", "engine_limits", "engine_model"]
@@ -40,14 +44,20 @@ def engine_limits(config: EngineConfig) -> ModelLimits:
 @contextlib.asynccontextmanager
 async def engine_model(config: EngineConfig, *, planner: SimulatedModel, clock: Clock) -> AsyncIterator[EngineModel]:
     """An `EngineModel` for the block: the llama.cpp server started (or attached to at
-    ``engine_url``), and stopped by PID after."""
+    ``engine_url``), and stopped by PID after; an OpenAI-compatible server is attached to."""
     server: LlamaServer | None = None
     url = config.engine_url
     if url is None:
         server = LlamaServer(config)
         await asyncio.to_thread(server.start)
         url = server.url
-    model = EngineModel(planner=planner, url=url, config=config, clock=clock)
+    url = url.rstrip("/")
+    dialect: Dialect = LLAMACPP
+    if config.engine_kind == "openai":
+        async with aiohttp.ClientSession() as session:
+            name = config.engine_model_name or await served_model(session, url)
+        dialect = CompletionsDialect(name, config.engine_reset)
+    model = EngineModel(planner=planner, url=url, config=config, clock=clock, dialect=dialect)
     model.server = server
     try:
         yield model

@@ -16,22 +16,34 @@ from .slots import OnFull
 
 __all__ = ["ENGINE_KINDS", "EngineConfig", "EngineKind"]
 
-EngineKind = Literal["none", "llamacpp"]
-ENGINE_KINDS: Final[tuple[EngineKind, ...]] = ("none", "llamacpp")
+EngineKind = Literal["none", "llamacpp", "openai"]
+ENGINE_KINDS: Final[tuple[EngineKind, ...]] = ("none", "llamacpp", "openai")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     engine_kind: Annotated[
         EngineKind,
         Meta(
-            description="the model behind the API: none (the simulator) or llamacpp (a real llama.cpp engine)",
+            description="the model behind the API: none (the simulator), llamacpp (a real llama.cpp engine, its own "
+            "API), openai (an OpenAI-compatible completions server at --engine-url: vLLM, SGLang, llama.cpp's)",
             extra={"flag": "--engine"},
         ),
     ] = "none"
     engine_url: Annotated[
         str | None,
-        Meta(description="attach to a running llama.cpp server at this URL instead of starting one"),
+        Meta(description="attach to a running engine at this URL instead of starting one (openai: required)"),
     ] = None
+    engine_model_name: Annotated[
+        str | None,
+        Meta(description="openai: the `model` of each completion (none: the first the server's /v1/models lists)"),
+    ] = None
+    engine_reset: Annotated[
+        tuple[str, ...],
+        Meta(
+            description="openai: paths to POST to empty the engine's prefix cache before each mode (vLLM: "
+            "/reset_prefix_cache, SGLang: /flush_cache, llama.cpp: /slots/N?action=erase per slot); none: refused"
+        ),
+    ] = ()
     engine_slots: Annotated[int, Meta(ge=1, description="llama.cpp --parallel: sequences decoding at once")] = 2
     engine_ctx_per_slot: Annotated[
         int, Meta(ge=256, description="context tokens per slot (llama.cpp -c is this x slots)")
@@ -70,3 +82,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     engine_startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for the engine's /health")] = (
         120.0
     )
+
+    def __post_init__(self) -> None:
+        if self.engine_kind == "openai" and self.engine_url is None:
+            raise ValueError("engine_url: an OpenAI-compatible engine is attached to, never started (--engine-url)")

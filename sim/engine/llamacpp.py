@@ -1,98 +1,28 @@
-"""A real llama.cpp engine behind the model seam: the simulator's words, the engine's time.
+"""llama.cpp's own completion API as an engine `Dialect` (sim/engine/model.py).
 
-`EngineModel` is a `prototype.model.TokenModel`, so the API path in front of it is the same
-code as in front of the simulator. Each turn:
-
-1. **Plan.** The turn's items and their o200k token ids come from the simulator's own planner
-   (`SimulatedModel.plan_tokens`, same seed, same policy): the tokens are those the simulator
-   would say, in every design.
-2. **Map.** The engine (Gemma 3, a 262,144-token vocabulary) reads and writes longrun's token
-   sequence under a fixed injective map, ``engine_id = ID_OFFSET + o200k_id`` (ids above
-   Gemma's control and unused tokens, below its image tokens), with Gemma's BOS in front: it
-   prefills exactly the prompt longrun counts. Its text is meaningless; longrun's is the plan's.
-3. **Frame.** Each item is decoded as it will stand in the next turn's prompt
-   (`framed_output_ids`: the rendering less the generation header the prompt ends with), so the
-   KV a slot keeps after a turn is the prefix of the conversation the next turn sends, in every
-   design. The framing is decoded work the API does not stream (usage counts the item's tokens).
-4. **Force.** ``engine_decode="forced"``: a token-id grammar (``root ::= <[id]> <[id]> …``) makes
-   the engine sample exactly those ids; each returned id is checked (a mismatch fails the turn).
-   ``"length"`` (what-if): free decoding of the same length, faster, but the KV then holds the
-   engine's tokens, not the plan's.
-5. **Slot.** `SlotTable` picks the slot (a paused response's pinned slot, or a free one by
-   affinity or LRU; ``engine_on_full``: wait, drop or swap).
-6. **Stream.** ``POST /completion`` with ``stream``, ``cache_prompt``, ``id_slot`` and
-   ``timings_per_token``; ``Prefilled`` is yielded when the first token arrives, carrying the
-   engine's own ``cache_n`` (cached tokens), ``prompt_ms`` (prefill) and the slot wait; the API's
-   tokens go out in proportion to the engine's progress through each item (`_Pacer`).
-
-The engine's per-turn counters (``prompt_n``, ``cache_n``, ``prompt_ms``, ``predicted_n``,
-``predicted_ms``) are kept in `turns` for the run folder and the validation (docs/validation.md).
+``POST /completion`` with a token-id prompt, ``stream``, ``cache_prompt``, ``id_slot``,
+``return_tokens`` and ``timings_per_token`` (so the first streamed token already carries the
+engine's ``cache_n`` and ``prompt_ms``); the planned output forced by a token-id grammar
+(``root ::= <[id]> <[id]> …``) or, as a what-if, decoded freely to the same length with
+``ignore_eos``. Its slots (``/slots/{id}?action=save|restore|erase``) give each design its KV
+semantics (sim/engine/slots.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import aiohttp
 import msgspec
-import numpy as np
 
-from prototype.clock import Clock
-from prototype.model import (
-    ContextWindowExceeded,
-    ItemFinished,
-    ItemStarted,
-    ModelEvent,
-    ModelRequest,
-    Prefilled,
-    SamplingFinished,
-    TokensSampled,
-)
-from sim.model.accelerator import ItemText, SimulatedModel, framed_output_ids
-from sim.model.policy import PlannedItem
+from prototype.model import ContextWindowExceeded
 
-from .config import EngineConfig
-from .process import LlamaServer
-from .slots import Grant, SlotAction, SlotTable
+from .model import Chunk, EngineError
 
-__all__ = ["BOS_ID", "ID_OFFSET", "EngineError", "EngineModel", "EngineTurn", "engine_ids"]
-
-BOS_ID: Final = 2  # Gemma's <bos>: llama.cpp adds it only to string prompts
-ID_OFFSET: Final = 1000  # past Gemma's control/unused ids; o200k's ~200k ids end below its image tokens
+__all__ = ["LLAMACPP", "LlamaCppDialect", "llamacpp_error"]
 
 
-class EngineError(RuntimeError):
-    """The engine failed a turn (unreachable, died mid-stream, answered with an error)."""
-
-
-def engine_ids(ids: np.ndarray[Any, Any] | list[int]) -> list[int]:
-    return (np.asarray(ids, dtype=np.int64) + ID_OFFSET).tolist()  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineTurn:
-    """One turn as the engine served it (its own counters, milliseconds as it reports them)."""
-
-    tag: str  # what the caller was running (a comparison: the mode)
-    conversation_key: int
-    turn_index: int
-    slot: int
-    resident: bool  # ran on a slot its response held (or restored)
-    prompt_tokens: int  # longrun's count (the engine read one more: its BOS)
-    prompt_n: int  # tokens the engine prefilled
-    cache_n: int  # tokens it reused from the slot's KV
-    prompt_ms: float
-    predicted_n: int
-    predicted_ms: float
-    queued_s: float  # waited for a slot
-    ttft_s: float  # request sent to the engine -> first token back
-    total_s: float  # request sent -> last token back
-
-
-class _Chunk(msgspec.Struct):
+class _Piece(msgspec.Struct):
     content: str = ""
     tokens: list[int] = []
     stop: bool = False
@@ -100,48 +30,19 @@ class _Chunk(msgspec.Struct):
     error: dict[str, Any] | None = None
 
 
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+_decode_piece = msgspec.json.Decoder(_Piece).decode
 
 
-@dataclass(slots=True)
-class EngineModel:
-    """A `TokenModel` served by a llama.cpp server at `url` (module docstring)."""
+def token_grammar(forced: list[int]) -> str:
+    """A GBNF grammar that admits exactly the token ids `forced`, in order."""
+    return "root ::= " + " ".join(f"<[{t}]>" for t in forced)
 
-    planner: SimulatedModel
-    url: str
-    config: EngineConfig
-    clock: Clock
-    slots: SlotTable = field(init=False)
-    turns: list[EngineTurn] = field(default_factory=list)
-    tag: str = ""  # stamped on each `EngineTurn` (a comparison sets the mode it runs)
-    server: LlamaServer | None = None  # the process, when this run owns it (fault tests restart it)
-    _session: aiohttp.ClientSession | None = None
-    _waiters: list[asyncio.Future[None]] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.slots = self._empty_slots()
-        self.url = self.url.rstrip("/")
+class LlamaCppDialect:
+    name = "llama.cpp"
+    slotted = True
 
-    def _empty_slots(self) -> SlotTable:
-        c = self.config
-        return SlotTable(c.engine_slots, affinity=c.engine_affinity, on_full=c.engine_on_full)
-
-    # -- the seam ----------------------------------------------------------------------------------
-
-    def release(self, conversation_id: str) -> None:
-        self.slots.unpin(conversation_id)
-        self._wake()
-
-    def decodes_on(self, request: ModelRequest, outstanding: tuple[int, ...]) -> bool:
-        return self.planner.decodes_on(request, outstanding)
-
-    async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
-        items, truncated = self.planner.plan_tokens(request)
-        framed = [engine_ids(ids) for ids in framed_output_ids(self.planner.tokenizer, items, truncated=truncated)]
-        forced = [t for ids in framed for t in ids]
-        prompt = [BOS_ID, *engine_ids(np.concatenate(request.prompt) if request.prompt else [])]
-        if len(prompt) + len(forced) > self.config.engine_ctx_per_slot:
-            raise ContextWindowExceeded(f"{len(prompt)} + {len(forced)} tokens > {self.config.engine_ctx_per_slot}")
+    def request(self, prompt: list[int], forced: list[int], *, force: bool, slot: int | None) -> tuple[str, Any]:
         body: dict[str, Any] = {
             "prompt": prompt,
             "n_predict": len(forced),
@@ -151,226 +52,35 @@ class EngineModel:
             "return_tokens": True,
             "temperature": 0.0,
         }
-        if self.config.engine_decode == "forced" and forced:
-            body["grammar"] = "root ::= " + " ".join(f"<[{t}]>" for t in forced)
+        if force:
+            body["grammar"] = token_grammar(forced)
         else:
             body["ignore_eos"] = True
+        if slot is not None:
+            body["id_slot"] = slot
+        return "/completion", body
 
-        waited_from = self.clock.now()
-        grant = await self._acquire(request)
-        queued_s = self.clock.now() - waited_from
-        body["id_slot"] = grant.slot
-        pin = request.conversation_id if request.hold_kv else None
-        try:
-            session = self._client()
-            for action in grant.actions:
-                await self._slot_action(session, action)
-            sent = self.clock.now()
-            first_at = 0.0
-            timings: dict[str, float] = {}
-            got = 0  # engine tokens received
-            pace = _Pacer(items, framed, self.planner.tokenizer.token_bytes)
-            try:
-                response = await session.post(f"{self.url}/completion", json=body)
-            except aiohttp.ClientError as err:
-                raise EngineError(f"llama.cpp at {self.url} is unreachable: {err}") from err
-            async with response:
-                if response.status != 200:
-                    raise _error_of(response.status, await response.read())
-                async for line in response.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    chunk = _decode_chunk(line[6:])
-                    if chunk.error is not None:
-                        raise _error_of(500, msgspec.json.encode({"error": chunk.error}))
-                    if chunk.timings:
-                        timings = chunk.timings
-                    for token in chunk.tokens:
-                        if not first_at:
-                            first_at = self.clock.now()
-                            yield self._prefilled(request, timings, queued_s)
-                        if not forced:  # a prefill alone (a warm-up): llama.cpp still samples one token
-                            break
-                        if got >= len(forced):
-                            raise EngineError("the engine decoded past the planned tokens")
-                        if self.config.engine_decode == "forced" and token != forced[got]:
-                            raise EngineError(f"forced decoding diverged at token {got}: {token} != {forced[got]}")
-                        got += 1
-                        for event in pace.advance():
-                            yield event
-                    if chunk.stop:
-                        break
-            if got != len(forced):
-                raise EngineError(f"the engine stopped after {got} of {len(forced)} tokens")
-            if not first_at:  # nothing to decode (a warm-up): prefilled only
-                first_at = self.clock.now()
-                yield self._prefilled(request, timings, queued_s)
-            self._record(request, grant, timings, queued_s, first_at - sent, self.clock.now() - sent)
-            for event in pace.rest():
-                yield event
-            yield SamplingFinished("max_output_tokens" if truncated else "stop")
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
-            raise EngineError(f"the engine's stream broke: {err}") from err
-        finally:
-            self.slots.release(grant.slot, pin_for=pin)
-            self._wake()
+    def parse(self, line: bytes) -> Chunk | None:
+        if not line.startswith(b"data: "):
+            return None
+        piece = _decode_piece(line[6:])
+        if piece.error is not None:
+            raise llamacpp_error(500, msgspec.json.encode({"error": piece.error}))
+        return Chunk(tuple(piece.tokens), piece.timings or {}, piece.stop)
 
-    async def reset(self) -> None:
-        """Every slot's KV erased and the slot table cleared: a cold engine, as each mode of a
-        comparison starts with (a shared cache would favour whichever mode runs later)."""
-        session = self._client()
-        for slot in range(self.config.engine_slots):
-            await self._slot_action(session, SlotAction("erase", slot))
-        self.slots = self._empty_slots()
+    def error(self, status: int, payload: bytes) -> Exception:
+        return llamacpp_error(status, payload)
 
-    def _record(
-        self, request: ModelRequest, grant: Grant, timings: dict[str, float], queued_s: float, ttft: float, total: float
-    ) -> None:
-        self.turns.append(
-            EngineTurn(
-                tag=self.tag,
-                conversation_key=request.conversation_key,
-                turn_index=request.turn_index,
-                slot=grant.slot,
-                resident=grant.resident,
-                prompt_tokens=request.prompt_tokens,
-                prompt_n=int(timings.get("prompt_n", 0)),
-                cache_n=int(timings.get("cache_n", 0)),
-                prompt_ms=float(timings.get("prompt_ms", 0.0)),
-                predicted_n=int(timings.get("predicted_n", 0)),
-                predicted_ms=float(timings.get("predicted_ms", 0.0)),
-                queued_s=queued_s,
-                ttft_s=ttft,
-                total_s=total,
-            )
-        )
-
-    # -- parts -------------------------------------------------------------------------------------
-
-    def _prefilled(self, request: ModelRequest, timings: dict[str, float], queued_s: float) -> Prefilled:
-        # The engine counts its BOS among the cached tokens; longrun's prompt has none.
-        cached = max(0, min(int(timings.get("cache_n", 0)) - 1, request.prompt_tokens - 1))
-        return Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=float(timings.get("prompt_ms", 0.0)) / 1e3)
-
-    async def _acquire(self, request: ModelRequest) -> Grant:
-        owner = request.conversation_id if request.hold_kv else ""
-        while True:
-            grant = self.slots.acquire(request.conversation_key, owner)
-            if grant is not None:
-                return grant
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
-
-    async def _slot_action(self, session: aiohttp.ClientSession, action: SlotAction) -> None:
-        url = f"{self.url}/slots/{action.slot}?action={action.action}"
-        payload = {"filename": action.filename} if action.filename else {}
-        try:
-            async with session.post(url, json=payload) as reply:
-                if reply.status != 200:
-                    raise _error_of(reply.status, await reply.read())
-        except aiohttp.ClientError as err:
-            raise EngineError(f"slot {action.action} failed: {err}") from err
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            # A connection per request: llama.cpp's server may close a kept-alive connection just
-            # as the next request is written to it (seen as "Can not write request body").
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(force_close=True),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-            )
-        return self._session
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def statistics(self) -> dict[str, float]:
-        turns = self.turns
-        return {
-            "requests": len(turns),
-            "prompt_tokens": sum(t.prompt_tokens for t in turns),
-            "cached_tokens": sum(t.cache_n for t in turns),
-            "prefilled_tokens": sum(t.prompt_n for t in turns),
-            "output_tokens": sum(t.predicted_n for t in turns),
-            "prompt_ms": sum(t.prompt_ms for t in turns),
-            "predicted_ms": sum(t.predicted_ms for t in turns),
-        }
+    async def reset(self, session: aiohttp.ClientSession, url: str) -> None:
+        raise AssertionError("a slotted engine is reset slot by slot")  # EngineModel.reset erases each slot
 
 
-class _Pacer:
-    """The API's events of a turn, paced by the engine's tokens: item k's planned tokens go
-    out in proportion to the engine's progress through item k's framed ids (the first with the
-    item's first engine token, the last with its last), so the API streams the plan's tokens
-    (usage counts them) at the engine's speed."""
-
-    def __init__(
-        self, items: list[tuple[PlannedItem, list[int]]], framed: list[list[int]], token_bytes: Callable[[int], bytes]
-    ) -> None:
-        self.items, self.framed, self.token_bytes = items, framed, token_bytes
-        self.k = 0  # the item being decoded
-        self.engine_done = 0  # its engine tokens so far
-        self.sent = 0  # its planned tokens streamed so far
-        self.text: Callable[[int], str] | None = None
-
-    def advance(self) -> list[ModelEvent]:
-        """One engine token arrived."""
-        events: list[ModelEvent] = []
-        while self.k < len(self.items) and not self.framed[self.k]:
-            events += self._finish_item()  # an item without engine ids cannot happen; kept total
-        if self.k == len(self.items):
-            return events
-        item, ids = self.items[self.k]
-        if self.engine_done == 0:
-            events.append(ItemStarted(item.kind, item.name))
-            self.text = ItemText(ids, self.token_bytes, {}).text
-        self.engine_done += 1
-        total = len(self.framed[self.k])
-        due = -(-self.engine_done * len(ids) // total)  # ceil: the first engine token brings the first token
-        events += self._tokens(due)
-        if self.engine_done == total:
-            events += self._finish_item()
-        return events
-
-    def rest(self) -> list[ModelEvent]:
-        """Items the engine has no tokens left for (only ever empty items)."""
-        events: list[ModelEvent] = []
-        while self.k < len(self.items):
-            if self.engine_done == 0:
-                item, ids = self.items[self.k]
-                events.append(ItemStarted(item.kind, item.name))
-                self.text = ItemText(ids, self.token_bytes, {}).text
-            events += self._finish_item()
-        return events
-
-    def _tokens(self, upto: int) -> list[ModelEvent]:
-        _, ids = self.items[self.k]
-        assert self.text is not None
-        events: list[ModelEvent] = []
-        while self.sent < min(upto, len(ids)):
-            events.append(TokensSampled((ids[self.sent],), self.text(self.sent)))
-            self.sent += 1
-        return events
-
-    def _finish_item(self) -> list[ModelEvent]:
-        events = self._tokens(len(self.items[self.k][1]))
-        events.append(ItemFinished())
-        self.k += 1
-        self.engine_done = self.sent = 0
-        return events
+LLAMACPP: Final = LlamaCppDialect()
 
 
-def _error_of(status: int, payload: bytes) -> Exception:
-    """llama.cpp's error reply as the seam's exception: its context limit is the API's
-    context-window error, anything else an engine failure."""
+def llamacpp_error(status: int, payload: bytes) -> Exception:
+    """A llama.cpp error reply (either API) as the seam's exception: its context limit is the
+    API's context-window error, anything else an engine failure."""
     try:
         error = msgspec.json.decode(payload).get("error", {})
     except (msgspec.DecodeError, AttributeError):

@@ -19,7 +19,7 @@ import aiohttp
 import msgspec
 
 from .config import EngineConfig
-from .llamacpp import BOS_ID, ID_OFFSET
+from .model import BOS_ID, ID_OFFSET
 from .process import EngineNotInstalled, LlamaServer
 
 __all__ = ["measure", "rates_text"]

@@ -55,7 +55,7 @@ from sim.client.loop import run_async_rollout, run_rollout
 from sim.client.tools import ToolRunner, tool_runner
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
-from sim.engine.llamacpp import EngineModel, EngineTurn
+from sim.engine.model import EngineModel, EngineTurn
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache

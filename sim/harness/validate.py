@@ -30,7 +30,7 @@ from msgspec import structs
 from sim.analysis.calibrate import Calibration, fit
 from sim.analysis.records import TurnRecord, records_from_rollouts
 from sim.analysis.stats import Estimate, paired_saving
-from sim.engine.llamacpp import EngineTurn
+from sim.engine.model import EngineTurn
 from sim.fleet.compute import StepCost
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS

@@ -31,7 +31,8 @@ from prototype.store.memory import MemoryStore
 from prototype.wire.sse import SSEDecoder
 from sim.engine.backend import engine_limits, engine_model
 from sim.engine.config import EngineConfig
-from sim.engine.llamacpp import EngineModel
+from sim.engine.llamacpp import LLAMACPP
+from sim.engine.model import EngineModel
 from sim.engine.process import EngineNotInstalled, LlamaServer, binary_path
 from sim.harness.experiment import CompareConfig, compare
 from sim.model.accelerator import SimulatedModel
@@ -139,7 +140,7 @@ def test_without_affinity_and_with_more_rollouts_than_slots_create_turns_lose_th
 async def test_a_prompt_over_the_engines_context_is_the_apis_context_error() -> None:
     clock = AsyncioClock()
     planner = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=1), decode_tok_per_s=float("inf"))
-    model = EngineModel(planner=planner, url="http://127.0.0.1:9", config=SMALL, clock=clock)
+    model = EngineModel(planner=planner, url="http://127.0.0.1:9", config=SMALL, clock=clock, dialect=LLAMACPP)
     too_long = np.arange(SMALL.engine_ctx_per_slot, dtype=np.uint32)
     request = ModelRequest(
         prompt=(too_long,), prompt_tokens=len(too_long), resident_tokens=0, turn_index=0, conversation_key=1

@@ -1,0 +1,182 @@
+"""The OpenAI-compatible completions dialect (sim/engine/completions.py) without a real engine:
+a small server in vLLM's shapes (ids as `token_id:N`, usage with every chunk, a flat error
+object, `POST /reset_prefix_cache`) behind `EngineModel`, and the dialect's refusals. The real
+llama.cpp engine spoken to in this dialect is in test_engine.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from prototype.model import ContextWindowExceeded, ModelRequest, Prefilled, TokensSampled
+from prototype.serve.wallclock import AsyncioClock
+from sim.engine.backend import engine_model
+from sim.engine.completions import CompletionsDialect, completions_error
+from sim.engine.config import EngineConfig
+from sim.engine.model import EngineError, EngineModel
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeVLLM:
+    """What vLLM's OpenAI server streams for a token-id prompt, with a one-entry prefix cache:
+    the longest common prefix with the last prompt (and its output) counts as cached."""
+
+    def __init__(self, *, ids: bool = True, usage: bool = True, echo_grammar: bool = False) -> None:
+        self.ids, self.usage, self.echo_grammar = ids, usage, echo_grammar
+        self.last: list[int] = []
+        self.bodies: list[dict[str, Any]] = []
+        self.resets = 0
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        prompt: list[int] = body["prompt"]
+        if len(prompt) > 4096:
+            error = {"object": "error", "message": "This model's maximum context length is 4096 tokens.", "code": 400}
+            return web.json_response(error, status=400)
+        cached = 0  # the last prompt token is always computed (it yields the first output)
+        while cached < min(len(prompt) - 1, len(self.last)) and prompt[cached] == self.last[cached]:
+            cached += 1
+        n = body["max_tokens"]
+        if self.echo_grammar and "grammar" in body:  # a server honouring llama.cpp's token-id grammar
+            out = [int(t.strip("<[]>")) for t in body["grammar"].removeprefix("root ::= ").split()]
+        else:
+            out = [5000 + i for i in range(n)]
+        self.last = prompt + out
+        reply = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await reply.prepare(request)
+        usage = {"prompt_tokens": len(prompt), "prompt_tokens_details": {"cached_tokens": cached}}
+        for i, token in enumerate(out):
+            choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
+            choice["logprobs"] = {"tokens": [f"token_id:{token}" if self.ids else "x"], "token_logprobs": [-1.0]}
+            chunk: dict[str, Any] = {"object": "text_completion", "choices": [choice]}
+            if self.usage:
+                chunk["usage"] = {**usage, "completion_tokens": i + 1, "total_tokens": len(prompt) + i + 1}
+            await reply.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await reply.write(b"data: [DONE]\n\n")
+        return reply
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "google/gemma-3-270m", "object": "model"}]})
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.resets += 1
+        self.last = []
+        return web.Response(text="OK")
+
+
+@contextlib.asynccontextmanager
+async def _vllm(fake: FakeVLLM) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_post("/v1/completions", fake.completions)
+    app.router.add_get("/v1/models", fake.models)
+    app.router.add_post("/reset_prefix_cache", fake.reset)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def _config(url: str, **fields: Any) -> EngineConfig:
+    settings: dict[str, Any] = {
+        "engine_kind": "openai",
+        "engine_url": url,
+        "engine_decode": "length",
+        "engine_ctx_per_slot": 4096,
+        "engine_reset": ("/reset_prefix_cache",),
+    }
+    return EngineConfig(**{**settings, **fields})
+
+
+def _request(prompt: np.ndarray[Any, Any], turn: int = 0) -> ModelRequest:
+    return ModelRequest(
+        prompt=(prompt,), prompt_tokens=len(prompt), resident_tokens=0, turn_index=turn, conversation_key=1
+    )
+
+
+async def _sample(model: EngineModel, request: ModelRequest) -> list[Any]:
+    return [event async for event in model.sample(request)]
+
+
+@contextlib.asynccontextmanager
+async def _model(config: EngineConfig) -> AsyncIterator[EngineModel]:
+    clock = AsyncioClock()
+    planner = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=2), decode_tok_per_s=float("inf"))
+    async with engine_model(config, planner=planner, clock=clock) as model:
+        yield model
+
+
+async def test_a_vllm_shaped_server_serves_turns_with_its_cached_counts() -> None:
+    fake = FakeVLLM()
+    async with _vllm(fake) as url, _model(_config(url)) as model:
+        assert isinstance(model.dialect, CompletionsDialect) and model.dialect.model == "google/gemma-3-270m"
+        prompt = np.arange(100, 400, dtype=np.uint32)
+        first = await _sample(model, _request(prompt))
+        # The same prompt again: the server's prefix cache has all of it (the BOS included).
+        second = await _sample(model, _request(prompt))
+        await model.reset()
+    prefilled = [e for e in first if isinstance(e, Prefilled)], [e for e in second if isinstance(e, Prefilled)]
+    assert prefilled[0][0].cached_tokens == 0 and prefilled[1][0].cached_tokens == len(prompt) - 1
+    # The API streams the plan's tokens, paced by the engine's: the same in both turns.
+    tokens = [[e.token_ids for e in events if isinstance(e, TokensSampled)] for events in (first, second)]
+    assert tokens[0] == tokens[1] and tokens[0]
+    body = fake.bodies[0]
+    assert body["prompt"][0] == 2 and body["model"] == "google/gemma-3-270m" and "grammar" not in body
+    assert body["stream_options"]["continuous_usage_stats"] and body["return_tokens_as_token_ids"]
+    assert [(t.prompt_n, t.cache_n, t.slot, t.resident) for t in model.turns] == [
+        (len(prompt) + 1, 0, -1, False),
+        (1, len(prompt), -1, False),
+    ]
+    assert fake.resets == 1
+
+
+async def test_forced_decoding_checks_every_id_the_server_returns() -> None:
+    # A server that honours the token-id grammar decodes the plan; one that ignores it is refused
+    # at the first id that differs (a run never goes on with other tokens in the KV).
+    prompt = np.arange(100, 300, dtype=np.uint32)
+    async with _vllm(FakeVLLM(echo_grammar=True)) as url, _model(_config(url, engine_decode="forced")) as model:
+        events = await _sample(model, _request(prompt))
+        assert any(isinstance(e, TokensSampled) for e in events)
+    async with _vllm(FakeVLLM()) as url, _model(_config(url, engine_decode="forced")) as model:
+        with pytest.raises(EngineError, match="forced decoding diverged at token 0"):
+            await _sample(model, _request(prompt))
+
+
+@pytest.mark.parametrize(
+    ("fake", "message"),
+    [
+        (FakeVLLM(ids=False), "without token ids"),
+        (FakeVLLM(usage=False), "no cached-token count"),
+    ],
+)
+async def test_a_server_that_cannot_say_what_longrun_needs_is_refused(fake: FakeVLLM, message: str) -> None:
+    async with _vllm(fake) as url, _model(_config(url)) as model:
+        with pytest.raises(EngineError, match=message):
+            await _sample(model, _request(np.arange(100, 200, dtype=np.uint32)))
+
+
+async def test_errors_come_as_the_seams_exceptions() -> None:
+    async with _vllm(FakeVLLM()) as url:
+        async with _model(_config(url, engine_ctx_per_slot=8192)) as model:
+            with pytest.raises(ContextWindowExceeded, match="maximum context length"):
+                await _sample(model, _request(np.arange(5000, dtype=np.uint32)))
+        async with _model(_config(url, engine_reset=())) as model:
+            with pytest.raises(EngineError, match="--engine-reset"):
+                await model.reset()
+    assert isinstance(completions_error(500, b'{"error": {"message": "boom"}}'), EngineError)
+    assert isinstance(completions_error(400, b"not json"), EngineError)
+    with pytest.raises(ValueError, match="engine_url"):
+        EngineConfig(engine_kind="openai")
