@@ -59,8 +59,11 @@ added as switches.
   `ttl_rule="reload"`, until its share of the KV budget has cost as much replica time as
   prefilling it again (`hold_ttl`), then releases it to the prefix cache (Continuum's
   time-to-live); `release` hands it to the cache at once (what create relies on); `offload`
-  moves it to host memory, counting the bytes, and the resume reloads it at
-  `offload_gb_per_s` before its prefill.
+  copies it to the replica's host memory (`offload_host_gb`, dropping the least recently
+  offloaded contexts when full) over the replica's one link, and the resume reloads it over
+  the same link before its prefill; `minwaste` takes, at each pause, whichever of hold,
+  release and offload InferCept's estimate says wastes the least KV over time
+  (sim/fleet/offload.py).
 * **Router.** `affinity` pins a session to one replica (a WebSocket connection's replica; an
   HTTP session by its index); at `websocket.lifetime_s` a WebSocket session reconnects to another
   replica, loses the connection cache (its next request is a first request again) and the old
