@@ -95,7 +95,7 @@ __all__ = ["simulate"]
 CALL_TEMPLATE_TOKENS: Final = 14  # a generated call's closing template: the paused context is prompt + output + this
 SHARED_PREFIX_EXTRA: Final = 81  # template tokens rendered with the instructions, before the task (costs.py)
 
-_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL, _STEP, _JOIN = range(9)
+_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL, _STEP, _JOIN, _COPIED = range(10)
 
 
 def simulate(
@@ -182,6 +182,10 @@ class _Fleet(HostLedger):
             self.now = t
             if kind == _STEP:
                 self.on_step(self.replicas[s], k)
+                continue
+            if kind == _COPIED:  # an offloaded context's copy out has ended: its GPU KV is free
+                self.add(self.replicas[s], 0, -k)
+                self.try_admit(self.replicas[s])
                 continue
             st = self.states[s]
             if kind == _ARRIVE:
@@ -452,7 +456,11 @@ class _Fleet(HostLedger):
         unique = context - r.shared
         if paused and policy == "minwaste":
             policy = self.choose(r, unique, context)
-        if paused and policy == "offload" and not self.offload(r, s, unique):
+        copied = self.offload(r, s, unique) if paused and policy == "offload" else None
+        if copied is not None:  # its KV stays on the GPU until its copy out ends
+            self.add(r, 0, unique)
+            self.push(copied, _COPIED, r.index, unique)
+        elif paused and policy == "offload":
             policy = "release"  # the host memory cannot take it
         if paused and self.c.hold_policy == "minwaste":
             self.run_.pause_choices[CHOICE_OF[policy]] += 1

@@ -5,8 +5,9 @@ loop calls them; docs/capacity.md states the rules and what they leave out.
 
 * **The link.** A replica's copies to and from host memory run one at a time, first issued
   first served, in both directions, as they share one PCIe link: a copy starts when the link is
-  free and takes its bytes over `offload_gb_per_s`. A resume whose context is behind other
-  copies waits for them before its reload.
+  free and takes its bytes over `offload_gb_per_s`. A context's GPU KV stays taken until its
+  copy out ends; a resume whose context is behind other copies waits for them before its
+  reload.
 * **Host memory** (`offload_host_gb` a replica, 0 = unlimited). An offload that does not fit
   drops the least recently offloaded contexts until it does (LMCache's CPU backend evicts its
   least recently used chunks to store a new one); a dropped context's session prefills it
@@ -148,25 +149,24 @@ class HostLedger(KVLedger):
         copy_s = unique * self.copy_s_per_token
         return POLICY_OF[min_waste(unique, r.active, self.pause_s, recompute_s, copy_s)]
 
-    def offload(self, r: Replica, s: int, unique: int) -> bool:
+    def offload(self, r: Replica, s: int, unique: int) -> float | None:
         """Session `s`'s paused context (`unique` tokens) to `r`'s host memory, its copy queued on
-        the link; False (nothing changed) if the host memory cannot take it."""
+        the link: when the copy ends, or None (nothing changed) if the host memory cannot take it."""
         link = self.links[r.index]
         link.settle(self.now)
         dropped = link.room_for(unique)
         if dropped is None:
             self.run_.offload_refused += 1
-            return False
+            return None
         for v in dropped:  # prefilled again at its resume
             victim = self.states[v]
             victim.offloaded = False
             victim.held = victim.resident = 0
             self.run_.host_drops += 1
         link.put(s, unique)
-        link.transfer(self.now, unique * self.copy_s_per_token)
         self.states[s].offloaded = True
         self.run_.offload_bytes += unique * self.c.kv_bytes_per_token
-        return True
+        return link.transfer(self.now, unique * self.copy_s_per_token)
 
     def reload_s(self, r: Replica, s: int) -> float:
         """Session `s`'s offloaded context read back over `r`'s link, after the copies queued

@@ -116,6 +116,25 @@ def test_an_uncontended_offload_costs_one_reload_as_before() -> None:
     assert hold.replica_link_busy_s == [0.0] and hold.host_peak_bytes == 0
 
 
+def test_a_context_keeps_its_gpu_kv_until_its_copy_out_ends() -> None:
+    """Room for one context besides B's turn: B, arriving as A's copy out has begun, waits for
+    that copy to end (a copy reads the blocks it moves); released to the prefix cache instead,
+    A's blocks are evicted at once and B waits for nothing."""
+    prompt, out = 4000, 10
+    unique = _paused_unique(prompt, out)
+    copy_s = unique * BYTES / 1e9
+    config = FleetConfig(compute="free", offload_gb_per_s=1.0, kv_budget_tokens=SHARED + unique + 2000, model=FLAT)
+    a, b = _session(0, prompt, (out, out), (60.0,)), _session(1, prompt, (out,), ())
+    runs = {
+        p: simulate("append", LOCAL, msgspec.structs.replace(config, hold_policy=p), [a, b], arrivals=[0.0, 0.5])
+        for p in ("offload", "release")
+    }
+    assert all(r.completed == 2 and r.overflow_tokens == 0 for r in runs.values())
+    assert copy_s - 0.5 < runs["offload"].sessions[1].admission_wait_s[0] < copy_s
+    assert runs["release"].sessions[1].admission_wait_s[0] == 0.0
+    assert runs["offload"].kv_peak_tokens <= config.kv_budget_tokens
+
+
 def _loaded(config: FleetConfig) -> FleetRun:
     sessions = custom_sessions(
         0,
