@@ -15,7 +15,7 @@ from prototype.config import WebSocketConfig
 from sim.fleet.compute import ENGINES, StepCost
 from sim.model.config import HOSTED_MODEL, ModelConfig
 
-__all__ = ["HOLD_POLICIES", "READ_LEAVES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord"]
+__all__ = ["HOLD_POLICIES", "PAUSE_CHOICES", "READ_LEAVES", "ROUTERS", "FleetConfig", "FleetRun", "SessionRecord"]
 
 # The leaves of the nested `model` and `websocket` the fleet reads (the rest are the simulator's and the
 # server's own: a capacity run does not offer them).
@@ -24,7 +24,8 @@ READ_LEAVES: Final = {
     "websocket": ("lifetime_s",),
 }
 
-HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload")
+HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload", "minwaste")
+PAUSE_CHOICES: Final = ("preserve", "discard", "swap")  # `minwaste`: InferCept's three ways to treat a paused context
 
 
 ROUTERS: Final = ("affinity", "prefix", "least", "random")
@@ -71,7 +72,22 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     cache_ttl_s: Annotated[float, Meta(ge=0, description="prefix-cache idle time-to-live (0 = until evicted)")] = 0.0
     hold_policy: str = "hold"
     hold_ttl_s: Annotated[float, Meta(ge=0)] = 10.0
-    offload_gb_per_s: Annotated[float, Meta(gt=0)] = 25.0
+    offload_gb_per_s: Annotated[
+        float, Meta(gt=0, description="offload: the host link's bandwidth a replica, one transfer at a time (FIFO)")
+    ] = 25.0
+    offload_host_gb: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="offload: host memory for offloaded KV a replica (0 = unlimited); full, the least recently "
+            "offloaded contexts are dropped (their sessions prefill again), or the new one is released if that "
+            "cannot make room",
+        ),
+    ] = 0.0
+    pause_mean_s: Annotated[
+        float,
+        Meta(ge=0, description="minwaste: the expected tool time of a pause (0: the sessions' mean tool time)"),
+    ] = 0.0
     kv_bytes_per_token: Annotated[int, Meta(ge=1)] = 327_680  # 80 layers × 8 KV heads × 128 × (K, V) × 2 bytes
     preempt_held: bool = True
     held_slot: Annotated[
@@ -161,6 +177,11 @@ class FleetRun:
     ttl_releases: int = 0
     reconnects: int = 0
     offload_bytes: int = 0
+    offload_refused: int = 0  # offloads the host memory could not take: released to the prefix cache instead
+    host_drops: int = 0  # offloaded contexts dropped from host memory for a newer one, prefilled again
+    host_peak_bytes: int = 0  # the largest host memory holding offloaded KV on one replica
+    replica_link_busy_s: list[float] = field(default_factory=list)  # time each replica's host link transferred KV
+    pause_choices: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PAUSE_CHOICES, 0))  # `minwaste`
     overflow_tokens: int = 0
     kv_budget_tokens: int = 0
     kv_peak_tokens: int = 0

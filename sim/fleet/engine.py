@@ -59,8 +59,11 @@ added as switches.
   `ttl_rule="reload"`, until its share of the KV budget has cost as much replica time as
   prefilling it again (`hold_ttl`), then releases it to the prefix cache (Continuum's
   time-to-live); `release` hands it to the cache at once (what create relies on); `offload`
-  moves it to host memory, counting the bytes, and the resume reloads it at
-  `offload_gb_per_s` before its prefill.
+  copies it to the replica's host memory (`offload_host_gb`, dropping the least recently
+  offloaded contexts when full) over the replica's one link, and the resume reloads it over
+  the same link before its prefill; `minwaste` takes, at each pause, whichever of hold,
+  release and offload InferCept's estimate says wastes the least KV over time
+  (sim/fleet/offload.py).
 * **Router.** `affinity` pins a session to one replica (a WebSocket connection's replica; an
   HTTP session by its index); at `websocket.lifetime_s` a WebSocket session reconnects to another
   replica, loses the connection cache (its next request is a first request again) and the old
@@ -82,7 +85,8 @@ import numpy as np
 from prototype.pipeline import CostProfile
 from sim.fleet.config import FleetConfig, FleetRun, SessionRecord
 from sim.fleet.costs import FLEET_MODES, HELD_MODES, turn_cost
-from sim.fleet.ledger import KVLedger, floor_blocks
+from sim.fleet.ledger import floor_blocks
+from sim.fleet.offload import CHOICE_OF, HostLedger, expected_pause_s
 from sim.fleet.sessions import SessionTokens
 from sim.fleet.state import Replica, SessionState
 
@@ -91,7 +95,7 @@ __all__ = ["simulate"]
 CALL_TEMPLATE_TOKENS: Final = 14  # a generated call's closing template: the paused context is prompt + output + this
 SHARED_PREFIX_EXTRA: Final = 81  # template tokens rendered with the instructions, before the task (costs.py)
 
-_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL, _STEP, _JOIN = range(9)
+_ARRIVE, _READY, _FIRST, _FREE, _END, _SEND, _TTL, _STEP, _JOIN, _COPIED = range(10)
 
 
 def simulate(
@@ -114,7 +118,7 @@ def simulate(
     return _Fleet(mode, profile, config, sessions, seed, series_every_s).run(arrivals, users, think_s, max_time_s)
 
 
-class _Fleet(KVLedger):
+class _Fleet(HostLedger):
     def __init__(
         self,
         mode: str,
@@ -126,7 +130,8 @@ class _Fleet(KVLedger):
     ) -> None:
         if mode not in FLEET_MODES:
             raise ValueError(f"mode: one of {', '.join(FLEET_MODES)}, got {mode!r}")
-        super().__init__(config, FleetRun(mode, [], kv_budget_tokens=config.kv_budget_tokens))
+        run = FleetRun(mode, [], kv_budget_tokens=config.kv_budget_tokens)
+        super().__init__(config, run, expected_pause_s(config, sessions))
         self.mode = mode
         self.append = mode in HELD_MODES  # append, and the Agents API's session turns
         self.whole_calls = mode == "agents"
@@ -134,7 +139,6 @@ class _Fleet(KVLedger):
         self.profile = profile
         self.priced = config.compute == "priced"
         self.grow = config.running_kv == "grow"
-        self.cost = config.step_cost()
         self.program = config.queue_order == "program"
         self.qseq = 0
         self.replicas = [Replica(i, config.model.decode_slots or (1 << 30)) for i in range(config.replicas)]
@@ -178,6 +182,10 @@ class _Fleet(KVLedger):
             self.now = t
             if kind == _STEP:
                 self.on_step(self.replicas[s], k)
+                continue
+            if kind == _COPIED:  # an offloaded context's copy out has ended: its GPU KV is free
+                self.add(self.replicas[s], 0, -k)
+                self.try_admit(self.replicas[s])
                 continue
             st = self.states[s]
             if kind == _ARRIVE:
@@ -231,6 +239,7 @@ class _Fleet(KVLedger):
         if self.priced:
             self.run_.replica_busy_s = [r.busy for r in self.replicas]
             self.run_.replica_steps = [r.steps for r in self.replicas]
+        self.report_links()
         return self.run_
 
     def account(self, t: float) -> None:
@@ -285,6 +294,8 @@ class _Fleet(KVLedger):
         if s in old.holders:
             self.release_held(old, s, to_cache=False)  # the response ended with its connection
         self.drop_entry(old, s)
+        if st.offloaded:
+            self.drop_offloaded(old, s)
         st.offloaded = False
         st.held = st.resident = 0
         others = [r for r in self.replicas if r.index != old.index] or self.replicas
@@ -364,7 +375,7 @@ class _Fleet(KVLedger):
                 st.slot_held = False
                 r.free_slots += 1
         elif st.offloaded:
-            reload_s = st.held * self.c.kv_bytes_per_token / (self.c.offload_gb_per_s * 1e9)
+            reload_s = self.reload_s(r, s)
             st.offloaded = False
         if entry is not None:
             self.drop_entry(r, s)
@@ -441,15 +452,23 @@ class _Fleet(KVLedger):
         cacheable = context if self.c.model.cache_generated else st.prompts[k]
         policy = self.c.hold_policy
         moved = r.index != st.replica  # the next turn was sent elsewhere before this one's last token
-        if self.append and not last and policy != "release" and not moved:
-            unique = context - r.shared
+        paused = self.append and not last and not moved  # a paused response, its context on this replica
+        unique = context - r.shared
+        if paused and policy == "minwaste":
+            policy = self.choose(r, unique, context)
+        copied = self.offload(r, s, unique) if paused and policy == "offload" else None
+        if copied is not None:  # its KV stays on the GPU until its copy out ends
+            self.add(r, 0, unique)
+            self.push(copied, _COPIED, r.index, unique)
+        elif paused and policy == "offload":
+            policy = "release"  # the host memory cannot take it
+        if paused and self.c.hold_policy == "minwaste":
+            self.run_.pause_choices[CHOICE_OF[policy]] += 1
+        if paused and policy != "release":
             st.resident = context
             st.held = unique
             st.epoch += 1
-            if policy == "offload":
-                st.offloaded = True
-                self.run_.offload_bytes += unique * self.c.kv_bytes_per_token
-            else:
+            if policy != "offload":
                 r.holders[s] = unique
                 self.add(r, 1, unique)
                 if self.c.held_slot:  # the slot stays with the paused response
@@ -470,11 +489,7 @@ class _Fleet(KVLedger):
             return self.c.hold_ttl_s
         if not self.c.kv_budget_tokens:
             return math.inf
-        if self.priced:  # its unique tokens after the shared prefix, which stays cached
-            reload_s = self.cost.prefill_alone_s(context - unique, unique)
-        else:
-            reload_s = self.c.model.model_latency_s + unique / self.prefill_rate
-        return reload_s * self.budget / max(1, unique)
+        return self.reprefill_s(unique, context) * self.budget / max(1, unique)
 
     # -- priced compute: the step loop ---------------------------------------------------------
 

@@ -80,6 +80,13 @@ POINT_COLUMNS: Final = (
     "preemptions",
     "ttl_releases",
     "offload_gb",
+    "offload_refused",
+    "host_drops",
+    "host_peak_gb",
+    "link_busy_share",
+    "preserved",
+    "discarded",
+    "swapped",
     "hit_rate",
     "kv_peak_tokens",
     "kv_active_share",
@@ -92,6 +99,8 @@ POINT_COLUMNS: Final = (
     "sessions_arrived",
     "sessions_completed",
 )
+# The job's default hold policies: every one but `minwaste`, which a run asks for (`--policies`).
+DEFAULT_POLICIES: Final = tuple(p for p in HOLD_POLICIES if p != "minwaste")
 _MEANS: Final = POINT_COLUMNS[POINT_COLUMNS.index("slo_met") :]  # per point, averaged over seeds
 _ARRIVAL_STREAM: Final = 0xA441  # turn_stream word of a point's arrival draws
 _THINK_STREAM: Final = 0x7414  # turn_stream word of a point's think times (closed loop)
@@ -127,7 +136,9 @@ class CapacityConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     seeds: Annotated[int, Meta(ge=1, description="seeds per point: the intervals are over seeds")] = 3
     seed: int = 0
     modes: tuple[str, ...] = ("http", "http_prev", "ws", "append")  # FLEET_MODES also takes agents
-    policies: Annotated[tuple[str, ...], Meta(description="append's hold policies")] = HOLD_POLICIES
+    policies: Annotated[
+        tuple[str, ...], Meta(description="append's hold policies (minwaste: add it, InferCept's choice per pause)")
+    ] = DEFAULT_POLICIES
     preempt: Annotated[
         tuple[bool, ...],
         Meta(description="for hold and ttl: may a turn short of KV preempt held KV (recompute), or does it wait"),
@@ -268,6 +279,15 @@ def _row(
         "preemptions": run.preemptions,
         "ttl_releases": run.ttl_releases,
         "offload_gb": run.offload_bytes / 1e9,
+        # Offload's host memory and link (peak GB of one replica; mean share of the run a link copied).
+        "offload_refused": run.offload_refused,
+        "host_drops": run.host_drops,
+        "host_peak_gb": run.host_peak_bytes / 1e9,
+        "link_busy_share": float(np.mean(run.replica_link_busy_s)) / run.end_s if run.end_s > 0 else 0.0,
+        # minwaste: pauses that took each choice.
+        "preserved": run.pause_choices["preserve"],
+        "discarded": run.pause_choices["discard"],
+        "swapped": run.pause_choices["swap"],
         "hit_rate": run.hit_tokens / max(1, run.prompt_tokens),
         "kv_peak_tokens": run.kv_peak_tokens,
         "kv_active_share": kv["active"] / kv_total,

@@ -100,7 +100,7 @@ def _loaded(mode: str, config: FleetConfig, n: int = 40, gap: float = 0.5, **kw:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["http", "ws", "append"])
-@pytest.mark.parametrize("policy", ["hold", "ttl", "release", "offload"])
+@pytest.mark.parametrize("policy", ["hold", "ttl", "release", "offload", "minwaste"])
 def test_kv_stays_within_budget_and_no_session_is_lost(mode: str, policy: str) -> None:
     budget = 40_000
     config = FleetConfig(
@@ -464,19 +464,21 @@ def test_growing_kv_preempts_the_newest_running_turn_and_recomputes_it() -> None
         FleetConfig(compute="free", running_kv="grow")
 
 
-@pytest.mark.parametrize("policy", ["hold", "ttl", "offload"])
+@pytest.mark.parametrize("policy", ["hold", "ttl", "offload", "minwaste"])
 @pytest.mark.parametrize("running_kv", ["reserve", "grow"])
 def test_every_switch_combination_serves_every_session_within_the_budget(policy: str, running_kv: str) -> None:
     """Tight KV, scheduling switches crossed: every session ends, KV stays within its budget, and
     each turn has one first token, one end and one admission wait (a preempted running turn,
-    an offloaded one reloading among them, continues its own records)."""
+    an offloaded one reloading among them, continues its own records). The second set bounds
+    the host memory to a few contexts, so offloads drop older ones."""
     sessions = array_sessions(WORKLOADS["interactive"], 1, 60)
-    for admission, queue_order, evict_tail in (("plan", "turn", True), ("greedy", "program", False)):
+    for admission, queue_order, evict_tail, host_gb in (("plan", "turn", True, 0.0), ("greedy", "program", False, 4.0)):
         config = FleetConfig(
             replicas=2,
             kv_budget_tokens=120_000,
             hold_policy=policy,
             hold_ttl_s=1.0,
+            offload_host_gb=host_gb,
             admission=admission,
             queue_order=queue_order,
             evict_tail=evict_tail,
@@ -488,6 +490,9 @@ def test_every_switch_combination_serves_every_session_within_the_budget(policy:
         assert run.kv_peak_tokens <= 120_000
         for s in run.sessions:
             assert len(s.ttft_s) == len(s.e2e_s) == len(s.admission_wait_s) == sessions[s.index].turns
+        assert run.host_peak_bytes <= (host_gb * 1e9 or math.inf)
+        if policy == "offload" and host_gb:
+            assert run.host_drops > 0
 
 
 @pytest.mark.parametrize("compute", ["free", "priced"])

@@ -9,7 +9,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from sim.__main__ import main
+from prototype.options import struct_from_args
+from sim.__main__ import build_parser, main
 from sim.fleet.config import FleetConfig
 from sim.harness.capacity import (
     POINT_COLUMNS,
@@ -179,6 +180,23 @@ def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFix
     assert (out / "frontier.png").stat().st_size > 0 and (out / "crossover.png").stat().st_size > 0
     saved = msgspec.json.decode((out / "config.json").read_bytes())
     assert saved["kv_budgets"] == [80000] and saved["preempt"] == [False]
+
+
+def test_minwaste_and_a_host_budget_are_reached_from_the_command_line() -> None:
+    """`--policies ...,minwaste` adds the min-waste variant (the default leaves it out), and
+    `--offload-host-gb` bounds offload's host memory: rows count each choice and the host's use."""
+    assert "minwaste" not in SMALL.policies
+    args = build_parser().parse_args(
+        ["capacity", "--policies=offload,minwaste", "--offload-host-gb=2", "--pause-mean-s=0.5", "--modes=append"]
+    )
+    config = msgspec.structs.replace(struct_from_args(args, CapacityConfig), workload="interactive", sessions=40)
+    assert config.policies == ("offload", "minwaste") and config.fleet.offload_host_gb == 2.0
+    offload, minwaste = run_point(config, 4.0, 120_000, 1.0, 0)
+    assert (offload["policy"], minwaste["policy"]) == ("offload", "minwaste")
+    assert 0 < offload["host_peak_gb"] <= 2.0 and offload["host_drops"] > 0 and offload["link_busy_share"] > 0
+    assert offload["preserved"] == offload["discarded"] == offload["swapped"] == 0
+    pauses = sum(minwaste[c] for c in ("preserved", "discarded", "swapped"))
+    assert pauses > 0 and minwaste["preserved"] > 0  # a 0.5 s expected pause keeps small contexts
 
 
 def test_the_cli_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
