@@ -125,6 +125,24 @@ def test_every_mode_decodes_the_same_tokens_and_holds_or_reuses_its_kv(engine: L
     assert usage["http"] == usage["ws"] == usage["http_prev"]
 
 
+def test_the_openai_compatible_dialect_drives_every_mode_through_the_same_engine(engine: LlamaServer) -> None:
+    """The same llama.cpp server spoken to through its OpenAI-compatible /v1/completions (as a
+    vLLM or SGLang server would be, docs/engine.md#other-engines): the token-id grammar still
+    forces the plan, the usage's cached counts show the prefix cache at work, and no slot is
+    pinned (the server schedules)."""
+    erase = tuple(f"/slots/{slot}?action=erase" for slot in range(SMALL.engine_slots))
+    modes = ("http", "ws", "append", "agents")
+    result = _compare(engine, modes, engine_kind="openai", engine_reset=erase)
+    said = {r.mode: _said(r) for r in result.rollouts}
+    assert len(said["http"]) == 3 and all(said[m] == said["http"] for m in modes), said
+    for mode in modes:
+        mine = [t for t in result.engine_turns if t.tag == mode]
+        assert len(mine) == 3 and mine[0].cache_n == 0, (mode, mine)
+        assert all(t.slot == -1 and not t.resident for t in mine), mode
+        for before, after in zip(mine, mine[1:], strict=False):
+            assert after.cache_n - 1 >= before.prompt_tokens + before.predicted_n - 1, (mode, before, after)
+
+
 def test_without_affinity_and_with_more_rollouts_than_slots_create_turns_lose_their_prefix(
     engine: LlamaServer,
 ) -> None:
