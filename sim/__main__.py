@@ -43,6 +43,7 @@ from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
+from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
     contention,
     engine_step_cost,
@@ -196,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
     cap.add_argument("--quiet", action="store_true", help="no progress bar")
+    ttl_options(sub)
 
     cal = sub.add_parser(
         "calibrate",
@@ -640,6 +642,8 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate_main(args)
     if args.command == "capacity":
         return capacity_main(args)
+    if args.command == "ttl-curve":
+        return ttl_main(args)
     if args.command == "fidelity":
         return fidelity_main(args, uvloop.new_event_loop)
     if args.command == "validate":

@@ -50,6 +50,7 @@ __all__ = [
     "point_sessions",
     "run_capacity",
     "run_point",
+    "seed_interval",
     "variants",
 ]
 
@@ -309,7 +310,7 @@ def run_point(config: CapacityConfig, load: float, budget: int, tail: float, see
     return rows
 
 
-def _interval(values: Sequence[float]) -> tuple[float, float, float]:
+def seed_interval(values: Sequence[float]) -> tuple[float, float, float]:
     """Mean and its t interval over seeds (95 %); NaN bounds with one seed."""
     x = np.asarray(values, dtype=float)
     mean = float(x.mean())
@@ -334,7 +335,7 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         groups.setdefault((Variant.of(row), _cell(row)), []).append(row)
     out = []
     for (v, cell), group in groups.items():
-        goodput, low, high = _interval([r["goodput"] for r in group])
+        goodput, low, high = seed_interval([r["goodput"] for r in group])
         point: dict[str, Any] = {
             **v._asdict(),
             "router": config.fleet.router,
@@ -350,8 +351,8 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         base = [ws.get((*cell, r["seed"])) for r in group]
         if all(b is not None for b in base):
             pairs = list(zip(group, base, strict=True))
-            d = _interval([r["goodput"] - b["goodput"] for r, b in pairs])  # type: ignore[index]
-            saved = _interval([100 * (1 - r["e2e_mean_s"] / b["e2e_mean_s"]) for r, b in pairs])  # type: ignore[index]
+            d = seed_interval([r["goodput"] - b["goodput"] for r, b in pairs])  # type: ignore[index]
+            saved = seed_interval([100 * (1 - r["e2e_mean_s"] / b["e2e_mean_s"]) for r, b in pairs])  # type: ignore[index]
         else:
             d = saved = (math.nan, math.nan, math.nan)
         point.update(zip(("goodput_vs_ws", "goodput_vs_ws_ci_low", "goodput_vs_ws_ci_high"), d, strict=True))
