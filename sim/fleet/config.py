@@ -27,7 +27,7 @@ READ_LEAVES: Final = {
 HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload")
 
 
-ROUTERS: Final = ("affinity", "prefix", "least", "random")
+ROUTERS: Final = ("affinity", "prefix", "least", "random", "hash")
 
 
 COMPUTE: Final = ("priced", "free")

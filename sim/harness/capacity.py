@@ -36,6 +36,7 @@ from sim.fleet.config import HOLD_POLICIES, FleetConfig, FleetRun
 from sim.fleet.costs import FLEET_MODES, HELD_MODES
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
+from sim.fleet.shard import simulate_split, split_refusal
 from sim.model.config import HOSTED_MODEL
 from sim.rollout.spec import turn_stream
 from sim.rollout.workload import WORKLOADS, tool_times, with_tail
@@ -51,6 +52,7 @@ __all__ = [
     "run_capacity",
     "run_point",
     "seed_interval",
+    "split_refusal_of",
     "variants",
 ]
 
@@ -286,8 +288,27 @@ def _row(
     }
 
 
-def run_point(config: CapacityConfig, load: float, budget: int, tail: float, seed: int) -> list[dict[str, Any]]:
-    """One grid point, every variant on the same sessions and arrivals. Picklable."""
+def split_refusal_of(config: CapacityConfig) -> str | None:
+    """Why the sweep's points do not split by replica (sim/fleet/shard.py), or None if they do."""
+    for mode in config.modes:
+        reason = split_refusal(mode, config.fleet, closed=config.closed)
+        if reason is not None:
+            return reason
+    return None
+
+
+def run_point(
+    config: CapacityConfig,
+    load: float,
+    budget: int,
+    tail: float,
+    seed: int,
+    *,
+    split: bool = False,
+    shards: Executor | None = None,
+) -> list[dict[str, Any]]:
+    """One grid point, every variant on the same sessions and arrivals. Picklable. With `split`
+    each variant runs as one run per replica (on `shards` if given), merged: the same rows."""
     sessions = point_sessions(config.workload, seed, config.sessions, tail)
     profile = load_profile(config.profile)
     if config.closed:
@@ -305,7 +326,10 @@ def run_point(config: CapacityConfig, load: float, budget: int, tail: float, see
             hold_policy=v.policy if v.policy != "-" else "hold",
             preempt_held=v.preempt != "wait",
         )
-        run = simulate(v.mode, profile, fleet, sessions, seed=seed, **timing)
+        if split:
+            run = simulate_split(v.mode, profile, fleet, sessions, seed=seed, executor=shards, **timing)
+        else:
+            run = simulate(v.mode, profile, fleet, sessions, seed=seed, **timing)
         rows.append(_row(config, v, (load, budget, tail, seed), sessions, run))
     return rows
 
@@ -367,12 +391,23 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
 
 
 def run_capacity(
-    config: CapacityConfig, executor: Executor | None = None, *, on_point: Callable[[int, int], None] | None = None
+    config: CapacityConfig,
+    executor: Executor | None = None,
+    *,
+    on_point: Callable[[int, int], None] | None = None,
+    split: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every grid point, on `executor` if given: (per-seed rows, aggregated points)."""
+    """Every grid point, on `executor` if given: (per-seed rows, aggregated points). With `split`
+    the points run in turn, each variant split into one run per replica on `executor`'s workers
+    (refused, ValueError, where the replicas are not independent: `split_refusal_of`)."""
     grid = config.grid()
     mapped: Iterable[list[dict[str, Any]]]
-    if executor is not None:
+    if split:
+        reason = split_refusal_of(config)
+        if reason is not None:
+            raise ValueError(reason)
+        mapped = (run_point(config, *at, split=True, shards=executor) for at in grid)
+    elif executor is not None:
         mapped = executor.map(run_point, [config] * len(grid), *(list(axis) for axis in zip(*grid, strict=True)))
     else:
         mapped = (run_point(config, *at) for at in grid)
