@@ -15,7 +15,7 @@ from sim.fleet.config import FleetConfig
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 from sim.harness.capacity import arrivals, point_sessions
-from sim.harness.ttl import TTLCurveConfig, run_ttl_point, tracelab_rule, ttl_curve
+from sim.harness.ttl import TTLCurveConfig, _SplitStored, run_ttl_point, tracelab_rule, ttl_curve
 
 SMALL = TTLCurveConfig(sessions=30, load=0.5, ttls_s=(5.0, 60.0, 900.0), seeds=2)
 
@@ -34,8 +34,12 @@ def test_hit_rate_and_stored_kv_rise_with_the_timeout_in_every_seed(
         for measure in ("hit_rate", "stored_over_active", "suspended_over_active", "tracelab_hit_rate"):
             values = [r[measure] for r in mine]
             assert values == sorted(values) and values[0] < values[-1], (measure, values)
-        # Sessions in flight keep less KV than everything stored (ended sessions, the shared instructions).
+        # Sessions in flight keep less KV than everything stored (ended sessions, the shared instructions),
+        # and about what TraceLab's rule gives for the same gaps and model time.
         assert all(0 < r["suspended_over_active"] < r["stored_over_active"] for r in mine)
+        assert all(
+            abs(math.log(r["suspended_over_active"] / r["tracelab_storage_ratio"])) < math.log(1.5) for r in mine
+        )
     assert [p["n"] for p in points] == [2, 2, 2]
     assert math.isnan(points[0]["hit_rate_rise"]) and points[2]["hit_rate_rise"] > 0
 
@@ -55,7 +59,19 @@ def test_the_timeout_reaches_the_fleet() -> None:
     kept = forever.hit_tokens / forever.prompt_tokens
     longest = max(t for s in sessions for t in s.tool_times_s)
     assert run_ttl_point(SMALL, longest + 60.0, 0)["hit_rate"] == pytest.approx(kept, abs=0)
-    assert run_ttl_point(SMALL, 5.0, 0)["hit_rate"] < kept
+    short = msgspec.structs.replace(SMALL.fleet, cache_ttl_s=5.0)
+    expiring = simulate(
+        SMALL.mode,
+        load_profile(SMALL.profile),
+        short,
+        sessions,
+        arrivals=arrivals(0, SMALL.sessions, SMALL.load),
+        seed=0,
+    )
+    # Expiring entries at their timeout for the accounts changes no turn.
+    assert run_ttl_point(SMALL, 5.0, 0)["hit_rate"] == expiring.hit_tokens / expiring.prompt_tokens < kept
+    traced = _SplitStored(SMALL.mode, load_profile(SMALL.profile), short, sessions, 0, 0.0)
+    assert traced.run(arrivals(0, SMALL.sessions, SMALL.load), 0, (), math.inf).sessions == expiring.sessions
 
 
 def test_tracelab_rule_on_a_session_worked_by_hand() -> None:
