@@ -35,7 +35,14 @@ from sim.analysis.stats import Estimate
 from sim.engine.process import EngineNotInstalled
 from sim.engine.rates import measure, rates_text
 from sim.fleet.config import READ_LEAVES
-from sim.harness.capacity import CapacityConfig, capacity_table, crossover_table, resource_table, run_capacity
+from sim.harness.capacity import (
+    CapacityConfig,
+    capacity_table,
+    crossover_table,
+    resource_table,
+    run_capacity,
+    split_refusal_of,
+)
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
@@ -43,6 +50,7 @@ from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
+from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
     contention,
     engine_step_cost,
@@ -197,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
     cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
     cap.add_argument("--quiet", action="store_true", help="no progress bar")
+    cap.add_argument(
+        "--split-point",
+        action="store_true",
+        help="run each point as one run per replica on the workers (--dask or --workers), merged: the same result; "
+        "static routers only (hash; affinity for http, http_prev, agents)",
+    )
+    ttl_options(sub)
 
     cal = sub.add_parser(
         "calibrate",
@@ -224,16 +239,20 @@ def capacity_main(args: argparse.Namespace) -> int:
     except (msgspec.ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    split = args.split_point
+    if split and (reason := split_refusal_of(config)) is not None:
+        print(f"error: --split-point: {reason}", file=sys.stderr)
+        return 2
     grid = len(config.grid())
     with _points_bar(grid, quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
-                rows, points_ = run_capacity(config, executor, on_point=on_point)
-        elif args.workers > 1 and grid > 1:
+                rows, points_ = run_capacity(config, executor, on_point=on_point, split=split)
+        elif args.workers > 1 and (grid > 1 or split):
             with ProcessPoolExecutor(args.workers) as pool:
-                rows, points_ = run_capacity(config, pool, on_point=on_point)
+                rows, points_ = run_capacity(config, pool, on_point=on_point, split=split)
         else:
-            rows, points_ = run_capacity(config, on_point=on_point)
+            rows, points_ = run_capacity(config, on_point=on_point, split=split)
     print(capacity_table(config, points_))
     if "append" in config.modes and "ws" in config.modes:
         print("\n" + crossover_table(config, points_))
@@ -641,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         return calibrate_main(args)
     if args.command == "capacity":
         return capacity_main(args)
+    if args.command == "ttl-curve":
+        return ttl_main(args)
     if args.command == "fidelity":
         return fidelity_main(args, uvloop.new_event_loop)
     if args.command == "validate":

@@ -28,7 +28,7 @@ HOLD_POLICIES: Final = ("hold", "ttl", "release", "offload", "minwaste")
 PAUSE_CHOICES: Final = ("preserve", "discard", "swap")  # `minwaste`: InferCept's three ways to treat a paused context
 
 
-ROUTERS: Final = ("affinity", "prefix", "least", "random")
+ROUTERS: Final = ("affinity", "prefix", "least", "random", "hash")
 
 
 COMPUTE: Final = ("priced", "free")

@@ -71,6 +71,9 @@ added as switches.
   replica with the longest cached prefix of its session unless that replica's load exceeds
   `prefix_load_cap` × the mean (then the least loaded), `least` to the fewest running + queued
   turns, `random` uniformly. A paused append response's resume goes where its KV is.
+  `hash` sends every request and connection of session i to replica i mod R, a reconnection
+  too (a load balancer keyed by session): the replicas share nothing, so a point splits into
+  one run per replica (sim/fleet/shard.py).
 """
 
 from __future__ import annotations
@@ -261,6 +264,8 @@ class _Fleet(HostLedger):
         router = self.c.router
         if router == "random":
             return int(self.rng.integers(len(reps)))
+        if router == "hash":  # by the session alone, every connection: the replicas share nothing (sim/fleet/shard.py)
+            return s % len(reps)
         if router == "affinity":
             if st.replica >= 0:
                 return st.replica
@@ -293,6 +298,12 @@ class _Fleet(HostLedger):
         old = self.replicas[st.replica]
         if s in old.holders:
             self.release_held(old, s, to_cache=False)  # the response ended with its connection
+        if self.c.router == "hash":  # the same replica again: its prefix cache outlives the connection
+            st.offloaded = False
+            st.held = st.resident = 0
+            st.connected_at = self.now
+            st.fresh = True
+            return
         self.drop_entry(old, s)
         if st.offloaded:
             self.drop_offloaded(old, s)

@@ -36,6 +36,7 @@ from sim.fleet.config import HOLD_POLICIES, FleetConfig, FleetRun
 from sim.fleet.costs import FLEET_MODES, HELD_MODES
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import SessionTokens, workload_sessions
+from sim.fleet.shard import simulate_split, split_refusal
 from sim.model.config import HOSTED_MODEL
 from sim.rollout.spec import turn_stream
 from sim.rollout.workload import WORKLOADS, tool_times, with_tail
@@ -50,6 +51,8 @@ __all__ = [
     "point_sessions",
     "run_capacity",
     "run_point",
+    "seed_interval",
+    "split_refusal_of",
     "variants",
 ]
 
@@ -305,8 +308,27 @@ def _row(
     }
 
 
-def run_point(config: CapacityConfig, load: float, budget: int, tail: float, seed: int) -> list[dict[str, Any]]:
-    """One grid point, every variant on the same sessions and arrivals. Picklable."""
+def split_refusal_of(config: CapacityConfig) -> str | None:
+    """Why the sweep's points do not split by replica (sim/fleet/shard.py), or None if they do."""
+    for mode in config.modes:
+        reason = split_refusal(mode, config.fleet, closed=config.closed)
+        if reason is not None:
+            return reason
+    return None
+
+
+def run_point(
+    config: CapacityConfig,
+    load: float,
+    budget: int,
+    tail: float,
+    seed: int,
+    *,
+    split: bool = False,
+    shards: Executor | None = None,
+) -> list[dict[str, Any]]:
+    """One grid point, every variant on the same sessions and arrivals. Picklable. With `split`
+    each variant runs as one run per replica (on `shards` if given), merged: the same rows."""
     sessions = point_sessions(config.workload, seed, config.sessions, tail)
     profile = load_profile(config.profile)
     if config.closed:
@@ -324,12 +346,15 @@ def run_point(config: CapacityConfig, load: float, budget: int, tail: float, see
             hold_policy=v.policy if v.policy != "-" else "hold",
             preempt_held=v.preempt != "wait",
         )
-        run = simulate(v.mode, profile, fleet, sessions, seed=seed, **timing)
+        if split:
+            run = simulate_split(v.mode, profile, fleet, sessions, seed=seed, executor=shards, **timing)
+        else:
+            run = simulate(v.mode, profile, fleet, sessions, seed=seed, **timing)
         rows.append(_row(config, v, (load, budget, tail, seed), sessions, run))
     return rows
 
 
-def _interval(values: Sequence[float]) -> tuple[float, float, float]:
+def seed_interval(values: Sequence[float]) -> tuple[float, float, float]:
     """Mean and its t interval over seeds (95 %); NaN bounds with one seed."""
     x = np.asarray(values, dtype=float)
     mean = float(x.mean())
@@ -354,7 +379,7 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         groups.setdefault((Variant.of(row), _cell(row)), []).append(row)
     out = []
     for (v, cell), group in groups.items():
-        goodput, low, high = _interval([r["goodput"] for r in group])
+        goodput, low, high = seed_interval([r["goodput"] for r in group])
         point: dict[str, Any] = {
             **v._asdict(),
             "router": config.fleet.router,
@@ -370,8 +395,8 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         base = [ws.get((*cell, r["seed"])) for r in group]
         if all(b is not None for b in base):
             pairs = list(zip(group, base, strict=True))
-            d = _interval([r["goodput"] - b["goodput"] for r, b in pairs])  # type: ignore[index]
-            saved = _interval([100 * (1 - r["e2e_mean_s"] / b["e2e_mean_s"]) for r, b in pairs])  # type: ignore[index]
+            d = seed_interval([r["goodput"] - b["goodput"] for r, b in pairs])  # type: ignore[index]
+            saved = seed_interval([100 * (1 - r["e2e_mean_s"] / b["e2e_mean_s"]) for r, b in pairs])  # type: ignore[index]
         else:
             d = saved = (math.nan, math.nan, math.nan)
         point.update(zip(("goodput_vs_ws", "goodput_vs_ws_ci_low", "goodput_vs_ws_ci_high"), d, strict=True))
@@ -386,12 +411,23 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
 
 
 def run_capacity(
-    config: CapacityConfig, executor: Executor | None = None, *, on_point: Callable[[int, int], None] | None = None
+    config: CapacityConfig,
+    executor: Executor | None = None,
+    *,
+    on_point: Callable[[int, int], None] | None = None,
+    split: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Every grid point, on `executor` if given: (per-seed rows, aggregated points)."""
+    """Every grid point, on `executor` if given: (per-seed rows, aggregated points). With `split`
+    the points run in turn, each variant split into one run per replica on `executor`'s workers
+    (refused, ValueError, where the replicas are not independent: `split_refusal_of`)."""
     grid = config.grid()
     mapped: Iterable[list[dict[str, Any]]]
-    if executor is not None:
+    if split:
+        reason = split_refusal_of(config)
+        if reason is not None:
+            raise ValueError(reason)
+        mapped = (run_point(config, *at, split=True, shards=executor) for at in grid)
+    elif executor is not None:
         mapped = executor.map(run_point, [config] * len(grid), *(list(axis) for axis in zip(*grid, strict=True)))
     else:
         mapped = (run_point(config, *at) for at in grid)

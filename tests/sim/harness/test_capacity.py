@@ -204,3 +204,25 @@ def test_the_cli_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "policies" in capsys.readouterr().err
     assert main(["capacity", "--router=roundrobin", "--quiet"]) == 2
     assert "router" in capsys.readouterr().err
+
+
+def test_a_point_split_by_replica_gives_the_same_rows() -> None:
+    config = msgspec.structs.replace(
+        SMALL,
+        seeds=1,
+        modes=("ws", "append"),
+        policies=("hold",),
+        fleet=msgspec.structs.replace(SMALL.fleet, router="hash"),
+    )
+    whole, _ = run_capacity(config)
+    split, _ = run_capacity(config, split=True)
+    assert len(split) == len(whole)
+    for a, b in zip(split, whole, strict=True):
+        assert a == pytest.approx(b, rel=1e-9)  # the KV shares: a float sum in another order
+    with pytest.raises(ValueError, match="least loaded; use hash"):
+        run_capacity(SMALL, split=True)
+
+
+def test_the_cli_refuses_to_split_a_point_whose_replicas_share_state(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["capacity", "--sessions=4", "--seeds=1", "--router=least", "--split-point"]) == 2
+    assert "does not split by replica" in capsys.readouterr().err
