@@ -108,14 +108,19 @@ def merge(mode: str, config: FleetConfig, sessions: Sequence[SessionTokens], sha
         "reconnects",
         "offload_bytes",
         "overflow_tokens",
+        "offload_refused",
+        "host_drops",
     ):
         setattr(out, name, sum(getattr(sh.run, name) for sh in shards))
     out.kv_peak_tokens = max(sh.run.kv_peak_tokens for sh in shards)
+    out.host_peak_bytes = max(sh.run.host_peak_bytes for sh in shards)  # per replica, as the whole run counts it
+    out.pause_choices = {k: sum(sh.run.pause_choices[k] for sh in shards) for k in out.pause_choices}
     for i, kind in enumerate(("active", "held", "cached")):
         out.kv_token_s[kind] = sum(sh.run.kv_token_s[kind] + sh.final_kv[i] * (end - sh.run.end_s) for sh in shards)
     out.replica_prefill_tokens = [t for sh in shards for t in sh.run.replica_prefill_tokens]
     out.replica_busy_s = [t for sh in shards for t in sh.run.replica_busy_s]
     out.replica_steps = [n for sh in shards for n in sh.run.replica_steps]
+    out.replica_link_busy_s = [t for sh in shards for t in sh.run.replica_link_busy_s]
     return out
 
 
