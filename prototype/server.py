@@ -87,7 +87,7 @@ async def serve(args: argparse.Namespace) -> None:
     # The simulator plans each turn's tokens; the engine prefills and decodes them (docs/engine.md).
     config = msgspec.structs.replace(config, model=engine_limits(engine))
     async with engine_model(engine, planner=model, clock=clock) as real:
-        print(f"longrun: llama.cpp engine at {real.url}", flush=True)
+        print(f"longrun: {real.dialect.name} engine at {real.url}", flush=True)
         await _serve_model(args, real, config, clock)
 
 
@@ -128,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
+        for cls in (ModelConfig, ServerConfig):
+            struct_from_args(args, cls)
         check_installed(struct_from_args(args, EngineConfig))
+    except msgspec.ValidationError as err:
+        print(f"python -m prototype.server: invalid option: {err}", file=sys.stderr)
+        return 2
     except EngineNotInstalled as err:
         print(f"python -m prototype.server: {err}", file=sys.stderr)
         return 2

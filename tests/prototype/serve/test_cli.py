@@ -23,6 +23,7 @@ import websockets.exceptions
 
 from prototype.config import ServerConfig
 from prototype.options import flag_of, leaves
+from prototype.server import main
 from sim.model.config import ModelConfig
 from tests.processes import REPO, START_TIMEOUT_S, ServerProcess, start_server
 from tests.support import EXEC_TOOL
@@ -208,3 +209,19 @@ def test_script_replays_exact_call_then_text(tmp_path: Path) -> None:
             )
             assert third.output_text == "(script exhausted)"
         assert server.terminate() == 0, server.log
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--engine", "openai"], "engine_url"),
+        (["--tps", "-1"], "tps"),
+    ],
+)
+def test_an_invalid_option_is_one_line_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m prototype.server: invalid option:") and message in err
+    assert "Traceback" not in err and err.count("\n") == 1
