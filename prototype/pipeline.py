@@ -126,6 +126,8 @@ class Count(enum.StrEnum):
     TOKENS_COMPACTED = "tokens_compacted"  # the prompt a compaction call reads
     TOKENS_SUMMARISED = "tokens_summarised"  # the summary it writes
     TOKENS_PREFILLED = "tokens_prefilled"  # prompt tokens the model prefilled (not cached, not held)
+    # Each prefilled token times the context it attends to: uncached × (cached + uncached / 2).
+    PREFILL_CONTEXT = "prefill_context"
     TOKENS_AFTER_FIRST = "tokens_after_first"  # output tokens decoded after the first
 
 
@@ -174,6 +176,7 @@ STAGE_COSTS: Final[tuple[StageCost, ...]] = (
 MODEL_COSTS: Final[tuple[StageCost, ...]] = (
     StageCost(Stage.PREFILL, "model_latency_s", Count.ONCE, Occasion.UPLOAD),
     StageCost(Stage.PREFILL, "prefill_tok_per_s", Count.TOKENS_PREFILLED, Occasion.UPLOAD, rate=True),
+    StageCost(Stage.PREFILL, "prefill_s_per_token_ctx", Count.PREFILL_CONTEXT, Occasion.UPLOAD),
     StageCost(Stage.DECODE, "tps", Count.TOKENS_AFTER_FIRST, Occasion.UPLOAD, rate=True),
 )
 # The switch that lets a WebSocket connection skip a stage's waits (one per stage: a test checks).

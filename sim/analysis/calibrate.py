@@ -145,6 +145,9 @@ class _Turns:
         counts: dict[Count, float] = {Count.BYTES: float(r.bytes_in)}
         if r.uncached_tokens is not None:
             counts[Count.TOKENS_PREFILLED] = float(r.uncached_tokens)
+            if r.prompt_tokens is not None:
+                cached = r.prompt_tokens - r.uncached_tokens
+                counts[Count.PREFILL_CONTEXT] = float(r.uncached_tokens) * (cached + r.uncached_tokens / 2)
         if r.output_tokens is not None:
             counts[Count.TOKENS_AFTER_FIRST] = float(max(0, r.output_tokens - 1))
         if r.tokens_rendered is not None and r.tokens_classified is not None:

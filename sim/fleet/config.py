@@ -20,7 +20,15 @@ __all__ = ["HOLD_POLICIES", "PAUSE_CHOICES", "READ_LEAVES", "ROUTERS", "FleetCon
 # The leaves of the nested `model` and `websocket` the fleet reads (the rest are the simulator's and the
 # server's own: a capacity run does not offer them).
 READ_LEAVES: Final = {
-    "model": ("tps", "model_latency_s", "prefill_tok_per_s", "concurrency_slowdown", "cache_generated", "decode_slots"),
+    "model": (
+        "tps",
+        "model_latency_s",
+        "prefill_tok_per_s",
+        "prefill_s_per_token_ctx",
+        "concurrency_slowdown",
+        "cache_generated",
+        "decode_slots",
+    ),
     "websocket": ("lifetime_s",),
 }
 

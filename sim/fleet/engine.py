@@ -21,7 +21,8 @@ added as switches.
   steps and each turn's model-side time are reported.
 * **Free compute** (`compute="free"`, the model before compute was priced, kept for
   comparison): the turn takes its decode slot through prefill and decode as the accelerator
-  does: first token at ``admitted + model_latency_s + uncached / prefill_tok_per_s``, token i at
+  does: first token at ``admitted + prefill_time_s(...)`` (the accelerator's prefill: latency,
+  uncached tokens at the prefill rate, their attention over the context), token i at
   ``t0 + i / rate`` with ``rate = tps / (1 + concurrency_slowdown × others)`` (others: turns
   of the replica decoding at t0), the slot free at ``t0 + output / rate``; blocking billing
   (`post_s`) comes after the last token. Every prefill runs in parallel with every other at
@@ -92,6 +93,7 @@ from sim.fleet.ledger import floor_blocks
 from sim.fleet.offload import CHOICE_OF, HostLedger, expected_pause_s
 from sim.fleet.sessions import SessionTokens
 from sim.fleet.state import Replica, SessionState
+from sim.model.accelerator import prefill_time_s
 
 __all__ = ["simulate"]
 
@@ -145,7 +147,6 @@ class _Fleet(HostLedger):
         self.program = config.queue_order == "program"
         self.qseq = 0
         self.replicas = [Replica(i, config.model.decode_slots or (1 << 30)) for i in range(config.replicas)]
-        self.prefill_rate = config.model.prefill_tok_per_s or math.inf  # free compute; 0: prefill is free
         self.rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
         self.specs = list(sessions)
         self.heap: list[tuple[float, int, int, int, int]] = []
@@ -433,7 +434,12 @@ class _Fleet(HostLedger):
                 self.join(r, s, k)
             return True
         c = self.c
-        t0 = self.now + reload_s + c.model.model_latency_s + uncached / self.prefill_rate
+        m = c.model
+        t0 = (
+            self.now
+            + reload_s
+            + prefill_time_s(m.model_latency_s, m.prefill_tok_per_s, m.prefill_s_per_token_ctx, cached, uncached)
+        )
         if first:  # the shared blocks: in r.shared (not an entry of r.cached), cached in the fleet's totals
             r.shared, r.shared_at = shared, t0
             self.totals[2] += shared

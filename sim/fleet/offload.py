@@ -33,6 +33,7 @@ from sim.fleet.config import PAUSE_CHOICES, FleetConfig, FleetRun
 from sim.fleet.ledger import KVLedger
 from sim.fleet.sessions import SessionTokens
 from sim.fleet.state import Replica
+from sim.model.accelerator import prefill_time_s
 
 __all__ = ["POLICY_OF", "HostLedger", "HostLink", "expected_pause_s", "min_waste"]
 
@@ -141,7 +142,10 @@ class HostLedger(KVLedger):
         prefix before them stays cached)."""
         if self.c.compute == "priced":
             return self.cost.prefill_alone_s(context - unique, unique)
-        return self.c.model.model_latency_s + unique / (self.c.model.prefill_tok_per_s or math.inf)
+        m = self.c.model
+        return prefill_time_s(
+            m.model_latency_s, m.prefill_tok_per_s, m.prefill_s_per_token_ctx, context - unique, unique
+        )
 
     def choose(self, r: Replica, unique: int, context: int) -> str:
         """`minwaste`: the hold policy that carries out the least-waste choice at this pause."""

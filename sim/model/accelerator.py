@@ -35,11 +35,13 @@ start):
    (for turns arriving later: a queued turn's wait is fixed when it arrives).
 5. **Prefill.** The first token is due at::
 
-       t0 = start + queued_s + prefill_s,  prefill_s = model_latency_s + (prompt_tokens - cached) / prefill_tok_per_s
+       t0 = start + queued_s + prefill_s
+       prefill_s = model_latency_s + u / prefill_tok_per_s + prefill_s_per_token_ctx * u * (cached + u / 2)
 
-   i.e. queueing, a fixed model-side latency, and linear prefill of the
-   uncached suffix (cached tokens skip prefill; the operating points and their
-   sources are in docs/pipeline.md, "Calibration"). Latency and
+   with ``u = prompt_tokens - cached``: queueing, a fixed model-side latency, the
+   uncached suffix at the prefill rate (cached tokens skip prefill; the operating
+   points and their sources are in docs/pipeline.md, "Calibration") and its
+   attention over the context before each of its tokens (0 by default). Latency and
    prefill default to "free" here; the caller picks the operating point. The
    turn's first event, ``Prefilled(cached, queued_s, prefill_s)``, comes at t0.
 6. **Decode.** The turn's rate is fixed at t0::
@@ -120,6 +122,7 @@ __all__ = [
     "SimulatedModel",
     "framed_output_ids",
     "jitter_rng",
+    "prefill_time_s",
     "turn_rng",
 ]
 
@@ -164,6 +167,17 @@ def jitter_rng(seed: int, conversation_key: int, turn_index: int) -> np.random.G
     """The rng of one turn's decode-rate jitter: independent of `turn_rng`, so timing never moves tokens."""
     entropy = [_entropy(seed), _entropy(conversation_key), _entropy(turn_index), _JITTER_STREAM]
     return np.random.default_rng(np.random.SeedSequence(entropy))
+
+
+def prefill_time_s(
+    model_latency_s: float, prefill_tok_per_s: float, prefill_s_per_token_ctx: float, cached: int, uncached: int
+) -> float:
+    """The model's time to the first token once it runs (the stage-cost table's prefill rows):
+    its fixed latency, the uncached tokens at the prefill rate (0 or inf: free) and their
+    attention over the context before each (`Count.PREFILL_CONTEXT`). The simulator and the
+    fleet's free compute both price a prefill with it."""
+    linear = uncached / prefill_tok_per_s if 0 < prefill_tok_per_s < math.inf else 0.0
+    return model_latency_s + linear + prefill_s_per_token_ctx * uncached * (cached + uncached / 2)
 
 
 class LatenessRecorder:
@@ -308,6 +322,7 @@ class SimulatedModel:
         decode_tok_per_s: float = 1000.0,
         model_latency_s: float = 0.0,
         prefill_tok_per_s: float = math.inf,
+        prefill_s_per_token_ctx: float = 0.0,
         prefix_cache: PrefixCache | None = None,
         prefix_caching: bool = True,
         decode_slots: int | None = None,
@@ -323,6 +338,8 @@ class SimulatedModel:
             raise ValueError(f"decode_tok_per_s must be > 0, got {decode_tok_per_s}")
         if not prefill_tok_per_s > 0:
             raise ValueError(f"prefill_tok_per_s must be > 0, got {prefill_tok_per_s}")
+        if not (prefill_s_per_token_ctx >= 0 and math.isfinite(prefill_s_per_token_ctx)):
+            raise ValueError(f"prefill_s_per_token_ctx must be finite and >= 0, got {prefill_s_per_token_ctx}")
         if not (model_latency_s >= 0 and math.isfinite(model_latency_s)):
             raise ValueError(f"model_latency_s must be finite and >= 0, got {model_latency_s}")
         if prefix_cache is not None and not prefix_caching:
@@ -344,6 +361,7 @@ class SimulatedModel:
         self.decode_tok_per_s = decode_tok_per_s
         self.model_latency_s = model_latency_s
         self.prefill_tok_per_s = prefill_tok_per_s
+        self.prefill_s_per_token_ctx = prefill_s_per_token_ctx
         self.prefix_cache: PrefixCache | None = (
             (prefix_cache if prefix_cache is not None else PrefixCache()) if prefix_caching else None
         )
@@ -403,8 +421,16 @@ class SimulatedModel:
         return u < self.async_independent
 
     def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
-        """Seconds from getting a slot to the first token: latency + uncached / prefill rate (step 5)."""
-        return self.model_latency_s + (prompt_tokens - cached_tokens) / self.prefill_tok_per_s
+        """Seconds from getting a slot to the first token (step 5): latency + uncached / prefill
+        rate + the attention term, each uncached token over the context before it
+        (`Count.PREFILL_CONTEXT`, the stage-cost table's row)."""
+        return prefill_time_s(
+            self.model_latency_s,
+            self.prefill_tok_per_s,
+            self.prefill_s_per_token_ctx,
+            cached_tokens,
+            prompt_tokens - cached_tokens,
+        )
 
     async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         """Stream one turn: ``Prefilled (ItemStarted TokensSampled* ItemFinished)* SamplingFinished``.

@@ -29,6 +29,14 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     prefill_tok_per_s: Annotated[
         float, Meta(ge=0, description="prefill tokens/s for uncached prompt tokens (0 = free)")
     ] = 0.0
+    prefill_s_per_token_ctx: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="prefill seconds per uncached token per token of context it attends to (attention's share; "
+            "the fleet's step cost has the same term)",
+        ),
+    ] = 0.0
     kv_capacity_tokens: Annotated[int, Meta(ge=1, description="the prefix cache's capacity in tokens (LRU)")] = (
         DEFAULT_CAPACITY_TOKENS
     )
@@ -91,6 +99,7 @@ def build_model(
         decode_tok_per_s=config.tps if config.tps > 0 else math.inf,
         model_latency_s=config.model_latency_s,
         prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
+        prefill_s_per_token_ctx=config.prefill_s_per_token_ctx,
         prefix_cache=prefix_cache_type(capacity_tokens=config.kv_capacity_tokens) if config.prefix_cache else None,
         prefix_caching=config.prefix_cache,
         decode_slots=config.decode_slots,

@@ -332,6 +332,21 @@ def _raw(index: int, prompt: int, outputs: tuple[int, ...], tools: tuple[float, 
     )
 
 
+@pytest.mark.parametrize("mode", ["ws", "append"])
+def test_free_compute_prices_a_prefill_as_the_simulator_does(mode: str) -> None:
+    """The fleet's free compute and the accelerator share one prefill rule (`prefill_time_s`):
+    with an attention term each turn's first token comes exactly that much later."""
+    sessions = [_raw(0, 3000, (50, 50, 50), (1.0, 1.0))]
+    ttft = {}
+    for ctx in (0.0, 1e-7):
+        model = msgspec.structs.replace(HOSTED_MODEL, prefill_tok_per_s=1000.0, prefill_s_per_token_ctx=ctx)
+        run = simulate(mode, LOCAL, FleetConfig(compute="free", model=model), sessions, arrivals=[0.0])
+        ttft[ctx] = run.sessions[0].ttft_s
+    first_uncached = 3000 + 16  # the turn's whole prompt, its instructions included, is cold
+    assert ttft[1e-7][0] - ttft[0.0][0] == pytest.approx(1e-7 * first_uncached * first_uncached / 2, rel=0.02)
+    assert all(b > a for a, b in zip(ttft[0.0], ttft[1e-7], strict=True))
+
+
 def _contended(c_prompt: int, **changes: object) -> FleetRun:
     """A runs a long turn, B (append) holds its paused context through a 100 s tool, C arrives
     at 5 s needing `c_prompt` tokens of a 5,000-token budget."""

@@ -248,6 +248,26 @@ async def test_first_token_waits_for_latency_and_uncached_prefill() -> None:
     assert timed[0][1] == Prefilled(cached_tokens=6000, queued_s=0.0, prefill_s=prefill_s)
 
 
+async def test_the_attention_term_prices_each_uncached_token_over_the_context_before_it() -> None:
+    """`prefill_s_per_token_ctx`: 2,000 uncached tokens after 6,000 held attend to 7,000 on average."""
+    clock = ManualClock(start=0.0)
+    model = SimulatedModel(
+        clock=clock,
+        policy=script(message("hello world")),
+        model_latency_s=0.25,
+        prefill_tok_per_s=20_000.0,
+        prefill_s_per_token_ctx=1e-8,
+        decode_tok_per_s=math.inf,
+    )
+    prefill_s = 0.25 + 2000 / 20_000.0 + 1e-8 * 2000 * 7000
+    assert model.prefill_s(8000, 6000) == pytest.approx(prefill_s)
+    timed = await collect(model, make_request(prompt_tokens=8000, resident_tokens=6000))
+    assert timed[0][1] == Prefilled(cached_tokens=6000, queued_s=0.0, prefill_s=pytest.approx(prefill_s))
+    # The same uncached tokens after a longer context cost more; a cold prompt pays n² / 2.
+    assert model.prefill_s(10_000, 8000) > model.prefill_s(8000, 6000)
+    assert model.prefill_s(2000, 0) == pytest.approx(0.25 + 0.1 + 1e-8 * 2000 * 1000)
+
+
 async def test_first_token_at_once_when_free() -> None:
     clock = ManualClock(start=3.0)
     model = SimulatedModel(clock=clock, policy=script(message("hello world")), decode_tok_per_s=math.inf)
@@ -679,6 +699,7 @@ async def test_bad_requests_rejected_before_any_event() -> None:
     [
         ({"decode_tok_per_s": 0.0}, "^decode_tok_per_s must be > 0, got 0.0$"),
         ({"prefill_tok_per_s": -1.0}, "^prefill_tok_per_s must be > 0, got -1.0$"),
+        ({"prefill_s_per_token_ctx": -1e-9}, "^prefill_s_per_token_ctx must be finite and >= 0, got -1e-09$"),
         ({"model_latency_s": -0.1}, r"^model_latency_s must be finite and >= 0, got -0.1$"),
         ({"model_latency_s": math.nan}, "^model_latency_s must be finite and >= 0, got nan$"),
         ({"prefix_cache": PrefixCache(), "prefix_caching": False}, "^prefix_cache given with prefix_caching=False$"),
