@@ -252,17 +252,20 @@ CONTENTION_MODES: Final = ("ws", "append")
 
 def engine_step_cost(rates: dict[str, float]) -> StepCost:
     """The fleet model's step costs for an engine from its measured rates
-    (`sim.engine.rates.measure`, the engine driven directly): prefill seconds per token at 2,000
-    tokens of context, forced decode seconds per token alone, and a second stream's slowdown (the
-    free decode's aggregate at 1 stream over 2, applied to the forced rate)."""
-    prefill = 1 / rates["prefill_cold_tok_s_at_2000"]
+    (`sim.engine.rates.measure`, the engine driven directly): prefill seconds per token and its
+    attention term from the cold prefills of 500 and 2,000 tokens (a cold prefill of L tokens
+    costs a + k × L / 2 a token: two points, two unknowns), forced decode seconds per token alone,
+    and a second stream's slowdown (the free decode's aggregate at 1 stream over 2, applied to the
+    forced rate)."""
+    short, long = 1 / rates["prefill_cold_tok_s_at_500"], 1 / rates["prefill_cold_tok_s_at_2000"]
+    ctx = max(0.0, (long - short) / ((2000 - 500) / 2))
     decode = 1 / rates["decode_forced_tok_s"]
     slowdown = rates["decode_aggregate_tok_s_1_streams"] / rates["decode_aggregate_tok_s_2_streams"]
     return StepCost(
         name="measured-engine",
         step_s=0.0,
-        prefill_s_per_token=prefill,
-        prefill_s_per_token_ctx=0.0,
+        prefill_s_per_token=short - ctx * 500 / 2,
+        prefill_s_per_token_ctx=ctx,
         decode_batch=(1, 2),
         decode_s_per_token=(decode, decode * slowdown),
         decode_s_per_ctx_token=0.0,

@@ -71,15 +71,20 @@ def test_validation_refuses_what_it_cannot_score(measured: list) -> None:  # typ
 
 
 def test_step_costs_come_from_the_engines_own_rates() -> None:
-    cost = engine_step_cost(
-        {
-            "prefill_cold_tok_s_at_2000": 250.0,
-            "decode_forced_tok_s": 25.0,
-            "decode_aggregate_tok_s_1_streams": 50.0,
-            "decode_aggregate_tok_s_2_streams": 40.0,
-        }
-    )
-    assert cost.prefill_s_per_token == pytest.approx(1 / 250)
+    rates = {
+        "prefill_cold_tok_s_at_500": 270.0,
+        "prefill_cold_tok_s_at_2000": 240.0,
+        "decode_forced_tok_s": 25.0,
+        "decode_aggregate_tok_s_1_streams": 50.0,
+        "decode_aggregate_tok_s_2_streams": 40.0,
+    }
+    cost = engine_step_cost(rates)
+    # Both measured cold prefills come back exactly: a per-token cost and its attention term.
+    assert cost.prefill_alone_s(0, 500) == pytest.approx(500 / 270)
+    assert cost.prefill_alone_s(0, 2000) == pytest.approx(2000 / 240)
+    assert cost.prefill_s_per_token_ctx > 0 and cost.prefill_s_per(1500, 500) > cost.prefill_s_per(0, 500)
     assert cost.decode_s(1) == pytest.approx(1 / 25)
     assert cost.decode_s(2) == pytest.approx(2 * 1.25 / 25)
-    assert not math.isnan(cost.prefill_alone_s(0, 100))
+    # A longer prefill measured faster a token (noise) gives no negative attention term.
+    flat = engine_step_cost({**rates, "prefill_cold_tok_s_at_2000": 280.0})
+    assert flat.prefill_s_per_token_ctx == 0.0 and not math.isnan(flat.prefill_alone_s(0, 100))
