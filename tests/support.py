@@ -30,6 +30,7 @@ from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.base import ResponseStore
 from prototype.store.memory import MemoryStore
+from sim.fleet.sessions import SessionTokens
 from sim.harness.experiment import CompareConfig
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy, Policy
@@ -352,3 +353,19 @@ def beta_create(**fields: Any) -> str:
 # turn and item the routes send is checked against them (test_agents_api.py, test_agents_sdk.py).
 AGENT_EVENT_MODELS: Final = _members(AgentSessionEvent)
 AGENT_ITEM_MODELS: Final = _members(AgentSessionItem)
+
+
+def fleet_session(index: int, prompt: int, outputs: tuple[int, ...], tools: tuple[float, ...] = ()) -> SessionTokens:
+    """A fleet session of the given sizes: 16 instruction tokens, 4 bytes a token, 10-token tool outputs."""
+    return SessionTokens(
+        index=index,
+        instruction_tokens=16,
+        first_prompt_tokens=prompt,
+        instruction_bytes=64,
+        first_request_bytes=4 * prompt,
+        output_tokens=outputs,
+        output_bytes=tuple(4 * o for o in outputs),
+        tool_times_s=tools,
+        tool_tokens=(10,) * len(tools),
+        tool_bytes=(40,) * len(tools),
+    )

@@ -22,6 +22,7 @@ from sim.harness.experiment import CompareConfig, CompareResult, compare
 from sim.model.config import HOSTED_MODEL
 from sim.rollout.spec import tool_output_text
 from sim.rollout.workload import WORKLOADS
+from tests.support import fleet_session
 
 HOSTED = load_profile("hosted")
 CALLS = 6
@@ -317,26 +318,11 @@ def test_a_shared_prefill_budget_saturates_a_load_free_prefill_calls_fine() -> N
             assert session_s["priced"] < 1.5 * session_s["free"]
 
 
-def _raw(index: int, prompt: int, outputs: tuple[int, ...], tools: tuple[float, ...] = ()) -> SessionTokens:
-    return SessionTokens(
-        index=index,
-        instruction_tokens=16,
-        first_prompt_tokens=prompt,
-        instruction_bytes=64,
-        first_request_bytes=4 * prompt,
-        output_tokens=outputs,
-        output_bytes=tuple(4 * o for o in outputs),
-        tool_times_s=tools,
-        tool_tokens=(10,) * len(tools),
-        tool_bytes=(40,) * len(tools),
-    )
-
-
 @pytest.mark.parametrize("mode", ["ws", "append"])
 def test_free_compute_prices_a_prefill_as_the_simulator_does(mode: str) -> None:
     """The fleet's free compute and the accelerator share one prefill rule (`prefill_time_s`):
     with an attention term each turn's first token comes exactly that much later."""
-    sessions = [_raw(0, 3000, (50, 50, 50), (1.0, 1.0))]
+    sessions = [fleet_session(0, 3000, (50, 50, 50), (1.0, 1.0))]
     ttft = {}
     for ctx in (0.0, 1e-7):
         model = msgspec.structs.replace(HOSTED_MODEL, prefill_tok_per_s=1000.0, prefill_s_per_token_ctx=ctx)
@@ -356,7 +342,11 @@ def _contended(c_prompt: int, **changes: object) -> FleetRun:
         **changes,
         model=msgspec.structs.replace(HOSTED_MODEL, tps=10.0, cache_generated=False),
     )  # type: ignore[arg-type]
-    sessions = [_raw(0, 1000, (2000,)), _raw(1, 1000, (10, 10), (100.0,)), _raw(2, c_prompt, (10,))]
+    sessions = [
+        fleet_session(0, 1000, (2000,)),
+        fleet_session(1, 1000, (10, 10), (100.0,)),
+        fleet_session(2, c_prompt, (10,)),
+    ]
     return simulate("append", LOCAL, config, sessions, arrivals=[0.0, 0.0, 5.0])
 
 
@@ -456,7 +446,7 @@ def test_growing_kv_preempts_the_newest_running_turn_and_recomputes_it() -> None
     the second wait for admission; growing it at the first token (vLLM) admits both, then
     preempts the newer one, which runs again after the first ends, its prompt's blocks still
     cached unless they are dropped."""
-    sessions = [_raw(0, 1000, (800,)), _raw(1, 1000, (800,))]
+    sessions = [fleet_session(0, 1000, (800,)), fleet_session(1, 1000, (800,))]
     config = FleetConfig(engine="llamacpp-cpu", kv_budget_tokens=3000)
     runs = {
         name: simulate("ws", LOCAL, msgspec.structs.replace(config, **changes), sessions, arrivals=[0.0, 0.01])

@@ -16,7 +16,7 @@ from sim.fleet.ledger import floor_blocks
 from sim.fleet.offload import HostLink, expected_pause_s, min_waste
 from sim.fleet.sessions import custom_sessions
 from sim.model.config import HOSTED_MODEL
-from tests.sim.fleet.test_fleet import _raw
+from tests.support import fleet_session
 
 LOCAL = load_profile("local")
 HOSTED = load_profile("hosted")
@@ -74,7 +74,7 @@ def test_two_offloads_at_once_share_the_link() -> None:
     prompt, out = 4000, 10
     copy_s = _paused_unique(prompt, out) * BYTES / 1e9  # 1 GB/s: ~1.3 s a copy, far over the API's waits
     config = FleetConfig(compute="free", hold_policy="offload", offload_gb_per_s=1.0, model=FLAT)
-    a, b = _raw(0, prompt, (out, out), (0.05,)), _raw(1, prompt, (out, out), (0.05,))
+    a, b = fleet_session(0, prompt, (out, out), (0.05,)), fleet_session(1, prompt, (out, out), (0.05,))
     together = simulate("append", LOCAL, config, [a, b], arrivals=[0.0, 0.0])
     alone = [simulate("append", LOCAL, config, [s], arrivals=[0.0]).sessions[0] for s in (a, b)]
     for i, copies in ((0, 1), (1, 2)):
@@ -91,7 +91,7 @@ def test_an_uncontended_offload_costs_one_reload_as_before() -> None:
     host memory (the default) and a large one give the same run."""
     prompt, out = 4000, 10
     copy_s = _paused_unique(prompt, out) * BYTES / 1e9
-    s = _raw(0, prompt, (out, out), (5.0,))
+    s = fleet_session(0, prompt, (out, out), (5.0,))
     base = FleetConfig(compute="free", offload_gb_per_s=1.0, model=FLAT)
     hold = simulate("append", LOCAL, base, [s], arrivals=[0.0])
     offload = simulate("append", LOCAL, msgspec.structs.replace(base, hold_policy="offload"), [s], arrivals=[0.0])
@@ -110,7 +110,7 @@ def test_a_context_keeps_its_gpu_kv_until_its_copy_out_ends() -> None:
     unique = _paused_unique(prompt, out)
     copy_s = unique * BYTES / 1e9
     config = FleetConfig(compute="free", offload_gb_per_s=1.0, kv_budget_tokens=SHARED + unique + 2000, model=FLAT)
-    a, b = _raw(0, prompt, (out, out), (60.0,)), _raw(1, prompt, (out,), ())
+    a, b = fleet_session(0, prompt, (out, out), (60.0,)), fleet_session(1, prompt, (out,), ())
     runs = {
         p: simulate("append", LOCAL, msgspec.structs.replace(config, hold_policy=p), [a, b], arrivals=[0.0, 0.5])
         for p in ("offload", "release")
@@ -151,7 +151,7 @@ def test_a_full_host_memory_drops_the_oldest_offload_which_prefills_again() -> N
     prompt, out = 4000, 10
     unique = _paused_unique(prompt, out)
     config = FleetConfig(compute="free", hold_policy="offload", offload_host_gb=1.5 * unique * BYTES / 1e9, model=FLAT)
-    a, b = _raw(0, prompt, (out, out), (60.0,)), _raw(1, prompt, (out, out), (1.0,))
+    a, b = fleet_session(0, prompt, (out, out), (60.0,)), fleet_session(1, prompt, (out, out), (1.0,))
     run = simulate("append", LOCAL, config, [a, b], arrivals=[0.0, 5.0])
     assert run.completed == 2 and run.host_drops == 1 and run.offload_refused == 0
     assert run.sessions[0].reprefill_tokens > 0 and run.sessions[1].reprefill_tokens == 0
@@ -171,14 +171,14 @@ def test_min_waste_weighs_memory_by_time() -> None:
 
 
 def test_the_expected_pause_is_the_sessions_mean_tool_time_unless_set() -> None:
-    sessions = [_raw(0, 500, (5, 5, 5), (1.0, 2.0)), _raw(1, 500, (5, 5), (6.0,))]
+    sessions = [fleet_session(0, 500, (5, 5, 5), (1.0, 2.0)), fleet_session(1, 500, (5, 5), (6.0,))]
     assert expected_pause_s(FleetConfig(hold_policy="minwaste"), sessions) == 3.0
     assert expected_pause_s(FleetConfig(hold_policy="minwaste", pause_mean_s=0.5), sessions) == 0.5
 
 
 def _choice_runs(prompt: int, pause_mean_s: float, gb_per_s: float, fixed: str) -> tuple[FleetRun, FleetRun]:
     """The same sessions under `minwaste` and under the fixed policy its choice should be."""
-    sessions = [_raw(i, prompt, (20, 20, 20), (30.0, 30.0)) for i in range(3)]
+    sessions = [fleet_session(i, prompt, (20, 20, 20), (30.0, 30.0)) for i in range(3)]
     config = FleetConfig(offload_gb_per_s=gb_per_s, pause_mean_s=pause_mean_s, kv_budget_tokens=8 * prompt)
     runs = [
         simulate("append", HOSTED, msgspec.structs.replace(config, hold_policy=p), sessions, arrivals=[0.0, 1.0, 2.0])
