@@ -37,6 +37,7 @@ from sim.engine.rates import measure, rates_text
 from sim.fleet.config import READ_LEAVES
 from sim.harness.capacity import (
     CapacityConfig,
+    cache_table,
     capacity_table,
     crossover_table,
     resource_table,
@@ -257,6 +258,7 @@ def capacity_main(args: argparse.Namespace) -> int:
     if "append" in config.modes and "ws" in config.modes:
         print("\n" + crossover_table(config, points_))
     print("\n" + resource_table(config, points_))
+    print("\n" + cache_table(config, points_))
     if args.out:
         write_capacity(Path(args.out), config, rows, points_)
         print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, crossover.png, config.json)")

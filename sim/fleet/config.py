@@ -109,7 +109,11 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         str, Meta(description="plan: evict only if the planned victims make room (vLLM); greedy: evict, then check")
     ] = "plan"
     evict_tail: Annotated[
-        bool, Meta(description="evict a victim's blocks tail first, keeping its prefix cached (vLLM's free queue)")
+        bool,
+        Meta(
+            description="evict by block in vLLM's free-queue order (least recently freed context first, its last "
+            "block first), keeping a victim's prefix cached; off: whole entries, and a preempted context dropped"
+        ),
     ] = True
     queue_order: Annotated[
         str, Meta(description="admission queue: turn (first come) or program (oldest session first, Continuum)")
@@ -181,6 +185,7 @@ class FleetRun:
     prefilled_tokens: int = 0
     reprefill_tokens: int = 0
     preemptions: int = 0
+    evicted_tokens: int = 0  # prefix-cache tokens evicted to make room (not expired ones)
     running_preemptions: int = 0  # running turns preempted for KV (`running_kv="grow"`), recomputed
     ttl_releases: int = 0
     reconnects: int = 0

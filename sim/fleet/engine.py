@@ -29,27 +29,27 @@ added as switches.
   its own rate. The cache is looked up when the turn reaches its replica, as the accelerator does.
 * **KV budget** (`kv_budget_tokens` per replica, 0 = unlimited). A replica's KV holds the
   shared instructions' blocks once (every prompt starts with them), running turns (*active*:
-  prompt, output and the call's template, reserved at admission, so a running turn never
-  grows past its reservation and is never preempted), paused append responses (*held*) and
-  the prefix cache (*cached*). A turn that does not fit evicts cache entries least recently
-  used first, then the held KV of other paused sessions, oldest pause first, each a counted
+  prompt, output and the call's template, reserved at admission, so a running turn never grows
+  past its reservation and is never preempted), paused append responses (*held*) and the
+  prefix cache (*cached*). A turn that does not fit evicts cache entries least recently used
+  first, then the held KV of other paused sessions, oldest pause first, each a counted
   **preemption** whose session re-prefills at its resume (with `preempt_held` off, only when
   nothing runs on the replica: then nothing else could free room, and paused sessions would
   wait on each other for ever). With `admission="plan"` (the default) the victims are planned
   first and nothing is evicted unless they make the room, as vLLM's scheduler allocates a
-  request's blocks only when they fit; `"greedy"` evicts, then checks. With
-  `evict_tail` (default) a victim loses its tail blocks only, as many as the turn needs, and a
-  preempted paused context goes to the prefix cache first, so its prefix still hits (vLLM's
-  free block queue takes a request's blocks tail first). If it still does not fit it waits in
-  the replica's **admission queue**: first come first served by turn (`queue_order="turn"`), or
-  by session arrival (`"program"`, Continuum's program-level first come first served, so a
-  resume passes newer sessions' turns). With `running_kv="grow"` (priced compute) a turn takes
-  its prompt's KV at admission and its output's at its first token; short of it, it evicts the
-  cache (and held KV with `preempt_held`), then preempts the newest running turn, which is
-  queued again and recomputed, its blocks left in the prefix cache (vLLM's preemption by
-  recomputation, with the output allocated at once rather than block by block). A turn larger
-  than the whole budget runs alone, over budget, and the excess is counted (`overflow_tokens`):
-  the one way KV exceeds the budget.
+  request's blocks only when they fit; `"greedy"` evicts, then checks. With `evict_tail`
+  (default) a victim loses its tail blocks only, as many as the turn needs, and a preempted
+  paused context goes to the prefix cache first, so its prefix still hits: as every entry is
+  the blocks of one free, this is vLLM's free-block queue order, block for block. If it still
+  does not fit it waits in the replica's **admission queue**: first come first served by turn
+  (`queue_order="turn"`), or by session arrival (`"program"`, Continuum's program-level first
+  come first served, so a resume passes newer sessions' turns). With `running_kv="grow"`
+  (priced compute) a turn takes its prompt's KV at admission and its output's at its first
+  token; short of it, it evicts the cache (and held KV with `preempt_held`), then preempts the
+  newest running turn, which is queued again and recomputed, its blocks left in the prefix
+  cache (vLLM's preemption by recomputation, with the output allocated at once rather than
+  block by block). A turn larger than the whole budget runs alone, over budget, and the excess
+  is counted (`overflow_tokens`): the one way KV exceeds the budget.
 * **Prefix cache.** After a turn, its session's blocks go to the replica's cache: the prompt,
   and with `cache_generated` the generated call too (vLLM's v1 KV-cache manager caches full
   blocks of generated tokens). Hits are block-granular with the last prompt token recomputed.

@@ -1,8 +1,9 @@
 """The fleet's KV ledger: what each replica's KV budget holds (running turns' *active* KV,
 paused responses' *held* KV, the prefix cache's *cached* entries), and the evictions that make
-room for a turn: cache entries least recently used first (tail blocks only with `evict_tail`),
-then other sessions' held KV, oldest pause first, each a counted preemption
-(sim/fleet/engine.py's theory of operation: the KV budget and the prefix cache)."""
+room for a turn: cache entries least recently freed first (tail blocks only with `evict_tail`:
+vLLM's free-block queue order, docs/capacity.md#eviction-by-block), then other sessions' held
+KV, oldest pause first, each a counted preemption (sim/fleet/engine.py's theory of operation:
+the KV budget and the prefix cache)."""
 
 from __future__ import annotations
 
@@ -92,8 +93,9 @@ class KVLedger:
         if self.c.evict_tail and entry[0] > cut:
             entry[0] -= cut
             self.add(r, 2, -cut)
+            self.run_.evicted_tokens += cut
         else:
-            self.drop_entry(r, s)
+            self.run_.evicted_tokens += self.drop_entry(r, s)
 
     def make_room(self, r: Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
         """Free `extra` tokens on `r` for session `me`: cache entries least recently used first,

@@ -103,6 +103,7 @@ def merge(mode: str, config: FleetConfig, sessions: Sequence[SessionTokens], sha
         "prefilled_tokens",
         "reprefill_tokens",
         "preemptions",
+        "evicted_tokens",
         "running_preemptions",
         "ttl_releases",
         "reconnects",

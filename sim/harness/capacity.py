@@ -45,6 +45,7 @@ __all__ = [
     "POINT_COLUMNS",
     "CapacityConfig",
     "Variant",
+    "cache_table",
     "capacity_table",
     "crossover_table",
     "resource_table",
@@ -81,6 +82,7 @@ POINT_COLUMNS: Final = (
     "admission_wait_p90_s",
     "reprefill_tokens",
     "preemptions",
+    "evicted_tokens",
     "ttl_releases",
     "offload_gb",
     "offload_refused",
@@ -91,6 +93,8 @@ POINT_COLUMNS: Final = (
     "discarded",
     "swapped",
     "hit_rate",
+    "hit_rate_ci_low",
+    "hit_rate_ci_high",
     "kv_peak_tokens",
     "kv_active_share",
     "kv_held_share",
@@ -104,7 +108,10 @@ POINT_COLUMNS: Final = (
 )
 # The job's default hold policies: every one but `minwaste`, which a run asks for (`--policies`).
 DEFAULT_POLICIES: Final = tuple(p for p in HOLD_POLICIES if p != "minwaste")
-_MEANS: Final = POINT_COLUMNS[POINT_COLUMNS.index("slo_met") :]  # per point, averaged over seeds
+_INTERVALS: Final = ("hit_rate",)  # per point, a mean over seeds with its t interval (beside goodput's)
+_MEANS: Final = tuple(  # per point, averaged over seeds
+    c for c in POINT_COLUMNS[POINT_COLUMNS.index("slo_met") :] if not c.endswith(("_ci_low", "_ci_high"))
+)
 _ARRIVAL_STREAM: Final = 0xA441  # turn_stream word of a point's arrival draws
 _THINK_STREAM: Final = 0x7414  # turn_stream word of a point's think times (closed loop)
 
@@ -280,6 +287,7 @@ def _row(
         "admission_wait_p90_s": float(np.quantile(waits, 0.9)) if len(waits) else math.nan,
         "reprefill_tokens": run.reprefill_tokens,
         "preemptions": run.preemptions,
+        "evicted_tokens": run.evicted_tokens,  # prefix-cache tokens evicted to make room
         "ttl_releases": run.ttl_releases,
         "offload_gb": run.offload_bytes / 1e9,
         # Offload's host memory and link (peak GB of one replica; mean share of the run a link copied).
@@ -403,6 +411,9 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         point.update(zip(("saved_vs_ws_pct", "saved_vs_ws_ci_low", "saved_vs_ws_ci_high"), saved, strict=True))
         for column in _MEANS:
             point[column] = float(np.mean([r[column] for r in group]))
+        for column in _INTERVALS:
+            mean, low, high = seed_interval([r[column] for r in group])
+            point.update({column: mean, f"{column}_ci_low": low, f"{column}_ci_high": high})
         out.append(point)
     order = {v: i for i, v in enumerate(variants(config))}
     return sorted(
@@ -519,6 +530,31 @@ def crossover_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) ->
                 mark = "~" if math.isnan(low) or low <= 0 <= high else "+" if low > 0 else "-"
                 text.append(_ci(c["saved_vs_ws_pct"], low, high, "+.1f") + " " + mark)
             lines.append(f"{v.label:<22}" + "".join(f"{t:>28}" for t in text))
+    return "\n".join(lines)
+
+
+def cache_table(config: CapacityConfig, points: Sequence[dict[str, Any]]) -> str:
+    """What the prefix cache gave and what making room took from it: per variant and cell, the
+    prefix-hit rate (%, mean over seeds with its 95 % CI) and the cached tokens evicted to admit
+    turns (millions, mean over seeds), under the run's eviction rule (`evict_tail`)."""
+    key, unit, axis = _axis(config)
+    rule = "tail blocks first (vLLM's free-block queue)" if config.fleet.evict_tail else "whole entries"
+    lines = [
+        f"prefix-hit rate % (95 % CI) / cached M tokens evicted to make room, eviction by {rule}; "
+        f"n = {config.seeds} seeds"
+    ]
+    for title, block in _blocks(config, points):
+        lines += ["", title, f"{'':<22}" + "".join(f"{unit + ' ' + format(x, 'g'):>30}" for x in axis)]
+        for v in variants(config):
+            cells = {p[key]: p for p in block if Variant.of(p) == v}
+            text = [
+                _ci(100 * c["hit_rate"], 100 * c["hit_rate_ci_low"], 100 * c["hit_rate_ci_high"], ".1f")
+                + f" / {c['evicted_tokens'] / 1e6:.2f}M"
+                if c
+                else "-"
+                for c in (cells.get(x) for x in axis)
+            ]
+            lines.append(f"{v.label:<22}" + "".join(f"{t:>30}" for t in text))
     return "\n".join(lines)
 
 

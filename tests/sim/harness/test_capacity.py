@@ -173,9 +173,13 @@ def test_the_cli_writes_the_run_folder(tmp_path: Path, capsys: pytest.CaptureFix
     assert "session time saved vs ws" in text
     busy = text.split("busy share / prefill k tokens/s")[1]  # which resource saturates, per variant and cell
     assert "ws" in busy and "append hold wait" in busy and "k;" in busy
+    cache = text.split("prefix-hit rate % (95 % CI) / cached M tokens evicted")[1]  # the cache, per variant and cell
+    assert "tail blocks first" in cache.splitlines()[0] and "append release" in cache and "M" in cache
     with (out / "points.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert tuple(rows[0]) == POINT_COLUMNS
+    for row in rows:  # the hit rate's interval over the two seeds holds its mean
+        assert float(row["hit_rate_ci_low"]) <= float(row["hit_rate"]) <= float(row["hit_rate_ci_high"])
     assert len(rows) == 3 * 2  # (ws, append hold wait, append release) x 2 loads
     assert (out / "frontier.png").stat().st_size > 0 and (out / "crossover.png").stat().st_size > 0
     saved = msgspec.json.decode((out / "config.json").read_bytes())
@@ -197,6 +201,17 @@ def test_minwaste_and_a_host_budget_are_reached_from_the_command_line() -> None:
     assert offload["preserved"] == offload["discarded"] == offload["swapped"] == 0
     pauses = sum(minwaste[c] for c in ("preserved", "discarded", "swapped"))
     assert pauses > 0 and minwaste["preserved"] > 0  # a 0.5 s expected pause keeps small contexts
+
+
+def test_the_eviction_rule_is_reached_from_the_command_line_and_counted() -> None:
+    """`--no-evict-tail` reaches the point's fleet: whole entries go where tail blocks would do,
+    so ws evicts more cached tokens for the same sessions; each row counts them."""
+    args = build_parser().parse_args(["capacity", "--no-evict-tail", "--modes=ws"])
+    whole = msgspec.structs.replace(struct_from_args(args, CapacityConfig), workload="interactive", sessions=40)
+    assert not whole.fleet.evict_tail
+    tail = msgspec.structs.replace(whole, fleet=msgspec.structs.replace(whole.fleet, evict_tail=True))
+    (by_tail,), (by_whole,) = run_point(tail, 4.0, 60_000, 1.0, 0), run_point(whole, 4.0, 60_000, 1.0, 0)
+    assert 0 < by_tail["evicted_tokens"] < by_whole["evicted_tokens"]
 
 
 def test_the_cli_refuses_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
