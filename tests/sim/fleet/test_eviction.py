@@ -19,11 +19,11 @@ from sim.fleet.sessions import custom_sessions
 from sim.fleet.state import Replica
 from sim.harness.capacity import arrivals
 from sim.model.config import HOSTED_MODEL
-from tests.sim.fleet.test_fleet import _raw
+from tests.support import fleet_session
 
 LOCAL = load_profile("local")
 HOSTED = load_profile("hosted")
-SHARED = floor_blocks(16 + 81)  # `_raw`'s instructions and their template: the blocks every prompt starts with
+SHARED = floor_blocks(16 + 81)  # `fleet_session`'s instructions and their template: the blocks every prompt starts with
 
 
 class _FreeQueue:
@@ -154,7 +154,11 @@ def _two_heads(c_prompt: int = 2072, **changes: object) -> FleetRun:
     at about 155 s."""
     model = msgspec.structs.replace(HOSTED_MODEL, tps=10.0, cache_generated=False)
     config = FleetConfig(compute="free", kv_budget_tokens=5000, model=model, **changes)  # type: ignore[arg-type]
-    sessions = [_raw(0, 2000, (10, 10), (100.0,)), _raw(1, 1600, (10, 10), (150.0,)), _raw(2, c_prompt, (10,))]
+    sessions = [
+        fleet_session(0, 2000, (10, 10), (100.0,)),
+        fleet_session(1, 1600, (10, 10), (150.0,)),
+        fleet_session(2, c_prompt, (10,)),
+    ]
     return simulate("ws", LOCAL, config, sessions, arrivals=[0.0, 5.0, 20.0])
 
 
