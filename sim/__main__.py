@@ -32,6 +32,7 @@ from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.stats import Estimate
+from sim.engine.model import EngineTurn
 from sim.engine.process import EngineNotInstalled
 from sim.engine.rates import measure, rates_text
 from sim.fleet.config import READ_LEAVES
@@ -54,6 +55,7 @@ from sim.harness.trace import write_capacity, write_json, write_run, write_table
 from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
     contention,
+    contention_records,
     engine_step_cost,
     scores_text,
     validate,
@@ -608,6 +610,20 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
 
 
 def contention_main(args: argparse.Namespace) -> int:
+    if args.source:  # a saved run: its records, the engine's turns and the rates measured before it
+        folder = Path(args.source)
+        try:
+            saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+            turns = [
+                msgspec.json.decode(line, type=EngineTurn)
+                for line in (folder / "engine.jsonl").read_bytes().splitlines()
+            ]
+            rates = msgspec.json.decode((folder / "rates.json").read_bytes())
+            scores = contention_records(saved, read_records([folder]), turns, engine_step_cost(rates), seed=saved.seed)
+        except (OSError, KeyError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise SystemExit(f"python -m sim validate --contention: {exc}") from None
+        print(scores_text(scores))
+        return 0
     config = _engine_config(args, CONTENTION_DEFAULTS)
     rates = measure(config.engine)
     print(f"the engine alone: {rates_text(rates)}", flush=True)

@@ -105,6 +105,14 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             "pins its sequence (docs/engine.md); off: the slot frees at the turn's end, as vLLM's does"
         ),
     ] = False
+    slot_cache: Annotated[
+        bool,
+        Meta(
+            description="a replica keeps the KV of at most decode_slots sequences, running, held or cached (a "
+            "llama.cpp slot is one sequence: a turn taking a slot overwrites the last one's KV, the shared prefix "
+            "aside); off: cached KV is bounded by the KV budget only (vLLM)"
+        ),
+    ] = False
     admission: Annotated[
         str, Meta(description="plan: evict only if the planned victims make room (vLLM); greedy: evict, then check")
     ] = "plan"
@@ -147,6 +155,8 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 raise ValueError(f"{name}: one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.compute == "free" and not self.model.tps > 0:
             raise ValueError("model.tps: free compute paces each turn at its own rate, > 0")
+        if self.slot_cache and self.model.decode_slots is None:
+            raise ValueError("slot_cache: the sequences a replica keeps are its decode slots (model.decode_slots)")
         if self.running_kv == "grow" and self.compute == "free":
             raise ValueError("running_kv: grow needs priced compute (engine steps)")
         if isinstance(self.engine, str) and self.engine not in ENGINES:

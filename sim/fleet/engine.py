@@ -95,7 +95,7 @@ from sim.fleet.sessions import SessionTokens
 from sim.fleet.state import Replica, SessionState
 from sim.model.accelerator import prefill_time_s
 
-__all__ = ["simulate"]
+__all__ = ["SHARED_PREFIX_EXTRA", "simulate"]
 
 CALL_TEMPLATE_TOKENS: Final = 14  # a generated call's closing template: the paused context is prompt + output + this
 SHARED_PREFIX_EXTRA: Final = 81  # template tokens rendered with the instructions, before the task (costs.py)
@@ -377,6 +377,8 @@ class _Fleet(HostLedger):
                 self.run_.overflow_tokens += need + shared - self.budget
             else:
                 return False
+        if self.c.slot_cache:
+            self.keep_sequences(r, s)
         found = self.lookup(r, st, s, k)  # the KV here for the turn (making room never takes the turn's own)
         # Admitted: what the session held or had cached here becomes its running KV.
         reload_s = 0.0

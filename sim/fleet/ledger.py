@@ -97,6 +97,19 @@ class KVLedger:
         else:
             self.run_.evicted_tokens += self.drop_entry(r, s)
 
+    def keep_sequences(self, r: Replica, me: int) -> None:
+        """`slot_cache`: session `me` takes a slot on `r`; the slot's last sequence goes, least
+        recently used cache entry first, so that running, held and cached sequences number at
+        most the replica's decode slots (the shared prefix stays: every slot's prompt has it)."""
+        limit = self.c.model.decode_slots or 0
+        count = r.running + len(r.holders) + len(r.cache) + (0 if me in r.cache or me in r.holders else 1)
+        for s in list(r.cache):
+            if count <= limit:
+                break
+            if s != me:
+                self.run_.evicted_tokens += self.drop_entry(r, s)
+                count -= 1
+
     def make_room(self, r: Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
         """Free `extra` tokens on `r` for session `me`: cache entries least recently used first,
         then (with `preempt`) other sessions' held KV, oldest pause first, each a preemption.

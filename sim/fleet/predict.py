@@ -7,10 +7,11 @@ starting at once, with no API work (the `local` profile: the engine is driven di
 KV limit unless given. The rollouts are given as the measurement has them: per turn the prompt
 tokens (the whole context), the output tokens, and the tool time after each turn but the last.
 What a design changes is the KV between turns: `append` holds a paused rollout's context in its
-slot; `ws` and `http` leave it to the prefix cache (the engine's cache following a conversation,
-as llama.cpp's host-RAM prompt cache does). `held_slot`: the paused rollout also keeps the slot
-itself (llama.cpp's slot is one sequence: pinned, no other request runs in it), where the fleet's
-default frees it at the turn's end as vLLM does.
+slot; `ws` and `http` leave it to the prefix cache: by default one that follows a conversation
+to any slot (a host-RAM prompt cache); with `slot_cache` the KV of the last sequence each slot
+served, the shared prefix reusable from any (`FleetConfig.slot_cache`). `held_slot`: the paused
+rollout also keeps the slot itself (llama.cpp's slot is one sequence: pinned, no other request
+runs in it), where the fleet's default frees it at the turn's end as vLLM does.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import msgspec
 from prototype.pipeline import load_profile
 from sim.fleet.compute import StepCost
 from sim.fleet.config import FleetConfig
-from sim.fleet.engine import simulate
+from sim.fleet.engine import SHARED_PREFIX_EXTRA, simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 from sim.model.config import HOSTED_MODEL
 
@@ -48,9 +49,13 @@ def predict_turns(
     kv_budget_tokens: int = 0,
     starts_s: Sequence[float] | None = None,
     held_slot: bool = False,
+    slot_cache: bool = False,
+    shared_tokens: int = 0,
 ) -> list[list[TurnPrediction]]:
     """Each rollout's turns as the fleet model predicts them (see the module's docstring).
-    Refuses rollouts whose contexts do not grow by at least each turn's output and template."""
+    `shared_tokens`: the prompt prefix every rollout shares (the system prompt: any slot's KV
+    serves it). Refuses rollouts whose contexts do not grow by at least each turn's output and
+    template."""
     m = len(prompt_tokens)
     if not (len(output_tokens) == len(tool_times_s) == m) or m == 0:
         raise ValueError("one prompt, output and tool-time list per rollout, at least one rollout")
@@ -64,7 +69,7 @@ def predict_turns(
         sessions.append(
             SessionTokens(
                 index=i,
-                instruction_tokens=0,
+                instruction_tokens=max(0, shared_tokens - SHARED_PREFIX_EXTRA),
                 first_prompt_tokens=prompts[0],
                 instruction_bytes=0,
                 first_request_bytes=0,
@@ -81,6 +86,7 @@ def predict_turns(
         kv_budget_tokens=kv_budget_tokens,
         hold_policy="hold",
         held_slot=held_slot,
+        slot_cache=slot_cache,
         model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=slots),
     )
     starts = list(starts_s) if starts_s is not None else [0.0] * m

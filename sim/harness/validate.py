@@ -18,7 +18,6 @@ prints it (docs/validation.md).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -45,6 +44,7 @@ __all__ = [
     "Validation",
     "as_capture",
     "contention",
+    "contention_records",
     "engine_step_cost",
     "predicted_config",
     "validate",
@@ -57,6 +57,7 @@ TRAIN_MODES: Final = ("http", "ws")
 HELD_OUT_DESIGN: Final = "append"
 BASE: Final = "http"
 RESAMPLES: Final = 2000
+TIE_S: Final = 1e-3  # apart, rollouts started together reach the engine in its measured order
 POOR_FIT: Final = "the fit is poor"  # sim.analysis.calibrate's wording for a held-out error above its bound
 
 
@@ -277,36 +278,80 @@ def contention(result: CompareResult, cost: StepCost, *, seed: int = 0) -> list[
     """The fleet model's prediction (`sim.fleet.predict.predict_turns`) of a contention run on
     the engine (more rollouts in flight than slots), turn by turn against the measurement: the
     same rollouts' prompts, the engine's decoded tokens per turn, the client's tool times and
-    start times. One score per mode."""
-    slots = result.config.engine.engine_slots
+    start times. One score per mode and cache variant."""
+    records = records_from_rollouts(result.rollouts, source="longrun-live")
+    first = min((r.started_at for r in result.rollouts), default=0.0)
+    starts: dict[tuple[str, str], float] = {(str(r.mode), str(r.index)): r.started_at - first for r in result.rollouts}
+    return contention_records(result.config, records, result.engine_turns, cost, starts=starts, seed=seed)
+
+
+def contention_records(
+    config: CompareConfig,
+    records: Sequence[TurnRecord],
+    engine_turns: Sequence[EngineTurn],
+    cost: StepCost,
+    *,
+    starts: dict[tuple[str, str], float] | None = None,
+    seed: int = 0,
+) -> list[Score]:
+    """`contention` on a run's records and engine turns (a saved run folder's records.jsonl and
+    engine.jsonl). Without `starts` every rollout starts at once, which a run with as many in
+    flight as rollouts does (its start times are not in the records: refused otherwise)."""
+    if starts is None and config.concurrency < config.rollouts:
+        raise ValueError("a saved contention run must have every rollout in flight at once (--concurrency)")
+    slots = config.engine.engine_slots
+    by_conversation: dict[tuple[str, int], list[EngineTurn]] = {}
+    for t in engine_turns:
+        by_conversation.setdefault((t.tag, t.conversation_key), []).append(t)
+    # The system prompt's KV (less the engine's BOS) as the engine reused it on a first turn.
+    shared = max((t.cache_n - 1 for v in by_conversation.values() for t in v if t.turn_index == 0), default=0)
     scores = []
-    for mode in [m for m in result.config.modes if m in CONTENTION_MODES]:
-        rollouts = sorted((r for r in result.rollouts if r.mode == mode), key=lambda r: r.index)
-        by_conversation: dict[int, list[EngineTurn]] = {}
-        for t in result.engine_turns:
-            if t.tag == mode:
-                by_conversation.setdefault(t.conversation_key, []).append(t)
+    for mode in [m for m in config.modes if m in CONTENTION_MODES]:
         engine_of = {tuple(x.prompt_tokens for x in sorted(v, key=lambda x: x.turn_index)): v
-                     for v in by_conversation.values()}  # fmt: skip
-        prompts, outputs, tools, starts, measured = [], [], [], [], []
-        first = min(r.started_at for r in rollouts)
-        for r in rollouts:
-            turns = engine_of.get(tuple(r.prompt_tokens))
-            if turns is None or len(turns) != len(r.turns):
-                raise ValueError(f"{mode} rollout {r.index}: its engine turns cannot be matched")
-            out = [t.predicted_n for t in sorted(turns, key=lambda x: x.turn_index)]
-            grown = [r.prompt_tokens[0]]
-            for k in range(1, len(r.prompt_tokens)):  # the fleet's template is a floor on growth
-                grown.append(max(r.prompt_tokens[k], grown[-1] + out[k - 1] + STEP_TEMPLATE_TOKENS))
+                     for (tag, _), v in by_conversation.items() if tag == mode}  # fmt: skip
+        rollouts: dict[str, list[TurnRecord]] = {}
+        for r in records:
+            if r.mode == mode:
+                rollouts.setdefault(r.rollout, []).append(r)
+        prompts, outputs, tools, start_s, measured = [], [], [], [], []
+        first_wait: list[float] = []
+        for name in sorted(rollouts, key=int):
+            turns = sorted(rollouts[name], key=lambda r: r.turn)
+            engine = engine_of.get(tuple(t.prompt_tokens or 0 for t in turns))
+            if engine is None or len(engine) != len(turns):
+                raise ValueError(f"{mode} rollout {name}: its engine turns cannot be matched")
+            out = [t.predicted_n for t in sorted(engine, key=lambda x: x.turn_index)]
+            grown = [turns[0].prompt_tokens or 0]
+            for k in range(1, len(turns)):  # the fleet's template is a floor on growth
+                grown.append(max(turns[k].prompt_tokens or 0, grown[-1] + out[k - 1] + STEP_TEMPLATE_TOKENS))
             prompts.append(grown)
             outputs.append(out)
-            tools.append([b.sent_at - a.done_at for a, b in itertools.pairwise(r.turns)])
-            starts.append(r.started_at - first)
-            measured.append(r.turns)
-        # The fleet's default frees a paused response's slot (vLLM); llama.cpp keeps it pinned.
-        for held_slot in (False, True) if mode == "append" else (False,):
+            tools.append([t.tool_s or 0.0 for t in turns[:-1]])
+            start_s.append(starts.get((mode, name), 0.0) if starts is not None else 0.0)
+            first_wait.append(min(engine, key=lambda x: x.turn_index).queued_s)
+            measured.append(turns)
+        # Rollouts started together reach the engine in an order the API's work decides (ms
+        # apart); the engine's own order at the first turn (who waited for a slot) breaks the tie,
+        # so the prediction serves the same rollouts first rather than a coin flip's.
+        rank = sorted(range(len(start_s)), key=lambda i: (round(start_s[i], 2), first_wait[i]))
+        for position, i in enumerate(rank):
+            start_s[i] += position * TIE_S
+        # The fleet's default frees a paused response's slot (vLLM); llama.cpp keeps it pinned. A
+        # create turn's prefix: following the conversation (a host-RAM cache), or only what the
+        # slot it lands on last served (`slot_cache`), the shared system prompt reusable from any.
+        variants = [(False, False), (True, True)] if mode == "append" else [(False, False), (False, True)]
+        for held_slot, slot_cache in variants:
             predicted = predict_turns(
-                mode, slots, prompts, outputs, tools, engine=cost, starts_s=starts, held_slot=held_slot
+                mode,
+                slots,
+                prompts,
+                outputs,
+                tools,
+                engine=cost,
+                starts_s=start_s,
+                held_slot=held_slot,
+                slot_cache=slot_cache,
+                shared_tokens=shared,
             )
             ttft, turn = [], []
             for i, (p_turns, m_turns) in enumerate(zip(predicted, measured, strict=True)):
@@ -317,9 +362,10 @@ def contention(result: CompareResult, cost: StepCost, *, seed: int = 0) -> list[
             ttft_err, bias = _median_error(ttft, seed=seed)
             turn_err, _ = _median_error(turn, seed=seed)
             slot = ", the paused response keeps its slot (held_slot)" if held_slot else ""
+            slot += ", each slot keeps only its last sequence's KV (slot_cache)" if slot_cache else ""
             scores.append(
-                Score(f"contention, {mode}: {len(rollouts)} rollouts on {slots} slots{slot}", ttft_err, turn_err,
-                      bias, len(turn), len(rollouts))
+                Score(f"contention, {mode}: {len(measured)} rollouts on {slots} slots{slot}", ttft_err, turn_err,
+                      bias, len(turn), len(measured))
             )  # fmt: skip
     return scores
 

@@ -419,6 +419,25 @@ def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
         predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
 
 
+def test_a_slot_cache_keeps_only_the_sequences_the_slots_last_served() -> None:
+    """Three ws rollouts on two slots (llama.cpp without a host cache to follow them): the third
+    rollout's turn takes a slot and its last sequence's KV goes, so a second turn re-prefills
+    all but the shared system prompt; with a cache that follows the conversation it does not."""
+    prompts, outputs, tools = [1200, 1400], [40, 40], [5.0]
+    starts = [0.0, 0.0, 3.0]  # the third once the first pair has prefilled the shared prompt
+    follows = predict_turns("ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3, shared_tokens=700, starts_s=starts)
+    slot = predict_turns(
+        "ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3, shared_tokens=700, starts_s=starts, slot_cache=True
+    )
+    assert [t.ttft_s for t in follows[0]] == pytest.approx([t.ttft_s for t in slot[0]][:1] + [follows[0][1].ttft_s])
+    assert slot[0][1].ttft_s > 2 * follows[0][1].ttft_s  # the history prefilled again
+    # The shared prompt stays: a first turn after the first pair prefills only what follows it.
+    cost = ENGINES["llamacpp-cpu"]
+    assert slot[2][0].ttft_s - slot[2][0].admission_wait_s < cost.prefill_alone_s(0, 1200)
+    with pytest.raises(ValueError, match="decode_slots"):
+        FleetConfig(slot_cache=True)
+
+
 @pytest.mark.slow
 def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
     """Sessions built as arrays: a tool output's tokens counted from its size match the text's

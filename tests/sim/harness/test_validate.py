@@ -3,13 +3,23 @@ a virtual run standing in for the engine's measurement, so the simulator must pr
 
 from __future__ import annotations
 
+import json
 import math
 
+import msgspec
 import pytest
 
-from sim.analysis.records import records_from_rollouts
-from sim.harness.experiment import CompareConfig, compare
-from sim.harness.validate import as_capture, engine_step_cost, validate_records, validation_text
+from sim.analysis.records import read_records, records_from_rollouts
+from sim.engine.model import EngineTurn
+from sim.harness.experiment import CompareConfig, compare, config_of
+from sim.harness.validate import (
+    as_capture,
+    contention_records,
+    engine_step_cost,
+    validate_records,
+    validation_text,
+)
+from tests.support import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,3 +98,22 @@ def test_step_costs_come_from_the_engines_own_rates() -> None:
     # A longer prefill measured faster a token (noise) gives no negative attention term.
     flat = engine_step_cost({**rates, "prefill_cold_tok_s_at_2000": 280.0})
     assert flat.prefill_s_per_token_ctx == 0.0 and not math.isnan(flat.prefill_alone_s(0, 100))
+
+
+@pytest.mark.parametrize("run", ["contention", "contention-2"])
+def test_a_saved_contention_run_is_scored_again_without_the_engine(run: str) -> None:
+    """The committed engine runs (docs/validation.md): the fleet model with the engine's own
+    slot semantics (`slot_cache`, and `held_slot` for append) predicts its turns; the default,
+    a cache that follows each conversation, puts ws turns early."""
+    folder = REPO / "docs" / "results" / "engine" / run
+    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    turns = [msgspec.json.decode(line, type=EngineTurn) for line in (folder / "engine.jsonl").read_bytes().splitlines()]
+    cost = engine_step_cost(json.loads((folder / "rates.json").read_text()))
+    scores = {s.name: s for s in contention_records(config, read_records([folder]), turns, cost, seed=config.seed)}
+    ws_follows = scores["contention, ws: 4 rollouts on 2 slots"]
+    ws_slots = next(s for name, s in scores.items() if name.startswith("contention, ws") and "slot_cache" in name)
+    append = next(s for name, s in scores.items() if "held_slot" in name)
+    assert ws_slots.ttft.value < 0.10 < 0.20 < ws_follows.ttft.value and ws_follows.ttft_bias < -0.15
+    assert ws_slots.turn.value < 0.10 and append.ttft.value < 0.20 and ws_slots.turns == append.turns == 16
+    with pytest.raises(ValueError, match="in flight"):
+        contention_records(config.updated(concurrency=2), read_records([folder]), turns, cost)
