@@ -299,6 +299,8 @@ class _Fleet(HostLedger):
         old = self.replicas[st.replica]
         if s in old.holders:
             self.release_held(old, s, to_cache=False)  # the response ended with its connection
+        if st.offloaded:  # an offloaded paused response ended with its connection too
+            self.drop_offloaded(old, s)
         if self.c.router == "hash":  # the same replica again: its prefix cache outlives the connection
             st.offloaded = False
             st.held = st.resident = 0
@@ -306,8 +308,6 @@ class _Fleet(HostLedger):
             st.fresh = True
             return
         self.drop_entry(old, s)
-        if st.offloaded:
-            self.drop_offloaded(old, s)
         st.offloaded = False
         st.held = st.resident = 0
         others = [r for r in self.replicas if r.index != old.index] or self.replicas

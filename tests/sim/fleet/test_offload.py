@@ -215,3 +215,22 @@ def test_min_waste_is_not_any_one_policy() -> None:
     assert runs[1e-3].pause_choices["preserve"] == 6
     assert runs[1000.0].pause_choices["preserve"] == 0
     assert _records(runs[1e-3]) != _records(runs[1000.0])
+
+
+def test_a_reconnect_frees_the_offloaded_context_of_the_response_it_ends() -> None:
+    """append under the `hash` router: the connection's lifetime ends during a pause whose
+    context is offloaded; the response ends with it, so its host memory is freed, and the next
+    pause's offload finds the room without dropping anything."""
+    prompt, out = 3000, 20
+    context = prompt + out + 14  # the paused context: prompt, output and the call's template
+    config = FleetConfig(
+        compute="free",
+        hold_policy="offload",
+        router="hash",
+        offload_host_gb=1.5 * context * 327_680 / 1e9,  # room for one paused context, not two
+        websocket=msgspec.structs.replace(FleetConfig().websocket, lifetime_s=5.0),
+        model=msgspec.structs.replace(HOSTED_MODEL, tps=100.0),
+    )
+    run = simulate("append", LOCAL, config, [fleet_session(0, prompt, (out, out, out), (10.0, 10.0))], arrivals=[0.0])
+    assert run.completed == 1 and run.reconnects >= 1
+    assert run.host_drops == 0 and run.offload_refused == 0
