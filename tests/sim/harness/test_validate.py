@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from sim.__main__ import main
 from sim.analysis.records import read_records, records_from_rollouts
 from sim.engine.model import EngineTurn
 from sim.harness.experiment import CompareConfig, compare, config_of
@@ -117,3 +119,14 @@ def test_a_saved_contention_run_is_scored_again_without_the_engine(run: str) -> 
     assert ws_slots.turn.value < 0.10 and append.ttft.value < 0.20 and ws_slots.turns == append.turns == 16
     with pytest.raises(ValueError, match="in flight"):
         contention_records(config.updated(concurrency=2), read_records([folder]), turns, cost)
+
+
+def test_the_cli_scores_a_saved_contention_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = REPO / "docs" / "results" / "engine" / "contention"
+    assert main(["validate", "--contention", "--from", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("per-turn TTFT error") == 4 and "slot_cache" in out and "held_slot" in out
+    # A folder without the engine's turns: one line naming the file, no traceback.
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    with pytest.raises(SystemExit, match="engine.jsonl"):
+        main(["validate", "--contention", "--from", str(tmp_path)])
