@@ -414,7 +414,7 @@ def aggregate(config: CapacityConfig, rows: Iterable[dict[str, Any]]) -> list[di
         for column in _INTERVALS:
             mean, low, high = seed_interval([r[column] for r in group])
             point.update({column: mean, f"{column}_ci_low": low, f"{column}_ci_high": high})
-        out.append(point)
+        out.append({column: point[column] for column in POINT_COLUMNS})  # the table's column order
     order = {v: i for i, v in enumerate(variants(config))}
     return sorted(
         out, key=lambda p: (p["tool_tail"], p["kv_budget_tokens"], order[Variant.of(p)], p["users"], p["offered_load"])
