@@ -89,9 +89,9 @@ class CompletionsDialect:
 
     slotted = False
 
-    def __init__(self, model: str, reset_paths: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: str, resets: tuple[str, ...] = ()) -> None:
         self.model = model
-        self.reset_paths = reset_paths
+        self.resets = resets
         self.name = "the OpenAI-compatible engine"
 
     def request(self, prompt: list[int], forced: list[int], *, force: bool, slot: int | None) -> tuple[str, Any]:
@@ -137,19 +137,13 @@ class CompletionsDialect:
     def error(self, status: int, payload: bytes) -> Exception:
         return completions_error(status, payload)
 
-    async def reset(self, session: aiohttp.ClientSession, url: str) -> None:
-        if not self.reset_paths:
+    def reset_paths(self, slots: int) -> tuple[str, ...]:
+        if not self.resets:
             raise EngineError(
                 "the OpenAI-compatible engine's prefix cache cannot be emptied between modes: name the paths "
                 "that do it with --engine-reset (docs/engine.md#other-engines)"
             )
-        for path in self.reset_paths:
-            try:
-                async with session.post(f"{url}{path}") as reply:
-                    if reply.status >= 300:
-                        raise completions_error(reply.status, await reply.read())
-            except aiohttp.ClientError as err:
-                raise EngineError(f"resetting the engine's cache ({path}) failed: {err}") from err
+        return self.resets
 
 
 def completions_error(status: int, payload: bytes) -> Exception:

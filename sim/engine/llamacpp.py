@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-import aiohttp
 import msgspec
 
 from prototype.model import ContextWindowExceeded
@@ -71,8 +70,8 @@ class LlamaCppDialect:
     def error(self, status: int, payload: bytes) -> Exception:
         return llamacpp_error(status, payload)
 
-    async def reset(self, session: aiohttp.ClientSession, url: str) -> None:
-        raise AssertionError("a slotted engine is reset slot by slot")  # EngineModel.reset erases each slot
+    def reset_paths(self, slots: int) -> tuple[str, ...]:
+        return tuple(f"/slots/{slot}?action=erase" for slot in range(slots))
 
 
 LLAMACPP: Final = LlamaCppDialect()

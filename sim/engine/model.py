@@ -125,8 +125,9 @@ class Dialect(Protocol):
         """The seam's exception for an error reply."""
         ...
 
-    async def reset(self, session: aiohttp.ClientSession, url: str) -> None:
-        """Clear the engine's whole prefix cache (a dialect without slots)."""
+    def reset_paths(self, slots: int) -> tuple[str, ...]:
+        """The paths to POST, in order, that empty the engine's whole KV cache (`slots`: the
+        engine's slot count); raises `EngineError` when the engine offers none."""
         ...
 
 
@@ -236,14 +237,11 @@ class EngineModel:
 
     async def reset(self) -> None:
         """A cold engine, as each mode of a comparison starts with (a shared cache would favour
-        whichever mode runs later): every slot's KV erased and the slot table cleared, or, without
-        slots, the dialect's cache reset."""
+        whichever mode runs later): the dialect's cache reset (every slot erased, for llama.cpp)
+        and the slot table cleared."""
         session = self._client()
-        if not self.dialect.slotted:
-            await self.dialect.reset(session, self.url)
-            return
-        for slot in range(self.config.engine_slots):
-            await self._slot_action(session, SlotAction("erase", slot))
+        for path in self.dialect.reset_paths(self.config.engine_slots):
+            await self._post(session, path, {}, "cache reset")
         self.slots = self._empty_slots()
 
     def _record(
@@ -297,14 +295,17 @@ class EngineModel:
                 w.set_result(None)
 
     async def _slot_action(self, session: aiohttp.ClientSession, action: SlotAction) -> None:
-        url = f"{self.url}/slots/{action.slot}?action={action.action}"
         payload = {"filename": action.filename} if action.filename else {}
+        await self._post(session, f"/slots/{action.slot}?action={action.action}", payload, f"slot {action.action}")
+
+    async def _post(self, session: aiohttp.ClientSession, path: str, payload: dict[str, str], what: str) -> None:
+        """A control request to the engine (a slot action, a cache reset): 200 or the seam's error."""
         try:
-            async with session.post(url, json=payload) as reply:
+            async with session.post(f"{self.url}{path}", json=payload) as reply:
                 if reply.status != 200:
                     raise self.dialect.error(reply.status, await reply.read())
         except aiohttp.ClientError as err:
-            raise EngineError(f"slot {action.action} failed: {err}") from err
+            raise EngineError(f"{what} failed ({path}): {err}") from err
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
