@@ -247,6 +247,23 @@ class _Fleet(HostLedger):
         return self.run_
 
     def account(self, t: float) -> None:
+        """The KV totals integrated up to `t`; with a cache time-to-live each entry leaves them
+        (and the cache) at its timeout, replicas' entries in time order (a replica's cache is in
+        idle order)."""
+        ttl = self.c.cache_ttl_s
+        while ttl > 0:
+            heads = [(next(iter(r.cache.values()))[1], r.index) for r in self.replicas if r.cache]
+            if not heads:
+                break
+            last, j = min(heads)
+            if not t - last > ttl:
+                break
+            self.integrate(last + ttl)
+            r = self.replicas[j]
+            self.drop_entry(r, next(iter(r.cache)))
+        self.integrate(t)
+
+    def integrate(self, t: float) -> None:
         dt = t - self.last_t
         if dt > 0:
             kv = self.run_.kv_token_s
@@ -345,7 +362,6 @@ class _Fleet(HostLedger):
         prompt = st.prompts[k]
         if s in r.holders or st.offloaded:
             return min(st.resident, prompt - 1)
-        self.purge(r)
         entry = r.cache.get(s)
         shared = r.shared if r.shared_at <= self.now else 0
         own = int(entry[0]) + r.shared if entry is not None else 0
@@ -364,7 +380,6 @@ class _Fleet(HostLedger):
             st.pending_kv = out + CALL_TEMPLATE_TOKENS
             need -= st.pending_kv
         own_held = st.held if (s in r.holders) else 0
-        self.purge(r)
         entry = r.cache.get(s)
         own_cached = int(entry[0]) if entry is not None else 0
         extra = need - own_held - own_cached + (0 if r.shared else shared)

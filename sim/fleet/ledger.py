@@ -62,17 +62,6 @@ class KVLedger:
             r.cache[s] = [unique, self.now]
             self.add(r, 2, unique)
 
-    def purge(self, r: Replica) -> None:
-        """Drop entries idle past the cache's time-to-live (the LRU order is the idle order)."""
-        ttl = self.c.cache_ttl_s
-        if ttl <= 0:
-            return
-        while r.cache:
-            s, entry = next(iter(r.cache.items()))
-            if self.now - entry[1] <= ttl:
-                break
-            self.drop_entry(r, s)
-
     def release_held(self, r: Replica, s: int, *, to_cache: bool) -> None:
         st = self.states[s]
         tokens = r.holders.pop(s)
@@ -116,7 +105,6 @@ class KVLedger:
         With `admission="plan"` nothing is evicted unless the victims would make the room (as
         vLLM's scheduler allocates a request's blocks only when they fit); `force` evicts all
         the same (a turn over the whole budget runs alone)."""
-        self.purge(r)
         free = self.budget - r.used()
         if free >= extra:
             return True

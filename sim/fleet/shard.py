@@ -67,10 +67,12 @@ def shard_positions(sessions: int, replicas: int) -> list[list[int]]:
 
 @dataclass(frozen=True, slots=True)
 class ShardRun:
-    """One replica's run and its KV (active, held, cached) after its last event."""
+    """One replica's run and its KV (active, held, cached) after its last event, the cached part
+    as (tokens, when they leave the cache): the shared blocks never, an entry at its timeout."""
 
     run: FleetRun
     final_kv: tuple[int, int, int]
+    cached_until: tuple[tuple[int, float], ...]
 
 
 def run_shard(
@@ -86,7 +88,9 @@ def run_shard(
     fleet = _Fleet(mode, profile, msgspec.structs.replace(config, replicas=1), sessions, seed, 0.0)
     run = fleet.run(arrivals, 0, (), max_time_s)
     active, held, cached = fleet.totals
-    return ShardRun(run, (active, held, cached))
+    r, ttl = fleet.replicas[0], config.cache_ttl_s
+    entries = ((int(e[0]), e[1] + ttl if ttl > 0 else math.inf) for e in r.cache.values())
+    return ShardRun(run, (active, held, cached), ((r.shared, math.inf), *entries))
 
 
 def merge(mode: str, config: FleetConfig, sessions: Sequence[SessionTokens], shards: Sequence[ShardRun]) -> FleetRun:
@@ -116,8 +120,15 @@ def merge(mode: str, config: FleetConfig, sessions: Sequence[SessionTokens], sha
     out.kv_peak_tokens = max(sh.run.kv_peak_tokens for sh in shards)
     out.host_peak_bytes = max(sh.run.host_peak_bytes for sh in shards)  # per replica, as the whole run counts it
     out.pause_choices = {k: sum(sh.run.pause_choices[k] for sh in shards) for k in out.pause_choices}
-    for i, kind in enumerate(("active", "held", "cached")):
+    # A replica's KV after its last event lasts to the fleet's end, a cache entry to its timeout
+    # if that comes first (the whole run's accounts drop it then).
+    for i, kind in enumerate(("active", "held")):
         out.kv_token_s[kind] = sum(sh.run.kv_token_s[kind] + sh.final_kv[i] * (end - sh.run.end_s) for sh in shards)
+    out.kv_token_s["cached"] = sum(
+        sh.run.kv_token_s["cached"]
+        + sum(tokens * max(0.0, min(until, end) - sh.run.end_s) for tokens, until in sh.cached_until)
+        for sh in shards
+    )
     out.replica_prefill_tokens = [t for sh in shards for t in sh.run.replica_prefill_tokens]
     out.replica_busy_s = [t for sh in shards for t in sh.run.replica_busy_s]
     out.replica_steps = [n for sh in shards for n in sh.run.replica_steps]

@@ -79,9 +79,7 @@ class _SplitStored(_Fleet):
     """The fleet, its cached KV token-seconds split further: the entries of sessions that have
     ended (kept until their timeout, never read again) and the shared instructions' blocks. What
     is left of held + cached is the KV of sessions in flight between their turns: TraceLab's
-    suspended KV. An entry leaves the accounts at its timeout: the fleet drops an expired entry
-    at its replica's next lookup, which changes no turn (a lookup finds it expired either way)
-    but would count it as stored until then."""
+    suspended KV."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -91,27 +89,13 @@ class _SplitStored(_Fleet):
         self.shared_token_s = 0.0
         self.since = 0.0
 
-    def account(self, t: float) -> None:
-        ttl = self.c.cache_ttl_s
-        while ttl > 0:  # the entries expired before `t`, oldest first, each at its timeout
-            heads = [(next(iter(r.cache.values()))[1], r.index) for r in self.replicas if r.cache]
-            if not heads:
-                break
-            last, j = min(heads)
-            if not t - last > ttl:  # the engine's own test (`purge`)
-                break
-            self._integrate(last + ttl)
-            r = self.replicas[j]
-            self.drop_entry(r, next(iter(r.cache)))
-        self._integrate(t)
-
-    def _integrate(self, t: float) -> None:
+    def integrate(self, t: float) -> None:
         dt = t - self.since
         if dt > 0:
             self.ended_token_s += self.ended_tokens * dt
             self.shared_token_s += sum(r.shared for r in self.replicas) * dt
             self.since = t
-        super().account(t)
+        super().integrate(t)
 
     def turn_done(self, s: int, k: int) -> None:
         super().turn_done(s, k)

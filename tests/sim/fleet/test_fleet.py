@@ -378,6 +378,21 @@ def test_program_order_lets_a_resume_pass_the_turns_waiting() -> None:
     assert program.sessions[1].finished_at < turn.sessions[1].finished_at
 
 
+def test_an_expired_entry_leaves_the_kv_accounts_at_its_timeout() -> None:
+    """Session 0's last turn leaves its context cached; nothing happens on the replica until
+    session 1 arrives at 100 s. Its entry counts as cached KV for exactly the time-to-live, not
+    until the replica's next event: each 10 s more of TTL adds the same token-seconds."""
+    sessions = [fleet_session(0, 2000, (40,)), fleet_session(1, 2000, (40,))]
+
+    def cached(ttl: float) -> float:
+        config = FleetConfig(compute="free", cache_ttl_s=ttl)
+        return simulate("ws", LOCAL, config, sessions, arrivals=[0.0, 100.0]).kv_token_s["cached"]
+
+    ten, twenty, thirty = cached(10.0), cached(20.0), cached(30.0)
+    assert twenty - ten > 10 * 1000  # the entry's 10 s more: its tokens (about 2,000 less the shared) x 10 s
+    assert thirty - twenty == pytest.approx(twenty - ten)
+
+
 def test_a_ttl_from_the_reload_cost_scales_with_the_budget() -> None:
     """Ski rental: held while the KV's share of the budget has cost less than a reload. A budget
     40 times the context holds through a 1 s tool; a budget just over it releases (a GPU
