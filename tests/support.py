@@ -97,6 +97,18 @@ class Live:
 
 
 @contextlib.asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[int]:
+    """`app` served on 127.0.0.1 at an ephemeral port (yielded) for the block."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
 async def live_server(
     *,
     tool_calls: int = 10,
@@ -115,14 +127,8 @@ async def live_server(
         decode_tok_per_s=decode_tok_per_s,
     )
     app = make_app(model=model, store=store or MemoryStore(), clock=clock, config=config, seed=seed)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield Live(app, runner.addresses[0][1], model)
-    finally:
-        await runner.cleanup()
+    async with served(app) as port:
+        yield Live(app, port, model)
 
 
 RECEIVE_TIMEOUT_S = 30.0

@@ -81,14 +81,25 @@ def _no_tracing() -> None:
     agents.set_tracing_disabled(True)  # the SDK would export traces to api.openai.com
 
 
-def _agent(model: object, tool: Any) -> Any:
-    return agents.Agent(name="fixer", instructions="Fix the test.", tools=[tool], model=model)
+async def _run(tool: Any, config: ServerConfig | None = None) -> tuple[Any, Any]:
+    """The SDK's hosted model runs an agent with `tool` against a live server, unchanged: its
+    result and the server's statistics."""
+    from openai import AsyncOpenAI
+
+    async with live_server(tool_calls=TOOL_CALLS, config=config) as live:
+        client = AsyncOpenAI(base_url=live.base_url, api_key="sk-longrun")
+        model = hosted.OpenAIHostedMultiAgentModel("sim", openai_client=client)
+        agent = agents.Agent(name="fixer", instructions="Fix the test.", tools=[tool], model=model)
+        try:
+            result = await agents.Runner.run(agent, PROMPT, max_turns=TOOL_CALLS + 2)
+        finally:
+            await model.close()
+            await client.close()
+        return result, live.app[ENGINE].statistics()
 
 
 @pytest.mark.slow
 async def test_the_hosted_model_runs_its_tool_loop_in_one_paused_response(monkeypatch: pytest.MonkeyPatch) -> None:
-    from openai import AsyncOpenAI
-
     frames = _Recorder(monkeypatch)
     calls: list[str] = []
 
@@ -98,15 +109,7 @@ async def test_the_hosted_model_runs_its_tool_loop_in_one_paused_response(monkey
         calls.append(cmd)
         return f"ran {len(cmd)} characters: ok"
 
-    async with live_server(tool_calls=TOOL_CALLS) as live:
-        client = AsyncOpenAI(base_url=live.base_url, api_key="sk-longrun")
-        model = hosted.OpenAIHostedMultiAgentModel("sim", openai_client=client)
-        try:
-            result = await agents.Runner.run(_agent(model, exec_command), PROMPT, max_turns=TOOL_CALLS + 2)
-        finally:
-            await model.close()
-            await client.close()
-        stats = live.app[ENGINE].statistics()
+    result, stats = await _run(exec_command)
 
     assert len(calls) == TOOL_CALLS
     # What the SDK sent: one create with multi_agent, then one inject per call, nothing else.
@@ -139,8 +142,6 @@ async def test_the_hosted_model_falls_back_when_an_inject_finds_the_response_com
     tool returns only once the server's connection core has recorded that response's end, so every inject
     names a completed response: `response.inject.failed` (`response_already_completed`, with the
     input), and the SDK continues with `previous_response_id` and that input."""
-    from openai import AsyncOpenAI
-
     frames = _Recorder(monkeypatch)
     ended = _ends(monkeypatch)
     calls: list[str] = []
@@ -152,16 +153,7 @@ async def test_the_hosted_model_falls_back_when_an_inject_finds_the_response_com
         calls.append(cmd)
         return f"ran {len(cmd)} characters: ok"
 
-    config = ServerConfig(multi_agent_holds_calls=False)
-    async with live_server(tool_calls=TOOL_CALLS, config=config) as live:
-        client = AsyncOpenAI(base_url=live.base_url, api_key="sk-longrun")
-        model = hosted.OpenAIHostedMultiAgentModel("sim", openai_client=client)
-        try:
-            result = await agents.Runner.run(_agent(model, exec_command), PROMPT, max_turns=TOOL_CALLS + 2)
-        finally:
-            await model.close()
-            await client.close()
-        stats = live.app[ENGINE].statistics()
+    result, stats = await _run(exec_command, ServerConfig(multi_agent_holds_calls=False))
 
     assert len(calls) == TOOL_CALLS
     failed = frames.of("response.inject.failed")

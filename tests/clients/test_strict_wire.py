@@ -291,14 +291,8 @@ async def impostor() -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses", socket)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with support.served(app) as port:
+        yield f"127.0.0.1:{port}"
 
 
 async def test_a_bad_payload_fails_on_every_client_path(impostor: str, wire: strict.Checker) -> None:

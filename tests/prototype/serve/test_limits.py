@@ -13,7 +13,6 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from aiohttp import web
 
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.context.cache import CacheEntry
@@ -32,7 +31,7 @@ from prototype.ws.events import SendFrame, StartJob
 from prototype.ws.lanes import CS
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
-from tests.support import Live, connect, last, live_server, read_response, turn
+from tests.support import Live, connect, last, live_server, read_response, served, turn
 
 
 def create(**fields: object) -> str:
@@ -139,14 +138,8 @@ async def gated_server(config: ServerConfig) -> AsyncIterator[tuple[Live, GatedM
     inner = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=0), seed=0, decode_tok_per_s=math.inf)
     model = GatedModel(inner)
     app = make_app(model=model, store=MemoryStore(), clock=clock, config=config)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield Live(app, runner.addresses[0][1], inner), model
-    finally:
-        await runner.cleanup()
+    async with served(app) as port:
+        yield Live(app, port, inner), model
 
 
 async def test_queue_limit_over_websocket_is_an_error_event_and_the_socket_stays_open() -> None:

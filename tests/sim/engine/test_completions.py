@@ -22,6 +22,7 @@ from sim.engine.config import EngineConfig
 from sim.engine.model import EngineError, EngineModel
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
+from tests.support import served
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -80,14 +81,8 @@ async def _vllm(fake: FakeVLLM) -> AsyncIterator[str]:
     app.router.add_post("/v1/completions", fake.completions)
     app.router.add_get("/v1/models", fake.models)
     app.router.add_post("/reset_prefix_cache", fake.reset)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with served(app) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 def _config(url: str, **fields: Any) -> EngineConfig:

@@ -21,7 +21,6 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
-from aiohttp import web
 
 from prototype.config import ServerConfig
 from prototype.model import ContextWindowExceeded, ModelRequest, Prefilled, SamplingFinished, TokensSampled
@@ -177,14 +176,8 @@ async def _served(config: EngineConfig) -> AsyncIterator[tuple[str, EngineModel]
         store = MemoryStore()
         server_config = ServerConfig(model=engine_limits(config))
         app = make_app(model=model, store=store, clock=clock, config=server_config, seed=0)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        try:
-            yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", model
-        finally:
-            await runner.cleanup()
+        async with support.served(app) as port:
+            yield f"http://127.0.0.1:{port}/v1", model
 
 
 async def _stream(base: str, body: dict[str, Any], *, on_first: Any = None) -> list[Any]:
