@@ -75,12 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(
+    args: argparse.Namespace, model_config: ModelConfig, config: ServerConfig, engine: EngineConfig
+) -> None:
     clock = AsyncioClock(tick_s=0.001)  # uvloop timers are 1 ms anyway: one timer per tick for all streams
     policy: Policy = load_script(args.script) if args.script else DefaultPolicy(tool_calls=args.tool_calls)
-    model = build_model(struct_from_args(args, ModelConfig), clock=clock, policy=policy, seed=args.seed)
-    config: ServerConfig = struct_from_args(args, ServerConfig)
-    engine: EngineConfig = struct_from_args(args, EngineConfig)
+    model = build_model(model_config, clock=clock, policy=policy, seed=args.seed)
     if engine.engine_kind == "none":
         await _serve_model(args, model, config, clock)
         return
@@ -128,16 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
     try:
-        for cls in (ModelConfig, ServerConfig):
-            struct_from_args(args, cls)
-        check_installed(struct_from_args(args, EngineConfig))
+        model: ModelConfig = struct_from_args(args, ModelConfig)
+        config: ServerConfig = struct_from_args(args, ServerConfig)
+        engine: EngineConfig = struct_from_args(args, EngineConfig)
+        check_installed(engine)
     except msgspec.ValidationError as err:
         print(f"python -m prototype.server: invalid option: {err}", file=sys.stderr)
         return 2
     except EngineNotInstalled as err:
         print(f"python -m prototype.server: {err}", file=sys.stderr)
         return 2
-    uvloop.run(serve(args))
+    uvloop.run(serve(args, model, config, engine))
     return 0
 
 
