@@ -85,6 +85,15 @@ class ResponseStore(Protocol):
         When this returns, a subsequent `get` on this store sees the value."""
         ...
 
+    async def swap(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        """Store `value` under `key` only if the value there now is `expected` (None: no value);
+        True if it was stored. Compare and set are one step, across processes sharing the store."""
+        ...
+
+    async def scan(self, prefix: str) -> list[str]:
+        """Every key that starts with `prefix`, in no promised order."""
+        ...
+
     async def delete(self, response_id: str) -> bool:
         """Remove `response_id`; True if something was deleted."""
         ...

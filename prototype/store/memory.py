@@ -76,6 +76,19 @@ class MemoryStore:
             self._bytes -= len(evicted)
             self._counts.evictions += 1
 
+    async def swap(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        if self._closed:
+            raise closed_error(self)
+        if self._entries.get(key) != expected:
+            return False
+        await self.put(key, value)
+        return True
+
+    async def scan(self, prefix: str) -> list[str]:
+        if self._closed:
+            raise closed_error(self)
+        return [key for key in self._entries if key.startswith(prefix)]
+
     async def delete(self, response_id: str) -> bool:
         if self._closed:
             raise closed_error(self)

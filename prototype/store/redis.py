@@ -141,6 +141,28 @@ class RedisStore:
             raise self._unavailable(exc) from exc
         self._counts.puts += 1
 
+    async def swap(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        client = self._redis()
+        ttl = b"" if self._ttl_ms is None else str(self._ttl_ms).encode()
+        args = (b"0" if expected is None else b"1", expected or b"", value, ttl)
+        try:
+            swapped = int(await client.eval(_SWAP_SCRIPT, 1, self.key_prefix + key, *args))
+        except _REDIS_UNAVAILABLE as exc:
+            raise self._unavailable(exc) from exc
+        if swapped:
+            self._counts.puts += 1
+        return bool(swapped)
+
+    async def scan(self, prefix: str) -> list[str]:
+        client = self._redis()
+        pattern = _glob_escape(self.key_prefix + prefix) + b"*"
+        try:
+            keys = [key async for key in client.scan_iter(match=pattern, count=1000)]
+        except _REDIS_UNAVAILABLE as exc:
+            raise self._unavailable(exc) from exc
+        cut = len(self.key_prefix.encode())
+        return sorted(bytes(key)[cut:].decode() for key in keys)
+
     async def delete(self, response_id: str) -> bool:
         client = self._redis()
         try:
@@ -160,6 +182,24 @@ class RedisStore:
 
     def statistics(self) -> StoreStatistics:
         return self._counts.snapshot(None, None)
+
+
+# Compare and set in one step on the redis server: ARGV = (has expected, expected, value, ttl ms or "").
+_SWAP_SCRIPT = """
+local current = redis.call('GET', KEYS[1])
+if ARGV[1] == '0' then
+  if current then return 0 end
+elseif current ~= ARGV[2] then
+  return 0
+end
+if ARGV[4] == '' then redis.call('SET', KEYS[1], ARGV[3]) else redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4]) end
+return 1
+"""
+
+
+def _glob_escape(text: str) -> bytes:
+    """`text` matched literally in a redis SCAN pattern."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text).encode()
 
 
 def redact_redis_url(url: str) -> str:

@@ -8,7 +8,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from typing import Final, ParamSpec, TypeVar
 
 from .base import Counters, StoreStatistics, StoreUnavailable, closed_error
 
@@ -31,6 +31,9 @@ CREATE TABLE IF NOT EXISTS responses (
     created REAL NOT NULL
 )
 """
+
+
+_ANY: Final = object()  # `_put` without a compare: overwrite whatever is there
 
 
 class SqliteStore:
@@ -124,11 +127,14 @@ class SqliteStore:
         self._snapshot = self._make_snapshot()
         return value
 
-    def _put(self, response_id: str, value: bytes, now: float) -> None:
+    def _put(self, response_id: str, value: bytes, now: float, expected: bytes | None | object = _ANY) -> bool:
         conn = self._connection()
         conn.execute("BEGIN IMMEDIATE")
         try:
-            old = conn.execute("SELECT length(value) FROM responses WHERE id = ?", (response_id,)).fetchone()
+            old = conn.execute("SELECT length(value), value FROM responses WHERE id = ?", (response_id,)).fetchone()
+            if expected is not _ANY and (None if old is None else bytes(old[1])) != expected:
+                conn.execute("ROLLBACK")
+                return False
             conn.execute(
                 "INSERT INTO responses (id, value, created) VALUES (?, ?, ?)"
                 " ON CONFLICT(id) DO UPDATE SET value = excluded.value",
@@ -161,6 +167,15 @@ class SqliteStore:
         self._counts.puts += 1
         self._counts.evictions += evicted
         self._snapshot = self._make_snapshot()
+        return True
+
+    def _scan(self, prefix: str) -> list[str]:
+        rows = (
+            self._connection()
+            .execute("SELECT id FROM responses WHERE substr(id, 1, ?) = ? ORDER BY rowid", (len(prefix), prefix))
+            .fetchall()
+        )
+        return [str(row[0]) for row in rows]
 
     def _delete(self, response_id: str) -> bool:
         conn = self._connection()
@@ -196,6 +211,12 @@ class SqliteStore:
 
     async def put(self, response_id: str, value: bytes) -> None:
         await self._call(self._put, response_id, value, time.time())
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        return await self._call(self._put, key, value, time.time(), expected)
+
+    async def scan(self, prefix: str) -> list[str]:
+        return await self._call(self._scan, prefix)
 
     async def delete(self, response_id: str) -> bool:
         return await self._call(self._delete, response_id)

@@ -92,6 +92,34 @@ async def test_keys_are_opaque_strings(store: ResponseStore) -> None:
         assert await store.get(key) == f"value {index}".encode()
 
 
+async def test_swap_stores_only_over_the_expected_value(store: ResponseStore) -> None:
+    assert await store.swap("rec_1", None, b"v1")  # absent, expected absent
+    assert not await store.swap("rec_1", None, b"lost")  # present now
+    assert not await store.swap("rec_1", b"v0", b"lost")  # another value expected
+    assert not await store.swap("rec_1", b"", b"lost")  # empty is not absent
+    assert await store.get("rec_1") == b"v1"
+    assert await store.swap("rec_1", b"v1", b"v2")
+    assert await store.get("rec_1") == b"v2"
+    assert not await store.swap("rec_2", b"v2", b"lost")  # absent, a value expected
+    assert await store.get("rec_2") is None
+
+
+async def test_concurrent_swaps_from_one_value_let_exactly_one_through(store: ResponseStore) -> None:
+    await store.put("rec_race", b"start")
+    won = await asyncio.gather(*(store.swap("rec_race", b"start", f"w{i}".encode()) for i in range(20)))
+    assert sum(won) == 1
+    assert await store.get("rec_race") == f"w{won.index(True)}".encode()
+
+
+async def test_scan_lists_the_keys_under_a_prefix(store: ResponseStore) -> None:
+    for key in ("agents/session/a", "agents/session/b*", "agents/sessionX", "resp_1", "agents/other/c"):
+        await store.put(key, b"x")
+    assert sorted(await store.scan("agents/session/")) == ["agents/session/a", "agents/session/b*"]
+    assert await store.scan("nothing/") == []
+    await store.delete("agents/session/a")
+    assert await store.scan("agents/session/") == ["agents/session/b*"]
+
+
 async def test_overwrite_replaces_value(store: ResponseStore) -> None:
     await store.put("resp_1", b"first, longer value")
     await store.put("resp_1", b"second")
