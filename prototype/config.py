@@ -18,6 +18,7 @@ from msgspec import Meta
 from .pipeline import ALL_OPTIMIZATIONS, CostProfile, Optimization, load_profile
 
 __all__ = [
+    "AgentsConfig",
     "CONTEXT_WINDOW",
     "MAX_CACHE_BYTES",
     "MAX_CONNECTIONS",
@@ -109,6 +110,30 @@ class WebSocketConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     ] = False
 
 
+class AgentsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The Agents API's sessions (docs/agents-api.md#sessions-in-the-store): how long a process's
+    claim on a running turn lasts in the store, and how many idle sessions it keeps in memory."""
+
+    lease_s: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="a running turn's claim in the store lasts this long unless the process running it "
+            "renews it (every third of it); past it, any process ends the turn failed",
+            extra={"flag": "--agents-lease-s"},
+        ),
+    ] = 30.0
+    max_idle_sessions: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="idle sessions a process keeps in memory with their last context; the least recently "
+            "used beyond it are read back from the store when next used (their next turn reloads its context)",
+            extra={"flag": "--agents-max-idle-sessions"},
+        ),
+    ] = 1000
+
+
 class ModelLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The model's limits, in tokens: a prompt longer than the context window less the output
     limit is a 400 `context_length_exceeded`."""
@@ -168,6 +193,7 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ),
     ] = True
     websocket: WebSocketConfig = WebSocketConfig()
+    agents: AgentsConfig = AgentsConfig()
     model: ModelLimits = ModelLimits()
 
     @property

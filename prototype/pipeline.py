@@ -114,6 +114,9 @@ class Optimization(enum.StrEnum):
 
 
 ALL_OPTIMIZATIONS: Final = frozenset(Optimization)
+# What a cached context saves: the switches an Agents API session's runner uses for its own copy
+# of the last turn's context (docs/agents-api.md); auth, routing and billing stay per request.
+CONTEXT_CACHE: Final = frozenset({Optimization.STATE_CACHE, Optimization.TOKEN_CACHE, Optimization.INCREMENTAL_SAFETY})
 
 
 class Count(enum.StrEnum):

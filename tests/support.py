@@ -117,8 +117,10 @@ async def live_server(
     config: ServerConfig | None = None,
     seed: int = 0,
     decode_tok_per_s: float = math.inf,
+    random_ids: bool = False,
 ) -> AsyncIterator[Live]:
-    """The real app on 127.0.0.1, an ephemeral port, an unpaced simulator by default."""
+    """The real app on 127.0.0.1, an ephemeral port, an unpaced simulator by default; `random_ids`:
+    ids as a server on a persistent store draws them (not from the seed)."""
     clock = AsyncioClock()
     model = SimulatedModel(
         clock=clock,
@@ -126,7 +128,9 @@ async def live_server(
         seed=seed,
         decode_tok_per_s=decode_tok_per_s,
     )
-    app = make_app(model=model, store=store or MemoryStore(), clock=clock, config=config, seed=seed)
+    app = make_app(
+        model=model, store=store or MemoryStore(), clock=clock, config=config, seed=None if random_ids else seed
+    )
     async with served(app) as port:
         yield Live(app, port, model)
 

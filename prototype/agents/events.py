@@ -23,6 +23,7 @@ __all__ = [
     "CancelReceived",
     "CancelTurn",
     "DeleteReceived",
+    "ENGINE_INPUTS",
     "Input",
     "MAX_TOOLS_BYTES",
     "MessageReceived",
@@ -56,6 +57,7 @@ class SS(enum.Enum):
     IDLE = "idle"
     IN_PROGRESS = "in_progress"
     REQUIRES_ACTION = "requires_action"
+    FAILED = "failed"  # its context is lost: no turn can continue it
     DELETED = "deleted"
 
 
@@ -103,11 +105,13 @@ class CallAdded:
 
     call: FunctionCall
     output_index: int
+    turn_id: str | None = None  # the turn whose response said so (None: the active one)
 
 
 @dataclass(frozen=True, slots=True)
 class TurnPaused:
     required: tuple[RequiredInput, ...]
+    turn_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,12 @@ class TurnEnded:
     message: str | None = None
     stored: bool = False  # the response can be continued by the next turn
     response: Response | None = None  # its final snapshot (for the `longrun` extension field)
+    turn_id: str | None = None  # the turn whose response ended (None: the active one)
+
+
+# What the engine says about a turn: dropped when that turn is no longer the active one (it was
+# cancelled, or the session was restored from the store by another process).
+ENGINE_INPUTS: Final = (CallAdded, TurnPaused, TurnEnded)
 
 
 Input = (

@@ -72,6 +72,7 @@ from ..wire.schemas import (
 )
 from . import wire as w
 from .events import (
+    ENGINE_INPUTS,
     SS,
     TURN_ERROR_CODES,
     TURN_TRANSITIONS,
@@ -93,13 +94,18 @@ from .events import (
     TurnRecord,
 )
 
-__all__ = ["SessionCore", "TRANSITIONS", "output_item", "unknown_call"]
+__all__ = ["CONTEXT_LOST", "SessionCore", "TRANSITIONS", "output_item", "unknown_call"]
+
+CONTEXT_LOST: Final = (
+    "The session's context is lost: the response its turns continue ({}) is no longer in the store, "
+    "and the server process running the session has no copy of it."
+)
 
 
 @dataclass(slots=True)
 class _Call:
     view: w.RequiredFunctionCall
-    item_id: str
+    item: int  # its `function_call` item's place in `SessionCore.items`
     output_index: int
     result: bytes | None = None  # the function_call_output item, once answered
 
@@ -180,6 +186,7 @@ class SessionCore:
         self.agent = agent
         self.ids = ids
         self.state = SS.IDLE
+        self.created = now
         self.created_at = self.last_active_at = int(now)
         self.metadata = dict(metadata or {})
         self.prompt_cache_ttl = prompt_cache_ttl
@@ -195,7 +202,8 @@ class SessionCore:
         self._messages: dict[str, w.MessageItemOut] = {}  # assistant messages in flight, by item id
         self._paused_as: Response | None = None  # the running turn's response at its latest pause
         self._in_batch = False  # applying one POST's events: the step boundary waits for the whole batch
-        self._cancelling = False  # the active turn's cancel was asked for
+        self.revision = 0  # counts the changes the stored record has to follow
+        self.error: str | None = None  # why the session failed (`SS.FAILED`)
         self._out: list[Output] = []
 
     # -- the public surface ------------------------------------------------------------------------
@@ -205,14 +213,20 @@ class SessionCore:
         return out
 
     def receive(self, event: Input, *, at: float | None = None) -> None:
+        if isinstance(event, ENGINE_INPUTS) and event.turn_id is not None and not self._is_active(event.turn_id):
+            return  # about a turn that has ended already (cancelled): the turn's end was one step
         row = TRANSITIONS.get((self.state, type(event)))
         if row is None:
             raise AgentStateError(f"{type(event).__name__} in state {self.state.name}")
+        self.revision += 1
         action, after = row
         if at is not None:
             self.last_active_at = int(at)
         self.state = after
         action(self, event)
+
+    def _is_active(self, turn_id: str) -> bool:
+        return self.active is not None and self.active.id == turn_id
 
     def apply(self, inputs: Sequence[Input], *, at: float | None = None) -> None:
         """One POST's input events, in order, as one step: messages that come with the results
@@ -223,7 +237,7 @@ class SessionCore:
                 self.receive(event, at=at)
         finally:
             self._in_batch = False
-        if self._answered() and not self._cancelling:
+        if self._answered():
             self.receive(AllAnswered(), at=at)
 
     def _answered(self) -> bool:
@@ -251,11 +265,18 @@ class SessionCore:
     def remember(self, key: str | None, body: bytes) -> None:
         if key is not None:
             self.keys[key] = hashlib.sha256(body).digest()
+            self.revision += 1
 
     def check(self, events: Sequence[w.InputEvent]) -> None:
         """Refuse the whole batch (nothing applied) if one event cannot be taken now."""
         answered: set[str] = set()
         for index, event in enumerate(events):
+            if self.state is SS.FAILED and isinstance(event, w.InputMessage):
+                raise ProtocolError(
+                    f"The session failed and takes no more messages ({self.error}). Create a new session.",
+                    code="session_failed",
+                    param=f"events[{index}]",
+                )
             if isinstance(event, w.InputToolResult):
                 call = self.calls.get(event.call_id)
                 if self.active is None or call is None or event.turn_id != self.active.id:
@@ -269,10 +290,11 @@ class SessionCore:
                     )
                 answered.add(event.call_id)
 
-    def response_events(self, events: Sequence[ServerEvent]) -> None:
-        """The running turn's Responses events, rendered as session events (rule 3 for calls)."""
+    def response_events(self, turn_id: str, events: Sequence[ServerEvent]) -> None:
+        """The running turn's Responses events, rendered as session events (rule 3 for calls);
+        events of a turn that has ended (a cancelled turn's response winding down) are dropped."""
         turn = self.active
-        if turn is None or self.state is SS.DELETED:
+        if turn is None or turn.id != turn_id or self.state is SS.DELETED:
             return
         sid, tid = self.id, turn.id
         for ev in events:
@@ -319,9 +341,10 @@ class SessionCore:
                 )
                 self._messages.pop(ev.item.id, None)
                 self.items.append((tid, done))
+                self.revision += 1
                 self._publish(w.ItemDone, item=done, output_index=ev.output_index, session_id=sid, turn_id=tid)
             elif isinstance(ev, OutputItemDone) and isinstance(ev.item, FunctionCall):
-                self.receive(CallAdded(ev.item, ev.output_index))
+                self.receive(CallAdded(ev.item, ev.output_index, turn_id))
             elif isinstance(ev, ResponseDone):
                 self._paused_as = ev.response  # the pause: `TurnPaused` follows
             # Everything else (the response's lifecycle, argument deltas, compaction) has no
@@ -342,10 +365,14 @@ class SessionCore:
             last_active_at=self.last_active_at,
             metadata=self.metadata,
             required_actions=required,
+            error=self.error,
             status=status,  # type: ignore[arg-type]
             usage=self.usage,
             prompt_cache_options=None if ttl is None else w.PromptCacheOptionsOut(ttl),
         )
+
+    def items_list(self) -> list[w.SessionItem]:
+        return [item for _, item in self.items]
 
     def turn_view(self, turn: TurnRecord) -> w.TurnOut:
         return turn.view(self.id, self.agent.id)
@@ -357,7 +384,6 @@ class SessionCore:
         turn = TurnRecord(self.ids.new("turn"), self.last_active_at)
         self.turns.append(turn)
         self.active, self.calls, self.paused, self.steers = turn, {}, False, []
-        self._cancelling = False
         self._publish(w.TurnCreated, session_id=self.id, turn=self.turn_view(turn), turn_id=turn.id)
         self._commit_messages(event.messages)
         self._move(turn, "start")
@@ -376,7 +402,7 @@ class SessionCore:
         assert turn is not None
         call = event.call
         view = w.RequiredFunctionCall(arguments=call.arguments, call_id=call.call_id, name=call.name, turn_id=turn.id)
-        self.calls[call.call_id] = _Call(view, call.id, event.output_index)
+        self.calls[call.call_id] = _Call(view, len(self.items), event.output_index)
         item = w.FunctionCallItemOut(
             id=call.id,
             arguments=call.arguments,
@@ -395,14 +421,7 @@ class SessionCore:
         call = self.calls[result.call_id]  # `check` made sure
         call.result = output_item(result.call_id, result)
         status: Literal["completed", "failed"] = "completed" if result.success else "failed"
-        done = w.FunctionCallItemOut(
-            id=call.item_id,
-            arguments=call.view.arguments,
-            call_id=result.call_id,
-            name=call.view.name,
-            status=status,
-            turn_id=turn.id,
-        )
+        done = self._settle(call, status)
         self._publish(w.ItemDone, item=done, output_index=call.output_index, session_id=self.id, turn_id=turn.id)
         output = w.FunctionCallOutputItemOut(
             id=self.ids.new("fco"),
@@ -445,11 +464,13 @@ class SessionCore:
         self._out.append(ResumeTurn(turn.id, outputs + steers))
 
     def _cancel(self, event: CancelReceived) -> None:
-        """Ask the adapter to cancel the turn's response; its end comes back as `TurnEnded`."""
+        """End the turn `cancelled` now, and ask the adapter to stop its response. The end is this
+        one step whatever the turn's task has done (it may not have run yet): what the engine says
+        of the turn afterwards is dropped (`receive`)."""
         turn = self.active
         assert turn is not None
-        self._cancelling = True
         self._out.append(CancelTurn(turn.id))
+        self._ended(TurnEnded("cancelled", usage=self._paused_as.usage if self._paused_as else None))
 
     def _nothing(self, event: object) -> None:
         """Nothing to do."""
@@ -464,6 +485,9 @@ class SessionCore:
         self.usage = _add_usage(self.usage, usage)
         if event.stored and event.response_id is not None:
             self.last_response_id = event.response_id
+        for call in self.calls.values():  # calls the turn ended without: never answered
+            if call.result is None:
+                self._settle(call, "incomplete")
         steers = tuple(self.steers)
         self.active, self.calls, self.paused, self.steers = None, {}, False, []
         view: Callable[[], w.TurnOut] = lambda: self.turn_view(turn)  # noqa: E731
@@ -484,7 +508,10 @@ class SessionCore:
             error = w.SessionErrorOut(code=code, message=message, param=None, type="server_error")
             self._publish(w.ErrorEvent, error=error, session_id=self.id)
             self._publish(w.TurnFailed, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
-        if steers:
+        if event.reason == "previous_response_not_found":  # the context the next turn needs is gone
+            self.state, self.error = SS.FAILED, CONTEXT_LOST.format(self.last_response_id)
+            self._publish(w.SessionFailed, session=self.snapshot())
+        elif steers:
             self.state = SS.IN_PROGRESS
             self._start(MessageReceived(steers))
         else:
@@ -497,6 +524,14 @@ class SessionCore:
         self._out.append(CancelTurn(turn.id))
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _settle(self, call: _Call, status: Literal["completed", "failed", "incomplete"]) -> w.FunctionCallItemOut:
+        """The call's saved item, no longer `in_progress`."""
+        turn_id, item = self.items[call.item]
+        assert isinstance(item, w.FunctionCallItemOut)
+        done = structs.replace(item, status=status)
+        self.items[call.item] = (turn_id, done)
+        return done
 
     def _commit_messages(self, messages: Sequence[bytes]) -> None:
         turn = self.active
@@ -530,13 +565,15 @@ TRANSITIONS: Final[dict[tuple[SS, type], tuple[Action, SS]]] = {
     (SS.IN_PROGRESS, TurnPaused): (C._paused, SS.REQUIRES_ACTION),
     (SS.REQUIRES_ACTION, AllAnswered): (C._resume, SS.IN_PROGRESS),
     (SS.IDLE, CancelReceived): (C._nothing, SS.IDLE),
-    (SS.IN_PROGRESS, CancelReceived): (C._cancel, SS.IN_PROGRESS),
-    (SS.REQUIRES_ACTION, CancelReceived): (C._cancel, SS.REQUIRES_ACTION),
+    (SS.IN_PROGRESS, CancelReceived): (C._cancel, SS.IDLE),
+    (SS.REQUIRES_ACTION, CancelReceived): (C._cancel, SS.IDLE),
     (SS.IN_PROGRESS, TurnEnded): (C._ended, SS.IDLE),
     (SS.REQUIRES_ACTION, TurnEnded): (C._ended, SS.IDLE),
     (SS.IDLE, DeleteReceived): (C._nothing, SS.DELETED),
     (SS.IN_PROGRESS, DeleteReceived): (C._delete_active, SS.DELETED),
     (SS.REQUIRES_ACTION, DeleteReceived): (C._delete_active, SS.DELETED),
+    (SS.FAILED, CancelReceived): (C._nothing, SS.FAILED),
+    (SS.FAILED, DeleteReceived): (C._nothing, SS.DELETED),
     (SS.DELETED, TurnEnded): (C._nothing, SS.DELETED),
     (SS.DELETED, CancelReceived): (C._nothing, SS.DELETED),
     (SS.DELETED, TurnPaused): (C._nothing, SS.DELETED),

@@ -340,6 +340,10 @@ class SessionIdle(_Event, tag="agent.session.idle"):
     session: AgentSessionOut
 
 
+class SessionFailed(_Event, tag="agent.session.failed"):
+    session: AgentSessionOut
+
+
 class TurnCreated(_Event, tag="agent.session.turn.created"):
     session_id: str
     turn: TurnOut
@@ -443,6 +447,7 @@ SessionEvent = (
     | SessionInProgress
     | SessionRequiresAction
     | SessionIdle
+    | SessionFailed
     | TurnCreated
     | TurnInProgress
     | TurnCompleted

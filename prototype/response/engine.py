@@ -58,7 +58,7 @@ from ..model import (
     TokenArray,
     TokenModel,
 )
-from ..pipeline import ALL_OPTIMIZATIONS, PROFILES, CostProfile, Optimization, Stage
+from ..pipeline import ALL_OPTIMIZATIONS, CONTEXT_CACHE, PROFILES, CostProfile, Optimization, Stage
 from ..store.base import ResponseStore, StoreUnavailable
 from ..wire.errors import ProtocolError
 from ..wire.schemas import (
@@ -173,7 +173,9 @@ class Engine:
     # -- pre-inference -----------------------------------------------------------------------------
 
     def uses(self, arrival: Arrival, optimization: Optimization) -> bool:
-        return arrival.transport == "ws" and optimization in self.optimizations
+        if optimization not in self.optimizations:
+            return False
+        return arrival.transport == "ws" or (arrival.session and optimization in CONTEXT_CACHE)
 
     async def render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
         """The items' tokens. Items whose texts add up to `OFFLOAD_CHARS` or more are tokenized

@@ -34,6 +34,9 @@ class Arrival:
     body_bytes: int = 0
     transport: Literal["http", "ws"] = "http"
     routed: bool = False  # auth and routing already done on this connection
+    # The server keeps the caller's last context (an Agents API session's runner): a continuation
+    # is served from it as from a connection cache (`pipeline.CONTEXT_CACHE`), whatever the transport.
+    session: bool = False
 
 
 @dataclass(slots=True)

@@ -1,22 +1,16 @@
-"""The Agents API's sessions, without aiohttp types: each route's plan, and the runner that
-carries out a session core's outputs (agents.py) with the engine.
+"""The Agents API's routes without aiohttp types (`AgentsAPI`): each route's plan over the
+sessions in the store and their runners in this process (`agents_runner.py`).
 
 `AgentsAPI` answers every route of `/v1/agents/sessions` with a `JSONReply` (a resource, an
-error in the API's shape, or the empty 202 of an input POST) or an `EventFeed` (server-sent
+error in the API's shape, or the empty 202 of an input POST) or a `StreamReply` (server-sent
 events). The live server (`app.py`) and the in-process transport (`sim.runtime.inprocess`) both
-call it, so they answer alike. A `SessionRunner` owns one session: its core, its subscribers,
-and the task of its running turn, which is one `Engine.run` in the `append` pause dialect (the
-runner is the run's `Channel`): the turn pauses at each function call holding its KV, and
-resumes with the tool results the core hands over.
+call it, so they answer alike.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
-import dataclasses
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -25,44 +19,28 @@ import msgspec
 from msgspec import Raw
 
 from ..agents import wire as w
-from ..agents.events import (
-    MAX_TOOLS_BYTES,
-    SS,
-    CancelReceived,
-    CancelTurn,
-    DeleteReceived,
-    MessageReceived,
-    Publish,
-    ResumeTurn,
-    StartTurn,
-    ToolResultReceived,
-    TurnEnded,
-    TurnPaused,
-)
-from ..agents.machine import (
-    SessionCore,
-    output_item,
-)
+from ..agents.events import MAX_TOOLS_BYTES, MessageReceived
+from ..agents.machine import SessionCore
+from ..agents.record import SESSION_KEY_PREFIX, SessionRecord, decode_record, restore, session_key
 from ..config import ServerConfig
-from ..context.cache import CacheEntry
-from ..context.conversation import Item, parse_item
+from ..context.conversation import parse_item
 from ..ids import IdFactory
-from ..response.engine import Engine
-from ..response.run import Aborted, Inbox, Resumed
-from ..response.services import Arrival
+from ..response.engine import Engine, store_errors
 from ..wire.contract import from_validation_error
-from ..wire.errors import INTERNAL_ERROR, ProtocolError
-from ..wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_text, encode
-from ..wire.sse import encode_event
+from ..wire.errors import ProtocolError
+from ..wire.schemas import decode_text, encode
+from .agents_runner import SessionRunner, turn_body
 from .exchange import JSONReply, http_create, request_too_large
+from .feeds import EventFeed
 
-__all__ = ["AgentsAPI", "EventFeed", "SessionRunner", "DEFAULT_MODEL"]
-
-log = logging.getLogger("longrun.agents")
+__all__ = ["AgentsAPI", "DEFAULT_MODEL", "StreamReply"]
 
 DEFAULT_MODEL: Final = "gpt-5.5"  # a session created without `agent.model` runs this model name
 LIST_LIMIT_MAX: Final = 100
 ACCEPTED: Final = JSONReply(202, b"")
+# Why a turn ended `failed` without its response ending: no process runs it any more.
+LOST: Final = "The server process running this turn stopped before it ended; the turn is lost."
+STOPPED: Final = "The server stopped while this turn ran; the turn is lost."
 
 
 def beta_missing() -> ProtocolError:
@@ -77,43 +55,22 @@ def not_found(what: str, ident: str, param: str) -> ProtocolError:
     return ProtocolError(f"No {what} found with id '{ident}'.", code="not_found", status=404, param=param)
 
 
-class EventFeed:
-    """One subscriber's server-sent events: SSE frames in publish order, then None at the end
-    (`until_idle`: the create stream's, after the first turn's `agent.session.idle`)."""
+def active_elsewhere(session_id: str) -> ProtocolError:
+    """A change to a session whose turn another server process runs (docs/agents-api.md)."""
+    return ProtocolError(
+        f"Session '{session_id}' has a turn running on another server process; send this request to "
+        "that process, or retry once the turn has ended.",
+        code="session_active_elsewhere",
+        status=409,
+        param="session_id",
+    )
 
-    def __init__(self, *, until_idle: bool = False) -> None:
-        self.until_idle = until_idle
-        self._frames: collections.deque[bytes | None] = collections.deque()
-        self._wake: asyncio.Event | None = None
-        self.closed = False
 
-    def put(self, frame: bytes | None) -> None:
-        if self.closed:
-            return
-        self._frames.append(frame)
-        if frame is None:
-            self.closed = True
-        if self._wake is not None:
-            self._wake.set()
-
-    async def get(self) -> bytes | None:
-        """The next frames joined (everything published so far), or None at the end."""
-        while not self._frames:
-            self._wake = asyncio.Event()
-            try:
-                await self._wake.wait()
-            finally:
-                self._wake = None
-        out: list[bytes] = []
-        while self._frames:
-            frame = self._frames.popleft()
-            if frame is None:
-                if out:
-                    self._frames.appendleft(None)
-                    break
-                return None
-            out.append(frame)
-        return b"".join(out)
+def _turns(found: SessionRunner | SessionRecord) -> list[w.TurnOut]:
+    if isinstance(found, SessionRecord):
+        return found.turns
+    core = found.core
+    return [core.turn_view(turn) for turn in core.turns]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,205 +81,24 @@ class StreamReply:
     runner: SessionRunner
 
 
-class SessionRunner:
-    """One session: carries out its core's outputs (events to the subscribers, the turn's task,
-    its resume and cancel). The running turn's `Channel` (`response/run.py`)."""
-
-    def __init__(self, api: AgentsAPI, core: SessionCore, tools: list[dict[str, Any]]) -> None:
-        self.api = api
-        self.dialect = "append"  # the engine's pause dialect: pause at each call, resume on its outputs
-        self.core = core
-        self.tools = tools  # the turn request's tools, in the Responses shape
-        self.feeds: list[EventFeed] = []
-        self.inbox = Inbox()
-        self.task: asyncio.Task[None] | None = None
-        self.cached: CacheEntry | None = None  # the last turn's context, continued by the next turn
-        self.cancelling = False
-        # The POST being applied (when it arrived, its size): what a turn it starts or resumes was
-        # uploaded as; None between POSTs (a turn started by queued messages arrived with nothing).
-        self.posted: tuple[float, int] | None = None
-        self.pause_timer: asyncio.Task[None] | None = None
-
-    # -- the routes' side --------------------------------------------------------------------------
-
-    def subscribe(self, *, until_idle: bool = False) -> EventFeed:
-        feed = EventFeed(until_idle=until_idle)
-        self.feeds.append(feed)
-        return feed
-
-    def unsubscribe(self, feed: EventFeed) -> None:
-        with contextlib.suppress(ValueError):
-            self.feeds.remove(feed)
-
-    def submit(self, body: bytes, key: str | None) -> None:
-        """`POST .../events`: the whole batch applied, or a `ProtocolError` and nothing applied."""
-        core = self.core
-        at = self.api.engine.clock.now()
-        parsed = self.api.decoded(body, w.decode_events_body)
-        if core.replayed(key, body):
-            return
-        messages = [
-            self.api.messages(event.input, f"events[{i}].input") if isinstance(event, w.InputMessage) else ()
-            for i, event in enumerate(parsed.events)
-        ]
-        core.check(parsed.events)
-        for index, event in enumerate(parsed.events):
-            if isinstance(event, w.InputToolResult):  # what the result becomes in the context, validated now
-                try:
-                    parse_item(output_item(event.call_id, event), index)
-                except ProtocolError as err:
-                    raise ProtocolError(err.message, code=err.code, param=f"events[{index}].output") from None
-        self.posted = (at, len(body))
-        inputs: list[MessageReceived | ToolResultReceived | CancelReceived] = []
-        for event, items in zip(parsed.events, messages, strict=True):
-            if isinstance(event, w.InputMessage):
-                inputs.append(MessageReceived(items))
-            elif isinstance(event, w.InputToolResult):
-                inputs.append(ToolResultReceived(event))
-            else:
-                inputs.append(CancelReceived())
-        core.apply(inputs, at=self.api.engine.clock.time())
-        core.remember(key, body)
-        try:
-            self.flush()
-        finally:
-            self.posted = None
-
-    def delete(self) -> None:
-        self.disarm()
-        self.core.receive(DeleteReceived(), at=self.api.engine.clock.time())
-        self.flush()
-        for feed in self.feeds:
-            feed.put(None)
-        self.feeds.clear()
-
-    # -- carrying out the core's outputs -----------------------------------------------------------
-
-    def flush(self) -> None:
-        for out in self.core.outputs_to_send():
-            match out:
-                case Publish(event=event):
-                    frame = encode_event(encode(event), event=event.__struct_config__.tag)  # type: ignore[arg-type]
-                    idle = isinstance(event, w.SessionIdle)
-                    for feed in list(self.feeds):
-                        feed.put(frame)
-                        if idle and feed.until_idle:
-                            feed.put(None)
-                            self.unsubscribe(feed)
-                case StartTurn():
-                    self.inbox = Inbox()
-                    self.task = asyncio.get_running_loop().create_task(self._run(out, self._arrival()))
-                case ResumeTurn(items=items):
-                    self.disarm()
-                    parsed = tuple(parse_item(data, i) for i, data in enumerate(items))
-                    self.inbox.decide(Resumed(parsed, dataclasses.replace(self._arrival(), routed=True)))
-                case CancelTurn():
-                    self.disarm()
-                    if self.task is not None:
-                        self.cancelling = True
-                        self.task.cancel()
-
-    def _arrival(self) -> Arrival:
-        """How the input that starts or resumes a turn arrived: the POST being applied, else now."""
-        at, size = self.posted if self.posted is not None else (self.api.engine.clock.now(), 0)
-        return Arrival(at, size, "http")
-
-    async def _run(self, start: StartTurn, arrival: Arrival) -> None:
-        engine, core = self.api.engine, self.core
-        ended: TurnEnded
-        try:
-            body = turn_body(core.agent, self.tools, start.items, start.previous_response_id)
-            _, create, _ = http_create(body, engine, self.api.config)
-            cached = (
-                self.cached
-                if self.cached is not None and self.cached.response_id == start.previous_response_id
-                else None
-            )
-
-            async def emit(events: list[ServerEvent]) -> None:
-                core.response_events(events)
-                self.flush()
-
-            outcome = await engine.run(create, cached, emit, arrival=arrival, channel=self)
-            response = outcome.response
-            if outcome.entry is not None:
-                self.cached = outcome.entry
-            if outcome.error is not None:
-                ended = TurnEnded("failed", reason=outcome.error.code, message=outcome.error.message)
-            else:
-                reason = response.incomplete_details.reason if response.incomplete_details is not None else None
-                if response.error is not None:
-                    reason = response.error.code
-                stored = outcome.entry is not None
-                usage = response.usage
-                ended = TurnEnded(response.status, response.id, usage, reason, stored=stored, response=response)
-        except asyncio.CancelledError:
-            if not self.cancelling:
-                raise
-            ended = TurnEnded("cancelled")
-        except ProtocolError as err:
-            ended = TurnEnded("failed", reason=err.code, message=err.message)
-        except Exception:
-            log.exception("session %s: turn %s failed", core.id, start.turn_id)
-            ended = TurnEnded("failed", reason="server_error", message=INTERNAL_ERROR.message)
-        self.disarm()
-        self.cancelling = False
-        self.task = None
-        core.receive(ended, at=engine.clock.time())
-        self.flush()
-
-    # -- Channel -----------------------------------------------------------------------------------
-
-    def called(self, call: RequiredInput) -> None:
-        raise AssertionError("the append dialect reports no calls mid-turn")
-
-    def turn_ended(self) -> tuple[Item, ...]:
-        raise AssertionError("the append dialect has no turn-end hand-over")
-
-    def steers(self) -> tuple[SteerRef, ...]:
-        return ()  # a message posted during a turn is the session core's (committed at a step boundary)
-
-    def paused(self, required: tuple[RequiredInput, ...]) -> None:
-        self.core.receive(TurnPaused(required), at=self.api.engine.clock.time())
-        self.flush()
-        if self.core.state is SS.REQUIRES_ACTION:  # it waits (it did not resume at once)
-            self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout())
-
-    async def _pause_timeout(self) -> None:
-        """The server decides how long a waiting turn holds its KV: past the pause timeout
-        (`WebSocketConfig.append_timeout_s`, append mode's) its response ends `incomplete`."""
-        clock = self.api.engine.clock
-        await clock.sleep_until(clock.now() + self.api.config.websocket.append_timeout_s)
-        self.pause_timer = None
-        self.inbox.decide(Aborted("append_timeout"))
-
-    def disarm(self) -> None:
-        timer, self.pause_timer = self.pause_timer, None
-        if timer is not None and timer is not asyncio.current_task():
-            timer.cancel()
-
-
-def turn_body(agent: w.AgentOut, tools: list[dict[str, Any]], items: tuple[bytes, ...], previous: str | None) -> bytes:
-    """The Responses create a turn runs as (stored, streamed, continuing the previous turn)."""
-    body: dict[str, Any] = {"model": agent.model, "input": [Raw(item) for item in items], "store": True, "stream": True}
-    if agent.instructions is not None:
-        body["instructions"] = agent.instructions
-    if tools:
-        body["tools"] = tools
-    if previous is not None:
-        body["previous_response_id"] = previous
-    return encode(body)
-
-
 class AgentsAPI:
-    """Every session of one server, and the plan of each `/v1/agents/sessions` route."""
+    """Every session of one server process, and the plan of each `/v1/agents/sessions` route.
 
-    def __init__(self, engine: Engine, config: ServerConfig, *, seed: int | None = None) -> None:
+    The store holds every session (`prototype/agents/record.py`); this process holds a runner for
+    the sessions it runs a turn of, listens to, or used lately (at most
+    `AgentsConfig.max_idle_sessions` idle ones). A route reads the record first: a runner whose
+    bytes match it is current; a record another process changed is restored here; a record whose
+    turn another process runs (its lease unexpired) is answered from the store, and a route that
+    would change it gets a 409 `session_active_elsewhere`."""
+
+    def __init__(self, engine: Engine, config: ServerConfig, *, ids: IdFactory) -> None:
         self.engine = engine
         self.config = config
-        # Its own ids: the engine's stay the same sequence in every mode for a seed.
-        self.ids = IdFactory((seed or 0) ^ 0xA6E)
-        self.sessions: dict[str, SessionRunner] = {}
+        self.store = engine.store
+        self.ids = ids  # the server's one id factory (random wherever the store outlives the process)
+        self.lease_s = config.agents.lease_s
+        self.instance = ids.new("proc")  # this process, as the owner of the turns it runs
+        self.runners: collections.OrderedDict[str, SessionRunner] = collections.OrderedDict()
 
     # -- decoding ----------------------------------------------------------------------------------
 
@@ -359,18 +135,18 @@ class AgentsAPI:
         if w.AGENTS_BETA not in values:
             raise beta_missing()
 
-    def update(self, session_id: str) -> JSONReply:
+    async def update(self, session_id: str) -> JSONReply:
         """`POST .../sessions/{id}` (session updates) is not served: refused in the API's shape."""
-        self.runner(session_id)
+        await self._read(session_id)
         raise ProtocolError(
             "Session updates are not supported by longrun's Agents API subset.",
             code="unsupported_operation",
             param=None,
         )
 
-    def create(self, body: bytes) -> JSONReply | StreamReply:
+    async def create(self, body: bytes) -> JSONReply | StreamReply:
         params: w.SessionCreateBody = self.decoded(body, w.decode_session_create)
-        agent, tools = self._agent(params)
+        agent = self._agent(params)
         if params.input is None:
             raise ProtocolError(
                 "Missing required parameter: 'input' (required when 'environment.type' is 'none').",
@@ -379,7 +155,7 @@ class AgentsAPI:
             )
         messages = self.messages(params.input, "input")
         # The first turn's request, validated now: a bad tool or message is the create's 400.
-        http_create(turn_body(agent, tools, messages, None), self.engine, self.config)
+        http_create(turn_body(agent, messages, None), self.engine, self.config)
         now = self.engine.clock.time()
         core = SessionCore(
             self.ids.new("sess"),
@@ -389,83 +165,171 @@ class AgentsAPI:
             metadata=params.metadata,
             prompt_cache_ttl=params.prompt_cache_options.ttl if params.prompt_cache_options else None,
         )
-        runner = self.sessions[core.id] = SessionRunner(self, core, tools)
+        runner = SessionRunner(self, core, None)
         feed = runner.subscribe(until_idle=True) if params.stream else None
         core.announce()
         runner.posted = (self.engine.clock.now(), len(body))
         core.receive(MessageReceived(messages), at=now)
         snapshot = core.snapshot()
+        self._keep(runner)
         try:
             runner.flush()
         finally:
             runner.posted = None
+        await self._saved(runner)
         if feed is not None:
             return StreamReply(feed, runner)
         return JSONReply(200, encode(snapshot))
 
-    def runner(self, session_id: str) -> SessionRunner:
-        runner = self.sessions.get(session_id)
-        if runner is None:
-            raise not_found("session", session_id, "session_id")
-        return runner
+    async def retrieve(self, session_id: str) -> JSONReply:
+        found = await self._read(session_id)
+        view = found.core.snapshot() if isinstance(found, SessionRunner) else found.session
+        return JSONReply(200, encode(view))
 
-    def retrieve(self, session_id: str) -> JSONReply:
-        return JSONReply(200, encode(self.runner(session_id).core.snapshot()))
-
-    def delete(self, session_id: str) -> JSONReply:
-        runner = self.runner(session_id)
+    async def delete(self, session_id: str) -> JSONReply:
+        runner = await self._open(session_id)
         runner.delete()
-        del self.sessions[session_id]
+        self.runners.pop(session_id, None)
+        with store_errors(f"deleting session {session_id}"):
+            await self.store.delete(session_key(session_id))
         return JSONReply(200, encode(w.DeletedSession(id=session_id)))
 
-    def list_sessions(self, query: Mapping[str, str]) -> JSONReply:
-        views = [(r.core.id, r.core.snapshot()) for r in self.sessions.values()]
-        return JSONReply(200, encode(page(views, query)))
+    async def list_sessions(self, query: Mapping[str, str]) -> JSONReply:
+        for runner in list(self.runners.values()):
+            await runner.settle()
+        records: list[SessionRecord] = []
+        with store_errors("listing sessions"):
+            for key in await self.store.scan(SESSION_KEY_PREFIX):
+                data = await self.store.get(key)
+                if data is not None:
+                    records.append(decode_record(data))
+        records.sort(key=lambda r: (r.created, r.session.id))
+        return JSONReply(200, encode(page([(r.session.id, r.session) for r in records], query)))
 
-    def post_events(self, session_id: str, body: bytes, key: str | None) -> JSONReply:
-        self.runner(session_id).submit(body, key)
+    async def post_events(self, session_id: str, body: bytes, key: str | None) -> JSONReply:
+        runner = await self._open(session_id)
+        runner.submit(body, key)
+        await self._saved(runner)
         return ACCEPTED
 
-    def stream_events(self, session_id: str) -> StreamReply:
-        runner = self.runner(session_id)
+    async def stream_events(self, session_id: str) -> StreamReply:
+        runner = await self._open(session_id)
         return StreamReply(runner.subscribe(), runner)
 
-    def list_turns(self, session_id: str, query: Mapping[str, str]) -> JSONReply:
-        core = self.runner(session_id).core
-        return JSONReply(200, encode(page([(t.id, core.turn_view(t)) for t in core.turns], query)))
+    async def list_turns(self, session_id: str, query: Mapping[str, str]) -> JSONReply:
+        return JSONReply(200, encode(page([(t.id, t) for t in _turns(await self._read(session_id))], query)))
 
-    def get_turn(self, session_id: str, turn_id: str) -> JSONReply:
-        core = self.runner(session_id).core
-        for turn in core.turns:
+    async def get_turn(self, session_id: str, turn_id: str) -> JSONReply:
+        for turn in _turns(await self._read(session_id)):
             if turn.id == turn_id:
-                return JSONReply(200, encode(core.turn_view(turn)))
+                return JSONReply(200, encode(turn))
         raise not_found("turn", turn_id, "turn_id")
 
-    def list_items(self, session_id: str, query: Mapping[str, str], turn_id: str | None = None) -> JSONReply:
-        core = self.runner(session_id).core
-        if turn_id is not None and all(t.id != turn_id for t in core.turns):
+    async def list_items(self, session_id: str, query: Mapping[str, str], turn_id: str | None = None) -> JSONReply:
+        found = await self._read(session_id)
+        if turn_id is not None and all(t.id != turn_id for t in _turns(found)):
             raise not_found("turn", turn_id, "turn_id")
-        items = [(_item_id(item), item) for tid, item in core.items if turn_id is None or tid == turn_id]
-        return JSONReply(200, encode(page(items, query)))
+        items = found.core.items_list() if isinstance(found, SessionRunner) else found.items
+        rows = [(item.id or "", item) for item in items if turn_id is None or item.turn_id == turn_id]
+        return JSONReply(200, encode(page(rows, query)))
 
     async def close(self) -> None:
-        """End every event stream and cancel every running turn (server shutdown)."""
-        for runner in self.sessions.values():
-            for feed in runner.feeds:
-                feed.put(None)
-            runner.feeds.clear()
-        for runner in self.sessions.values():
-            runner.disarm()
-        tasks = [r.task for r in self.sessions.values() if r.task is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        """Server shutdown: a running turn ends `failed` in the store (no process runs it any more),
+        then every event stream ends and every task is cancelled."""
+        runners = list(self.runners.values())
+        for runner in runners:
+            runner.stop(STOPPED)
+            with contextlib.suppress(ProtocolError):
+                await runner.settle()
+        for runner in runners:
+            runner.close()
+        for runner in runners:
+            await runner.wait_closed()
+        self.runners.clear()
+
+    # -- the sessions in the store ---------------------------------------------------------------------
+
+    async def _find(self, session_id: str) -> SessionRunner | SessionRecord:
+        """The session as this process has it: its current runner, or the record of a session whose
+        turn another process runs. A record changed by another process is restored here; a turn
+        whose owner's lease ran out is ended `failed` first (no process runs it any more)."""
+        self._trim()
+        local = self.runners.get(session_id)
+        if local is not None and local.core.active is not None:
+            self.runners.move_to_end(session_id)
+            return local  # this process runs its turn: its memory is the session
+        key = session_key(session_id)
+        async with local.lock if local is not None else contextlib.nullcontext():
+            with store_errors(f"reading session {session_id}"):
+                data = await self.store.get(key)
+            if local is not None and data is not None and data == local.saved:
+                self.runners.move_to_end(session_id)
+                return local
+        if data is None:
+            if local is not None:  # gone from the store (deleted elsewhere, or the store lost it)
+                self._drop(local)
+            raise not_found("session", session_id, "session_id")
+        record = decode_record(data)
+        now = self.engine.clock.time()
+        if record.active_turn is not None and record.owner != self.instance and record.lease_until > now:
+            return record
+        runner = SessionRunner(self, restore(record, ids=self.ids), data)
+        if local is not None:  # changed by another process: its listeners and context carry over
+            runner.feeds, runner.cached = local.feeds, local.cached
+            local.feeds = []
+            self._drop(local)
+        self._keep(runner)
+        if runner.core.active is not None:
+            runner.stop(LOST)
+            await self._saved(runner)
+        return runner
+
+    async def _read(self, session_id: str) -> SessionRunner | SessionRecord:
+        """For a route that reads: what it answers is in the store."""
+        found = await self._find(session_id)
+        if isinstance(found, SessionRunner):
+            await found.settle()
+        return found
+
+    async def _open(self, session_id: str) -> SessionRunner:
+        """For a route that changes the session or listens to it: the runner in this process."""
+        found = await self._find(session_id)
+        if isinstance(found, SessionRecord):
+            raise active_elsewhere(session_id)
+        return found
+
+    async def _saved(self, runner: SessionRunner) -> None:
+        """The route's change in the store before it answers. A conflict means the store's record
+        wins: this process's copy (and any turn it started from it) is dropped."""
+        try:
+            await runner.save()
+        except ProtocolError as err:
+            if err.code == "conflict" or runner.saved is None:  # a conflict, or a create not stored
+                self._drop(runner)
+            raise
+
+    def _keep(self, runner: SessionRunner) -> None:
+        self.runners[runner.core.id] = runner
+        self.runners.move_to_end(runner.core.id)
+        self._trim(keep=runner)
+
+    def _trim(self, keep: SessionRunner | None = None) -> None:
+        """Past the idle bound, forget the least recently used idle runners but `keep` (their
+        records are in the store; what is lost is their copy of the last context)."""
+        idle = [
+            r for r in self.runners.values() if r is not keep and not r.busy and r.core.revision == r.saved_revision
+        ]
+        for old in idle[: max(0, len(idle) - self.config.agents.max_idle_sessions)]:
+            self._drop(old)
+
+    def _drop(self, runner: SessionRunner) -> None:
+        if self.runners.get(runner.core.id) is runner:
+            del self.runners[runner.core.id]
+        runner.close()
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _agent(self, params: w.SessionCreateBody) -> tuple[w.AgentOut, list[dict[str, Any]]]:
+    def _agent(self, params: w.SessionCreateBody) -> w.AgentOut:
         env_type = params.environment.get("type")
         if env_type != "none":
             raise ProtocolError(
@@ -482,7 +346,6 @@ class AgentsAPI:
                 "Subagents are not supported by longrun.", code="unsupported_value", param="agent.multi_agent.enabled"
             )
         tools_out: list[w.FunctionToolOut] = []
-        tools: list[dict[str, Any]] = []
         total = 2
         for index, raw in enumerate(agent.tools or []):
             data = msgspec.json.decode(raw)
@@ -507,15 +370,6 @@ class AgentsAPI:
                     defer_loading=tool.defer_loading,
                 )
             )
-            tools.append(
-                {
-                    "type": "function",
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.parameters,
-                    "strict": False,
-                }
-            )
         if total > MAX_TOOLS_BYTES:
             raise ProtocolError(
                 f"The agent's tools take {total} bytes of JSON; at most {MAX_TOOLS_BYTES} (8 MiB) are allowed.",
@@ -528,7 +382,7 @@ class AgentsAPI:
             model=agent.model or DEFAULT_MODEL,
             tools=tools_out,
         )
-        return out, tools
+        return out
 
 
 class _FunctionToolIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"is_async": "async"}):
@@ -538,10 +392,6 @@ class _FunctionToolIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     parameters: dict[str, Any]
     defer_loading: bool = False
     is_async: bool = False
-
-
-def _item_id(item: w.SessionItem) -> str:
-    return item.id or ""
 
 
 def page(rows: list[tuple[str, Any]], query: Mapping[str, str]) -> w.ListPage:

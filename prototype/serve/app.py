@@ -156,7 +156,7 @@ def make_app(
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", prometheus_metrics)
-    app[AGENTS] = AgentsAPI(app[ENGINE], config, seed=seed)
+    app[AGENTS] = AgentsAPI(app[ENGINE], config, ids=app[ENGINE].ids.fork("agents"))
     sessions = "/v1/agents/sessions"
     app.router.add_post(sessions, agents_create)
     app.router.add_get(sessions, agents_list)
@@ -337,49 +337,49 @@ async def _agents_reply(request: web.Request, reply: JSONReply | StreamReply) ->
 
 async def agents_create(request: web.Request) -> web.StreamResponse:
     api = _agents(request)
-    return await _agents_reply(request, api.create(await _agents_body(request)))
+    return await _agents_reply(request, await api.create(await _agents_body(request)))
 
 
 async def agents_list(request: web.Request) -> web.Response:
-    return _json_reply(_agents(request).list_sessions(request.query))
+    return _json_reply(await _agents(request).list_sessions(request.query))
 
 
 async def agents_retrieve(request: web.Request) -> web.Response:
-    return _json_reply(_agents(request).retrieve(request.match_info["session_id"]))
+    return _json_reply(await _agents(request).retrieve(request.match_info["session_id"]))
 
 
 async def agents_update(request: web.Request) -> web.Response:
-    return _json_reply(_agents(request).update(request.match_info["session_id"]))
+    return _json_reply(await _agents(request).update(request.match_info["session_id"]))
 
 
 async def agents_delete(request: web.Request) -> web.Response:
-    return _json_reply(_agents(request).delete(request.match_info["session_id"]))
+    return _json_reply(await _agents(request).delete(request.match_info["session_id"]))
 
 
 async def agents_post_events(request: web.Request) -> web.Response:
     api = _agents(request)
     body = await _agents_body(request)
     key = request.headers.get("Idempotency-Key")
-    return _json_reply(api.post_events(request.match_info["session_id"], body, key))
+    return _json_reply(await api.post_events(request.match_info["session_id"], body, key))
 
 
 async def agents_stream(request: web.Request) -> web.StreamResponse:
     api = _agents(request)
-    return await _agents_reply(request, api.stream_events(request.match_info["session_id"]))
+    return await _agents_reply(request, await api.stream_events(request.match_info["session_id"]))
 
 
 async def agents_turns(request: web.Request) -> web.Response:
-    return _json_reply(_agents(request).list_turns(request.match_info["session_id"], request.query))
+    return _json_reply(await _agents(request).list_turns(request.match_info["session_id"], request.query))
 
 
 async def agents_turn(request: web.Request) -> web.Response:
     info = request.match_info
-    return _json_reply(_agents(request).get_turn(info["session_id"], info["turn_id"]))
+    return _json_reply(await _agents(request).get_turn(info["session_id"], info["turn_id"]))
 
 
 async def agents_items(request: web.Request) -> web.Response:
     info = request.match_info
-    return _json_reply(_agents(request).list_items(info["session_id"], request.query, info.get("turn_id")))
+    return _json_reply(await _agents(request).list_items(info["session_id"], request.query, info.get("turn_id")))
 
 
 # -- WebSocket -------------------------------------------------------------------------------------

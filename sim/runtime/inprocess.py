@@ -316,7 +316,7 @@ class _InProcessAgents(AgentsClient):
             tap("up", data)
         self._admit()
         try:
-            reply = api.create(data)
+            reply = await api.create(data)
         except ProtocolError as err:
             raise _reply_error(JSONReply.error(err)) from None
         if isinstance(reply, JSONReply):
@@ -331,7 +331,7 @@ class _InProcessAgents(AgentsClient):
 
     async def _subscribe(self, session_id: str) -> AsyncIterator[bytes]:
         self._admit()
-        reply = self.server.agents.stream_events(session_id)  # subscribed now
+        reply = await self.server.agents.stream_events(session_id)  # subscribed now
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
@@ -349,7 +349,7 @@ class _InProcessAgents(AgentsClient):
             self.server.tap("up", data)
         self._admit()
         try:
-            self.server.agents.post_events(session_id, data, key)
+            await self.server.agents.post_events(session_id, data, key)
         except ProtocolError as err:
             raise _reply_error(JSONReply.error(err)) from None
 
@@ -376,7 +376,9 @@ class InProcessServer:
         self.tool_cache = tool_cache
         self.tap = tap
         self.live_costs = live_costs
-        self.agents = AgentsAPI(engine, self.config)  # the Agents API's sessions (`agents` mode)
+        self.agents = AgentsAPI(
+            engine, self.config, ids=engine.ids.fork("agents")
+        )  # the Agents API's sessions (`agents` mode)
         self.slots = Slots(self.config.websocket.max_connections)  # open WebSocket connections, as live
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:

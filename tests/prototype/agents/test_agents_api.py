@@ -39,6 +39,7 @@ from prototype.agents.machine import (
     TRANSITIONS,
     SessionCore,
 )
+from prototype.agents.record import decode_record, encode_record, record_of, restore
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.ids import IdFactory
 from prototype.serve.app import ENGINE
@@ -176,13 +177,70 @@ def test_cancel_ends_the_turn_and_drops_its_queued_messages() -> None:
     core.receive(TurnPaused((RequiredInput("call_1", "t"),)))
     core.receive(MessageReceived((USER,)))
     core.outputs_to_send()
-    core.receive(CancelReceived())
-    assert isinstance(core.outputs_to_send()[-1], CancelTurn)
-    core.receive(TurnEnded("cancelled"))
-    assert _published(core) == ["agent.session.turn.cancelled", "agent.session.idle"]
+    turn = core.active
+    assert turn is not None
+    core.receive(CancelReceived())  # the turn's end is this one step, whatever its task does
+    outs = core.outputs_to_send()
+    assert outs[0] == CancelTurn(turn.id)
+    tags = [o.event.__struct_config__.tag for o in outs[1:] if isinstance(o, Publish)]  # type: ignore[misc]
+    assert tags == ["agent.session.turn.cancelled", "agent.session.idle"]
     assert core.turns[0].status is TS.CANCELLED and core.state is SS.IDLE
+    call = core.items_list()[1]
+    assert isinstance(call, w.FunctionCallItemOut) and call.status == "incomplete"  # never answered
+    core.receive(TurnEnded("cancelled", turn_id=turn.id))  # the cancelled task's end: dropped
     core.receive(CancelReceived())  # idle: nothing to cancel
     assert core.outputs_to_send() == []
+
+
+def test_a_message_and_a_cancel_in_one_step_leave_the_session_idle_for_the_next_turn() -> None:
+    core = _core()
+    core.apply([MessageReceived((USER,)), CancelReceived()])
+    first = core.turns[0]
+    outs = core.outputs_to_send()
+    assert [type(o) for o in outs if not isinstance(o, Publish)] == [StartTurn, CancelTurn]
+    assert first.status is TS.CANCELLED and core.state is SS.IDLE
+    # what the cancelled turn's task might still say is about a turn that has ended
+    core.receive(CallAdded(_call(1), 0, first.id))
+    core.receive(TurnPaused((RequiredInput("call_1", "t"),), first.id))
+    core.receive(TurnEnded("completed", "resp_x", stored=True, turn_id=first.id))
+    core.response_events(first.id, [])
+    assert core.state is SS.IDLE and core.last_response_id is None and core.outputs_to_send() == []
+    core.receive(MessageReceived((USER,)))
+    assert core.state is SS.IN_PROGRESS and core.active is not None and core.active.id != first.id
+
+
+def test_an_answered_call_is_completed_in_the_saved_items() -> None:
+    core = _core()
+    core.receive(MessageReceived((USER,)))
+    core.receive(CallAdded(_call(1), 0))
+    core.receive(TurnPaused((RequiredInput("call_1", "t"),)))
+    core.receive(_result(core, 1))
+    core.receive(TurnEnded("completed", "resp_1", stored=True))
+    calls = [i for i in core.items_list() if isinstance(i, w.FunctionCallItemOut)]
+    assert [c.status for c in calls] == ["completed"]
+
+
+def test_a_record_restores_the_session_and_a_turn_no_process_runs_is_ended() -> None:
+    core = _core()
+    core.receive(MessageReceived((USER,)))
+    core.receive(CallAdded(_call(1), 0))
+    core.receive(TurnPaused((RequiredInput("call_1", "t"),)))
+    core.receive(_result(core, 1))
+    core.receive(TurnEnded("completed", "resp_1", stored=True))
+    core.remember("key-1", b"body")
+    core.receive(MessageReceived((USER,)))
+    record = decode_record(encode_record(record_of(core, owner="proc_a", lease_until=5.0)))
+    assert record.active_turn == core.turns[1].id and record.owner == "proc_a"
+    back = restore(record, ids=IdFactory(1))
+    assert back.snapshot() == core.snapshot()
+    assert [back.turn_view(t) for t in back.turns] == [core.turn_view(t) for t in core.turns]
+    assert back.items_list() == core.items_list() and back.last_response_id == "resp_1"
+    assert back.replayed("key-1", b"body")
+    assert back.active is not None and back.state is SS.IN_PROGRESS
+    back.receive(TurnEnded("failed", reason="server_error", message="lost", turn_id=back.active.id))
+    assert back.state is SS.IDLE and back.turns[1].status is TS.FAILED
+    idle = record_of(back, owner="proc_b", lease_until=9.0)
+    assert idle.active_turn is None and idle.owner is None
 
 
 def test_a_failed_turn_says_why_then_the_session_is_idle() -> None:

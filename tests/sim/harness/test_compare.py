@@ -321,6 +321,8 @@ NOT_DEFAULT: dict[str, object] = {
     "max_connections": 7,
     "inject_messages": True,
     "multi_agent_holds_calls": False,
+    "lease_s": 12.0,
+    "max_idle_sessions": 9,
     "context_window": 9_000,
     "max_output_tokens": None,
 }
