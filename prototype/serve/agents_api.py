@@ -52,9 +52,9 @@ from ..response.run import Aborted, Inbox, Resumed
 from ..response.services import Arrival
 from ..wire.contract import from_validation_error
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
-from ..wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_text, encode
+from ..wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_json, encode, guarded_decoder
 from ..wire.sse import encode_event
-from .exchange import JSONReply, http_create, request_too_large
+from .exchange import JSONReply, decoded_body, http_create
 
 __all__ = ["AgentsAPI", "EventFeed", "SessionRunner", "DEFAULT_MODEL"]
 
@@ -327,12 +327,7 @@ class AgentsAPI:
     # -- decoding ----------------------------------------------------------------------------------
 
     def decoded(self, body: bytes, decode: Any) -> Any:
-        if len(body) > self.config.max_message_bytes:
-            raise request_too_large(self.config.max_message_bytes)
-        try:
-            return decode(decode_text(body))
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise from_validation_error(exc) from None
+        return decoded_body(body, self.config, decode)  # the Responses routes' size, UTF-8 and nesting guards
 
     def messages(self, value: str | list[w.MessageIn], param: str) -> tuple[bytes, ...]:
         """Input messages as Responses items, each validated by the Responses item parser."""
@@ -485,7 +480,7 @@ class AgentsAPI:
         tools: list[dict[str, Any]] = []
         total = 2
         for index, raw in enumerate(agent.tools or []):
-            data = msgspec.json.decode(raw)
+            data = decode_json(raw)  # already decoded once as part of the body: within the nesting limit
             kind = data.get("type") if isinstance(data, dict) else None
             if kind != "function":
                 raise ProtocolError(
@@ -495,8 +490,8 @@ class AgentsAPI:
                 )
             total += len(encode(data)) + 1
             try:
-                tool = msgspec.json.decode(raw, type=_FunctionToolIn)
-            except msgspec.ValidationError as exc:
+                tool = _decode_tool(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 err = from_validation_error(exc)
                 raise ProtocolError(err.message, code=err.code, param=f"agent.tools[{index}]") from None
             tools_out.append(
@@ -538,6 +533,9 @@ class _FunctionToolIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     parameters: dict[str, Any]
     defer_loading: bool = False
     is_async: bool = False
+
+
+_decode_tool: Final = guarded_decoder(msgspec.json.Decoder(_FunctionToolIn))
 
 
 def _item_id(item: w.SessionItem) -> str:

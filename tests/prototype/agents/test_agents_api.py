@@ -315,6 +315,44 @@ async def test_bad_creates_get_the_apis_errors(
         assert error["param"] == param
 
 
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"environment":{"type":"none"},"input":"hi","agent":{"model":"sim","tools":[{"type":"function",'
+        '"name":"f","description":"d","parameters":{"type":"object","properties":{"a":' + _deep(5000) + "}}}]}}",
+        '{"environment":{"type":"none"},"input":[{"role":"user","content":' + _deep(5000) + "}]}",
+        '{"environment":{"type":"none"},"input":"hi","metadata":' + _deep(5000) + "}",
+    ],
+    ids=["tool-parameters", "message-content", "metadata"],
+)
+async def test_deep_nesting_in_a_create_is_a_400_not_a_500(
+    live: Live, http: aiohttp.ClientSession, body: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, data=body)
+    assert resp.status == 400 and resp.content_type == "application/json"
+    error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] in ("invalid_json", "invalid_type")
+    assert not [r for r in caplog.records if r.exc_info], "a client's bad body logged a traceback"
+
+
+async def test_deep_nesting_in_a_tool_result_is_a_400_and_applies_nothing(
+    live: Live, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create())
+    sid = (await resp.json())["id"]
+    result = '{"type":"agent.session.input.tool_result","turn_id":"t","call_id":"c","success":true,"output":'
+    body = '{"events":[' + result + _deep(5000) + "}]}"
+    refused = await http.post(f"{live.base_url}/agents/sessions/{sid}/events", headers=BETA, data=body)
+    assert refused.status == 400
+    error = (await refused.json())["error"]
+    assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
 async def test_tool_definitions_past_8_mib_are_refused(http: aiohttp.ClientSession) -> None:
     big = {**TOOL, "description": "x" * (8 * 1024 * 1024)}
     body = encode(_create(agent={"model": "sim", "tools": [big]}))
