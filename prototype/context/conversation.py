@@ -449,6 +449,7 @@ def _check_item(view: InputItemView, index: int) -> None:
 
 
 _decode_str: Final = guarded_decoder(msgspec.json.Decoder(str))
+TEXT_PARTS: Final = frozenset({"input_text", "output_text"})  # content parts whose `text` the spec requires
 
 
 def _decode_parts(raw: Raw, param: str) -> str:
@@ -463,6 +464,12 @@ def _decode_parts(raw: Raw, param: str) -> str:
         check_string_length(param, value, STRING_MAX)
         return value
     for i, part in enumerate(value):
+        if part.type in TEXT_PARTS and part.text is None:
+            raise ProtocolError(
+                f"Missing required parameter: '{param}[{i}].text'.",
+                code="missing_required_parameter",
+                param=f"{param}[{i}].text",
+            )
         for text in (part.text, part.refusal):
             if text is not None:
                 check_string_length(f"{param}[{i}].text", text, STRING_MAX)

@@ -342,8 +342,11 @@ class AgentsAPI:
             data = encode(message)
             try:
                 parse_item(data, index)
-            except ProtocolError as err:
-                raise ProtocolError(err.message, code=err.code, param=f"{param}[{index}]") from None
+            except ProtocolError as err:  # named as the Responses `input[index]`: renamed to its place here
+                where, here = f"input[{index}]", f"{param}[{index}]"
+                path = here + (err.param or "").removeprefix(where) if (err.param or "").startswith(where) else here
+                said = err.message.replace(f"'{err.param}'", f"'{path}'", 1) if err.param else err.message
+                raise ProtocolError(said, code=err.code, param=path) from None
             out.append(data)
         return tuple(out)
 
@@ -468,6 +471,12 @@ class AgentsAPI:
                 "'environment': {'type': 'none'} only.",
                 code="unsupported_value",
                 param="environment.type",
+            )
+        if params.vault_ids:
+            raise ProtocolError(
+                "Vaults are not supported by longrun's Agents API subset.",
+                code="unsupported_value",
+                param="vault_ids",
             )
         if params.agent_id is not None:
             raise not_found("agent", params.agent_id, "agent_id")

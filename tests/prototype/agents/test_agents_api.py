@@ -300,6 +300,13 @@ async def test_every_route_requires_the_beta_header(live: Live, http: aiohttp.Cl
         (_create(bogus=1), 400, "unknown_parameter", "bogus"),
         (_create(input=None), 400, "missing_required_parameter", "input"),
         (_create(agent_id="agent_nope"), 404, "not_found", "agent_id"),
+        (_create(vault_ids=["vault_1"]), 400, "unsupported_value", "vault_ids"),
+        (
+            _create(input=[{"role": "user", "content": [{"type": "input_text"}]}]),
+            400,
+            "missing_required_parameter",
+            "input[0].content[0].text",
+        ),
         (_create(prompt_cache_options={"ttl": "1h"}), 400, None, "prompt_cache_options.ttl"),
     ],
 )
@@ -313,6 +320,18 @@ async def test_bad_creates_get_the_apis_errors(
         assert error["code"] == code
     if param is not None:
         assert error["param"] == param
+
+
+async def test_a_message_part_without_text_is_refused_at_its_path(live: Live, http: aiohttp.ClientSession) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create())
+    sid = (await resp.json())["id"]
+    message = {"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}
+    refused = await _post_events(http, live, sid, [{"type": "agent.session.input.cancel"}, message])
+    assert refused.status == 400
+    error = (await refused.json())["error"]
+    assert error["code"] == "missing_required_parameter"
+    assert error["param"] == "events[1].input[0].content[0].text"
+    assert error["message"] == "Missing required parameter: 'events[1].input[0].content[0].text'."
 
 
 def _deep(depth: int) -> str:
