@@ -68,6 +68,7 @@ from .tokenizer import Tokenizer
 __all__ = [
     "Context",
     "check_continuation",
+    "split_trigger",
     "conversation_key",
     "CreateRequest",
     "Item",
@@ -365,17 +366,7 @@ def normalize_create(
             code="invalid_value",
             param="previous_response_id",
         )
-    items = parse(params.input)
-    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
-    if compact_now:
-        items = items[:-1]  # an instruction to the server, not part of the context
-    for index, item in enumerate(items):
-        if item.view.type == TRIGGER_TYPE:
-            raise ProtocolError(
-                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
-                code="invalid_value",
-                param=f"input[{index}]",
-            )
+    items, compact_now = split_trigger(parse(params.input))
     tools_raw = tuple(params.tools or ())
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
@@ -396,6 +387,22 @@ def normalize_create(
         compact_threshold=compact_threshold(params),
         compact_now=compact_now,
     )
+
+
+def split_trigger(items: tuple[Item, ...]) -> tuple[tuple[Item, ...], bool]:
+    """The input without its final `compaction_trigger` (an instruction to the server, not part
+    of the context), and whether it had one; a trigger anywhere else is refused."""
+    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
+    if compact_now:
+        items = items[:-1]
+    for index, item in enumerate(items):
+        if item.view.type == TRIGGER_TYPE:
+            raise ProtocolError(
+                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
+                code="invalid_value",
+                param=f"input[{index}]",
+            )
+    return items, compact_now
 
 
 def _check_item(view: InputItemView, index: int) -> None:
