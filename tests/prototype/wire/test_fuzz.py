@@ -35,7 +35,7 @@ from websockets.sync.client import connect as ws_connect
 
 from prototype.config import ServerConfig
 from prototype.context.conversation import normalize_create
-from prototype.serve.app import make_app
+from prototype.serve.app import ApiRunner, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import from_validation_error
@@ -462,7 +462,7 @@ def port() -> Iterator[int]:
         clock = AsyncioClock()
         model = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=1), seed=0, decode_tok_per_s=math.inf)
         config = ServerConfig(max_message_bytes=MAX_FRAME)
-        runner = web.AppRunner(make_app(model=model, store=MemoryStore(), clock=clock, config=config))
+        runner = ApiRunner(make_app(model=model, store=MemoryStore(), clock=clock, config=config))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         ready.append(runner.addresses[0][1])
