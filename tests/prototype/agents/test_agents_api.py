@@ -42,6 +42,8 @@ from prototype.agents.machine import (
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.ids import IdFactory
 from prototype.serve.app import ENGINE
+from prototype.store.base import StoreUnavailable
+from prototype.store.memory import MemoryStore
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import FunctionCall, RequiredInput, encode
 from tests.support import AGENT_EVENT_MODELS as EVENT_MODELS
@@ -520,3 +522,20 @@ async def test_a_turn_waiting_past_the_pause_timeout_fails_and_frees_its_kv(http
         assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
         assert seen["error"]["error"]["code"] == "request_timeout"
         assert live.app[ENGINE].statistics().kv_idle_token_s > 0
+
+
+class _StoreDown(MemoryStore):
+    async def put(self, response_id: str, value: bytes) -> None:
+        raise StoreUnavailable("redis at 10.0.0.7:6379 refused the connection")
+
+
+async def test_a_store_outage_fails_the_turn_with_server_error(http: aiohttp.ClientSession) -> None:
+    """docs/reliability.md: a turn whose response cannot be stored ends with an `error` event
+    `server_error` (the turn error codes' catch-all), then `agent.session.turn.failed`."""
+    async with live_server(store=_StoreDown(), tool_calls=0) as live:
+        resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create(stream=True))
+        events = [event async for event in _frames(resp)]
+    kinds = [e["type"] for e in events]
+    assert "agent.session.turn.failed" in kinds and "agent.session.turn.completed" not in kinds
+    error = next(e for e in events if e["type"] == "error")["error"]
+    assert error["code"] == "server_error" and "10.0.0.7" not in json.dumps(events)
