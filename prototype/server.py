@@ -29,7 +29,7 @@ from sim.model.policy import DefaultPolicy, Policy, load_script
 from .config import ServerConfig
 from .model import TokenModel
 from .options import add_struct_options, struct_from_args
-from .serve.app import make_app
+from .serve.app import ApiRunner, make_app
 from .serve.wallclock import AsyncioClock
 from .store.memory import MemoryStore
 from .store.spec import open_store
@@ -98,7 +98,7 @@ async def _serve_model(args: argparse.Namespace, model: TokenModel, config: Serv
     id_seed = args.seed if isinstance(store, MemoryStore) else None
     app = make_app(model=model, store=store, clock=clock, config=config, seed=id_seed)
     app.on_response_prepare.append(_pid_header)
-    runner = web.AppRunner(app, handle_signals=False)
+    runner = ApiRunner(app, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
     await site.start()

@@ -26,7 +26,7 @@ from openai.types.beta.agent_session_item import AgentSessionItem
 
 from prototype.config import ServerConfig
 from prototype.model import FunctionTool, ModelRequest
-from prototype.serve.app import make_app
+from prototype.serve.app import ApiRunner, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.base import ResponseStore
 from prototype.store.memory import MemoryStore
@@ -99,7 +99,7 @@ class Live:
 @contextlib.asynccontextmanager
 async def served(app: web.Application) -> AsyncIterator[int]:
     """`app` served on 127.0.0.1 at an ephemeral port (yielded) for the block."""
-    runner = web.AppRunner(app)
+    runner = ApiRunner(app)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     try:

@@ -14,7 +14,7 @@ from typing import Any, Final, Literal
 import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
-from ..wire.schemas import Response
+from ..wire.schemas import Response, guarded_decoder
 
 __all__ = [
     "AGENTS_BETA",
@@ -119,16 +119,10 @@ class EventsBody(_In):
     events: list[InputEvent]
 
 
-_create_decoder: Final = msgspec.json.Decoder(SessionCreateBody)
-_events_decoder: Final = msgspec.json.Decoder(EventsBody)
-
-
-def decode_session_create(text: str) -> SessionCreateBody:
-    return _create_decoder.decode(text)
-
-
-def decode_events_body(text: str) -> EventsBody:
-    return _events_decoder.decode(text)
+# The Responses decoders' guard: JSON nested past msgspec's recursion limit is `NestingTooDeep`
+# (a 400 `invalid_json`), never a `RecursionError`.
+decode_session_create: Final = guarded_decoder(msgspec.json.Decoder(SessionCreateBody))
+decode_events_body: Final = guarded_decoder(msgspec.json.Decoder(EventsBody))
 
 
 # -- resources ---------------------------------------------------------------------------------------

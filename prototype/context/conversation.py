@@ -68,6 +68,7 @@ from .tokenizer import Tokenizer
 __all__ = [
     "Context",
     "check_continuation",
+    "split_trigger",
     "conversation_key",
     "CreateRequest",
     "Item",
@@ -365,17 +366,7 @@ def normalize_create(
             code="invalid_value",
             param="previous_response_id",
         )
-    items = parse(params.input)
-    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
-    if compact_now:
-        items = items[:-1]  # an instruction to the server, not part of the context
-    for index, item in enumerate(items):
-        if item.view.type == TRIGGER_TYPE:
-            raise ProtocolError(
-                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
-                code="invalid_value",
-                param=f"input[{index}]",
-            )
+    items, compact_now = split_trigger(parse(params.input))
     tools_raw = tuple(params.tools or ())
     tools = tool_cache.parse(tools_raw) if tool_cache is not None else _parse_tools(tools_raw)
     tool_choice = _parse_tool_choice(params.tool_choice, tools)
@@ -396,6 +387,22 @@ def normalize_create(
         compact_threshold=compact_threshold(params),
         compact_now=compact_now,
     )
+
+
+def split_trigger(items: tuple[Item, ...]) -> tuple[tuple[Item, ...], bool]:
+    """The input without its final `compaction_trigger` (an instruction to the server, not part
+    of the context), and whether it had one; a trigger anywhere else is refused."""
+    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
+    if compact_now:
+        items = items[:-1]
+    for index, item in enumerate(items):
+        if item.view.type == TRIGGER_TYPE:
+            raise ProtocolError(
+                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
+                code="invalid_value",
+                param=f"input[{index}]",
+            )
+    return items, compact_now
 
 
 def _check_item(view: InputItemView, index: int) -> None:
@@ -449,6 +456,7 @@ def _check_item(view: InputItemView, index: int) -> None:
 
 
 _decode_str: Final = guarded_decoder(msgspec.json.Decoder(str))
+TEXT_PARTS: Final = frozenset({"input_text", "output_text"})  # content parts whose `text` the spec requires
 
 
 def _decode_parts(raw: Raw, param: str) -> str:
@@ -463,6 +471,12 @@ def _decode_parts(raw: Raw, param: str) -> str:
         check_string_length(param, value, STRING_MAX)
         return value
     for i, part in enumerate(value):
+        if part.type in TEXT_PARTS and part.text is None:
+            raise ProtocolError(
+                f"Missing required parameter: '{param}[{i}].text'.",
+                code="missing_required_parameter",
+                param=f"{param}[{i}].text",
+            )
         for text in (part.text, part.refusal):
             if text is not None:
                 check_string_length(f"{param}[{i}].text", text, STRING_MAX)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from msgspec import Raw
 
-from ..context.compaction import Compaction, encode_payload, is_kept, prune, summary_text
+from ..context.compaction import COMPACTION_TYPE, Compaction, encode_payload, is_kept, prune, summary_text
 from ..context.conversation import (
     Context,
     Item,
+    check_continuation,
     generation_header,
     item_from_output,
     message_text,
+    split_trigger,
 )
 from ..ids import IdFactory
 from ..pipeline import Count, Stage
@@ -59,7 +61,9 @@ async def compact(services: Services, params: CompactParams, arrival: Arrival) -
     if not params.model:
         raise ProtocolError("Missing required parameter: 'model'.", code="missing_required_parameter", param="model")
     check_compact_params(params)
-    items = list(services.item_parser(params.input)) if params.input else []
+    # The create's item rules: a `compaction_trigger` only last (it asks for what this endpoint
+    # does anyway, so it is dropped), and below, every tool output answers a call and ids are unique.
+    items, _ = split_trigger(tuple(services.item_parser(params.input)) if params.input else ())
     prev = params.previous_response_id
     if not items and prev is None:
         raise ProtocolError("Missing required parameter: 'input'.", code="missing_required_parameter", param="input")
@@ -74,9 +78,18 @@ async def compact(services: Services, params: CompactParams, arrival: Arrival) -
             )
         history = await services.load(prev)
         await stages.wait(Stage.LOAD_STATE, services.profile.stage_s(Stage.LOAD_STATE))
-    combined = prune([*history, *items], [item.view for item in (*history, *items)])
+    # What the model reads, as a create continuing `history` with `items` sees it (prepare.py):
+    # a compaction item in the new input keeps only the user messages before it.
+    new: list[Item] = list(items)
+    if any(item.view.type == COMPACTION_TYPE for item in new):
+        new = prune(new, [item.view for item in new])
+        history = [item for item in history if is_kept(item.view)]
+    else:
+        history = prune(history, [item.view for item in history])
     context = Context()
-    context.extend(combined, await services.render(combined, stages.report))
+    context.extend(history, await services.render(history, stages.report))
+    check_continuation(context, new)
+    context.extend(new, await services.render(new, stages.report))
     preamble = services.tokenizer.encode(
         f"<|start|>developer<|message|>{params.instructions}<|end|>" if params.instructions else ""
     )

@@ -28,9 +28,9 @@ from ..ids import IdFactory
 from ..response.engine import Engine, store_errors
 from ..wire.contract import from_validation_error
 from ..wire.errors import ProtocolError
-from ..wire.schemas import decode_text, encode
+from ..wire.schemas import decode_json, encode, guarded_decoder
 from .agents_runner import SessionRunner, turn_body
-from .exchange import JSONReply, http_create, request_too_large
+from .exchange import JSONReply, decoded_body, http_create
 from .feeds import EventFeed
 
 __all__ = ["AgentsAPI", "DEFAULT_MODEL", "StreamReply"]
@@ -103,12 +103,7 @@ class AgentsAPI:
     # -- decoding ----------------------------------------------------------------------------------
 
     def decoded(self, body: bytes, decode: Any) -> Any:
-        if len(body) > self.config.max_message_bytes:
-            raise request_too_large(self.config.max_message_bytes)
-        try:
-            return decode(decode_text(body))
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise from_validation_error(exc) from None
+        return decoded_body(body, self.config, decode)  # the Responses routes' size, UTF-8 and nesting guards
 
     def messages(self, value: str | list[w.MessageIn], param: str) -> tuple[bytes, ...]:
         """Input messages as Responses items, each validated by the Responses item parser."""
@@ -123,8 +118,11 @@ class AgentsAPI:
             data = encode(message)
             try:
                 parse_item(data, index)
-            except ProtocolError as err:
-                raise ProtocolError(err.message, code=err.code, param=f"{param}[{index}]") from None
+            except ProtocolError as err:  # named as the Responses `input[index]`: renamed to its place here
+                where, here = f"input[{index}]", f"{param}[{index}]"
+                path = here + (err.param or "").removeprefix(where) if (err.param or "").startswith(where) else here
+                said = err.message.replace(f"'{err.param}'", f"'{path}'", 1) if err.param else err.message
+                raise ProtocolError(said, code=err.code, param=path) from None
             out.append(data)
         return tuple(out)
 
@@ -338,6 +336,12 @@ class AgentsAPI:
                 code="unsupported_value",
                 param="environment.type",
             )
+        if params.vault_ids:
+            raise ProtocolError(
+                "Vaults are not supported by longrun's Agents API subset.",
+                code="unsupported_value",
+                param="vault_ids",
+            )
         if params.agent_id is not None:
             raise not_found("agent", params.agent_id, "agent_id")
         agent = params.agent or w.AgentIn()
@@ -348,7 +352,7 @@ class AgentsAPI:
         tools_out: list[w.FunctionToolOut] = []
         total = 2
         for index, raw in enumerate(agent.tools or []):
-            data = msgspec.json.decode(raw)
+            data = decode_json(raw)  # already decoded once as part of the body: within the nesting limit
             kind = data.get("type") if isinstance(data, dict) else None
             if kind != "function":
                 raise ProtocolError(
@@ -358,8 +362,8 @@ class AgentsAPI:
                 )
             total += len(encode(data)) + 1
             try:
-                tool = msgspec.json.decode(raw, type=_FunctionToolIn)
-            except msgspec.ValidationError as exc:
+                tool = _decode_tool(raw)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 err = from_validation_error(exc)
                 raise ProtocolError(err.message, code=err.code, param=f"agent.tools[{index}]") from None
             tools_out.append(
@@ -392,6 +396,9 @@ class _FunctionToolIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
     parameters: dict[str, Any]
     defer_loading: bool = False
     is_async: bool = False
+
+
+_decode_tool: Final = guarded_decoder(msgspec.json.Decoder(_FunctionToolIn))
 
 
 def page(rows: list[tuple[str, Any]], query: Mapping[str, str]) -> w.ListPage:

@@ -144,8 +144,10 @@ class SessionRunner:
             self.saved, self.saved_revision = data, revision
 
     def mark(self) -> None:
-        """The engine changed the session: write it in the background (once, however many changes)."""
-        if self.saver is None and not self.gone and self.core.revision != self.saved_revision:
+        """The engine changed the session (a pause, a turn's end): write it in the background, then
+        publish and act on what the change gave, so a client that reads the session from any
+        process after the event reads what the event said."""
+        if self.saver is None and not self.gone:
             self.saver = asyncio.get_running_loop().create_task(self._save_changes())
 
     async def _save_changes(self) -> None:
@@ -156,6 +158,7 @@ class SessionRunner:
             log.warning("session %s: the record was not saved: %s", self.core.id, err.message)
         finally:
             self.saver = None
+        self.flush()
 
     async def settle(self) -> None:
         """Every change so far in the store (a read answers only what is stored)."""
@@ -340,7 +343,6 @@ class SessionRunner:
                 del self.tasks[turn_id]
         self.disarm()
         core.receive(ended, at=engine.clock.time())
-        self.flush()
         self.mark()
         if core.active is None and self.renewer is not None:  # no turn runs: nothing to renew
             self.renewer.cancel()
@@ -359,7 +361,6 @@ class SessionRunner:
 
     def paused(self, required: tuple[RequiredInput, ...]) -> None:
         self.core.receive(TurnPaused(required), at=self.api.engine.clock.time())
-        self.flush()
         self.mark()
         if self.core.state is SS.REQUIRES_ACTION:  # it waits (it did not resume at once)
             self.pause_timer = asyncio.get_running_loop().create_task(self._pause_timeout())

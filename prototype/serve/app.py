@@ -20,6 +20,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Final
 
 from aiohttp import WSCloseCode, WSMsgType, web
+from aiohttp.web_protocol import RequestHandler
 
 from ..clock import Clock
 from ..config import ServerConfig
@@ -50,6 +51,7 @@ from .session import (
 
 __all__ = [
     "ENGINE",
+    "ApiRunner",
     "BatchedFrames",
     "WebSocketSession",
     "make_app",
@@ -200,12 +202,89 @@ async def _close_store(app: web.Application) -> None:
     await app[ENGINE].store.close()
 
 
-def _json_error(err: ProtocolError) -> web.Response:
-    return _json_reply(JSONReply.error(err))
+def _json_error(err: ProtocolError, *, headers: dict[str, str] | None = None) -> web.Response:
+    return _json_reply(JSONReply.error(err), headers=headers)
 
 
-def _json_reply(reply: JSONReply) -> web.Response:
-    return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+def _json_reply(reply: JSONReply, *, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, content_type="application/json", headers=headers)
+
+
+def _allow_header(exc: web.HTTPException) -> dict[str, str] | None:
+    allow = exc.headers.get("Allow")
+    return {"Allow": allow} if allow is not None else None
+
+
+def _http_error(exc: web.HTTPException, request: web.Request) -> ProtocolError:
+    """An error aiohttp raised before a handler ran (routing, the body limit), in the API's shape."""
+    if exc.status == 404:  # the real API's answer to an unknown path: type and message, code null
+        return ProtocolError(
+            f"Invalid URL ({request.method} {request.path}).", code=None, status=404, type="invalid_request_error"
+        )
+    if exc.status == 405:
+        return ProtocolError(
+            f"Method {request.method} is not allowed on {request.path}.", code="method_not_allowed", status=405
+        )
+    if exc.status == 413:
+        return request_too_large(request.app[CONFIG].max_message_bytes)
+    if exc.status >= 500:
+        log.error("aiohttp raised %s serving %s %s", exc.status, request.method, request.path)
+        return INTERNAL_ERROR
+    return ProtocolError(f"Invalid request: {exc.reason}.", code="invalid_request", status=exc.status)
+
+
+def _unparsable(status: int) -> ProtocolError:
+    return ProtocolError(
+        "Invalid HTTP request: its request line, a header or its body is malformed, cut short, or longer "
+        "than the server accepts.",
+        code="invalid_http_request",
+        status=status,
+    )
+
+
+class _ApiRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering a request it cannot parse (a request line or a
+    header past its limits, a malformed message) in the API's JSON shape, logged without a
+    traceback: it is the client's fault. A server error (500) keeps aiohttp's handling."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        log.debug("unparsable HTTP request from %s: %s", request.remote, type(exc).__name__ if exc else status)
+        if request.writer.output_size > 0:  # as aiohttp: a reply already begun cannot be replaced
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        resp = _json_error(_unparsable(status))
+        resp.force_close()
+        return resp
+
+
+class _ApiServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _ApiRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ApiRunner(web.AppRunner):
+    """`web.AppRunner` whose connections answer unparsable requests in the API's JSON error shape
+    (aiohttp's own answer is plain text, its log a traceback). Serve `make_app`'s app with it."""
+
+    async def _make_server(self) -> web.Server:
+        # aiohttp (3.14) answers a parse error in `RequestHandler.handle_error`, outside every
+        # middleware, and offers no public hook for the handler class: the app's server is
+        # rebuilt with the same arguments around a handler that overrides it.
+        server = await super()._make_server()
+        return _ApiServer(
+            server.request_handler,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            loop=server._loop,
+            **server._kwargs,
+        )
 
 
 @web.middleware
@@ -219,10 +298,15 @@ async def _auth_middleware(
         return _json_error(err)
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:  # aiohttp's routing (404, 405) or body limit (413)
+        if exc.status < 400:
+            raise
+        return _json_error(_http_error(exc, request), headers=_allow_header(exc))
     except ProtocolError as err:
         return _json_error(err)
+    except ConnectionResetError:  # the client went away mid-body: its doing, answered to no one
+        log.debug("client left during %s %s", request.method, request.path)
+        return _json_error(_unparsable(400))
     except Exception:  # a bug, never the input's fault: the JSON 500, details only in the log
         log.exception("unexpected error serving %s %s", request.method, request.path)
         return _json_error(INTERNAL_ERROR)

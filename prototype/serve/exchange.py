@@ -23,7 +23,7 @@ from ..wire.schemas import CompactParams, ServerEvent, decode_compact_params, de
 
 T = TypeVar("T")
 
-__all__ = ["HTTPExchange", "JSONReply", "http_compact", "http_create", "request_too_large"]
+__all__ = ["HTTPExchange", "JSONReply", "decoded_body", "http_compact", "http_create", "request_too_large"]
 
 
 def request_too_large(limit: int) -> ProtocolError:
@@ -36,7 +36,7 @@ def http_create(
     """Parse and validate a `POST /v1/responses` body (the whole of it must be UTF-8), or raise the
     `ProtocolError` to answer with. `tool_cache`: skip validating a tool list identical to the last."""
     arrival = Arrival(engine.clock.now(), len(body), "http")
-    params = _decoded(body, config, decode_create_params)
+    params = decoded_body(body, config, decode_create_params)
     create = normalize_create(
         params, websocket=False, tool_cache=tool_cache, parse=engine.item_parser, open_responses=config.open_responses
     )
@@ -96,10 +96,10 @@ class HTTPExchange:
 def http_compact(body: bytes, engine: Engine, config: ServerConfig) -> tuple[CompactParams, Arrival]:
     """Parse a `POST /v1/responses/compact` body, or raise the `ProtocolError` to answer with."""
     arrival = Arrival(engine.clock.now(), len(body), "http")
-    return _decoded(body, config, decode_compact_params), arrival
+    return decoded_body(body, config, decode_compact_params), arrival
 
 
-def _decoded(body: bytes, config: ServerConfig, decode: Callable[[str], T]) -> T:
+def decoded_body(body: bytes, config: ServerConfig, decode: Callable[[str], T]) -> T:
     """An HTTP body within the size limit, UTF-8 as a whole, decoded and validated by `decode`;
     or the `ProtocolError` to answer with."""
     if len(body) > config.max_message_bytes:

@@ -37,7 +37,7 @@ from aiohttp import WSMsgType, web
 from prototype.config import ServerConfig
 from prototype.model import ModelRequest
 from prototype.options import add_struct_options, struct_from_args
-from prototype.serve.app import make_app
+from prototype.serve.app import ApiRunner, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.server import serve_until_stopped
 from prototype.store.spec import open_store
@@ -212,7 +212,7 @@ def make_bench_app(args: argparse.Namespace) -> tuple[web.Application, LatenessR
 
 async def serve(args: argparse.Namespace) -> None:
     app, _ = make_bench_app(args)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None)
+    runner = ApiRunner(app, handle_signals=False, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", args.port)
     await site.start()

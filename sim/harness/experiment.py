@@ -45,7 +45,7 @@ from prototype.model import ModelEvent, ModelRequest
 from prototype.options import replace_leaves
 from prototype.pipeline import Optimization, load_profile
 from prototype.response.engine import Engine
-from prototype.serve.app import ENGINE, make_app, make_engine, render_executor
+from prototype.serve.app import ENGINE, ApiRunner, make_app, make_engine, render_executor
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import COMPACT_THRESHOLD_MIN
@@ -425,7 +425,7 @@ class _World:
                 server_config = structs.replace(server_config, model=engine_limits(config.engine))
             app = make_app(model=self.prompts, store=self.store, clock=clock, config=server_config, seed=config.seed)
             self.engine = app[ENGINE]
-            runner = web.AppRunner(app)
+            runner = ApiRunner(app)
             await runner.setup()
             stack.push_async_callback(runner.cleanup)
             site = web.TCPSite(runner, "127.0.0.1", 0)

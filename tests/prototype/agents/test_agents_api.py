@@ -43,6 +43,8 @@ from prototype.agents.record import decode_record, encode_record, record_of, res
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.ids import IdFactory
 from prototype.serve.app import ENGINE
+from prototype.store.base import StoreUnavailable
+from prototype.store.memory import MemoryStore
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import FunctionCall, RequiredInput, encode
 from tests.support import AGENT_EVENT_MODELS as EVENT_MODELS
@@ -358,6 +360,13 @@ async def test_every_route_requires_the_beta_header(live: Live, http: aiohttp.Cl
         (_create(bogus=1), 400, "unknown_parameter", "bogus"),
         (_create(input=None), 400, "missing_required_parameter", "input"),
         (_create(agent_id="agent_nope"), 404, "not_found", "agent_id"),
+        (_create(vault_ids=["vault_1"]), 400, "unsupported_value", "vault_ids"),
+        (
+            _create(input=[{"role": "user", "content": [{"type": "input_text"}]}]),
+            400,
+            "missing_required_parameter",
+            "input[0].content[0].text",
+        ),
         (_create(prompt_cache_options={"ttl": "1h"}), 400, None, "prompt_cache_options.ttl"),
     ],
 )
@@ -371,6 +380,56 @@ async def test_bad_creates_get_the_apis_errors(
         assert error["code"] == code
     if param is not None:
         assert error["param"] == param
+
+
+async def test_a_message_part_without_text_is_refused_at_its_path(live: Live, http: aiohttp.ClientSession) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create())
+    sid = (await resp.json())["id"]
+    message = {"type": "agent.session.input.message", "input": [{"role": "user", "content": [{"type": "input_text"}]}]}
+    refused = await _post_events(http, live, sid, [{"type": "agent.session.input.cancel"}, message])
+    assert refused.status == 400
+    error = (await refused.json())["error"]
+    assert error["code"] == "missing_required_parameter"
+    assert error["param"] == "events[1].input[0].content[0].text"
+    assert error["message"] == "Missing required parameter: 'events[1].input[0].content[0].text'."
+
+
+def _deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"environment":{"type":"none"},"input":"hi","agent":{"model":"sim","tools":[{"type":"function",'
+        '"name":"f","description":"d","parameters":{"type":"object","properties":{"a":' + _deep(5000) + "}}}]}}",
+        '{"environment":{"type":"none"},"input":[{"role":"user","content":' + _deep(5000) + "}]}",
+        '{"environment":{"type":"none"},"input":"hi","metadata":' + _deep(5000) + "}",
+    ],
+    ids=["tool-parameters", "message-content", "metadata"],
+)
+async def test_deep_nesting_in_a_create_is_a_400_not_a_500(
+    live: Live, http: aiohttp.ClientSession, body: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, data=body)
+    assert resp.status == 400 and resp.content_type == "application/json"
+    error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] in ("invalid_json", "invalid_type")
+    assert not [r for r in caplog.records if r.exc_info], "a client's bad body logged a traceback"
+
+
+async def test_deep_nesting_in_a_tool_result_is_a_400_and_applies_nothing(
+    live: Live, http: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create())
+    sid = (await resp.json())["id"]
+    result = '{"type":"agent.session.input.tool_result","turn_id":"t","call_id":"c","success":true,"output":'
+    body = '{"events":[' + result + _deep(5000) + "}]}"
+    refused = await http.post(f"{live.base_url}/agents/sessions/{sid}/events", headers=BETA, data=body)
+    assert refused.status == 400
+    error = (await refused.json())["error"]
+    assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+    assert not [r for r in caplog.records if r.exc_info]
 
 
 async def test_tool_definitions_past_8_mib_are_refused(http: aiohttp.ClientSession) -> None:
@@ -521,3 +580,34 @@ async def test_a_turn_waiting_past_the_pause_timeout_fails_and_frees_its_kv(http
         assert failed["status"] == "failed" and failed["error"]["code"] == "request_timeout"
         assert seen["error"]["error"]["code"] == "request_timeout"
         assert live.app[ENGINE].statistics().kv_idle_token_s > 0
+
+
+class _StoreDown(MemoryStore):
+    """A store whose writes of responses fail (`sessions`: and of sessions)."""
+
+    def __init__(self, *, sessions: bool = False) -> None:
+        super().__init__()
+        self.sessions = sessions
+
+    async def put(self, response_id: str, value: bytes) -> None:
+        if self.sessions or response_id.startswith("resp_"):
+            raise StoreUnavailable("redis at 10.0.0.7:6379 refused the connection")
+        await super().put(response_id, value)
+
+
+async def test_a_store_outage_fails_the_turn_with_server_error(http: aiohttp.ClientSession) -> None:
+    """docs/reliability.md: a turn whose response cannot be stored ends with an `error` event
+    `server_error` (the turn error codes' catch-all) carrying the store's message, then
+    `agent.session.turn.failed`; a session that cannot be stored is a 503 and runs nothing."""
+    async with live_server(store=_StoreDown(), tool_calls=0) as live:
+        resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create(stream=True))
+        events = [event async for event in _frames(resp)]
+    kinds = [e["type"] for e in events]
+    assert "agent.session.turn.failed" in kinds and "agent.session.turn.completed" not in kinds
+    error = next(e for e in events if e["type"] == "error")["error"]
+    assert error["code"] == "server_error" and "10.0.0.7" not in json.dumps(events)
+    assert error["message"] == "The response store is unavailable. Please retry."
+    async with live_server(store=_StoreDown(sessions=True), tool_calls=0) as live:
+        resp = await http.post(f"{live.base_url}/agents/sessions", headers=BETA, json=_create(stream=True))
+        assert resp.status == 503 and (await resp.json())["error"]["code"] == "store_unavailable"
+        assert live.app[ENGINE].statistics().responses == 0  # no turn ran for a session not stored

@@ -319,9 +319,23 @@ async def test_compact_endpoint_with_previous_response_id(live: Live) -> None:
             "invalid_value",
             "input[0].role",
         ),
+        # The create's item rules (conversation.split_trigger, check_continuation), run here too.
+        (
+            {"model": "sim", "input": [{"type": "compaction_trigger"}, {"role": "user", "content": "hi"}]},
+            "invalid_value",
+            "input[0]",
+        ),
+        ({"model": "sim", "input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, None, "input"),
+        (
+            {"model": "sim", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+            "missing_required_parameter",
+            "input[0].content[0].text",
+        ),
     ],
 )
-async def test_compact_endpoint_refuses_bad_input(live: Live, body: dict[str, Any], code: str, param: str) -> None:
+async def test_compact_endpoint_refuses_bad_input(
+    live: Live, body: dict[str, Any], code: str | None, param: str
+) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.post(f"{live.base_url}/responses/compact", json=body) as resp:
             assert resp.status == 400

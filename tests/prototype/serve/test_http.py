@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
@@ -357,3 +359,72 @@ async def test_live_and_in_process_http_answer_alike(case: dict[str, Any]) -> No
         assert types == ["response.created", "response.in_progress", "error"] and error is None
     else:
         assert types[-1] == "response.completed" and error is None
+
+
+# -- what aiohttp itself would answer, in the API's shape ----------------------------------------------------
+
+
+def _api_error(status: int, content_type: str, body: bytes) -> dict[str, Any]:
+    assert content_type.startswith("application/json"), (status, content_type, body[:200])
+    error: dict[str, Any] = json.loads(body)["error"]
+    assert set(error) == {"type", "code", "message", "param"}
+    return error
+
+
+async def test_routing_errors_are_json_in_the_apis_shape(live: Live, caplog: pytest.LogCaptureFixture) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{live.base_url}/nope") as resp:
+            error = _api_error(resp.status, resp.content_type, await resp.read())
+        assert resp.status == 404 and error["message"] == "Invalid URL (GET /v1/nope)."
+        assert (error["type"], error["code"]) == ("invalid_request_error", None)
+        async with http.put(f"{live.base_url}/responses", json={}) as resp:
+            error = _api_error(resp.status, resp.content_type, await resp.read())
+            allow = resp.headers.get("Allow", "")
+        assert resp.status == 405 and error["code"] == "method_not_allowed" and "POST" in allow
+        async with http.delete(f"{live.base_url}/agents/sessions", headers={"OpenAI-Beta": "agents=v1"}) as resp:
+            assert resp.status == 405
+            _api_error(resp.status, resp.content_type, await resp.read())
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /v1/" + b"x" * 9000 + b" HTTP/1.1\r\nHost: a\r\n\r\n",  # a request line past aiohttp's 8190 bytes
+        b"GET /v1/responses HTTP/1.1\r\nHost: a\r\nX-Big: " + b"y" * 9000 + b"\r\n\r\n",  # a header past it
+        b"POST /v1/responses HTTP/1.1\r\nHost: a\r\nContent-Length: nope\r\n\r\n",
+        b"GET /v1/responses HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
+        b"POST /v1/responses HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+        b"POST /v1/agents/sessions HTTP/1.1\r\nHost: a\r\nOpenAI-Beta: agents=v1\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabcdef\r\n0\r\n\r\n",
+    ],
+    ids=["long-request-line", "long-header", "bad-content-length", "chunked-and-length", "bad-chunk", "long-chunk"],
+)
+async def test_an_unparsable_request_is_a_json_400_without_a_logged_traceback(
+    live: Live, request_bytes: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+    try:
+        writer.write(request_bytes)
+        await writer.drain()
+        raw = await reader.read()  # the server closes the connection after the error
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])}
+    error = _api_error(status, headers[b"content-type"].decode(), body)
+    assert status == 400 and error["code"] == "invalid_http_request"
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
+
+
+async def test_a_body_cut_short_by_the_client_logs_no_traceback(live: Live, caplog: pytest.LogCaptureFixture) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", live.port)
+    try:
+        writer.write(b"POST /v1/responses HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\nabc")
+        writer.write_eof()
+        assert await reader.read() == b""  # nobody left to answer
+    finally:
+        writer.close()
+    await asyncio.sleep(0)  # the handler's turn to see the reset
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [r.getMessage() for r in caplog.records]

@@ -394,6 +394,13 @@ RULES = [
         "Invalid schema for function 'f' at 'type': schema must be a JSON Schema of 'type: \"object\"'.",
     ),
     Rule(
+        "input_text without text",
+        {"model": "sim", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        "missing_required_parameter",
+        "input[0].content[0].text",
+        "Missing required parameter: 'input[0].content[0].text'.",
+    ),
+    Rule(
         "tool name missing",
         body(tools=[{"type": "function", "parameters": {"type": "object"}}]),
         "missing_required_parameter",

@@ -3,7 +3,8 @@
 Most examples go straight to the sans-IO core (`Connection.receive_text`) and to
 the HTTP body decoder (`decode_create_params` + `normalize_create`); fewer go
 through the real aiohttp app on loopback (HTTP bodies, WebSocket frames) to check
-status codes, error envelopes, closes and that a socket stays usable.
+status codes, error envelopes, closes and that a socket stays usable. Every Agents API
+route is fuzzed through the real app only (its plan needs a running event loop).
 
 Every bad input must get the protocol's error shape with a 4xx status and a
 message free of tracebacks, file paths and exception class names. The number of
@@ -18,9 +19,11 @@ import collections
 import contextlib
 import http.client
 import json
+import logging
 import math
 import os
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,7 +38,7 @@ from websockets.sync.client import connect as ws_connect
 
 from prototype.config import ServerConfig
 from prototype.context.conversation import normalize_create
-from prototype.serve.app import make_app
+from prototype.serve.app import ApiRunner, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import from_validation_error
@@ -462,7 +465,7 @@ def port() -> Iterator[int]:
         clock = AsyncioClock()
         model = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=1), seed=0, decode_tok_per_s=math.inf)
         config = ServerConfig(max_message_bytes=MAX_FRAME)
-        runner = web.AppRunner(make_app(model=model, store=MemoryStore(), clock=clock, config=config))
+        runner = ApiRunner(make_app(model=model, store=MemoryStore(), clock=clock, config=config))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         ready.append(runner.addresses[0][1])
@@ -597,6 +600,251 @@ def test_long_texts_anywhere_get_a_response_over_http_and_websocket(port: int, b
             assert event["type"] != "error", event
             if event["type"] in ("response.completed", "response.incomplete"):
                 break
+
+
+# -- the Agents API through the real app ------------------------------------------------------------------
+
+BETA = {"OpenAI-Beta": "agents=v1"}
+SESSIONS = "/v1/agents/sessions"
+AGENT_TOOL = {key: value for key, value in EXEC_TOOL.items() if key != "strict"}  # a session's tools take no `strict`
+
+
+def valid_session_create() -> dict[str, Any]:
+    return {"environment": {"type": "none"}, "agent": {"model": "sim", "tools": [AGENT_TOOL]}, "input": "list files"}
+
+
+AGENT_FIELDS = (
+    "environment",
+    "agent",
+    "agent_id",
+    "input",
+    "metadata",
+    "prompt_cache_options",
+    "review",
+    "spend_control",
+    "stream",
+    "stream_options",
+    "vault_ids",
+    "bogus",
+)
+AGENT_SUBFIELDS = ("model", "instructions", "tools", "reasoning", "text", "service_tier", "multi_agent", "compaction")
+
+
+@st.composite
+def session_create_body(draw: st.DrawFn) -> str:
+    """A session create with one field (top level, in the agent, a tool, a message) replaced,
+    nested deep, or huge; or any bad body."""
+    body = valid_session_create()
+    where = draw(st.sampled_from(("top", "agent", "tool", "message", "deep", "deep", "huge", "bytes")))
+    if where == "bytes":
+        return draw(text_frames)
+    if where == "top":
+        body[draw(st.sampled_from(AGENT_FIELDS))] = draw(json_values)
+    elif where == "agent":
+        body["agent"][draw(st.sampled_from(AGENT_SUBFIELDS))] = draw(json_values)
+    elif where == "tool":
+        key = draw(st.sampled_from(("type", "name", "description", "parameters", "defer_loading", "async", "strict")))
+        body["agent"]["tools"] = [{**AGENT_TOOL, key: draw(json_values)}]
+    elif where == "message":
+        part = {"type": draw(st.sampled_from(("input_text", "input_image", "output_text", "x"))), "text": "hi"}
+        part[draw(st.sampled_from(("type", "text", "image_url")))] = draw(json_values)
+        if draw(st.booleans()):
+            part.pop("text")
+        body["input"] = [{"role": draw(st.sampled_from(("user", "assistant"))), "content": [part]}]
+    elif where == "huge":
+        big = draw(st.sampled_from('xé\U0001f600\\"')) * draw(st.integers(10_000, 100_000))
+        body[draw(st.sampled_from(("input", "agent_id", big[:64])))] = big
+    else:
+        nested = deep(draw(st.sampled_from((5000, 10_000))), draw(st.sampled_from(("array", "object"))))
+        head = json.dumps(body)[:-1]
+        return (
+            head
+            + {
+                "parameters": ',"agent":{"model":"sim","tools":[{"type":"function","name":"f","description":"d",'
+                '"parameters":{"type":"object","properties":{"a":' + nested + "}}}]}}",
+                "content": ',"input":[{"role":"user","content":' + nested + "}]}",
+                "environment": ',"environment":' + nested + "}",
+            }[draw(st.sampled_from(("parameters", "content", "environment")))]
+        )
+    return json.dumps(body)
+
+
+@st.composite
+def events_body(draw: st.DrawFn) -> str:
+    """A `POST .../events` body: input events with odd fields, deep outputs, or any bad body."""
+    if draw(st.integers(0, 4)) == 0:
+        return draw(text_frames)
+    kind = draw(st.sampled_from(("message", "tool_result", "tool_result", "cancel", "other")))
+    event: dict[str, Any] = {"type": f"agent.session.input.{kind}"}
+    if kind == "message":
+        event["input"] = [{"role": "user", "content": [{"type": "input_text", "text": "more"}]}]
+    elif kind == "tool_result":
+        event.update(turn_id="turn_x", call_id="call_x", success=True, output="ok")
+    if draw(st.booleans()):
+        event[draw(st.sampled_from(("input", "output", "turn_id", "call_id", "success", "error", "type", "x")))] = draw(
+            json_values
+        )
+    if kind == "tool_result" and draw(st.booleans()):
+        nested = deep(draw(st.sampled_from((1000, 5000))), "array")
+        return '{"events":[' + json.dumps(event)[:-1] + ',"output":' + nested + "}]}"
+    return json.dumps({"events": draw(st.lists(st.just(event), max_size=3))})
+
+
+ODD_IDS = st.one_of(
+    st.sampled_from(("sess_nope", "", "turn_x", "..", "%00", "sess_" + "a" * 300)),
+    st.text(max_size=30),
+    st.integers(9000, 12_000).map(lambda n: "s" * n),  # a request line past aiohttp's limit
+)
+
+
+SESSION = "{session}"  # stands for the module's live session id (`agents_session`) in a drawn path
+OTHER_ROUTES = (
+    ("GET", SESSIONS),
+    ("GET", f"{SESSIONS}/{{sid}}"),
+    ("POST", f"{SESSIONS}/{{sid}}"),
+    ("DELETE", f"{SESSIONS}/{{sid}}"),
+    ("GET", f"{SESSIONS}/{{sid}}/events"),
+    ("GET", f"{SESSIONS}/{{sid}}/turns"),
+    ("GET", f"{SESSIONS}/{{sid}}/turns/{{tid}}"),
+    ("GET", f"{SESSIONS}/{{sid}}/items"),
+    ("GET", f"{SESSIONS}/{{sid}}/turns/{{tid}}/items"),
+    ("PUT", f"{SESSIONS}/{{sid}}"),
+    ("PATCH", SESSIONS),
+    ("GET", f"{SESSIONS}/{{sid}}/nope"),
+)
+
+
+@st.composite
+def agents_request(draw: st.DrawFn) -> tuple[str, str, dict[str, str], bytes]:
+    """Any route of the Agents API (or a method or path it does not serve), the live session or
+    an odd id, with or without the beta header, with a bad body or query. The two routes that
+    take a body get a third of the examples each."""
+    method, path = draw(
+        st.one_of(
+            st.just(("POST", SESSIONS)),
+            st.just(("POST", f"{SESSIONS}/{{sid}}/events")),
+            st.sampled_from(OTHER_ROUTES),
+        )
+    )
+    sid = draw(st.sampled_from((SESSION, SESSION, SESSION)) | ODD_IDS)
+    quoted = sid if sid == SESSION else urllib.parse.quote(sid, safe="")
+    tid = urllib.parse.quote(draw(ODD_IDS), safe="")
+    path = path.replace("{sid}", quoted).replace("{tid}", tid)
+    if method == "GET" and draw(st.booleans()):
+        query = draw(
+            st.dictionaries(st.sampled_from(("limit", "order", "after", "x")), st.text(max_size=12), max_size=3)
+            | st.just({"limit": "1000000000000000000000"})
+        )
+        path += "?" + urllib.parse.urlencode(query)
+    headers = {"Content-Type": "application/json"}
+    beta = draw(st.sampled_from(("agents=v1", "agents=v1", "agents=v1", "responses=v1, agents=v1", None, "agents=v2")))
+    if beta is not None:
+        headers["OpenAI-Beta"] = beta
+    body = b""
+    if method == "POST" and path == SESSIONS:
+        body = draw(session_create_body()).encode()
+    elif method == "POST" and path.endswith("/events"):
+        body = draw(events_body()).encode()
+    elif draw(st.integers(0, 3)) == 0:
+        body = draw(byte_bodies)
+    return method, path, headers, body
+
+
+class Logged(logging.Handler):
+    """The server's log records worth a look: any with a traceback, any error."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info or record.levelno >= logging.ERROR:
+            self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def server_log() -> Iterator[Logged]:
+    handler = Logged()
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
+
+
+@pytest.fixture(scope="module")
+def agents_session(port: int) -> str:
+    status, data = request(
+        port,
+        "POST",
+        SESSIONS,
+        {**BETA, "Content-Type": "application/json"},
+        json.dumps(valid_session_create()).encode(),
+    )
+    assert status == 200, data[:300]
+    session_id: str = msgspec.json.decode(data)["id"]
+    return session_id
+
+
+def request(port: int, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, bytes]:
+    """One request; a server-sent event stream's reply is only its head (the stream stays open)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request(method, path, body=body or None, headers=headers)
+        resp = conn.getresponse()
+        if resp.status == 200 and resp.getheader("Content-Type", "").startswith("text/event-stream"):
+            return resp.status, b"<event-stream>"
+        assert resp.getheader("Content-Type", "").startswith("application/json"), (resp.status, resp.getheaders())
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+DEEP_TOOL_RESULT = (
+    '{"events":[{"type":"agent.session.input.tool_result","turn_id":"t","call_id":"c","success":true,"output":'
+    + deep(5000, "array")
+    + "}]}"
+)
+
+
+@fuzz(120)
+@given(req=agents_request())
+@example(  # found by an adversarial user: RecursionError 500s before the Agents decoders were guarded
+    req=("POST", SESSIONS, BETA, ('{"environment":{"type":"none"},"input":' + deep(5000, "array") + "}").encode())
+)
+@example(req=("POST", f"{SESSIONS}/{SESSION}/events", BETA, DEEP_TOOL_RESULT.encode()))
+def test_every_agents_route_answers_in_the_apis_shape(
+    port: int, agents_session: str, server_log: Logged, req: tuple[str, str, dict[str, str], bytes]
+) -> None:
+    """Bad ids, bodies, queries and headers on every Agents route: never a 5xx, every error in
+    the JSON error shape without internal detail, and nothing the server logs as its own fault."""
+    TRIED["Agents API requests"] += 1
+    method, path, headers, body = req
+    path = path.replace(SESSION, agents_session)
+    server_log.records.clear()
+    status, reply = request(port, method, path, headers, body)
+    assert status < 500, (method, path[:200], status, reply[:300])
+    assert not server_log.records, [r.getMessage() for r in server_log.records]
+    if reply == b"<event-stream>":
+        assert method in ("GET", "POST") and headers.get("OpenAI-Beta", "").endswith("agents=v1")
+        return
+    if status == 202:
+        assert reply == b"" and path.endswith("/events")
+        return
+    envelope = msgspec.json.decode(reply)
+    if status == 200:
+        assert envelope["object"] in ("agent.session", "list", "agent.session.turn", "agent.session.deleted")
+        if envelope["object"] == "agent.session" and method == "POST":  # a new session: keep the server small
+            request(port, "DELETE", f"{SESSIONS}/{envelope['id']}", BETA, b"")
+        return
+    assert set(envelope) == {"error"}, envelope
+    error = envelope["error"]
+    if error["code"] is None:  # the real API's unknown URL, or a rule it answers without a code
+        error = {**error, "code": "null"}
+    check_error(error, urllib.parse.unquote(path) + body.decode(errors="replace"))
+    if "OpenAI-Beta" not in headers and status == 400 and path.startswith(SESSIONS) and len(path) < 8000:
+        assert error["code"] in ("missing_beta_header", "null", "method_not_allowed"), error
 
 
 # -- regressions found by the fuzzer --------------------------------------------------------------------
