@@ -13,7 +13,6 @@ resumes with the tool results the core hands over.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -55,8 +54,9 @@ from ..wire.errors import INTERNAL_ERROR, ProtocolError
 from ..wire.schemas import RequiredInput, ServerEvent, SteerRef, decode_text, encode
 from ..wire.sse import encode_event
 from .exchange import JSONReply, http_create, request_too_large
+from .feeds import EventFeed, let_subscribers_read, too_slow_frame
 
-__all__ = ["AgentsAPI", "EventFeed", "SessionRunner", "DEFAULT_MODEL"]
+__all__ = ["AgentsAPI", "SessionRunner", "DEFAULT_MODEL"]
 
 log = logging.getLogger("longrun.agents")
 
@@ -75,45 +75,6 @@ def beta_missing() -> ProtocolError:
 
 def not_found(what: str, ident: str, param: str) -> ProtocolError:
     return ProtocolError(f"No {what} found with id '{ident}'.", code="not_found", status=404, param=param)
-
-
-class EventFeed:
-    """One subscriber's server-sent events: SSE frames in publish order, then None at the end
-    (`until_idle`: the create stream's, after the first turn's `agent.session.idle`)."""
-
-    def __init__(self, *, until_idle: bool = False) -> None:
-        self.until_idle = until_idle
-        self._frames: collections.deque[bytes | None] = collections.deque()
-        self._wake: asyncio.Event | None = None
-        self.closed = False
-
-    def put(self, frame: bytes | None) -> None:
-        if self.closed:
-            return
-        self._frames.append(frame)
-        if frame is None:
-            self.closed = True
-        if self._wake is not None:
-            self._wake.set()
-
-    async def get(self) -> bytes | None:
-        """The next frames joined (everything published so far), or None at the end."""
-        while not self._frames:
-            self._wake = asyncio.Event()
-            try:
-                await self._wake.wait()
-            finally:
-                self._wake = None
-        out: list[bytes] = []
-        while self._frames:
-            frame = self._frames.popleft()
-            if frame is None:
-                if out:
-                    self._frames.appendleft(None)
-                    break
-                return None
-            out.append(frame)
-        return b"".join(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +107,23 @@ class SessionRunner:
     # -- the routes' side --------------------------------------------------------------------------
 
     def subscribe(self, *, until_idle: bool = False) -> EventFeed:
-        feed = EventFeed(until_idle=until_idle)
+        """A new event stream, bounded by `max_subscriber_bytes`; past `max_subscribers` open
+        streams, a 429 (docs/agents-api.md#limits)."""
+        config = self.api.config
+        if config.max_subscribers is not None and len(self.feeds) >= config.max_subscribers:
+            raise ProtocolError(
+                f"Session '{self.core.id}' has {len(self.feeds)} open event streams; "
+                f"at most {config.max_subscribers} are allowed.",
+                code="too_many_subscribers",
+                status=429,
+                param=None,
+            )
+        session_id, ids = self.core.id, self.api.ids
+        feed = EventFeed(
+            limit=config.max_subscriber_bytes,
+            dropped_frame=lambda limit: too_slow_frame(session_id, ids.new("event"), limit),
+            until_idle=until_idle,
+        )
         self.feeds.append(feed)
         return feed
 
@@ -242,6 +219,7 @@ class SessionRunner:
             async def emit(events: list[ServerEvent]) -> None:
                 core.response_events(events)
                 self.flush()
+                await let_subscribers_read(self.feeds)
 
             outcome = await engine.run(create, cached, emit, arrival=arrival, channel=self)
             response = outcome.response
