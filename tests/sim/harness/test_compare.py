@@ -321,6 +321,8 @@ NOT_DEFAULT: dict[str, object] = {
     "max_connections": 7,
     "inject_messages": True,
     "multi_agent_holds_calls": False,
+    "max_subscribers": 3,
+    "max_subscriber_bytes": None,
     "context_window": 9_000,
     "max_output_tokens": None,
 }
