@@ -27,6 +27,8 @@ __all__ = [
     "MAX_NAMED_LANES",
     "MAX_OUTPUT_TOKENS",
     "MAX_QUEUED_CREATES",
+    "MAX_SUBSCRIBERS",
+    "MAX_SUBSCRIBER_BYTES",
     "STEER_BOUNDARIES",
     "ModelLimits",
     "ServerConfig",
@@ -44,6 +46,15 @@ MAX_CACHE_BYTES: Final = 256 * 1024 * 1024
 MAX_CONNECTIONS: Final = 1024
 MAX_IN_FLIGHT: Final = 16  # responses in flight per connection, across lanes; more wait
 MAX_NAMED_LANES: Final = 32  # distinct `stream_id`s per connection (the default lane does not count)
+# The Agents API's event streams, per session. One subscriber falls at most MAX_SUBSCRIBER_BYTES
+# behind before it is dropped: about 11,000 text deltas (~370 bytes of SSE each), minutes of a
+# paced turn and well above what a reader that keeps up has queued (its writer moves 64 KiB batches
+# to the socket), yet no more than Linux's default ceiling on one socket's send buffer
+# (net.ipv4.tcp_wmem), so a stalled reader costs the server what its kernel would allow it anyway.
+# The SDK's helper keeps one stream per session; 16 leaves room for observers while bounding what
+# one session's streams hold to 16 x 4 MiB.
+MAX_SUBSCRIBERS: Final = 16
+MAX_SUBSCRIBER_BYTES: Final = 4 * 1024 * 1024
 # gpt-5's context window and output limit, in tokens (docs/contract.md).
 CONTEXT_WINDOW: Final = 400_000
 MAX_OUTPUT_TOKENS: Final = 128_000
@@ -192,6 +203,20 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             "(docs/beta.md#hosted-multi-agent)"
         ),
     ] = True
+    max_subscribers: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(
+            description="Agents API: event streams open at once per session (the create's stream counts); "
+            "one more GET .../events gets a 429 too_many_subscribers"
+        ),
+    ] = MAX_SUBSCRIBERS
+    max_subscriber_bytes: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(
+            description="Agents API: bytes of events one stream may fall behind its session; past it the stream "
+            "gets an error event subscriber_too_slow and ends (the turn runs on)"
+        ),
+    ] = MAX_SUBSCRIBER_BYTES
     websocket: WebSocketConfig = WebSocketConfig()
     agents: AgentsConfig = AgentsConfig()
     model: ModelLimits = ModelLimits()

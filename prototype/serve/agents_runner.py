@@ -38,6 +38,7 @@ from ..agents.record import encode_record, record_of, session_key
 from ..config import ServerConfig
 from ..context.cache import CacheEntry
 from ..context.conversation import Item, parse_item
+from ..ids import IdFactory
 from ..response.engine import Engine, store_errors
 from ..response.run import Aborted, Inbox, Resumed
 from ..response.services import Arrival
@@ -46,7 +47,7 @@ from ..wire.errors import INTERNAL_ERROR, ProtocolError
 from ..wire.schemas import RequiredInput, ServerEvent, SteerRef, encode
 from ..wire.sse import encode_event
 from .exchange import http_create
-from .feeds import EventFeed
+from .feeds import EventFeed, let_subscribers_read, too_slow_frame
 
 
 class SessionHost(Protocol):
@@ -55,6 +56,7 @@ class SessionHost(Protocol):
     engine: Engine
     config: ServerConfig
     store: ResponseStore
+    ids: IdFactory
     instance: str  # this process, as the owner of the turns it runs
     lease_s: float
 
@@ -181,7 +183,23 @@ class SessionRunner:
     # -- the routes' side ------------------------------------------------------------------------------
 
     def subscribe(self, *, until_idle: bool = False) -> EventFeed:
-        feed = EventFeed(until_idle=until_idle)
+        """A new event stream, bounded by `max_subscriber_bytes`; past `max_subscribers` open
+        streams, a 429 (docs/agents-api.md#limits)."""
+        config = self.api.config
+        if config.max_subscribers is not None and len(self.feeds) >= config.max_subscribers:
+            raise ProtocolError(
+                f"Session '{self.core.id}' has {len(self.feeds)} open event streams; "
+                f"at most {config.max_subscribers} are allowed.",
+                code="too_many_subscribers",
+                status=429,
+                param=None,
+            )
+        session_id, ids = self.core.id, self.api.ids
+        feed = EventFeed(
+            limit=config.max_subscriber_bytes,
+            dropped_frame=lambda limit: too_slow_frame(session_id, ids.new("event"), limit),
+            until_idle=until_idle,
+        )
         self.feeds.append(feed)
         return feed
 
@@ -306,6 +324,7 @@ class SessionRunner:
             async def emit(events: list[ServerEvent]) -> None:
                 core.response_events(turn_id, events)
                 self.flush()
+                await let_subscribers_read(self.feeds)
 
             outcome = await engine.run(create, cached, emit, arrival=arrival, channel=self)
             response = outcome.response

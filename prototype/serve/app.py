@@ -408,9 +408,13 @@ async def _agents_reply(request: web.Request, reply: JSONReply | StreamReply) ->
         return _json_reply(reply)
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
     try:
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
+        assert writer is not None
+        # One batch at a time, each waiting for the socket: the frames stay in the feed (bounded,
+        # feeds.py) until the client reads, not in the transport's unbounded buffer.
         while (chunk := await reply.feed.get()) is not None:
             await resp.write(chunk)
+            await writer.drain()
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the subscriber went away; the session runs on

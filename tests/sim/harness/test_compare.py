@@ -323,6 +323,8 @@ NOT_DEFAULT: dict[str, object] = {
     "multi_agent_holds_calls": False,
     "lease_s": 12.0,
     "max_idle_sessions": 9,
+    "max_subscribers": 3,
+    "max_subscriber_bytes": None,
     "context_window": 9_000,
     "max_output_tokens": None,
 }
