@@ -8,7 +8,7 @@ LONGRUN_REQUIRE_ALL ?= 1
 # The dev toolchain's versions CI ran (constraints.txt); install_requires stay loose for users.
 PIP_INSTALL = $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: install engine node-clients test compare lint typecheck docs-tables docs-layers
+.PHONY: install engine node-clients test test-fast compare lint typecheck docs-tables docs-layers
 
 install:
 	$(PIP_INSTALL) -e '.[dev]'
@@ -33,6 +33,11 @@ node-clients:
 
 test: install engine node-clients
 	LONGRUN_REQUIRE_ALL=$(LONGRUN_REQUIRE_ALL) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast loop (docs/testing.md): every test but those marked slow, on what is installed (no
+# install first, and a missing service or client skips). CI and `make test` run the slow ones too.
+test-fast:
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 compare: install
 	$(PY) -m sim compare

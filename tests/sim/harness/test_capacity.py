@@ -91,6 +91,7 @@ def test_a_tool_tail_changes_the_times_and_nothing_else() -> None:
     assert all((a > 0.3) == (b > 0.3) for a, b in zip(times, lighter, strict=True))  # same side of the median
 
 
+@pytest.mark.slow
 def test_held_kv_that_waits_loses_to_ws_where_preempting_it_does_not() -> None:
     """The crossover in small: a budget the held KV overflows; waiting for it collapses, preempting
     it does not, and the paired comparison against ws says so with its interval. Free compute, so
