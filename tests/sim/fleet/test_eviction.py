@@ -119,16 +119,17 @@ def _pressed_sessions() -> tuple[list[Any], list[float]]:
 @pytest.mark.parametrize(
     ("mode", "switches"),
     [
+        # The fast loop keeps ws and append as they are; the other variants are slow (docs/testing.md).
         ("ws", {}),
-        ("http", {"router": "least"}),
+        pytest.param("http", {"router": "least"}, marks=pytest.mark.slow),
         ("append", {}),
-        ("append", {"hold_policy": "ttl", "preempt_held": False}),
-        ("append", {"hold_policy": "offload", "offload_host_gb": 2.0}),
-        ("append", {"admission": "greedy"}),
-        ("ws", {"running_kv": "grow"}),
-        ("append", {"running_kv": "grow", "queue_order": "program"}),
-        ("ws", {"compute": "free", "cache_ttl_s": 5.0}),
-        ("append", {"compute": "free", "router": "prefix"}),
+        pytest.param("append", {"hold_policy": "ttl", "preempt_held": False}, marks=pytest.mark.slow),
+        pytest.param("append", {"hold_policy": "offload", "offload_host_gb": 2.0}, marks=pytest.mark.slow),
+        pytest.param("append", {"admission": "greedy"}, marks=pytest.mark.slow),
+        pytest.param("ws", {"running_kv": "grow"}, marks=pytest.mark.slow),
+        pytest.param("append", {"running_kv": "grow", "queue_order": "program"}, marks=pytest.mark.slow),
+        pytest.param("ws", {"compute": "free", "cache_ttl_s": 5.0}, marks=pytest.mark.slow),
+        pytest.param("append", {"compute": "free", "router": "prefix"}, marks=pytest.mark.slow),
     ],
 )
 def test_every_eviction_takes_the_head_of_vllms_free_block_queue(mode: str, switches: dict[str, Any]) -> None:

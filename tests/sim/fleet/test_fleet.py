@@ -503,8 +503,17 @@ def test_growing_kv_preempts_the_newest_running_turn_and_recomputes_it() -> None
         FleetConfig(compute="free", running_kv="grow")
 
 
-@pytest.mark.parametrize("policy", ["hold", "ttl", "offload", "minwaste"])
-@pytest.mark.parametrize("running_kv", ["reserve", "grow"])
+@pytest.mark.parametrize(
+    ("running_kv", "policy"),
+    [
+        # The fast loop keeps one combination; the other seven are slow (docs/testing.md).
+        pytest.param(
+            kv, policy, id=f"{kv}-{policy}", marks=() if (kv, policy) == ("reserve", "hold") else pytest.mark.slow
+        )
+        for kv in ("reserve", "grow")
+        for policy in ("hold", "ttl", "offload", "minwaste")
+    ],
+)
 def test_every_switch_combination_serves_every_session_within_the_budget(policy: str, running_kv: str) -> None:
     """Tight KV, scheduling switches crossed: every session ends, KV stays within its budget, and
     each turn has one first token, one end and one admission wait (a preempted running turn,

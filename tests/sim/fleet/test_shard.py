@@ -50,17 +50,21 @@ def _assert_same(whole: FleetRun, split: FleetRun) -> None:
         assert split.kv_token_s[kind] == pytest.approx(token_s, rel=1e-9, abs=1e-6)  # a float sum's order
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize(
     ("mode", "fleet"),
     [
+        # The fast loop keeps the three plain modes; the switched variants are slow (docs/testing.md).
         ("http", FLEET),
         ("ws", FLEET),
         ("append", FLEET),
-        ("append", msgspec.structs.replace(FLEET, hold_policy="ttl", preempt_held=False)),
-        ("append", msgspec.structs.replace(FLEET, hold_policy="offload", running_kv="grow")),
-        ("ws", msgspec.structs.replace(FLEET, compute="free")),
-        ("http_prev", msgspec.structs.replace(FLEET, router="affinity")),
-        ("agents", msgspec.structs.replace(FLEET, router="affinity", queue_order="program")),
+        pytest.param("append", msgspec.structs.replace(FLEET, hold_policy="ttl", preempt_held=False), marks=SLOW),
+        pytest.param("append", msgspec.structs.replace(FLEET, hold_policy="offload", running_kv="grow"), marks=SLOW),
+        pytest.param("ws", msgspec.structs.replace(FLEET, compute="free"), marks=SLOW),
+        pytest.param("http_prev", msgspec.structs.replace(FLEET, router="affinity"), marks=SLOW),
+        pytest.param("agents", msgspec.structs.replace(FLEET, router="affinity", queue_order="program"), marks=SLOW),
     ],
 )
 def test_a_split_run_merges_to_the_whole_run(mode: str, fleet: FleetConfig, sessions: list[SessionTokens]) -> None:

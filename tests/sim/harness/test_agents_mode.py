@@ -22,7 +22,9 @@ SMALL = CompareConfig.of(
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("virtual", [False, True], ids=["live", "virtual"])
+@pytest.mark.parametrize(
+    "virtual", [pytest.param(False, id="live", marks=pytest.mark.slow), pytest.param(True, id="virtual")]
+)
 def test_agents_runs_the_same_tokens_as_append(virtual: bool) -> None:
     result = run(SMALL, virtual=False) if not virtual else compare(SMALL, virtual=True)
     by_mode = {m: [r for r in result.rollouts if r.mode == m] for m in ("ws", "append", "agents")}

@@ -44,6 +44,7 @@ def measured() -> list:  # type: ignore[type-arg]
     return records_from_rollouts(result.rollouts, source="longrun-live")
 
 
+@pytest.mark.slow  # a calibration fit, twice
 @pytest.mark.parametrize("capture", [False, True], ids=["staged", "capture"])
 def test_a_run_the_simulator_made_is_predicted_closely(measured: list, capture: bool) -> None:  # type: ignore[type-arg]
     as_engine = MEASURED.updated(engine_kind="llamacpp")  # scored as if an engine had measured it
