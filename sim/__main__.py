@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Final
@@ -62,7 +62,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
-from sim.rollout.result import ALL_MODES
+from sim.rollout.result import ALL_MODES, RolloutFailure, failure_lines
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -404,8 +404,9 @@ def saved_text(e: Estimate) -> str:
     return f"{100 * e.value:.1f} % ± {spread}"
 
 
-def table(summary: list[ModeSummary]) -> str:
-    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %)."""
+def table(summary: list[ModeSummary], failed: Sequence[RolloutFailure] = ()) -> str:
+    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %). Failed
+    rollouts (not in the metrics) follow, a row per mode and error."""
     head = (
         f"{'mode':<10} {'n':>3} {'rollout p50 s (95 % CI)':>26} {'p90 s (95 % CI)':>24} {'TTFT ms':>8} "
         f"{'tool→token ms':>14} {'overhead':>9} {'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} "
@@ -421,7 +422,7 @@ def table(summary: list[ModeSummary]) -> str:
             f"{s.bytes_per_turn:>11.0f} {s.tokens_rendered_per_turn:>14.0f} {_pct(s.connection_cache_hit_rate):>9} "
             f"{_pct(s.token_hit_rate):>8} {s.kv_idle_token_s:>14.0f} {saved:>19}"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + failure_lines(failed))
 
 
 def pairs_table(pairs: list[PairSummary]) -> str:
@@ -497,7 +498,7 @@ def _describe(config: CompareConfig) -> str:
 
 def _show(title: str, result: CompareResult) -> None:
     print(f"\n{title}")
-    print(table(result.summary))
+    print(table(result.summary, result.failed))
     if result.stopped:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
