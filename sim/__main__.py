@@ -50,6 +50,7 @@ from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
+from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
 from sim.harness.ttl import ttl_main, ttl_options
@@ -489,7 +490,8 @@ def _describe(config: CompareConfig) -> str:
     compaction = f", compacting past {config.compact_threshold} tokens" if config.compact_threshold else ""
     e = config.engine
     speed = (
-        f"llama.cpp engine ({e.engine_slots} slots, {e.engine_decode} decoding)"
+        f"llama.cpp engine ({e.engine_slots} slots of {e.ctx_per_slot:,} tokens, {kv_mib(e.ctx_per_slot):,.0f} MiB of "
+        f"KV each, {e.engine_decode} decoding)"
         if e.engine_kind != "none"
         else f"{config.model.tps:g} tokens/s"
     )
@@ -523,10 +525,11 @@ def compare_main(args: argparse.Namespace) -> int:
         check(config, virtual=not args.live)
         if not args.virtual and not args.live and args.live_rollouts:
             check(config, virtual=False)
+        config = fit_engine(config)  # the slots sized to the workload, or refused, before the engine starts
+    except (EngineNotInstalled, EngineTooSmall) as exc:
+        raise SystemExit(f"python -m sim compare: {exc}") from None
     except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    except EngineNotInstalled as exc:
-        raise SystemExit(f"python -m sim compare: {exc}") from None
     beside = 0 if (args.virtual or args.live) else args.live_rollouts
     cpu = "CPU free" if args.free_cpu else "CPU charged"
     plan = (
@@ -603,10 +606,11 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
     try:
         config: CompareConfig = struct_from_args(args, CompareConfig, base=base)
         check(config, virtual=False)
+        config = fit_engine(config)
+    except (EngineNotInstalled, EngineTooSmall) as exc:
+        raise SystemExit(f"python -m sim validate: {exc}") from None
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    except EngineNotInstalled as exc:
-        raise SystemExit(f"python -m sim validate: {exc}") from None
     return config
 
 
