@@ -18,7 +18,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Final
@@ -50,6 +50,7 @@ from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
+from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
 from sim.harness.trace import write_capacity, write_json, write_run, write_table
 from sim.harness.ttl import ttl_main, ttl_options
@@ -62,7 +63,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
-from sim.rollout.result import ALL_MODES
+from sim.rollout.result import ALL_MODES, RolloutFailure, failure_lines
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -404,8 +405,9 @@ def saved_text(e: Estimate) -> str:
     return f"{100 * e.value:.1f} % ± {spread}"
 
 
-def table(summary: list[ModeSummary]) -> str:
-    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %)."""
+def table(summary: list[ModeSummary], failed: Sequence[RolloutFailure] = ()) -> str:
+    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %). Failed
+    rollouts (not in the metrics) follow, a row per mode and error."""
     head = (
         f"{'mode':<10} {'n':>3} {'rollout p50 s (95 % CI)':>26} {'p90 s (95 % CI)':>24} {'TTFT ms':>8} "
         f"{'tool→token ms':>14} {'overhead':>9} {'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} "
@@ -421,7 +423,7 @@ def table(summary: list[ModeSummary]) -> str:
             f"{s.bytes_per_turn:>11.0f} {s.tokens_rendered_per_turn:>14.0f} {_pct(s.connection_cache_hit_rate):>9} "
             f"{_pct(s.token_hit_rate):>8} {s.kv_idle_token_s:>14.0f} {saved:>19}"
         )
-    return "\n".join(rows)
+    return "\n".join(rows + failure_lines(failed))
 
 
 def pairs_table(pairs: list[PairSummary]) -> str:
@@ -488,7 +490,8 @@ def _describe(config: CompareConfig) -> str:
     compaction = f", compacting past {config.compact_threshold} tokens" if config.compact_threshold else ""
     e = config.engine
     speed = (
-        f"llama.cpp engine ({e.engine_slots} slots, {e.engine_decode} decoding)"
+        f"llama.cpp engine ({e.engine_slots} slots of {e.ctx_per_slot:,} tokens, {kv_mib(e.ctx_per_slot):,.0f} MiB of "
+        f"KV each, {e.engine_decode} decoding)"
         if e.engine_kind != "none"
         else f"{config.model.tps:g} tokens/s"
     )
@@ -497,7 +500,7 @@ def _describe(config: CompareConfig) -> str:
 
 def _show(title: str, result: CompareResult) -> None:
     print(f"\n{title}")
-    print(table(result.summary))
+    print(table(result.summary, result.failed))
     if result.stopped:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
@@ -522,10 +525,11 @@ def compare_main(args: argparse.Namespace) -> int:
         check(config, virtual=not args.live)
         if not args.virtual and not args.live and args.live_rollouts:
             check(config, virtual=False)
+        config = fit_engine(config)  # the slots sized to the workload, or refused, before the engine starts
+    except (EngineNotInstalled, EngineTooSmall) as exc:
+        raise SystemExit(f"python -m sim compare: {exc}") from None
     except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    except EngineNotInstalled as exc:
-        raise SystemExit(f"python -m sim compare: {exc}") from None
     beside = 0 if (args.virtual or args.live) else args.live_rollouts
     cpu = "CPU free" if args.free_cpu else "CPU charged"
     plan = (
@@ -602,10 +606,11 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
     try:
         config: CompareConfig = struct_from_args(args, CompareConfig, base=base)
         check(config, virtual=False)
+        config = fit_engine(config)
+    except (EngineNotInstalled, EngineTooSmall) as exc:
+        raise SystemExit(f"python -m sim validate: {exc}") from None
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    except EngineNotInstalled as exc:
-        raise SystemExit(f"python -m sim validate: {exc}") from None
     return config
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Final
 
 import aiohttp
 
@@ -23,9 +24,26 @@ from .llamacpp import LLAMACPP
 from .model import Dialect, EngineModel
 from .process import LlamaServer, binary_path, model_path
 
-__all__ = ["ENGINE_MAX_OUTPUT_TOKENS", "check_installed", "engine_limits", "engine_model"]
+__all__ = [
+    "CTX_STEP",
+    "ENGINE_MAX_OUTPUT_TOKENS",
+    "KV_BYTES_PER_TOKEN",
+    "MODEL_CONTEXT",
+    "check_installed",
+    "ctx_for",
+    "engine_limits",
+    "engine_model",
+    "prompt_limit",
+    "slot_kv_bytes",
+    "slot_limits",
+]
 
 ENGINE_MAX_OUTPUT_TOKENS = 2048  # kept free in a slot's context for the turn's output
+MODEL_CONTEXT: Final = 32_768  # Gemma 3 270M's trained context: no slot reads more
+# Gemma 3 270M's KV per token in llama.cpp's default f16 cache: 18 layers x (K, V) x 1 KV head of 256
+# dimensions x 2 bytes = 18 KiB.
+KV_BYTES_PER_TOKEN: Final = 18 * 2 * 256 * 2
+CTX_STEP: Final = 256  # slot contexts are sized in steps of this many tokens
 
 
 def check_installed(config: EngineConfig) -> None:
@@ -35,10 +53,37 @@ def check_installed(config: EngineConfig) -> None:
         model_path()
 
 
-def engine_limits(config: EngineConfig) -> ModelLimits:
-    """The API's context limits for a slot of `config`'s engine (its BOS takes one token)."""
-    window = config.engine_ctx_per_slot - 1
+def slot_limits(ctx_per_slot: int) -> ModelLimits:
+    """The API's context limits for a slot of `ctx_per_slot` tokens (the engine's BOS takes one)."""
+    window = ctx_per_slot - 1
     return ModelLimits(context_window=window, max_output_tokens=min(ENGINE_MAX_OUTPUT_TOKENS, window // 4))
+
+
+def engine_limits(config: EngineConfig) -> ModelLimits:
+    """The API's context limits for a slot of `config`'s engine."""
+    return slot_limits(config.ctx_per_slot)
+
+
+def prompt_limit(ctx_per_slot: int) -> int:
+    """The longest prompt the API passes to a slot of `ctx_per_slot` tokens: its window less the
+    output room it keeps free."""
+    limits = slot_limits(ctx_per_slot)
+    assert limits.context_window is not None and limits.max_output_tokens is not None
+    return limits.context_window - limits.max_output_tokens
+
+
+def ctx_for(prompt_tokens: int) -> int:
+    """The smallest slot context, a multiple of `CTX_STEP`, whose prompt limit takes `prompt_tokens`."""
+    ctx = CTX_STEP
+    while prompt_limit(ctx) < prompt_tokens:
+        ctx += CTX_STEP
+    return ctx
+
+
+def slot_kv_bytes(ctx_per_slot: int) -> int:
+    """The KV cache of one slot of `ctx_per_slot` tokens, with `--swa-full` (every layer keeps
+    every token; without it Gemma's sliding-window layers keep less)."""
+    return ctx_per_slot * KV_BYTES_PER_TOKEN
 
 
 @contextlib.asynccontextmanager

@@ -14,10 +14,11 @@ from msgspec import Meta
 
 from .slots import OnFull
 
-__all__ = ["ENGINE_KINDS", "EngineConfig", "EngineKind"]
+__all__ = ["DEFAULT_CTX_PER_SLOT", "ENGINE_KINDS", "EngineConfig", "EngineKind"]
 
 EngineKind = Literal["none", "llamacpp", "openai"]
 ENGINE_KINDS: Final[tuple[EngineKind, ...]] = ("none", "llamacpp", "openai")
+DEFAULT_CTX_PER_SLOT: Final = 8192  # a slot's context when none is given and no workload sizes it
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -46,8 +47,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     ] = ()
     engine_slots: Annotated[int, Meta(ge=1, description="llama.cpp --parallel: sequences decoding at once")] = 2
     engine_ctx_per_slot: Annotated[
-        int, Meta(ge=256, description="context tokens per slot (llama.cpp -c is this x slots)")
-    ] = 8192
+        Annotated[int, Meta(ge=256)] | None,
+        Meta(
+            description="context tokens per slot (llama.cpp -c is this x slots); none: 8192, or in a comparison "
+            "the workload's largest context plus the output room when that is more (docs/engine.md)"
+        ),
+    ] = None
     engine_threads: Annotated[int, Meta(ge=1, description="llama.cpp -t: CPU threads of the engine")] = 1
     engine_swa_full: Annotated[
         bool,
@@ -82,6 +87,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     engine_startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for the engine's /health")] = (
         120.0
     )
+
+    @property
+    def ctx_per_slot(self) -> int:
+        """The slots' context in tokens: `engine_ctx_per_slot`, or the default when none is given."""
+        return DEFAULT_CTX_PER_SLOT if self.engine_ctx_per_slot is None else self.engine_ctx_per_slot
 
     def __post_init__(self) -> None:
         if self.engine_kind == "openai" and self.engine_url is None:

@@ -169,8 +169,8 @@ class EngineModel:
         framed = [engine_ids(ids) for ids in framed_output_ids(self.planner.tokenizer, items, truncated=truncated)]
         forced = [t for ids in framed for t in ids]
         prompt = [BOS_ID, *engine_ids(np.concatenate(request.prompt) if request.prompt else [])]
-        if len(prompt) + len(forced) > self.config.engine_ctx_per_slot:
-            raise ContextWindowExceeded(f"{len(prompt)} + {len(forced)} tokens > {self.config.engine_ctx_per_slot}")
+        if len(prompt) + len(forced) > self.config.ctx_per_slot:
+            raise ContextWindowExceeded(f"{len(prompt)} + {len(forced)} tokens > {self.config.ctx_per_slot}")
         force = self.config.engine_decode == "forced" and bool(forced)
         waited_from = self.clock.now()
         grant = await self._acquire(request) if self.dialect.slotted else UNSLOTTED

@@ -90,7 +90,7 @@ class LlamaServer:
             "-m", str(model_path()),
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "-c", str(c.engine_ctx_per_slot * c.engine_slots),
+            "-c", str(c.ctx_per_slot * c.engine_slots),
             "--parallel", str(c.engine_slots),
             "-t", str(c.engine_threads),
             "--slot-save-path", str(self.slot_dir),

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
 
+import aiohttp
 import msgspec
 from aiohttp import web
 from msgspec import Meta, structs
@@ -61,7 +62,16 @@ from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy, Policy
 from sim.rollout.replay import load_trace, replay_plan
-from sim.rollout.result import ALL_MODES, MODES, WS_MODES, Mode, RolloutResult
+from sim.rollout.result import (
+    ALL_MODES,
+    MODES,
+    WS_MODES,
+    ClientError,
+    Mode,
+    RolloutFailure,
+    RolloutResult,
+    error_line,
+)
 from sim.rollout.spec import RolloutSpec, draw_interjections, make_spec
 from sim.rollout.workload import WORKLOADS, draw_rollouts
 from sim.runtime.inprocess import InProcessServer, Tap
@@ -176,6 +186,7 @@ class CompareResult:
     pairs: list[PairSummary] = field(default_factory=list)
     stopped: str = ""  # with ci_width: why no more batches ran (intervals narrow enough, or the cap)
     engine_turns: list[EngineTurn] = field(default_factory=list)  # a real engine's own per-turn counters
+    failed: list[RolloutFailure] = field(default_factory=list)  # rollouts that ended in an error, not in the metrics
 
 
 def narrow_enough(summary: list[ModeSummary], width_points: float) -> tuple[bool, float]:
@@ -375,6 +386,7 @@ async def run_compare(
         pair_summaries(scheduler.results, seed=config.seed),
         stopped,
         engine_turns,
+        scheduler.failed,
     )
 
 
@@ -470,6 +482,11 @@ class _World:
                 threads.shutdown(wait=True)
 
 
+# What ends one rollout and not the comparison: the server's error reply or failed response, a
+# transport's error, a timeout. Anything else is a bug and stops the run.
+ROLLOUT_ERRORS: Final = (ClientError, aiohttp.ClientError, OSError, TimeoutError)
+
+
 class _Scheduler:
     """Runs a batch of rollouts in every mode in turn against one world, and keeps the results and
     each mode's KV idle time across batches. Each mode has its own prefix cache, cold at its first
@@ -481,6 +498,7 @@ class _Scheduler:
     def __init__(self, config: CompareConfig, world: _World, clock: Clock, *, memoize: bool) -> None:
         self.config, self.world, self.clock = config, world, clock
         self.results: list[RolloutResult] = []
+        self.failed: list[RolloutFailure] = []
         self.kv_idle = dict.fromkeys(config.modes, 0.0)
         self._caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
         self._gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
@@ -493,8 +511,8 @@ class _Scheduler:
 
     @property
     def per_mode(self) -> int:
-        """Rollouts run so far in each mode."""
-        return len(self.results) // max(1, len(self.config.modes))
+        """Rollouts run so far in each mode (failed ones included)."""
+        return (len(self.results) + len(self.failed)) // max(1, len(self.config.modes))
 
     async def run_batch(self, batch: int, specs: list[RolloutSpec], *, done: Callable[[], object]) -> None:
         """Every mode's rollouts of `specs`, mode after mode; `done()` after each rollout."""
@@ -509,7 +527,11 @@ class _Scheduler:
             idle_before = world.engine.statistics().kv_idle_token_s
             # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
             runs = (self._one(mode, batch, i, spec, len(specs), done) for i, spec in enumerate(specs))  # type: ignore[arg-type]
-            self.results.extend(await asyncio.gather(*runs))
+            for outcome in await asyncio.gather(*runs):
+                if isinstance(outcome, RolloutFailure):
+                    self.failed.append(outcome)
+                else:
+                    self.results.append(outcome)
             self.kv_idle[mode] += world.engine.statistics().kv_idle_token_s - idle_before
 
     def _client(self, mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
@@ -529,10 +551,13 @@ class _Scheduler:
 
     async def _one(
         self, mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int, done: Callable[[], object]
-    ) -> RolloutResult:
+    ) -> RolloutResult | RolloutFailure:
+        """One rollout; one that ends in an error (the server's, the transport's, the engine's
+        behind the server) is a `RolloutFailure` with the error's line, and the others run on."""
         config, clock, tools = self.config, self.clock, self.world.tools
         async with self._gate:
             client = self._client(mode, batch, index, size)
+            result: RolloutResult | RolloutFailure
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.server.disable)
@@ -550,9 +575,18 @@ class _Scheduler:
                         store=store,
                         context_management=self._context_management,
                     )
+                failed = next((t.response for t in result.turns if t.response.status == "failed"), None)
+                if failed is not None:  # a response that failed in its stream (a paused one's resume)
+                    error = failed.error
+                    line = f"{error.code}: {error.message}" if error is not None else "failed"
+                    result = RolloutFailure(mode, spec.index, f"response {failed.status} {line}")
+            except ROLLOUT_ERRORS as exc:
+                result = RolloutFailure(mode, spec.index, error_line(exc))
             finally:
                 await client.close()
-        result.prompt_tokens = self.world.prompts.take(mode, spec)
+        prompts = self.world.prompts.take(mode, spec)
+        if isinstance(result, RolloutResult):
+            result.prompt_tokens = prompts
         done()
         return result
 

@@ -105,6 +105,8 @@ def write_run(result: CompareResult, directory: str | Path, *, tables: bool = Tr
     meta = {"config": result.config, "virtual": result.virtual, "git_sha": _git_sha()}
     if result.stopped:
         meta["stopped"] = result.stopped
+    if result.failed:  # rollouts that ended in an error: in no metric below
+        meta["failed"] = [{"mode": f.mode, "rollout": f.index, "error": f.error} for f in result.failed]
     write_json(meta, path / "config.json")
     write_json({s.mode: s for s in result.summary}, path / "summary.json")
     write_json(result.pairs, path / "pairs.json")

@@ -8,6 +8,7 @@ mode, a segment ends at the pause). A turn's `output_items` are those of its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -21,8 +22,11 @@ __all__ = [
     "ClientError",
     "InterjectionRecord",
     "Mode",
+    "RolloutFailure",
     "RolloutResult",
     "TurnResult",
+    "error_line",
+    "failure_lines",
     "tool_outputs",
 ]
 
@@ -44,6 +48,45 @@ class ClientError(Exception):
         super().__init__(f"{status}: {body}")
         self.status = status
         self.body = body
+
+
+def error_line(exc: BaseException) -> str:
+    """What a rollout failed of, in one line: a `ClientError` as its status, code and message
+    (`400 context_length_exceeded: Your input exceeds …`), anything else as its type and first line."""
+    if isinstance(exc, ClientError):
+        body = exc.body
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            body = body["error"]  # an HTTP error reply: {"error": {...}}; a stream's error event is the object
+        if isinstance(body, dict):
+            code = body.get("code") or body.get("type") or ""
+            text = f"{exc.status} {code}: {body.get('message', '')}".rstrip(": ")
+        else:
+            text = f"{exc.status}: {body}"
+    else:
+        text = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    line = " ".join(text.split())
+    return line if len(line) <= 200 else line[:199] + "…"
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutFailure:
+    """A rollout that ended in an error (a `ClientError` from the server, a transport or engine
+    error): reported beside the comparison's table, not in its metrics."""
+
+    mode: Mode
+    index: int
+    error: str  # one line (`error_line`)
+
+
+def failure_lines(failed: Sequence[RolloutFailure]) -> list[str]:
+    """A line per mode and error, in a comparison table's first columns: `http  2 failed (rollouts 0, 3): …`."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for f in failed:
+        groups.setdefault((f.mode, f.error), []).append(f.index)
+    return [
+        f"{mode:<10} {len(ix):>3} failed (rollout{'s' if len(ix) > 1 else ''} {', '.join(map(str, ix))}): {error}"
+        for (mode, error), ix in groups.items()
+    ]
 
 
 @dataclass(slots=True)

@@ -119,11 +119,11 @@ async def test_a_second_socket_past_the_cap_is_refused_in_process_as_live() -> N
 
 def test_a_virtual_comparison_with_websocket_mode_refused_is_refused() -> None:
     """What `python -m sim compare` gets on a server that refuses WebSocket mode: the refusal a
-    live client gets (before this was shared, a virtual run ignored `websocket.refuse`)."""
+    live client gets (before this was shared, a virtual run ignored `websocket.refuse`), as the
+    rollout's failure."""
     config = CompareConfig(rollouts=1, tool_calls=1, modes=("ws",), server=msgspec.structs.replace(REFUSE))
-    with pytest.raises(ClientError) as refused:
-        run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
-    assert (refused.value.status, refused.value.body) == (426, "WebSocket upgrade refused")
+    refused = run_virtual(run_compare(config, VirtualClock(), virtual=True), charge_cpu=False)
+    assert refused.rollouts == [] and [f.error for f in refused.failed] == ["426: WebSocket upgrade refused"]
     http = msgspec.structs.replace(config, modes=("http",))
     result = run_virtual(run_compare(http, VirtualClock(), virtual=True), charge_cpu=False)
     assert result.rollouts and result.rollouts[0].turns  # HTTP is still served

@@ -28,12 +28,14 @@ from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.sse import SSEDecoder
-from sim.engine.backend import engine_limits, engine_model
+from sim.__main__ import main, table
+from sim.engine.backend import ctx_for, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.llamacpp import LLAMACPP
 from sim.engine.model import EngineModel
 from sim.engine.process import EngineNotInstalled, LlamaServer, binary_path
 from sim.harness.experiment import CompareConfig, compare
+from sim.harness.sizing import planned_prompts
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.rollout.result import ALL_MODES
@@ -154,11 +156,40 @@ def test_without_affinity_and_with_more_rollouts_than_slots_create_turns_lose_th
     assert max(t.prompt_n for t in ws) > max(t.prompt_n for t in append)
 
 
+def test_a_rollout_past_the_slots_is_a_failed_row_and_the_others_report(engine: LlamaServer) -> None:
+    """Slots of 4,096 tokens take prompts up to 3,072: rollout 0's last turn reads 3,094 (planned),
+    rollout 1's 2,842. Rollout 0 fails in every mode (the API's 400, or the append response's failed
+    resume), one line each; rollout 1 runs on the engine in every mode."""
+    result = _compare(engine, ("http", "ws", "append"), rollouts=2, system_prompt_tokens=2000, tool_output_tokens=300)
+    assert [(f.mode, f.index) for f in result.failed] == [("http", 0), ("ws", 0), ("append", 0)]
+    assert all("context_length_exceeded" in f.error and "\n" not in f.error for f in result.failed)
+    ran = [(r.mode, r.index, len(r.turns)) for r in result.rollouts]
+    assert ran == [("http", 1, 3), ("ws", 1, 3), ("append", 1, 3)]
+    assert [s.n for s in result.summary] == [1, 1, 1]
+    assert "1 failed (rollout 0): 400 context_length_exceeded" in table(result.summary, result.failed)
+
+
+def test_the_default_workload_runs_on_slots_sized_to_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """The issue's run in small: the default workload (6,000-token system prompt) on an engine with
+    no size given: its slots are sized to the planned largest context before it starts, and it runs."""
+    argv = ["compare", "--engine", "llamacpp", "--rollouts", "1", "--tool-calls", "1", "--modes", "http,append"]
+    argv += ["--engine-threads", "2", "--profile", "local", "--tool-time-s", "0.05", "--quiet"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    plan = planned_prompts(CompareConfig.of(rollouts=1, tool_calls=1))
+    assert plan is not None
+    ctx = ctx_for(max(plan[0]))
+    assert ctx > 8192 and f"2 slots of {ctx:,} tokens" in out
+    assert " failed " not in out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["http"], ["append"])]
+    assert [row[:2] for row in rows[:2]] == [["http", "1"], ["append", "1"]]
+
+
 async def test_a_prompt_over_the_engines_context_is_the_apis_context_error() -> None:
     clock = AsyncioClock()
     planner = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=1), decode_tok_per_s=float("inf"))
     model = EngineModel(planner=planner, url="http://127.0.0.1:9", config=SMALL, clock=clock, dialect=LLAMACPP)
-    too_long = np.arange(SMALL.engine_ctx_per_slot, dtype=np.uint32)
+    too_long = np.arange(SMALL.ctx_per_slot, dtype=np.uint32)
     request = ModelRequest(
         prompt=(too_long,), prompt_tokens=len(too_long), resident_tokens=0, turn_index=0, conversation_key=1
     )

@@ -375,11 +375,45 @@ def test_a_virtual_comparison_hands_the_server_every_field(monkeypatch: pytest.M
 def test_a_virtual_comparison_obeys_the_servers_cache_budget() -> None:
     """`max_cache_bytes` of the nested server config, in a virtual run: with no room for an entry,
     a WebSocket continuation (`store: false`) misses the connection cache and, as on the real API,
-    gets `previous_response_not_found`."""
-    from sim.rollout.result import ClientError
-
+    gets `previous_response_not_found`: the rollout fails, and the comparison reports it."""
     base = CompareConfig.of(rollouts=1, tool_calls=3, tps=0, profile="local", modes=("ws",), system_prompt_tokens=300)
     roomy = {s.mode: s for s in run(base, virtual=True, free_cpu=True).summary}["ws"]
     assert roomy.connection_cache_hit_rate == 1.0
-    with pytest.raises(ClientError, match="previous_response_not_found"):
-        run(base.updated(max_cache_bytes=0), virtual=True, free_cpu=True)
+    starved = run(base.updated(max_cache_bytes=0), virtual=True, free_cpu=True)
+    assert starved.rollouts == [] and [f.mode for f in starved.failed] == ["ws"]
+    assert starved.failed[0].error.startswith("400 previous_response_not_found: ")
+
+
+def test_a_rollout_that_fails_is_a_failed_row_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model whose window rollout 0 outgrows: the server answers 400 `context_length_exceeded`
+    over HTTP and WebSocket, and fails the paused response's resume in append; that rollout is a
+    failed row of each mode, and the other rollouts and modes report as usual."""
+    out = tmp_path / "run"
+    argv = ["compare", "--virtual", "--free-cpu", "--quiet", "--rollouts", "3", "--tool-calls", "2"]
+    argv += ["--system-prompt-tokens", "500", "--tool-output-tokens", "300", "--context-window", "2000"]
+    argv += ["--max-output-tokens", "500", "--modes", "http,ws,append", "--out", str(out)]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    failed = [line for line in lines if " failed (rollout 0): " in line]
+    assert [line.split()[0] for line in failed] == ["http", "ws", "append"]
+    assert all("context_length_exceeded: Your input exceeds the context window" in line for line in failed)
+    assert not any("Traceback" in line for line in lines)
+    table_rows = [line.split() for line in lines if "failed" not in line and " vs " not in line]
+    rows = {words[0]: words[1] for words in table_rows if words[:1] in (["http"], ["ws"], ["append"])}
+    assert rows == {"http": "2", "ws": "2", "append": "2"}  # n: the two rollouts that ran
+    config = json.loads((out / "config.json").read_text())
+    assert [(f["mode"], f["rollout"]) for f in config["failed"]] == [("http", 0), ("ws", 0), ("append", 0)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["ws"]["saved_vs_http_n"] == 2
+
+
+def test_every_rollout_failing_still_reports() -> None:
+    result = compare(
+        CompareConfig.of(rollouts=2, tool_calls=1, context_window=600, max_output_tokens=100, modes=("http", "ws")),
+        virtual=True,
+        free_cpu=True,
+    )
+    assert result.summary == [] and result.rollouts == [] and len(result.failed) == 4
+    assert table(result.summary, result.failed).count("failed (rollouts 0, 1): 400 context_length_exceeded") == 2
