@@ -107,3 +107,40 @@ async def test_two_processes_on_one_port_share_http_prev_through_redis(redis_ser
             assert second["type"] == "response.completed"
             assert second["response"]["longrun"]["connection_cache"] == "hit"
         assert one.terminate() == 0 and two.terminate() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+async def test_two_processes_on_one_port_share_agents_sessions_through_redis(redis_server: str) -> None:
+    """docs/agents-api.md#sessions-in-the-store: one id space, and a session created on one process
+    is read (and listed) on the other."""
+    port = str(_free_port())
+    args = ("--port", port, "--reuse-port", "--tps", "0", "--tool-calls", "0", "--store", redis_server)
+    beta = {"OpenAI-Beta": "agents=v1"}
+    body = {"environment": {"type": "none"}, "agent": {"model": "sim"}, "input": "hi"}
+    with start_server(*args) as one, start_server(*args) as two:
+        pids = {one.proc.pid, two.proc.pid}
+        base = f"http://127.0.0.1:{port}/v1/agents/sessions"
+        created: dict[str, int] = {}  # session id -> the process that created it
+        read_by: dict[str, set[int]] = {}
+        for _ in range(MAX_FRESH_CONNECTIONS):
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                async with session.post(base, headers=beta, json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    created[(await resp.json())["id"]] = int(resp.headers[PID_HEADER])
+            if set(created.values()) == pids:
+                break
+        assert set(created.values()) == pids and len(created) == len(set(created))
+        for _ in range(MAX_FRESH_CONNECTIONS):
+            for sid in created:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+                    async with session.get(f"{base}/{sid}", headers=beta) as resp:
+                        assert resp.status == 200 and (await resp.json())["id"] == sid
+                        read_by.setdefault(sid, set()).add(int(resp.headers[PID_HEADER]))
+            if all(len(by) == 2 for by in read_by.values()):
+                break
+        # Each session was read on the process that did not create it too.
+        assert all(by == pids for by in read_by.values()), read_by
+        async with aiohttp.ClientSession() as session, session.get(f"{base}?limit=100", headers=beta) as resp:
+            assert {s["id"] for s in (await resp.json())["data"]} == set(created)
+        assert one.terminate() == 0 and two.terminate() == 0
