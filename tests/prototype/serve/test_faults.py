@@ -253,6 +253,51 @@ async def test_redis_outage_is_a_clear_503_and_the_server_recovers(redis_process
         assert status == 200
 
 
+@pytest.mark.redis
+async def test_redis_lost_under_an_agents_session_is_a_503_then_a_404_never_a_session_stuck(
+    redis_process: RedisProcess,
+) -> None:
+    """docs/agents-api.md#sessions-in-the-store: Redis stops while a session's turn waits for a
+    tool result, then comes back empty. Every answer is the API's error (503 while it is down,
+    404 once the session is gone), and a new session works on the same server."""
+    beta = {"OpenAI-Beta": "agents=v1"}
+    tool = {key: EXEC_TOOL[key] for key in ("type", "name", "description", "parameters")}
+    body = {"environment": {"type": "none"}, "agent": {"model": "sim", "tools": [tool]}, "input": "go"}
+    async with (
+        live_server(store=RedisStore(redis_process.url), tool_calls=1) as live,
+        aiohttp.ClientSession() as session,
+    ):
+        base = live.base_url + "/agents/sessions"
+        async with session.post(base, headers=beta, json={**body, "stream": True}) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: ") and b'"agent.session.requires_action"' in line:
+                    waiting = json.loads(line[6:])["session"]
+                    break
+        (call,) = waiting["required_actions"]
+        result = {"type": "agent.session.input.tool_result", "success": True, "output": "ok"}
+        result |= {"turn_id": call["turn_id"], "call_id": call["call_id"]}
+        redis_process.stop()
+        async with session.post(f"{base}/{waiting['id']}/events", headers=beta, json={"events": [result]}) as resp:
+            text = await resp.text()
+            assert (resp.status, json.loads(text)) == (503, {"error": STORE_DOWN})
+        async with session.get(f"{base}/{waiting['id']}", headers=beta) as resp:
+            assert (resp.status, await resp.json()) == (503, {"error": STORE_DOWN})
+        async with session.post(base, headers=beta, json=body) as resp:
+            assert (resp.status, await resp.json()) == (503, {"error": STORE_DOWN})
+        redis_process.start()  # back, empty
+        for path in ("", "/turns", "/items"):
+            async with session.get(f"{base}/{waiting['id']}{path}", headers=beta) as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == "not_found"
+        async with session.post(base, headers=beta, json={**body, "stream": True}) as resp:
+            assert resp.status == 200
+            async for line in resp.content:  # the new session's turn runs to its tool call
+                assert b"Traceback" not in line and str(redis_process.port).encode() not in line
+                if b'"agent.session.requires_action"' in line:
+                    break
+            else:
+                raise AssertionError("the new session's stream ended before its turn paused")
+
+
 # -- slow consumer ---------------------------------------------------------------------------------
 
 SLOW_TOKENS = 60_000

@@ -1,9 +1,11 @@
-"""Soak: concurrent rollouts in all four modes against one server on loopback, in rounds.
+"""Soak: concurrent rollouts in all four modes, and Agents API sessions beside them, against one
+server on loopback, in rounds.
 
 Every event every client receives is kept and checked: each response ends completed, or
 failed/incomplete with a reason; sequence numbers are contiguous per response; usage equals
 the tokens streamed (the deltas re-tokenized: the simulator's tokens are the encoding of its
-text); every `store:true` response is retrievable. After each round the server's tasks are
+text); every `store:true` response is retrievable; every session's turn runs through its tool calls
+to `completed`, then the session is deleted. After each round the server's tasks are
 awaited and none is left; the traced memory after the second round is within a bound of the
 first (equal rounds: same seeds, same conversations).
 
@@ -27,7 +29,7 @@ import msgspec
 import pytest
 
 from prototype.context.tokenizer import get_tokenizer
-from prototype.serve.app import SOCKETS
+from prototype.serve.app import AGENTS, SOCKETS
 from prototype.serve.wallclock import AsyncioClock
 from prototype.wire.schemas import (
     FunctionCallArgumentsDelta,
@@ -167,10 +169,45 @@ async def settle(before: set[asyncio.Task[Any]]) -> None:
         assert not pending, f"server tasks still running: {pending}"
 
 
+async def session_rollout(http: aiohttp.ClientSession, live: Live) -> str:
+    """One Agents API session: its turn answered call by call to its end, then deleted; the
+    turn's status."""
+    beta = {"OpenAI-Beta": "agents=v1"}
+    tool = {key: EXEC_TOOL[key] for key in ("type", "name", "description", "parameters")}
+    body = {"environment": {"type": "none"}, "agent": {"model": "sim", "tools": [tool]}, "input": "go"}
+    base = live.base_url + "/agents/sessions"
+    status = ""
+    async with http.post(base, headers=beta, json={**body, "stream": True}) as resp:
+        assert resp.status == 200
+        async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            event = msgspec.json.decode(line[6:])
+            if event["type"] == "agent.session.requires_action":
+                session = event["session"]
+                results = [
+                    {"type": "agent.session.input.tool_result", "turn_id": call["turn_id"], "call_id": call["call_id"]}
+                    | {"success": True, "output": "ok"}
+                    for call in session["required_actions"]
+                ]
+                async with http.post(f"{base}/{session['id']}/events", headers=beta, json={"events": results}) as r:
+                    assert r.status == 202, await r.text()
+            elif event["type"].startswith("agent.session.turn.") and "longrun" in event:
+                status = event["turn"]["status"]
+                sid = event["turn"]["session_id"]
+    async with http.delete(f"{base}/{sid}", headers=beta) as resp:
+        assert resp.status == 200
+    return status
+
+
 async def one_round(live: Live) -> Tally:
     before = asyncio.all_tasks()
     runs = [rollout(live, mode, i) for i in range(ROLLOUTS_PER_MODE) for mode in MODES]
-    results = await asyncio.gather(*runs)
+    async with aiohttp.ClientSession() as http:
+        results, statuses = await asyncio.gather(
+            asyncio.gather(*runs), asyncio.gather(*(session_rollout(http, live) for _ in range(ROLLOUTS_PER_MODE)))
+        )
+    assert statuses == ["completed"] * ROLLOUTS_PER_MODE
     tally = Tally()
     for mode, events in results:
         check(mode, events, tally)
@@ -196,6 +233,7 @@ def traced_bytes() -> int:
 async def test_soak_all_modes_concurrently() -> None:
     per_mode_turns = ROLLOUTS_PER_MODE * (TOOL_CALLS + 1)
     expected_responses = 3 * per_mode_turns + ROLLOUTS_PER_MODE  # append: one response per rollout
+    # (the sessions' turns are counted apart: `session_rollout`)
     async with live_server(tool_calls=TOOL_CALLS) as live:
         first = await one_round(live)  # warm-up: tokenizer tables, caches, connection pools
         assert first.responses == first.completed == expected_responses
@@ -215,5 +253,5 @@ async def test_soak_all_modes_concurrently() -> None:
                 assert growth < MEMORY_GROWTH_BOUND, f"round {rounds}: traced memory grew by {growth} bytes"
         finally:
             tracemalloc.stop()
-        assert not live.app[SOCKETS]
+        assert not live.app[SOCKETS] and not live.app[AGENTS].runners  # every session deleted
         assert live.model.statistics().kv.pinned_blocks == 0
