@@ -144,7 +144,7 @@ class AgentsAPI:
 
     async def create(self, body: bytes) -> JSONReply | StreamReply:
         params: w.SessionCreateBody = self.decoded(body, w.decode_session_create)
-        agent = self._agent(params)
+        agent = agent_of(params, self.ids)
         if params.input is None:
             raise ProtocolError(
                 "Missing required parameter: 'input' (required when 'environment.type' is 'none').",
@@ -325,69 +325,6 @@ class AgentsAPI:
             del self.runners[runner.core.id]
         runner.close()
 
-    # -- helpers -----------------------------------------------------------------------------------
-
-    def _agent(self, params: w.SessionCreateBody) -> w.AgentOut:
-        env_type = params.environment.get("type")
-        if env_type != "none":
-            raise ProtocolError(
-                f"Unsupported environment type {env_type!r}: longrun runs sessions with "
-                "'environment': {'type': 'none'} only.",
-                code="unsupported_value",
-                param="environment.type",
-            )
-        if params.vault_ids:
-            raise ProtocolError(
-                "Vaults are not supported by longrun's Agents API subset.",
-                code="unsupported_value",
-                param="vault_ids",
-            )
-        if params.agent_id is not None:
-            raise not_found("agent", params.agent_id, "agent_id")
-        agent = params.agent or w.AgentIn()
-        if agent.multi_agent and agent.multi_agent.get("enabled"):
-            raise ProtocolError(
-                "Subagents are not supported by longrun.", code="unsupported_value", param="agent.multi_agent.enabled"
-            )
-        tools_out: list[w.FunctionToolOut] = []
-        total = 2
-        for index, raw in enumerate(agent.tools or []):
-            data = decode_json(raw)  # already decoded once as part of the body: within the nesting limit
-            kind = data.get("type") if isinstance(data, dict) else None
-            if kind != "function":
-                raise ProtocolError(
-                    f"Unsupported tool type {kind!r}: longrun's sessions run function tools only.",
-                    code="unsupported_value",
-                    param=f"agent.tools[{index}].type",
-                )
-            total += len(encode(data)) + 1
-            try:
-                tool = _decode_tool(raw)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                err = from_validation_error(exc)
-                raise ProtocolError(err.message, code=err.code, param=f"agent.tools[{index}]") from None
-            tools_out.append(
-                w.FunctionToolOut(
-                    name=tool.name,
-                    description=tool.description,
-                    parameters=tool.parameters,
-                    defer_loading=tool.defer_loading,
-                )
-            )
-        if total > MAX_TOOLS_BYTES:
-            raise ProtocolError(
-                f"The agent's tools take {total} bytes of JSON; at most {MAX_TOOLS_BYTES} (8 MiB) are allowed.",
-                code="invalid_value",
-                param="agent.tools",
-            )
-        out = w.AgentOut(
-            id=self.ids.new("agent"),
-            instructions=agent.instructions,
-            model=agent.model or DEFAULT_MODEL,
-            tools=tools_out,
-        )
-        return out
-
 
 class _FunctionToolIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, rename={"is_async": "async"}):
     type: Literal["function"]
@@ -399,6 +336,69 @@ class _FunctionToolIn(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, 
 
 
 _decode_tool: Final = guarded_decoder(msgspec.json.Decoder(_FunctionToolIn))
+
+
+def agent_of(params: w.SessionCreateBody, ids: IdFactory) -> w.AgentOut:
+    """The session's agent from a create's parameters (function tools only), or the 400 refusing it."""
+    env_type = params.environment.get("type")
+    if env_type != "none":
+        raise ProtocolError(
+            f"Unsupported environment type {env_type!r}: longrun runs sessions with "
+            "'environment': {'type': 'none'} only.",
+            code="unsupported_value",
+            param="environment.type",
+        )
+    if params.vault_ids:
+        raise ProtocolError(
+            "Vaults are not supported by longrun's Agents API subset.",
+            code="unsupported_value",
+            param="vault_ids",
+        )
+    if params.agent_id is not None:
+        raise not_found("agent", params.agent_id, "agent_id")
+    agent = params.agent or w.AgentIn()
+    if agent.multi_agent and agent.multi_agent.get("enabled"):
+        raise ProtocolError(
+            "Subagents are not supported by longrun.", code="unsupported_value", param="agent.multi_agent.enabled"
+        )
+    tools_out: list[w.FunctionToolOut] = []
+    total = 2
+    for index, raw in enumerate(agent.tools or []):
+        data = decode_json(raw)  # already decoded once as part of the body: within the nesting limit
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind != "function":
+            raise ProtocolError(
+                f"Unsupported tool type {kind!r}: longrun's sessions run function tools only.",
+                code="unsupported_value",
+                param=f"agent.tools[{index}].type",
+            )
+        total += len(encode(data)) + 1
+        try:
+            tool = _decode_tool(raw)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            err = from_validation_error(exc)
+            raise ProtocolError(err.message, code=err.code, param=f"agent.tools[{index}]") from None
+        tools_out.append(
+            w.FunctionToolOut(
+                name=tool.name,
+                description=tool.description,
+                parameters=tool.parameters,
+                defer_loading=tool.defer_loading,
+            )
+        )
+    if total > MAX_TOOLS_BYTES:
+        raise ProtocolError(
+            f"The agent's tools take {total} bytes of JSON; at most {MAX_TOOLS_BYTES} (8 MiB) are allowed.",
+            code="invalid_value",
+            param="agent.tools",
+        )
+    out = w.AgentOut(
+        id=ids.new("agent"),
+        instructions=agent.instructions,
+        model=agent.model or DEFAULT_MODEL,
+        tools=tools_out,
+    )
+    return out
 
 
 def page(rows: list[tuple[str, Any]], query: Mapping[str, str]) -> w.ListPage:
