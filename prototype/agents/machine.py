@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Rules (docs/agents-api.md; the sources are openai-python 3.60's session types and helpers and
+Rules (docs/agents-api.md; the sources are openai-python 3.63's session types and helpers and
 OpenAI's Agents API guides):
 
 1. A session is `idle`, `in_progress` (a turn runs) or `requires_action` (the turn is paused

@@ -1,7 +1,7 @@
 """Wire types of the Agents API (beta, `OpenAI-Beta: agents=v1`) as longrun serves it.
 
 The subset longrun serves: function tools and `environment: {"type": "none"}` (docs/agents-api.md).
-Field names, nesting and literals follow openai-python 3.60's generated types
+Field names, nesting and literals follow openai-python 3.63's generated types
 (`openai/types/beta/agent_session*.py`, `openai/types/beta/agents/sessions/turn.py`,
 `openai/types/beta/agents/session_create_params.py`); request bodies are decoded strictly
 (an unknown field is a 400 `unknown_parameter`, as for `POST /v1/responses`).

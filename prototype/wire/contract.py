@@ -191,7 +191,7 @@ VERBOSITIES: Final = ("low", "medium", "high")
 REASONING_SUMMARIES: Final = ("auto", "concise", "detailed")  # `summary` and the older `generate_summary`
 REASONING_CONTEXTS: Final = ("auto", "current_turn", "all_turns")
 TEXT_FORMATS: Final = ("text", "json_schema", "json_object")
-PROMPT_CACHE_TTLS: Final = ("30m", "12h")  # openai-python 3.60's `PromptCacheOptions.ttl`
+PROMPT_CACHE_TTLS: Final = ("30m", "12h")  # openai-python 3.63's `PromptCacheOptions.ttl`
 PROMPT_CACHE_MODES: Final = ("implicit", "explicit")
 
 METADATA_KEYS_MAX: Final = 16
@@ -327,7 +327,7 @@ class _PromptCacheOptions(msgspec.Struct):
 
 def comparison_response_id(params: CreateParams) -> str | None:
     """`prompt_cache_options.comparison_response_id`: the response whose prompt this one's is
-    compared with; supplying it requests `prompt_cache_diagnostics` (openai-python 3.60's
+    compared with; supplying it requests `prompt_cache_diagnostics` (openai-python 3.63's
     `PromptCacheOptions`). Checked by `check_params`."""
     if is_null(params.prompt_cache_options):
         return None
@@ -348,7 +348,7 @@ def applied_prompt_cache_options(params: CreateParams) -> PromptCacheOptions | U
 
 def prewarms(params: CreateParams) -> bool:
     """`prompt_cache_options.prewarm: true`: prepare the prompt cache, generate nothing (it
-    overrides `generate`, openai-python 3.60's `PromptCacheOptions`); checked by `check_params`."""
+    overrides `generate`, openai-python 3.63's `PromptCacheOptions`); checked by `check_params`."""
     if is_null(params.prompt_cache_options):
         return False
     return _decode_prompt_cache_options(params.prompt_cache_options).prewarm is True

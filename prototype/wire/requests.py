@@ -40,7 +40,7 @@ def is_null(raw: Raw) -> bool:
 
 
 class MultiAgentParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The beta create's `multi_agent` (openai-python 3.60 `types/beta/beta_responses_client_event.py`
+    """The beta create's `multi_agent` (openai-python 3.63 `types/beta/beta_responses_client_event.py`
     `ResponseCreateMultiAgent`); accepted on a `responses_multi_agent=v1` connection only (docs/beta.md)."""
 
     enabled: bool
@@ -58,7 +58,7 @@ class CreateParams(msgspec.Struct, kw_only=True):
     stream: bool | None = None  # HTTP: JSON vs SSE. WS: accepted and ignored.
     background: bool | None = None  # not supported: 400 param "background"
     # WS warm-up (`generate: false`); typed `Optional[bool]` on the WebSocket create by openai-python
-    # 3.60 (`responses_client_event.py`, and the beta's), null meaning the default, true; the HTTP
+    # 3.63 (`responses_client_event.py`, and the beta's), null meaning the default, true; the HTTP
     # API rejects the parameter, null included.
     generate: bool | None | UnsetType = UNSET
     tools: list[Raw] | None = None

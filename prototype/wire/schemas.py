@@ -202,7 +202,7 @@ class CacheHit(msgspec.Struct, tag_field="type", tag="cache_hit"):
 class CacheMiss(msgspec.Struct, tag_field="type", tag="cache_miss", kw_only=True):
     """`prompt_cache_diagnostics`: why the prompt diverges from the compared response, and where."""
 
-    reason: str  # one of openai-python 3.60's `PromptCacheDiagnosticsCacheMiss.reason` literals
+    reason: str  # one of openai-python 3.63's `PromptCacheDiagnosticsCacheMiss.reason` literals
     cache_missed_tokens: int  # input tokens after the first divergence
     comparison_reusable_tokens: int | None = None  # the compared response's reusable prefix
 
@@ -220,7 +220,7 @@ PromptCacheDiagnostics = CacheHit | CacheMiss | ComparisonResponseNotFound | Dia
 
 class PromptCacheOptions(msgspec.Struct, kw_only=True):
     """The Response's `prompt_cache_options`: the options applied, each default filled in (`implicit`,
-    `30m`), and the comparison the request named (openai-python 3.60's `PromptCacheOptions`)."""
+    `30m`), and the comparison the request named (openai-python 3.63's `PromptCacheOptions`)."""
 
     mode: str
     ttl: str

@@ -51,3 +51,59 @@ async def test_vercel_ai_sdk_and_agents_js_run_the_same_tool_loop() -> None:
         assert websocket == (responses if client.endswith("websocket") else 0), (client, websocket)
         texts.add(text)
     assert len(texts) == 1, reports  # one seed, one conversation: the same answer through every SDK
+
+
+STEER_SCRIPT: Final = NODE_DIR / "steer.mjs"
+STEER_TEXT: Final = "Run the tests of module 4 too."
+
+
+def _user_texts(items: object) -> list[str]:
+    assert isinstance(items, list), items
+    texts = []
+    for item in items:
+        if item.get("role") == "user":
+            content = item["content"]
+            texts.extend([content] if isinstance(content, str) else [part["text"] for part in content])
+    return texts
+
+
+@pytest.mark.slow
+async def test_vercel_ai_sdk_interrupting_steer_remakes_the_model_call_with_the_message() -> None:
+    """The AI SDK's own steering (client-side: `@ai-sdk/openai` has no Responses WebSocket mode,
+    so no `response.steer`): `steer(..., {interrupt: true})` while the second model call has its
+    headers and no output. The SDK aborts that call, makes it again in the same step with the
+    message added, and the run goes on to the same tool loop's end."""
+    if not (NODE_DIR / "node_modules" / "ai" / "package.json").is_file():
+        pytest.skip("the Vercel AI SDK is not installed: run `npm ci --prefix tests/node`")
+    node = node_executable()
+    async with live_server(tool_calls=TOOL_CALLS) as live:
+        code, out, err = await run_client(
+            node, str(STEER_SCRIPT), live.base_url, cwd=NODE_DIR, timeout_s=CLIENT_TIMEOUT_S
+        )
+        stats = live.app[ENGINE].statistics()
+    assert code == 0, f"steer.mjs exited {code}:\n{err.decode(errors='replace')[-4000:]}"
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    requests = report["requests"]
+    # Every model call reached the server, the aborted one too; only the second was aborted.
+    assert [r["aborted"] for r in requests] == [False, True, False, False, False], requests
+    assert stats.responses == len(requests) == TOOL_CALLS + 2, (stats.responses, requests)
+    assert all(r["url"] == f"{live.base_url}/responses" for r in requests), requests
+    assert report["outcome"] == {
+        "type": "delivered",
+        "id": "steer-1",
+        "message": {"role": "user", "content": STEER_TEXT},
+        "stepNumber": 1,
+    }, report["outcome"]
+    # The remade call is the aborted one's input with the message after it; every later call keeps it.
+    aborted, remade = requests[1]["input"], requests[2]["input"]
+    assert STEER_TEXT not in _user_texts(aborted)
+    assert remade[: len(aborted)] == aborted and _user_texts(remade[len(aborted) :]) == [STEER_TEXT], remade
+    assert all(_user_texts(r["input"]).count(STEER_TEXT) == 1 for r in requests[2:]), requests
+    # The step was redone, not counted again: the tool loop still has its calls and its answer.
+    assert report["steps"] == [
+        {"finishReason": "tool-calls", "steering": 0},
+        {"finishReason": "tool-calls", "steering": 1},
+        {"finishReason": "tool-calls", "steering": 0},
+        {"finishReason": "stop", "steering": 0},
+    ], report["steps"]
+    assert len(report["calls"]) == TOOL_CALLS and report["text"], report

@@ -172,7 +172,7 @@ async def test_the_hosted_model_falls_back_when_an_inject_finds_the_response_com
     assert final["phase"] == "final_answer" and result.final_output == final["content"][0]["text"]
 
 
-# -- the wire the model relies on, raw (strict-checked against openai 3.60's beta types) ----------------
+# -- the wire the model relies on, raw (strict-checked against openai 3.63's beta types) ----------------
 
 
 def _multi_agent_create(**fields: Any) -> str:

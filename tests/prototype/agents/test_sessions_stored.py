@@ -17,6 +17,7 @@ import redis.asyncio
 from prototype.config import AgentsConfig, ServerConfig
 from prototype.store.redis import RedisStore
 from prototype.store.sqlite import SqliteStore
+from sim.model.policy import PlannedItem, ScriptPolicy
 from tests.processes import start_server
 from tests.support import EXEC_COMMAND_SCHEMA, live_server
 
@@ -309,3 +310,69 @@ async def test_ids_from_an_unseeded_server_never_repeat_across_starts(http: aioh
             seen.append(session["id"])
             seen.extend(e["event_id"] for e in session["events"][:3])
     assert len(set(seen)) == len(seen)
+
+
+# -- a pending call is never idle ---------------------------------------------------------------------
+
+
+async def _statuses(client: Client, sid: str) -> tuple[dict[str, Any], str]:
+    """The session as `GET /sessions/{id}` reads it, and its status in `GET /sessions`."""
+    status, session = await client.get(f"/{sid}")
+    assert status == 200, session
+    status, listed = await client.get("?limit=100")
+    assert status == 200, listed
+    (entry,) = [s for s in listed["data"] if s["id"] == sid]
+    return session, entry["status"]
+
+
+@pytest.mark.parametrize("store", ["memory", "sqlite"])
+async def test_a_session_with_an_unanswered_call_reads_requires_action_never_idle(
+    store: str, tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """Two calls in one step: from the first call's `item.added` until the last result, the session
+    read and listed is busy (`in_progress` before the step ends, `requires_action` after), and one
+    answered call of two leaves it `requires_action`; `idle` only once both are answered and the
+    turn has ended. In memory and in a store file (whose records the routes read)."""
+    two_calls = ScriptPolicy(
+        [
+            [
+                PlannedItem("function_call", "exec_command", json.dumps({"cmd": "ls"})),
+                PlannedItem("function_call", "exec_command", json.dumps({"cmd": "pytest -x"})),
+            ]
+        ]
+    )
+    kept = SqliteStore(str(tmp_path / "sessions.db")) if store == "sqlite" else None
+    async with live_server(policy=two_calls, store=kept) as live:
+        client = Client(http, live.base_url)
+        sid, seen, pending = "", [], []
+        async with http.post(client.base, headers=BETA, json=_create(stream=True)) as resp:
+            assert resp.status == 200, await resp.text()
+            async for event in _events(resp):
+                seen.append(event["type"])
+                if event["type"] == "agent.session.created":
+                    sid = event["session"]["id"]
+                item = event.get("item") or {}
+                if event["type"] == "agent.session.turn.item.added" and item.get("type") == "function_call":
+                    session, listed = await _statuses(client, sid)
+                    assert session["status"] in ("in_progress", "requires_action"), session
+                    assert listed == session["status"], (listed, session)
+                if event["type"] == "agent.session.requires_action":
+                    pending = event["session"]["required_actions"]
+                    assert len(pending) == 2, pending
+                    session, listed = await _statuses(client, sid)
+                    assert session["status"] == listed == "requires_action", (listed, session)
+                    assert [a["call_id"] for a in session["required_actions"]] == [a["call_id"] for a in pending]
+                    # One call of two answered: the other still waits, and so does the session.
+                    first, second = pending
+                    result = {"type": "agent.session.input.tool_result", "success": True, "output": "ok"}
+                    status, body = await client.post(sid, {**result, **{k: first[k] for k in ("turn_id", "call_id")}})
+                    assert status == 202, body
+                    session, listed = await _statuses(client, sid)
+                    assert session["status"] == listed == "requires_action", (listed, session)
+                    assert second["call_id"] in [a["call_id"] for a in session["required_actions"]], session
+                    status, body = await client.post(sid, {**result, **{k: second[k] for k in ("turn_id", "call_id")}})
+                    assert status == 202, body
+        assert pending and seen.count("agent.session.requires_action") == 1, seen
+        assert seen[-2:] == ["agent.session.turn.completed", "agent.session.idle"], seen
+        session, listed = await _statuses(client, sid)
+        assert session["status"] == listed == "idle" and not session["required_actions"], session

@@ -1,7 +1,7 @@
-"""`prompt_cache_diagnostics` on the Response (openai-python 3.60 `types/responses/response.py`),
+"""`prompt_cache_diagnostics` on the Response (openai-python 3.63 `types/responses/response.py`),
 requested by `prompt_cache_options.comparison_response_id`: what longrun's own caches know of the
 prompt's reuse against the compared response (docs/contract.md#prompt-cache-diagnostics). Every
-body and frame here passes the strict wire checker (the 3.60 types)."""
+body and frame here passes the strict wire checker (the 3.63 types)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Responses-API request fields as openai-python 3.60 types them (`PromptCacheOptions`): the
+"""Responses-API request fields as openai-python 3.63 types them (`PromptCacheOptions`): the
 `12h` cache lifetime, and `prewarm`, a warm-up that generates nothing over either transport."""
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ async def test_prewarm_prepares_the_cache_and_generates_nothing(client: tuple[Li
 
 
 async def test_the_typed_websocket_generate_field(client: tuple[Live, AsyncOpenAI]) -> None:
-    """openai-python 3.60 types `generate` on the WebSocket create as `Optional[bool]`: `false` is
+    """openai-python 3.63 types `generate` on the WebSocket create as `Optional[bool]`: `false` is
     the warm-up, `null` and `true` generate. Sent through the SDK's typed connection; every
-    completed Response validated against the 3.60 model. HTTP has no such parameter."""
+    completed Response validated against the 3.63 model. HTTP has no such parameter."""
     _, c = client
     outputs: dict[bool | None, int] = {}
     async with c.responses.connect() as connection:
