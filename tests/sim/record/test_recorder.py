@@ -1,0 +1,195 @@
+"""`python -m sim record`: openai-python through the recording proxy in front of the real app.
+
+Each client's stream through the proxy is the one it gets without it (a fresh server on the same
+seed each time), the capture has a line per request with the mode it saw, and calibration reads
+it. Faults: an upstream that is down gives a 502 in the API's shape and a failed line."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Final
+
+import pytest
+from aiohttp import web
+from openai import AsyncOpenAI, InternalServerError
+
+from sim.__main__ import main
+from sim.analysis.records import read_records
+from sim.record.proxy import Recorder, make_recorder_app
+from tests.processes import free_port
+from tests.support import live_server
+
+TOOLS: Final[list[Any]] = [
+    {
+        "type": "function",
+        "name": "run",
+        "description": "run a shell command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+    }
+]
+
+Flow = Callable[[AsyncOpenAI, str], Awaitable[list[tuple[str, str]]]]
+
+
+def _seen(event: Any) -> tuple[str, str]:
+    """What a client's stream is compared on: each event's type and its text (ids aside)."""
+    return (event.type, getattr(event, "delta", None) or getattr(event, "text", None) or "")
+
+
+def _outputs(response: Any) -> list[Any]:
+    return [
+        {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}
+        for item in response.output
+        if item.type == "function_call"
+    ]
+
+
+async def http_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+    """The whole history each request, streamed, until the model answers in text."""
+    seen: list[tuple[str, str]] = []
+    items: list[Any] = [{"role": "user", "content": prompt}]
+    while True:
+        stream = await c.responses.create(model="sim", input=items, tools=TOOLS, stream=True)
+        done = None
+        async for event in stream:
+            seen.append(_seen(event))
+            if event.type == "response.completed":
+                done = event.response
+        assert done is not None
+        calls = _outputs(done)
+        if not calls:
+            return seen
+        items += [item.model_dump(mode="json", exclude_none=True) for item in done.output] + calls
+
+
+async def http_prev_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+    """`previous_response_id` over HTTP; the first turn not streamed (a whole JSON body)."""
+    response = await c.responses.create(model="sim", input=prompt, tools=TOOLS)
+    seen = [("body", response.output_text)]
+    while calls := _outputs(response):
+        stream = await c.responses.create(
+            model="sim", input=calls, tools=TOOLS, previous_response_id=response.id, stream=True
+        )
+        async for event in stream:
+            seen.append(_seen(event))
+            if event.type == "response.completed":
+                response = event.response
+    return seen
+
+
+async def ws_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+    """WebSocket mode (`client.responses.connect()`): one connection, `previous_response_id` after the first."""
+    seen: list[tuple[str, str]] = []
+    async with c.responses.connect() as connection:
+        await connection.response.create(model="sim", input=prompt, tools=TOOLS)
+        while True:
+            done = None
+            async for event in connection:
+                seen.append(_seen(event))
+                if event.type in ("error", "response.failed"):
+                    raise AssertionError(event)
+                if event.type == "response.completed":
+                    done = event.response
+                    break
+            assert done is not None
+            calls = _outputs(done)
+            if not calls:
+                return seen
+            await connection.response.create(model="sim", input=calls, tools=TOOLS, previous_response_id=done.id)
+
+
+@contextlib.asynccontextmanager
+async def recording(upstream: str, out: Path) -> AsyncIterator[tuple[str, Recorder]]:
+    """The recorder on an ephemeral port in front of `upstream`; yields its base URL."""
+    recorder = Recorder(upstream, out)
+    runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", recorder
+    finally:
+        await runner.cleanup()
+
+
+async def _run(flow: Flow, prompt: str, *, out: Path | None) -> list[tuple[str, str]]:
+    async with live_server(tool_calls=2, seed=7) as live:
+        if out is None:
+            base = live.base_url
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                return await flow(c, prompt)
+        async with recording(f"http://127.0.0.1:{live.port}", out) as (base, _):
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                return await flow(c, prompt)
+
+
+def _lines(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "capture.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("flow", "modes"),
+    [(http_flow, ["http"] * 3), (http_prev_flow, ["http", "http_prev", "http_prev"]), (ws_flow, ["ws"] * 3)],
+)
+async def test_a_client_runs_unchanged_through_the_recorder(tmp_path: Path, flow: Flow, modes: list[str]) -> None:
+    direct = await _run(flow, "List the files.", out=None)
+    proxied = await _run(flow, "List the files.", out=tmp_path)
+    assert proxied == direct
+    assert any(kind.endswith(".delta") for kind, _ in direct)  # the streams carried tokens
+    lines = _lines(tmp_path)
+    assert [line["mode"] for line in lines] == modes
+    assert [line["turn"] for line in lines] == [0, 1, 2]
+    assert len({line["conversation"] for line in lines}) == 1
+    for line in lines:
+        assert "failed" not in line and line["usage"]["input_tokens"] > 0 and line["request_bytes"] > 0
+        assert line["sent_at"] <= line["done_at"] and line["proxy_request_ms"] >= 0
+        if "first_token_at" in line:
+            assert line["sent_at"] <= line["first_token_at"] <= line["done_at"]
+    # The first token is seen on every streamed turn (http_prev_flow's first is a whole JSON body).
+    assert ["first_token_at" in line for line in lines] == [flow is not http_prev_flow, True, True]
+    # Each turn names the response before it, and calibration reads the capture whole.
+    for before, after in itertools.pairwise(lines):
+        assert after.get("previous_response_id") in (None, before["response_id"])
+    records = read_records([tmp_path / "capture.jsonl"])
+    assert [(r.mode, r.turn) for r in records] == [
+        ("http_prev" if "http_prev" in modes else m, k) for k, m in enumerate(modes)
+    ]
+    assert (
+        "Authorization" not in (tmp_path / "capture.jsonl").read_text()
+        and "sk-test" not in (tmp_path / "capture.jsonl").read_text()
+    )
+
+
+async def test_calibrate_accepts_a_recorded_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async with live_server(tool_calls=3, seed=5) as live:
+        async with recording(f"http://127.0.0.1:{live.port}", tmp_path) as (base, recorder):
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                for k in range(4):
+                    await http_flow(c, f"Conversation {k}: list the files.")
+                    await ws_flow(c, f"Conversation {k}: read the logs.")
+    lines = _lines(tmp_path)
+    assert len({line["conversation"] for line in lines}) == 8 and len(lines) == 32
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["requests"] == 32 and summary["failed"] == 0
+    assert summary["completed_by_mode"] == {"http": 16, "ws": 16}
+    assert summary["proxy_request_ms"]["n"] == 32 and summary["proxy_first_byte_ms"]["n"] == 32
+    assert len(read_records([tmp_path / "capture.jsonl"])) == 32
+    capsys.readouterr()
+    assert main(["calibrate", str(tmp_path / "capture.jsonl"), "--holdout", "0.25"]) == 0
+    assert "per-turn TTFT" in capsys.readouterr().out
+
+
+async def test_an_upstream_that_is_down_is_a_502_in_the_apis_shape_and_a_failed_line(tmp_path: Path) -> None:
+    async with recording(f"http://127.0.0.1:{free_port()}", tmp_path) as (base, _):
+        async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+            with pytest.raises(InternalServerError) as info:
+                await c.responses.create(model="sim", input="hello", stream=True)
+    assert info.value.status_code == 502
+    body: Any = info.value.body
+    assert body["type"] == "server_error" and body["code"] == "upstream_unavailable" and body["message"]
+    [line] = _lines(tmp_path)
+    assert line["failed"] == "upstream unreachable" and line["mode"] == "http" and "usage" not in line
+    assert read_records([tmp_path / "capture.jsonl"]) == []  # calibration skips it
