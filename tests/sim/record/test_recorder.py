@@ -6,6 +6,7 @@ it. Faults: an upstream that is down gives a 502 in the API's shape and a failed
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -13,15 +14,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
+import aiohttp
 import pytest
 from aiohttp import web
-from openai import AsyncOpenAI, InternalServerError
+from openai import APIError, AsyncOpenAI, InternalServerError
 
+from prototype.wire.schemas import OutputTextDelta, Response, ResponseCreated, encode
+from prototype.wire.sse import encode_event
 from sim.__main__ import main
 from sim.analysis.records import read_records
 from sim.record.proxy import Recorder, make_recorder_app
 from tests.processes import free_port
-from tests.support import live_server
+from tests.support import RECEIVE_TIMEOUT_S, live_server
 
 TOOLS: Final[list[Any]] = [
     {
@@ -193,3 +197,70 @@ async def test_an_upstream_that_is_down_is_a_502_in_the_apis_shape_and_a_failed_
     [line] = _lines(tmp_path)
     assert line["failed"] == "upstream unreachable" and line["mode"] == "http" and "usage" not in line
     assert read_records([tmp_path / "capture.jsonl"]) == []  # calibration skips it
+
+
+@contextlib.asynccontextmanager
+async def cut_upstream(*, close: bool) -> AsyncIterator[tuple[str, asyncio.Future[str]]]:
+    """An upstream that streams `response.created` and one delta, then closes the connection
+    (`close`) or waits for ever; the future says how its handler ended."""
+    ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        started = Response(id="resp_1", created_at=0, status="in_progress", model="sim")
+        created = ResponseCreated(sequence_number=0, response=started)
+        delta = OutputTextDelta(sequence_number=1, item_id="msg_1", output_index=0, content_index=0, delta="Hel")
+        for event in (created, delta):
+            await response.write(encode_event(encode(event), event=type(event).__struct_config__.tag))  # type: ignore[arg-type]
+        if close:
+            assert request.transport is not None
+            request.transport.close()
+            ended.set_result("closed")
+            return response
+        try:
+            await asyncio.Event().wait()  # until the proxy cancels it
+        except asyncio.CancelledError:
+            ended.set_result("cancelled")
+            raise
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", handler)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", ended
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_upstream_closing_mid_stream_gives_the_client_an_error_event_and_a_failed_line(tmp_path: Path) -> None:
+    async with cut_upstream(close=True) as (upstream, _), recording(upstream, tmp_path) as (base, _):
+        async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+            stream = await c.responses.create(model="sim", input="hello", stream=True)
+            seen: list[str] = []
+            with pytest.raises(APIError) as info:  # openai-python raises the stream's `error` event
+                async for event in stream:
+                    seen.append(event.type)
+    assert seen == ["response.created", "response.output_text.delta"]
+    body: Any = info.value.body
+    assert body["code"] == "upstream_unavailable" and body["type"] == "server_error" and body["message"]
+    [line] = _lines(tmp_path)
+    assert line["failed"].startswith("upstream closed mid-stream") and line["response_id"] == "resp_1"
+    assert line["sent_at"] <= line["first_token_at"] <= line["done_at"]
+
+
+async def test_a_client_leaving_mid_stream_cancels_the_upstream(tmp_path: Path) -> None:
+    async with cut_upstream(close=False) as (upstream, ended), recording(upstream, tmp_path) as (base, _):
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{base}/responses", json={"model": "sim", "input": "hi", "stream": True})
+            async for chunk in response.content.iter_any():
+                if b"output_text.delta" in chunk:
+                    break
+            response.close()  # the client goes away mid-stream
+        assert await asyncio.wait_for(ended, RECEIVE_TIMEOUT_S) == "cancelled"
+    [line] = _lines(tmp_path)
+    assert line["failed"] == "client disconnected" and "first_token_at" in line
