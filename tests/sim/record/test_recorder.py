@@ -174,13 +174,19 @@ async def test_calibrate_accepts_a_recorded_capture(tmp_path: Path, capsys: pyte
                 for k in range(4):
                     await http_flow(c, f"Conversation {k}: list the files.")
                     await ws_flow(c, f"Conversation {k}: read the logs.")
+                    await http_prev_flow(c, f"Conversation {k}: fix the test.")
     lines = _lines(tmp_path)
-    assert len({line["conversation"] for line in lines}) == 8 and len(lines) == 32
+    assert len({line["conversation"] for line in lines}) == 12 and len(lines) == 48
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["requests"] == 32 and summary["failed"] == 0
-    assert summary["completed_by_mode"] == {"http": 16, "ws": 16}
-    assert summary["proxy_request_ms"]["n"] == 32 and summary["proxy_first_byte_ms"]["n"] == 32
-    assert len(read_records([tmp_path / "capture.jsonl"])) == 32
+    assert summary["requests"] == 48 and summary["failed"] == 0
+    # An http_prev conversation's first request names no response: the proxy saw it as `http`.
+    assert summary["completed_by_mode"] == {"http": 20, "ws": 16, "http_prev": 12}
+    assert summary["proxy_request_ms"]["n"] == 48 and summary["proxy_first_byte_ms"]["n"] == 48
+    records = read_records([tmp_path / "capture.jsonl"])
+    assert sorted({(r.mode, r.rollout) for r in records if r.turn == 0 and r.ttft_s is None}) == sorted(
+        {("http_prev", line["conversation"]) for line in lines if line["mode"] == "http_prev"}
+    )
+    # The fit leaves out the unstreamed first turns, and counts the next turns from their prompts.
     capsys.readouterr()
     assert main(["calibrate", str(tmp_path / "capture.jsonl"), "--holdout", "0.25"]) == 0
     assert "per-turn TTFT" in capsys.readouterr().out
