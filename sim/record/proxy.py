@@ -252,9 +252,9 @@ class Recorder:
             for p in in_flight:
                 p.fail(reason, self.clock())
                 self.write(p)
-        finally:
-            await up.close()
-            await down.close()
+        finally:  # each side's close code passed to the other
+            await up.close(code=down.close_code or aiohttp.WSCloseCode.OK)
+            await down.close(code=up.close_code or aiohttp.WSCloseCode.OK)
         return down
 
     async def _client_frames(
@@ -282,7 +282,6 @@ class Recorder:
                 await up.send_bytes(msg.data)
             else:
                 break
-        await up.close(code=down.close_code or aiohttp.WSCloseCode.OK)
 
     async def _server_frames(
         self, up: aiohttp.ClientWebSocketResponse, down: web.WebSocketResponse, lanes: dict[str | None, deque[Pending]]
@@ -309,7 +308,6 @@ class Recorder:
                 await down.send_bytes(msg.data)
             else:
                 break
-        await down.close(code=up.close_code or aiohttp.WSCloseCode.OK)
 
 
 def make_recorder_app(recorder: Recorder) -> web.Application:

@@ -17,7 +17,7 @@ from typing import Any, Final
 import aiohttp
 import pytest
 from aiohttp import web
-from openai import APIError, AsyncOpenAI, InternalServerError
+from openai import APIError, AsyncOpenAI, BadRequestError, InternalServerError
 
 from prototype.wire.schemas import OutputTextDelta, Response, ResponseCreated, encode
 from prototype.wire.sse import encode_event
@@ -25,7 +25,7 @@ from sim.__main__ import main
 from sim.analysis.records import read_records
 from sim.record.proxy import Recorder, make_recorder_app
 from tests.processes import free_port
-from tests.support import RECEIVE_TIMEOUT_S, live_server
+from tests.support import RECEIVE_TIMEOUT_S, live_server, receive_event
 
 TOOLS: Final[list[Any]] = [
     {
@@ -270,3 +270,48 @@ async def test_a_client_leaving_mid_stream_cancels_the_upstream(tmp_path: Path) 
         assert await asyncio.wait_for(ended, RECEIVE_TIMEOUT_S) == "cancelled"
     [line] = _lines(tmp_path)
     assert line["failed"] == "client disconnected" and "first_token_at" in line
+
+
+async def test_an_upstream_closing_a_websocket_mid_response_gives_an_error_frame_and_a_failed_line(
+    tmp_path: Path,
+) -> None:
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()  # the create
+        started = Response(id="resp_1", created_at=0, status="in_progress", model="sim")
+        await ws.send_str(encode(ResponseCreated(sequence_number=0, response=started)).decode())
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/responses", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        upstream = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with recording(upstream, tmp_path) as (base, _), aiohttp.ClientSession() as session:
+            async with session.ws_connect(base.replace("http", "ws", 1) + "/responses") as ws:
+                await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "input": "hi"}))
+                created = await receive_event(ws)
+                error = await receive_event(ws)
+    finally:
+        await runner.cleanup()
+    assert created["type"] == "response.created"
+    assert error["type"] == "error" and error["status"] == 502
+    assert error["error"]["code"] == "upstream_unavailable"
+    [line] = _lines(tmp_path)
+    assert line["mode"] == "ws" and line["failed"] == "upstream closed mid-response"
+
+
+async def test_an_upstream_error_status_passes_through_and_its_line_is_failed(tmp_path: Path) -> None:
+    async with live_server(tool_calls=0, seed=1) as live:
+        async with recording(f"http://127.0.0.1:{live.port}", tmp_path) as (base, _):
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                with pytest.raises(BadRequestError) as info:
+                    await c.responses.create(model="sim", input="hi", previous_response_id="resp_missing")
+    body: Any = info.value.body
+    assert body["param"] == "previous_response_id"
+    [line] = _lines(tmp_path)
+    assert line["failed"] == "http 400" and line["mode"] == "http_prev"
