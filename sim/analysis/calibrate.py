@@ -114,9 +114,7 @@ class _Turns:
     """The records' paths and counts, as the stage-cost table reads them."""
 
     def __init__(self, records: Sequence[TurnRecord], context: Sequence[TurnRecord] = ()) -> None:
-        """`context`: every record of the conversations, the unfitted ones too (a turn without a
-        TTFT), whose prompts the counts of the next turns follow from."""
-        self.records = records
+        self.records = records  # `context`: every record, unfitted (no TTFT) too: their prompts give counts
         last: dict[tuple[str, str], int] = {}
         first: dict[tuple[str, str], TurnRecord] = {}
         by_turn: dict[tuple[str, str, int], TurnRecord] = {}
