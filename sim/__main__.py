@@ -63,6 +63,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
+from sim.record.proxy import record_main, record_options
 from sim.rollout.result import ALL_MODES, RolloutFailure, failure_lines
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
@@ -234,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--rollouts", type=int, default=4, help="--predict: rollouts per design")
     cal.add_argument("--tool-calls", type=int, default=5, help="--predict: tool calls per rollout")
     cal.add_argument("--refits", type=int, default=8, help="--predict: refits whose spread widens the interval")
+
+    record_options(sub)
     return p
 
 
@@ -675,20 +678,18 @@ def validate_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "sweep":
-        return sweep_main(args)
-    if args.command == "long":
-        return long_main(args)
-    if args.command == "calibrate":
-        return calibrate_main(args)
-    if args.command == "capacity":
-        return capacity_main(args)
-    if args.command == "ttl-curve":
-        return ttl_main(args)
-    if args.command == "fidelity":
-        return fidelity_main(args, uvloop.new_event_loop)
-    if args.command == "validate":
-        return validate_main(args)
+    jobs: dict[str, Callable[[argparse.Namespace], int]] = {
+        "sweep": sweep_main,
+        "long": long_main,
+        "calibrate": calibrate_main,
+        "capacity": capacity_main,
+        "ttl-curve": ttl_main,
+        "fidelity": lambda a: fidelity_main(a, uvloop.new_event_loop),
+        "validate": validate_main,
+        "record": lambda a: record_main(a, uvloop.run),
+    }
+    if args.command in jobs:
+        return jobs[args.command](args)
     if args.command == "results" and args.render:
         print(render_results(args.out))
         return 0

@@ -113,12 +113,12 @@ def _parts(known: Sequence[str]) -> tuple[Part, ...]:
 class _Turns:
     """The records' paths and counts, as the stage-cost table reads them."""
 
-    def __init__(self, records: Sequence[TurnRecord]) -> None:
-        self.records = records
+    def __init__(self, records: Sequence[TurnRecord], context: Sequence[TurnRecord] = ()) -> None:
+        self.records = records  # `context`: every record, unfitted (no TTFT) too: their prompts give counts
         last: dict[tuple[str, str], int] = {}
         first: dict[tuple[str, str], TurnRecord] = {}
         by_turn: dict[tuple[str, str, int], TurnRecord] = {}
-        for r in records:
+        for r in (*context, *records):
             key = (r.mode, r.rollout)
             last[key] = max(last.get(key, 0), r.turn)
             by_turn[(r.mode, r.rollout, r.turn)] = r
@@ -479,7 +479,7 @@ def fit(records: Sequence[TurnRecord], *, holdout: float = 0.3, seed: int = 0) -
     known = _known_stages(usable)
     parts = _parts(known)
     modes = tuple(dict.fromkeys(r.mode for r in usable))
-    turns = _Turns(usable)
+    turns = _Turns(usable, records)
     ident = _identify(parts, turns, modes)
     design = _build(parts, turns, ident.columns)
     index = {g: np.asarray([i for i, r in enumerate(usable) if r.rollout == g], dtype=np.intp) for g in rollouts}

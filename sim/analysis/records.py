@@ -106,12 +106,13 @@ class Exchange(msgspec.Struct, kw_only=True):
     first_token_at: float | None = None  # the first token-carrying delta (a stream's)
     done_at: float  # the terminal event (or the whole body)
     request_bytes: int
-    usage: Usage
+    usage: Usage | None = None  # required but on a failed line
     turn: int | None = None  # the request's index in its conversation; by default the order of the lines
     response_id: str | None = None
     previous_response_id: str | None = None  # where given, it must name an earlier response of the log
     timing_metrics: TimingMetrics | None = None  # a Codex `responsesapi.websocket_timing` frame's
     timing: WebsocketTiming | None = None  # or the whole frame
+    failed: str | None = None  # a recorder's request without a usable turn (an error, a fault): skipped
 
 
 _decoder = msgspec.json.Decoder(TurnRecord)
@@ -138,8 +139,12 @@ def _from_exchange(e: Exchange, turn: int) -> TurnRecord:
     first = e.first_token_at if e.first_token_at is not None else None
     if e.done_at < e.sent_at or (first is not None and not e.sent_at <= first <= e.done_at):
         raise ValueError("negative time: want sent_at <= first_token_at <= done_at")
+    if e.usage is None:
+        raise ValueError("missing usage")
     if e.request_bytes < 0 or e.usage.input_tokens < 0 or e.usage.output_tokens < 0:
         raise ValueError("negative size or token count")
+    if e.usage is None:
+        raise ValueError("missing usage")
     cached = e.usage.input_tokens_details.cached_tokens if e.usage.input_tokens_details else 0
     metrics = e.timing_metrics or (e.timing.timing_metrics if e.timing else None)
     return TurnRecord(
@@ -165,11 +170,29 @@ def _check(r: TurnRecord) -> None:
         raise ValueError("negative stage time or size")
 
 
+def _relabel(
+    records: list[TurnRecord],
+    lines: dict[tuple[str, str, int], int],
+    order: dict[tuple[str, str], int],
+    conversation: str,
+) -> None:
+    """An `http` conversation continued by `previous_response_id` is an `http_prev` one from its
+    first turn (which had no response to name): its earlier records take the mode."""
+    for r in records:
+        if r.source == "capture" and r.mode == "http" and r.rollout == conversation:
+            lines[("http_prev", conversation, r.turn)] = lines.pop(("http", conversation, r.turn))
+            r.mode = "http_prev"
+    if ("http", conversation) in order:
+        order[("http_prev", conversation)] = order.pop(("http", conversation))
+
+
 def read_records(paths: Iterable[str | Path]) -> list[TurnRecord]:
     """Records from JSONL files (longrun's records, or a proxy log with or without timing
     frames: docs/calibration.md), or from run folders (their `records.jsonl`). A bad line is an
     error naming its file and line: a missing field, a negative time, a turn whose conversation
-    lacks the turns before it, a `previous_response_id` the log does not have."""
+    lacks the turns before it, a `previous_response_id` the log does not have. A line marked
+    `failed` (the recorder's: a request that ended without a turn) is skipped; an `http`
+    conversation a later line continues by `previous_response_id` is read as `http_prev`."""
     out: list[TurnRecord] = []
     for given in paths:
         path = Path(given)
@@ -177,21 +200,26 @@ def read_records(paths: Iterable[str | Path]) -> list[TurnRecord]:
             path = path / "records.jsonl"
         lines: dict[tuple[str, str, int], int] = {}  # (mode, rollout, turn) -> line
         order: dict[tuple[str, str], int] = {}
-        responses: set[str] = set()
+        responses: dict[str, TurnRecord] = {}
         for number, line in enumerate(path.read_bytes().splitlines(), 1):
             if not line.strip():
                 continue
             try:
                 if b'"sent_at"' in line:
                     e = _exchange.decode(line)
+                    if e.failed is not None:
+                        continue
                     if e.previous_response_id is not None and e.previous_response_id not in responses:
                         raise ValueError(f"previous_response_id {e.previous_response_id!r} is not an earlier response")
-                    if e.response_id is not None:
-                        responses.add(e.response_id)
+                    before = responses.get(e.previous_response_id or "")
+                    if before is not None and before.mode == "http" and e.mode == "http_prev":
+                        _relabel(out, lines, order, before.rollout)
                     key = (e.mode, e.conversation)
                     turn = e.turn if e.turn is not None else order.get(key, 0)
                     order[key] = turn + 1
                     record = _from_exchange(e, turn)
+                    if e.response_id is not None:
+                        responses[e.response_id] = record
                 else:
                     record = _decoder.decode(line)
                 _check(record)

@@ -2,8 +2,9 @@
 
 Targets (positional, or ``--only``): ``throughput`` (1), ``pacing`` (2), ``fanout`` (3), ``turns`` (4),
 ``virtual`` (5), ``memory`` (6), ``contract``, ``lanes`` (N lanes on one socket against N sockets),
-``stats`` (7, the cost of intervals: sim/bench/stats.py), ``fleet`` (9), ``engine`` (11, the API's
-overhead per turn on a real llama.cpp engine: sim/bench/engine.py); docs/performance.md says what each one
+``record`` (the recorder's added time per turn, sim/bench/record.py), ``stats`` (7, the cost of
+intervals: sim/bench/stats.py), ``fleet`` (9), ``engine`` (11, the API's overhead
+per turn on a real llama.cpp engine: sim/bench/engine.py); docs/performance.md says what each one
 measures. The server (`sim.bench.server`) is a separate process pinned to core 1; this process
 (the load generator) pins itself to core 0. Each line:
 figure, floor measured in the same run, ratio, target, verdict.
@@ -55,6 +56,7 @@ from .engine import engine
 from .fleet import LARGE_POINT_SESSIONS, fleet
 from .lanes import lanes_vs_connections
 from .process import bench_process
+from .record import recorder_vs_direct
 from .report import Row
 from .stats import stats
 from .wsclient import FrameCounter, connect
@@ -69,6 +71,7 @@ TARGETS: Final = (
     "memory",
     "contract",
     "lanes",
+    "record",
     "stats",
     "fleet",
     "engine",
@@ -479,6 +482,11 @@ async def lanes(n: int, tokens: int, repeats: int) -> None:
     report("lanes", what, on_lanes, on_conns, on_lanes / on_conns, "<= 1.25", on_lanes / on_conns <= 1.25)
 
 
+async def record(n_turns: int, rounds: int) -> None:
+    with bench_server("--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10)) as port:
+        await recorder_vs_direct(port, n_turns, rounds, report, note)
+
+
 # Every sizing option at its smoke size (`--smoke`): each target runs to the end in seconds, so
 # the run checks that the benchmark still works, not how fast anything is. Options given on the
 # command line win. tests/sim/bench/test_bench.py checks that every sizing option has an entry here.
@@ -503,6 +511,7 @@ SMOKE: Final[dict[str, Any]] = {
     "contract_turns": 3,
     "contract_rounds": 1,
     "lanes": 2,
+    "record_turns": 3,
     "stats_baseline": str(Path(__file__).resolve().parents[2]),  # this checkout against itself
     "stats_rounds": 1,
     "stats_compare_rounds": 0,
@@ -549,6 +558,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--contract-turns", type=int, default=100, help="contract: continuation turns per rollout")
     p.add_argument("--contract-rounds", type=int, default=6, help="contract: rollouts per code, alternating")
     p.add_argument("--lanes", type=int, default=8, help="lanes: streams on one connection (and connections)")
+    p.add_argument("--record-turns", type=int, default=20, help="record: tool turns per rollout")
     p.add_argument(
         "--server-arg",
         action="append",
@@ -629,6 +639,7 @@ def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
             else report("contract", "skipped: needs --baseline REV (a revision without the checks)", 0, 0, 0, "-", None)
         ),
         "lanes": lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats)),
+        "record": lambda: uvloop.run(record(args.record_turns, args.repeats)),
         "stats": lambda: stats(
             report,
             args.stats_baseline,

@@ -1,0 +1,1 @@
+"""`python -m sim record`: a recording reverse proxy for the Responses API (docs/calibration.md)."""

@@ -1,0 +1,366 @@
+"""The recording reverse proxy: aiohttp in front of a Responses API (`python -m sim record`).
+
+Every request is forwarded to `--upstream` as it came (its path, query, headers and body; the
+hop-by-hop headers and `Accept-Encoding` aside, so the upstream answers uncompressed), and every
+response is written back chunk by chunk as it arrives, never re-encoded; WebSocket frames are
+relayed one by one in each direction. `POST …/responses` and each `response.create` on a
+WebSocket become a capture line (sim/record/capture.py) written and flushed when the response
+ends. Authorization passes through and is written nowhere.
+
+Faults: an upstream that cannot be reached gives the client a 502 in the API's shape
+(`{"error": {...}}`); one that closes a stream midway gives an SSE client an `error` event (a
+WebSocket client an `error` frame) and a failed line; a client that goes away mid-stream closes
+the upstream response (cancelling it) and its line is marked failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import IO, Any, Final
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from prototype.wire.errors import ProtocolError, http_error_body, ws_error_event
+from prototype.wire.schemas import ErrorEvent, encode
+from prototype.wire.sse import SSEDecoder, encode_event
+from sim.record.capture import Capture, Pending
+
+__all__ = ["Recorder", "make_recorder_app", "record_main", "record_options", "serve_recorder"]
+
+# Not forwarded: hop-by-hop headers (RFC 9110 §7.6.1), the ones aiohttp sets itself, and the
+# encoding (the upstream answers uncompressed, so the recorder reads what it relays).
+_HOP: Final = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+        "Accept-Encoding",
+    )
+)
+_WS_HANDSHAKE: Final = ("sec-websocket-",)
+
+
+class _Peek(msgspec.Struct):
+    type: str | None = None
+    stream_id: str | None = None
+
+
+_peek = msgspec.json.Decoder(_Peek)
+
+
+def _forwarded(headers: Mapping[str, str], *, websocket: bool = False) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in headers.items():
+        low = k.lower()
+        if low in _HOP or (websocket and low.startswith(_WS_HANDSHAKE)):
+            continue
+        out[k] = v
+    return out
+
+
+def _upstream_error(message: str, *, code: str = "upstream_unavailable") -> ProtocolError:
+    return ProtocolError(message, code=code, status=502, type="server_error")
+
+
+class Recorder:
+    """The proxy's state: the upstream, the capture, the output file, the clock."""
+
+    def __init__(self, upstream: str, out: Path, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.out = out
+        self.clock = clock
+        self.capture = Capture()
+        self.session: aiohttp.ClientSession | None = None
+        self._file: IO[bytes] | None = None
+
+    async def start(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._file = (self.out / "capture.jsonl").open("ab")
+        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+
+    async def stop(self) -> dict[str, object]:
+        if self.session is not None:
+            await self.session.close()
+        if self._file is not None:
+            self._file.close()
+        summary = self.capture.summary()
+        (self.out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
+        return summary
+
+    def write(self, p: Pending) -> None:
+        """The request's line, written and flushed whole."""
+        if p.finished:
+            return
+        if p.done_at is None:
+            p.fail("no terminal event", self.clock())
+        line = self.capture.finish(p)
+        assert self._file is not None
+        self._file.write(line)
+        self._file.flush()
+
+    # ------------------------------------------------------------------------------------- HTTP
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        arrived = self.clock()
+        if request.headers.get("Upgrade", "").lower() == "websocket":
+            return await self.websocket(request, arrived)
+        body = await request.read()
+        pending = None
+        if request.method == "POST" and request.path.rstrip("/").endswith("/responses"):
+            pending = self.capture.begin("http", body, arrived)
+        assert self.session is not None
+        url = self.upstream + request.path_qs
+        try:
+            if pending is not None:
+                pending.forwarded(self.clock())
+            upstream = await self.session.request(
+                request.method, url, headers=_forwarded(request.headers), data=body, allow_redirects=False
+            )
+        except (aiohttp.ClientError, OSError) as exc:
+            err = _upstream_error(f"The upstream {self.upstream} could not be reached: {type(exc).__name__}")
+            if pending is not None:
+                pending.fail("upstream unreachable", self.clock())
+                self.write(pending)
+            return web.Response(status=502, body=http_error_body(err), content_type="application/json")
+        try:
+            return await self._relay(request, upstream, pending)
+        finally:
+            upstream.release()
+            if pending is not None:
+                self.write(pending)
+
+    async def _relay(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, pending: Pending | None
+    ) -> web.StreamResponse:
+        headers = _forwarded(upstream.headers)
+        streamed = upstream.content_type == "text/event-stream"
+        if not streamed and upstream.content_length is not None:
+            headers["Content-Length"] = str(upstream.content_length)
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
+        if pending is not None and upstream.status >= 400:
+            pending.failed = f"http {upstream.status}"
+        decoder = SSEDecoder() if streamed else None
+        body = bytearray()
+        try:
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                received = self.clock()
+                await response.write(chunk)
+                if pending is None:
+                    continue
+                pending.first_byte(received, self.clock())
+                if decoder is not None:
+                    for event in decoder.feed(chunk):
+                        if event.data != "[DONE]":
+                            pending.event(event.data.encode(), received)
+                else:
+                    body += chunk
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # The upstream closed midway: an SSE client gets an `error` event in the API's shape.
+            if pending is not None:
+                pending.fail(f"upstream closed mid-stream: {type(exc).__name__}", self.clock())
+            if streamed:
+                err = _upstream_error("The upstream closed the stream before it ended.").body()
+                error_event = ErrorEvent(
+                    code=err.code,
+                    message=err.message,
+                    param=err.param,
+                    error=err,
+                    sequence_number=(pending.last_sequence + 1) if pending and pending.last_sequence is not None else 0,
+                )
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await response.write(encode_event(encode(error_event), event="error"))
+            elif request.transport is not None:
+                request.transport.close()  # a body shorter than its Content-Length: the client sees it cut
+            return response
+        except (ConnectionError, asyncio.CancelledError):
+            # The client went away: closing the upstream response cancels it there.
+            upstream.close()
+            if pending is not None:
+                pending.fail("client disconnected", self.clock())
+            raise
+        if pending is not None:
+            if decoder is not None and not pending.terminal:
+                pending.fail("stream ended without a terminal event", self.clock())
+            elif decoder is None:
+                if pending.failed is None:
+                    pending.body(bytes(body), self.clock())
+                else:
+                    pending.fail(pending.failed, self.clock())
+        with contextlib.suppress(ConnectionError):
+            await response.write_eof()
+        return response
+
+    # -------------------------------------------------------------------------------- WebSocket
+
+    async def websocket(self, request: web.Request, arrived: float) -> web.StreamResponse:
+        assert self.session is not None
+        url = self.upstream + request.path_qs
+        url = "ws" + url[4:] if url.startswith("http") else url
+        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        try:
+            up = await self.session.ws_connect(
+                url,
+                headers=_forwarded(request.headers, websocket=True),
+                protocols=protocols,
+                max_msg_size=0,
+                autoping=True,
+            )
+        except aiohttp.WSServerHandshakeError as exc:
+            err = ProtocolError(f"The upstream refused the WebSocket: {exc.message}", code=None, status=exc.status)
+            return web.Response(status=exc.status, body=http_error_body(err), content_type="application/json")
+        except (aiohttp.ClientError, OSError) as exc:
+            err = _upstream_error(f"The upstream {self.upstream} could not be reached: {type(exc).__name__}")
+            return web.Response(status=502, body=http_error_body(err), content_type="application/json")
+        down = web.WebSocketResponse(
+            protocols=[up.protocol] if up.protocol else (), max_msg_size=0, compress=False, autoping=True
+        )
+        lanes: dict[str | None, deque[Pending]] = {}
+        try:
+            await down.prepare(request)
+            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes))
+            to_down = asyncio.ensure_future(self._server_frames(up, down, lanes))
+            done, _ = await asyncio.wait((to_up, to_down), return_when=asyncio.FIRST_COMPLETED)
+            upstream_ended = to_down in done
+            for task in (to_up, to_down):
+                task.cancel()
+            await asyncio.gather(to_up, to_down, return_exceptions=True)
+            in_flight = [p for q in lanes.values() for p in q if not p.finished]
+            if upstream_ended and in_flight and not down.closed:
+                err = _upstream_error("The upstream closed the connection before the response ended.")
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await down.send_str(ws_error_event(err).decode())
+            reason = "upstream closed mid-response" if upstream_ended else "client disconnected"
+            for p in in_flight:
+                p.fail(reason, self.clock())
+                self.write(p)
+        finally:  # each side's close code passed to the other
+            await up.close(code=down.close_code or aiohttp.WSCloseCode.OK)
+            await down.close(code=up.close_code or aiohttp.WSCloseCode.OK)
+        return down
+
+    async def _client_frames(
+        self, down: web.WebSocketResponse, up: aiohttp.ClientWebSocketResponse, lanes: dict[str | None, deque[Pending]]
+    ) -> None:
+        async for msg in down:
+            at = self.clock()
+            if msg.type is aiohttp.WSMsgType.TEXT:
+                data: str = msg.data
+                pending = None
+                if '"response.create"' in data:
+                    raw = data.encode()
+                    try:
+                        kind = _peek.decode(raw).type
+                    except msgspec.DecodeError:
+                        kind = None
+                    if kind == "response.create":
+                        pending = self.capture.begin("ws", raw, at)
+                        lanes.setdefault(pending.lane, deque()).append(pending)
+                await up.send_str(data)
+                if pending is not None:
+                    pending.forwarded(at)  # the frame is handed upstream as it is read
+                    pending.proxy_request_ms = (self.clock() - at) * 1000
+            elif msg.type is aiohttp.WSMsgType.BINARY:
+                await up.send_bytes(msg.data)
+            else:
+                break
+
+    async def _server_frames(
+        self, up: aiohttp.ClientWebSocketResponse, down: web.WebSocketResponse, lanes: dict[str | None, deque[Pending]]
+    ) -> None:
+        async for msg in up:
+            received = self.clock()
+            if msg.type is aiohttp.WSMsgType.TEXT:
+                data: str = msg.data
+                await down.send_str(data)
+                written = self.clock()
+                try:
+                    lane = _peek.decode(data).stream_id
+                except msgspec.DecodeError:
+                    continue
+                queue = lanes.get(lane if isinstance(lane, str) else None)
+                if not queue:
+                    continue
+                pending = queue[0]
+                pending.first_byte(received, written)
+                if pending.event(data, received):
+                    queue.popleft()
+                    self.write(pending)
+            elif msg.type is aiohttp.WSMsgType.BINARY:
+                await down.send_bytes(msg.data)
+            else:
+                break
+
+
+def make_recorder_app(recorder: Recorder) -> web.Application:
+    app = web.Application(client_max_size=0)
+
+    async def on_startup(_: web.Application) -> None:
+        await recorder.start()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await recorder.stop()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    app.router.add_route("*", "/{tail:.*}", recorder.handle)
+    return app
+
+
+async def serve_recorder(upstream: str, host: str, port: int, out: Path) -> dict[str, object]:
+    """Record until SIGINT or SIGTERM; the summary (also in `out/summary.json`)."""
+    recorder = Recorder(upstream, out)
+    runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"recording {upstream} on http://{host}:{port} (base URL http://{host}:{port}/v1) into {out}/", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+    return recorder.capture.summary()
+
+
+def record_options(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    rec = sub.add_parser(
+        "record",
+        help="a recording reverse proxy for the Responses API: writes DIR/capture.jsonl for calibrate "
+        "(docs/calibration.md, 'Recording a capture')",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    rec.add_argument("--upstream", required=True, metavar="URL", help="the API's origin, e.g. https://api.openai.com")
+    rec.add_argument("--listen", default="127.0.0.1:8089", metavar="HOST:PORT", help="where clients connect")
+    rec.add_argument("--out", required=True, metavar="DIR", help="writes capture.jsonl and summary.json here")
+
+
+def record_main(
+    args: argparse.Namespace, run: Callable[[Coroutine[Any, Any, dict[str, object]]], dict[str, object]]
+) -> int:
+    """Record until interrupted (on the entry point's `run`), then print the summary (the proxy's added latency)."""
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"error: --listen {args.listen!r}: want HOST:PORT", file=sys.stderr)
+        return 2
+    summary = run(serve_recorder(args.upstream, host, int(port), Path(args.out)))
+    print(msgspec.json.format(msgspec.json.encode(summary)).decode())
+    return 0

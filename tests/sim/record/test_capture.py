@@ -1,0 +1,61 @@
+"""The recorder's bookkeeping without sockets (sim/record/capture.py): conversations, turns, modes."""
+
+from __future__ import annotations
+
+import json
+
+from sim.record.capture import Capture, Pending
+
+USAGE = b'{"input_tokens":10,"input_tokens_details":{"cached_tokens":0},"output_tokens":3}'
+
+
+def _request(items: list[object], previous: str | None = None) -> bytes:
+    body: dict[str, object] = {"model": "m", "input": items, "stream": True}
+    if previous is not None:
+        body["previous_response_id"] = previous
+    return json.dumps(body).encode()
+
+
+def _complete(c: Capture, p: Pending, rid: str, at: float) -> dict[str, object]:
+    assert not p.event(b'{"type":"response.created","response":{"id":"%s"}}' % rid.encode(), at)
+    assert not p.event(b'{"type":"response.output_text.delta","delta":"x"}', at + 0.1)
+    done = b'{"type":"response.completed","response":{"id":"%s","usage":%s}}' % (rid.encode(), USAGE)
+    assert p.event(done, at + 0.2)
+    line: dict[str, object] = json.loads(c.finish(p))
+    return line
+
+
+def test_interleaved_conversations_are_told_apart_by_the_history_they_resend() -> None:
+    c = Capture()
+    a0, b0 = {"role": "user", "content": "task A"}, {"role": "user", "content": "task B"}
+    a = _complete(c, c.begin("http", _request([a0]), 0.0), "resp_a0", 0.0)
+    b = _complete(c, c.begin("http", _request([b0]), 1.0), "resp_b0", 1.0)
+    a1 = _complete(c, c.begin("http", _request([a0, {"type": "x"}]), 2.0), "resp_a1", 2.0)
+    b1 = _complete(c, c.begin("http", _request([b0, {"type": "y"}]), 3.0), "resp_b1", 3.0)
+    assert (a["conversation"], a1["conversation"]) == ("conv-0", "conv-0")
+    assert (b["conversation"], b1["conversation"]) == ("conv-1", "conv-1")
+    assert [x["turn"] for x in (a, b, a1, b1)] == [0, 0, 1, 1]
+    assert a["first_token_at"] == 0.1 and a["done_at"] == 0.2 and a["usage"]["output_tokens"] == 3  # type: ignore[index]
+
+
+def test_a_retry_after_a_failed_request_takes_its_turn() -> None:
+    c = Capture()
+    first = _complete(c, c.begin("http", _request(["hi"]), 0.0), "resp_0", 0.0)
+    failed = c.begin("http", _request(["hi"], previous="resp_0"), 1.0)
+    assert failed.event(b'{"type":"error","error":{"type":"server_error","code":null,"message":"x"}}', 1.5)
+    line = json.loads(c.finish(failed))
+    assert line["failed"] == "error event" and line["turn"] == 1 and line["mode"] == "http_prev"
+    assert "usage" not in line
+    retry = _complete(c, c.begin("http", _request(["hi"], previous="resp_0"), 2.0), "resp_1", 2.0)
+    assert retry["turn"] == 1 and retry["conversation"] == first["conversation"] == "conv-0"
+
+
+def test_the_same_first_message_again_is_a_new_conversation_and_websockets_follow_the_response_chain() -> None:
+    c = Capture()
+    create = b'{"type":"response.create","model":"m","input":"go"}'
+    w0 = _complete(c, c.begin("ws", create, 0.0), "resp_w0", 0.0)
+    again = _complete(c, c.begin("ws", create, 1.0), "resp_w1", 1.0)
+    follow = b'{"type":"response.create","model":"m","input":[],"previous_response_id":"resp_w0"}'
+    w1 = _complete(c, c.begin("ws", follow, 2.0), "resp_w2", 2.0)
+    assert (w0["conversation"], again["conversation"], w1["conversation"]) == ("conv-0", "conv-1", "conv-0")
+    assert w1["mode"] == "ws" and w1["turn"] == 1 and w1["previous_response_id"] == "resp_w0"

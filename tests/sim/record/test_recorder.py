@@ -1,0 +1,317 @@
+"""`python -m sim record`: openai-python through the recording proxy in front of the real app.
+
+Each client's stream through the proxy is the one it gets without it (a fresh server on the same
+seed each time), the capture has a line per request with the mode it saw, and calibration reads
+it. Faults: an upstream that is down gives a 502 in the API's shape and a failed line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, Final
+
+import aiohttp
+import pytest
+from aiohttp import web
+from openai import APIError, AsyncOpenAI, BadRequestError, InternalServerError
+
+from prototype.wire.schemas import OutputTextDelta, Response, ResponseCreated, encode
+from prototype.wire.sse import encode_event
+from sim.__main__ import main
+from sim.analysis.records import read_records
+from sim.record.proxy import Recorder, make_recorder_app
+from tests.processes import free_port
+from tests.support import RECEIVE_TIMEOUT_S, live_server, receive_event
+
+TOOLS: Final[list[Any]] = [
+    {
+        "type": "function",
+        "name": "run",
+        "description": "run a shell command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+    }
+]
+
+Flow = Callable[[AsyncOpenAI, str], Awaitable[list[tuple[str, str]]]]
+
+
+def _seen(event: Any) -> tuple[str, str]:
+    """What a client's stream is compared on: each event's type and its text (ids aside)."""
+    return (event.type, getattr(event, "delta", None) or getattr(event, "text", None) or "")
+
+
+def _outputs(response: Any) -> list[Any]:
+    return [
+        {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}
+        for item in response.output
+        if item.type == "function_call"
+    ]
+
+
+async def http_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+    """The whole history each request, streamed, until the model answers in text."""
+    seen: list[tuple[str, str]] = []
+    items: list[Any] = [{"role": "user", "content": prompt}]
+    while True:
+        stream = await c.responses.create(model="sim", input=items, tools=TOOLS, stream=True)
+        done = None
+        async for event in stream:
+            seen.append(_seen(event))
+            if event.type == "response.completed":
+                done = event.response
+        assert done is not None
+        calls = _outputs(done)
+        if not calls:
+            return seen
+        items += [item.model_dump(mode="json", exclude_none=True) for item in done.output] + calls
+
+
+async def http_prev_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+    """`previous_response_id` over HTTP; the first turn not streamed (a whole JSON body)."""
+    response = await c.responses.create(model="sim", input=prompt, tools=TOOLS)
+    seen = [("body", response.output_text)]
+    while calls := _outputs(response):
+        stream = await c.responses.create(
+            model="sim", input=calls, tools=TOOLS, previous_response_id=response.id, stream=True
+        )
+        async for event in stream:
+            seen.append(_seen(event))
+            if event.type == "response.completed":
+                response = event.response
+    return seen
+
+
+async def ws_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+    """WebSocket mode (`client.responses.connect()`): one connection, `previous_response_id` after the first."""
+    seen: list[tuple[str, str]] = []
+    async with c.responses.connect() as connection:
+        await connection.response.create(model="sim", input=prompt, tools=TOOLS)
+        while True:
+            done = None
+            async for event in connection:
+                seen.append(_seen(event))
+                if event.type in ("error", "response.failed"):
+                    raise AssertionError(event)
+                if event.type == "response.completed":
+                    done = event.response
+                    break
+            assert done is not None
+            calls = _outputs(done)
+            if not calls:
+                return seen
+            await connection.response.create(model="sim", input=calls, tools=TOOLS, previous_response_id=done.id)
+
+
+@contextlib.asynccontextmanager
+async def recording(upstream: str, out: Path) -> AsyncIterator[tuple[str, Recorder]]:
+    """The recorder on an ephemeral port in front of `upstream`; yields its base URL."""
+    recorder = Recorder(upstream, out)
+    runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", recorder
+    finally:
+        await runner.cleanup()
+
+
+async def _run(flow: Flow, prompt: str, *, out: Path | None) -> list[tuple[str, str]]:
+    async with live_server(tool_calls=2, seed=7) as live:
+        if out is None:
+            base = live.base_url
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                return await flow(c, prompt)
+        async with recording(f"http://127.0.0.1:{live.port}", out) as (base, _):
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                return await flow(c, prompt)
+
+
+def _lines(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "capture.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("flow", "modes"),
+    [(http_flow, ["http"] * 3), (http_prev_flow, ["http", "http_prev", "http_prev"]), (ws_flow, ["ws"] * 3)],
+)
+async def test_a_client_runs_unchanged_through_the_recorder(tmp_path: Path, flow: Flow, modes: list[str]) -> None:
+    direct = await _run(flow, "List the files.", out=None)
+    proxied = await _run(flow, "List the files.", out=tmp_path)
+    assert proxied == direct
+    assert any(kind.endswith(".delta") for kind, _ in direct)  # the streams carried tokens
+    lines = _lines(tmp_path)
+    assert [line["mode"] for line in lines] == modes
+    assert [line["turn"] for line in lines] == [0, 1, 2]
+    assert len({line["conversation"] for line in lines}) == 1
+    for line in lines:
+        assert "failed" not in line and line["usage"]["input_tokens"] > 0 and line["request_bytes"] > 0
+        assert line["sent_at"] <= line["done_at"] and line["proxy_request_ms"] >= 0
+        if "first_token_at" in line:
+            assert line["sent_at"] <= line["first_token_at"] <= line["done_at"]
+    # The first token is seen on every streamed turn (http_prev_flow's first is a whole JSON body).
+    assert ["first_token_at" in line for line in lines] == [flow is not http_prev_flow, True, True]
+    # Each turn names the response before it, and calibration reads the capture whole.
+    for before, after in itertools.pairwise(lines):
+        assert after.get("previous_response_id") in (None, before["response_id"])
+    records = read_records([tmp_path / "capture.jsonl"])
+    assert [(r.mode, r.turn) for r in records] == [
+        ("http_prev" if "http_prev" in modes else m, k) for k, m in enumerate(modes)
+    ]
+    assert (
+        "Authorization" not in (tmp_path / "capture.jsonl").read_text()
+        and "sk-test" not in (tmp_path / "capture.jsonl").read_text()
+    )
+
+
+async def test_calibrate_accepts_a_recorded_capture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async with live_server(tool_calls=3, seed=5) as live:
+        async with recording(f"http://127.0.0.1:{live.port}", tmp_path) as (base, recorder):
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                for k in range(4):
+                    await http_flow(c, f"Conversation {k}: list the files.")
+                    await ws_flow(c, f"Conversation {k}: read the logs.")
+                    await http_prev_flow(c, f"Conversation {k}: fix the test.")
+    lines = _lines(tmp_path)
+    assert len({line["conversation"] for line in lines}) == 12 and len(lines) == 48
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["requests"] == 48 and summary["failed"] == 0
+    # An http_prev conversation's first request names no response: the proxy saw it as `http`.
+    assert summary["completed_by_mode"] == {"http": 20, "ws": 16, "http_prev": 12}
+    assert summary["proxy_request_ms"]["n"] == 48 and summary["proxy_first_byte_ms"]["n"] == 48
+    records = read_records([tmp_path / "capture.jsonl"])
+    assert sorted({(r.mode, r.rollout) for r in records if r.turn == 0 and r.ttft_s is None}) == sorted(
+        {("http_prev", line["conversation"]) for line in lines if line["mode"] == "http_prev"}
+    )
+    # The fit leaves out the unstreamed first turns, and counts the next turns from their prompts.
+    capsys.readouterr()
+    assert main(["calibrate", str(tmp_path / "capture.jsonl"), "--holdout", "0.25"]) == 0
+    assert "per-turn TTFT" in capsys.readouterr().out
+
+
+async def test_an_upstream_that_is_down_is_a_502_in_the_apis_shape_and_a_failed_line(tmp_path: Path) -> None:
+    async with recording(f"http://127.0.0.1:{free_port()}", tmp_path) as (base, _):
+        async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+            with pytest.raises(InternalServerError) as info:
+                await c.responses.create(model="sim", input="hello", stream=True)
+    assert info.value.status_code == 502
+    body: Any = info.value.body
+    assert body["type"] == "server_error" and body["code"] == "upstream_unavailable" and body["message"]
+    [line] = _lines(tmp_path)
+    assert line["failed"] == "upstream unreachable" and line["mode"] == "http" and "usage" not in line
+    assert read_records([tmp_path / "capture.jsonl"]) == []  # calibration skips it
+
+
+@contextlib.asynccontextmanager
+async def cut_upstream(*, close: bool) -> AsyncIterator[tuple[str, asyncio.Future[str]]]:
+    """An upstream that streams `response.created` and one delta, then closes the connection
+    (`close`) or waits for ever; the future says how its handler ended."""
+    ended: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        started = Response(id="resp_1", created_at=0, status="in_progress", model="sim")
+        created = ResponseCreated(sequence_number=0, response=started)
+        delta = OutputTextDelta(sequence_number=1, item_id="msg_1", output_index=0, content_index=0, delta="Hel")
+        for event in (created, delta):
+            await response.write(encode_event(encode(event), event=type(event).__struct_config__.tag))  # type: ignore[arg-type]
+        if close:
+            assert request.transport is not None
+            request.transport.close()
+            ended.set_result("closed")
+            return response
+        try:
+            await asyncio.Event().wait()  # until the proxy cancels it
+        except asyncio.CancelledError:
+            ended.set_result("cancelled")
+            raise
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", handler)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", ended
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_upstream_closing_mid_stream_gives_the_client_an_error_event_and_a_failed_line(tmp_path: Path) -> None:
+    async with cut_upstream(close=True) as (upstream, _), recording(upstream, tmp_path) as (base, _):
+        async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+            stream = await c.responses.create(model="sim", input="hello", stream=True)
+            seen: list[str] = []
+            with pytest.raises(APIError) as info:  # openai-python raises the stream's `error` event
+                async for event in stream:
+                    seen.append(event.type)
+    assert seen == ["response.created", "response.output_text.delta"]
+    body: Any = info.value.body
+    assert body["code"] == "upstream_unavailable" and body["type"] == "server_error" and body["message"]
+    [line] = _lines(tmp_path)
+    assert line["failed"].startswith("upstream closed mid-stream") and line["response_id"] == "resp_1"
+    assert line["sent_at"] <= line["first_token_at"] <= line["done_at"]
+
+
+async def test_a_client_leaving_mid_stream_cancels_the_upstream(tmp_path: Path) -> None:
+    async with cut_upstream(close=False) as (upstream, ended), recording(upstream, tmp_path) as (base, _):
+        async with aiohttp.ClientSession() as session:
+            response = await session.post(f"{base}/responses", json={"model": "sim", "input": "hi", "stream": True})
+            async for chunk in response.content.iter_any():
+                if b"output_text.delta" in chunk:
+                    break
+            response.close()  # the client goes away mid-stream
+        assert await asyncio.wait_for(ended, RECEIVE_TIMEOUT_S) == "cancelled"
+    [line] = _lines(tmp_path)
+    assert line["failed"] == "client disconnected" and "first_token_at" in line
+
+
+async def test_an_upstream_closing_a_websocket_mid_response_gives_an_error_frame_and_a_failed_line(
+    tmp_path: Path,
+) -> None:
+    async def handler(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.receive()  # the create
+        started = Response(id="resp_1", created_at=0, status="in_progress", model="sim")
+        await ws.send_str(encode(ResponseCreated(sequence_number=0, response=started)).decode())
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_get("/v1/responses", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        upstream = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        async with recording(upstream, tmp_path) as (base, _), aiohttp.ClientSession() as session:
+            async with session.ws_connect(base.replace("http", "ws", 1) + "/responses") as ws:
+                await ws.send_str(json.dumps({"type": "response.create", "model": "sim", "input": "hi"}))
+                created = await receive_event(ws)
+                error = await receive_event(ws)
+    finally:
+        await runner.cleanup()
+    assert created["type"] == "response.created"
+    assert error["type"] == "error" and error["status"] == 502
+    assert error["error"]["code"] == "upstream_unavailable"
+    [line] = _lines(tmp_path)
+    assert line["mode"] == "ws" and line["failed"] == "upstream closed mid-response"
+
+
+async def test_an_upstream_error_status_passes_through_and_its_line_is_failed(tmp_path: Path) -> None:
+    async with live_server(tool_calls=0, seed=1) as live:
+        async with recording(f"http://127.0.0.1:{live.port}", tmp_path) as (base, _):
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                with pytest.raises(BadRequestError) as info:
+                    await c.responses.create(model="sim", input="hi", previous_response_id="resp_missing")
+    body: Any = info.value.body
+    assert body["param"] == "previous_response_id"
+    [line] = _lines(tmp_path)
+    assert line["failed"] == "http 400" and line["mode"] == "http_prev"
