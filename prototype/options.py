@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
+import re
+import typing
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -27,7 +29,16 @@ import msgspec.inspect as mi
 
 S = TypeVar("S", bound=msgspec.Struct)
 
-__all__ = ["add_struct_options", "flag_of", "get_leaf", "leaves", "replace_leaves", "struct_from_args"]
+__all__ = [
+    "OneLineParser",
+    "add_struct_options",
+    "flag_of",
+    "get_leaf",
+    "leaves",
+    "option_error",
+    "replace_leaves",
+    "struct_from_args",
+]
 
 _SCALARS: dict[type[mi.Type], type] = {mi.IntType: int, mi.FloatType: float, mi.StrType: str}
 _COLLECTIONS = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
@@ -189,3 +200,32 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose refusal is one line on stderr, `PROG: argument --flag: why`, with
+    exit code 2 (argparse's usage block before it is left out: `--help` prints it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+_AT = re.compile(r"^(?P<why>.*) - at `\$(?P<path>(?:\.\w+)+)(?P<index>(?:\[\d+\])*)`$")
+
+
+def option_error(exc: msgspec.ValidationError, cls: type[msgspec.Struct], flags: dict[str, str] | None = None) -> str:
+    """msgspec's refusal of a config built from options, named by the flag that set the field:
+    `Expected `int` >= 1 - at `$.rollouts`` is `--rollouts: Expected `int` >= 1`. `flags` maps a
+    path (`base.rollouts`) to a flag where the options are not `cls`'s leaves (a sweep's)."""
+    text = str(exc)
+    found = _AT.match(text)
+    if found is None:
+        return text
+    path = tuple(found["path"].split(".")[1:])
+    flag = (flags or {}).get(".".join(path))
+    if flag is None:
+        flag = next((flag_of(field) for at, field in leaves(cls) if at == path), None)
+    if flag is None:
+        return text
+    index = f" (item {int(found['index'][1:].split(']')[0]) + 1})" if found["index"] else ""
+    return f"{flag}{index}: {found['why']}"

@@ -27,7 +27,7 @@ import msgspec
 import uvloop
 from tqdm import tqdm
 
-from prototype.options import add_struct_options, leaves, struct_from_args
+from prototype.options import OneLineParser, add_struct_options, leaves, option_error, struct_from_args
 from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
 from sim.analysis.records import read_records
@@ -116,7 +116,7 @@ LONG_DEFAULTS: Final = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "compare",
@@ -240,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
 def capacity_main(args: argparse.Namespace) -> int:
     try:
         config = struct_from_args(args, CapacityConfig)
-    except (msgspec.ValidationError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CapacityConfig)}") from None
+    except ValueError as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
     split = args.split_point
     if split and (reason := split_refusal_of(config)) is not None:
         print(f"error: --split-point: {reason}", file=sys.stderr)
@@ -325,22 +326,46 @@ def long_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def sweep_from(args: argparse.Namespace) -> SweepConfig:
-    def floats(text: str) -> list[float]:
-        return [float(x) for x in text.split(",") if x.strip()]
+# A sweep's config fields by the flag that sets them (the grid axes are flags of their own name).
+_SWEEP_FLAGS: Final = {"base.rollouts": "--rollouts", "base.seed": "--seed"}
 
-    return msgspec.convert(
-        {
-            "tps": floats(args.tps),
-            "tool_calls": [int(x) for x in floats(args.tool_calls)],
-            "tool_time_s": floats(args.tool_time_s),
-            "rtt_s": floats(args.rtt_s),
-            "profile": [x.strip() for x in args.profile.split(",") if x.strip()],
-            "modes": [x.strip() for x in args.modes.split(",") if x.strip()],
-            "base": msgspec.to_builtins(CompareConfig(rollouts=args.rollouts, seed=args.seed)),
-        },
-        SweepConfig,
-    )
+
+def sweep_from(args: argparse.Namespace) -> SweepConfig:
+    """The grid the options give; a refused value raises SystemExit naming its flag."""
+
+    def numbers(flag: str, text: str, kind: type[float] | type[int]) -> list[float] | list[int]:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"invalid option: {flag}: not a comma list of {kind.__name__}: {text!r}") from None
+
+    grid = {
+        axis: numbers("--" + axis.replace("_", "-"), getattr(args, axis), float)
+        for axis in ("tps", "tool_time_s", "rtt_s")
+    }
+    try:
+        sweep = msgspec.convert(
+            {
+                **grid,
+                "tool_calls": numbers("--tool-calls", args.tool_calls, int),
+                "profile": [x.strip() for x in args.profile.split(",") if x.strip()],
+                "modes": [x.strip() for x in args.modes.split(",") if x.strip()],
+                "base": msgspec.to_builtins(CompareConfig(rollouts=args.rollouts, seed=args.seed)),
+            },
+            SweepConfig,
+        )
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, SweepConfig, _SWEEP_FLAGS)}") from None
+    try:
+        for config in points(sweep):  # each point's config, as the workers will build it
+            check(config, virtual=True)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CompareConfig)}") from None
+    except ValueError as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    if args.workers < 1:
+        raise SystemExit("invalid option: --workers: must be >= 1")
+    return sweep
 
 
 def sweep_main(args: argparse.Namespace) -> int:
@@ -371,7 +396,11 @@ def _points_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int, int], Non
 
 
 def config_from(args: argparse.Namespace) -> CompareConfig:
-    config: CompareConfig = struct_from_args(args, CompareConfig)
+    """The config the options give; a refused value raises SystemExit naming its flag."""
+    try:
+        config: CompareConfig = struct_from_args(args, CompareConfig)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CompareConfig)}") from None
     return config
 
 
@@ -511,12 +540,9 @@ def _show(title: str, result: CompareResult) -> None:
 
 
 def compare_main(args: argparse.Namespace) -> int:
-    try:
-        config = config_from(args)
-    except msgspec.ValidationError as exc:
-        raise SystemExit(f"invalid option: {exc}") from None
+    config = config_from(args)
     if args.live_rollouts < 0:
-        raise SystemExit("invalid option: --live-rollouts must be >= 0")
+        raise SystemExit("invalid option: --live-rollouts: must be >= 0")
     if config.engine.engine_kind != "none":  # a real engine is real time: the comparison is the live one
         if args.virtual:
             raise SystemExit("invalid option: --engine runs in real time only (drop --virtual)")
@@ -609,7 +635,9 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
         config = fit_engine(config)
     except (EngineNotInstalled, EngineTooSmall) as exc:
         raise SystemExit(f"python -m sim validate: {exc}") from None
-    except (msgspec.ValidationError, ValueError, OSError) as exc:
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CompareConfig)}") from None
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
     return config
 
@@ -674,7 +702,22 @@ def validate_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. A refusal (an option's value, a missing engine) is one line on stderr
+    naming what was refused, with exit code 2, before anything runs: the commands raise it as
+    `SystemExit(message)`, which Python alone would print with exit code 1."""
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        line = " ".join(exc.code.split())
+        prefix = f"python -m sim {args.command}:"
+        print(line if line.startswith(prefix) else f"{prefix} {line}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         return sweep_main(args)
     if args.command == "long":
