@@ -91,30 +91,49 @@ def _comma_list(text: str) -> tuple[str, ...]:
 
 def _shown(value: Any) -> str:
     if isinstance(value, frozenset | set | tuple | list):
-        return ",".join(sorted(str(v.value if isinstance(v, enum.Enum) else v) for v in value)) or "(none)"
+        items = [str(v.value if isinstance(v, enum.Enum) else v) for v in value]
+        return ",".join(sorted(items) if isinstance(value, frozenset | set) else items) or "(none)"
     if isinstance(value, msgspec.Struct):
         return str(getattr(value, "name", type(value).__name__))
     return "none" if value is None else str(value)
 
 
-def add_struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], *, skip: tuple[str, ...] = ()) -> None:
-    """One option per leaf field of `cls` (but those named in `skip`)."""
+def add_struct_options(
+    p: argparse.ArgumentParser,
+    cls: type[msgspec.Struct],
+    *,
+    skip: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """One option per leaf field of `cls` (but those named in `skip`). `defaults` gives a
+    command's own default for a leaf, by name (`results`' modes): the help shows it, and it is
+    passed as if given; the Struct's default applies to the others."""
     seen: dict[str, tuple[str, ...]] = {}
-    defaults = cls()
+    own = defaults or {}
+    unknown = set(own) - {path[-1] for path, _ in leaves(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no leaf {sorted(unknown)}")
+    struct_defaults = cls()
     for path, field in leaves(cls):
         if field.name in skip:
             continue
         if field.name in seen:
             raise ValueError(f"{cls.__name__}: leaf {field.name!r} at {path} and at {seen[field.name]}")
         seen[field.name] = path
-        default: Any = defaults
+        default: Any = struct_defaults
         for name in path:
             default = getattr(default, name)
-        t, schema, _ = _unwrap(field.type)
+        default = own.get(field.name, default)
+        t, schema, extra = _unwrap(field.type)
         text = schema.get("description", "")
         help_text = f"{text} (default: {_shown(default)})" if text else f"default: {_shown(default)}"
         flag = flag_of(field)
         common: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
+        if field.name in own:  # given as its text, which the flag's type parses as argparse does a string default
+            common["default"] = _shown(default)
+            common["help"] = f"{text} (default: %(default)s)"  # so the help formatter adds no second one
+        if "choices" in extra:  # a string from a registry: argparse lists and checks its names
+            common["choices"] = list(extra["choices"])
         optional = isinstance(t, mi.UnionType) and any(isinstance(u, mi.NoneType) for u in t.types)
         if isinstance(t, mi.UnionType):  # X | None, or str | Struct
             kinds = [_unwrap(u)[0] for u in t.types if not isinstance(u, mi.NoneType | mi.StructType)]

@@ -63,7 +63,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
-from sim.rollout.result import ALL_MODES, RolloutFailure, failure_lines
+from sim.rollout.result import ALL_MODES, MODES, RolloutFailure, failure_lines
 
 __all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
 
@@ -77,13 +77,20 @@ _FLEET_UNREAD: Final = tuple(
 )
 
 
-def _add_config_options(p: argparse.ArgumentParser) -> None:
-    """One option per leaf field of `CompareConfig`, its nested `server` and `model` included."""
-    add_struct_options(p, CompareConfig)
+# The modes of `compare` and `results` (what `make compare` runs): those of the README's results
+# table, the baselines, the shipped create design, append and the Agents API. A config built in
+# code keeps `CompareConfig`'s four.
+HEADLINE_MODES: Final = (*MODES, "agents")
+
+
+def _add_config_options(p: argparse.ArgumentParser, **defaults: object) -> None:
+    """One option per leaf field of `CompareConfig`, its nested `server` and `model` included;
+    `defaults`: the command's own, by leaf name."""
+    add_struct_options(p, CompareConfig, defaults=defaults)
 
 
 def _add_compare_options(c: argparse.ArgumentParser) -> None:
-    _add_config_options(c)
+    _add_config_options(c, modes=HEADLINE_MODES)
     where = c.add_mutually_exclusive_group()
     where.add_argument(
         "--virtual", action="store_true", help="only in process on a virtual clock (no sockets, no waiting)"
@@ -130,8 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_compare_options(r)
-    # The README's table: the baselines, the shipped create design, append and the Agents API.
-    r.set_defaults(out="docs/results/headline", modes="http,http_prev,ws,append,agents")
+    r.set_defaults(out="docs/results/headline")
     r.add_argument("--render", action="store_true", help="only print the table of the folder at --out (no run)")
 
     w = sub.add_parser(
@@ -158,8 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(virtual time, docs/compaction.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_config_options(lg)
-    lg.set_defaults(**LONG_DEFAULTS)
+    _add_config_options(lg, **LONG_DEFAULTS)
     lg.add_argument("--window-turns", type=int, default=50, help="turns per window of the table")
     lg.add_argument(
         "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"

@@ -104,7 +104,10 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     rtt_s: Annotated[float | None, Meta(description="override the profile's round trip")] = None
     workload: Annotated[
         str,
-        Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
+        Meta(
+            description="custom (the fields above) or a workload profile (sim/rollout/workload.py)",
+            extra={"choices": ("custom", *WORKLOADS)},  # the registry's names, listed by --help
+        ),
     ] = "custom"
     trace: Annotated[
         str | None, Meta(description="replay a recorded trace (JSONL, see sim/rollout/replay.py) instead of a workload")

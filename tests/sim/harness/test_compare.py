@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sim.__main__ import _points_bar, main, run, table
+from sim.__main__ import _points_bar, build_parser, config_from, main, run, table
 from sim.analysis.metrics import headline
 from sim.harness.experiment import CompareConfig, compare
 
@@ -72,6 +72,7 @@ def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
         (["compare", "--profile", "cloud"], "compare: invalid option: unknown cost profile 'cloud'"),
         (["compare", "--live-rollouts", "-1"], "compare: invalid option: --live-rollouts: must be >= 0"),
         (["compare", "--rollouts", "x"], "compare: argument --rollouts: invalid int value: 'x'"),
+        (["results", "--workload", "nope"], "results: argument --workload: invalid choice: 'nope'"),
         (["sweep", "--rollouts", "0"], "sweep: invalid option: --rollouts: Expected `int` >= 1"),
         (["sweep", "--tps", "-5"], "sweep: invalid option: --tps: Expected `float` >= 0.0"),
         (["sweep", "--tool-calls", "2.5"], "sweep: invalid option: --tool-calls: not a comma list of int: '2.5'"),
@@ -92,6 +93,37 @@ def test_a_refused_option_is_one_line_naming_it_with_exit_2(
     assert captured.err.count("\n") == 1 and captured.out == ""
 
 
+def test_compare_runs_the_modes_of_the_readme_results_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make compare` (`python -m sim compare`) and `results` run the modes the README's table shows,
+    in its order; `--help` says so once."""
+    readme = (Path(__file__).parents[3] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- results:start -->", 1)[1].split("<!-- results:end -->", 1)[0]
+    first_table = block.split("\n\n")[1]
+    shown = tuple(re.findall(r"^\| `(\w+)` \|", first_table, flags=re.M))
+    assert shown == ("http", "http_prev", "ws", "append", "agents")
+    for command in ("compare", "results"):
+        assert config_from(build_parser().parse_args([command])).modes == shown
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        options = re.split(r"\n  (?=-)", capsys.readouterr().out)[1:]  # one entry an option
+        entries = [" ".join(o.split()) for o in options]
+        assert [e for e in entries if e.count("(default:") > 1] == []  # one default each, the one that runs
+        assert [e for e in entries if e.startswith("--modes ")][0].endswith(
+            "(default: http,http_prev,ws,append,agents)"
+        )
+    assert CompareConfig().modes == ("http", "http_prev", "ws", "append")  # a config in code keeps four
+
+
+def test_help_lists_the_workloads_of_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    from sim.rollout.workload import WORKLOADS
+
+    assert "agentic" in WORKLOADS
+    for command in ("compare", "results", "long"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"--workload {{{','.join(('custom', *WORKLOADS))}}}" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
@@ -105,17 +137,17 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["seed"] == 0 and config["virtual"] is True and len(config["git_sha"]) >= 7
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"http", "http_prev", "ws", "append"}
+    assert set(summary) == {"http", "http_prev", "ws", "append", "agents"}  # the default: the README table's
     assert summary["http"]["completion_p50_s"] > 0
     ws = summary["ws"]
     assert ws["n"] == ws["saved_vs_http_n"] == 4
     assert ws["saved_vs_http_ci_low"] <= ws["saved_vs_http"] <= ws["saved_vs_http_ci_high"]
     assert {"completion_p50_ci_low", "completion_p50_ci_high", "completion_p90_ci_low"} <= set(ws)
     pairs = json.loads((out / "pairs.json").read_text())
-    assert len(pairs) == 6 and {"n", "saved_ci_low", "saved_ci_high", "difference_ci_low"} <= set(pairs[0])
+    assert len(pairs) == 10 and {"n", "saved_ci_low", "saved_ci_high", "difference_ci_low"} <= set(pairs[0])
     with (out / "turns.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 * 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
+    assert len(rows) == 5 * 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
     first = [r for r in rows if r["mode"] == "ws" and r["turn"] == "0"]
     e2e = [float(r["e2e_s"]) for r in first]
     assert {r["n"] for r in first} == {"4"}
@@ -362,7 +394,6 @@ def test_a_virtual_comparison_hands_the_server_every_field(monkeypatch: pytest.M
     from prototype.config import ServerConfig
     from prototype.options import flag_of, leaves
     from prototype.pipeline import PROFILES
-    from sim.__main__ import build_parser, config_from
     from sim.harness import experiment
 
     assert set(NOT_DEFAULT) == {field.name for _, field in leaves(ServerConfig)}
