@@ -6,7 +6,8 @@ from virtual time (`--rollouts` per mode, CPU work charged) and a short live run
 loopback (`--live-rollouts`, the first rollouts of the same seed) runs beside it, with
 their agreement as an interval on the paired difference; `--virtual` or `--live` runs only
 one. A table of the metrics per mode with 95 % intervals and n, the paired differences
-between modes, and with `--out DIR` a run folder (sim/harness/trace.py). `results` writes the
+between modes, and a run folder (sim/harness/trace.py): `--out DIR`, by default a new one under
+`runs/`, none with `--no-save`. `results` writes the
 headline comparison into a small committed folder and renders the README's table from it
 (sim/harness/results.py).
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
+import itertools
 import math
 import os
 import sys
@@ -89,7 +92,7 @@ def _add_config_options(p: argparse.ArgumentParser, **defaults: object) -> None:
     add_struct_options(p, CompareConfig, defaults=defaults)
 
 
-def _add_compare_options(c: argparse.ArgumentParser) -> None:
+def _add_compare_options(c: argparse.ArgumentParser, *, results: bool = False) -> None:
     _add_config_options(c, modes=HEADLINE_MODES)
     where = c.add_mutually_exclusive_group()
     where.add_argument(
@@ -105,8 +108,52 @@ def _add_compare_options(c: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--free-cpu", action="store_true", help="virtual run: CPU work costs no virtual time (exactly reproducible)"
     )
-    c.add_argument("--out", metavar="DIR", help="write a run folder (config, summary, per-turn tables, plots)")
+    if results:  # the committed folder the README's table is rendered from
+        c.add_argument("--out", metavar="DIR", default="docs/results/headline", help="the folder to write and render")
+        c.set_defaults(no_save=False)
+    else:
+        _add_save_options(c, "config, summary, per-turn tables, plots", "compare")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_save_options(p: argparse.ArgumentParser, what: str, job: str) -> None:
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=argparse.SUPPRESS,  # the help says what the default is: no "(default: None)"
+        help=f"the run folder ({what}) (default: a new one, runs/{job}-YYYYMMDD-HHMM, UTC)",
+    )
+    p.add_argument("--no-save", action="store_true", help="write no run folder")
+
+
+# Where a job's default run folder goes: `runs/` where the command runs (in .gitignore), or this
+# variable's directory (the tests point it at a temporary one).
+RUNS_ENV: Final = "LONGRUN_RUNS"
+
+
+def run_folder(args: argparse.Namespace, job: str) -> Path | None:
+    """The run folder the job writes: `--out`, else a new `runs/JOB-YYYYMMDD-HHMM` (UTC; `-2`, `-3`,
+    … after it when that minute has one already), created now so that a second run does not take
+    it; None with `--no-save`."""
+    out = getattr(args, "out", None)
+    if args.no_save:
+        if out:
+            raise SystemExit("invalid option: --no-save: not with --out")
+        return None
+    if out:
+        return Path(out)
+    base = Path(os.environ.get(RUNS_ENV) or "runs")
+    stamp = f"{job}-{datetime.datetime.now(datetime.UTC):%Y%m%d-%H%M}"
+    for n in itertools.count(1):
+        path = base / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise SystemExit(f"cannot write the run folder {path}: {exc.strerror or exc}") from None
+        return path
+    raise AssertionError("unreachable")
 
 
 # `python -m sim long`: 10 rollouts of 200 tool calls in every mode but `steer` (which is `inject` when
@@ -136,8 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the default comparison into a small run folder to commit, and print the README table",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_compare_options(r)
-    r.set_defaults(out="docs/results/headline")
+    _add_compare_options(r, results=True)
     r.add_argument("--render", action="store_true", help="only print the table of the folder at --out (no run)")
 
     w = sub.add_parser(
@@ -155,7 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=defaults.base.seed)
     w.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     w.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
-    w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
+    w.add_argument(
+        "--out",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="the table: .csv or .parquet (default: sweep.csv in a new run folder, runs/sweep-YYYYMMDD-HHMM, UTC)",
+    )
+    w.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
 
     lg = sub.add_parser(
@@ -169,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument(
         "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"
     )
-    lg.add_argument("--out", metavar="DIR", help="write both run folders and the window tables")
+    _add_save_options(lg, "both runs' folders and the window tables", "long")
     lg.add_argument("--quiet", action="store_true", help="no progress bar")
 
     f = sub.add_parser(
@@ -318,6 +370,9 @@ def long_main(args: argparse.Namespace) -> int:
             raise ValueError("--window-turns must be >= 1")
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
+    folder = run_folder(args, "long")
+    if folder is not None:
+        print(f"run folder: {folder}", file=sys.stderr, flush=True)
     cpu = "CPU charged" if args.charge_cpu else "CPU free"
     print(
         f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without compaction and "
@@ -326,8 +381,8 @@ def long_main(args: argparse.Namespace) -> int:
     )
     result = run_long(config, window_turns=args.window_turns, charge_cpu=args.charge_cpu, progress=not args.quiet)
     print("\n" + long_tables(result))
-    if args.out:
-        print(f"run folder: {write_long(result, args.out)}", file=sys.stderr)
+    if folder is not None:
+        print(f"run folder: {write_long(result, folder)}", file=sys.stderr)
     return 0
 
 
@@ -375,6 +430,17 @@ def sweep_from(args: argparse.Namespace) -> SweepConfig:
 
 def sweep_main(args: argparse.Namespace) -> int:
     sweep = sweep_from(args)
+    if not hasattr(args, "out"):
+        folder = run_folder(argparse.Namespace(no_save=False), "sweep")
+        assert folder is not None
+        out = folder / "sweep.csv"
+    else:
+        out = Path(args.out)
+        if out.suffix not in (".csv", ".parquet"):
+            raise SystemExit(f"invalid option: --out: {out} is neither .csv nor .parquet")
+        if out.exists() and not args.force:
+            raise SystemExit(f"invalid option: --out: {out} exists (--force overwrites it)")
+    print(f"the table: {out}", file=sys.stderr, flush=True)
     with _points_bar(len(points(sweep)), quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
@@ -382,7 +448,7 @@ def sweep_main(args: argparse.Namespace) -> int:
         else:
             with ProcessPoolExecutor(max_workers=args.workers) as pool:
                 rows = run_sweep(sweep, pool, on_point=on_point)
-    path = write_table(rows, args.out)
+    path = write_table(rows, out)
     print(f"{len(rows)} rows ({len(points(sweep))} points x {len(sweep.modes)} modes) written to {path}")
     return 0
 
@@ -561,6 +627,7 @@ def compare_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"python -m sim compare: {exc}") from None
     except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
+    folder = run_folder(args, "compare")
     beside = 0 if (args.virtual or args.live) else args.live_rollouts
     cpu = "CPU free" if args.free_cpu else "CPU charged"
     plan = (
@@ -572,6 +639,8 @@ def compare_main(args: argparse.Namespace) -> int:
     if config.ci_width > 0 and not args.live:
         plan += f", adding batches until every time saved is within ±{config.ci_width:g} points"
     print(f"longrun compare: {plan}; {_describe(config)}", flush=True)
+    if folder is not None:  # before the run: a run cut short still says where its folder was to be
+        print(f"run folder: {folder}", file=sys.stderr, flush=True)
     progress = not args.quiet
     main_result = run(config, virtual=not args.live, free_cpu=args.free_cpu, progress=progress)
     where = "live loopback" if args.live else "virtual time"
@@ -590,9 +659,9 @@ def compare_main(args: argparse.Namespace) -> int:
         _show(f"live loopback, n={beside} rollouts per mode (rollouts 0–{beside - 1} of the same seed):", live_result)
         agreement = live_agreement(main_result.rollouts, live_result.rollouts, seed=config.seed)
         print("\n" + agreement_text(agreement))
-    if args.out:
+    if folder is not None:
         tables = args.command != "results"
-        path = write_run(main_result, args.out, tables=tables)
+        path = write_run(main_result, folder, tables=tables)
         if live_result is not None and agreement is not None:
             write_run(live_result, path / "live", tables=tables)
             write_json({"live_vs_virtual": agreement, "pairs": "(mode, rollout)"}, path / "agreement.json")

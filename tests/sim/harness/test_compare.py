@@ -124,6 +124,75 @@ def test_help_lists_the_workloads_of_the_registry(capsys: pytest.CaptureFixture[
         assert f"--workload {{{','.join(('custom', *WORKLOADS))}}}" in capsys.readouterr().out
 
 
+SMALL_ARGV = ["--virtual", "--free-cpu", "--rollouts", "1", "--tool-calls", "1", "--tps", "0", "--quiet"]
+SMALL_ARGV += ["--profile", "local", "--system-prompt-tokens", "200", "--tool-time-s", "0", "--modes", "http,ws"]
+
+
+def test_compare_keeps_its_run_in_a_new_folder_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sim.__main__
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(sim.__main__.RUNS_ENV, str(runs))
+    assert main(["compare", *SMALL_ARGV]) == 0
+    (folder,) = runs.iterdir()
+    assert re.fullmatch(r"compare-\d{8}-\d{4}", folder.name) and (folder / "summary.json").is_file()
+    err = capsys.readouterr().err
+    assert err.count(f"run folder: {folder}\n") == 2  # at the start and at the end
+    assert main(["compare", *SMALL_ARGV, "--no-save"]) == 0
+    assert list(runs.iterdir()) == [folder] and "run folder" not in capsys.readouterr().err
+    assert main(["compare", *SMALL_ARGV, "--no-save", "--out", str(tmp_path / "x")]) == 2
+    assert "--no-save: not with --out" in capsys.readouterr().err
+
+
+def test_a_default_run_folder_never_takes_another_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    import sim.__main__
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> Frozen:
+            return cls(2026, 12, 6, 1, 2, 59, tzinfo=tz)
+
+    monkeypatch.setattr(sim.__main__.datetime, "datetime", Frozen)
+    monkeypatch.setenv(sim.__main__.RUNS_ENV, str(tmp_path))
+    args = build_parser().parse_args(["compare"])
+    made = [sim.__main__.run_folder(args, "compare") for _ in range(3)]
+    assert made == [
+        tmp_path / "compare-20261206-0102",
+        tmp_path / "compare-20261206-0102-2",
+        tmp_path / "compare-20261206-0102-3",
+    ]
+    assert all(p is not None and p.is_dir() for p in made)
+
+
+def test_sweep_writes_into_a_run_folder_and_overwrites_only_with_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sim.__main__
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(sim.__main__.RUNS_ENV, str(runs))
+    argv = ["sweep", "--tps", "0", "--tool-calls", "1", "--tool-time-s", "0", "--rollouts", "1", "--modes", "http"]
+    argv += ["--workers", "1", "--quiet"]
+    assert main(argv) == 0
+    (table_,) = runs.glob("sweep-*/sweep.csv")
+    assert len(table_.read_text().splitlines()) == 2  # the header and the one (point, mode) row
+    mine = tmp_path / "sweep.csv"
+    mine.write_text("my own table\n")
+    capsys.readouterr()
+    assert main([*argv, "--out", str(mine)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"python -m sim sweep: invalid option: --out: {mine} exists (--force overwrites it)\n"
+    )
+    assert mine.read_text() == "my own table\n"
+    assert main([*argv, "--out", str(mine), "--force"]) == 0
+    assert mine.read_text().startswith("tps,tool_calls,") and len(mine.read_text().splitlines()) == 2
+
+
 @pytest.mark.slow
 def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
