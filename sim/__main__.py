@@ -48,7 +48,7 @@ from sim.harness.capacity import (
     run_capacity,
     split_refusal_of,
 )
-from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
+from sim.harness.experiment import CompareConfig, CompareResult, ProgressLines, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
@@ -68,7 +68,17 @@ from sim.harness.validate import (
 )
 from sim.rollout.result import ALL_MODES, MODES, RolloutFailure, failure_lines
 
-__all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
+__all__ = [
+    "build_parser",
+    "interjection_table",
+    "main",
+    "pairs_table",
+    "run",
+    "run_folder",
+    "saved_text",
+    "table",
+    "terminal_table",
+]
 
 
 _FLEET_SET_BY_POINT: Final = ("kv_budget_tokens", "hold_policy", "preempt_held")  # capacity: grid axes and variants
@@ -455,9 +465,17 @@ def sweep_main(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _points_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int, int], None]]:
-    """An `on_point(done, total)` callback that moves a bar of `total` grid points on stderr: a
-    bar on a terminal, nothing with `quiet` or where stderr is no terminal (a log, a pipe), which
-    the bar's carriage returns would fill (tqdm's `disable=None`)."""
+    """An `on_point(done, total)` callback that shows the grid points done on stderr: a bar on a
+    terminal, a line at each tenth where stderr is no terminal (a log, a pipe, which the bar's
+    carriage returns would fill), nothing with `quiet`."""
+    if not quiet and not sys.stderr.isatty():
+        lines = ProgressLines(total, unit="points")
+
+        def on_line(done: int, total: int) -> None:
+            lines.update(done - lines.n)
+
+        yield on_line
+        return
     with tqdm(total=total, unit="point", file=sys.stderr, disable=True if quiet else None) as bar:
 
         def on_point(done: int, total: int) -> None:
@@ -505,9 +523,33 @@ def saved_text(e: Estimate) -> str:
     return f"{100 * e.value:.1f} % ± {spread}"
 
 
+# The terminal's table fits this many columns; the run folder's table.txt has every column.
+TERMINAL_COLUMNS: Final = 100
+
+
+def terminal_table(summary: list[ModeSummary], failed: Sequence[RolloutFailure] = ()) -> str:
+    """The table for a terminal, within `TERMINAL_COLUMNS` for the usual magnitudes: per mode n,
+    p50 with its interval, p90, TTFT, overhead share, KV idle and time saved with its ± (95 %).
+    Failed rollouts follow, a row per mode and error."""
+    head = (
+        f"{'mode':<10} {'n':>3} {'rollout p50 s (95 % CI)':>23} {'p90 s':>7} {'TTFT ms':>7} {'overhead':>8} "
+        f"{'KV idle tok·s':>13} {'saved vs http':>16}"
+    )
+    rows = [head]
+    for s in summary:
+        p50, p90 = s.estimate("completion_p50"), s.estimate("completion_p90")
+        saved = "-" if s.mode == "http" else saved_text(s.estimate("saved_vs_http"))
+        rows.append(
+            f"{s.mode:<10} {s.n:>3} {f'{p50.value:.3f} {_bounds(p50)}':>23} {p90.value:>7.3f} {_ms(s.ttft_p50_s):>7} "
+            f"{_pct(s.overhead_share):>8} {s.kv_idle_token_s:>13.0f} {saved:>16}"
+        )
+    return "\n".join(rows + failure_lines(failed))
+
+
 def table(summary: list[ModeSummary], failed: Sequence[RolloutFailure] = ()) -> str:
-    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %). Failed
-    rollouts (not in the metrics) follow, a row per mode and error."""
+    """Every column, for the run folder's table.txt: one row per mode; p50/p90 with their
+    intervals, time saved with its ± (95 %). Failed rollouts (not in the metrics) follow, a row
+    per mode and error."""
     head = (
         f"{'mode':<10} {'n':>3} {'rollout p50 s (95 % CI)':>26} {'p90 s (95 % CI)':>24} {'TTFT ms':>8} "
         f"{'tool→token ms':>14} {'overhead':>9} {'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} "
@@ -576,7 +618,7 @@ def agreement_text(e: Estimate) -> str:
         return f"virtual vs live: live {100 * e.value:+.1f} % against virtual, over {e.n} (mode, rollout) pair"
     return (
         f"virtual vs live: live takes {100 * e.value:+.1f} % (95 % CI {100 * e.ci_low:+.1f} to "
-        f"{100 * e.ci_high:+.1f} %) longer than virtual time on the same rollout, over {e.n} (mode, rollout) pairs"
+        f"{100 * e.ci_high:+.1f} %) longer than virtual time\n  on the same rollout, over {e.n} (mode, rollout) pairs"
     )
 
 
@@ -600,7 +642,7 @@ def _describe(config: CompareConfig) -> str:
 
 def _show(title: str, result: CompareResult) -> None:
     print(f"\n{title}")
-    print(table(result.summary, result.failed))
+    print(terminal_table(result.summary, result.failed))
     if result.stopped:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
@@ -608,6 +650,10 @@ def _show(title: str, result: CompareResult) -> None:
     if any(s.interjections for s in result.summary):
         print("\ninterjections (user message → first token of the turn that has it in context):")
         print(interjection_table(result.summary, result.pairs))
+
+
+def _write_text(text: str, path: Path) -> None:
+    path.write_text(text + "\n", encoding="utf-8")
 
 
 def compare_main(args: argparse.Namespace) -> int:
@@ -638,7 +684,7 @@ def compare_main(args: argparse.Namespace) -> int:
     )
     if config.ci_width > 0 and not args.live:
         plan += f", adding batches until every time saved is within ±{config.ci_width:g} points"
-    print(f"longrun compare: {plan}; {_describe(config)}", flush=True)
+    print(f"longrun compare: {plan};\n  {_describe(config)}", flush=True)
     if folder is not None:  # before the run: a run cut short still says where its folder was to be
         print(f"run folder: {folder}", file=sys.stderr, flush=True)
     progress = not args.quiet
@@ -662,8 +708,12 @@ def compare_main(args: argparse.Namespace) -> int:
     if folder is not None:
         tables = args.command != "results"
         path = write_run(main_result, folder, tables=tables)
+        if tables:  # every column of the terminal's table
+            _write_text(table(main_result.summary, main_result.failed), path / "table.txt")
         if live_result is not None and agreement is not None:
             write_run(live_result, path / "live", tables=tables)
+            if tables:
+                _write_text(table(live_result.summary, live_result.failed), path / "live" / "table.txt")
             write_json({"live_vs_virtual": agreement, "pairs": "(mode, rollout)"}, path / "agreement.json")
         print(f"run folder: {path}", file=sys.stderr)
         if args.command == "results":

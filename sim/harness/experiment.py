@@ -78,7 +78,16 @@ from sim.runtime.inprocess import InProcessServer, Tap
 from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
 
-__all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "config_of", "run_compare"]
+__all__ = [
+    "DEFAULT_ROLLOUTS",
+    "CompareConfig",
+    "CompareResult",
+    "ProgressLines",
+    "check",
+    "compare",
+    "config_of",
+    "run_compare",
+]
 
 # Rollouts per mode of the default comparison: its time-saved intervals are within ±2 points
 # at this n in virtual time (docs/statistics.md has the measured widths).
@@ -672,12 +681,45 @@ _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
 
 
 def _progress_bar(enabled: bool, *, total: int) -> Any:
-    """A bar of the rollouts run, on stderr, when `enabled`: a widget in a notebook, a bar on a
-    terminal, and nothing where stderr is no terminal (a log, a pipe), which the bar's carriage
-    returns would fill (tqdm's `disable=None`). Its total grows by a batch's rollouts as each
-    batch starts."""
+    """The progress of the rollouts run, on stderr, when `enabled`: a widget in a notebook, a bar
+    on a terminal, and where stderr is no terminal (a log, a pipe), which the bar's carriage
+    returns would fill, a line at each tenth (`ProgressLines`). Its total grows by a batch's
+    rollouts as each batch starts."""
+    if enabled and not sys.stderr.isatty() and "ipykernel" not in sys.modules:
+        return ProgressLines(total, unit="rollouts")
     # Imported here: in a notebook kernel without ipywidgets importing tqdm.auto warns, and the
     # notebooks import this module without asking for a bar.
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="rollout", file=sys.stderr, disable=None if enabled else True, leave=True)
+
+
+class ProgressLines:
+    """Progress for a log: a line on stderr each time the count passes another tenth of the total
+    (`progress: 8/40 rollouts (20 %), n=20 per mode`), the part of tqdm's interface the jobs use."""
+
+    def __init__(self, total: int, *, unit: str) -> None:
+        self.total = total
+        self.n = 0
+        self.unit = unit
+        self._postfix = ""
+        self._tenths = 0
+
+    def __enter__(self) -> ProgressLines:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def set_postfix_str(self, text: str) -> None:
+        self._postfix = text
+
+    def update(self, count: int = 1) -> None:
+        self.n += count
+        tenths = 10 * self.n // self.total if self.total > 0 else 10
+        if tenths <= self._tenths:
+            return
+        self._tenths = tenths
+        postfix = f", {self._postfix}" if self._postfix else ""
+        line = f"progress: {self.n}/{self.total} {self.unit} ({100 * self.n // max(self.total, 1)} %){postfix}"
+        print(line, file=sys.stderr, flush=True)

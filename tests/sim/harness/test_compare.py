@@ -202,7 +202,7 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         )
         == 0
     )
-    assert "time saved vs http" in capsys.readouterr().out
+    assert "saved vs http" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["seed"] == 0 and config["virtual"] is True and len(config["git_sha"]) >= 7
     summary = json.loads((out / "summary.json").read_text())
@@ -361,7 +361,7 @@ def test_default_compare_has_a_live_run_beside_the_virtual_one(capsys: pytest.Ca
     assert "virtual time, n=6 rollouts per mode" in out and "live loopback, n=1 rollouts per mode" in out
     # The saving with its interval (either sign: CPU-charged time on tiny rollouts is noisy).
     assert re.search(r"ws +6 .* [-−]?\d+\.\d % ± \d+\.\d\n", out)
-    assert "virtual vs live: live takes" in out and "over 4 (mode, rollout) pairs" in out
+    assert "virtual vs live: live takes" in out and "over 5 (mode, rollout) pairs" in out  # a pair a mode
 
 
 def test_live_only_and_virtual_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -402,11 +402,38 @@ def test_progress_draws_a_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> 
     assert "\r" in stderr.getvalue() and "4/4" in stderr.getvalue() and "n=2 per mode" in stderr.getvalue()
 
 
-def test_progress_writes_no_carriage_return_where_stderr_is_no_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_is_lines_where_stderr_is_no_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """A log (`make compare > log 2>&1`) gets a line at each tenth of the rollouts, no carriage return."""
     compare(TWO_MODES, virtual=True, free_cpu=True, progress=True)
-    main(["compare", "--virtual", "--free-cpu", "--rollouts", "2", "--tool-calls", "1", "--modes", "http,ws"])
     err = capsys.readouterr().err
+    assert err.splitlines() == [f"progress: {k}/4 rollouts ({25 * k} %), n=2 per mode" for k in (1, 2, 3, 4)]
+    main(["compare", "--virtual", "--free-cpu", "--rollouts", "20", "--tool-calls", "1", "--modes", "http,ws"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("progress: ")]
+    assert lines == [f"progress: {4 * k}/40 rollouts ({10 * k} %), n=20 per mode" for k in range(1, 11)]
     assert "\r" not in err
+    main(["compare", "--virtual", "--free-cpu", "--rollouts", "2", "--tool-calls", "1", "--quiet"])
+    assert "progress" not in capsys.readouterr().err
+
+
+def test_the_terminal_table_fits_100_columns_and_the_folder_has_every_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["compare", "--virtual", "--free-cpu", "--rollouts", "4", "--tool-calls", "2", "--quiet"]
+    assert main([*argv, "--modes", "http,http_prev,ws,append,inject,agents", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert re.search(r"^agents +4 +\d+\.\d{3} \(", out, flags=re.M)
+    full = (tmp_path / "table.txt").read_text()
+    assert "tool→token ms" in full and "rendered/turn" in full and "tool→token" not in out
+    assert [line.split()[0] for line in full.splitlines()[1:]] == [
+        "http",
+        "http_prev",
+        "ws",
+        "append",
+        "inject",
+        "agents",
+    ]
 
 
 @pytest.mark.parametrize(("stderr", "drawn"), [(_Terminal(), True), (io.StringIO(), False)], ids=["tty", "log"])
@@ -417,7 +444,9 @@ def test_the_cli_bar_of_points_is_drawn_only_on_a_terminal(
     with _points_bar(3, quiet=False) as on_point:
         for done in (1, 2, 3):
             on_point(done, 3)
-    assert ("3/3" in stderr.getvalue(), "\r" in stderr.getvalue()) == (drawn, drawn)
+    assert "3/3" in stderr.getvalue() and ("\r" in stderr.getvalue()) == drawn
+    if not drawn:  # a line a tenth: here each point is at least one
+        assert stderr.getvalue().splitlines() == [f"progress: {k}/3 points ({100 * k // 3} %)" for k in (1, 2, 3)]
 
 
 # -- the server under test, whole -------------------------------------------------------------------
