@@ -42,7 +42,7 @@ from msgspec import Meta, structs
 from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache, conversation_key, parse_items
-from prototype.model import ModelEvent, ModelRequest
+from prototype.model import ModelEvent, ModelRequest, Prefilled, TokensSampled
 from prototype.options import replace_leaves
 from prototype.pipeline import Optimization, load_profile
 from prototype.response.engine import Engine
@@ -319,25 +319,45 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
 
 
 class _PromptLog:
-    """The server's model, recording the prompt of every turn it samples, by (mode, conversation):
-    what a turn's model read, in every mode (an append or inject turn that pauses reports no
-    usage on the wire). `sample` hands over the model's own generator, so no event takes an
-    extra step."""
+    """The server's model, recording every turn it samples, by (mode, conversation): the prompt
+    the turn's model read, and the prompt tokens it found cached and the tokens it decoded, in
+    every mode (an append or inject turn that pauses reports no usage on the wire, and its
+    response's usage at the end is the total). The model's generator is passed through one
+    async generator that counts as the events go by: no event waits on the loop for it."""
 
     def __init__(self, model: SimulatedModel) -> None:
         self.model: SimulatedModel | EngineModel = model
         self.mode = ""
         self.prompts: dict[tuple[str, int], list[int]] = {}
+        self.outputs: dict[tuple[str, int], list[tuple[int, int]]] = {}
 
     def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
-        self.prompts.setdefault((self.mode, request.conversation_key), []).append(request.prompt_tokens)
-        return self.model.sample(request)
+        key = (self.mode, request.conversation_key)
+        self.prompts.setdefault(key, []).append(request.prompt_tokens)
+        return self._counted(self.outputs.setdefault(key, []), self.model.sample(request))
+
+    @staticmethod
+    async def _counted(
+        into: list[tuple[int, int]], events: AsyncGenerator[ModelEvent, None]
+    ) -> AsyncGenerator[ModelEvent, None]:
+        cached = decoded = 0
+        try:
+            async for event in events:
+                if isinstance(event, TokensSampled):
+                    decoded += len(event.token_ids)
+                elif isinstance(event, Prefilled):
+                    cached = event.cached_tokens
+                yield event
+        finally:
+            await events.aclose()  # closed early by the service: the model's cleanup runs now
+            into.append((cached, decoded))
 
     def release(self, conversation_id: str) -> None:
         self.model.release(conversation_id)
 
-    def take(self, mode: str, spec: RolloutSpec) -> list[int]:
-        return self.prompts.pop((mode, conversation_key(spec.task)), [])
+    def take(self, mode: str, spec: RolloutSpec) -> tuple[list[int], list[tuple[int, int]]]:
+        key = (mode, conversation_key(spec.task))
+        return self.prompts.pop(key, []), self.outputs.pop(key, [])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)  # the rest of the model's interface, as it is
@@ -596,9 +616,10 @@ class _Scheduler:
                 result = RolloutFailure(mode, spec.index, error_line(exc))
             finally:
                 await client.close()
-        prompts = self.world.prompts.take(mode, spec)
+        prompts, outputs = self.world.prompts.take(mode, spec)
         if isinstance(result, RolloutResult):
             result.prompt_tokens = prompts
+            result.model_tokens = outputs
         done()
         return result
 

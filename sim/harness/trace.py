@@ -25,6 +25,7 @@ Notebooks and scripts load these; nothing here computes a metric (sim/analysis/m
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import math
@@ -61,9 +62,23 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
     rows = []
     intervals = turn_intervals(result.rollouts, seed=result.config.seed)
     for r in result.rollouts:
+        turns_of = collections.Counter(t.response.id for t in r.turns)
         for k, (t, work) in enumerate(zip(r.turns, per_turn_work(r), strict=True)):
-            usage = t.response.usage
             e2e: Estimate = intervals[(r.mode, k)]
+            prompt = r.prompt_tokens[k] if k < len(r.prompt_tokens) else None
+            usage = t.response.usage
+            tokens: tuple[int | None, int | None, int | None]
+            if usage is not None and turns_of[t.response.id] == 1:  # the response is this turn's: its usage
+                tokens = (usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens)
+            elif len(r.model_tokens) == len(r.turns):
+                # A response that spans turns (append, inject, async, agents) reports no usage while
+                # paused and its whole total at the end; the beta's pauses carry no report either. The
+                # turn's own: the model's count of the turn it sampled (sim.harness.experiment's log).
+                tokens = (prompt, *r.model_tokens[k])
+            else:  # a steer's cut turn was sampled twice: the server's report differenced per turn
+                prefilled, decoded = work.get("tokens_prefilled"), work.get("tokens_decoded")
+                cached = None if prompt is None or prefilled is None else prompt - round(prefilled)
+                tokens = (prompt, cached, None if decoded is None else round(decoded))
             row: dict[str, Any] = {
                 "mode": r.mode,
                 "rollout": r.index,
@@ -77,11 +92,11 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
                 "e2e_s": t.e2e_s,
                 "bytes_sent": t.bytes_sent,
                 "events": t.events,
-                "input_tokens": usage.input_tokens if usage else None,
-                "cached_tokens": usage.input_tokens_details.cached_tokens if usage else None,
-                "output_tokens": usage.output_tokens if usage else None,
+                "input_tokens": tokens[0],
+                "cached_tokens": tokens[1],
+                "output_tokens": tokens[2],
                 "tokens_rendered": work.get("tokens_rendered"),
-                "prompt_tokens": r.prompt_tokens[k] if k < len(r.prompt_tokens) else None,
+                "prompt_tokens": prompt,
                 "compacted": compacted(t),
             }
             for key, value in work.items():

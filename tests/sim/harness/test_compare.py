@@ -568,3 +568,26 @@ def test_every_rollout_failing_still_reports() -> None:
     )
     assert result.summary == [] and result.rollouts == [] and len(result.failed) == 4
     assert table(result.summary, result.failed).count("failed (rollouts 0, 1): 400 context_length_exceeded") == 2
+
+
+def test_turns_csv_has_each_turns_own_tokens_in_every_mode() -> None:
+    """A paused append/inject/agents turn reports no usage and the response's last turn reports the
+    total: each row holds the turn's own tokens, which are those of the same turn in `ws`."""
+    from sim.harness.trace import turn_rows
+
+    modes = ("http", "ws", "append", "inject", "agents")
+    result = run(SMALL.updated(modes=modes, rollouts=1, tool_calls=3), virtual=True, free_cpu=True)
+    rows = turn_rows(result)
+    assert [r for r in rows if None in (r["input_tokens"], r["cached_tokens"], r["output_tokens"])] == []
+    by_mode = {m: [r for r in rows if r["mode"] == m] for m in modes}
+    for mode in modes:
+        assert [(r["input_tokens"], r["output_tokens"]) for r in by_mode[mode]] == [
+            (r["input_tokens"], r["output_tokens"]) for r in by_mode["ws"]
+        ], mode
+    for mode in ("append", "inject"):
+        (rollout,) = [r for r in result.rollouts if r.mode == mode]
+        total = rollout.turns[-1].response.usage
+        assert total is not None and total.output_tokens == sum(r["output_tokens"] for r in by_mode[mode])
+        assert total.input_tokens == sum(r["input_tokens"] for r in by_mode[mode])
+    # append's held KV: from its second turn on, the turn finds more of its prompt cached than ws
+    assert all(a["cached_tokens"] >= w["cached_tokens"] for a, w in zip(by_mode["append"], by_mode["ws"], strict=True))
