@@ -55,7 +55,7 @@ from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
-from sim.harness.trace import write_capacity, write_json, write_run, write_table
+from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
     contention,
@@ -652,10 +652,6 @@ def _show(title: str, result: CompareResult) -> None:
         print(interjection_table(result.summary, result.pairs))
 
 
-def _write_text(text: str, path: Path) -> None:
-    path.write_text(text + "\n", encoding="utf-8")
-
-
 def compare_main(args: argparse.Namespace) -> int:
     config = config_from(args)
     if args.live_rollouts < 0:
@@ -709,11 +705,11 @@ def compare_main(args: argparse.Namespace) -> int:
         tables = args.command != "results"
         path = write_run(main_result, folder, tables=tables)
         if tables:  # every column of the terminal's table
-            _write_text(table(main_result.summary, main_result.failed), path / "table.txt")
+            write_text(table(main_result.summary, main_result.failed), path / "table.txt")
         if live_result is not None and agreement is not None:
             write_run(live_result, path / "live", tables=tables)
             if tables:
-                _write_text(table(live_result.summary, live_result.failed), path / "live" / "table.txt")
+                write_text(table(live_result.summary, live_result.failed), path / "live" / "table.txt")
             write_json({"live_vs_virtual": agreement, "pairs": "(mode, rollout)"}, path / "agreement.json")
         print(f"run folder: {path}", file=sys.stderr)
         if args.command == "results":

@@ -6,6 +6,7 @@ import csv
 import functools
 import io
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -591,3 +592,25 @@ def test_turns_csv_has_each_turns_own_tokens_in_every_mode() -> None:
         assert total.input_tokens == sum(r["input_tokens"] for r in by_mode[mode])
     # append's held KV: from its second turn on, the turn finds more of its prompt cached than ws
     assert all(a["cached_tokens"] >= w["cached_tokens"] for a, w in zip(by_mode["append"], by_mode["ws"], strict=True))
+
+
+def test_the_figures_say_what_the_run_was_and_draw_only_known_intervals() -> None:
+    import dataclasses
+
+    from sim.harness.trace import p50_error_bars, plot_title, turn_rows
+
+    base = SMALL.updated(tps=50.0, modes=("http", "append"), tool_calls=2)
+    two = run(base, virtual=True, free_cpu=True)  # n=2: the table's p50 interval is (?–?)
+    assert all(math.isnan(s.completion_p50_ci_low) for s in two.summary)
+    assert p50_error_bars(two.summary) == (None, "no interval: too few rollouts, n=2")
+    six = run(base.updated(rollouts=6), virtual=True, free_cpu=True)
+    bars, label = p50_error_bars(six.summary)
+    assert label == "95 % interval, n=6" and bars is not None
+    assert bars[0] == [s.completion_p50_s - s.completion_p50_ci_low for s in six.summary]
+    rows = turn_rows(two)
+    assert plot_title(two, rows) == "2 tool calls, 50 tok/s, local profile, seed 7"
+    # An engine run: the rate its turns decoded at (here the stand-in's 50), not the simulator's tps.
+    engine = dataclasses.replace(two, config=base.updated(engine_kind="llamacpp", tps=1000.0))
+    title = plot_title(engine, rows)
+    rate = int(title.split("llamacpp engine, ")[1].split(" tok/s measured")[0])
+    assert 45 <= rate <= 55 and "1000" not in title
