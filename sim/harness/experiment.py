@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +56,7 @@ from sim.client.tools import ToolRunner, tool_runner
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineModel, EngineTurn
+from sim.harness.console import progress_bar
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache
@@ -82,7 +82,6 @@ __all__ = [
     "DEFAULT_ROLLOUTS",
     "CompareConfig",
     "CompareResult",
-    "ProgressLines",
     "check",
     "compare",
     "config_of",
@@ -396,7 +395,7 @@ async def run_compare(
     async with world.serve(config, clock, virtual=virtual, memoize=memoize, tap=tap):
         scheduler = _Scheduler(config, world, clock, memoize=memoize)
         stopped = ""
-        with _progress_bar(progress, total=len(config.modes) * len(specs)) as bar:
+        with progress_bar(progress, total=len(config.modes) * len(specs)) as bar:
             for batch in itertools.count():
                 n = scheduler.per_mode + len(specs)
                 bar.total = bar.n + len(config.modes) * len(specs)  # each batch adds its rollouts to the bar
@@ -699,48 +698,3 @@ def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[Rollou
 
 
 _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
-
-
-def _progress_bar(enabled: bool, *, total: int) -> Any:
-    """The progress of the rollouts run, on stderr, when `enabled`: a widget in a notebook, a bar
-    on a terminal, and where stderr is no terminal (a log, a pipe), which the bar's carriage
-    returns would fill, a line at each tenth (`ProgressLines`). Its total grows by a batch's
-    rollouts as each batch starts."""
-    if enabled and not sys.stderr.isatty() and "ipykernel" not in sys.modules:
-        return ProgressLines(total, unit="rollouts")
-    # Imported here: in a notebook kernel without ipywidgets importing tqdm.auto warns, and the
-    # notebooks import this module without asking for a bar.
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="rollout", file=sys.stderr, disable=None if enabled else True, leave=True)
-
-
-class ProgressLines:
-    """Progress for a log: a line on stderr each time the count passes another tenth of the total
-    (`progress: 8/40 rollouts (20 %), n=20 per mode`), the part of tqdm's interface the jobs use."""
-
-    def __init__(self, total: int, *, unit: str) -> None:
-        self.total = total
-        self.n = 0
-        self.unit = unit
-        self._postfix = ""
-        self._tenths = 0
-
-    def __enter__(self) -> ProgressLines:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def set_postfix_str(self, text: str) -> None:
-        self._postfix = text
-
-    def update(self, count: int = 1) -> None:
-        self.n += count
-        tenths = 10 * self.n // self.total if self.total > 0 else 10
-        if tenths <= self._tenths:
-            return
-        self._tenths = tenths
-        postfix = f", {self._postfix}" if self._postfix else ""
-        line = f"progress: {self.n}/{self.total} {self.unit} ({100 * self.n // max(self.total, 1)} %){postfix}"
-        print(line, file=sys.stderr, flush=True)

@@ -14,8 +14,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sim.__main__ import _points_bar, build_parser, config_from, main, run, table
+from sim.__main__ import build_parser, config_from, main, run, table
 from sim.analysis.metrics import headline
+from sim.harness import console
+from sim.harness.console import points_bar
 from sim.harness.experiment import CompareConfig, compare
 
 SMALL = CompareConfig.of(
@@ -132,10 +134,8 @@ SMALL_ARGV += ["--profile", "local", "--system-prompt-tokens", "200", "--tool-ti
 def test_compare_keeps_its_run_in_a_new_folder_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import sim.__main__
-
     runs = tmp_path / "runs"
-    monkeypatch.setenv(sim.__main__.RUNS_ENV, str(runs))
+    monkeypatch.setenv(console.RUNS_ENV, str(runs))
     assert main(["compare", *SMALL_ARGV]) == 0
     (folder,) = runs.iterdir()
     assert re.fullmatch(r"compare-\d{8}-\d{4}", folder.name) and (folder / "summary.json").is_file()
@@ -150,17 +150,15 @@ def test_compare_keeps_its_run_in_a_new_folder_by_default(
 def test_a_default_run_folder_never_takes_another_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import datetime
 
-    import sim.__main__
-
     class Frozen(datetime.datetime):
         @classmethod
         def now(cls, tz: datetime.tzinfo | None = None) -> Frozen:
             return cls(2026, 12, 6, 1, 2, 59, tzinfo=tz)
 
-    monkeypatch.setattr(sim.__main__.datetime, "datetime", Frozen)
-    monkeypatch.setenv(sim.__main__.RUNS_ENV, str(tmp_path))
+    monkeypatch.setattr(console.datetime, "datetime", Frozen)
+    monkeypatch.setenv(console.RUNS_ENV, str(tmp_path))
     args = build_parser().parse_args(["compare"])
-    made = [sim.__main__.run_folder(args, "compare") for _ in range(3)]
+    made = [console.run_folder(args, "compare") for _ in range(3)]
     assert made == [
         tmp_path / "compare-20261206-0102",
         tmp_path / "compare-20261206-0102-2",
@@ -172,10 +170,8 @@ def test_a_default_run_folder_never_takes_another_runs(tmp_path: Path, monkeypat
 def test_sweep_writes_into_a_run_folder_and_overwrites_only_with_force(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import sim.__main__
-
     runs = tmp_path / "runs"
-    monkeypatch.setenv(sim.__main__.RUNS_ENV, str(runs))
+    monkeypatch.setenv(console.RUNS_ENV, str(runs))
     argv = ["sweep", "--tps", "0", "--tool-calls", "1", "--tool-time-s", "0", "--rollouts", "1", "--modes", "http"]
     argv += ["--workers", "1", "--quiet"]
     assert main(argv) == 0
@@ -442,7 +438,7 @@ def test_the_cli_bar_of_points_is_drawn_only_on_a_terminal(
     stderr: io.StringIO, drawn: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sys, "stderr", stderr)
-    with _points_bar(3, quiet=False) as on_point:
+    with points_bar(3, quiet=False) as on_point:
         for done in (1, 2, 3):
             on_point(done, 3)
     assert "3/3" in stderr.getvalue() and ("\r" in stderr.getvalue()) == drawn
