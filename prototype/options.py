@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
+import re
+import typing
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -27,7 +29,16 @@ import msgspec.inspect as mi
 
 S = TypeVar("S", bound=msgspec.Struct)
 
-__all__ = ["add_struct_options", "flag_of", "get_leaf", "leaves", "replace_leaves", "struct_from_args"]
+__all__ = [
+    "OneLineParser",
+    "add_struct_options",
+    "flag_of",
+    "get_leaf",
+    "leaves",
+    "option_error",
+    "replace_leaves",
+    "struct_from_args",
+]
 
 _SCALARS: dict[type[mi.Type], type] = {mi.IntType: int, mi.FloatType: float, mi.StrType: str}
 _COLLECTIONS = (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)
@@ -80,30 +91,49 @@ def _comma_list(text: str) -> tuple[str, ...]:
 
 def _shown(value: Any) -> str:
     if isinstance(value, frozenset | set | tuple | list):
-        return ",".join(sorted(str(v.value if isinstance(v, enum.Enum) else v) for v in value)) or "(none)"
+        items = [str(v.value if isinstance(v, enum.Enum) else v) for v in value]
+        return ",".join(sorted(items) if isinstance(value, frozenset | set) else items) or "(none)"
     if isinstance(value, msgspec.Struct):
         return str(getattr(value, "name", type(value).__name__))
     return "none" if value is None else str(value)
 
 
-def add_struct_options(p: argparse.ArgumentParser, cls: type[msgspec.Struct], *, skip: tuple[str, ...] = ()) -> None:
-    """One option per leaf field of `cls` (but those named in `skip`)."""
+def add_struct_options(
+    p: argparse.ArgumentParser,
+    cls: type[msgspec.Struct],
+    *,
+    skip: tuple[str, ...] = (),
+    defaults: dict[str, Any] | None = None,
+) -> None:
+    """One option per leaf field of `cls` (but those named in `skip`). `defaults` gives a
+    command's own default for a leaf, by name (`results`' modes): the help shows it, and it is
+    passed as if given; the Struct's default applies to the others."""
     seen: dict[str, tuple[str, ...]] = {}
-    defaults = cls()
+    own = defaults or {}
+    unknown = set(own) - {path[-1] for path, _ in leaves(cls)}
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no leaf {sorted(unknown)}")
+    struct_defaults = cls()
     for path, field in leaves(cls):
         if field.name in skip:
             continue
         if field.name in seen:
             raise ValueError(f"{cls.__name__}: leaf {field.name!r} at {path} and at {seen[field.name]}")
         seen[field.name] = path
-        default: Any = defaults
+        default: Any = struct_defaults
         for name in path:
             default = getattr(default, name)
-        t, schema, _ = _unwrap(field.type)
+        default = own.get(field.name, default)
+        t, schema, extra = _unwrap(field.type)
         text = schema.get("description", "")
         help_text = f"{text} (default: {_shown(default)})" if text else f"default: {_shown(default)}"
         flag = flag_of(field)
         common: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": help_text}
+        if field.name in own:  # given as its text, which the flag's type parses as argparse does a string default
+            common["default"] = _shown(default)
+            common["help"] = f"{text} (default: %(default)s)"  # so the help formatter adds no second one
+        if "choices" in extra:  # a string from a registry: argparse lists and checks its names
+            common["choices"] = list(extra["choices"])
         optional = isinstance(t, mi.UnionType) and any(isinstance(u, mi.NoneType) for u in t.types)
         if isinstance(t, mi.UnionType):  # X | None, or str | Struct
             kinds = [_unwrap(u)[0] for u in t.types if not isinstance(u, mi.NoneType | mi.StructType)]
@@ -189,3 +219,32 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose refusal is one line on stderr, `PROG: argument --flag: why`, with
+    exit code 2 (argparse's usage block before it is left out: `--help` prints it)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+_AT = re.compile(r"^(?P<why>.*) - at `\$(?P<path>(?:\.\w+)+)(?P<index>(?:\[\d+\])*)`$")
+
+
+def option_error(exc: msgspec.ValidationError, cls: type[msgspec.Struct], flags: dict[str, str] | None = None) -> str:
+    """msgspec's refusal of a config built from options, named by the flag that set the field:
+    `Expected `int` >= 1 - at `$.rollouts`` is `--rollouts: Expected `int` >= 1`. `flags` maps a
+    path (`base.rollouts`) to a flag where the options are not `cls`'s leaves (a sweep's)."""
+    text = str(exc)
+    found = _AT.match(text)
+    if found is None:
+        return text
+    path = tuple(found["path"].split(".")[1:])
+    flag = (flags or {}).get(".".join(path))
+    if flag is None:
+        flag = next((flag_of(field) for at, field in leaves(cls) if at == path), None)
+    if flag is None:
+        return text
+    index = f" (item {int(found['index'][1:].split(']')[0]) + 1})" if found["index"] else ""
+    return f"{flag}{index}: {found['why']}"

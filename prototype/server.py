@@ -28,7 +28,7 @@ from sim.model.policy import DefaultPolicy, Policy, load_script
 
 from .config import ServerConfig
 from .model import TokenModel
-from .options import add_struct_options, struct_from_args
+from .options import OneLineParser, add_struct_options, option_error, struct_from_args
 from .serve.app import ApiRunner, make_app
 from .serve.wallclock import AsyncioClock
 from .store.memory import MemoryStore
@@ -42,7 +42,7 @@ PID_HEADER = "X-Longrun-Pid"
 def build_parser() -> argparse.ArgumentParser:
     """The entry point's own options, then one per leaf of `ServerConfig` (prototype/config.py)
     and of the model stand-in's `ModelConfig` (sim/model/config.py), generated from them."""
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m prototype.server",
         description="Responses API server (HTTP, SSE, WebSocket mode) on a token-generating simulator.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -101,7 +101,11 @@ async def _serve_model(args: argparse.Namespace, model: TokenModel, config: Serv
     runner = ApiRunner(app, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port, reuse_port=args.reuse_port or None)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        await runner.cleanup()
+        raise Refused(f"--port: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
     port = runner.addresses[0][1]
     print(f"longrun server listening on http://{args.host}:{port}/v1", flush=True)
     await serve_until_stopped(runner)
@@ -124,21 +128,42 @@ async def _pid_header(request: web.Request, response: web.StreamResponse) -> Non
     response.headers[PID_HEADER] = str(os.getpid())
 
 
+class Refused(Exception):
+    """An option the server cannot serve with, found once it tries (a busy port): `main` prints it
+    as one line and exits 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not 0 <= args.port <= 65535:  # the kernel would take 99999 as 99999 mod 65536: refused here
+        print(
+            f"python -m prototype.server: invalid option: --port: {args.port} is not a TCP port (0–65535)",
+            file=sys.stderr,
+        )
+        return 2
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    model: ModelConfig
+    config: ServerConfig
+    engine: EngineConfig
     try:
-        model: ModelConfig = struct_from_args(args, ModelConfig)
-        config: ServerConfig = struct_from_args(args, ServerConfig)
-        engine: EngineConfig = struct_from_args(args, EngineConfig)
+        cls: type[msgspec.Struct] = ModelConfig
+        model = struct_from_args(args, ModelConfig)
+        cls = ServerConfig
+        config = struct_from_args(args, ServerConfig)
+        cls = EngineConfig
+        engine = struct_from_args(args, EngineConfig)
         check_installed(engine)
     except msgspec.ValidationError as err:
-        print(f"python -m prototype.server: invalid option: {err}", file=sys.stderr)
+        print(f"python -m prototype.server: invalid option: {option_error(err, cls)}", file=sys.stderr)
         return 2
     except EngineNotInstalled as err:
         print(f"python -m prototype.server: {err}", file=sys.stderr)
         return 2
-    uvloop.run(serve(args, model, config, engine))
+    try:
+        uvloop.run(serve(args, model, config, engine))
+    except Refused as err:
+        print(f"python -m prototype.server: invalid option: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -6,7 +6,8 @@ from virtual time (`--rollouts` per mode, CPU work charged) and a short live run
 loopback (`--live-rollouts`, the first rollouts of the same seed) runs beside it, with
 their agreement as an interval on the paired difference; `--virtual` or `--live` runs only
 one. A table of the metrics per mode with 95 % intervals and n, the paired differences
-between modes, and with `--out DIR` a run folder (sim/harness/trace.py). `results` writes the
+between modes, and a run folder (sim/harness/trace.py): `--out DIR`, by default a new one under
+`runs/`, none with `--no-save`. `results` writes the
 headline comparison into a small committed folder and renders the README's table from it
 (sim/harness/results.py).
 """
@@ -14,22 +15,19 @@ headline comparison into a small committed folder and renders the README's table
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Final
 
 import msgspec
 import uvloop
-from tqdm import tqdm
 
-from prototype.options import add_struct_options, leaves, struct_from_args
+from prototype.options import OneLineParser, add_struct_options, leaves, option_error, struct_from_args
 from sim.analysis.calibrate import fit, fit_file, report
-from sim.analysis.metrics import ModeSummary, PairSummary, live_agreement
+from sim.analysis.metrics import live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.stats import Estimate
 from sim.engine.model import EngineTurn
@@ -45,6 +43,16 @@ from sim.harness.capacity import (
     run_capacity,
     split_refusal_of,
 )
+from sim.harness.console import (
+    agreement_text,
+    interjection_table,
+    pairs_table,
+    points_bar,
+    run_folder,
+    saved_text,
+    table,
+    terminal_table,
+)
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
@@ -52,7 +60,7 @@ from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
-from sim.harness.trace import write_capacity, write_json, write_run, write_table
+from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
     contention,
@@ -64,9 +72,19 @@ from sim.harness.validate import (
     validation_text,
 )
 from sim.record.proxy import record_main, record_options
-from sim.rollout.result import ALL_MODES, RolloutFailure, failure_lines
+from sim.rollout.result import ALL_MODES, MODES
 
-__all__ = ["build_parser", "interjection_table", "main", "pairs_table", "run", "saved_text", "table"]
+__all__ = [
+    "build_parser",
+    "interjection_table",
+    "main",
+    "pairs_table",
+    "run",
+    "run_folder",
+    "saved_text",
+    "table",
+    "terminal_table",
+]
 
 
 _FLEET_SET_BY_POINT: Final = ("kv_budget_tokens", "hold_policy", "preempt_held")  # capacity: grid axes and variants
@@ -78,13 +96,20 @@ _FLEET_UNREAD: Final = tuple(
 )
 
 
-def _add_config_options(p: argparse.ArgumentParser) -> None:
-    """One option per leaf field of `CompareConfig`, its nested `server` and `model` included."""
-    add_struct_options(p, CompareConfig)
+# The modes of `compare` and `results` (what `make compare` runs): those of the README's results
+# table, the baselines, the shipped create design, append and the Agents API. A config built in
+# code keeps `CompareConfig`'s four.
+HEADLINE_MODES: Final = (*MODES, "agents")
 
 
-def _add_compare_options(c: argparse.ArgumentParser) -> None:
-    _add_config_options(c)
+def _add_config_options(p: argparse.ArgumentParser, **defaults: object) -> None:
+    """One option per leaf field of `CompareConfig`, its nested `server` and `model` included;
+    `defaults`: the command's own, by leaf name."""
+    add_struct_options(p, CompareConfig, defaults=defaults)
+
+
+def _add_compare_options(c: argparse.ArgumentParser, *, results: bool = False) -> None:
+    _add_config_options(c, modes=HEADLINE_MODES)
     where = c.add_mutually_exclusive_group()
     where.add_argument(
         "--virtual", action="store_true", help="only in process on a virtual clock (no sockets, no waiting)"
@@ -99,8 +124,22 @@ def _add_compare_options(c: argparse.ArgumentParser) -> None:
     c.add_argument(
         "--free-cpu", action="store_true", help="virtual run: CPU work costs no virtual time (exactly reproducible)"
     )
-    c.add_argument("--out", metavar="DIR", help="write a run folder (config, summary, per-turn tables, plots)")
+    if results:  # the committed folder the README's table is rendered from
+        c.add_argument("--out", metavar="DIR", default="docs/results/headline", help="the folder to write and render")
+        c.set_defaults(no_save=False)
+    else:
+        _add_save_options(c, "config, summary, per-turn tables, plots", "compare")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _add_save_options(p: argparse.ArgumentParser, what: str, job: str) -> None:
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=argparse.SUPPRESS,  # the help says what the default is: no "(default: None)"
+        help=f"the run folder ({what}) (default: a new one, runs/{job}-YYYYMMDD-HHMM, UTC)",
+    )
+    p.add_argument("--no-save", action="store_true", help="write no run folder")
 
 
 # `python -m sim long`: 10 rollouts of 200 tool calls in every mode but `steer` (which is `inject` when
@@ -117,7 +156,7 @@ LONG_DEFAULTS: Final = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(prog="python -m sim", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser(
         "compare",
@@ -130,9 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the default comparison into a small run folder to commit, and print the README table",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_compare_options(r)
-    # The README's table: the baselines, the shipped create design, append and the Agents API.
-    r.set_defaults(out="docs/results/headline", modes="http,http_prev,ws,append,agents")
+    _add_compare_options(r, results=True)
     r.add_argument("--render", action="store_true", help="only print the table of the folder at --out (no run)")
 
     w = sub.add_parser(
@@ -150,7 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=defaults.base.seed)
     w.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     w.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
-    w.add_argument("--out", metavar="FILE", default="sweep.csv", help="the table: .csv or .parquet")
+    w.add_argument(
+        "--out",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="the table: .csv or .parquet (default: sweep.csv in a new run folder, runs/sweep-YYYYMMDD-HHMM, UTC)",
+    )
+    w.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
 
     lg = sub.add_parser(
@@ -159,13 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(virtual time, docs/compaction.md)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    _add_config_options(lg)
-    lg.set_defaults(**LONG_DEFAULTS)
+    _add_config_options(lg, **LONG_DEFAULTS)
     lg.add_argument("--window-turns", type=int, default=50, help="turns per window of the table")
     lg.add_argument(
         "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"
     )
-    lg.add_argument("--out", metavar="DIR", help="write both run folders and the window tables")
+    _add_save_options(lg, "both runs' folders and the window tables", "long")
     lg.add_argument("--quiet", action="store_true", help="no progress bar")
 
     f = sub.add_parser(
@@ -243,15 +285,16 @@ def build_parser() -> argparse.ArgumentParser:
 def capacity_main(args: argparse.Namespace) -> int:
     try:
         config = struct_from_args(args, CapacityConfig)
-    except (msgspec.ValidationError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CapacityConfig)}") from None
+    except ValueError as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
     split = args.split_point
     if split and (reason := split_refusal_of(config)) is not None:
         print(f"error: --split-point: {reason}", file=sys.stderr)
         return 2
     grid = len(config.grid())
-    with _points_bar(grid, quiet=args.quiet) as on_point:
+    with points_bar(grid, quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows, points_ = run_capacity(config, executor, on_point=on_point, split=split)
@@ -315,6 +358,9 @@ def long_main(args: argparse.Namespace) -> int:
             raise ValueError("--window-turns must be >= 1")
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
+    folder = run_folder(args, "long")
+    if folder is not None:
+        print(f"run folder: {folder}", file=sys.stderr, flush=True)
     cpu = "CPU charged" if args.charge_cpu else "CPU free"
     print(
         f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without compaction and "
@@ -323,164 +369,90 @@ def long_main(args: argparse.Namespace) -> int:
     )
     result = run_long(config, window_turns=args.window_turns, charge_cpu=args.charge_cpu, progress=not args.quiet)
     print("\n" + long_tables(result))
-    if args.out:
-        print(f"run folder: {write_long(result, args.out)}", file=sys.stderr)
+    if folder is not None:
+        print(f"run folder: {write_long(result, folder)}", file=sys.stderr)
     return 0
 
 
-def sweep_from(args: argparse.Namespace) -> SweepConfig:
-    def floats(text: str) -> list[float]:
-        return [float(x) for x in text.split(",") if x.strip()]
+# A sweep's config fields by the flag that sets them (the grid axes are flags of their own name).
+_SWEEP_FLAGS: Final = {"base.rollouts": "--rollouts", "base.seed": "--seed"}
 
-    return msgspec.convert(
-        {
-            "tps": floats(args.tps),
-            "tool_calls": [int(x) for x in floats(args.tool_calls)],
-            "tool_time_s": floats(args.tool_time_s),
-            "rtt_s": floats(args.rtt_s),
-            "profile": [x.strip() for x in args.profile.split(",") if x.strip()],
-            "modes": [x.strip() for x in args.modes.split(",") if x.strip()],
-            "base": msgspec.to_builtins(CompareConfig(rollouts=args.rollouts, seed=args.seed)),
-        },
-        SweepConfig,
-    )
+
+def sweep_from(args: argparse.Namespace) -> SweepConfig:
+    """The grid the options give; a refused value raises SystemExit naming its flag."""
+
+    def numbers(flag: str, text: str, kind: type[float] | type[int]) -> list[float] | list[int]:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise SystemExit(f"invalid option: {flag}: not a comma list of {kind.__name__}: {text!r}") from None
+
+    grid = {
+        axis: numbers("--" + axis.replace("_", "-"), getattr(args, axis), float)
+        for axis in ("tps", "tool_time_s", "rtt_s")
+    }
+    try:
+        sweep = msgspec.convert(
+            {
+                **grid,
+                "tool_calls": numbers("--tool-calls", args.tool_calls, int),
+                "profile": [x.strip() for x in args.profile.split(",") if x.strip()],
+                "modes": [x.strip() for x in args.modes.split(",") if x.strip()],
+                "base": msgspec.to_builtins(CompareConfig(rollouts=args.rollouts, seed=args.seed)),
+            },
+            SweepConfig,
+        )
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, SweepConfig, _SWEEP_FLAGS)}") from None
+    try:
+        for config in points(sweep):  # each point's config, as the workers will build it
+            check(config, virtual=True)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CompareConfig)}") from None
+    except ValueError as exc:
+        raise SystemExit(f"invalid option: {exc}") from None
+    if args.workers < 1:
+        raise SystemExit("invalid option: --workers: must be >= 1")
+    return sweep
 
 
 def sweep_main(args: argparse.Namespace) -> int:
     sweep = sweep_from(args)
-    with _points_bar(len(points(sweep)), quiet=args.quiet) as on_point:
+    if not hasattr(args, "out"):
+        folder = run_folder(argparse.Namespace(no_save=False), "sweep")
+        assert folder is not None
+        out = folder / "sweep.csv"
+    else:
+        out = Path(args.out)
+        if out.suffix not in (".csv", ".parquet"):
+            raise SystemExit(f"invalid option: --out: {out} is neither .csv nor .parquet")
+        if out.exists() and not args.force:
+            raise SystemExit(f"invalid option: --out: {out} exists (--force overwrites it)")
+    print(f"the table: {out}", file=sys.stderr, flush=True)
+    with points_bar(len(points(sweep)), quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows = run_sweep(sweep, executor, on_point=on_point)
         else:
             with ProcessPoolExecutor(max_workers=args.workers) as pool:
                 rows = run_sweep(sweep, pool, on_point=on_point)
-    path = write_table(rows, args.out)
+    path = write_table(rows, out)
     print(f"{len(rows)} rows ({len(points(sweep))} points x {len(sweep.modes)} modes) written to {path}")
     return 0
 
 
-@contextlib.contextmanager
-def _points_bar(total: int, *, quiet: bool) -> Iterator[Callable[[int, int], None]]:
-    """An `on_point(done, total)` callback that moves a bar of `total` grid points on stderr: a
-    bar on a terminal, nothing with `quiet` or where stderr is no terminal (a log, a pipe), which
-    the bar's carriage returns would fill (tqdm's `disable=None`)."""
-    with tqdm(total=total, unit="point", file=sys.stderr, disable=True if quiet else None) as bar:
-
-        def on_point(done: int, total: int) -> None:
-            bar.update(done - bar.n)
-
-        yield on_point
-
-
 def config_from(args: argparse.Namespace) -> CompareConfig:
-    config: CompareConfig = struct_from_args(args, CompareConfig)
+    """The config the options give; a refused value raises SystemExit naming its flag."""
+    try:
+        config: CompareConfig = struct_from_args(args, CompareConfig)
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CompareConfig)}") from None
     return config
 
 
 def run(config: CompareConfig, *, virtual: bool, free_cpu: bool = False, progress: bool = False) -> CompareResult:
     """`sim.harness.experiment.compare`, live runs on uvloop."""
     return compare(config, virtual=virtual, free_cpu=free_cpu, progress=progress, loop_factory=uvloop.new_event_loop)
-
-
-def _ms(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x * 1000:.0f}"
-
-
-def _pct(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x * 100:.1f}%"
-
-
-def _bounds(e: Estimate, digits: int = 2) -> str:
-    """`(low–high)`; a missing bound (too few rollouts for it at 95 %) is `?`."""
-
-    def one(x: float) -> str:
-        return "?" if math.isnan(x) else f"{x:.{digits}f}"
-
-    return f"({one(e.ci_low)}–{one(e.ci_high)})"
-
-
-def saved_text(e: Estimate) -> str:
-    """`30.9 % ± 1.2`: the saving and its interval's half-width, in points; `?` without one."""
-    if math.isnan(e.value):
-        return "-"
-    spread = "?" if math.isnan(e.half_width) else f"{100 * e.half_width:.1f}"
-    return f"{100 * e.value:.1f} % ± {spread}"
-
-
-def table(summary: list[ModeSummary], failed: Sequence[RolloutFailure] = ()) -> str:
-    """One row per mode; p50/p90 with their intervals, time saved with its ± (95 %). Failed
-    rollouts (not in the metrics) follow, a row per mode and error."""
-    head = (
-        f"{'mode':<10} {'n':>3} {'rollout p50 s (95 % CI)':>26} {'p90 s (95 % CI)':>24} {'TTFT ms':>8} "
-        f"{'tool→token ms':>14} {'overhead':>9} {'bytes/turn':>11} {'rendered/turn':>14} {'conn hit':>9} "
-        f"{'tok hit':>8} {'KV idle tok·s':>14} {'time saved vs http':>19}"
-    )
-    rows = [head]
-    for s in summary:
-        p50, p90 = s.estimate("completion_p50"), s.estimate("completion_p90")
-        saved = "-" if s.mode == "http" else saved_text(s.estimate("saved_vs_http"))
-        rows.append(
-            f"{s.mode:<10} {s.n:>3} {f'{p50.value:.3f} {_bounds(p50)}':>26} {f'{p90.value:.3f} {_bounds(p90)}':>24} "
-            f"{_ms(s.ttft_p50_s):>8} {_ms(s.tool_to_token_p50_s):>14} {_pct(s.overhead_share):>9} "
-            f"{s.bytes_per_turn:>11.0f} {s.tokens_rendered_per_turn:>14.0f} {_pct(s.connection_cache_hit_rate):>9} "
-            f"{_pct(s.token_hit_rate):>8} {s.kv_idle_token_s:>14.0f} {saved:>19}"
-        )
-    return "\n".join(rows + failure_lines(failed))
-
-
-def pairs_table(pairs: list[PairSummary]) -> str:
-    """Every mode against every other, paired by rollout (95 % intervals)."""
-    rows = [f"{'other vs base':<22} {'n':>3} {'time saved':>16} {'difference s (95 % CI)':>28}"]
-    for p in pairs:
-        saved = saved_text(Estimate(p.saved, p.saved_ci_low, p.saved_ci_high, p.n))
-        diff = Estimate(p.difference_s, p.difference_ci_low, p.difference_ci_high, p.n)
-        rows.append(
-            f"{f'{p.other} vs {p.base}':<22} {p.n:>3} {saved:>16} {f'{diff.value:+.3f} {_bounds(diff, 3)}':>28}"
-        )
-    return "\n".join(rows)
-
-
-def interjection_table(summary: list[ModeSummary], pairs: list[PairSummary]) -> str:
-    """Interjections (docs/experiments.md#interjections): per mode the mean latency from the user's
-    message to the first token that has it in context, with its interval, discarded tokens and
-    successors per rollout; then the paired latency differences."""
-    rows = [
-        f"{'mode':<10} {'n':>3} {'interjections':>13} {'latency ms (95 % CI)':>26} "
-        f"{'discarded tok/rollout':>22} {'successors/rollout':>19}"
-    ]
-    for s in summary:
-        if not s.interjections:
-            continue
-        e = Estimate(s.interjection_latency_s, s.interjection_latency_ci_low, s.interjection_latency_ci_high, s.n)
-        bounds = _bounds(e.scaled(1000), 0)
-        rows.append(
-            f"{s.mode:<10} {s.n:>3} {s.interjections:>13} {f'{1000 * e.value:.0f} {bounds}':>26} "
-            f"{s.tokens_discarded_per_rollout:>22.1f} {s.successors_per_rollout:>19.2f}"
-        )
-    rows.append(f"\n{'latency: other vs base':<22} {'n':>3} {'difference ms (95 % CI)':>28}")
-    for p in pairs:
-        if math.isnan(p.interjection_latency_difference_s):
-            continue
-        d = Estimate(
-            p.interjection_latency_difference_s,
-            p.interjection_latency_difference_ci_low,
-            p.interjection_latency_difference_ci_high,
-            p.n,
-        ).scaled(1000)
-        rows.append(f"{f'{p.other} vs {p.base}':<22} {p.n:>3} {f'{d.value:+.0f} {_bounds(d, 0)}':>28}")
-    return "\n".join(rows)
-
-
-def agreement_text(e: Estimate) -> str:
-    if math.isnan(e.value):
-        return "virtual vs live: no pairs"
-    if math.isnan(e.half_width):
-        return f"virtual vs live: live {100 * e.value:+.1f} % against virtual, over {e.n} (mode, rollout) pair"
-    return (
-        f"virtual vs live: live takes {100 * e.value:+.1f} % (95 % CI {100 * e.ci_low:+.1f} to "
-        f"{100 * e.ci_high:+.1f} %) longer than virtual time on the same rollout, over {e.n} (mode, rollout) pairs"
-    )
 
 
 def _describe(config: CompareConfig) -> str:
@@ -503,7 +475,7 @@ def _describe(config: CompareConfig) -> str:
 
 def _show(title: str, result: CompareResult) -> None:
     print(f"\n{title}")
-    print(table(result.summary, result.failed))
+    print(terminal_table(result.summary, result.failed))
     if result.stopped:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
@@ -514,12 +486,9 @@ def _show(title: str, result: CompareResult) -> None:
 
 
 def compare_main(args: argparse.Namespace) -> int:
-    try:
-        config = config_from(args)
-    except msgspec.ValidationError as exc:
-        raise SystemExit(f"invalid option: {exc}") from None
+    config = config_from(args)
     if args.live_rollouts < 0:
-        raise SystemExit("invalid option: --live-rollouts must be >= 0")
+        raise SystemExit("invalid option: --live-rollouts: must be >= 0")
     if config.engine.engine_kind != "none":  # a real engine is real time: the comparison is the live one
         if args.virtual:
             raise SystemExit("invalid option: --engine runs in real time only (drop --virtual)")
@@ -533,6 +502,7 @@ def compare_main(args: argparse.Namespace) -> int:
         raise SystemExit(f"python -m sim compare: {exc}") from None
     except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
+    folder = run_folder(args, "compare")
     beside = 0 if (args.virtual or args.live) else args.live_rollouts
     cpu = "CPU free" if args.free_cpu else "CPU charged"
     plan = (
@@ -543,7 +513,9 @@ def compare_main(args: argparse.Namespace) -> int:
     )
     if config.ci_width > 0 and not args.live:
         plan += f", adding batches until every time saved is within ±{config.ci_width:g} points"
-    print(f"longrun compare: {plan}; {_describe(config)}", flush=True)
+    print(f"longrun compare: {plan};\n  {_describe(config)}", flush=True)
+    if folder is not None:  # before the run: a run cut short still says where its folder was to be
+        print(f"run folder: {folder}", file=sys.stderr, flush=True)
     progress = not args.quiet
     main_result = run(config, virtual=not args.live, free_cpu=args.free_cpu, progress=progress)
     where = "live loopback" if args.live else "virtual time"
@@ -562,11 +534,15 @@ def compare_main(args: argparse.Namespace) -> int:
         _show(f"live loopback, n={beside} rollouts per mode (rollouts 0–{beside - 1} of the same seed):", live_result)
         agreement = live_agreement(main_result.rollouts, live_result.rollouts, seed=config.seed)
         print("\n" + agreement_text(agreement))
-    if args.out:
+    if folder is not None:
         tables = args.command != "results"
-        path = write_run(main_result, args.out, tables=tables)
+        path = write_run(main_result, folder, tables=tables)
+        if tables:  # every column of the terminal's table
+            write_text(table(main_result.summary, main_result.failed), path / "table.txt")
         if live_result is not None and agreement is not None:
             write_run(live_result, path / "live", tables=tables)
+            if tables:
+                write_text(table(live_result.summary, live_result.failed), path / "live" / "table.txt")
             write_json({"live_vs_virtual": agreement, "pairs": "(mode, rollout)"}, path / "agreement.json")
         print(f"run folder: {path}", file=sys.stderr)
         if args.command == "results":
@@ -612,7 +588,9 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
         config = fit_engine(config)
     except (EngineNotInstalled, EngineTooSmall) as exc:
         raise SystemExit(f"python -m sim validate: {exc}") from None
-    except (msgspec.ValidationError, ValueError, OSError) as exc:
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"invalid option: {option_error(exc, CompareConfig)}") from None
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
     return config
 
@@ -677,7 +655,22 @@ def validate_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. A refusal (an option's value, a missing engine) is one line on stderr
+    naming what was refused, with exit code 2, before anything runs: the commands raise it as
+    `SystemExit(message)`, which Python alone would print with exit code 1."""
     args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        line = " ".join(exc.code.split())
+        prefix = f"python -m sim {args.command}:"
+        print(line if line.startswith(prefix) else f"{prefix} {line}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     jobs: dict[str, Callable[[argparse.Namespace], int]] = {
         "sweep": sweep_main,
         "long": long_main,

@@ -240,6 +240,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _runs_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's default run folder (`python -m sim compare` without `--out`) goes to a temporary
+    directory, not `runs/` of the checkout (sim/__main__.py's RUNS_ENV)."""
+    monkeypatch.setenv("LONGRUN_RUNS", str(tmp_path_factory.mktemp("runs")))
+
+
+@pytest.fixture(autouse=True)
 def _strict_wire() -> Iterator[None]:
     """Fail the test if anything the server sent it was rejected (even if swallowed)."""
     _checker.counts.clear()

@@ -28,8 +28,11 @@ __all__ = ["stats"]
 REPO: Final = Path(__file__).resolve().parents[2]
 
 
-def _timed(root: Path, argv: list[str]) -> float:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+def _timed(root: Path, argv: list[str], scratch: Path) -> float:
+    # A run's default folder goes to the scratch directory, not the checkout's runs/; a sweep's
+    # table is removed first, since this side refuses to overwrite one.
+    (scratch / "sweep.csv").unlink(missing_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(root), "LONGRUN_RUNS": str(scratch / "runs")}
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "sim", *argv], cwd=root, env=env, check=True, capture_output=True)
     return time.perf_counter() - t
@@ -109,6 +112,6 @@ def _measure(
             sides = (("base", old), ("this", new))
             for k in range(runs):
                 for side, root in sides if k % 2 == 0 else sides[::-1]:
-                    times[side].append(_timed(root, argv) * scale)
+                    times[side].append(_timed(root, argv, Path(scratch)) * scale)
             value, floor = statistics.median(times["this"]), statistics.median(times["base"])
             report("stats", f"{figure}, this / base", value, floor, value / floor, "report", None)

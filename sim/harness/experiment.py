@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from msgspec import Meta, structs
 from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache, conversation_key, parse_items
-from prototype.model import ModelEvent, ModelRequest
+from prototype.model import ModelEvent, ModelRequest, Prefilled, TokensSampled
 from prototype.options import replace_leaves
 from prototype.pipeline import Optimization, load_profile
 from prototype.response.engine import Engine
@@ -57,6 +56,7 @@ from sim.client.tools import ToolRunner, tool_runner
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineModel, EngineTurn
+from sim.harness.console import progress_bar
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache
@@ -78,7 +78,15 @@ from sim.runtime.inprocess import InProcessServer, Tap
 from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
 
-__all__ = ["DEFAULT_ROLLOUTS", "CompareConfig", "CompareResult", "check", "compare", "config_of", "run_compare"]
+__all__ = [
+    "DEFAULT_ROLLOUTS",
+    "CompareConfig",
+    "CompareResult",
+    "check",
+    "compare",
+    "config_of",
+    "run_compare",
+]
 
 # Rollouts per mode of the default comparison: its time-saved intervals are within ±2 points
 # at this n in virtual time (docs/statistics.md has the measured widths).
@@ -104,7 +112,10 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     rtt_s: Annotated[float | None, Meta(description="override the profile's round trip")] = None
     workload: Annotated[
         str,
-        Meta(description="custom (the fields above) or a workload profile: interactive, swe-long, medium, short"),
+        Meta(
+            description="custom (the fields above) or a workload profile (sim/rollout/workload.py)",
+            extra={"choices": ("custom", *WORKLOADS)},  # the registry's names, listed by --help
+        ),
     ] = "custom"
     trace: Annotated[
         str | None, Meta(description="replay a recorded trace (JSONL, see sim/rollout/replay.py) instead of a workload")
@@ -307,25 +318,45 @@ def check(config: CompareConfig, *, virtual: bool) -> None:
 
 
 class _PromptLog:
-    """The server's model, recording the prompt of every turn it samples, by (mode, conversation):
-    what a turn's model read, in every mode (an append or inject turn that pauses reports no
-    usage on the wire). `sample` hands over the model's own generator, so no event takes an
-    extra step."""
+    """The server's model, recording every turn it samples, by (mode, conversation): the prompt
+    the turn's model read, and the prompt tokens it found cached and the tokens it decoded, in
+    every mode (an append or inject turn that pauses reports no usage on the wire, and its
+    response's usage at the end is the total). The model's generator is passed through one
+    async generator that counts as the events go by: no event waits on the loop for it."""
 
     def __init__(self, model: SimulatedModel) -> None:
         self.model: SimulatedModel | EngineModel = model
         self.mode = ""
         self.prompts: dict[tuple[str, int], list[int]] = {}
+        self.outputs: dict[tuple[str, int], list[tuple[int, int]]] = {}
 
     def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
-        self.prompts.setdefault((self.mode, request.conversation_key), []).append(request.prompt_tokens)
-        return self.model.sample(request)
+        key = (self.mode, request.conversation_key)
+        self.prompts.setdefault(key, []).append(request.prompt_tokens)
+        return self._counted(self.outputs.setdefault(key, []), self.model.sample(request))
+
+    @staticmethod
+    async def _counted(
+        into: list[tuple[int, int]], events: AsyncGenerator[ModelEvent, None]
+    ) -> AsyncGenerator[ModelEvent, None]:
+        cached = decoded = 0
+        try:
+            async for event in events:
+                if isinstance(event, TokensSampled):
+                    decoded += len(event.token_ids)
+                elif isinstance(event, Prefilled):
+                    cached = event.cached_tokens
+                yield event
+        finally:
+            await events.aclose()  # closed early by the service: the model's cleanup runs now
+            into.append((cached, decoded))
 
     def release(self, conversation_id: str) -> None:
         self.model.release(conversation_id)
 
-    def take(self, mode: str, spec: RolloutSpec) -> list[int]:
-        return self.prompts.pop((mode, conversation_key(spec.task)), [])
+    def take(self, mode: str, spec: RolloutSpec) -> tuple[list[int], list[tuple[int, int]]]:
+        key = (mode, conversation_key(spec.task))
+        return self.prompts.pop(key, []), self.outputs.pop(key, [])
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)  # the rest of the model's interface, as it is
@@ -364,7 +395,7 @@ async def run_compare(
     async with world.serve(config, clock, virtual=virtual, memoize=memoize, tap=tap):
         scheduler = _Scheduler(config, world, clock, memoize=memoize)
         stopped = ""
-        with _progress_bar(progress, total=len(config.modes) * len(specs)) as bar:
+        with progress_bar(progress, total=len(config.modes) * len(specs)) as bar:
             for batch in itertools.count():
                 n = scheduler.per_mode + len(specs)
                 bar.total = bar.n + len(config.modes) * len(specs)  # each batch adds its rollouts to the bar
@@ -584,9 +615,10 @@ class _Scheduler:
                 result = RolloutFailure(mode, spec.index, error_line(exc))
             finally:
                 await client.close()
-        prompts = self.world.prompts.take(mode, spec)
+        prompts, outputs = self.world.prompts.take(mode, spec)
         if isinstance(result, RolloutResult):
             result.prompt_tokens = prompts
+            result.model_tokens = outputs
         done()
         return result
 
@@ -666,15 +698,3 @@ def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[Rollou
 
 
 _memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)
-
-
-def _progress_bar(enabled: bool, *, total: int) -> Any:
-    """A bar of the rollouts run, on stderr, when `enabled`: a widget in a notebook, a bar on a
-    terminal, and nothing where stderr is no terminal (a log, a pipe), which the bar's carriage
-    returns would fill (tqdm's `disable=None`). Its total grows by a batch's rollouts as each
-    batch starts."""
-    # Imported here: in a notebook kernel without ipywidgets importing tqdm.auto warns, and the
-    # notebooks import this module without asking for a bar.
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="rollout", file=sys.stderr, disable=None if enabled else True, leave=True)

@@ -10,12 +10,15 @@
       turns.csv       one tidy row per turn (and turns.parquet, the same table); `n`, `e2e_ci_low`,
                       `e2e_ci_high`: the mean E2E of that mode's turn k over the n rollouts that
                       reached it, with its interval; `prompt_tokens` the prompt the model read,
-                      `compacted` whether the turn's context was compacted
+                      `compacted` whether the turn's context was compacted; the token columns the
+                      turn's own in every mode (`turn_rows`)
+      table.txt       the comparison's table with every column (`python -m sim compare` writes it)
       events.jsonl    one row per server event the client received: mode, rollout, turn, t, type
       records.jsonl   one per-turn record per turn (sim.analysis.records.TurnRecord, docs/calibration.md):
                       the input of `python -m sim calibrate`
-      *.png           rollout time per mode (median, interval as error bars); where a turn's
-                      server time goes, per mode
+      *.png           rollout time per mode (median; its interval as error bars where both bounds
+                      are known); where a turn's server time goes, per mode; titled from the run
+                      (`plot_title`)
 
 `write_run(..., tables=False)` writes only the three JSON files (a run folder small enough to
 commit, as docs/results/ does).
@@ -25,6 +28,7 @@ Notebooks and scripts load these; nothing here computes a metric (sim/analysis/m
 
 from __future__ import annotations
 
+import collections
 import csv
 import json
 import math
@@ -37,13 +41,13 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sim.analysis.metrics import compacted, per_turn_work, turn_intervals
+from sim.analysis.metrics import ModeSummary, compacted, per_turn_work, turn_intervals
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import Estimate
 from sim.harness.capacity import CapacityConfig, Variant, variants
 from sim.harness.experiment import CompareResult
 
-__all__ = ["turn_rows", "write_json", "write_run", "write_table"]
+__all__ = ["p50_error_bars", "plot_title", "turn_rows", "write_json", "write_run", "write_table", "write_text"]
 
 
 def _git_sha() -> str:
@@ -61,9 +65,23 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
     rows = []
     intervals = turn_intervals(result.rollouts, seed=result.config.seed)
     for r in result.rollouts:
+        turns_of = collections.Counter(t.response.id for t in r.turns)
         for k, (t, work) in enumerate(zip(r.turns, per_turn_work(r), strict=True)):
-            usage = t.response.usage
             e2e: Estimate = intervals[(r.mode, k)]
+            prompt = r.prompt_tokens[k] if k < len(r.prompt_tokens) else None
+            usage = t.response.usage
+            tokens: tuple[int | None, int | None, int | None]
+            if usage is not None and turns_of[t.response.id] == 1:  # the response is this turn's: its usage
+                tokens = (usage.input_tokens, usage.input_tokens_details.cached_tokens, usage.output_tokens)
+            elif len(r.model_tokens) == len(r.turns):
+                # A response that spans turns (append, inject, async, agents) reports no usage while
+                # paused and its whole total at the end; the beta's pauses carry no report either. The
+                # turn's own: the model's count of the turn it sampled (sim.harness.experiment's log).
+                tokens = (prompt, *r.model_tokens[k])
+            else:  # a steer's cut turn was sampled twice: the server's report differenced per turn
+                prefilled, decoded = work.get("tokens_prefilled"), work.get("tokens_decoded")
+                cached = None if prompt is None or prefilled is None else prompt - round(prefilled)
+                tokens = (prompt, cached, None if decoded is None else round(decoded))
             row: dict[str, Any] = {
                 "mode": r.mode,
                 "rollout": r.index,
@@ -77,11 +95,11 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
                 "e2e_s": t.e2e_s,
                 "bytes_sent": t.bytes_sent,
                 "events": t.events,
-                "input_tokens": usage.input_tokens if usage else None,
-                "cached_tokens": usage.input_tokens_details.cached_tokens if usage else None,
-                "output_tokens": usage.output_tokens if usage else None,
+                "input_tokens": tokens[0],
+                "cached_tokens": tokens[1],
+                "output_tokens": tokens[2],
                 "tokens_rendered": work.get("tokens_rendered"),
-                "prompt_tokens": r.prompt_tokens[k] if k < len(r.prompt_tokens) else None,
+                "prompt_tokens": prompt,
                 "compacted": compacted(t),
             }
             for key, value in work.items():
@@ -89,6 +107,14 @@ def turn_rows(result: CompareResult) -> list[dict[str, Any]]:
                     row[f"{key[6:]}_s"] = value
             rows.append(row)
     return rows
+
+
+def write_text(text: str, target: str | Path) -> Path:
+    """`text` as a UTF-8 file ending in a newline (a run folder's table.txt)."""
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n", encoding="utf-8")
+    return path
 
 
 def write_json(value: Any, target: str | Path) -> Path:
@@ -163,29 +189,55 @@ def _write_parquet(rows: list[dict[str, Any]], columns: list[str], target: Path)
     pq.write_table(table, target)
 
 
+def plot_title(result: CompareResult, rows: list[dict[str, Any]]) -> str:
+    """What the run was, from its own config and rows: the rollouts' shape, the decode rate (a real
+    engine's as measured over the run's turns, tokens decoded / decode seconds; the simulator's as
+    configured), the cost profile and the seed."""
+    config = result.config
+    if config.trace is not None:
+        shape = "replayed trace"
+    elif config.workload != "custom":
+        shape = f"workload {config.workload}"
+    else:
+        shape = f"{config.tool_calls} tool calls"
+    if config.engine.engine_kind != "none":
+        decoded = [(row["output_tokens"], row.get("decode_s")) for row in rows]
+        tokens = sum(t for t, s in decoded if t is not None and s)
+        seconds = sum(s for t, s in decoded if t is not None and s)
+        rate = f"{tokens / seconds:.0f} tok/s measured" if seconds > 0 else "decode rate unmeasured"
+        speed = f"{config.engine.engine_kind} engine, {rate}"
+    else:
+        speed = f"{config.model.tps:g} tok/s" if config.model.tps > 0 else "unpaced decode"
+    return f"{shape}, {speed}, {config.server.profile_name} profile, seed {config.seed}"
+
+
+def p50_error_bars(summary: list[ModeSummary]) -> tuple[list[list[float]] | None, str]:
+    """rollout_time.png's error bars (below, above the median) and what they are: a mode's
+    interval only where the table has both its bounds (too few rollouts: `?`, no bar); None
+    when no mode has one."""
+    known = [not (math.isnan(s.completion_p50_ci_low) or math.isnan(s.completion_p50_ci_high)) for s in summary]
+    n = min((s.n for s in summary), default=0)
+    if not any(known):
+        return None, f"no interval: too few rollouts, n={n}"
+    below = [s.completion_p50_s - s.completion_p50_ci_low if k else 0.0 for s, k in zip(summary, known, strict=True)]
+    above = [s.completion_p50_ci_high - s.completion_p50_s if k else 0.0 for s, k in zip(summary, known, strict=True)]
+    return [below, above], f"{'95 % interval' if all(known) else '95 % interval where known'}, n={n}"
+
+
 def _plots(result: CompareResult, rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt  # after choosing the backend
 
     modes = [s.mode for s in result.summary]
-    config = result.config
-    title = (
-        f"{config.model.tps:g} tok/s, {config.tool_calls} tool calls, {config.server.profile_name} profile, "
-        f"seed {config.seed}"
-    )
+    title = plot_title(result, rows)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     p50 = [s.completion_p50_s for s in result.summary]
-    below = [
-        0.0 if math.isnan(s.completion_p50_ci_low) else s.completion_p50_s - s.completion_p50_ci_low
-        for s in result.summary
-    ]
-    above = [
-        0.0 if math.isnan(s.completion_p50_ci_high) else s.completion_p50_ci_high - s.completion_p50_s
-        for s in result.summary
-    ]
-    ax.bar(modes, p50, yerr=[below, above], capsize=4, color="#4c72b0")
-    n = min((s.n for s in result.summary), default=0)
-    ax.set_ylabel(f"rollout completion, median (s)\n95 % interval, n={n}")
+    bars, shown = p50_error_bars(result.summary)
+    if bars is not None:
+        ax.bar(modes, p50, yerr=bars, capsize=4, color="#4c72b0")
+    else:
+        ax.bar(modes, p50, color="#4c72b0")
+    ax.set_ylabel(f"rollout completion, median (s)\n{shown}")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path / "rollout_time.png", dpi=120)

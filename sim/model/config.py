@@ -58,9 +58,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     ] = 0.0
     delta_per_token: Annotated[
         bool,
-        Meta(
-            description="one delta event per token even when late (default: a late wake-up sends the tokens due in one)"
-        ),
+        Meta(description="one delta event per token even when late (off: a late wake-up sends the tokens due in one)"),
     ] = False
     async_independent: Annotated[
         float,

@@ -341,7 +341,7 @@ async def serve_recorder(upstream: str, host: str, port: int, out: Path) -> dict
     return recorder.capture.summary()
 
 
-def record_options(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def record_options(sub: argparse._SubParsersAction[Any]) -> None:
     rec = sub.add_parser(
         "record",
         help="a recording reverse proxy for the Responses API: writes DIR/capture.jsonl for calibrate "

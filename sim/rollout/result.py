@@ -144,6 +144,8 @@ class RolloutResult:
     tool_time_s: float = 0.0
     # Per model turn, the prompt tokens the model read (the comparison records them server-side).
     prompt_tokens: list[int] = field(default_factory=list)
+    # Per model turn sampled, (prompt tokens found cached, tokens decoded), recorded the same way.
+    model_tokens: list[tuple[int, int]] = field(default_factory=list)
     interjections: list[InterjectionRecord] = field(default_factory=list)
     tokens_discarded: int = 0  # decoded tokens of items a steer cut off (`steer` mode)
     successors: int = 0  # automatic successors the steers started (`steer` mode)

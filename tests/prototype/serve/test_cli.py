@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -215,7 +216,9 @@ def test_script_replays_exact_call_then_text(tmp_path: Path) -> None:
     ("argv", "message"),
     [
         (["--engine", "openai"], "engine_url"),
-        (["--tps", "-1"], "tps"),
+        (["--tps", "-1"], "--tps: Expected `float` >= 0.0"),
+        (["--port", "99999"], "--port: 99999 is not a TCP port"),  # not 99999 mod 65536
+        (["--port", "-1"], "--port: -1 is not a TCP port"),
     ],
 )
 def test_an_invalid_option_is_one_line_and_exit_2(
@@ -225,3 +228,29 @@ def test_an_invalid_option_is_one_line_and_exit_2(
     err = capsys.readouterr().err
     assert err.startswith("python -m prototype.server: invalid option:") and message in err
     assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_busy_port_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "prototype.server", "--port", str(port)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+        )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(
+        f"python -m prototype.server: invalid option: --port: cannot listen on 127.0.0.1:{port}"
+    )
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+
+
+def test_a_value_argparse_refuses_is_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as refused:
+        main(["--port", "eighty"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err == "python -m prototype.server: argument --port: invalid int value: 'eighty'\n"

@@ -6,6 +6,7 @@ import csv
 import functools
 import io
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -13,8 +14,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from sim.__main__ import _points_bar, main, run, table
+from sim.__main__ import build_parser, config_from, main, run, table
 from sim.analysis.metrics import headline
+from sim.harness import console
+from sim.harness.console import points_bar
 from sim.harness.experiment import CompareConfig, compare
 
 SMALL = CompareConfig.of(
@@ -59,15 +62,132 @@ def test_same_tokens_in_every_mode_and_incremental_bytes() -> None:
     assert "time saved vs http" in table(result.summary)
 
 
-def test_cli_rejects_unknown_mode_and_bad_values() -> None:
-    with pytest.raises(SystemExit, match="unknown mode 'grpc'"):
-        main(["compare", "--modes", "grpc", "--rollouts", "1"])
-    with pytest.raises(SystemExit, match=r"invalid option: Expected `int` >= 1"):
-        main(["compare", "--rollouts", "0"])
-    with pytest.raises(SystemExit, match=r"invalid option: Invalid enum value 'magic' - at `\$.server.disable\[1\]`"):
-        main(["compare", "--disable", "token_cache,magic"])
-    with pytest.raises(SystemExit, match="invalid option: unknown cost profile 'cloud'"):
-        main(["compare", "--profile", "cloud"])
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["compare", "--modes", "grpc", "--rollouts", "1"], "compare: invalid option: unknown mode 'grpc'"),
+        (["compare", "--rollouts", "0"], "compare: invalid option: --rollouts: Expected `int` >= 1"),
+        (["results", "--rollouts", "0"], "results: invalid option: --rollouts: Expected `int` >= 1"),
+        (
+            ["compare", "--disable", "token_cache,magic"],
+            "compare: invalid option: --disable (item 2): Invalid enum value",
+        ),
+        (["compare", "--profile", "cloud"], "compare: invalid option: unknown cost profile 'cloud'"),
+        (["compare", "--live-rollouts", "-1"], "compare: invalid option: --live-rollouts: must be >= 0"),
+        (["compare", "--rollouts", "x"], "compare: argument --rollouts: invalid int value: 'x'"),
+        (["results", "--workload", "nope"], "results: argument --workload: invalid choice: 'nope'"),
+        (["sweep", "--rollouts", "0"], "sweep: invalid option: --rollouts: Expected `int` >= 1"),
+        (["sweep", "--tps", "-5"], "sweep: invalid option: --tps: Expected `float` >= 0.0"),
+        (["sweep", "--tool-calls", "2.5"], "sweep: invalid option: --tool-calls: not a comma list of int: '2.5'"),
+        (["sweep", "--workers", "0"], "sweep: invalid option: --workers: must be >= 1"),
+        (["sweep", "--modes", "grpc"], "sweep: invalid option: unknown mode 'grpc'"),
+    ],
+)
+def test_a_refused_option_is_one_line_naming_it_with_exit_2(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusal
+        code = exc.code  # type: ignore[assignment]
+    assert code == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"python -m sim {line}"), captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_compare_runs_the_modes_of_the_readme_results_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`make compare` (`python -m sim compare`) and `results` run the modes the README's table shows,
+    in its order; `--help` says so once."""
+    readme = (Path(__file__).parents[3] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("<!-- results:start -->", 1)[1].split("<!-- results:end -->", 1)[0]
+    first_table = block.split("\n\n")[1]
+    shown = tuple(re.findall(r"^\| `(\w+)` \|", first_table, flags=re.M))
+    assert shown == ("http", "http_prev", "ws", "append", "agents")
+    for command in ("compare", "results"):
+        assert config_from(build_parser().parse_args([command])).modes == shown
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        options = re.split(r"\n  (?=-)", capsys.readouterr().out)[1:]  # one entry an option
+        entries = [" ".join(o.split()) for o in options]
+        assert [e for e in entries if e.count("(default:") > 1] == []  # one default each, the one that runs
+        assert [e for e in entries if e.startswith("--modes ")][0].endswith(
+            "(default: http,http_prev,ws,append,agents)"
+        )
+    assert CompareConfig().modes == ("http", "http_prev", "ws", "append")  # a config in code keeps four
+
+
+def test_help_lists_the_workloads_of_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    from sim.rollout.workload import WORKLOADS
+
+    assert "agentic" in WORKLOADS
+    for command in ("compare", "results", "long"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert f"--workload {{{','.join(('custom', *WORKLOADS))}}}" in capsys.readouterr().out
+
+
+SMALL_ARGV = ["--virtual", "--free-cpu", "--rollouts", "1", "--tool-calls", "1", "--tps", "0", "--quiet"]
+SMALL_ARGV += ["--profile", "local", "--system-prompt-tokens", "200", "--tool-time-s", "0", "--modes", "http,ws"]
+
+
+def test_compare_keeps_its_run_in_a_new_folder_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(console.RUNS_ENV, str(runs))
+    assert main(["compare", *SMALL_ARGV]) == 0
+    (folder,) = runs.iterdir()
+    assert re.fullmatch(r"compare-\d{8}-\d{4}", folder.name) and (folder / "summary.json").is_file()
+    err = capsys.readouterr().err
+    assert err.count(f"run folder: {folder}\n") == 2  # at the start and at the end
+    assert main(["compare", *SMALL_ARGV, "--no-save"]) == 0
+    assert list(runs.iterdir()) == [folder] and "run folder" not in capsys.readouterr().err
+    assert main(["compare", *SMALL_ARGV, "--no-save", "--out", str(tmp_path / "x")]) == 2
+    assert "--no-save: not with --out" in capsys.readouterr().err
+
+
+def test_a_default_run_folder_never_takes_another_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datetime
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> Frozen:
+            return cls(2026, 12, 6, 1, 2, 59, tzinfo=tz)
+
+    monkeypatch.setattr(console.datetime, "datetime", Frozen)
+    monkeypatch.setenv(console.RUNS_ENV, str(tmp_path))
+    args = build_parser().parse_args(["compare"])
+    made = [console.run_folder(args, "compare") for _ in range(3)]
+    assert made == [
+        tmp_path / "compare-20261206-0102",
+        tmp_path / "compare-20261206-0102-2",
+        tmp_path / "compare-20261206-0102-3",
+    ]
+    assert all(p is not None and p.is_dir() for p in made)
+
+
+def test_sweep_writes_into_a_run_folder_and_overwrites_only_with_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(console.RUNS_ENV, str(runs))
+    argv = ["sweep", "--tps", "0", "--tool-calls", "1", "--tool-time-s", "0", "--rollouts", "1", "--modes", "http"]
+    argv += ["--workers", "1", "--quiet"]
+    assert main(argv) == 0
+    (table_,) = runs.glob("sweep-*/sweep.csv")
+    assert len(table_.read_text().splitlines()) == 2  # the header and the one (point, mode) row
+    mine = tmp_path / "sweep.csv"
+    mine.write_text("my own table\n")
+    capsys.readouterr()
+    assert main([*argv, "--out", str(mine)]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"python -m sim sweep: invalid option: --out: {mine} exists (--force overwrites it)\n"
+    )
+    assert mine.read_text() == "my own table\n"
+    assert main([*argv, "--out", str(mine), "--force"]) == 0
+    assert mine.read_text().startswith("tps,tool_calls,") and len(mine.read_text().splitlines()) == 2
 
 
 @pytest.mark.slow
@@ -79,21 +199,21 @@ def test_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         )
         == 0
     )
-    assert "time saved vs http" in capsys.readouterr().out
+    assert "saved vs http" in capsys.readouterr().out
     config = json.loads((out / "config.json").read_text())
     assert config["config"]["seed"] == 0 and config["virtual"] is True and len(config["git_sha"]) >= 7
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"http", "http_prev", "ws", "append"}
+    assert set(summary) == {"http", "http_prev", "ws", "append", "agents"}  # the default: the README table's
     assert summary["http"]["completion_p50_s"] > 0
     ws = summary["ws"]
     assert ws["n"] == ws["saved_vs_http_n"] == 4
     assert ws["saved_vs_http_ci_low"] <= ws["saved_vs_http"] <= ws["saved_vs_http_ci_high"]
     assert {"completion_p50_ci_low", "completion_p50_ci_high", "completion_p90_ci_low"} <= set(ws)
     pairs = json.loads((out / "pairs.json").read_text())
-    assert len(pairs) == 6 and {"n", "saved_ci_low", "saved_ci_high", "difference_ci_low"} <= set(pairs[0])
+    assert len(pairs) == 10 and {"n", "saved_ci_low", "saved_ci_high", "difference_ci_low"} <= set(pairs[0])
     with (out / "turns.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 * 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
+    assert len(rows) == 5 * 4 * 4 and {"mode", "turn", "ttft_s", "tokens_rendered", "decode_s"} <= set(rows[0])
     first = [r for r in rows if r["mode"] == "ws" and r["turn"] == "0"]
     e2e = [float(r["e2e_s"]) for r in first]
     assert {r["n"] for r in first} == {"4"}
@@ -121,7 +241,7 @@ def test_workload_profiles_give_each_rollout_its_own_length() -> None:
 
 
 @pytest.mark.slow
-def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
+def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools(capsys: pytest.CaptureFixture[str]) -> None:
     config = CompareConfig.of(
         rollouts=1, tool_calls=2, tps=0, tool_time_s=0.02, seed=5, profile="local", system_prompt_tokens=200
     )
@@ -134,8 +254,8 @@ def test_real_tool_subprocesses_keep_the_tokens_of_simulated_tools() -> None:
         assert real_r.tool_time_s >= sim_r.tool_time_s  # a real process takes at least its drawn time
     with pytest.raises(ValueError, match="not with virtual time"):
         run(msgspec.structs.replace(config, real_tools=True), virtual=True)
-    with pytest.raises(SystemExit, match="invalid option: .*not with virtual time"):
-        main(["compare", "--virtual", "--tool-command", "true"])
+    assert main(["compare", "--virtual", "--tool-command", "true"]) == 2
+    assert "not with virtual time" in capsys.readouterr().err
 
 
 async def test_tool_command_output_and_exit_status_go_back() -> None:
@@ -238,7 +358,7 @@ def test_default_compare_has_a_live_run_beside_the_virtual_one(capsys: pytest.Ca
     assert "virtual time, n=6 rollouts per mode" in out and "live loopback, n=1 rollouts per mode" in out
     # The saving with its interval (either sign: CPU-charged time on tiny rollouts is noisy).
     assert re.search(r"ws +6 .* [-−]?\d+\.\d % ± \d+\.\d\n", out)
-    assert "virtual vs live: live takes" in out and "over 4 (mode, rollout) pairs" in out
+    assert "virtual vs live: live takes" in out and "over 5 (mode, rollout) pairs" in out  # a pair a mode
 
 
 def test_live_only_and_virtual_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -252,8 +372,8 @@ def test_live_only_and_virtual_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert "in virtual time (CPU charged);" in out and "live" not in out
     with pytest.raises(SystemExit):
         main([*small, "--virtual", "--live"])
-    with pytest.raises(SystemExit, match="not with virtual time"):
-        main([*small, "--real-tools"])  # subprocess tools need the real clock: only with --live
+    assert main([*small, "--real-tools"]) == 2  # subprocess tools need the real clock: only with --live
+    assert "not with virtual time" in capsys.readouterr().err
 
 
 def test_ci_width_on_the_command_line_says_why_it_stopped(capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,11 +399,38 @@ def test_progress_draws_a_bar_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> 
     assert "\r" in stderr.getvalue() and "4/4" in stderr.getvalue() and "n=2 per mode" in stderr.getvalue()
 
 
-def test_progress_writes_no_carriage_return_where_stderr_is_no_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+def test_progress_is_lines_where_stderr_is_no_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    """A log (`make compare > log 2>&1`) gets a line at each tenth of the rollouts, no carriage return."""
     compare(TWO_MODES, virtual=True, free_cpu=True, progress=True)
-    main(["compare", "--virtual", "--free-cpu", "--rollouts", "2", "--tool-calls", "1", "--modes", "http,ws"])
     err = capsys.readouterr().err
+    assert err.splitlines() == [f"progress: {k}/4 rollouts ({25 * k} %), n=2 per mode" for k in (1, 2, 3, 4)]
+    main(["compare", "--virtual", "--free-cpu", "--rollouts", "20", "--tool-calls", "1", "--modes", "http,ws"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("progress: ")]
+    assert lines == [f"progress: {4 * k}/40 rollouts ({10 * k} %), n=20 per mode" for k in range(1, 11)]
     assert "\r" not in err
+    main(["compare", "--virtual", "--free-cpu", "--rollouts", "2", "--tool-calls", "1", "--quiet"])
+    assert "progress" not in capsys.readouterr().err
+
+
+def test_the_terminal_table_fits_100_columns_and_the_folder_has_every_column(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["compare", "--virtual", "--free-cpu", "--rollouts", "4", "--tool-calls", "2", "--quiet"]
+    assert main([*argv, "--modes", "http,http_prev,ws,append,inject,agents", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert re.search(r"^agents +4 +\d+\.\d{3} \(", out, flags=re.M)
+    full = (tmp_path / "table.txt").read_text()
+    assert "tool→token ms" in full and "rendered/turn" in full and "tool→token" not in out
+    assert [line.split()[0] for line in full.splitlines()[1:]] == [
+        "http",
+        "http_prev",
+        "ws",
+        "append",
+        "inject",
+        "agents",
+    ]
 
 
 @pytest.mark.parametrize(("stderr", "drawn"), [(_Terminal(), True), (io.StringIO(), False)], ids=["tty", "log"])
@@ -291,10 +438,12 @@ def test_the_cli_bar_of_points_is_drawn_only_on_a_terminal(
     stderr: io.StringIO, drawn: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(sys, "stderr", stderr)
-    with _points_bar(3, quiet=False) as on_point:
+    with points_bar(3, quiet=False) as on_point:
         for done in (1, 2, 3):
             on_point(done, 3)
-    assert ("3/3" in stderr.getvalue(), "\r" in stderr.getvalue()) == (drawn, drawn)
+    assert "3/3" in stderr.getvalue() and ("\r" in stderr.getvalue()) == drawn
+    if not drawn:  # a line a tenth: here each point is at least one
+        assert stderr.getvalue().splitlines() == [f"progress: {k}/3 points ({100 * k // 3} %)" for k in (1, 2, 3)]
 
 
 # -- the server under test, whole -------------------------------------------------------------------
@@ -340,7 +489,6 @@ def test_a_virtual_comparison_hands_the_server_every_field(monkeypatch: pytest.M
     from prototype.config import ServerConfig
     from prototype.options import flag_of, leaves
     from prototype.pipeline import PROFILES
-    from sim.__main__ import build_parser, config_from
     from sim.harness import experiment
 
     assert set(NOT_DEFAULT) == {field.name for _, field in leaves(ServerConfig)}
@@ -417,3 +565,48 @@ def test_every_rollout_failing_still_reports() -> None:
     )
     assert result.summary == [] and result.rollouts == [] and len(result.failed) == 4
     assert table(result.summary, result.failed).count("failed (rollouts 0, 1): 400 context_length_exceeded") == 2
+
+
+def test_turns_csv_has_each_turns_own_tokens_in_every_mode() -> None:
+    """A paused append/inject/agents turn reports no usage and the response's last turn reports the
+    total: each row holds the turn's own tokens, which are those of the same turn in `ws`."""
+    from sim.harness.trace import turn_rows
+
+    modes = ("http", "ws", "append", "inject", "agents")
+    result = run(SMALL.updated(modes=modes, rollouts=1, tool_calls=3), virtual=True, free_cpu=True)
+    rows = turn_rows(result)
+    assert [r for r in rows if None in (r["input_tokens"], r["cached_tokens"], r["output_tokens"])] == []
+    by_mode = {m: [r for r in rows if r["mode"] == m] for m in modes}
+    for mode in modes:
+        assert [(r["input_tokens"], r["output_tokens"]) for r in by_mode[mode]] == [
+            (r["input_tokens"], r["output_tokens"]) for r in by_mode["ws"]
+        ], mode
+    for mode in ("append", "inject"):
+        (rollout,) = [r for r in result.rollouts if r.mode == mode]
+        total = rollout.turns[-1].response.usage
+        assert total is not None and total.output_tokens == sum(r["output_tokens"] for r in by_mode[mode])
+        assert total.input_tokens == sum(r["input_tokens"] for r in by_mode[mode])
+    # append's held KV: from its second turn on, the turn finds more of its prompt cached than ws
+    assert all(a["cached_tokens"] >= w["cached_tokens"] for a, w in zip(by_mode["append"], by_mode["ws"], strict=True))
+
+
+def test_the_figures_say_what_the_run_was_and_draw_only_known_intervals() -> None:
+    import dataclasses
+
+    from sim.harness.trace import p50_error_bars, plot_title, turn_rows
+
+    base = SMALL.updated(tps=50.0, modes=("http", "append"), tool_calls=2)
+    two = run(base, virtual=True, free_cpu=True)  # n=2: the table's p50 interval is (?–?)
+    assert all(math.isnan(s.completion_p50_ci_low) for s in two.summary)
+    assert p50_error_bars(two.summary) == (None, "no interval: too few rollouts, n=2")
+    six = run(base.updated(rollouts=6), virtual=True, free_cpu=True)
+    bars, label = p50_error_bars(six.summary)
+    assert label == "95 % interval, n=6" and bars is not None
+    assert bars[0] == [s.completion_p50_s - s.completion_p50_ci_low for s in six.summary]
+    rows = turn_rows(two)
+    assert plot_title(two, rows) == "2 tool calls, 50 tok/s, local profile, seed 7"
+    # An engine run: the rate its turns decoded at (here the stand-in's 50), not the simulator's tps.
+    engine = dataclasses.replace(two, config=base.updated(engine_kind="llamacpp", tps=1000.0))
+    title = plot_title(engine, rows)
+    rate = int(title.split("llamacpp engine, ")[1].split(" tok/s measured")[0])
+    assert 45 <= rate <= 55 and "1000" not in title
