@@ -648,10 +648,10 @@ def _rollouts(config: CompareConfig, *, memoize: bool = False) -> tuple[list[Rol
     if config.workload != "custom":
         specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
         return specs, DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation)
-    return _custom(config, 0, config.rollouts, memoize), DefaultPolicy(tool_calls=config.tool_calls)
+    return custom_specs(config, 0, config.rollouts, memoize), DefaultPolicy(tool_calls=config.tool_calls)
 
 
-def _custom(config: CompareConfig, start: int, count: int, memoize: bool) -> list[RolloutSpec]:
+def custom_specs(config: CompareConfig, start: int, count: int, memoize: bool = False) -> list[RolloutSpec]:
     make = _memo_spec if memoize else make_spec
     return [
         make(
@@ -673,7 +673,7 @@ def _more_rollouts(
     """Rollouts `start` … `start + count − 1` (for the next batch); a workload's new
     conversations get their tool-call counts in the policy's table."""
     if config.workload == "custom":
-        return _custom(config, start, count, memoize)
+        return custom_specs(config, start, count, memoize)
     specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, count, start=start)
     table = getattr(policy, "per_conversation", None)
     if not isinstance(table, dict):

@@ -26,8 +26,7 @@ from msgspec import structs
 from sim.engine.backend import CTX_STEP, MODEL_CONTEXT, ctx_for, prompt_limit, slot_kv_bytes
 from sim.engine.config import DEFAULT_CTX_PER_SLOT
 from sim.fleet.sessions import from_spec
-from sim.harness.experiment import CompareConfig
-from sim.rollout.spec import make_spec
+from sim.harness.experiment import CompareConfig, custom_specs
 from sim.rollout.workload import WORKLOADS, draw_rollouts
 
 __all__ = [
@@ -65,21 +64,7 @@ def planned_prompts(config: CompareConfig) -> dict[int, list[int]] | None:
         return None
     count = config.max_rollouts if config.ci_width > 0 else config.rollouts
     if config.workload == "custom":
-        sessions = [
-            from_spec(
-                make_spec(
-                    config.seed,
-                    i,
-                    max_turns=config.tool_calls,
-                    tool_time_median_s=config.tool_time_s,
-                    tool_time_sigma=config.tool_time_sigma,
-                    tool_output_median_tokens=config.tool_output_tokens,
-                    system_prompt_tokens=config.system_prompt_tokens,
-                ),
-                config.tool_calls,
-            )
-            for i in range(count)
-        ]
+        sessions = [from_spec(spec, config.tool_calls) for spec in custom_specs(config, 0, count)]
     else:
         specs, _ = draw_rollouts(WORKLOADS[config.workload], config.seed, count)
         sessions = [from_spec(s, len(s.tool_outputs)) for s in specs]
