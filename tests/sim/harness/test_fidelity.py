@@ -29,6 +29,11 @@ stage agrees with live; without them (the negative control) it reads a fraction 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Final
 
 import msgspec
 import pytest
@@ -45,6 +50,7 @@ from sim.harness.fidelity import (
     run_pairs,
     write_live_costs,
 )
+from tests.support import REPO
 
 # Every test here times live clients (docs/testing.md): no per-event validation on their path.
 pytestmark = pytest.mark.wire_unchecked
@@ -134,11 +140,16 @@ TRANSPORT_HEAVY = CompareConfig.of(
 TRANSPORT_RATIO = (0.5, 2.0)  # the paired per-turn http - ws `client` difference: virtual / live
 
 
-@pytest.fixture(scope="module")
-def transport_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[CompareResult], ...]:
+# The live side is timed in a fresh interpreter: in the whole suite's process, what earlier tests
+# leave behind (threads, executors, a cluster's clients, the heap) moved its per-turn timings past
+# the ratio's bounds, where the same check in its own process agrees.
+_INNER: Final = "LONGRUN_FIDELITY_TRANSPORT_INNER"
+
+
+def _transport_runs(tmp_path: Path) -> tuple[list[CompareResult], ...]:
     # 40 repeats left the medians of a loaded machine far enough apart run to run to miss the ratio's bounds.
     costs = calibrate(repeats=120, stream_bytes=200_000, loop_factory=uvloop.new_event_loop)
-    path = write_live_costs(costs, tmp_path_factory.mktemp("calibration") / "live-costs.json")
+    path = write_live_costs(costs, tmp_path / "live-costs.json")
     config = msgspec.structs.replace(TRANSPORT_HEAVY, live_costs=str(path))
     live, charged = run_pairs(config, repeats=3, loop_factory=uvloop.new_event_loop)
     uncharged = [compare(TRANSPORT_HEAVY, virtual=True) for _ in range(3)]  # CPU charged, no live costs
@@ -147,9 +158,16 @@ def transport_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Compa
 
 @pytest.mark.slow
 def test_with_live_costs_charged_the_transport_difference_agrees_and_without_them_it_does_not(
-    transport_runs: tuple[list[CompareResult], ...],
+    tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    live, charged, uncharged = transport_runs
+    if os.environ.get(_INNER) != "1":  # run this test alone in a new process, and pass on its verdict
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", request.node.nodeid]
+        done = subprocess.run(
+            argv, cwd=REPO, env={**os.environ, _INNER: "1"}, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+        return
+    live, charged, uncharged = _transport_runs(tmp_path)
     with_costs, without = compare_runs(live, charged), compare_runs(live, uncharged)
     row = with_costs.row("http-ws", "client")
     assert row.live.estimate > 0.0003, format_report(with_costs)  # live: the transports differ per turn
