@@ -1,18 +1,21 @@
 """The fleet's KV ledger: what each replica's KV budget holds (running turns' *active* KV,
-paused responses' *held* KV, the prefix cache's *cached* entries), and the evictions that make
-room for a turn: cache entries least recently freed first (tail blocks only with `evict_tail`:
-vLLM's free-block queue order, docs/capacity.md#eviction-by-block), then other sessions' held
-KV, oldest pause first, each a counted preemption (sim/fleet/engine.py's theory of operation:
-the KV budget and the prefix cache)."""
+paused responses' *held* KV, the prefix cache's *cached* entries), the fleet's totals of each
+integrated over time, and the evictions that make room for a turn: cache entries least recently
+freed first (tail blocks only with `evict_tail`: vLLM's free-block queue order,
+docs/capacity.md#eviction-by-block), then other sessions' held KV, oldest pause first, each a
+counted preemption (sim/fleet/engine.py's theory of operation: the KV budget and the prefix
+cache). The ledger changes counts and returns what it freed; it pushes no event."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 from sim.fleet.config import FleetConfig, FleetRun
-from sim.fleet.state import Replica, SessionState
+from sim.fleet.loop import EventLoop
+from sim.fleet.state import CacheEntry, Replica, SessionState
 
-__all__ = ["BLOCK", "KVLedger", "floor_blocks"]
+__all__ = ["BLOCK", "KVLedger", "KVTotals", "floor_blocks"]
 
 BLOCK: Final = 16  # vLLM's default KV block size (sim/model/kv.py)
 
@@ -22,50 +25,121 @@ def floor_blocks(tokens: int) -> int:
     return tokens // BLOCK * BLOCK
 
 
+@dataclass(slots=True)
+class KVTotals:
+    """Fleet-wide KV tokens by use (the shared instructions' blocks count as cached)."""
+
+    active: int = 0
+    held: int = 0
+    cached: int = 0
+
+
 class KVLedger:
-    """The KV accounting the fleet's event loop (sim/fleet/engine.py) builds on: fleet-wide
-    totals, the run's peak and preemption counts, per-replica occupancy and prefix cache."""
+    """Fleet-wide totals, the run's peak and eviction counts, per-replica occupancy and prefix
+    cache. `account` integrates the totals up to an event's time (expiring idle cache entries
+    at their timeout on the way)."""
 
-    def __init__(self, config: FleetConfig, run: FleetRun) -> None:
-        self.c = config
+    def __init__(
+        self,
+        config: FleetConfig,
+        run: FleetRun,
+        loop: EventLoop,
+        replicas: list[Replica],
+        states: list[SessionState],
+        series_every_s: float = 0.0,
+    ) -> None:
+        self.config = config
         self.budget = config.kv_budget_tokens or (1 << 62)
-        self.run_ = run
-        self.states: list[SessionState] = []
-        self.totals = [0, 0, 0]  # fleet-wide active, held, cached (shared blocks count as cached)
-        self.now = 0.0
+        self.run = run
+        self.loop = loop
+        self.replicas = replicas
+        self.states = states
+        self.totals = KVTotals()
+        self.integrated_to = 0.0
+        self.series_every_s = series_every_s
+        self.next_sample = 0.0
 
-    def add(self, r: Replica, which: int, tokens: int) -> None:
-        if which == 0:
-            r.active += tokens
-        elif which == 1:
-            r.held += tokens
-        else:
-            r.cached += tokens
-        self.totals[which] += tokens
+    # -- the counters ------------------------------------------------------------------------
+
+    def add_active(self, r: Replica, tokens: int) -> None:
+        r.active += tokens
+        self.totals.active += tokens
         if tokens > 0:
-            used = r.used()
-            if used > self.run_.kv_peak_tokens:
-                self.run_.kv_peak_tokens = used
+            self._peak(r)
+
+    def add_held(self, r: Replica, tokens: int) -> None:
+        r.held += tokens
+        self.totals.held += tokens
+        if tokens > 0:
+            self._peak(r)
+
+    def add_cached(self, r: Replica, tokens: int) -> None:
+        r.cached += tokens
+        self.totals.cached += tokens
+        if tokens > 0:
+            self._peak(r)
+
+    def add_shared(self, r: Replica, tokens: int) -> None:
+        """The instructions' blocks, cached once on `r` (`r.shared` is set by the caller)."""
+        self.totals.cached += tokens
+        self.run.kv_peak_tokens = max(self.run.kv_peak_tokens, r.used())
+
+    def _peak(self, r: Replica) -> None:
+        used = r.used()
+        if used > self.run.kv_peak_tokens:
+            self.run.kv_peak_tokens = used
+
+    def account(self, t: float) -> None:
+        """The KV totals integrated up to `t`; with a cache time-to-live each entry leaves them
+        (and the cache) at its timeout, replicas' entries in time order (a replica's cache is in
+        idle order)."""
+        ttl = self.config.cache_ttl_s
+        while ttl > 0:
+            heads = [(next(iter(r.cache.values())).last_use, r.index) for r in self.replicas if r.cache]
+            if not heads:
+                break
+            last, j = min(heads)
+            if not t - last > ttl:
+                break
+            self.integrate(last + ttl)
+            r = self.replicas[j]
+            self.drop_entry(r, next(iter(r.cache)))
+        self.integrate(t)
+
+    def integrate(self, t: float) -> None:
+        dt = t - self.integrated_to
+        totals = self.totals
+        if dt > 0:
+            kv = self.run.kv_token_s
+            kv["active"] += totals.active * dt
+            kv["held"] += totals.held * dt
+            kv["cached"] += totals.cached * dt
+            self.integrated_to = t
+        if self.series_every_s > 0 and t >= self.next_sample:
+            self.run.kv_series.append((t, totals.active, totals.held, totals.cached))
+            self.next_sample = t + self.series_every_s
+
+    # -- the prefix cache and held KV --------------------------------------------------------
 
     def drop_entry(self, r: Replica, s: int) -> int:
         entry = r.cache.pop(s, None)
         if entry is None:
             return 0
-        self.add(r, 2, -int(entry[0]))
-        return int(entry[0])
+        self.add_cached(r, -entry.tokens)
+        return entry.tokens
 
     def to_cache(self, r: Replica, s: int, tokens: int) -> None:
         """Session `s`'s context of `tokens` into `r`'s prefix cache (its full blocks)."""
         self.drop_entry(r, s)
         unique = floor_blocks(tokens) - r.shared
         if unique > 0:
-            r.cache[s] = [unique, self.now]
-            self.add(r, 2, unique)
+            r.cache[s] = CacheEntry(unique, self.loop.now)
+            self.add_cached(r, unique)
 
     def release_held(self, r: Replica, s: int, *, to_cache: bool) -> None:
         st = self.states[s]
         tokens = r.holders.pop(s)
-        self.add(r, 1, -tokens)
+        self.add_held(r, -tokens)
         st.held = 0
         if st.slot_held:  # the slot goes with the KV
             st.slot_held = False
@@ -79,24 +153,24 @@ class KVLedger:
         """Free `deficit` tokens of `s`'s cache entry: its tail blocks (`evict_tail`), or all of it."""
         entry = r.cache[s]
         cut = -(-deficit // BLOCK) * BLOCK
-        if self.c.evict_tail and entry[0] > cut:
-            entry[0] -= cut
-            self.add(r, 2, -cut)
-            self.run_.evicted_tokens += cut
+        if self.config.evict_tail and entry.tokens > cut:
+            entry.tokens -= cut
+            self.add_cached(r, -cut)
+            self.run.evicted_tokens += cut
         else:
-            self.run_.evicted_tokens += self.drop_entry(r, s)
+            self.run.evicted_tokens += self.drop_entry(r, s)
 
     def keep_sequences(self, r: Replica, me: int) -> None:
         """`slot_cache`: session `me` takes a slot on `r`; the slot's last sequence goes, least
         recently used cache entry first, so that running, held and cached sequences number at
         most the replica's decode slots (the shared prefix stays: every slot's prompt has it)."""
-        limit = self.c.model.decode_slots or 0
+        limit = self.config.model.decode_slots or 0
         count = r.running + len(r.holders) + len(r.cache) + (0 if me in r.cache or me in r.holders else 1)
         for s in list(r.cache):
             if count <= limit:
                 break
             if s != me:
-                self.run_.evicted_tokens += self.drop_entry(r, s)
+                self.run.evicted_tokens += self.drop_entry(r, s)
                 count -= 1
 
     def make_room(self, r: Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
@@ -108,8 +182,9 @@ class KVLedger:
         free = self.budget - r.used()
         if free >= extra:
             return True
-        if self.c.admission == "plan" and not force:
-            room = free + r.cached - (int(r.cache[me][0]) if me in r.cache else 0)
+        if self.config.admission == "plan" and not force:
+            mine = r.cache.get(me)
+            room = free + r.cached - (mine.tokens if mine is not None else 0)
             if preempt:
                 room += r.held - r.holders.get(me, 0)
             if room < extra:
@@ -123,8 +198,8 @@ class KVLedger:
         if preempt:
             for s in list(r.holders):
                 if s != me:
-                    self.run_.preemptions += 1
-                    self.release_held(r, s, to_cache=self.c.evict_tail)
+                    self.run.preemptions += 1
+                    self.release_held(r, s, to_cache=self.config.evict_tail)
                     free = self.budget - r.used()
                     if free < extra and s in r.cache:
                         self.evict_entry(r, s, extra - free)

@@ -1,7 +1,7 @@
 """Offloaded KV and the choice at a pause: each replica's host memory for paused contexts and the
 one link their copies share (the `offload` hold policy), and InferCept's min-waste choice between
-discarding, preserving and swapping a paused context (`minwaste`). sim/fleet/engine.py's event
-loop calls them; docs/capacity.md states the rules and what they leave out.
+discarding, preserving and swapping a paused context (`minwaste`). The hold policies
+(sim/fleet/holds.py) and the fleet's admission call them; docs/capacity.md states the rules and what they leave out.
 
 * **The link.** A replica's copies to and from host memory run one at a time, first issued
   first served, in both directions, as they share one PCIe link: a copy starts when the link is
@@ -30,10 +30,9 @@ from collections.abc import Sequence
 from typing import Final
 
 from sim.fleet.config import PAUSE_CHOICES, FleetConfig, FleetRun
-from sim.fleet.ledger import KVLedger
+from sim.fleet.loop import EventLoop
 from sim.fleet.sessions import SessionTokens
-from sim.fleet.state import Replica
-from sim.model.accelerator import prefill_time_s
+from sim.fleet.state import Replica, SessionState
 
 __all__ = ["POLICY_OF", "HostLedger", "HostLink", "expected_pause_s", "min_waste"]
 
@@ -125,67 +124,52 @@ def expected_pause_s(config: FleetConfig, sessions: Sequence[SessionTokens]) -> 
     return math.fsum(times) / len(times) if times else 0.0
 
 
-class HostLedger(KVLedger):
-    """The KV ledger with each replica's host memory and link, and the pause's choice."""
+class HostLedger:
+    """Each replica's host memory and link: offloads, reloads, and what they cost the run."""
 
-    def __init__(self, config: FleetConfig, run: FleetRun, pause_s: float) -> None:
-        super().__init__(config, run)
+    def __init__(self, config: FleetConfig, run: FleetRun, loop: EventLoop, states: list[SessionState]) -> None:
+        self.config = config
+        self.run = run
+        self.loop = loop
+        self.states = states
         per_token = config.kv_bytes_per_token
         budget = math.floor(config.offload_host_gb * 1e9 / per_token) if config.offload_host_gb > 0 else math.inf
         self.links = [HostLink(budget) for _ in range(config.replicas)]
         self.copy_s_per_token = per_token / (config.offload_gb_per_s * 1e9)
-        self.pause_s = pause_s
-        self.cost = config.step_cost()
-
-    def reprefill_s(self, unique: int, context: int) -> float:
-        """Replica time to prefill a paused context's `unique` tokens again, alone (the shared
-        prefix before them stays cached)."""
-        if self.c.compute == "priced":
-            return self.cost.prefill_alone_s(context - unique, unique)
-        m = self.c.model
-        return prefill_time_s(
-            m.model_latency_s, m.prefill_tok_per_s, m.prefill_s_per_token_ctx, context - unique, unique
-        )
-
-    def choose(self, r: Replica, unique: int, context: int) -> str:
-        """`minwaste`: the hold policy that carries out the least-waste choice at this pause."""
-        recompute_s = self.reprefill_s(unique, context)
-        copy_s = unique * self.copy_s_per_token
-        return POLICY_OF[min_waste(unique, r.active, self.pause_s, recompute_s, copy_s)]
 
     def offload(self, r: Replica, s: int, unique: int) -> float | None:
         """Session `s`'s paused context (`unique` tokens) to `r`'s host memory, its copy queued on
         the link: when the copy ends, or None (nothing changed) if the host memory cannot take it."""
         link = self.links[r.index]
-        link.settle(self.now)
+        link.settle(self.loop.now)
         dropped = link.room_for(unique)
         if dropped is None:
-            self.run_.offload_refused += 1
+            self.run.offload_refused += 1
             return None
         for v in dropped:  # prefilled again at its resume
             victim = self.states[v]
             victim.offloaded = False
             victim.held = victim.resident = 0
-            self.run_.host_drops += 1
+            self.run.host_drops += 1
         link.put(s, unique)
         self.states[s].offloaded = True
-        self.run_.offload_bytes += unique * self.c.kv_bytes_per_token
-        return link.transfer(self.now, unique * self.copy_s_per_token)
+        self.run.offload_bytes += unique * self.config.kv_bytes_per_token
+        return link.transfer(self.loop.now, unique * self.copy_s_per_token)
 
     def reload_s(self, r: Replica, s: int) -> float:
         """Session `s`'s offloaded context read back over `r`'s link, after the copies queued
         before it: the time from now until it is in GPU memory."""
         link = self.links[r.index]
-        link.settle(self.now)
+        link.settle(self.loop.now)
         tokens = link.entries[s]
-        end = link.transfer(self.now, tokens * self.copy_s_per_token)
+        end = link.transfer(self.loop.now, tokens * self.copy_s_per_token)
         link.take(s, end)
-        return end - self.now
+        return end - self.loop.now
 
     def drop_offloaded(self, r: Replica, s: int) -> None:
         """The offloaded context is no longer wanted (its response ended with its connection)."""
         self.links[r.index].drop(s)
 
     def report_links(self) -> None:
-        self.run_.replica_link_busy_s = [link.busy for link in self.links]
-        self.run_.host_peak_bytes = max((link.peak for link in self.links), default=0) * self.c.kv_bytes_per_token
+        self.run.replica_link_busy_s = [link.busy for link in self.links]
+        self.run.host_peak_bytes = max((link.peak for link in self.links), default=0) * self.config.kv_bytes_per_token

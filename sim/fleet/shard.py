@@ -87,10 +87,10 @@ def run_shard(
     """One replica's sessions on a fleet of one replica (`config`'s other switches). Picklable."""
     fleet = _Fleet(mode, profile, msgspec.structs.replace(config, replicas=1), sessions, seed, 0.0)
     run = fleet.run(arrivals, 0, (), max_time_s)
-    active, held, cached = fleet.totals
+    totals = fleet.ledger.totals
     r, ttl = fleet.replicas[0], config.cache_ttl_s
-    entries = ((int(e[0]), e[1] + ttl if ttl > 0 else math.inf) for e in r.cache.values())
-    return ShardRun(run, (active, held, cached), ((r.shared, math.inf), *entries))
+    entries = ((e.tokens, e.last_use + ttl if ttl > 0 else math.inf) for e in r.cache.values())
+    return ShardRun(run, (totals.active, totals.held, totals.cached), ((r.shared, math.inf), *entries))
 
 
 def merge(mode: str, config: FleetConfig, sessions: Sequence[SessionTokens], shards: Sequence[ShardRun]) -> FleetRun:

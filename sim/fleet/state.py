@@ -1,17 +1,67 @@
 """The fleet simulation's mutable state: per replica its slots, KV occupancy (active, held,
 cached, the shared instructions), prefix cache, admission queue and step loop; per session its
-placement, held KV and the running turn's progress. sim/fleet/engine.py's events change it."""
+placement, held KV and the running turn's progress; and the records they hold, by name.
+sim/fleet/engine.py's events change it."""
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
 
 from sim.fleet.config import SessionRecord
 from sim.fleet.sessions import SessionTokens
 
-__all__ = ["Replica", "SessionState"]
+__all__ = ["CacheEntry", "Decoding", "Phase", "Prefill", "Queued", "Replica", "SessionState"]
+
+
+class Phase(IntEnum):
+    """A replica's step loop (priced compute)."""
+
+    IDLE = 0
+    STEP = 1  # a step with prefill in flight
+    SEGMENT = 2  # a run of identical decode-only steps
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    """A session's context in a replica's prefix cache: its blocks past the shared prefix."""
+
+    tokens: int
+    last_use: float
+
+
+@dataclass(slots=True)
+class Prefill:
+    """An admitted turn's uncached prompt in its replica's prefill queue."""
+
+    session: int
+    turn: int
+    left: float  # tokens still to prefill
+    s_per_token: float  # the step cost of each of its tokens
+    run_id: int  # the session's admission it belongs to (an older one is stale)
+    chunk: float = 0.0  # its share of the step in flight
+
+
+class Queued(NamedTuple):
+    """A turn in a replica's admission queue (a heap: priority, then order of arrival)."""
+
+    priority: float
+    seq: int
+    session: int
+    turn: int
+    ready: float
+
+
+class Decoding(NamedTuple):
+    """A decoding turn in a replica's decode heap: the step position of its last token."""
+
+    last_at: float
+    seq: int
+    session: int
+    turn: int
 
 
 class Replica:
@@ -20,9 +70,9 @@ class Replica:
         "busy",
         "cache",
         "cached",
-        "ctx_sum",
+        "context_sum",
+        "decode_heap",
         "decoding",
-        "dheap",
         "free_slots",
         "held",
         "holders",
@@ -30,17 +80,17 @@ class Replica:
         "index",
         "phase",
         "plan",
-        "pos",
+        "position",
         "prefilled",
         "prefilling",
         "queue",
         "runners",
         "running",
-        "seg_t",
+        "segment_at",
         "shared",
         "shared_at",
+        "step_s",
         "steps",
-        "tau",
         "version",
     )
 
@@ -54,20 +104,20 @@ class Replica:
         self.shared = 0  # the instructions' blocks, cached once the first turn has prefilled them
         self.shared_at = math.inf  # when they are: the first turn's end of prefill
         self.decoding: dict[int, tuple[float, float]] = {}  # free compute: running session → (first token, slot free)
-        self.cache: OrderedDict[int, list[float]] = OrderedDict()  # session → [unique tokens, last use], LRU first
+        self.cache: OrderedDict[int, CacheEntry] = OrderedDict()  # session → its entry, LRU first
         self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first
-        self.queue: list[tuple[float, int, int, int, float]] = []  # heap of (priority, seq, session, turn, ready at)
+        self.queue: list[Queued] = []  # a heap
         self.prefilled = 0
         self.runners: dict[int, int] = {}  # priced compute: running session → its turn, oldest admission first
-        # Priced compute: the step loop's state (see _Fleet.schedule).
-        self.prefilling: list[list[float]] = []  # FCFS: [session, turn, tokens left, s per token, run id]
-        self.dheap: list[tuple[float, int, int, int]] = []  # decoding: (position of its last token, seq, session, turn)
-        self.pos = 0.0  # decode steps run so far (fractional inside a decode-only segment)
-        self.ctx_sum = 0.0  # decoding sequences' contexts (their KV reads)
-        self.phase = 0  # 0 idle, 1 a step with prefill in flight, 2 a decode-only segment
-        self.plan: list[tuple[list[float], float]] = []  # the step in flight: (prefill entry, chunk)
-        self.tau = 0.0  # the step's (or the segment's per-step) time
-        self.seg_t = 0.0  # the segment's start
+        # Priced compute: the step loop's state (see sim/fleet/steps.py).
+        self.prefilling: list[Prefill] = []  # first come first served
+        self.decode_heap: list[Decoding] = []  # a heap: the next last token first
+        self.position = 0.0  # decode steps run so far (fractional inside a decode-only segment)
+        self.context_sum = 0.0  # decoding sequences' contexts (their KV reads)
+        self.phase = Phase.IDLE
+        self.plan: list[Prefill] = []  # the step in flight's prefill entries (each with its chunk)
+        self.step_s = 0.0  # the step's (or the segment's per-step) time
+        self.segment_at = 0.0  # the segment's start
         self.version = 0  # a step event of an older version is stale
         self.in_step = False
         self.busy = 0.0
@@ -108,4 +158,5 @@ class SessionState:
     first_done: bool = False  # the running turn's first token is out
     decoding: bool = False
     join_at: float = math.nan  # an offloaded turn's end of reload: when it joins the prefill queue
-    dctx: float = 0.0  # priced compute: the decoding turn's mean context
+    prefill_s_per_token: float = 0.0  # priced compute: the running turn's prefill cost a token
+    decode_context: float = 0.0  # priced compute: the decoding turn's mean context (its KV reads a step)

@@ -38,17 +38,18 @@ import sys
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, cast
 
 import msgspec
 import numpy as np
 from msgspec import Meta
 
 from prototype.options import add_struct_options, leaves, struct_from_args
-from prototype.pipeline import load_profile
+from prototype.pipeline import CostProfile, load_profile
 from sim.fleet.config import READ_LEAVES, FleetConfig
 from sim.fleet.costs import FLEET_MODES
 from sim.fleet.engine import _Fleet
+from sim.fleet.ledger import KVLedger
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 from sim.fleet.state import Replica
 from sim.harness.capacity import arrivals, point_sessions, seed_interval
@@ -75,11 +76,11 @@ MEASURES: Final = (
 )
 
 
-class _SplitStored(_Fleet):
-    """The fleet, its cached KV token-seconds split further: the entries of sessions that have
-    ended (kept until their timeout, never read again) and the shared instructions' blocks. What
-    is left of held + cached is the KV of sessions in flight between their turns: TraceLab's
-    suspended KV."""
+class _SplitLedger(KVLedger):
+    """The KV ledger, its cached KV token-seconds split further: the entries of sessions that
+    have ended (kept until their timeout, never read again) and the shared instructions' blocks.
+    What is left of held + cached is the KV of sessions in flight between their turns:
+    TraceLab's suspended KV."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -97,14 +98,12 @@ class _SplitStored(_Fleet):
             self.since = t
         super().integrate(t)
 
-    def turn_done(self, s: int, k: int) -> None:
-        super().turn_done(s, k)
-        if k == self.states[s].spec.turns - 1:
-            self.ended.add(s)
-            self.ended_tokens += self._entry(s)
+    def session_ended(self, s: int) -> None:
+        self.ended.add(s)
+        self.ended_tokens += self._entry(s)
 
     def _entry(self, s: int) -> int:
-        return sum(int(r.cache[s][0]) for r in self.replicas if s in r.cache)
+        return sum(r.cache[s].tokens for r in self.replicas if s in r.cache)
 
     def drop_entry(self, r: Replica, s: int) -> int:
         dropped = super().drop_entry(r, s)
@@ -117,6 +116,21 @@ class _SplitStored(_Fleet):
         super().evict_entry(r, s, deficit)
         if s in self.ended:
             self.ended_tokens -= before - self._entry(s)
+
+
+class _SplitStored(_Fleet):
+    """The fleet on a `_SplitLedger`, told when each session ends."""
+
+    def __init__(
+        self, mode: str, profile: CostProfile, config: FleetConfig, sessions: Sequence[SessionTokens], seed: int
+    ) -> None:
+        super().__init__(mode, profile, config, sessions, seed, 0.0, _SplitLedger)
+        self.split = cast(_SplitLedger, self.ledger)
+
+    def turn_done(self, s: int, k: int) -> None:
+        super().turn_done(s, k)
+        if k == self.states[s].spec.turns - 1:
+            self.split.session_ended(s)
 
 
 def _fleet() -> FleetConfig:
@@ -176,10 +190,10 @@ def run_ttl_point(config: TTLCurveConfig, ttl_s: float, seed: int) -> dict[str, 
     """One timeout and seed: the fleet's measures and TraceLab's rule on the same run. Picklable."""
     sessions = point_sessions(config.workload, seed, config.sessions, 1.0)
     fleet = msgspec.structs.replace(config.fleet, cache_ttl_s=ttl_s)
-    traced = _SplitStored(config.mode, load_profile(config.profile), fleet, sessions, seed, 0.0)
+    traced = _SplitStored(config.mode, load_profile(config.profile), fleet, sessions, seed)
     run = traced.run(arrivals(seed, config.sessions, config.load), 0, (), math.inf)
     kv = run.kv_token_s
-    suspended = kv["held"] + kv["cached"] - traced.ended_token_s - traced.shared_token_s
+    suspended = kv["held"] + kv["cached"] - traced.split.ended_token_s - traced.split.shared_token_s
     model_s = sum(r.model_s for r in run.sessions)
     tl_hit, tl_ratio = tracelab_rule(sessions, model_s, ttl_s)
     return {

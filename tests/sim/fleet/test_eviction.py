@@ -14,7 +14,7 @@ import pytest
 from prototype.pipeline import load_profile
 from sim.fleet.config import FleetConfig, FleetRun
 from sim.fleet.engine import _Fleet, simulate
-from sim.fleet.ledger import BLOCK, floor_blocks
+from sim.fleet.ledger import BLOCK, KVLedger, floor_blocks
 from sim.fleet.sessions import custom_sessions
 from sim.fleet.state import Replica
 from sim.harness.capacity import arrivals
@@ -63,9 +63,9 @@ class _FreeQueue:
         self.evicted += n
 
 
-class _Checked(_Fleet):
-    """The fleet with vLLM's free-block queue kept beside each replica's cache: every block the
-    fleet evicts must be the one at the queue's head."""
+class _Checked(KVLedger):
+    """The KV ledger with vLLM's free-block queue kept beside each replica's cache: every block
+    the fleet evicts must be the one at the queue's head."""
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -78,7 +78,7 @@ class _Checked(_Fleet):
         assert s not in self.free_queues[r.index].blocks, f"session {s} freed while blocks of it were free"
         super().to_cache(r, s, tokens)
         if s in r.cache:
-            self.free_queues[r.index].free(s, int(r.cache[s][0]) // BLOCK)
+            self.free_queues[r.index].free(s, r.cache[s].tokens // BLOCK)
 
     def drop_entry(self, r: Replica, s: int) -> int:
         if not self.evicting:  # reused by its own turn, expired, or left behind by a reconnection
@@ -86,13 +86,13 @@ class _Checked(_Fleet):
         return super().drop_entry(r, s)
 
     def evict_entry(self, r: Replica, s: int, deficit: int) -> None:
-        before = int(r.cache[s][0])
+        before = r.cache[s].tokens
         self.evicting = True
         try:
             super().evict_entry(r, s, deficit)
         finally:
             self.evicting = False
-        after = int(r.cache[s][0]) if s in r.cache else 0
+        after = r.cache[s].tokens if s in r.cache else 0
         self.free_queues[r.index].evict((before - after) // BLOCK, s, self.reading)
 
     def make_room(self, r: Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
@@ -141,11 +141,12 @@ def test_every_eviction_takes_the_head_of_vllms_free_block_queue(mode: str, swit
     sessions, times = _pressed_sessions()
     model = msgspec.structs.replace(HOSTED_MODEL, decode_slots=16)
     config = FleetConfig(model=model, kv_budget_tokens=60_000, replicas=2, **switches)
-    fleet = _Checked(mode, HOSTED, config, sessions, 1, 0.0)
+    fleet = _Fleet(mode, HOSTED, config, sessions, 1, 0.0, _Checked)
     run = fleet.run(times, 0, (), float("inf"))
     assert run.completed == len(sessions)
     assert run.evicted_tokens > 0
-    assert sum(q.evicted for q in fleet.free_queues) * BLOCK == run.evicted_tokens
+    assert isinstance(fleet.ledger, _Checked)
+    assert sum(q.evicted for q in fleet.ledger.free_queues) * BLOCK == run.evicted_tokens
 
 
 def _two_heads(c_prompt: int = 2072, **changes: object) -> FleetRun:

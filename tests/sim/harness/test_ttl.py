@@ -70,7 +70,7 @@ def test_the_timeout_reaches_the_fleet() -> None:
     )
     # Expiring entries at their timeout for the accounts changes no turn.
     assert run_ttl_point(SMALL, 5.0, 0)["hit_rate"] == expiring.hit_tokens / expiring.prompt_tokens < kept
-    traced = _SplitStored(SMALL.mode, load_profile(SMALL.profile), short, sessions, 0, 0.0)
+    traced = _SplitStored(SMALL.mode, load_profile(SMALL.profile), short, sessions, 0)
     assert traced.run(arrivals(0, SMALL.sessions, SMALL.load), 0, (), math.inf).sessions == expiring.sessions
 
 
