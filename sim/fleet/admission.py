@@ -97,9 +97,10 @@ class Admission:
         own_held = st.held if (s in r.holders) else 0
         entry = r.cache.get(s)
         own_cached = entry.tokens if entry is not None else 0
-        if not self.reserve(r, s, need - own_held - own_cached + (0 if r.shared else shared), need + shared):
-            return False
         ledger = self.ledger
+        extra = need - own_held - own_cached + (0 if r.shared else shared)
+        if extra > ledger.budget - r.used() and not self.make_room(r, s, extra, need + shared):
+            return False
         if self.config.slot_cache:
             ledger.keep_sequences(r, s)
         found = self.lookup(r, st, s, k)  # the KV here for the turn (making room never takes the turn's own)
@@ -139,20 +140,20 @@ class Admission:
             ledger.add_shared(r, shared)
         return True
 
-    def reserve(self, r: Replica, s: int, extra: int, total: int) -> bool:
+    def make_room(self, r: Replica, s: int, extra: int, total: int) -> bool:
         """Room for `extra` more tokens on `r` for session `s`, whose turn's context is `total`:
         held KV is preempted by choice (`preempt_held`), or when nothing runs here and so nothing
         else could ever free room (without it the paused sessions would wait on each other). A
         turn over the whole budget runs alone, its excess counted. False: it waits."""
         ledger = self.ledger
         preempt = self.config.preempt_held or r.running == 0
-        if extra > ledger.budget - r.used() and not ledger.make_room(r, extra, s, preempt=preempt):
-            if r.running == 0 and total > ledger.budget:
-                ledger.make_room(r, extra, s, preempt=preempt, force=True)
-                self.run.overflow_tokens += total - ledger.budget
-            else:
-                return False
-        return True
+        if ledger.make_room(r, extra, s, preempt=preempt):
+            return True
+        if r.running == 0 and total > ledger.budget:
+            ledger.make_room(r, extra, s, preempt=preempt, force=True)
+            self.run.overflow_tokens += total - ledger.budget
+            return True
+        return False
 
     def count_admission(self, r: Replica, st: SessionState, prompt: int, cached: int, out: int, ready: float) -> None:
         """The run's and the session's counts of an admitted turn (a preempted turn's return

@@ -170,7 +170,7 @@ class _Fleet:
         )
         rng = np.random.default_rng(np.random.SeedSequence([seed, 0xF1EE7]))
         self.router = Router(config, loop, self.replicas, self.ledger, self.host, run, rng, websocket=self.websocket)
-        self.steps = PricedSteps(loop, self.ledger, self.states, cost)
+        self.steps = PricedSteps(loop, self.states, cost)
         self.admission = Admission(
             config, loop, self.states, self.ledger, self.host, self.steps, FreeCompute(loop, config), run
         )

@@ -8,6 +8,7 @@ cache). The ledger changes counts and returns what it freed; it pushes no event.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Final
 
@@ -95,15 +96,17 @@ class KVLedger:
         idle order)."""
         ttl = self.config.cache_ttl_s
         while ttl > 0:
-            heads = [(next(iter(r.cache.values())).last_use, r.index) for r in self.replicas if r.cache]
-            if not heads:
-                break
-            last, j = min(heads)
-            if not t - last > ttl:
+            oldest = None  # the replica whose cache's head has been idle longest (the first such)
+            last = math.inf
+            for r in self.replicas:
+                if r.cache:
+                    head = next(iter(r.cache.values())).last_use
+                    if head < last:
+                        oldest, last = r, head
+            if oldest is None or not t - last > ttl:
                 break
             self.integrate(last + ttl)
-            r = self.replicas[j]
-            self.drop_entry(r, next(iter(r.cache)))
+            self.drop_entry(oldest, next(iter(oldest.cache)))
         self.integrate(t)
 
     def integrate(self, t: float) -> None:

@@ -18,7 +18,6 @@ from typing import Final
 
 from sim.fleet.compute import StepCost
 from sim.fleet.config import FleetConfig
-from sim.fleet.ledger import KVLedger
 from sim.fleet.loop import Event, EventLoop
 from sim.fleet.state import Decoding, Phase, Prefill, Replica, SessionState
 from sim.model.accelerator import prefill_time_s
@@ -34,9 +33,8 @@ _STEP_EVENT: Final = Event.STEP
 class PricedSteps:
     """Priced compute: every replica's step loop (vLLM v1's scheduler, in outline)."""
 
-    def __init__(self, loop: EventLoop, ledger: KVLedger, states: list[SessionState], cost: StepCost) -> None:
+    def __init__(self, loop: EventLoop, states: list[SessionState], cost: StepCost) -> None:
         self.loop = loop
-        self.ledger = ledger
         self.states = states
         self.cost = cost
 
