@@ -9,10 +9,15 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import NamedTuple
+
+import msgspec
 
 from sim.fleet.config import SessionRecord
 from sim.fleet.sessions import SessionTokens
+
+# The records below are msgspec Structs without GC tracking (they hold numbers only): on the
+# hot path the fastest slotted records to build and read; the two heap records order field by
+# field, as tuples do.
 
 __all__ = ["CacheEntry", "Decoding", "Phase", "Prefill", "Queued", "Replica", "SessionState"]
 
@@ -25,16 +30,14 @@ class Phase(IntEnum):
     SEGMENT = 2  # a run of identical decode-only steps
 
 
-@dataclass(slots=True)
-class CacheEntry:
+class CacheEntry(msgspec.Struct, gc=False):
     """A session's context in a replica's prefix cache: its blocks past the shared prefix."""
 
     tokens: int
     last_use: float
 
 
-@dataclass(slots=True)
-class Prefill:
+class Prefill(msgspec.Struct, gc=False):
     """An admitted turn's uncached prompt in its replica's prefill queue."""
 
     session: int
@@ -45,7 +48,7 @@ class Prefill:
     chunk: float = 0.0  # its share of the step in flight
 
 
-class Queued(NamedTuple):
+class Queued(msgspec.Struct, order=True, frozen=True, gc=False):
     """A turn in a replica's admission queue (a heap: priority, then order of arrival)."""
 
     priority: float
@@ -55,7 +58,7 @@ class Queued(NamedTuple):
     ready: float
 
 
-class Decoding(NamedTuple):
+class Decoding(msgspec.Struct, order=True, frozen=True, gc=False):
     """A decoding turn in a replica's decode heap: the step position of its last token."""
 
     last_at: float
