@@ -9,7 +9,9 @@ module table):
   interpreter importing it loads none of them, nor redis or sqlite3 (nor numpy where declared);
   `io = "asyncio"` modules load no aiohttp or uvloop; uvloop is chosen only in entry points;
 * the tree's sizes: the prototype/ root holds at most 8 modules, each sub-package at most 10, and no
-  module is over 700 lines.
+  module is over 700 lines;
+* the page's request paths (docs/architecture.md, "The life of a request") name declared modules and
+  names they define, each hop linked to the one before it by imports.
 """
 
 from __future__ import annotations
@@ -160,6 +162,52 @@ def test_the_tree_sizes() -> None:
 def test_the_architecture_page_is_generated_from_the_declaration() -> None:
     page = layers.PAGE.read_text(encoding="utf-8")
     assert layers.page_with(layers.render(), page) == page, "run `make docs-layers`"
+
+
+PATHS = ("A WebSocket `response.create`", "An HTTP create", "An Agents API turn", "A fleet capacity point")
+
+
+def test_the_request_paths_name_real_code_in_an_order_the_layers_allow() -> None:
+    page = layers.PAGE.read_text(encoding="utf-8")
+    assert page.index(layers.PATHS_HEADING) < page.index(layers.BEGIN), "the page opens with the paths"
+    paths = layers.request_paths(page)
+    assert tuple(paths) == PATHS and all(len(hops) >= 4 for hops in paths.values())
+    assert layers.path_problems(paths, layers.request_section(page)) == []
+
+
+def test_a_request_path_the_code_does_not_bear_out_is_reported() -> None:
+    page = "\n".join(
+        [
+            layers.PATHS_HEADING,
+            "",
+            "### A path",
+            "",
+            "1. `prototype/serve/app.py` · `create_response`: the body; see `prototype/serve/gone.py`.",
+            "2. `prototype/serve/exchange.py` · `HTTPExchange.nothing`: not a method.",
+            "3. `sim/fleet/config.py` · `FleetConfig`: a hop with no link to the exchange.",
+            "4. `sim/model/accelerator.py` · `SimulatedModel.sample`, through `prototype/serve/session.py` ·",
+            "   `Outbox`: through a module the model does not import.",
+            "",
+            "## Next",
+        ]
+    )
+    paths = layers.request_paths(page)
+    assert [hop.module for hop in paths["A path"]] == [
+        "prototype.serve.app",
+        "prototype.serve.exchange",
+        "sim.fleet.config",
+        "sim.model.accelerator",
+    ]
+    assert layers.path_problems(paths, layers.request_section(page)) == [
+        "the section names prototype/serve/gone.py, which layers.toml does not declare",
+        "the section names prototype.serve.exchange.HTTPExchange.nothing, which is not defined",
+        "A path, hop 2: prototype.serve.exchange does not define HTTPExchange.nothing",
+        "A path, hop 3: prototype.serve.exchange and sim.fleet.config are not linked by imports",
+        "A path, hop 4: sim.fleet.config and sim.model.accelerator are not linked by imports through "
+        "prototype.serve.session",
+    ]
+    with pytest.raises(ValueError, match="hop 1"):
+        layers.request_paths(page.replace("1. `prototype/serve/app.py` · ", "1. "))
 
 
 @pytest.mark.parametrize("name", by_io("none"), ids=str)

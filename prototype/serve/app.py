@@ -1,8 +1,8 @@
 """aiohttp adapter: routes, auth, and byte movement. No protocol logic lives here.
 
-`make_app` builds the application from injected parts (model, store, clock), so
-tests run it in process over loopback and the entry point (`server.py`) wires in
-the simulator. Every handler translates errors in one place (`errors.py`); an
+`make_app` serves the service `compose.py` composes from injected parts (model, store,
+clock), the same the in-process transport serves, so tests run it in process over loopback
+and the entry point (`server.py`) wires in the simulator. Every handler translates errors in one place (`errors.py`); an
 unexpected exception becomes a generic `server_error` with details only in the
 log.
 """
@@ -10,13 +10,8 @@ log.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
-import os
-import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Final
 
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -24,13 +19,9 @@ from aiohttp.web_protocol import RequestHandler
 
 from ..clock import Clock
 from ..config import ServerConfig
-from ..context.conversation import ItemParser, parse_items
-from ..context.safety import SafetyClassifier
-from ..context.tokenizer import Tokenizer, get_tokenizer
-from ..ids import IdFactory
 from ..model import TokenModel
 from ..response.compact import compact
-from ..response.engine import Engine, RenderedItems
+from ..response.engine import Engine
 from ..store.base import ResponseStore
 from ..wire.errors import (
     INTERNAL_ERROR,
@@ -40,6 +31,7 @@ from ..wire.schemas import DeletedResponse, ServerEvent, encode
 from ..wire.sse import DONE_FRAME, SSE_HEADERS, encode_event
 from .admission import Slots, admit_websocket, authorize
 from .agents_api import AgentsAPI, StreamReply
+from .compose import Service, compose
 from .exchange import HTTPExchange, JSONReply, http_compact, request_too_large
 from .session import (
     BATCH_BYTES,
@@ -55,13 +47,9 @@ __all__ = [
     "BatchedFrames",
     "WebSocketSession",
     "make_app",
-    "make_engine",
-    "render_executor",
 ]
 
 log = logging.getLogger("longrun.server")
-
-RENDER_NICE: Final = 19  # the render threads' nice value (the event loop's stays as started)
 
 
 class _Socket(web.WebSocketResponse):
@@ -83,54 +71,8 @@ ENGINE: Final = web.AppKey("engine", Engine)
 CONFIG: Final = web.AppKey("config", ServerConfig)
 SOCKETS: Final = web.AppKey[set[web.WebSocketResponse]]("sockets")
 SLOTS: Final = web.AppKey("slots", Slots)
+SERVICE: Final = web.AppKey("service", Service)
 AGENTS: Final = web.AppKey("agents", AgentsAPI)
-
-
-def make_engine(
-    *,
-    model: TokenModel,
-    store: ResponseStore,
-    clock: Clock,
-    config: ServerConfig,
-    seed: int | None = None,
-    tokenizer: Tokenizer | None = None,
-    classifier: SafetyClassifier | None = None,
-    render_executor: Executor | None = None,
-    item_parser: ItemParser = parse_items,
-    rendered: RenderedItems | None = None,
-) -> Engine:
-    """The service behind every transport (the aiohttp app, or `sim.inprocess` without sockets).
-    `tokenizer`, `classifier`, `item_parser` and `rendered` replace the defaults (the simulator's
-    memoizing ones, `sim.memo`).
-    Without `render_executor` every text is tokenized on the event loop (virtual time with CPU
-    free, where that work takes no time)."""
-    return Engine(
-        model=model,
-        store=store,
-        clock=clock,
-        tokenizer=tokenizer or get_tokenizer(),
-        ids=IdFactory(seed),
-        profile=config.cost_profile,
-        optimizations=config.optimizations,
-        classifier=classifier,
-        render_executor=render_executor,
-        item_parser=item_parser,
-        rendered=rendered,
-        limits=config.model,
-        steer_boundary=config.steer_boundary,
-        multi_agent_holds_calls=config.multi_agent_holds_calls,
-    )
-
-
-def render_executor(config: ServerConfig) -> ThreadPoolExecutor | None:
-    """The render threads of `config` (nice `RENDER_NICE`), or None for none; the caller shuts
-    them down. The live app makes them; so does a virtual run with CPU charged, which waits
-    for their work in real time (`sim.virtual`)."""
-    if config.render_threads <= 0:
-        return None
-    return ThreadPoolExecutor(
-        config.render_threads, thread_name_prefix="longrun-render", initializer=_background_thread
-    )
 
 
 def make_app(
@@ -144,13 +86,13 @@ def make_app(
     config = config or ServerConfig()
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
-    executor = render_executor(config)
-    if executor is not None:
-        app.on_cleanup.append(functools.partial(_stop_executor, executor))
-    app[ENGINE] = make_engine(model=model, store=store, clock=clock, config=config, seed=seed, render_executor=executor)
+    service = compose(config, model=model, store=store, clock=clock, seed=seed)
+    app[SERVICE] = service
+    app[ENGINE] = service.engine
+    app[AGENTS] = service.agents
+    app[SLOTS] = service.slots
     sockets: set[web.WebSocketResponse] = set()
     app[SOCKETS] = sockets
-    app[SLOTS] = Slots(config.websocket.max_connections)
     app.router.add_post("/v1/responses", create_response)
     app.router.add_post("/v1/responses/compact", compact_response)
     app.router.add_get("/v1/responses", websocket_or_405)
@@ -158,7 +100,6 @@ def make_app(
     app.router.add_delete("/v1/responses/{response_id}", delete_response)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", prometheus_metrics)
-    app[AGENTS] = AgentsAPI(app[ENGINE], config, ids=app[ENGINE].ids.fork("agents"))
     sessions = "/v1/agents/sessions"
     app.router.add_post(sessions, agents_create)
     app.router.add_get(sessions, agents_list)
@@ -173,7 +114,7 @@ def make_app(
     app.router.add_get(sessions + "/{session_id}/turns/{turn_id}/items", agents_items)
     app.on_shutdown.append(_close_sockets)
     app.on_shutdown.append(_close_agents)
-    app.on_cleanup.append(_close_store)
+    app.on_cleanup.append(_close_service)
     return app
 
 
@@ -187,19 +128,8 @@ async def _close_agents(app: web.Application) -> None:
     await app[AGENTS].close()
 
 
-def _background_thread() -> None:
-    """Tokenizer threads yield the CPU to the event loop: nice 19 (Linux: per thread), so
-    a burst of long renders on a busy core does not delay the streams' paced tokens."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), RENDER_NICE)
-
-
-async def _stop_executor(executor: Executor, app: web.Application) -> None:
-    executor.shutdown(wait=True, cancel_futures=True)  # a render in flight is short: let it end
-
-
-async def _close_store(app: web.Application) -> None:
-    await app[ENGINE].store.close()
+async def _close_service(app: web.Application) -> None:
+    await app[SERVICE].close()  # the render threads and the store (the agents are closed already)
 
 
 def _json_error(err: ProtocolError, *, headers: dict[str, str] | None = None) -> web.Response:

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final
@@ -40,12 +40,13 @@ from msgspec import Meta, structs
 
 from prototype.clock import Clock
 from prototype.config import ServerConfig
-from prototype.context.conversation import ToolCache, conversation_key, parse_items
+from prototype.context.conversation import ToolCache, conversation_key
 from prototype.model import ModelEvent, ModelRequest, Prefilled, TokensSampled
 from prototype.options import replace_leaves
 from prototype.pipeline import Optimization, load_profile
 from prototype.response.engine import Engine
-from prototype.serve.app import ENGINE, ApiRunner, make_app, make_engine, render_executor
+from prototype.serve.app import ENGINE, ApiRunner, make_app
+from prototype.serve.compose import Overrides
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import COMPACT_THRESHOLD_MIN
@@ -273,7 +274,9 @@ def compare(
 
     def go() -> CompareResult:
         if virtual:
-            main = run_compare(config, VirtualClock(), virtual=True, progress=progress, memoize=free_cpu)
+            main = run_compare(
+                config, VirtualClock(), virtual=True, progress=progress, memoize=free_cpu, charge_cpu=not free_cpu
+            )
             return run_virtual(main, charge_cpu=not free_cpu)
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             return runner.run(run_compare(config, AsyncioClock(), virtual=False, progress=progress))
@@ -375,6 +378,7 @@ async def run_compare(
     progress: bool = False,
     pace_by_turn: bool = False,
     memoize: bool = False,
+    charge_cpu: bool = False,
     tap: Tap | None = None,
 ) -> CompareResult:
     """Run every mode of `config` against one server (see the module docstring). `pace_by_turn`:
@@ -382,17 +386,22 @@ async def run_compare(
     in virtual time without a wake-up per token. `memoize`: planning, tokenizing, classifying,
     hashing KV blocks, validating and rendering input items and drawing rollout specs look up
     work done before in this process (`sim.runtime.memo`); only for virtual time with CPU free, where
-    that work's duration is not measured (same results, less wall time). `tap` (virtual only)
-    sees every body and frame the in-process transports carry."""
+    that work's duration is not measured (same results, less wall time). `charge_cpu` (virtual
+    only): the in-process server's run mode (`InProcessServer`), the loop's (`run_virtual`) too.
+    `tap` (virtual only) sees every body and frame the in-process transports carry."""
     check(config, virtual=virtual)
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
+    if charge_cpu and not virtual:
+        raise ValueError("charge_cpu=True is the in-process server's run mode; a live run's CPU is always real")
+    if charge_cpu and memoize:
+        raise ValueError("memoize=True is for virtual time with free CPU; charge_cpu=True measures that work")
     if tap is not None and not virtual:
         raise ValueError("tap= sees the in-process transport of a virtual run; a live run uses sockets")
     specs, drawn = _rollouts(config, memoize=memoize)
     specs = _interjected(config, specs)
     world = _World.build(config, clock, drawn, virtual=virtual, pace_by_turn=pace_by_turn, memoize=memoize)
-    async with world.serve(config, clock, virtual=virtual, memoize=memoize, tap=tap):
+    async with world.serve(config, clock, virtual=virtual, memoize=memoize, charge_cpu=charge_cpu, tap=tap):
         scheduler = _Scheduler(config, world, clock, memoize=memoize)
         stopped = ""
         with progress_bar(progress, total=len(config.modes) * len(specs)) as bar:
@@ -453,11 +462,11 @@ class _World:
 
     @contextlib.asynccontextmanager
     async def serve(
-        self, config: CompareConfig, clock: Clock, *, virtual: bool, memoize: bool, tap: Tap | None
+        self, config: CompareConfig, clock: Clock, *, virtual: bool, memoize: bool, charge_cpu: bool, tap: Tap | None
     ) -> AsyncIterator[None]:
         """The server up for the block: `engine` and `client_for` set; its threads or socket closed after."""
         if virtual:
-            with self._in_process(config, clock, memoize=memoize, tap=tap):
+            async with self._in_process(config, clock, memoize=memoize, charge_cpu=charge_cpu, tap=tap):
                 yield
             return
         async with contextlib.AsyncExitStack() as stack:
@@ -477,40 +486,30 @@ class _World:
             self.client_for = lambda mode: open_client(mode, base_url, clock)
             yield
 
-    @contextlib.contextmanager
-    def _in_process(self, config: CompareConfig, clock: Clock, *, memoize: bool, tap: Tap | None) -> Iterator[None]:
-        # With CPU charged, long texts are tokenized on render threads as on the live server, and
-        # the loop waits for them in real time (`sim.runtime.virtual`): the hop and the threads' priority
-        # cost what they cost live. With CPU free, on the loop (there it takes no time).
-        threads = None
-        if getattr(asyncio.get_running_loop(), "charge_cpu", False) and not memoize:
-            threads = render_executor(self.server_config)
+    @contextlib.asynccontextmanager
+    async def _in_process(
+        self, config: CompareConfig, clock: Clock, *, memoize: bool, charge_cpu: bool, tap: Tap | None
+    ) -> AsyncIterator[None]:
+        memo = Overrides(memo_tokenizer(), memo_classifier(), MemoItems(), MemoRendered()) if memoize else None
+        # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
+        server = InProcessServer(
+            self.server_config,
+            model=self.prompts,
+            store=self.store,
+            clock=clock,
+            seed=config.seed,
+            charge_cpu=charge_cpu,
+            overrides=memo,
+            tool_cache=ToolCache() if memoize else None,
+            tap=tap,
+            live_costs=load_live_costs(config.live_costs) if config.live_costs else None,
+        )
+        self.engine = server.engine
+        self.client_for = lambda mode: server.client(mode, clock)
         try:
-            self.engine = make_engine(
-                model=self.prompts,
-                store=self.store,
-                clock=clock,
-                config=self.server_config,
-                seed=config.seed,
-                tokenizer=memo_tokenizer() if memoize else None,
-                classifier=memo_classifier() if memoize else None,
-                item_parser=MemoItems() if memoize else parse_items,
-                rendered=MemoRendered() if memoize else None,
-                render_executor=threads,
-            )
-            # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
-            server = InProcessServer(
-                self.engine,
-                self.server_config,
-                tool_cache=ToolCache() if memoize else None,
-                tap=tap,
-                live_costs=load_live_costs(config.live_costs) if config.live_costs else None,
-            )
-            self.client_for = lambda mode: server.client(mode, clock)
             yield
         finally:
-            if threads is not None:
-                threads.shutdown(wait=True)
+            await server.close()
 
 
 # What ends one rollout and not the comparison: the server's error reply or failed response, a

@@ -7,7 +7,7 @@ decoded at both ends (that JSON work is part of what the modes cost), and the
 cost profile's `network` stage still charges the modeled round trip and upload,
 exactly as on the live server. What disappears is the kernel: no sockets, no
 waiting on I/O, so on a `VirtualTimeLoop` a rollout runs as fast as its CPU work.
-With `live_costs` (on a loop that charges CPU) the transports charge what the live
+With `live_costs` (on a server whose run charges CPU: `InProcessServer.charge_cpu`) the transports charge what the live
 one costs beyond that, as measured on this machine (`sim.runtime.virtual.LiveCosts`): an HTTP
 request when it is sent, its response at the server's first events (where the live
 server prepares the response and sends its headers), a WebSocket message when it is sent.
@@ -28,11 +28,12 @@ from aiohttp import WSMsgType
 from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache
-from prototype.response.engine import Engine
-from prototype.serve.admission import Slots, admit_websocket, authorize
-from prototype.serve.agents_api import AgentsAPI
+from prototype.model import TokenModel
+from prototype.serve.admission import admit_websocket, authorize
+from prototype.serve.compose import Overrides, compose
 from prototype.serve.exchange import HTTPExchange, JSONReply
 from prototype.serve.session import WebSocketSession
+from prototype.store.base import ResponseStore
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
 from prototype.wire.sse import SSEDecoder, encode_event
@@ -99,10 +100,8 @@ class _LiveCharges:
 
 
 def _charges(costs: LiveCosts | None) -> _LiveCharges | None:
-    """Charges for a new client, if there are costs and the running loop charges CPU."""
-    if costs is None or not getattr(asyncio.get_running_loop(), "charge_cpu", False):
-        return None
-    return _LiveCharges(costs)
+    """Charges for a new client, if there are costs (only a server whose run charges CPU has them)."""
+    return None if costs is None else _LiveCharges(costs)
 
 
 class _ServerSocket:
@@ -212,7 +211,7 @@ class _InProcessHTTP(HTTPClient):
         # With CPU charged, the server frames its events as SSE and the client's task parses them
         # with the client's decoder when it runs, as over a socket (real work at both ends, each
         # where it runs live); with CPU free that framing is skipped (the same events).
-        sse = SSEDecoder() if getattr(asyncio.get_running_loop(), "charge_cpu", False) else None
+        sse = SSEDecoder() if self.server.charge_cpu else None
         chunks: _Channel[bytes | None] = _Channel()
 
         async def emit(events: list[ServerEvent]) -> None:
@@ -355,31 +354,49 @@ class _InProcessAgents(AgentsClient):
 
 
 class InProcessServer:
-    """The server's parts, reachable without sockets. One per simulated server."""
+    """The server's parts, reachable without sockets. One per simulated server.
+
+    `charge_cpu` is the run mode, set by whoever runs it and matching its loop
+    (`sim.runtime.virtual.run_virtual`): with CPU charged, the service tokenizes long texts on
+    render threads as the live server does, the HTTP transport frames and parses SSE, and
+    `live_costs` are charged; with CPU free none of that work is done (it would take no time)."""
 
     def __init__(
         self,
-        engine: Engine,
-        config: ServerConfig | None = None,
+        config: ServerConfig,
         *,
+        model: TokenModel,
+        store: ResponseStore,
+        clock: Clock,
+        seed: int | None = None,
+        charge_cpu: bool = False,
+        overrides: Overrides | None = None,
         tool_cache: ToolCache | None = None,
         tap: Tap | None = None,
         live_costs: LiveCosts | None = None,
     ) -> None:
-        """`tool_cache`: shared by every HTTP request (`sim.runtime.memo`, where CPU is free), so a tool
-        list identical to the last one is not validated again; the engine's `item_parser`
-        validates their input items. `tap`: called with ("up" or "down", bytes) for every
-        request body, client frame, event and server frame carried (to count or time them).
-        `live_costs`: charged by the transports on a loop that charges CPU (ignored elsewhere)."""
-        self.engine = engine
-        self.config = config or ServerConfig()
+        """The service is `prototype.serve.compose`'s, as the live server's, with `overrides` (the
+        simulator's memoizing parts, where CPU is free). `tool_cache`: shared by every HTTP request
+        (`sim.runtime.memo`, where CPU is free), so a tool list identical to the last one is not
+        validated again; the engine's `item_parser` validates their input items. `tap`: called
+        with ("up" or "down", bytes) for every request body, client frame, event and server frame
+        carried (to count or time them). `live_costs`: charged by the transports when
+        `charge_cpu` (ignored otherwise)."""
+        self.config = config
+        self.charge_cpu = charge_cpu
+        self.service = compose(
+            config, model=model, store=store, clock=clock, seed=seed, render_threads=charge_cpu, overrides=overrides
+        )
+        self.engine = self.service.engine
+        self.agents = self.service.agents  # the Agents API's sessions (`agents` mode)
+        self.slots = self.service.slots  # open WebSocket connections, as live
         self.tool_cache = tool_cache
         self.tap = tap
-        self.live_costs = live_costs
-        self.agents = AgentsAPI(
-            engine, self.config, ids=engine.ids.fork("agents")
-        )  # the Agents API's sessions (`agents` mode)
-        self.slots = Slots(self.config.websocket.max_connections)  # open WebSocket connections, as live
+        self.live_costs = live_costs if charge_cpu else None
+
+    async def close(self) -> None:
+        """What the live server does at shutdown: the service closed (`Service.close`)."""
+        await self.service.close()
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
         if mode in ("http", "http_prev"):

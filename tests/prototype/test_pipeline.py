@@ -21,7 +21,7 @@ from prototype.pipeline import (
     StageReport,
     load_profile,
 )
-from prototype.serve.app import ENGINE, make_engine
+from prototype.serve.app import ENGINE
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from sim.client.client import open_client
@@ -134,14 +134,14 @@ async def known_waits_rollout(mode: str, clock: VirtualClock, turns: int, wire: 
         decode_tok_per_s=math.inf,
     )
     config = ServerConfig(profile=KNOWN_WAITS)
-    engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=5)
     kind = STREAM_EVENT if mode.startswith("http") else WS_EVENT
 
     def check(direction: str, data: bytes) -> None:  # what the in-process transports carry down, checked
         if direction == "down":
             wire.check_json(kind, data, where=f"in-process {mode}")
 
-    client = InProcessServer(engine, config, tap=check).client(mode, clock)  # type: ignore[arg-type]
+    server = InProcessServer(config, model=model, store=MemoryStore(), clock=clock, seed=5, tap=check)
+    client = server.client(mode, clock)  # type: ignore[arg-type]
     items: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing test."}]
     results = []
     try:
@@ -183,8 +183,7 @@ async def _diagnosed_load_state(comparison: str | None, wire: Checker) -> float:
     clock = VirtualClock()
     model = SimulatedModel(clock=clock, policy=DefaultPolicy(tool_calls=0), seed=5, decode_tok_per_s=math.inf)
     config = ServerConfig(profile=KNOWN_WAITS)
-    engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=5)
-    server = InProcessServer(engine, config)
+    server = InProcessServer(config, model=model, store=MemoryStore(), clock=clock, seed=5)
     items = [{"role": "user", "content": "Fix the failing test."}]
     first, second = server.client("http", clock), server.client("http", clock)
     try:

@@ -14,7 +14,8 @@ import pytest
 from prototype.config import ServerConfig
 from prototype.context.tokenizer import TokenArray, Tokenizer
 from prototype.response.engine import OFFLOAD_CHARS
-from prototype.serve.app import ENGINE, RENDER_NICE, _background_thread
+from prototype.serve.app import ENGINE
+from prototype.serve.compose import RENDER_NICE, background_thread
 from prototype.serve.wallclock import AsyncioClock
 from sim.client.client import open_client
 from sim.model.policy import PlannedItem, ScriptPolicy
@@ -84,7 +85,7 @@ async def test_long_texts_go_to_the_render_thread_with_the_same_tokens(mode: str
 
 
 def test_the_render_thread_runs_at_low_priority() -> None:
-    with ThreadPoolExecutor(1, initializer=_background_thread) as pool:
+    with ThreadPoolExecutor(1, initializer=background_thread) as pool:
         nice = pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
     assert nice == RENDER_NICE
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) != RENDER_NICE  # the caller is untouched

@@ -21,7 +21,6 @@ from prototype.serve.admission import (
     admit_websocket,
     authorize,
 )
-from prototype.serve.app import make_engine
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.errors import ProtocolError
@@ -82,7 +81,7 @@ async def _refusal(client: Any) -> tuple[int, Any]:
 async def _in_process(config: ServerConfig) -> AsyncIterator[InProcessServer]:
     clock = AsyncioClock()
     model = build_model(ModelConfig(tps=0), clock=clock, policy=DefaultPolicy(tool_calls=1))
-    yield InProcessServer(make_engine(model=model, store=MemoryStore(), clock=clock, config=config), config)
+    yield InProcessServer(config, model=model, store=MemoryStore(), clock=clock)
 
 
 @pytest.mark.parametrize(

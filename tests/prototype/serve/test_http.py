@@ -13,7 +13,7 @@ from aiohttp import web
 
 from prototype.config import ModelLimits, ServerConfig
 from prototype.context.conversation import Context, parse_items, render_items
-from prototype.serve.app import ENGINE, make_engine
+from prototype.serve.app import ENGINE
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.sse import SSEDecoder
@@ -348,8 +348,8 @@ async def test_live_and_in_process_http_answer_alike(case: dict[str, Any]) -> No
         over_socket = await _carried(open_client("http", live.base_url, AsyncioClock()), body)
     clock = AsyncioClock()
     model = build_model(ModelConfig(tps=0), clock=clock, policy=policy)
-    engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=0)
-    in_process = await _carried(InProcessServer(engine, config).client("http", clock), body)
+    server = InProcessServer(config, model=model, store=MemoryStore(), clock=clock, seed=0)
+    in_process = await _carried(server.client("http", clock), body)
     assert in_process == over_socket
     types, error = over_socket
     if "temperature" in case or "previous_response_id" in case:  # a JSON 400 instead of a stream

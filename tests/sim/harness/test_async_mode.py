@@ -15,7 +15,6 @@ import pytest
 
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.model import DecidesAsync, FunctionTool, ModelEvent, ModelRequest, SamplingFinished, TokensSampled
-from prototype.serve.app import make_engine
 from prototype.store.memory import MemoryStore
 from prototype.wire.schemas import RequiredInput, decode_stored
 from prototype.ws.connection import Connection
@@ -163,8 +162,7 @@ def _server(
         async_independent=independent,
     )
     config = ServerConfig(websocket=WebSocketConfig(append_timeout_s=timeout_s))
-    engine = make_engine(model=model, store=MemoryStore(), clock=clock, config=config, seed=3)
-    return InProcessServer(engine, config), model
+    return InProcessServer(config, model=model, store=MemoryStore(), clock=clock, seed=3), model
 
 
 SETTINGS: dict[str, Any] = {"model": "sim", "tools": [EXEC_TOOL], "store": True}

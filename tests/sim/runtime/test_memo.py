@@ -122,6 +122,16 @@ async def test_a_live_run_refuses_to_memoize() -> None:
         await run_compare(CONFIG, AsyncioClock(), virtual=False, memoize=True)
 
 
+async def test_a_run_that_charges_cpu_refuses_to_memoize() -> None:
+    with pytest.raises(ValueError, match="memoize"):
+        await run_compare(CONFIG, VirtualClock(), virtual=True, memoize=True, charge_cpu=True)
+
+
+async def test_a_live_run_refuses_the_in_process_run_mode() -> None:
+    with pytest.raises(ValueError, match="charge_cpu"):
+        await run_compare(CONFIG, AsyncioClock(), virtual=False, charge_cpu=True)
+
+
 async def test_a_live_run_refuses_a_tap() -> None:
     with pytest.raises(ValueError, match="tap"):
         await run_compare(CONFIG, AsyncioClock(), virtual=False, tap=lambda direction, data: None)
@@ -243,7 +253,7 @@ def test_a_run_with_cpu_charged_does_the_real_work_and_never_reads_the_tables() 
         return tuple(n for t in tables for n in (t.hits, t.misses))
 
     seen = lookups()
-    run_virtual(run_compare(CONFIG, VirtualClock(), virtual=True, pace_by_turn=True), charge_cpu=True)
+    run_virtual(run_compare(CONFIG, VirtualClock(), virtual=True, pace_by_turn=True, charge_cpu=True), charge_cpu=True)
     assert lookups() == seen
     _run(True)  # the same config with CPU free does use them
     assert lookups() != seen
