@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -59,7 +58,7 @@ from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
-from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
+from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
 from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
@@ -299,7 +298,7 @@ def capacity_main(args: argparse.Namespace) -> int:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows, points_ = run_capacity(config, executor, on_point=on_point, split=split)
         elif args.workers > 1 and (grid > 1 or split):
-            with ProcessPoolExecutor(args.workers) as pool:
+            with process_pool(args.workers) as pool:
                 rows, points_ = run_capacity(config, pool, on_point=on_point, split=split)
         else:
             rows, points_ = run_capacity(config, on_point=on_point, split=split)
@@ -434,7 +433,7 @@ def sweep_main(args: argparse.Namespace) -> int:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows = run_sweep(sweep, executor, on_point=on_point)
         else:
-            with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            with process_pool(args.workers) as pool:
                 rows = run_sweep(sweep, pool, on_point=on_point)
     path = write_table(rows, out)
     print(f"{len(rows)} rows ({len(points(sweep))} points x {len(sweep.modes)} modes) written to {path}")
@@ -660,7 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     `SystemExit(message)`, which Python alone would print with exit code 1."""
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        with sigterm_as_sigint():
+            return _dispatch(args)
+    except KeyboardInterrupt:  # its pools and clusters closed on the way out
+        print(f"python -m sim {args.command}: interrupted", file=sys.stderr)
+        return 130
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise

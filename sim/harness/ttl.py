@@ -287,9 +287,9 @@ def ttl_main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
+        from sim.harness.sweep import process_pool
 
-        with ProcessPoolExecutor(args.workers) as pool:
+        with process_pool(args.workers) as pool:
             rows, points = ttl_curve(config, pool)
     else:
         rows, points = ttl_curve(config)
