@@ -43,12 +43,14 @@ from sim.harness.capacity import (
     split_refusal_of,
 )
 from sim.harness.console import (
+    add_save_options,
     agreement_text,
     interjection_table,
     pairs_table,
     points_bar,
     run_folder,
     saved_text,
+    start_folder,
     table,
     terminal_table,
 )
@@ -127,18 +129,8 @@ def _add_compare_options(c: argparse.ArgumentParser, *, results: bool = False) -
         c.add_argument("--out", metavar="DIR", default="docs/results/headline", help="the folder to write and render")
         c.set_defaults(no_save=False)
     else:
-        _add_save_options(c, "config, summary, per-turn tables, plots", "compare")
+        add_save_options(c, "config, summary, per-turn tables, plots", "compare")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _add_save_options(p: argparse.ArgumentParser, what: str, job: str) -> None:
-    p.add_argument(
-        "--out",
-        metavar="DIR",
-        default=argparse.SUPPRESS,  # the help says what the default is: no "(default: None)"
-        help=f"the run folder ({what}) (default: a new one, runs/{job}-YYYYMMDD-HHMM, UTC)",
-    )
-    p.add_argument("--no-save", action="store_true", help="write no run folder")
 
 
 # `python -m sim long`: 10 rollouts of 200 tool calls in every mode but `steer` (which is `inject` when
@@ -206,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument(
         "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"
     )
-    _add_save_options(lg, "both runs' folders and the window tables", "long")
+    add_save_options(lg, "both runs' folders and the window tables", "long")
     lg.add_argument("--quiet", action="store_true", help="no progress bar")
 
     f = sub.add_parser(
@@ -224,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(val)
     val.add_argument("--train-share", type=float, default=0.5, help="share of rollouts the fit sees")
-    val.add_argument("--out", metavar="DIR", help="write the engine run's folder (records.jsonl, engine.jsonl)")
+    add_save_options(val, "the engine run: config, records.jsonl, engine.jsonl, tables", "validate")
     val.add_argument("--quiet", action="store_true", help="no progress bar")
     val.add_argument(
         "--capture",
@@ -249,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_struct_options(cap, CapacityConfig, skip=_FLEET_SET_BY_POINT + _FLEET_UNREAD)
     cap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
-    cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
+    add_save_options(cap, "points.csv, runs.csv, frontier.png, crossover.png, config.json", "capacity")
     cap.add_argument("--quiet", action="store_true", help="no progress bar")
     cap.add_argument(
         "--split-point",
@@ -293,6 +285,7 @@ def capacity_main(args: argparse.Namespace) -> int:
         print(f"error: --split-point: {reason}", file=sys.stderr)
         return 2
     grid = len(config.grid())
+    folder = start_folder(args, "capacity")
     with points_bar(grid, quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
@@ -307,9 +300,8 @@ def capacity_main(args: argparse.Namespace) -> int:
         print("\n" + crossover_table(config, points_))
     print("\n" + resource_table(config, points_))
     print("\n" + cache_table(config, points_))
-    if args.out:
-        write_capacity(Path(args.out), config, rows, points_)
-        print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, crossover.png, config.json)")
+    if folder is not None:
+        print(f"run folder: {write_capacity(folder, config, rows, points_)}", file=sys.stderr)
     return 0
 
 
@@ -357,9 +349,7 @@ def long_main(args: argparse.Namespace) -> int:
             raise ValueError("--window-turns must be >= 1")
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    folder = run_folder(args, "long")
-    if folder is not None:
-        print(f"run folder: {folder}", file=sys.stderr, flush=True)
+    folder = start_folder(args, "long")
     cpu = "CPU charged" if args.charge_cpu else "CPU free"
     print(
         f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without compaction and "
@@ -610,13 +600,14 @@ def contention_main(args: argparse.Namespace) -> int:
         print(scores_text(scores))
         return 0
     config = _engine_config(args, CONTENTION_DEFAULTS)
+    out = start_folder(args, "validate-contention")
     rates = measure(config.engine)
     print(f"the engine alone: {rates_text(rates)}", flush=True)
     print(f"longrun validate --contention: {config.rollouts} rollouts in flight; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode, {config.concurrency} in flight:", measured)
-    if args.out:
-        folder = write_run(measured, args.out)
+    if out is not None:
+        folder = write_run(measured, out)
         write_json(rates, folder / "rates.json")  # what the fleet model's step costs were built from
         print(f"run folder: {folder}", file=sys.stderr)
     print("\n" + scores_text(contention(measured, engine_step_cost(rates), seed=config.seed)))
@@ -640,11 +631,12 @@ def validate_main(args: argparse.Namespace) -> int:
         print(validation_text(v))
         return 1 if v.problems else 0
     config = _engine_config(args, VALIDATE_DEFAULTS)
+    out = start_folder(args, "validate")
     print(f"longrun validate: {config.rollouts} rollouts per mode live on the engine; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode:", measured)
-    if args.out:
-        print(f"run folder: {write_run(measured, args.out)}", file=sys.stderr)
+    if out is not None:
+        print(f"run folder: {write_run(measured, out)}", file=sys.stderr)
     try:
         v = validate(measured, train_share=args.train_share, seed=config.seed, capture=args.capture)
     except ValueError as exc:
