@@ -18,7 +18,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Final
 
@@ -44,12 +43,14 @@ from sim.harness.capacity import (
     split_refusal_of,
 )
 from sim.harness.console import (
+    add_save_options,
     agreement_text,
     interjection_table,
     pairs_table,
     points_bar,
     run_folder,
     saved_text,
+    start_folder,
     table,
     terminal_table,
 )
@@ -59,7 +60,7 @@ from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import predict_designs, prediction_table
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
-from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
+from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
 from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import (
@@ -128,18 +129,8 @@ def _add_compare_options(c: argparse.ArgumentParser, *, results: bool = False) -
         c.add_argument("--out", metavar="DIR", default="docs/results/headline", help="the folder to write and render")
         c.set_defaults(no_save=False)
     else:
-        _add_save_options(c, "config, summary, per-turn tables, plots", "compare")
+        add_save_options(c, "config, summary, per-turn tables, plots", "compare")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def _add_save_options(p: argparse.ArgumentParser, what: str, job: str) -> None:
-    p.add_argument(
-        "--out",
-        metavar="DIR",
-        default=argparse.SUPPRESS,  # the help says what the default is: no "(default: None)"
-        help=f"the run folder ({what}) (default: a new one, runs/{job}-YYYYMMDD-HHMM, UTC)",
-    )
-    p.add_argument("--no-save", action="store_true", help="write no run folder")
 
 
 # `python -m sim long`: 10 rollouts of 200 tool calls in every mode but `steer` (which is `inject` when
@@ -207,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument(
         "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"
     )
-    _add_save_options(lg, "both runs' folders and the window tables", "long")
+    add_save_options(lg, "both runs' folders and the window tables", "long")
     lg.add_argument("--quiet", action="store_true", help="no progress bar")
 
     f = sub.add_parser(
@@ -225,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(val)
     val.add_argument("--train-share", type=float, default=0.5, help="share of rollouts the fit sees")
-    val.add_argument("--out", metavar="DIR", help="write the engine run's folder (records.jsonl, engine.jsonl)")
+    add_save_options(val, "the engine run: config, records.jsonl, engine.jsonl, tables", "validate")
     val.add_argument("--quiet", action="store_true", help="no progress bar")
     val.add_argument(
         "--capture",
@@ -250,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_struct_options(cap, CapacityConfig, skip=_FLEET_SET_BY_POINT + _FLEET_UNREAD)
     cap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="local worker processes")
     cap.add_argument("--dask", metavar="ADDRESS", help="run on a Dask cluster: a scheduler address, or 'local'")
-    cap.add_argument("--out", metavar="DIR", help="write the run folder (points.csv, runs.csv, frontier.png)")
+    add_save_options(cap, "points.csv, runs.csv, frontier.png, crossover.png, config.json", "capacity")
     cap.add_argument("--quiet", action="store_true", help="no progress bar")
     cap.add_argument(
         "--split-point",
@@ -294,12 +285,13 @@ def capacity_main(args: argparse.Namespace) -> int:
         print(f"error: --split-point: {reason}", file=sys.stderr)
         return 2
     grid = len(config.grid())
+    folder = start_folder(args, "capacity")
     with points_bar(grid, quiet=args.quiet) as on_point:
         if args.dask:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows, points_ = run_capacity(config, executor, on_point=on_point, split=split)
         elif args.workers > 1 and (grid > 1 or split):
-            with ProcessPoolExecutor(args.workers) as pool:
+            with process_pool(args.workers) as pool:
                 rows, points_ = run_capacity(config, pool, on_point=on_point, split=split)
         else:
             rows, points_ = run_capacity(config, on_point=on_point, split=split)
@@ -308,9 +300,8 @@ def capacity_main(args: argparse.Namespace) -> int:
         print("\n" + crossover_table(config, points_))
     print("\n" + resource_table(config, points_))
     print("\n" + cache_table(config, points_))
-    if args.out:
-        write_capacity(Path(args.out), config, rows, points_)
-        print(f"\nwrote {args.out}/ (points.csv, runs.csv, frontier.png, crossover.png, config.json)")
+    if folder is not None:
+        print(f"run folder: {write_capacity(folder, config, rows, points_)}", file=sys.stderr)
     return 0
 
 
@@ -358,9 +349,7 @@ def long_main(args: argparse.Namespace) -> int:
             raise ValueError("--window-turns must be >= 1")
     except (msgspec.ValidationError, ValueError, OSError) as exc:
         raise SystemExit(f"invalid option: {exc}") from None
-    folder = run_folder(args, "long")
-    if folder is not None:
-        print(f"run folder: {folder}", file=sys.stderr, flush=True)
+    folder = start_folder(args, "long")
     cpu = "CPU charged" if args.charge_cpu else "CPU free"
     print(
         f"longrun long: {config.rollouts} rollouts per mode in virtual time ({cpu}), without compaction and "
@@ -434,7 +423,7 @@ def sweep_main(args: argparse.Namespace) -> int:
             with dask_executor(args.dask, workers=args.workers) as executor:
                 rows = run_sweep(sweep, executor, on_point=on_point)
         else:
-            with ProcessPoolExecutor(max_workers=args.workers) as pool:
+            with process_pool(args.workers) as pool:
                 rows = run_sweep(sweep, pool, on_point=on_point)
     path = write_table(rows, out)
     print(f"{len(rows)} rows ({len(points(sweep))} points x {len(sweep.modes)} modes) written to {path}")
@@ -611,13 +600,14 @@ def contention_main(args: argparse.Namespace) -> int:
         print(scores_text(scores))
         return 0
     config = _engine_config(args, CONTENTION_DEFAULTS)
+    out = start_folder(args, "validate-contention")
     rates = measure(config.engine)
     print(f"the engine alone: {rates_text(rates)}", flush=True)
     print(f"longrun validate --contention: {config.rollouts} rollouts in flight; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode, {config.concurrency} in flight:", measured)
-    if args.out:
-        folder = write_run(measured, args.out)
+    if out is not None:
+        folder = write_run(measured, out)
         write_json(rates, folder / "rates.json")  # what the fleet model's step costs were built from
         print(f"run folder: {folder}", file=sys.stderr)
     print("\n" + scores_text(contention(measured, engine_step_cost(rates), seed=config.seed)))
@@ -641,11 +631,12 @@ def validate_main(args: argparse.Namespace) -> int:
         print(validation_text(v))
         return 1 if v.problems else 0
     config = _engine_config(args, VALIDATE_DEFAULTS)
+    out = start_folder(args, "validate")
     print(f"longrun validate: {config.rollouts} rollouts per mode live on the engine; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode:", measured)
-    if args.out:
-        print(f"run folder: {write_run(measured, args.out)}", file=sys.stderr)
+    if out is not None:
+        print(f"run folder: {write_run(measured, out)}", file=sys.stderr)
     try:
         v = validate(measured, train_share=args.train_share, seed=config.seed, capture=args.capture)
     except ValueError as exc:
@@ -660,7 +651,11 @@ def main(argv: list[str] | None = None) -> int:
     `SystemExit(message)`, which Python alone would print with exit code 1."""
     args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        with sigterm_as_sigint():
+            return _dispatch(args)
+    except KeyboardInterrupt:  # its pools and clusters closed on the way out
+        print(f"python -m sim {args.command}: interrupted", file=sys.stderr)
+        return 130
     except SystemExit as exc:
         if not isinstance(exc.code, str):
             raise

@@ -19,14 +19,12 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import math
 import os
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
@@ -35,22 +33,16 @@ import uvloop
 
 from prototype.wire.schemas import (
     WebsocketTiming,
-    decode_client_event,
-    decode_create_params,
     decode_server_event,
     encode,
 )
 from sim.client.client import open_client
 from sim.client.loop import run_rollout
-from sim.harness.experiment import CompareConfig, run_compare
-from sim.harness.sweep import SweepConfig, run_sweep
 from sim.rollout.result import ClientError
 from sim.rollout.spec import RolloutSpec, tool_output_text
-from sim.runtime.inprocess import Tap
-from sim.runtime.virtual import VirtualClock, run_virtual
 
-from . import grid
 from . import report as page
+from .baseline import against
 from .contract import contract_rows, contract_rows_report
 from .engine import engine
 from .fleet import LARGE_POINT_SESSIONS, fleet
@@ -59,6 +51,7 @@ from .process import bench_process
 from .record import recorder_vs_direct
 from .report import Row
 from .stats import stats
+from .virtual import virtual
 from .wsclient import FrameCounter, connect
 
 SERVER_ARGS: list[str] = []  # --server-arg: appended to every bench server's command line
@@ -341,73 +334,6 @@ async def turns(n_turns: int, output_tokens: int, http_every: int) -> None:
                 )
 
 
-# -- 5. virtual time ------------------------------------------------------------------------------
-
-
-def _json_floor(mode: str, frames: list[tuple[str, bytes]]) -> float:
-    """The JSON work of the rollout's transport, and nothing else: decode every body and frame
-    it carried with the decoder its receiver uses, and encode the result again (best of 3)."""
-    decode_up = decode_create_params if mode in ("http", "http_prev") else decode_client_event
-    decoders = {"up": decode_up, "down": decode_server_event}
-    best = math.inf
-    for _ in range(3):
-        t = time.perf_counter()
-        for direction, data in frames:
-            encode(decoders[direction](data))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _recorder(frames: list[tuple[str, bytes]]) -> Tap:
-    return lambda direction, data: frames.append((direction, data))
-
-
-async def _virtual_rollout(mode: str, pace_by_turn: bool, turns: int, tap: Tap | None = None) -> Any:
-    config = CompareConfig(rollouts=1, tool_calls=turns, modes=(mode,), workload="custom")
-    return await run_compare(config, VirtualClock(), virtual=True, pace_by_turn=pace_by_turn, memoize=True, tap=tap)
-
-
-def virtual(points: int, turns: int) -> None:
-    for mode in ("ws", "append", "http"):
-        for by_turn in (False, True):
-            frames: list[tuple[str, bytes]] = []
-            # The warm-up run records what the transport carries.
-            run_virtual(_virtual_rollout(mode, by_turn, turns, _recorder(frames)), charge_cpu=False)
-            t = time.perf_counter()
-            result = run_virtual(_virtual_rollout(mode, by_turn, turns), charge_cpu=False)
-            wall = time.perf_counter() - t
-            events = sum(turn.events for r in result.rollouts for turn in r.turns)
-            floor = _json_floor(mode, frames)
-            ms = wall * 1e3
-            mb = sum(len(data) for _, data in frames) / 1e6
-            pacing = "by turn" if by_turn else "per token"
-            what = f"virtual {turns}-turn rollout ms ({mode}, {pacing}, {events} ev, {mb:.1f} MB of JSON)"
-            report("5", what, ms, floor * 1e3, wall / floor, "<= 20 ms", ms <= 20)
-    tps, calls, tools = grid.sample(points)  # a sample of the grid, its time scaled to the whole
-    sweep = SweepConfig(tps=tps, tool_calls=calls, tool_time_s=tools, base=CompareConfig(rollouts=1))
-    grid_n, n = grid.GRID_POINTS, len(tps) * len(calls) * len(tools)
-    pinned = _affinity()
-    with contextlib.suppress(OSError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))  # the workers inherit it: both cores, not ours
-    t = time.perf_counter()
-    try:
-        with ProcessPoolExecutor(2) as pool:
-            run_sweep(sweep, pool)
-    finally:
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(0, pinned)
-    wall = time.perf_counter() - t
-    est = wall * grid_n / n
-    report("5", f"{grid_n}-point sweep s, 2 procs (measured {n} points)", est, 60.0, est / 60.0, "< 60 s", est < 60)
-
-
-def _affinity() -> set[int]:
-    try:
-        return os.sched_getaffinity(0)
-    except OSError:
-        return set(range(os.cpu_count() or 1))
-
-
 # -- 6. memory ------------------------------------------------------------------------------------
 
 
@@ -507,7 +433,8 @@ SMOKE: Final[dict[str, Any]] = {
     "mem_conns": 1,
     "mem_turns": 12,
     "cap": 20_000,  # under the 12 turns' history: the capped chain ends early, as the full run's does
-    "baseline": "HEAD",  # the checked-out code against its own last commit (the figures are noise)
+    "baseline": "HEAD",  # contract: the checked-out code against its own last commit (the figures are noise)
+    "baseline_rounds": 2,
     "contract_turns": 3,
     "contract_rounds": 1,
     "lanes": 2,
@@ -554,7 +481,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mem-conns", type=int, default=16, help="6: idle connections")
     p.add_argument("--mem-turns", type=int, default=200, help="6: turns held by each")
     p.add_argument("--cap", type=int, default=1_000_000, help="6: also run with this max_cache_bytes (0 = skip)")
-    p.add_argument("--baseline", metavar="REV", help="contract: a git revision without the checks")
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="run each target here and on git revision REV, interleaved, and print new/old per row "
+        "(sim/bench/baseline.py); contract: REV is the revision without the checks",
+    )
+    p.add_argument("--baseline-rounds", type=int, default=3, help="--baseline: runs of each side, alternating")
     p.add_argument("--contract-turns", type=int, default=100, help="contract: continuation turns per rollout")
     p.add_argument("--contract-rounds", type=int, default=6, help="contract: rollouts per code, alternating")
     p.add_argument("--lanes", type=int, default=8, help="lanes: streams on one connection (and connections)")
@@ -585,6 +518,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     """The run's options; with `--smoke`, every size not given is its smoke size."""
     p = parser()
     args = p.parse_args(argv)
+    against = args.baseline  # given on the command line: the run is against it (not SMOKE's contract baseline)
+    if args.baseline_rounds < 1:
+        p.error(f"--baseline-rounds must be at least 1, not {args.baseline_rounds}")
     if args.smoke:
         if args.report is not None:
             p.error("--report writes a full run's figures; a --smoke run has none to keep")
@@ -593,6 +529,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [t for t in args.targets if t not in TARGETS]
     if unknown:
         p.error(f"unknown target {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+    args.against = against
     return args
 
 
@@ -616,7 +553,7 @@ def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
             uvloop.run(fanout(args.conns, _rates(args.fanout_rates), args.fanout_seconds, 0.0, per_token=True)),
         ],
         "turns": lambda: asyncio.run(turns(args.turns, 500, 25)),
-        "virtual": lambda: virtual(args.sweep_points, args.virtual_turns),
+        "virtual": lambda: virtual(report, args.sweep_points, args.virtual_turns),
         "memory": lambda: [
             uvloop.run(memory(args.mem_conns, args.mem_turns, 500, cap))
             for cap in ([None, args.cap] if args.cap else [None])
@@ -655,6 +592,9 @@ def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.against is not None:  # every target against a revision, each side in its own process
+        given = sys.argv[1:] if argv is None else argv
+        return against(args, given, selected(args), parser(), lambda: jobs(args)["contract"]())
     SERVER_ARGS[:] = args.server_arg
     VERDICTS[:] = [not args.smoke]
     with contextlib.suppress(OSError):

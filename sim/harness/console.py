@@ -26,6 +26,7 @@ __all__ = [
     "RUNS_ENV",
     "TERMINAL_COLUMNS",
     "ProgressLines",
+    "add_save_options",
     "agreement_text",
     "interjection_table",
     "pairs_table",
@@ -33,6 +34,7 @@ __all__ = [
     "progress_bar",
     "run_folder",
     "saved_text",
+    "start_folder",
     "table",
     "terminal_table",
 ]
@@ -41,6 +43,25 @@ __all__ = [
 # Where a job's default run folder goes: `runs/` where the command runs (in .gitignore), or this
 # variable's directory (the tests point it at a temporary one).
 RUNS_ENV: Final = "LONGRUN_RUNS"
+
+
+def add_save_options(p: argparse.ArgumentParser, what: str, job: str) -> None:
+    """A job's `--out DIR` and `--no-save` (`run_folder` reads them); `what`: what its folder holds."""
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        default=argparse.SUPPRESS,  # the help says what the default is: no "(default: None)"
+        help=f"the run folder ({what}) (default: a new one, runs/{job}-YYYYMMDD-HHMM, UTC)",
+    )
+    p.add_argument("--no-save", action="store_true", help="write no run folder")
+
+
+def start_folder(args: argparse.Namespace, job: str) -> Path | None:
+    """`run_folder`, named on stderr before the job runs (a run cut short still says where it was to be)."""
+    folder = run_folder(args, job)
+    if folder is not None:
+        print(f"run folder: {folder}", file=sys.stderr, flush=True)
+    return folder
 
 
 def run_folder(args: argparse.Namespace, job: str) -> Path | None:

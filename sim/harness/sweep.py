@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import multiprocessing
+import signal
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from typing import Any
 
 import msgspec
@@ -29,7 +31,16 @@ from sim.harness.experiment import CompareConfig, run_compare
 from sim.rollout.result import MODES
 from sim.runtime.virtual import VirtualClock, run_virtual
 
-__all__ = ["AXES", "SweepConfig", "dask_executor", "points", "run_point", "run_sweep"]
+__all__ = [
+    "AXES",
+    "SweepConfig",
+    "dask_executor",
+    "points",
+    "process_pool",
+    "run_point",
+    "run_sweep",
+    "sigterm_as_sigint",
+]
 
 AXES = ("tps", "tool_calls", "tool_time_s", "rtt_s", "profile")
 SWEEP_ROLLOUTS = 8
@@ -105,3 +116,43 @@ def dask_executor(address: str, *, workers: int = 2) -> Iterator[Executor]:
     else:
         with Client(address) as client:  # type: ignore[no-untyped-call]
             yield client.get_executor()
+
+
+STOP_TIMEOUT_S = 10.0
+"""How long an interrupted pool's workers get to exit after SIGTERM before SIGKILL."""
+
+
+@contextlib.contextmanager
+def process_pool(workers: int) -> Iterator[ProcessPoolExecutor]:
+    """A `ProcessPoolExecutor` of `workers` processes that an exception or an interrupt stops at
+    once: its queued points cancelled and its workers terminated (a plain pool's exit would wait
+    for every queued point). The workers are the multiprocessing children that appear while it
+    runs, not the pool's private table."""
+    before = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(workers)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        mine = [p for p in multiprocessing.active_children() if p not in before]
+        for process in mine:
+            process.terminate()
+        for process in mine:
+            process.join(STOP_TIMEOUT_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        raise
+    pool.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def sigterm_as_sigint() -> Iterator[None]:
+    """SIGTERM raises `KeyboardInterrupt` as SIGINT does while the block runs, so a job stopped by
+    a timeout or a scheduler unwinds the same way as one stopped with Ctrl-C: its pools and
+    clusters close on the way out instead of outliving it."""
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -37,7 +37,6 @@ import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from pathlib import Path
 from typing import Annotated, Any, Final, cast
 
 import msgspec
@@ -53,6 +52,7 @@ from sim.fleet.ledger import KVLedger
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 from sim.fleet.state import Replica
 from sim.harness.capacity import arrivals, point_sessions, seed_interval
+from sim.harness.console import add_save_options, start_folder
 from sim.model.config import HOSTED_MODEL
 from sim.rollout.workload import WORKLOADS
 
@@ -288,7 +288,7 @@ def ttl_options(sub: Any) -> None:
     )
     add_struct_options(p, TTLCurveConfig, skip=("cache_ttl_s", *_UNREAD))
     p.add_argument("--workers", type=int, default=1, help="local worker processes")
-    p.add_argument("--out", metavar="DIR", help="write config.json, points.csv and runs.csv")
+    add_save_options(p, "config.json, points.csv, runs.csv", "ttl-curve")
 
 
 def ttl_main(args: argparse.Namespace) -> int:
@@ -300,20 +300,21 @@ def ttl_main(args: argparse.Namespace) -> int:
     except (msgspec.ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    folder = start_folder(args, "ttl-curve")
     if args.workers > 1:
-        from concurrent.futures import ProcessPoolExecutor
+        from sim.harness.sweep import process_pool
 
-        with ProcessPoolExecutor(args.workers) as pool:
+        with process_pool(args.workers) as pool:
             rows, points = ttl_curve(config, pool)
     else:
         rows, points = ttl_curve(config)
     print(ttl_table(config, points))
-    if args.out:
-        out = Path(args.out)
+    if folder is not None:
+        out = folder
         write_json({"config": config}, out / "config.json")
         write_table([{k: _round(v) for k, v in p.items()} for p in points], out / "points.csv")
         write_table([{k: _round(v) for k, v in r.items()} for r in rows], out / "runs.csv")
-        print(f"\nwrote {out}/ (config.json, points.csv, runs.csv)")
+        print(f"run folder: {out}", file=sys.stderr)
     return 0
 
 

@@ -510,11 +510,12 @@ class PrefixCache:
     def _slots(self, prepared: PreparedPrompt) -> _I64:
         """`lookup` of the prompt's keys, reusing the last `match`'s while no resident block went
         or moved. Its misses stay misses: keys are only added by an insert, and every insert
-        clears the last match."""
+        clears the last match. Without that match (a turn's output inserted behind its prompt), the
+        slots of the prefix it shares with the last insert are reused on the same condition."""
         matched, self._matched = self._matched, None
         table = self._table
         if matched is None or matched[0] is not prepared or matched[1] != table.moves:
-            return table.lookup(prepared.keys)
+            return self._lookup_after_insert(prepared.keys)
         head = matched[2]
         return np.concatenate((head, table.lookup(prepared.keys[len(head) :])))
 

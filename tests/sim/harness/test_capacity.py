@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import msgspec
@@ -12,6 +13,7 @@ import pytest
 from prototype.options import struct_from_args
 from sim.__main__ import build_parser, main
 from sim.fleet.config import FleetConfig
+from sim.harness import console
 from sim.harness.capacity import (
     POINT_COLUMNS,
     CapacityConfig,
@@ -247,3 +249,20 @@ def test_a_point_split_by_replica_gives_the_same_rows() -> None:
 def test_the_cli_refuses_to_split_a_point_whose_replicas_share_state(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["capacity", "--sessions=4", "--seeds=1", "--router=least", "--split-point"]) == 2
     assert "does not split by replica" in capsys.readouterr().err
+
+
+def test_capacity_keeps_its_run_in_a_new_folder_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(console.RUNS_ENV, str(runs))
+    argv = ["capacity", "--workload=interactive", "--sessions=5", "--loads=1", "--seeds=1", "--modes=ws"]
+    argv += ["--kv-budgets=80000", "--tool-tails=1", "--decode-slots=8", "--workers=1", "--quiet"]
+    assert main(argv) == 0
+    (folder,) = runs.iterdir()
+    assert re.fullmatch(r"capacity-\d{8}-\d{4}", folder.name) and (folder / "points.csv").is_file()
+    assert capsys.readouterr().err.count(f"run folder: {folder}\n") == 2  # at the start and at the end
+    assert main([*argv, "--no-save"]) == 0
+    assert list(runs.iterdir()) == [folder] and "run folder" not in capsys.readouterr().err
+    assert main([*argv, "--out", str(tmp_path / "mine")]) == 0
+    assert (tmp_path / "mine" / "config.json").is_file() and list(runs.iterdir()) == [folder]

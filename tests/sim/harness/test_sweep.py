@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -123,3 +129,74 @@ def test_workload_rollouts_share_their_draws_whatever_else_is_drawn() -> None:
     for a, b in zip(ten[:3], doubled, strict=True):
         assert a.tool_outputs == b.tool_outputs  # another tool-time median: the same outputs
         assert [min(2 * t, 900.0) for t in a.tool_times_s] == pytest.approx(list(b.tool_times_s))
+
+
+# -- an interrupted job stops its workers --------------------------------------------------------
+
+
+def _children(pid: int) -> set[int]:
+    """Every descendant of `pid`: psutil's view if it is installed, else /proc's (Linux)."""
+    try:
+        import psutil
+    except ImportError:
+        parents: dict[int, int] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                parents[int(stat.parent.name)] = int(fields[1])
+        found, frontier = set(), {pid}
+        while frontier:
+            frontier = {child for child, parent in parents.items() if parent in frontier} - found
+            found |= frontier
+        return found
+    return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie, exited and not yet reaped, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _descendants_once_working(proc: subprocess.Popen[str], count: int, bound_s: float) -> set[int]:
+    """The job's descendant processes once it has at least `count` (polled, up to `bound_s`)."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        kids = _children(proc.pid)
+        if len(kids) >= count:
+            return kids
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the bounded wait between two looks
+            proc.wait(timeout=0.05)
+        assert proc.returncode is None, f"the job ended before it had workers: {proc.communicate()}"
+    raise AssertionError(f"the job had no {count} workers after {bound_s} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("executor", [["--workers", "2"], ["--dask", "local", "--workers", "2"]], ids=["pool", "dask"])
+def test_a_job_stopped_by_sigterm_stops_its_workers(executor: list[str], tmp_path: Path) -> None:
+    """`sim capacity` under a timeout (SIGTERM): the job unwinds as on Ctrl-C and no worker is left."""
+    command = [sys.executable, "-m", "sim", "capacity", "--sessions", "3000", "--quiet", *executor]
+    proc = subprocess.Popen(
+        [*command, "--out", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a signal to the test's own group does not reach it
+    )
+    try:
+        workers = _descendants_once_working(proc, 2, 120)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=90)
+        # The job joined its workers before it exited: none may be running now.
+        left = [pid for pid in workers if _running(pid)]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left of the job's group, on any outcome
+            os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    assert left == [], "workers left running"
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "python -m sim capacity: interrupted"
+    assert not (tmp_path / "run").exists()  # an interrupted job writes no results

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from pathlib import Path
 
 import msgspec
@@ -14,6 +15,7 @@ from sim.__main__ import main
 from sim.fleet.config import FleetConfig
 from sim.fleet.engine import simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
+from sim.harness import console
 from sim.harness.capacity import arrivals, point_sessions
 from sim.harness.ttl import TTLCurveConfig, _SplitStored, run_ttl_point, tracelab_rule, ttl_curve
 
@@ -118,3 +120,19 @@ def test_the_cli_prints_and_writes_the_curve(tmp_path: Path, capsys: pytest.Capt
         points = list(csv.DictReader(f))
     assert [float(p["ttl_s"]) for p in points] == [30.0, 600.0]
     assert main(["ttl-curve", "--ttls-s=0"]) == 2
+
+
+def test_the_curve_keeps_its_run_in_a_new_folder_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv(console.RUNS_ENV, str(runs))
+    argv = ["ttl-curve", "--sessions=5", "--ttls-s=30,600", "--seeds=1"]
+    assert main(argv) == 0
+    (folder,) = runs.iterdir()
+    assert re.fullmatch(r"ttl-curve-\d{8}-\d{4}", folder.name) and (folder / "points.csv").is_file()
+    assert capsys.readouterr().err.count(f"run folder: {folder}\n") == 2  # at the start and at the end
+    assert main([*argv, "--no-save"]) == 0
+    assert list(runs.iterdir()) == [folder] and "run folder" not in capsys.readouterr().err
+    assert main([*argv, "--no-save", "--out", str(tmp_path / "x")]) == 2
+    assert "--no-save: not with --out" in capsys.readouterr().err
