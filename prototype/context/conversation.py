@@ -471,7 +471,7 @@ def _decode_parts(raw: Raw, param: str) -> str:
         value = decode_content(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         err = from_validation_error(exc)
-        if err.code == "invalid_type":
+        if err.code in ("invalid_type", "unknown_parameter", "missing_required_parameter"):  # a breakpoint's fields
             raise _relocate(err, param) from None
         raise ProtocolError(f"Invalid '{param}': {exc}", code="invalid_value", param=param) from None
     if isinstance(value, str):
