@@ -29,6 +29,7 @@ __all__ = [
     "TTL_S",
     "conversation_breakpoints",
     "first_breakpoint",
+    "has_breakpoints",
     "item_marks",
     "refuse_explicit",
 ]
@@ -89,6 +90,11 @@ def conversation_breakpoints(
             if len(out) == MATCHED_BREAKPOINTS:
                 return tuple(reversed(out))
     return tuple(reversed(out))
+
+
+def has_breakpoints(context: Context) -> bool:
+    """Whether any content part of the context carries a breakpoint (a `null` one does not)."""
+    return any(first_breakpoint([context.items[index]]) is not None for index, _ in context.marked)
 
 
 def first_breakpoint(items: Sequence[Item]) -> str | None:

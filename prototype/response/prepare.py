@@ -20,7 +20,7 @@ from typing import Literal
 
 from msgspec import UNSET, UnsetType
 
-from ..context.breakpoints import TTL_S, conversation_breakpoints, refuse_explicit
+from ..context.breakpoints import TTL_S, conversation_breakpoints, has_breakpoints, refuse_explicit
 from ..context.cache import CacheEntry
 from ..context.compaction import COMPACTION_TYPE, Compaction, is_kept, prune
 from ..context.conversation import (
@@ -272,7 +272,7 @@ async def diagnose_cache(
         kept = len(resolved.preamble.tokens)  # the compacted context replaces every item after it
         return CacheMiss(reason="context_compacted", cache_missed_tokens=prompt - kept, comparison_reusable_tokens=kept)
     options = applied_prompt_cache_options(request.params)
-    if not isinstance(options, UnsetType) and options.mode == "explicit" and not resolved.context.marked:
+    if not isinstance(options, UnsetType) and options.mode == "explicit" and not has_breakpoints(resolved.context):
         return DiagnosticsUnavailable()  # no breakpoint: the request does not use prompt caching at all
     return CacheHit()
 

@@ -15,6 +15,7 @@ from prototype.context.breakpoints import (
     TTL_S,
     conversation_breakpoints,
     first_breakpoint,
+    has_breakpoints,
     refuse_explicit,
 )
 from prototype.context.conversation import Context, parse_items, render_items
@@ -77,7 +78,13 @@ def test_only_the_latest_80_are_matched() -> None:
 def test_no_breakpoints() -> None:
     context = _context({"role": "user", "content": [_part("x", marked=False)]}, {"role": "user", "content": "y"})
     assert conversation_breakpoints(context, 0, TOKENIZER, TTL_S["30m"]) == ()
-    assert context.marked == []
+    assert context.marked == [] and not has_breakpoints(context)
+    # A `null` breakpoint (what the SDK's output models print for none) is no breakpoint.
+    null = {"role": "user", "content": [{"type": "input_text", "text": "x", "prompt_cache_breakpoint": None}]}
+    context = _context(null)
+    assert context.marked and not has_breakpoints(context)
+    assert conversation_breakpoints(context, 0, TOKENIZER, TTL_S["30m"]) == ()
+    assert has_breakpoints(_context({"role": "user", "content": [_part("x")]}))
 
 
 def test_refusal_names_the_mode_or_the_first_breakpoint() -> None:
