@@ -30,7 +30,9 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "CacheBreakpoint",
     "FunctionTool",
+    "ImplicitCacheOnly",
     "ItemFinished",
     "ItemStarted",
     "ModelEvent",
@@ -58,6 +60,15 @@ class FunctionTool:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheBreakpoint:
+    """An explicit prompt-cache breakpoint (a content part's `prompt_cache_breakpoint`): the exact
+    end of a reusable prompt prefix, not rounded to a KV block (docs/protocol.md#prompt-caching)."""
+
+    tokens: int  # prompt tokens before the boundary
+    ttl_s: float  # its lifetime once written: its own `ttl`, else the request's
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRequest:
     """Everything the model may condition on for one sampled turn."""
 
@@ -73,6 +84,11 @@ class ModelRequest:
     model: str = ""
     conversation_id: str = ""  # opaque KV-ownership handle (e.g. the response chain); not model-visible
     hold_kv: bool = False  # keep this conversation's KV pinned after the turn, until `release`
+    # `prompt_cache_options.mode`: "implicit" (the model's own prefix cache, plus up to the latest
+    # three breakpoints written) or "explicit" (only breakpoints: up to the latest four written,
+    # none is no prompt caching). `breakpoints`: the latest 80 of the prompt, in prompt order.
+    cache_mode: Literal["implicit", "explicit"] = "implicit"
+    breakpoints: tuple[CacheBreakpoint, ...] = ()
     extra: dict[str, str] = field(default_factory=dict)  # reserved for simulator knobs; not model-visible
 
 
@@ -125,6 +141,16 @@ class TokenModel(Protocol):
     def release(self, conversation_id: str) -> None:
         """Unpin KV held with `hold_kv` (it stays cached, evictable). Unknown ids are ignored."""
         ...
+
+
+@runtime_checkable
+class ImplicitCacheOnly(Protocol):
+    """A `TokenModel` whose prompt cache cannot follow explicit breakpoints (a real engine's
+    slots, sim/engine): the service refuses `prompt_cache_options.mode: "explicit"` and any
+    `prompt_cache_breakpoint` before the response starts, rather than report cached tokens
+    that do not follow them."""
+
+    cache_name: str  # what its cache is, for the refusal's message (e.g. "llama.cpp's slot cache")
 
 
 @runtime_checkable

@@ -38,6 +38,7 @@ from ..wire.constraints import SCHEMAS, violation
 from ..wire.contract import (
     CALL_ID_MAX,
     STRING_MAX,
+    check_breakpoint,
     check_function_name,
     check_has_input,
     check_params,
@@ -116,6 +117,7 @@ TOOL_CHOICE_KNOWN_TYPES: Final = (
     "code_interpreter",
 )
 ALLOWED_TOOLS_MODES: Final = ("auto", "required")
+BREAKPOINT_KEY: Final = b'"prompt_cache_breakpoint"'  # a content part's field, as any JSON encoder writes it
 
 
 def conversation_key(first_user_text: str) -> int:
@@ -159,6 +161,9 @@ class Context:
     item_ids: set[str] = field(default_factory=set)
     call_ids: set[str] = field(default_factory=set)  # every call in the context
     pending: dict[str, None] = field(default_factory=dict)  # calls without an output yet, in order
+    # (item index, its first token) of the items that may carry a prompt-cache breakpoint
+    # (context/breakpoints.py): found among new items only, so a turn never rescans its history.
+    marked: list[tuple[int, int]] = field(default_factory=list)
 
     def extend(self, items: Sequence[Item], chunks: Sequence[TokenArray]) -> None:
         for item, chunk in zip(items, chunks, strict=True):
@@ -182,6 +187,8 @@ class Context:
             self.last_was_model = model
             if self.conversation_key == 0 and item.view.type == "message" and item.view.role == "user":
                 self.conversation_key = conversation_key(_text_of(item.view))
+            if BREAKPOINT_KEY in item.raw:
+                self.marked.append((len(self.items), self.n_tokens))
             self.items.append(item)
             self.chunks.append(chunk)
             self.n_tokens += len(chunk)
@@ -464,7 +471,7 @@ def _decode_parts(raw: Raw, param: str) -> str:
         value = decode_content(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         err = from_validation_error(exc)
-        if err.code == "invalid_type":
+        if err.code in ("invalid_type", "unknown_parameter", "missing_required_parameter"):  # a breakpoint's fields
             raise _relocate(err, param) from None
         raise ProtocolError(f"Invalid '{param}': {exc}", code="invalid_value", param=param) from None
     if isinstance(value, str):
@@ -480,6 +487,7 @@ def _decode_parts(raw: Raw, param: str) -> str:
         for text in (part.text, part.refusal):
             if text is not None:
                 check_string_length(f"{param}[{i}].text", text, STRING_MAX)
+        check_breakpoint(part, f"{param}[{i}]")
     return "".join(p.text or p.refusal or f"[{p.type}]" for p in value)
 
 

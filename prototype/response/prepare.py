@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from msgspec import UNSET, UnsetType
 
+from ..context.breakpoints import TTL_S, conversation_breakpoints, has_breakpoints, refuse_explicit
 from ..context.cache import CacheEntry
 from ..context.compaction import COMPACTION_TYPE, Compaction, is_kept, prune
 from ..context.conversation import (
@@ -32,9 +34,9 @@ from ..context.conversation import (
     render_preamble,
 )
 from ..context.safety import ClassifierState
-from ..model import ModelRequest
+from ..model import ImplicitCacheOnly, ModelRequest
 from ..pipeline import STAGE_SWITCH, Count, Optimization, Stage
-from ..wire.contract import check_context_window, comparison_response_id
+from ..wire.contract import applied_prompt_cache_options, check_context_window, comparison_response_id
 from ..wire.errors import ProtocolError
 from ..wire.schemas import (
     CacheHit,
@@ -77,6 +79,12 @@ class Turn:
         self.header = generation_header(engine.tokenizer)
         self.prompt_tokens = self.count()
         self.outputs_in_context = 0
+        options = applied_prompt_cache_options(request.params)
+        self.cache_mode: Literal["implicit", "explicit"] = "implicit"
+        self.cache_ttl_s = TTL_S["30m"]
+        if not isinstance(options, UnsetType):
+            self.cache_mode = "explicit" if options.mode == "explicit" else "implicit"
+            self.cache_ttl_s = TTL_S[options.ttl]
 
     def count(self) -> int:
         return len(self.resolved.preamble.tokens) + self.resolved.context.n_tokens + len(self.header)
@@ -125,6 +133,10 @@ class Turn:
             model=request.model,
             conversation_id=self.conversation_id,
             hold_kv=self.hold_kv,
+            cache_mode=self.cache_mode,
+            breakpoints=conversation_breakpoints(
+                context, len(self.resolved.preamble.tokens), self.engine.tokenizer, self.cache_ttl_s
+            ),
         )
 
 
@@ -146,6 +158,10 @@ async def resolve(
     `fork`: another response already continues from `cached` (a fork onto another lane), so its
     context is copied rather than extended in place.
     """
+    if isinstance(engine.model, ImplicitCacheOnly):
+        options = applied_prompt_cache_options(request.params)
+        explicit = not isinstance(options, UnsetType) and options.mode == "explicit"
+        refuse_explicit(explicit, request.items, engine.model.cache_name)
     report = stages.report
     prev = request.previous_response_id
     hit = (
@@ -222,7 +238,8 @@ async def diagnose_cache(
     (instructions, tools), then the context items; the compared response is found in the connection
     cache, else the store (a store read charged to `load_state`). It says what its own caches know:
     a changed model or preamble diverges at the first token; a prompt that continues the compared
-    response (it is `previous_response_id`) reuses it whole unless this request compacted it;
+    response (it is `previous_response_id`) reuses it whole unless this request compacted it, or is
+    `explicit` with no breakpoint (it uses no prompt caching: `unavailable`, no type says more);
     prompts of unrelated contexts: `unavailable`."""
     comparison = comparison_response_id(request.params)
     if comparison is None:
@@ -254,6 +271,9 @@ async def diagnose_cache(
     if resolved.compaction is not None:
         kept = len(resolved.preamble.tokens)  # the compacted context replaces every item after it
         return CacheMiss(reason="context_compacted", cache_missed_tokens=prompt - kept, comparison_reusable_tokens=kept)
+    options = applied_prompt_cache_options(request.params)
+    if not isinstance(options, UnsetType) and options.mode == "explicit" and not has_breakpoints(resolved.context):
+        return DiagnosticsUnavailable()  # no breakpoint: the request does not use prompt caching at all
     return CacheHit()
 
 

@@ -27,7 +27,7 @@ import msgspec
 from msgspec import UNSET, Raw, UnsetType
 
 from .errors import ProtocolError
-from .requests import CreateParams, is_null
+from .requests import ContentPartView, CreateParams, is_null
 from .schemas import CompactParams, NestingTooDeep, PromptCacheOptions, decode_context_management
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "UNSUPPORTED_FEATURES",
     "COMPACT_THRESHOLD_MIN",
     "CONTEXT_MANAGEMENT_TYPES",
+    "check_breakpoint",
     "check_compact_params",
     "check_context_window",
     "compact_threshold",
@@ -193,6 +194,10 @@ REASONING_CONTEXTS: Final = ("auto", "current_turn", "all_turns")
 TEXT_FORMATS: Final = ("text", "json_schema", "json_object")
 PROMPT_CACHE_TTLS: Final = ("30m", "12h")  # openai-python 3.63's `PromptCacheOptions.ttl`
 PROMPT_CACHE_MODES: Final = ("implicit", "explicit")
+BREAKPOINT_MODES: Final = ("explicit",)  # `PromptCacheBreakpoint.mode`: "Always `explicit`"
+# Content parts that carry `prompt_cache_breakpoint` in openai-python 3.63 (`ResponseInputTextParam`,
+# `ResponseInputImageParam`, `ResponseInputFileParam` and their `*ContentParam` forms of tool output).
+BREAKPOINT_PARTS: Final = frozenset({"input_text", "input_image", "input_file"})
 
 METADATA_KEYS_MAX: Final = 16
 METADATA_KEY_MAX: Final = 64
@@ -344,6 +349,18 @@ def applied_prompt_cache_options(params: CreateParams) -> PromptCacheOptions | U
     return PromptCacheOptions(
         mode=o.mode or "implicit", ttl=o.ttl or "30m", comparison_response_id=o.comparison_response_id
     )
+
+
+def check_breakpoint(part: ContentPartView, param: str) -> None:
+    """A content part's `prompt_cache_breakpoint`: only on the part types that have the field,
+    `mode` `explicit`, `ttl` one of `PROMPT_CACHE_TTLS`. `param` names the part."""
+    bp = part.prompt_cache_breakpoint
+    if bp is None:
+        return
+    where = f"{param}.prompt_cache_breakpoint"
+    if part.type not in BREAKPOINT_PARTS:
+        raise ProtocolError(f"Unknown parameter: '{where}'.", code="unknown_parameter", param=where)
+    _check_enums(where, (("mode", bp.mode, BREAKPOINT_MODES), ("ttl", bp.ttl, PROMPT_CACHE_TTLS)))
 
 
 def prewarms(params: CreateParams) -> bool:

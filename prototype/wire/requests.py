@@ -14,6 +14,7 @@ T = TypeVar("T")
 
 
 __all__ = [
+    "CacheBreakpointView",
     "ClientEvent",
     "ContentPartView",
     "CreateParams",
@@ -149,10 +150,20 @@ class StreamTag(msgspec.Struct):
     stream_id: str | None = None
 
 
+class CacheBreakpointView(msgspec.Struct, forbid_unknown_fields=True):
+    """A content part's `prompt_cache_breakpoint` (openai-python 3.63's `PromptCacheBreakpoint`):
+    `mode` always `explicit`; `ttl` `30m` or `12h`, absent meaning the request's. Checked by
+    `contract.check_breakpoint`."""
+
+    mode: str
+    ttl: str | None = None
+
+
 class ContentPartView(msgspec.Struct):
     type: str = "input_text"
     text: str | None = None
     refusal: str | None = None
+    prompt_cache_breakpoint: CacheBreakpointView | None = None
 
 
 class InputItemView(msgspec.Struct):

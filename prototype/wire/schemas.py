@@ -164,8 +164,8 @@ OutputItem = OutputMessage | FunctionCall | CompactionItem
 
 class InputTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
-    # Required by the API's Usage object. The simulator models no billed cache writes
-    # (its prefix cache is implicit), so it reports none.
+    # Required by the API's Usage object. longrun models no billed cache writes, the explicit
+    # breakpoints' included (docs/protocol.md#prompt-caching), so it reports none.
     cache_write_tokens: int = 0
 
 

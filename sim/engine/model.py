@@ -157,6 +157,12 @@ class EngineModel:
 
     # -- the seam ----------------------------------------------------------------------------------
 
+    @property
+    def cache_name(self) -> str:
+        """`prototype.model.ImplicitCacheOnly`: the engine reuses a prompt prefix its own way (a
+        slot's KV, or its automatic prefix cache), so explicit breakpoints are refused."""
+        return f"{self.dialect.name}'s prefix cache"
+
     def release(self, conversation_id: str) -> None:
         self.slots.unpin(conversation_id)
         self._wake()

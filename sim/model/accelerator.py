@@ -112,6 +112,7 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
+from sim.model.breakpoints import BreakpointCache, written
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import PlannedItem, Policy
 
@@ -365,6 +366,7 @@ class SimulatedModel:
         self.prefix_cache: PrefixCache | None = (
             (prefix_cache if prefix_cache is not None else PrefixCache()) if prefix_caching else None
         )
+        self.breakpoint_cache = None if self.prefix_cache is None else BreakpointCache(self.prefix_cache.block_tokens)
         self.decode_slots = decode_slots
         self.concurrency_slowdown = concurrency_slowdown
         self.decode_jitter = decode_jitter
@@ -451,13 +453,22 @@ class SimulatedModel:
             raise ValueError(f"max_output_tokens must be >= 0, got {budget}")
         serial = next(self._serials)
 
-        # Step 3: the cached prefix.
+        # Step 3: the cached prefix: the prefix cache (the implicit breakpoint: not in `explicit`
+        # mode) and the explicit breakpoints (breakpoints.py), on the same switch.
         cache = self.prefix_cache
         prepared = None
         cached = max(0, min(request.resident_tokens, request.prompt_tokens - 1))  # held KV, last token recomputed
+        implicit = request.cache_mode == "implicit"
         if cache is not None:
             prepared = cache.prepare(request.prompt)  # hashed once for the match now and the insert after prefill
-            cached = max(cache.match(prepared), cached)
+            if implicit:
+                cached = max(cache.match(prepared), cached)
+        marks = self.breakpoint_cache is not None and prepared is not None and bool(request.breakpoints)
+        tokens = np.concatenate(request.prompt) if marks else np.empty(0, dtype=np.uint32)
+        if marks:
+            assert self.breakpoint_cache is not None and prepared is not None
+            hit = self.breakpoint_cache.match(prepared.keys, tokens, request.breakpoints, self.clock.now())
+            cached = max(hit, cached)
         self._requests += 1
         self._prompt_tokens += request.prompt_tokens
         self._cached_tokens += cached
@@ -491,9 +502,13 @@ class SimulatedModel:
         finished = False
         try:
             await self.clock.sleep_until(t0)
-            if cache is not None and prepared is not None:
+            if cache is not None and prepared is not None and (implicit or request.hold_kv):
                 owner = request.conversation_id if request.hold_kv else None
                 cache.insert(prepared, owner=owner, now=self.clock.now())
+            if marks:
+                assert self.breakpoint_cache is not None and prepared is not None
+                chosen = written(request.cache_mode, request.breakpoints)
+                self.breakpoint_cache.write(prepared.keys, tokens, chosen, self.clock.now())
             yield Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=prefill_s)
             paced = math.isfinite(rate)
             index = 0  # token index within the turn

@@ -100,3 +100,33 @@ async def test_the_response_echoes_the_applied_prompt_cache_options(live: Live, 
         async with session.get(fetched_url) as resp:
             assert (await resp.json())["prompt_cache_options"] == chosen["prompt_cache_options"]
     assert not wire.violations and wire.counts
+
+
+async def test_diagnostics_follow_the_explicit_mode(live: Live, wire: strict.Checker) -> None:
+    """`explicit` with no breakpoint uses no prompt caching: a continuation is no `cache_hit`;
+    with a breakpoint in the conversation it is."""
+    marked = {
+        "role": "user",
+        "content": [{"type": "input_text", "text": "Fix it.", "prompt_cache_breakpoint": {"mode": "explicit"}}],
+    }
+    async with aiohttp.ClientSession() as session:
+        explicit = {"mode": "explicit"}
+        first = await _post(session, live, prompt_cache_options=explicit)
+        plain = await _post(
+            session,
+            live,
+            previous_response_id=first["id"],
+            prompt_cache_options={**explicit, "comparison_response_id": first["id"]},
+        )
+        assert plain["prompt_cache_diagnostics"] == {"type": "unavailable"}
+        assert plain["usage"]["input_tokens_details"]["cached_tokens"] == 0
+        second = await _post(session, live, input=[marked], prompt_cache_options=explicit)
+        hit = await _post(
+            session,
+            live,
+            previous_response_id=second["id"],
+            prompt_cache_options={**explicit, "comparison_response_id": second["id"]},
+        )
+        assert hit["prompt_cache_diagnostics"] == {"type": "cache_hit"}
+        assert hit["usage"]["input_tokens_details"]["cached_tokens"] > 0
+    assert not wire.violations

@@ -11,11 +11,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
+import openai
 import pytest
 from aiohttp import web
+from openai import AsyncOpenAI
 
-from prototype.model import ContextWindowExceeded, ModelRequest, Prefilled, TokensSampled
+from prototype.model import ContextWindowExceeded, ImplicitCacheOnly, ModelRequest, Prefilled, TokensSampled
+from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
+from prototype.store.memory import MemoryStore
 from sim.engine.backend import engine_model
 from sim.engine.completions import CompletionsDialect, completions_error
 from sim.engine.config import EngineConfig
@@ -175,3 +179,25 @@ async def test_errors_come_as_the_seams_exceptions() -> None:
     assert isinstance(completions_error(400, b"not json"), EngineError)
     with pytest.raises(ValueError, match="engine_url"):
         EngineConfig(engine_kind="openai")
+
+
+async def test_the_engine_refuses_explicit_prompt_caching() -> None:
+    """The engine's prefix cache cannot write or expire breakpoints: behind the real server, the
+    openai SDK's `mode: "explicit"` gets the API's 400 and the engine never sees the turn; the
+    implicit default is served with the engine's own cached count."""
+    fake = FakeVLLM()
+    async with _vllm(fake) as url, _model(_config(url)) as model:
+        assert isinstance(model, ImplicitCacheOnly)
+        app = make_app(model=model, store=MemoryStore(), clock=model.clock, seed=1)
+        async with served(app) as port:
+            base = f"http://127.0.0.1:{port}/v1"
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10.0) as client:
+                with pytest.raises(openai.BadRequestError) as raised:
+                    await client.responses.create(model="sim", input="hi", prompt_cache_options={"mode": "explicit"})
+                body = raised.value.body
+                assert isinstance(body, dict)
+                assert (body["code"], body["param"]) == ("unsupported_parameter", "prompt_cache_options.mode")
+                assert "the OpenAI-compatible engine's prefix cache" in body["message"]
+                assert fake.bodies == []
+                served_turn = await client.responses.create(model="sim", input="hi")
+                assert served_turn.status == "completed" and len(fake.bodies) >= 1
