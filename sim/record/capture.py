@@ -24,6 +24,7 @@ import msgspec
 from msgspec import Raw
 
 from prototype.wire.requests import NULL, is_null
+from sim.record.workload import Turn, Workload, usage_counts
 
 __all__ = ["Capture", "Pending", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
 
@@ -205,6 +206,7 @@ class Capture:
         self._completed: dict[str, int] = {}  # conversation -> completed lines
         self._count = 0
         self.lines: list[Line] = []
+        self.workload = Workload()  # the user's rollouts, turn by turn (sim/record/workload.py)
 
     def begin(self, mode: str, request: bytes, sent_at: float) -> Pending:
         """A request (an HTTP body, or a WebSocket `response.create` frame) that arrived at `sent_at`.
@@ -270,6 +272,9 @@ class Capture:
             self._by_prefix[p.prefix] = p.conversation
             if p.response_id is not None:
                 self._by_response[p.response_id] = p.conversation
+            counts = usage_counts(p.usage) if p.usage is not None else None
+            if counts is not None:
+                self.workload.completed(Turn(p.conversation, p.turn, p.mode, counts, p.done_at))
         line = Line(
             conversation=p.conversation,
             mode=p.mode,
@@ -299,6 +304,7 @@ class Capture:
             "failed": sum(1 for line in self.lines if line.failed is not None),
             "completed_by_mode": modes,
             "conversations": len({line.conversation for line in self.lines}),
+            "workload_turns": self.workload.written,
             "proxy_request_ms": latency_summary([x.proxy_request_ms for x in self.lines]),
             "proxy_first_byte_ms": latency_summary([x.proxy_first_byte_ms for x in self.lines]),
         }

@@ -5,7 +5,9 @@ hop-by-hop headers and `Accept-Encoding` aside, so the upstream answers uncompre
 response is written back chunk by chunk as it arrives, never re-encoded; WebSocket frames are
 relayed one by one in each direction. `POST …/responses` and each `response.create` on a
 WebSocket become a capture line (sim/record/capture.py) written and flushed when the response
-ends. Authorization passes through and is written nowhere.
+ends, and each completed turn a line of `workload.jsonl` (sim/record/workload.py) written when
+its conversation's next request begins (the last turns at shutdown). Authorization passes
+through and is written nowhere.
 
 Faults: an upstream that cannot be reached gives the client a 502 in the API's shape
 (`{"error": {...}}`); one that closes a stream midway gives an SSE client an `error` event (a
@@ -90,10 +92,12 @@ class Recorder:
         self.capture = Capture()
         self.session: aiohttp.ClientSession | None = None
         self._file: IO[bytes] | None = None
+        self._workload: IO[bytes] | None = None
 
     async def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._file = (self.out / "capture.jsonl").open("ab")
+        self._workload = (self.out / "workload.jsonl").open("ab")
         self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
 
     async def stop(self) -> dict[str, object]:
@@ -101,9 +105,23 @@ class Recorder:
             await self.session.close()
         if self._file is not None:
             self._file.close()
+        if self._workload is not None:
+            self._workload.write(self.capture.workload.close())
+            self._workload.close()
         summary = self.capture.summary()
         (self.out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
         return summary
+
+    def begin(self, mode: str, request: bytes, at: float) -> Pending:
+        """A request's pending line; the workload line of its conversation's previous turn, now
+        that its tool time is known, written and flushed whole."""
+        p = self.capture.begin(mode, request, at)
+        line = self.capture.workload.began(p.conversation, at)
+        if line is not None:
+            assert self._workload is not None
+            self._workload.write(line)
+            self._workload.flush()
+        return p
 
     def write(self, p: Pending) -> None:
         """The request's line, written and flushed whole."""
@@ -125,7 +143,7 @@ class Recorder:
         body = await request.read()
         pending = None
         if request.method == "POST" and request.path.rstrip("/").endswith("/responses"):
-            pending = self.capture.begin("http", body, arrived)
+            pending = self.begin("http", body, arrived)
         assert self.session is not None
         url = self.upstream + request.path_qs
         try:
@@ -272,7 +290,7 @@ class Recorder:
                     except msgspec.DecodeError:
                         kind = None
                     if kind == "response.create":
-                        pending = self.capture.begin("ws", raw, at)
+                        pending = self.begin("ws", raw, at)
                         lanes.setdefault(pending.lane, deque()).append(pending)
                 await up.send_str(data)
                 if pending is not None:
@@ -350,7 +368,9 @@ def record_options(sub: argparse._SubParsersAction[Any]) -> None:
     )
     rec.add_argument("--upstream", required=True, metavar="URL", help="the API's origin, e.g. https://api.openai.com")
     rec.add_argument("--listen", default="127.0.0.1:8089", metavar="HOST:PORT", help="where clients connect")
-    rec.add_argument("--out", required=True, metavar="DIR", help="writes capture.jsonl and summary.json here")
+    rec.add_argument(
+        "--out", required=True, metavar="DIR", help="writes capture.jsonl, workload.jsonl and summary.json here"
+    )
 
 
 def record_main(
