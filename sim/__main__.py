@@ -56,7 +56,7 @@ from sim.harness.console import (
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
-from sim.harness.predict import predict_designs, prediction_table
+from sim.harness.predict import predict_designs, prediction_table, trust_notes
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, run_sweep
@@ -347,10 +347,11 @@ def calibrate_main(args: argparse.Namespace) -> int:
         config = CompareConfig.of(rollouts=args.rollouts, tool_calls=args.tool_calls, seed=args.seed, trace=args.trace)
         try:
             predictions, skipped = predict_designs(calibration, config, refits=args.refits)
+            notes = trust_notes(calibration, records, config)
         except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print("\n" + prediction_table(predictions, skipped, refits=args.refits))
+        print("\n" + prediction_table(predictions, skipped, refits=args.refits, notes=notes))
     return 0
 
 

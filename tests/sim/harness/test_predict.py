@@ -1,8 +1,12 @@
-"""The one chain (docs/calibration.md, "From a recording to a prediction on your own
-workload"): `sim record` in front of longrun's server running a cost profile of its own, openai-python's `http` and `ws` rollouts
-through it, then `sim calibrate DIR/capture.jsonl --predict --trace DIR/workload.jsonl`; append's
-predicted time saved on the recorded workload is within 2 points of what longrun measures for
-append on that workload and profile, or inside the stated interval."""
+"""`sim calibrate --predict`: the one chain (docs/calibration.md, "From a recording to a prediction
+on your own workload") and when not to trust a prediction.
+
+The chain: `sim record` in front of longrun's server running a cost profile of its own,
+openai-python's `http` and `ws` rollouts through it, then `sim calibrate DIR/capture.jsonl
+--predict --trace DIR/workload.jsonl`; append's predicted time saved on the recorded workload is
+within 2 points of what longrun measures for append on that workload and profile, or inside the
+stated interval. Trust: a prediction on sizes beyond the capture's warns, one inside does not; a
+convex cost too mild for the poor-fit alarm is a stated misfit, the model's own costs are not."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import re
 from pathlib import Path
 from typing import Final
 
+import msgspec
 import pytest
 from openai import AsyncOpenAI
 
@@ -20,30 +25,34 @@ from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from sim.__main__ import main
+from sim.analysis.calibrate import fit
+from sim.analysis.records import TurnRecord
 from sim.harness.experiment import CompareConfig, compare
-from sim.harness.predict import time_saved
+from sim.harness.predict import time_saved, trend_misfit, trust_notes
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.rollout.replay import load_trace
+from tests.sim.analysis.test_calibrate_capture import _capture, _draw
 from tests.sim.record.test_recorder import http_flow, recording, ws_flow
 from tests.support import REPO, served
 
-# A profile no preset holds: hosted's shape at other sizes (waits of 15 to 90 ms), large enough
-# beside the loopback's own CPU time on a shared machine for the fit to follow the profile.
+# A profile no preset holds: hosted's shape at other sizes (waits of 45 to 270 ms), large enough
+# beside the loopback's own CPU time (server, recorder and client share this process) on a
+# shared machine for the fit to follow the profile.
 PROFILE: Final = CostProfile(
     name="recorded",
-    rtt_s=0.030,
+    rtt_s=0.090,
     uplink_bytes_per_s=5e6,
-    auth_s=0.025,
-    routing_s=0.050,
-    validate_s_per_token=4e-6,
-    state_load_s=0.020,
-    safety_call_s=0.060,
-    safety_s_per_token=5e-6,
-    inference_hop_s=0.015,
-    billing_s=0.090,
+    auth_s=0.075,
+    routing_s=0.150,
+    validate_s_per_token=1e-5,
+    state_load_s=0.060,
+    safety_call_s=0.180,
+    safety_s_per_token=1e-5,
+    inference_hop_s=0.045,
+    billing_s=0.270,
 )
-MODEL: Final = {"tps": 1500.0, "prefill_tok_per_s": 15000.0, "model_latency_s": 0.06}
+MODEL: Final = {"tps": 800.0, "prefill_tok_per_s": 8000.0, "model_latency_s": 0.15}
 
 
 async def _record(out: Path, conversations: int) -> None:
@@ -99,3 +108,40 @@ def test_calibrate_refuses_a_trace_without_predict_or_a_bad_one_in_one_line(
     assert main(["calibrate", capture, "--predict", "--trace", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {bad}:1: a turn with calls needs") and err.count("\n") == 1
+
+
+def _convex(records: list[TurnRecord], strength: float) -> list[TurnRecord]:
+    """`strength` s × prompt² added to each TTFT: a cost that grows faster than linearly with context."""
+    out = []
+    for r in records:
+        assert r.ttft_s is not None and r.prompt_tokens is not None
+        extra = strength * r.prompt_tokens**2
+        out.append(msgspec.structs.replace(r, ttft_s=r.ttft_s + extra, e2e_s=r.e2e_s + extra))
+    return out
+
+
+@pytest.mark.parametrize("seed", [11, 13])
+def test_a_mild_convex_cost_the_poor_fit_alarm_passes_is_a_stated_misfit(seed: int) -> None:
+    profile, model = _draw(seed)
+    honest = _capture(profile, model, seed)
+    assert trend_misfit(fit(honest), honest) is None  # the negative control: no misfit on the model's own costs
+    # 3·10⁻⁹ s × prompt²: a thirtieth of the poor-fit control's strength, +0.35 s on a 10,000-token prompt.
+    mild = _convex(honest, 3e-9)
+    calibration = fit(mild)
+    assert calibration.usable  # the poor-fit alarm passes it
+    note = trend_misfit(calibration, mild)
+    assert note is not None and note.startswith("misfit: at the capture's longest contexts")
+    assert "above the fit" in note and "the intervals do not hold" in note
+
+
+def test_a_prediction_beyond_the_captures_sizes_warns_and_one_inside_does_not() -> None:
+    profile, model = _draw(11)
+    captured = _capture(profile, model, 11)
+    calibration = fit(captured)
+    same = CompareConfig.of(rollouts=6, tool_calls=4, seed=11)  # the capture's own workload
+    assert trust_notes(calibration, captured, same) == []
+    longer = trust_notes(calibration, captured, same.updated(rollouts=2, tool_calls=8))
+    said = {n.split(" goes ")[0].removeprefix("warning: the predicted workload's "): n for n in longer}
+    assert {"context (prompt tokens a turn)", "rollout length (turns)"} <= set(said)
+    assert all("the intervals are not widened for it" in n for n in longer)
+    assert "goes up to 9, outside the capture's 5–5" in said["rollout length (turns)"]
