@@ -24,7 +24,7 @@ import msgspec
 from msgspec import Raw
 
 from prototype.wire.requests import NULL, is_null
-from sim.record.workload import Turn, Workload, usage_counts
+from sim.record.workload import Turn, Workload, assistant_of, task_of, tool_output_of, usage_counts
 
 __all__ = ["Capture", "Pending", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
 
@@ -61,6 +61,7 @@ class _ResponsePeek(msgspec.Struct):
     id: str | None = None
     status: str | None = None
     usage: Raw = NULL
+    output: Raw = NULL
 
 
 class _EventPeek(msgspec.Struct):
@@ -74,6 +75,7 @@ class _EventPeek(msgspec.Struct):
     id: str | None = None
     status: str | None = None
     usage: Raw = NULL
+    output: Raw = NULL
 
 
 _request = msgspec.json.Decoder(_RequestPeek)
@@ -125,6 +127,8 @@ class Pending:
     proxy_request_ms: float | None = None
     proxy_first_byte_ms: float | None = None
     finished: bool = field(default=False)
+    output: Raw | None = None  # the response's output items, read only to keep content
+    content: tuple[str | None, str | None, str | None] = (None, None, None)  # task, instructions, tool output
 
     @property
     def terminal(self) -> bool:
@@ -164,6 +168,8 @@ class Pending:
             self.failed = "error event"
         elif kind == "response.failed":
             self.failed = "response.failed"
+        if e.response is not None and not is_null(e.response.output):
+            self.output = e.response.output
         if e.response is not None and not is_null(e.response.usage):
             self.usage = e.response.usage
         elif self.failed is None:
@@ -181,6 +187,8 @@ class Pending:
         self.response_id = e.id
         if e.status == "failed":
             self.failed = "response.failed"
+        if not is_null(e.output):
+            self.output = e.output
         if not is_null(e.usage):
             self.usage = e.usage
         elif self.failed is None:
@@ -200,7 +208,8 @@ def _hash(previous: bytes, item: bytes) -> bytes:
 class Capture:
     """The recorder's state across requests: conversations, their turns, the lines' bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_content: bool = False) -> None:
+        self.keep_content = keep_content  # the workload's lines carry the task, turns and tool outputs
         self._by_response: dict[str, str] = {}  # response id -> conversation
         self._by_prefix: dict[tuple[int, bytes], str] = {}  # (items, hash) of a last input -> conversation
         self._completed: dict[str, int] = {}  # conversation -> completed lines
@@ -218,18 +227,24 @@ class Capture:
         transport = mode
         if mode == "http" and peek.previous_response_id is not None:
             mode = "http_prev"
-        hashes = self._prefix_hashes(peek, transport=transport)
-        conversation = None
+        items, hashes = self._prefix_hashes(peek, transport=transport)
+        conversation, known = None, 0
         if peek.previous_response_id is not None:
             conversation = self._by_response.get(peek.previous_response_id)
         if conversation is None and peek.previous_response_id is None:
             for key in reversed(hashes[:-1]):  # the longest earlier input this one extends
                 if key in self._by_prefix:
-                    conversation = self._by_prefix[key]
+                    conversation, known = self._by_prefix[key], key[0]
                     break
+        content: tuple[str | None, str | None, str | None] = (None, None, None)
         if conversation is None:
             conversation = f"conv-{self._count}"
             self._count += 1
+            if self.keep_content:
+                instructions = msgspec.json.decode(peek.instructions) if not is_null(peek.instructions) else None
+                content = (task_of(items), instructions if isinstance(instructions, str) else None, None)
+        elif self.keep_content:
+            content = (None, None, tool_output_of(items[known:]))
         return Pending(
             mode=mode,
             lane=peek.stream_id if isinstance(peek.stream_id, str) else None,
@@ -239,11 +254,13 @@ class Capture:
             conversation=conversation,
             turn=self._completed.get(conversation, 0),
             prefix=hashes[-1],
+            content=content,
         )
 
     @staticmethod
-    def _prefix_hashes(peek: _RequestPeek, *, transport: str) -> list[tuple[int, bytes]]:
-        """(k, hash of the transport, the instructions and the first k items) for k = 0 … len(items)."""
+    def _prefix_hashes(peek: _RequestPeek, *, transport: str) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """The input's items, and (k, hash of the transport, the instructions and the first k items)
+        for k = 0 … len(items)."""
         items: list[bytes] = []
         if not is_null(peek.input):
             raw = bytes(peek.input)
@@ -259,7 +276,7 @@ class Capture:
         for k, item in enumerate(items, 1):
             h = _hash(h, item)
             out.append((k, h))
-        return out
+        return items, out
 
     def finish(self, p: Pending) -> bytes:
         """The request's capture line (with its newline); a completed one counts as its
@@ -274,7 +291,11 @@ class Capture:
                 self._by_response[p.response_id] = p.conversation
             counts = usage_counts(p.usage) if p.usage is not None else None
             if counts is not None:
-                self.workload.completed(Turn(p.conversation, p.turn, p.mode, counts, p.done_at))
+                turn = Turn(p.conversation, p.turn, p.mode, counts, p.done_at)
+                if self.keep_content:
+                    turn.task, turn.instructions = p.content[0], p.content[1]
+                    turn.assistant = assistant_of(p.output) if p.output is not None else None
+                self.workload.completed(turn)
         line = Line(
             conversation=p.conversation,
             mode=p.mode,

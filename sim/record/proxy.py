@@ -85,11 +85,13 @@ def _upstream_error(message: str, *, code: str = "upstream_unavailable") -> Prot
 class Recorder:
     """The proxy's state: the upstream, the capture, the output file, the clock."""
 
-    def __init__(self, upstream: str, out: Path, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, upstream: str, out: Path, *, clock: Callable[[], float] = time.monotonic, keep_content: bool = False
+    ) -> None:
         self.upstream = upstream.rstrip("/")
         self.out = out
         self.clock = clock
-        self.capture = Capture()
+        self.capture = Capture(keep_content=keep_content)
         self.session: aiohttp.ClientSession | None = None
         self._file: IO[bytes] | None = None
         self._workload: IO[bytes] | None = None
@@ -116,7 +118,7 @@ class Recorder:
         """A request's pending line; the workload line of its conversation's previous turn, now
         that its tool time is known, written and flushed whole."""
         p = self.capture.begin(mode, request, at)
-        line = self.capture.workload.began(p.conversation, at)
+        line = self.capture.workload.began(p.conversation, at, tool_output=p.content[2])
         if line is not None:
             assert self._workload is not None
             self._workload.write(line)
@@ -343,9 +345,11 @@ def make_recorder_app(recorder: Recorder) -> web.Application:
     return app
 
 
-async def serve_recorder(upstream: str, host: str, port: int, out: Path) -> dict[str, object]:
+async def serve_recorder(
+    upstream: str, host: str, port: int, out: Path, *, keep_content: bool = False
+) -> dict[str, object]:
     """Record until SIGINT or SIGTERM; the summary (also in `out/summary.json`)."""
-    recorder = Recorder(upstream, out)
+    recorder = Recorder(upstream, out, keep_content=keep_content)
     runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -371,6 +375,11 @@ def record_options(sub: argparse._SubParsersAction[Any]) -> None:
     rec.add_argument(
         "--out", required=True, metavar="DIR", help="writes capture.jsonl, workload.jsonl and summary.json here"
     )
+    rec.add_argument(
+        "--keep-content",
+        action="store_true",
+        help="workload.jsonl keeps the task, instructions, each turn's output and each tool's output (never a key)",
+    )
 
 
 def record_main(
@@ -381,6 +390,6 @@ def record_main(
     if not host or not port.isdigit():
         print(f"error: --listen {args.listen!r}: want HOST:PORT", file=sys.stderr)
         return 2
-    summary = run(serve_recorder(args.upstream, host, int(port), Path(args.out)))
+    summary = run(serve_recorder(args.upstream, host, int(port), Path(args.out), keep_content=args.keep_content))
     print(msgspec.json.format(msgspec.json.encode(summary)).decode())
     return 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import msgspec
 from msgspec import Raw
 
-__all__ = ["Turn", "Workload", "WorkloadLine", "usage_counts"]
+__all__ = ["Turn", "Workload", "WorkloadLine", "assistant_of", "task_of", "tool_output_of", "usage_counts"]
 
 
 class _Details(msgspec.Struct):
@@ -40,6 +40,7 @@ class _Usage(msgspec.Struct):
 
 
 _usage = msgspec.json.Decoder(_Usage)
+_encoder = msgspec.json.Encoder()
 
 
 def usage_counts(usage: Raw) -> tuple[int, int, int] | None:
@@ -50,6 +51,74 @@ def usage_counts(usage: Raw) -> tuple[int, int, int] | None:
         return None
     cached = u.input_tokens_details.cached_tokens if u.input_tokens_details is not None else 0
     return u.input_tokens, cached, u.output_tokens
+
+
+class _Part(msgspec.Struct):
+    text: str | None = None
+
+
+class _Item(msgspec.Struct):
+    """The fields of an input or output item the content is read from."""
+
+    type: str | None = None
+    role: str | None = None
+    content: str | list[_Part] | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[_Part] | None = None
+
+
+_item = msgspec.json.Decoder(_Item)
+_output = msgspec.json.Decoder(list[_Item])
+
+
+def _text(content: str | list[_Part] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(p.text or "" for p in content)
+
+
+def task_of(input_items: list[bytes]) -> str | None:
+    """A conversation's first user message (the task), from its first request's input items (a
+    string input is one item, its JSON string)."""
+    for raw in input_items:
+        try:
+            item = _item.decode(raw)
+        except msgspec.ValidationError:  # a string input
+            return str(msgspec.json.decode(raw))
+        except msgspec.DecodeError:
+            continue
+        if item.role == "user":
+            return _text(item.content)
+    return None
+
+
+def tool_output_of(new_items: list[bytes]) -> str | None:
+    """The tools' output a request sends: its new `function_call_output` items', joined by lines."""
+    outputs = []
+    for raw in new_items:
+        try:
+            item = _item.decode(raw)
+        except msgspec.DecodeError:
+            continue
+        if item.type == "function_call_output":
+            outputs.append(_text(item.output))
+    return "\n".join(outputs) if outputs else None
+
+
+def assistant_of(output: Raw) -> Raw | None:
+    """A response's `output` as a trace's `assistant` turn (a `--script` line): its function calls,
+    else its messages' text."""
+    try:
+        items = _output.decode(output)
+    except msgspec.DecodeError:
+        return None
+    calls = [{"name": i.name, "arguments": i.arguments or "{}"} for i in items if i.type == "function_call"]
+    if len(calls) == 1:
+        return Raw(_encoder.encode({"tool_call": calls[0]}))
+    if calls:
+        return Raw(_encoder.encode({"tool_calls": calls}))
+    return Raw(_encoder.encode({"text": "".join(_text(i.content) for i in items if i.type == "message")}))
 
 
 class WorkloadLine(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -82,9 +151,6 @@ class Turn:
     task: str | None = None
     instructions: str | None = None
     assistant: Raw | None = None
-
-
-_encoder = msgspec.json.Encoder()
 
 
 class Workload:

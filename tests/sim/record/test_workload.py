@@ -1,7 +1,7 @@
 """The user's rollouts the recorder writes (sim/record/workload.py): a turn's line when its
 conversation's next request begins, the last turns at shutdown, sizes from `usage`, no content;
 and through the real proxy in front of longrun's server, a workload `compare --trace` replays,
-whole lines left by a recorder killed mid-run."""
+whole lines left by a recorder killed mid-run, and content only with `--keep-content`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp import web
 from openai import AsyncOpenAI
 
 from sim.analysis.records import read_records, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare
 from sim.record.capture import Capture, Pending
+from sim.record.proxy import Recorder, make_recorder_app
 from sim.rollout.replay import REPLAY_PROMPT_TOKENS, load_trace
 from tests.processes import free_port
 from tests.sim.record.test_recorder import http_flow, http_prev_flow, recording, ws_flow
@@ -174,3 +176,41 @@ async def test_a_killed_recorder_leaves_the_turns_it_closed_each_line_whole(tmp_
     # Every turn with a next request was written as it came; the rollouts' answers wait for shutdown.
     assert len(workload) == 18 and all(x["tool_call"] for x in workload)
     assert len(_jsonl(tmp_path / "capture.jsonl")) == 24
+
+
+async def test_keep_content_writes_the_task_turns_and_tool_outputs_and_the_replay_sends_them(tmp_path: Path) -> None:
+    recorder = Recorder("", tmp_path, keep_content=True)
+    async with live_server(tool_calls=2, seed=5) as live:
+        recorder.upstream = f"http://127.0.0.1:{live.port}"
+        runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            base = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+            async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=10) as c:
+                await http_flow(c, "Conversation A: list the files.")
+                await ws_flow(c, "Conversation B: read the logs.")
+        finally:
+            await runner.cleanup()
+    workload = _jsonl(tmp_path / "workload.jsonl")
+    by = {(x["rollout"], x["turn"]): x for x in workload}
+    assert by[("conv-0", 0)]["task"] == "Conversation A: list the files."
+    assert by[("conv-1", 0)]["task"] == "Conversation B: read the logs."
+    for (_, turn), line in by.items():
+        assert ("task" in line) is (turn == 0)
+        if line["tool_call"]:
+            assert line["assistant"]["tool_call"]["name"] == "run" and line["tool_output"] == "ok"
+        else:
+            assert set(line["assistant"]) == {"text"} and "tool_output" not in line
+    assert "sk-test" not in (tmp_path / "workload.jsonl").read_text()
+    # The replay sends the recorded turns themselves.
+    rollouts = load_trace(tmp_path / "workload.jsonl")
+    assert [r.task for r in rollouts] == ["Conversation A: list the files.", "Conversation B: read the logs."]
+    config = CompareConfig.of(trace=str(tmp_path / "workload.jsonl"), modes=("http",), profile="local")
+    for result in compare(config, virtual=True, free_cpu=True).rollouts:
+        recorded = rollouts[result.index].turns
+        assert len(result.turns) == len(recorded) == 3
+        for planned, turn in zip(recorded, result.turns, strict=True):
+            item = turn.output_items[0]
+            text = item["arguments"] if planned[0].kind == "function_call" else item["content"][0]["text"]
+            assert text == planned[0].text
