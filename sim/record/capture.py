@@ -24,6 +24,7 @@ import msgspec
 from msgspec import Raw
 
 from prototype.wire.requests import NULL, is_null
+from sim.record.signals import session_signals
 from sim.record.workload import Turn, Workload, assistant_of, task_of, tool_output_of, usage_counts
 
 __all__ = ["Capture", "Pending", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
@@ -55,6 +56,7 @@ class _RequestPeek(msgspec.Struct):
     instructions: Raw = NULL
     input: Raw = NULL
     stream: bool | None = None
+    store: bool | None = None
 
 
 class _ResponsePeek(msgspec.Struct):
@@ -100,6 +102,8 @@ class Line(msgspec.Struct, kw_only=True, omit_defaults=True):
     failed: str | None = None  # why the request has no usable turn; the reader skips the line
     proxy_request_ms: float | None = None  # arrival to hand-off upstream
     proxy_first_byte_ms: float | None = None  # the upstream's first byte to its write downstream
+    connection: int | None = None  # the WebSocket connection's number (1, 2, …) in this recording
+    store: bool | None = None  # the request's `store`, when it sent one
 
 
 _encoder = msgspec.json.Encoder()
@@ -128,6 +132,8 @@ class Pending:
     proxy_first_byte_ms: float | None = None
     finished: bool = field(default=False)
     output: Raw | None = None  # the response's output items, read only to keep content
+    connection: int | None = None
+    store: bool | None = None
     content: tuple[str | None, str | None, str | None] = (None, None, None)  # task, instructions, tool output
 
     @property
@@ -255,6 +261,7 @@ class Capture:
             turn=self._completed.get(conversation, 0),
             prefix=hashes[-1],
             content=content,
+            store=peek.store if isinstance(peek.store, bool) else None,
         )
 
     @staticmethod
@@ -311,6 +318,8 @@ class Capture:
             failed=p.failed,
             proxy_request_ms=_ms(p.proxy_request_ms),
             proxy_first_byte_ms=_ms(p.proxy_first_byte_ms),
+            connection=p.connection,
+            store=p.store,
         )
         self.lines.append(line)
         return _encoder.encode(line) + b"\n"
@@ -328,6 +337,7 @@ class Capture:
             "workload_turns": self.workload.written,
             "proxy_request_ms": latency_summary([x.proxy_request_ms for x in self.lines]),
             "proxy_first_byte_ms": latency_summary([x.proxy_first_byte_ms for x in self.lines]),
+            "sessions": session_signals(self.lines),
         }
 
 

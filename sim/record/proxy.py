@@ -95,6 +95,7 @@ class Recorder:
         self.session: aiohttp.ClientSession | None = None
         self._file: IO[bytes] | None = None
         self._workload: IO[bytes] | None = None
+        self._connections = 0  # WebSocket connections seen: each one's number goes on its lines
 
     async def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -114,10 +115,11 @@ class Recorder:
         (self.out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
         return summary
 
-    def begin(self, mode: str, request: bytes, at: float) -> Pending:
+    def begin(self, mode: str, request: bytes, at: float, connection: int | None = None) -> Pending:
         """A request's pending line; the workload line of its conversation's previous turn, now
         that its tool time is known, written and flushed whole."""
         p = self.capture.begin(mode, request, at)
+        p.connection = connection
         line = self.capture.workload.began(p.conversation, at, tool_output=p.content[2])
         if line is not None:
             assert self._workload is not None
@@ -254,9 +256,10 @@ class Recorder:
             protocols=[up.protocol] if up.protocol else (), max_msg_size=0, compress=False, autoping=True
         )
         lanes: dict[str | None, deque[Pending]] = {}
+        self._connections += 1
         try:
             await down.prepare(request)
-            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes))
+            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes, self._connections))
             to_down = asyncio.ensure_future(self._server_frames(up, down, lanes))
             done, _ = await asyncio.wait((to_up, to_down), return_when=asyncio.FIRST_COMPLETED)
             upstream_ended = to_down in done
@@ -278,7 +281,11 @@ class Recorder:
         return down
 
     async def _client_frames(
-        self, down: web.WebSocketResponse, up: aiohttp.ClientWebSocketResponse, lanes: dict[str | None, deque[Pending]]
+        self,
+        down: web.WebSocketResponse,
+        up: aiohttp.ClientWebSocketResponse,
+        lanes: dict[str | None, deque[Pending]],
+        connection: int,
     ) -> None:
         async for msg in down:
             at = self.clock()
@@ -292,7 +299,7 @@ class Recorder:
                     except msgspec.DecodeError:
                         kind = None
                     if kind == "response.create":
-                        pending = self.begin("ws", raw, at)
+                        pending = self.begin("ws", raw, at, connection)
                         lanes.setdefault(pending.lane, deque()).append(pending)
                 await up.send_str(data)
                 if pending is not None:

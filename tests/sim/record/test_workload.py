@@ -123,6 +123,18 @@ async def test_the_recorded_workload_is_the_captures_turns_and_compare_replays_i
     assert "List the files" not in text and "sk-test" not in text  # no content unless asked
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["workload_turns"] == len(workload) == 24
+    # Long-session signals beside the timing: every conversation's growth; a socket's silences.
+    sessions = summary["sessions"]
+    assert len(sessions) == 6
+    for name, s in sessions.items():
+        assert s["turns"] == 4 and s["input_tokens"]["last"] > s["input_tokens"]["first"]
+        lines = [x for x in capture.values() if x["conversation"] == name]
+        if s["modes"] == ["ws"]:
+            assert s["reconnects"] == [] and len({x["connection"] for x in lines}) == 1
+            gaps = [x["tool_time_s"] for x in workload if x["rollout"] == name and x["tool_call"]]
+            assert s["longest_socket_silence_s"] == pytest.approx(max(gaps), abs=1e-5)
+        else:
+            assert "reconnects" not in s and all("connection" not in x for x in lines)
     # The workload replays: the same turns per rollout, each prompt's growth over the first within
     # 2 % of the recorded one (and 5 tokens a turn: the replay's items are framed a little unlike this
     # client's); a first prompt shorter than the replay's own frame replays at that floor.
