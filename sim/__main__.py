@@ -57,7 +57,7 @@ from sim.harness.console import (
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
-from sim.harness.predict import predict_designs, prediction_table
+from sim.harness.predict import predict_designs, prediction_table, trust_notes
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
@@ -73,6 +73,7 @@ from sim.harness.validate import (
     validation_text,
 )
 from sim.record.proxy import record_main, record_options
+from sim.rollout.replay import load_trace
 from sim.rollout.result import ALL_MODES, MODES
 
 __all__ = [
@@ -265,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the virtual comparison on the fit for every design and print each one's time saved vs http",
     )
-    cal.add_argument("--rollouts", type=int, default=4, help="--predict: rollouts per design")
-    cal.add_argument("--tool-calls", type=int, default=5, help="--predict: tool calls per rollout")
+    cal.add_argument("--trace", metavar="FILE", help="--predict on these rollouts (sim record's workload.jsonl)")
+    cal.add_argument("--rollouts", type=int, default=4, help="--predict: rollouts per design (not with --trace)")
+    cal.add_argument("--tool-calls", type=int, default=5, help="--predict: tool calls per rollout (not with --trace)")
     cal.add_argument("--refits", type=int, default=8, help="--predict: refits whose spread widens the interval")
 
     record_options(sub)
@@ -307,6 +309,10 @@ def capacity_main(args: argparse.Namespace) -> int:
 
 def calibrate_main(args: argparse.Namespace) -> int:
     try:
+        if args.trace is not None and not args.predict:
+            raise ValueError("--trace: the rollouts a prediction runs on; give --predict with it")
+        if args.trace is not None:
+            load_trace(args.trace)  # refused before the fit, in one line
         records = read_records(args.records)
         calibration = fit(records, holdout=args.holdout, seed=args.seed)
     except (OSError, ValueError) as exc:
@@ -329,13 +335,14 @@ def calibrate_main(args: argparse.Namespace) -> int:
         if calibration.unidentified or calibration.sums:
             print("  (compare refuses a run whose modes pay a field the fit left open; --predict gives the range)")
     if args.predict:
-        config = CompareConfig.of(rollouts=args.rollouts, tool_calls=args.tool_calls, seed=args.seed)
+        config = CompareConfig.of(rollouts=args.rollouts, tool_calls=args.tool_calls, seed=args.seed, trace=args.trace)
         try:
             predictions, skipped = predict_designs(calibration, config, refits=args.refits)
-        except ValueError as exc:
+            notes = trust_notes(calibration, records, config)
+        except (OSError, ValueError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-        print("\n" + prediction_table(predictions, skipped, refits=args.refits))
+        print("\n" + prediction_table(predictions, skipped, refits=args.refits, notes=notes))
     return 0
 
 

@@ -15,6 +15,17 @@ design's saving is computed by the virtual comparison (free CPU, exactly reprodu
 
 The interval is the vertices' range widened by the refits' spread around the point. A design
 whose path pays a field the capture did not identify at all is not predicted, and says which.
+
+When not to trust it (`trust_notes`): the interval carries what the fit left open on the
+capture's own turns, not an extrapolation. So the predicted workload's contexts (prompt tokens),
+model turns (output tokens) and rollout lengths are compared with the capture's, and each that
+reaches beyond the capture's range by more than `RANGE_MARGIN` is a warning that says the
+interval is not widened for it; and a TTFT that leaves the fit at the capture's longest contexts
+(the quarter of its turns with the longest prompts, their mean log(measured / fitted) against the
+other turns', beyond `TREND_Z` standard errors) is stated as a misfit: the cost grows with context
+unlike the stage-cost model's linear terms (a convex cost leaves a U of residuals a linear fit
+cannot remove, which a rank correlation over all turns barely sees), so a prediction on longer
+contexts carries an error the interval does not hold.
 """
 
 from __future__ import annotations
@@ -28,14 +39,26 @@ from typing import Final
 import numpy as np
 
 from prototype.pipeline import DESIGNS, MODEL_COSTS, CostProfile, profile_gaps
-from sim.analysis.calibrate import SUM, Calibration
+from sim.analysis.calibrate import SUM, Calibration, predict
+from sim.analysis.records import TurnRecord, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare
 from sim.rollout.result import ALL_MODES, RolloutResult
 
-__all__ = ["DesignPrediction", "predict_designs", "prediction_table", "profile_settings", "time_saved"]
+__all__ = [
+    "DesignPrediction",
+    "outside_capture",
+    "predict_designs",
+    "prediction_table",
+    "profile_settings",
+    "time_saved",
+    "trend_misfit",
+    "trust_notes",
+]
 
 BASE: Final = "http"
 MODEL_FIELDS: Final = frozenset(r.field for r in MODEL_COSTS)
+RANGE_MARGIN: Final = 0.10  # beyond the capture's largest (or below its smallest) by more than this share
+TREND_Z: Final = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +155,10 @@ def predict_designs(
     return out, skipped
 
 
-def prediction_table(predictions: Sequence[DesignPrediction], skipped: dict[str, str], *, refits: int) -> str:
-    """The text `python -m sim calibrate --predict` prints."""
+def prediction_table(
+    predictions: Sequence[DesignPrediction], skipped: dict[str, str], *, refits: int, notes: Sequence[str] = ()
+) -> str:
+    """The text `python -m sim calibrate --predict` prints; `notes` (`trust_notes`) after it."""
     lines = [
         f"predicted time saved vs {BASE} (virtual comparison on the fitted profile; interval: the unidentified "
         f"splits' range widened by {refits} refits' spread)",
@@ -151,4 +176,77 @@ def prediction_table(predictions: Sequence[DesignPrediction], skipped: dict[str,
         )
     for m, why in skipped.items():
         lines.append(f"{m:<10} not predicted: {why}")
-    return "\n".join(lines)
+    return "\n".join([*lines, *notes])
+
+
+def _sizes(records: Sequence[TurnRecord]) -> dict[str, list[float]]:
+    turns: dict[tuple[str, str], int] = {}  # a comparison's rollout has a copy in every mode
+    for r in records:
+        turns[(r.mode, r.rollout)] = turns.get((r.mode, r.rollout), 0) + 1
+    return {
+        "context (prompt tokens a turn)": [float(r.prompt_tokens) for r in records if r.prompt_tokens is not None],
+        "model turn (output tokens)": [float(r.output_tokens) for r in records if r.output_tokens is not None],
+        "rollout length (turns)": [float(n) for n in turns.values()],
+    }
+
+
+def outside_capture(captured: Sequence[TurnRecord], predicted: Sequence[TurnRecord]) -> list[str]:
+    """A warning for each size of the predicted workload that leaves the capture's range."""
+    out = []
+    have, want = _sizes(captured), _sizes(predicted)
+    for name, xs in want.items():
+        ys = have[name]
+        if not xs or not ys:
+            continue
+        lo, hi = min(ys), max(ys)
+        beyond = [
+            f"up to {max(xs):,.0f}" if max(xs) > hi * (1 + RANGE_MARGIN) else "",
+            f"down to {min(xs):,.0f}" if min(xs) < lo / (1 + RANGE_MARGIN) else "",
+        ]
+        if any(beyond):
+            reach = " and ".join(b for b in beyond if b)
+            out.append(
+                f"warning: the predicted workload's {name} goes {reach}, outside the capture's "
+                f"{lo:,.0f}–{hi:,.0f}: the fit is extrapolated there and the intervals are not widened for it"
+            )
+    return out
+
+
+def trend_misfit(c: Calibration, captured: Sequence[TurnRecord]) -> str | None:
+    """The stated misfit when the capture's TTFT leaves the fit at its longest contexts: the mean
+    log(measured / fitted) of the quarter of turns with the longest prompts against the other
+    turns', a z-score (on the other turns' spread) beyond `TREND_Z` either way (module doc)."""
+    turns = [r for r in captured if r.ttft_s and r.prompt_tokens is not None]
+    if len(turns) < 8:
+        return None
+    fitted = predict(c, turns, first_token=True)
+    ok = fitted > 0
+    residual = np.log(np.asarray([r.ttft_s or 0.0 for r in turns])[ok] / fitted[ok])
+    prompts = np.asarray([r.prompt_tokens or 0 for r in turns], dtype=float)[ok]
+    order = np.argsort(prompts, kind="stable")
+    top, rest = residual[order[-max(2, len(order) // 4) :]], residual[order[: -max(2, len(order) // 4)]]
+    if len(rest) < 2:
+        return None
+    # The other turns' spread is the noise: the top quarter's own spread grows with the misfit.
+    se = float(np.std(rest, ddof=1)) * math.sqrt(1 / len(top) + 1 / len(rest))
+    gap = float(np.mean(top) - np.mean(rest))
+    if se == 0 or abs(gap / se) < TREND_Z:
+        return None
+    side = "above" if gap > 0 else "below"
+    return (
+        f"misfit: at the capture's longest contexts (the quarter from {prompts[order[-len(top)]]:,.0f} prompt tokens) "
+        f"the measured TTFT is {100 * math.expm1(abs(gap)):.0f} % {side} the fit relative to the other turns "
+        f"(z = {gap / se:+.1f}; held-out rank correlation with the prompt {c.residual_trend:+.2f}): the cost "
+        "does not grow with context as the fitted linear costs do, so a prediction on longer contexts carries "
+        "an error the intervals do not hold"
+    )
+
+
+def trust_notes(c: Calibration, captured: Sequence[TurnRecord], config: CompareConfig) -> list[str]:
+    """When not to trust a prediction on `config`'s workload (module doc): its sizes against the
+    capture's, and a residual trend with context. Runs the workload once on the fit (`http` only)."""
+    values = {k: p.value for k, p in c.profile_params.items()}
+    run = compare(config.updated(modes=(BASE,), **profile_settings(values, {})), virtual=True, free_cpu=True)
+    notes = outside_capture(captured, records_from_rollouts(run.rollouts, source="predicted"))
+    misfit = trend_misfit(c, captured)
+    return notes + ([misfit] if misfit else [])

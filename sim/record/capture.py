@@ -24,6 +24,8 @@ import msgspec
 from msgspec import Raw
 
 from prototype.wire.requests import NULL, is_null
+from sim.record.signals import session_signals
+from sim.record.workload import Turn, Workload, assistant_of, task_of, tool_output_of, usage_counts
 
 __all__ = ["Capture", "Pending", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
 
@@ -54,12 +56,14 @@ class _RequestPeek(msgspec.Struct):
     instructions: Raw = NULL
     input: Raw = NULL
     stream: bool | None = None
+    store: bool | None = None
 
 
 class _ResponsePeek(msgspec.Struct):
     id: str | None = None
     status: str | None = None
     usage: Raw = NULL
+    output: Raw = NULL
 
 
 class _EventPeek(msgspec.Struct):
@@ -73,6 +77,7 @@ class _EventPeek(msgspec.Struct):
     id: str | None = None
     status: str | None = None
     usage: Raw = NULL
+    output: Raw = NULL
 
 
 _request = msgspec.json.Decoder(_RequestPeek)
@@ -97,6 +102,8 @@ class Line(msgspec.Struct, kw_only=True, omit_defaults=True):
     failed: str | None = None  # why the request has no usable turn; the reader skips the line
     proxy_request_ms: float | None = None  # arrival to hand-off upstream
     proxy_first_byte_ms: float | None = None  # the upstream's first byte to its write downstream
+    connection: int | None = None  # the WebSocket connection's number (1, 2, …) in this recording
+    store: bool | None = None  # the request's `store`, when it sent one
 
 
 _encoder = msgspec.json.Encoder()
@@ -124,6 +131,10 @@ class Pending:
     proxy_request_ms: float | None = None
     proxy_first_byte_ms: float | None = None
     finished: bool = field(default=False)
+    output: Raw | None = None  # the response's output items, read only to keep content
+    connection: int | None = None
+    store: bool | None = None
+    content: tuple[str | None, str | None, str | None] = (None, None, None)  # task, instructions, tool output
 
     @property
     def terminal(self) -> bool:
@@ -163,6 +174,8 @@ class Pending:
             self.failed = "error event"
         elif kind == "response.failed":
             self.failed = "response.failed"
+        if e.response is not None and not is_null(e.response.output):
+            self.output = e.response.output
         if e.response is not None and not is_null(e.response.usage):
             self.usage = e.response.usage
         elif self.failed is None:
@@ -180,6 +193,8 @@ class Pending:
         self.response_id = e.id
         if e.status == "failed":
             self.failed = "response.failed"
+        if not is_null(e.output):
+            self.output = e.output
         if not is_null(e.usage):
             self.usage = e.usage
         elif self.failed is None:
@@ -199,12 +214,14 @@ def _hash(previous: bytes, item: bytes) -> bytes:
 class Capture:
     """The recorder's state across requests: conversations, their turns, the lines' bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_content: bool = False) -> None:
+        self.keep_content = keep_content  # the workload's lines carry the task, turns and tool outputs
         self._by_response: dict[str, str] = {}  # response id -> conversation
         self._by_prefix: dict[tuple[int, bytes], str] = {}  # (items, hash) of a last input -> conversation
         self._completed: dict[str, int] = {}  # conversation -> completed lines
         self._count = 0
         self.lines: list[Line] = []
+        self.workload = Workload()  # the user's rollouts, turn by turn (sim/record/workload.py)
 
     def begin(self, mode: str, request: bytes, sent_at: float) -> Pending:
         """A request (an HTTP body, or a WebSocket `response.create` frame) that arrived at `sent_at`.
@@ -216,18 +233,24 @@ class Capture:
         transport = mode
         if mode == "http" and peek.previous_response_id is not None:
             mode = "http_prev"
-        hashes = self._prefix_hashes(peek, transport=transport)
-        conversation = None
+        items, hashes = self._prefix_hashes(peek, transport=transport)
+        conversation, known = None, 0
         if peek.previous_response_id is not None:
             conversation = self._by_response.get(peek.previous_response_id)
         if conversation is None and peek.previous_response_id is None:
             for key in reversed(hashes[:-1]):  # the longest earlier input this one extends
                 if key in self._by_prefix:
-                    conversation = self._by_prefix[key]
+                    conversation, known = self._by_prefix[key], key[0]
                     break
+        content: tuple[str | None, str | None, str | None] = (None, None, None)
         if conversation is None:
             conversation = f"conv-{self._count}"
             self._count += 1
+            if self.keep_content:
+                instructions = msgspec.json.decode(peek.instructions) if not is_null(peek.instructions) else None
+                content = (task_of(items), instructions if isinstance(instructions, str) else None, None)
+        elif self.keep_content:
+            content = (None, None, tool_output_of(items[known:]))
         return Pending(
             mode=mode,
             lane=peek.stream_id if isinstance(peek.stream_id, str) else None,
@@ -237,11 +260,14 @@ class Capture:
             conversation=conversation,
             turn=self._completed.get(conversation, 0),
             prefix=hashes[-1],
+            content=content,
+            store=peek.store if isinstance(peek.store, bool) else None,
         )
 
     @staticmethod
-    def _prefix_hashes(peek: _RequestPeek, *, transport: str) -> list[tuple[int, bytes]]:
-        """(k, hash of the transport, the instructions and the first k items) for k = 0 … len(items)."""
+    def _prefix_hashes(peek: _RequestPeek, *, transport: str) -> tuple[list[bytes], list[tuple[int, bytes]]]:
+        """The input's items, and (k, hash of the transport, the instructions and the first k items)
+        for k = 0 … len(items)."""
         items: list[bytes] = []
         if not is_null(peek.input):
             raw = bytes(peek.input)
@@ -257,7 +283,7 @@ class Capture:
         for k, item in enumerate(items, 1):
             h = _hash(h, item)
             out.append((k, h))
-        return out
+        return items, out
 
     def finish(self, p: Pending) -> bytes:
         """The request's capture line (with its newline); a completed one counts as its
@@ -270,6 +296,13 @@ class Capture:
             self._by_prefix[p.prefix] = p.conversation
             if p.response_id is not None:
                 self._by_response[p.response_id] = p.conversation
+            counts = usage_counts(p.usage) if p.usage is not None else None
+            if counts is not None:
+                turn = Turn(p.conversation, p.turn, p.mode, counts, p.done_at)
+                if self.keep_content:
+                    turn.task, turn.instructions = p.content[0], p.content[1]
+                    turn.assistant = assistant_of(p.output) if p.output is not None else None
+                self.workload.completed(turn)
         line = Line(
             conversation=p.conversation,
             mode=p.mode,
@@ -285,6 +318,8 @@ class Capture:
             failed=p.failed,
             proxy_request_ms=_ms(p.proxy_request_ms),
             proxy_first_byte_ms=_ms(p.proxy_first_byte_ms),
+            connection=p.connection,
+            store=p.store,
         )
         self.lines.append(line)
         return _encoder.encode(line) + b"\n"
@@ -299,8 +334,10 @@ class Capture:
             "failed": sum(1 for line in self.lines if line.failed is not None),
             "completed_by_mode": modes,
             "conversations": len({line.conversation for line in self.lines}),
+            "workload_turns": self.workload.written,
             "proxy_request_ms": latency_summary([x.proxy_request_ms for x in self.lines]),
             "proxy_first_byte_ms": latency_summary([x.proxy_first_byte_ms for x in self.lines]),
+            "sessions": session_signals(self.lines),
         }
 
 

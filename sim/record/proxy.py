@@ -5,7 +5,9 @@ hop-by-hop headers and `Accept-Encoding` aside, so the upstream answers uncompre
 response is written back chunk by chunk as it arrives, never re-encoded; WebSocket frames are
 relayed one by one in each direction. `POST …/responses` and each `response.create` on a
 WebSocket become a capture line (sim/record/capture.py) written and flushed when the response
-ends. Authorization passes through and is written nowhere.
+ends, and each completed turn a line of `workload.jsonl` (sim/record/workload.py) written when
+its conversation's next request begins (the last turns at shutdown). Authorization passes
+through and is written nowhere.
 
 Faults: an upstream that cannot be reached gives the client a 502 in the API's shape
 (`{"error": {...}}`); one that closes a stream midway gives an SSE client an `error` event (a
@@ -83,17 +85,22 @@ def _upstream_error(message: str, *, code: str = "upstream_unavailable") -> Prot
 class Recorder:
     """The proxy's state: the upstream, the capture, the output file, the clock."""
 
-    def __init__(self, upstream: str, out: Path, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, upstream: str, out: Path, *, clock: Callable[[], float] = time.monotonic, keep_content: bool = False
+    ) -> None:
         self.upstream = upstream.rstrip("/")
         self.out = out
         self.clock = clock
-        self.capture = Capture()
+        self.capture = Capture(keep_content=keep_content)
         self.session: aiohttp.ClientSession | None = None
         self._file: IO[bytes] | None = None
+        self._workload: IO[bytes] | None = None
+        self._connections = 0  # WebSocket connections seen: each one's number goes on its lines
 
     async def start(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._file = (self.out / "capture.jsonl").open("ab")
+        self._workload = (self.out / "workload.jsonl").open("ab")
         self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
 
     async def stop(self) -> dict[str, object]:
@@ -101,9 +108,24 @@ class Recorder:
             await self.session.close()
         if self._file is not None:
             self._file.close()
+        if self._workload is not None:
+            self._workload.write(self.capture.workload.close())
+            self._workload.close()
         summary = self.capture.summary()
         (self.out / "summary.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary)) + b"\n")
         return summary
+
+    def begin(self, mode: str, request: bytes, at: float, connection: int | None = None) -> Pending:
+        """A request's pending line; the workload line of its conversation's previous turn, now
+        that its tool time is known, written and flushed whole."""
+        p = self.capture.begin(mode, request, at)
+        p.connection = connection
+        line = self.capture.workload.began(p.conversation, at, tool_output=p.content[2])
+        if line is not None:
+            assert self._workload is not None
+            self._workload.write(line)
+            self._workload.flush()
+        return p
 
     def write(self, p: Pending) -> None:
         """The request's line, written and flushed whole."""
@@ -125,7 +147,7 @@ class Recorder:
         body = await request.read()
         pending = None
         if request.method == "POST" and request.path.rstrip("/").endswith("/responses"):
-            pending = self.capture.begin("http", body, arrived)
+            pending = self.begin("http", body, arrived)
         assert self.session is not None
         url = self.upstream + request.path_qs
         try:
@@ -234,9 +256,10 @@ class Recorder:
             protocols=[up.protocol] if up.protocol else (), max_msg_size=0, compress=False, autoping=True
         )
         lanes: dict[str | None, deque[Pending]] = {}
+        self._connections += 1
         try:
             await down.prepare(request)
-            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes))
+            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes, self._connections))
             to_down = asyncio.ensure_future(self._server_frames(up, down, lanes))
             done, _ = await asyncio.wait((to_up, to_down), return_when=asyncio.FIRST_COMPLETED)
             upstream_ended = to_down in done
@@ -258,7 +281,11 @@ class Recorder:
         return down
 
     async def _client_frames(
-        self, down: web.WebSocketResponse, up: aiohttp.ClientWebSocketResponse, lanes: dict[str | None, deque[Pending]]
+        self,
+        down: web.WebSocketResponse,
+        up: aiohttp.ClientWebSocketResponse,
+        lanes: dict[str | None, deque[Pending]],
+        connection: int,
     ) -> None:
         async for msg in down:
             at = self.clock()
@@ -272,7 +299,7 @@ class Recorder:
                     except msgspec.DecodeError:
                         kind = None
                     if kind == "response.create":
-                        pending = self.capture.begin("ws", raw, at)
+                        pending = self.begin("ws", raw, at, connection)
                         lanes.setdefault(pending.lane, deque()).append(pending)
                 await up.send_str(data)
                 if pending is not None:
@@ -325,9 +352,11 @@ def make_recorder_app(recorder: Recorder) -> web.Application:
     return app
 
 
-async def serve_recorder(upstream: str, host: str, port: int, out: Path) -> dict[str, object]:
+async def serve_recorder(
+    upstream: str, host: str, port: int, out: Path, *, keep_content: bool = False
+) -> dict[str, object]:
     """Record until SIGINT or SIGTERM; the summary (also in `out/summary.json`)."""
-    recorder = Recorder(upstream, out)
+    recorder = Recorder(upstream, out, keep_content=keep_content)
     runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -350,7 +379,14 @@ def record_options(sub: argparse._SubParsersAction[Any]) -> None:
     )
     rec.add_argument("--upstream", required=True, metavar="URL", help="the API's origin, e.g. https://api.openai.com")
     rec.add_argument("--listen", default="127.0.0.1:8089", metavar="HOST:PORT", help="where clients connect")
-    rec.add_argument("--out", required=True, metavar="DIR", help="writes capture.jsonl and summary.json here")
+    rec.add_argument(
+        "--out", required=True, metavar="DIR", help="writes capture.jsonl, workload.jsonl and summary.json here"
+    )
+    rec.add_argument(
+        "--keep-content",
+        action="store_true",
+        help="workload.jsonl keeps the task, instructions, each turn's output and each tool's output (never a key)",
+    )
 
 
 def record_main(
@@ -361,6 +397,6 @@ def record_main(
     if not host or not port.isdigit():
         print(f"error: --listen {args.listen!r}: want HOST:PORT", file=sys.stderr)
         return 2
-    summary = run(serve_recorder(args.upstream, host, int(port), Path(args.out)))
+    summary = run(serve_recorder(args.upstream, host, int(port), Path(args.out), keep_content=args.keep_content))
     print(msgspec.json.format(msgspec.json.encode(summary)).decode())
     return 0
