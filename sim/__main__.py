@@ -608,7 +608,7 @@ def contention_main(args: argparse.Namespace) -> int:
         return 0
     config = _engine_config(args, CONTENTION_DEFAULTS)
     out = start_folder(args, "validate-contention")
-    rates = measure(config.engine)
+    rates = measure(config.engine, verify_ks=())  # the contention check reads forced decoding's rates
     print(f"the engine alone: {rates_text(rates)}", flush=True)
     print(f"longrun validate --contention: {config.rollouts} rollouts in flight; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)

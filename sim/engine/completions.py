@@ -16,6 +16,9 @@ generic server offers, and what longrun reads of it (docs/engine.md#other-engine
   ``prompt_tokens_details.cached_tokens`` streamed with every chunk
   (``stream_options.continuous_usage_stats``, vLLM's extension; vLLM reports the count with
   ``--enable-prompt-tokens-details``). A first token without either is refused.
+* **Verified.** ``engine_decode="verified"``: each pass is a completion of the prompt and the
+  framed ids so far with ``max_tokens`` 1 (the one sampled token is ignored); the server's prefix
+  cache keeps the passes before, as llama.cpp's slot does.
 * **No slots.** The server schedules; a paused response's KV is whatever its prefix cache keeps
   (there is no pin), and the cache is emptied between modes by the ``engine_reset`` paths.
 """
@@ -110,6 +113,11 @@ class CompletionsDialect:
         if force:
             body["grammar"] = token_grammar(forced)
         return "/v1/completions", body
+
+    def verify(self, prompt: list[int], *, slot: int | None) -> tuple[str, Any]:
+        # max_tokens 1: the one token sampled stands at the next planned position, is ignored, and
+        # never enters the KV (no forward pass feeds it back).
+        return self.request(prompt, [], force=False, slot=slot)
 
     def parse(self, line: bytes) -> Chunk | None:
         if not line.startswith(b"data: "):

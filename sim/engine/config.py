@@ -14,11 +14,13 @@ from msgspec import Meta
 
 from .slots import OnFull
 
-__all__ = ["DEFAULT_CTX_PER_SLOT", "ENGINE_KINDS", "EngineConfig", "EngineKind"]
+__all__ = ["DEFAULT_CTX_PER_SLOT", "DEFAULT_VERIFY_K", "ENGINE_KINDS", "EngineConfig", "EngineDecode", "EngineKind"]
 
 EngineKind = Literal["none", "llamacpp", "openai"]
+EngineDecode = Literal["forced", "verified", "length"]
 ENGINE_KINDS: Final[tuple[EngineKind, ...]] = ("none", "llamacpp", "openai")
 DEFAULT_CTX_PER_SLOT: Final = 8192  # a slot's context when none is given and no workload sizes it
+DEFAULT_VERIFY_K: Final = 64  # measured: docs/engine.md#verified-decoding
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -69,12 +71,20 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ),
     ] = 0
     engine_decode: Annotated[
-        Literal["forced", "length"],
+        EngineDecode,
         Meta(
             description="forced: a token-id grammar makes the engine decode the planned tokens exactly; "
-            "length: free decoding of the planned length (what-if: faster, but the KV holds other tokens)"
+            "verified: the planned tokens go to the slot --engine-verify-k at a time through the prompt path (every "
+            "token's forward pass, batched: docs/engine.md); length: free decoding of the planned length (what-if: "
+            "faster, but the KV holds other tokens)"
         ),
     ] = "forced"
+    engine_verify_k: Annotated[
+        int,
+        Meta(
+            ge=1, le=512, description="verified: planned tokens per forward pass (at most llama.cpp's 512-token batch)"
+        ),
+    ] = DEFAULT_VERIFY_K
     engine_affinity: Annotated[
         bool, Meta(description="a create turn takes the slot that last served its conversation when it is free")
     ] = True

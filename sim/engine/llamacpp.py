@@ -3,7 +3,8 @@
 ``POST /completion`` with a token-id prompt, ``stream``, ``cache_prompt``, ``id_slot``,
 ``return_tokens`` and ``timings_per_token`` (so the first streamed token already carries the
 engine's ``cache_n`` and ``prompt_ms``); the planned output forced by a token-id grammar
-(``root ::= <[id]> <[id]> …``) or, as a what-if, decoded freely to the same length with
+(``root ::= <[id]> <[id]> …``), verified (the prompt and the framed ids so far sent as a prompt
+with ``n_predict`` 1, a chunk at a time) or, as a what-if, decoded freely to the same length with
 ``ignore_eos``. Its slots (``/slots/{id}?action=save|restore|erase``) give each design its KV
 semantics (sim/engine/slots.py).
 """
@@ -58,6 +59,14 @@ class LlamaCppDialect:
         if slot is not None:
             body["id_slot"] = slot
         return "/completion", body
+
+    def verify(self, prompt: list[int], *, slot: int | None) -> tuple[str, Any]:
+        # n_predict 0 samples one token all the same (b11434: the slot stops at its limit after
+        # the first sample); 1 says so. The sampled token is never fed back, so the KV holds
+        # `prompt` alone.
+        path, body = self.request(prompt, [], force=False, slot=slot)
+        body["n_predict"] = 1
+        return path, body
 
     def parse(self, line: bytes) -> Chunk | None:
         if not line.startswith(b"data: "):

@@ -19,17 +19,26 @@ Each turn:
    every design. The framing is decoded work the API does not stream (usage counts the item's tokens).
 4. **Force.** ``engine_decode="forced"``: a token-id grammar (``root ::= <[id]> <[id]> …``) makes
    the engine sample exactly those ids; each returned id is checked (a mismatch fails the turn).
+   ``"verified"``: speculative decoding with a draft that is always accepted. A prefill pass of
+   the prompt stands for the first token (as it yields forced decoding's first), then the framed
+   ids go to the same slot ``engine_verify_k`` per pass through the dialect's prompt path (the
+   prompt + the framed ids so far, its cached prefix reused); each pass samples one token at a
+   planned position, which is ignored and never enters the KV (`verify_ends`). The slot ends the
+   turn holding what forced decoding leaves: the prompt and every framed id but the last.
    ``"length"`` (what-if): free decoding of the same length, faster, but the KV then holds the
    engine's tokens, not the plan's.
 5. **Slot** (a dialect with slots). `SlotTable` picks the slot (a paused response's pinned slot,
    or a free one by affinity or LRU; ``engine_on_full``: wait, drop or swap). Without slots the
    engine schedules and its prefix cache is all a paused response keeps.
-6. **Stream.** ``Prefilled`` is yielded when the first token arrives, carrying the engine's own
-   cached-token count, prefill time and the slot wait; the API's tokens go out in proportion to
-   the engine's progress through each item (`_Pacer`).
+6. **Stream.** ``Prefilled`` is yielded when the first token arrives (verified: at the prefill
+   pass's end), carrying the engine's own cached-token count, prefill time and the slot wait; the
+   API's tokens go out in proportion to the engine's progress through each item (`_Pacer`;
+   verified: a pass's tokens at its end).
 
 The engine's per-turn counters (``prompt_n``, ``cache_n``, ``prompt_ms``, ``predicted_n``,
-``predicted_ms``) are kept in `turns` for the run folder and the validation (docs/validation.md).
+``predicted_ms``; verified: the prefill pass's, then the framed ids and the passes' summed engine
+time, each pass in ``passes``) are kept in `turns` for the run folder and the validation
+(docs/validation.md).
 """
 
 from __future__ import annotations
@@ -60,7 +69,18 @@ from .config import EngineConfig
 from .process import LlamaServer
 from .slots import Grant, SlotAction, SlotTable
 
-__all__ = ["BOS_ID", "ID_OFFSET", "Chunk", "Dialect", "EngineError", "EngineModel", "EngineTurn", "engine_ids"]
+__all__ = [
+    "BOS_ID",
+    "ID_OFFSET",
+    "Chunk",
+    "Dialect",
+    "EngineError",
+    "EngineModel",
+    "EnginePass",
+    "EngineTurn",
+    "engine_ids",
+    "verify_ends",
+]
 
 BOS_ID: Final = 2  # Gemma's <bos>: llama.cpp adds it only to string prompts
 ID_OFFSET: Final = 1000  # past Gemma's control/unused ids; o200k's ~200k ids end below its image tokens
@@ -72,6 +92,25 @@ class EngineError(RuntimeError):
 
 def engine_ids(ids: np.ndarray[Any, Any] | list[int]) -> list[int]:
     return (np.asarray(ids, dtype=np.int64) + ID_OFFSET).tolist()  # type: ignore[no-any-return]
+
+
+def verify_ends(n: int, k: int) -> list[int]:
+    """Verified decoding of `n` framed ids, `k` a pass: how many of them each pass's prompt
+    carries after the turn's prompt. The first pass is the prompt alone (its sampled token stands
+    for framed id 0); a pass ending at `e` computes the KV of the ids before `e` and stands for
+    ids up to `e`. The last pass ends at `n - 1`: forced decoding never feeds back its last
+    sampled id either, so both leave the slot holding the prompt and `n - 1` framed ids."""
+    return [0] if n <= 1 else [0, *range(k, n - 1, k), n - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePass:
+    """One forward pass of verified decoding, as the engine reported it."""
+
+    prompt_n: int  # tokens it computed (the chunk)
+    cache_n: int  # tokens it found in the slot (the prompt and the chunks before)
+    engine_ms: float  # the engine's own time for the pass (its prompt_ms and sampling)
+    wall_ms: float  # request sent -> reply read, as the API saw it
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +131,7 @@ class EngineTurn:
     queued_s: float  # waited for a slot
     ttft_s: float  # request sent to the engine -> first token back
     total_s: float  # request sent -> last token back
+    passes: tuple[EnginePass, ...] = ()  # verified decoding: each pass after the prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +154,11 @@ class Dialect(Protocol):
 
     def request(self, prompt: list[int], forced: list[int], *, force: bool, slot: int | None) -> tuple[str, Any]:
         """The path and JSON body of a turn that prefills `prompt` and decodes `len(forced)` tokens."""
+        ...
+
+    def verify(self, prompt: list[int], *, slot: int | None) -> tuple[str, Any]:
+        """The path and JSON body of a pass that computes `prompt`'s KV (its cached prefix reused)
+        and samples one token after it, no more (verified decoding)."""
         ...
 
     def parse(self, line: bytes) -> Chunk | None:
@@ -177,60 +222,26 @@ class EngineModel:
         prompt = [BOS_ID, *engine_ids(np.concatenate(request.prompt) if request.prompt else [])]
         if len(prompt) + len(forced) > self.config.ctx_per_slot:
             raise ContextWindowExceeded(f"{len(prompt)} + {len(forced)} tokens > {self.config.ctx_per_slot}")
-        force = self.config.engine_decode == "forced" and bool(forced)
         waited_from = self.clock.now()
         grant = await self._acquire(request) if self.dialect.slotted else UNSLOTTED
         queued_s = self.clock.now() - waited_from
-        slot = grant.slot if self.dialect.slotted else None
-        path, body = self.dialect.request(prompt, forced, force=force, slot=slot)
         pin = request.conversation_id if request.hold_kv else None
         try:
             session = self._client()
             for action in grant.actions:
                 await self._slot_action(session, action)
-            sent = self.clock.now()
-            first_at = 0.0
-            timings: dict[str, float] = {}
-            got = 0  # engine tokens received
+            slot = grant.slot if self.dialect.slotted else None
+            run = _Run(request, prompt, forced, slot, queued_s, sent=self.clock.now())
             pace = _Pacer(items, framed, self.planner.tokenizer.token_bytes)
-            try:
-                response = await session.post(f"{self.url}{path}", json=body)
-            except aiohttp.ClientError as err:
-                raise EngineError(f"{self.dialect.name} at {self.url} is unreachable: {err}") from err
-            async with response:
-                if response.status != 200:
-                    raise self.dialect.error(response.status, await response.read())
-                async for line in response.content:
-                    chunk = self.dialect.parse(line)
-                    if chunk is None:
-                        continue
-                    timings.update(chunk.timings)
-                    for token in chunk.tokens:
-                        if not first_at:
-                            first_at = self.clock.now()
-                            timings.setdefault("prompt_ms", 1e3 * (first_at - sent))  # not reported: measured
-                            yield self._prefilled(request, timings, queued_s)
-                        if not forced:  # a prefill alone (a warm-up): the engine still samples one token
-                            break
-                        if got >= len(forced):
-                            raise EngineError("the engine decoded past the planned tokens")
-                        if force and token != forced[got]:
-                            raise EngineError(f"forced decoding diverged at token {got}: {token} != {forced[got]}")
-                        got += 1
-                        for event in pace.advance():
-                            yield event
-                    if chunk.stop:
-                        break
-            if got != len(forced):
-                raise EngineError(f"the engine stopped after {got} of {len(forced)} tokens")
-            if not first_at:  # nothing to decode (a warm-up): prefilled only
-                first_at = self.clock.now()
-                timings.setdefault("prompt_ms", 1e3 * (first_at - sent))
-                yield self._prefilled(request, timings, queued_s)
+            decode = self._verified if self.config.engine_decode == "verified" else self._decoded
+            async for event in decode(session, run, pace):
+                yield event
+            if not run.first_at:  # nothing to decode (a warm-up): prefilled only
+                yield self._first(run)
             end = self.clock.now()
-            timings.setdefault("predicted_n", got)  # not reported: counted and measured
-            timings.setdefault("predicted_ms", 1e3 * (end - first_at))
-            self._record(request, grant, timings, queued_s, first_at - sent, end - sent)
+            run.timings.setdefault("predicted_n", len(forced))  # not reported: counted and measured
+            run.timings.setdefault("predicted_ms", 1e3 * (end - run.first_at))
+            self._record(request, grant, run, end)
             for event in pace.rest():
                 yield event
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
@@ -241,6 +252,77 @@ class EngineModel:
                 self.slots.release(grant.slot, pin_for=pin)
                 self._wake()
 
+    async def _decoded(
+        self, session: aiohttp.ClientSession, run: _Run, pace: _Pacer
+    ) -> AsyncGenerator[ModelEvent, None]:
+        """Forced (or free, ``length``) decoding: one request that prefills the prompt and
+        decodes the framed ids, each streamed id checked against the plan."""
+        forced = run.forced
+        force = self.config.engine_decode == "forced" and bool(forced)
+        path, body = self.dialect.request(run.prompt, forced, force=force, slot=run.slot)
+        got = 0  # engine tokens received
+        async with await self._send(session, path, body) as response:
+            async for line in response.content:
+                chunk = self.dialect.parse(line)
+                if chunk is None:
+                    continue
+                run.timings.update(chunk.timings)
+                for token in chunk.tokens:
+                    if not run.first_at:
+                        yield self._first(run)
+                    if not forced:  # a prefill alone (a warm-up): the engine still samples one token
+                        break
+                    if got >= len(forced):
+                        raise EngineError("the engine decoded past the planned tokens")
+                    if force and token != forced[got]:
+                        raise EngineError(f"forced decoding diverged at token {got}: {token} != {forced[got]}")
+                    got += 1
+                    for event in pace.advance():
+                        yield event
+                if chunk.stop:
+                    break
+        if got != len(forced):
+            raise EngineError(f"the engine stopped after {got} of {len(forced)} tokens")
+
+    async def _verified(
+        self, session: aiohttp.ClientSession, run: _Run, pace: _Pacer
+    ) -> AsyncGenerator[ModelEvent, None]:
+        """Verified decoding (module docstring, `verify_ends`): the prefill pass yields the first
+        token, each later pass the planned tokens it computed, at its end."""
+        forced, passes, ms = run.forced, [], 0.0
+        done = 0  # planned tokens delivered
+        for end in verify_ends(len(forced), self.config.engine_verify_k):
+            path, body = self.dialect.verify(run.prompt + forced[:end], slot=run.slot)
+            started = self.clock.now()
+            timings: dict[str, float] = {}
+            sampled = 0
+            async with await self._send(session, path, body) as response:
+                async for line in response.content:
+                    chunk = self.dialect.parse(line)
+                    if chunk is not None:
+                        timings.update(chunk.timings)
+                        sampled += len(chunk.tokens)
+                        if chunk.stop:
+                            break
+            if sampled > 1:
+                raise EngineError(f"the engine sampled {sampled} tokens in a verify pass (one was asked)")
+            wall_ms = 1e3 * (self.clock.now() - started)
+            engine_ms = timings.get("prompt_ms", wall_ms) + timings.get("predicted_ms", 0.0)
+            if end == 0:
+                run.timings.update(timings)
+                yield self._first(run)
+            else:
+                n, cached = int(timings.get("prompt_n", -1)), int(timings.get("cache_n", -1))
+                passes.append(EnginePass(prompt_n=n, cache_n=cached, engine_ms=engine_ms, wall_ms=wall_ms))
+                ms += engine_ms
+            for _ in range(done, min(end + 1, len(forced))):
+                for event in pace.advance():
+                    yield event
+            done = min(end + 1, len(forced))
+        run.passes = tuple(passes)
+        run.timings["predicted_n"] = len(forced)
+        run.timings["predicted_ms"] = ms
+
     async def reset(self) -> None:
         """A cold engine, as each mode of a comparison starts with (a shared cache would favour
         whichever mode runs later): the dialect's cache reset (every slot erased, for llama.cpp)
@@ -250,9 +332,8 @@ class EngineModel:
             await self._post(session, path, {}, "cache reset")
         self.slots = self._empty_slots()
 
-    def _record(
-        self, request: ModelRequest, grant: Grant, timings: dict[str, float], queued_s: float, ttft: float, total: float
-    ) -> None:
+    def _record(self, request: ModelRequest, grant: Grant, run: _Run, end: float) -> None:
+        timings = run.timings
         self.turns.append(
             EngineTurn(
                 tag=self.tag,
@@ -266,13 +347,31 @@ class EngineModel:
                 prompt_ms=float(timings.get("prompt_ms", 0.0)),
                 predicted_n=int(timings.get("predicted_n", 0)),
                 predicted_ms=float(timings.get("predicted_ms", 0.0)),
-                queued_s=queued_s,
-                ttft_s=ttft,
-                total_s=total,
+                queued_s=run.queued_s,
+                ttft_s=run.first_at - run.sent,
+                total_s=end - run.sent,
+                passes=run.passes,
             )
         )
 
     # -- parts -------------------------------------------------------------------------------------
+
+    async def _send(self, session: aiohttp.ClientSession, path: str, body: Any) -> aiohttp.ClientResponse:
+        """A turn's (or a pass's) request sent: its 200 response, to be read, or the seam's error."""
+        try:
+            response = await session.post(f"{self.url}{path}", json=body)
+        except aiohttp.ClientError as err:
+            raise EngineError(f"{self.dialect.name} at {self.url} is unreachable: {err}") from err
+        if response.status != 200:
+            async with response:
+                raise self.dialect.error(response.status, await response.read())
+        return response
+
+    def _first(self, run: _Run) -> Prefilled:
+        """The first token is back: the turn's prefill is over."""
+        run.first_at = self.clock.now()
+        run.timings.setdefault("prompt_ms", 1e3 * (run.first_at - run.sent))  # not reported: measured
+        return self._prefilled(run.request, run.timings, run.queued_s)
 
     def _prefilled(self, request: ModelRequest, timings: dict[str, float], queued_s: float) -> Prefilled:
         # The engine counts its BOS among the cached tokens; longrun's prompt has none.
@@ -339,6 +438,21 @@ class EngineModel:
             "prompt_ms": sum(t.prompt_ms for t in turns),
             "predicted_ms": sum(t.predicted_ms for t in turns),
         }
+
+
+@dataclass(slots=True)
+class _Run:
+    """One turn on the engine as it goes: what was asked, and what came back so far."""
+
+    request: ModelRequest
+    prompt: list[int]  # engine ids, BOS first
+    forced: list[int]  # the framed planned ids
+    slot: int | None  # the dialect's slot (None: the engine schedules)
+    queued_s: float
+    sent: float  # the first request went out
+    first_at: float = 0.0  # the first token came back
+    timings: dict[str, float] = field(default_factory=dict)  # the engine's, in llama.cpp's names
+    passes: tuple[EnginePass, ...] = ()
 
 
 class _Pacer:

@@ -2,7 +2,9 @@
 
 Measured on llama.cpp directly (``/completion`` with token-id prompts, no API in front), each
 figure the median of ``--repeats`` runs: decode speed free and forced (the token-id grammar
-longrun uses for the same tokens in every design), cold prefill against context length, what a
+longrun uses for the same tokens in every design), verified decoding's effective rate at several
+k (planned tokens sent k a pass through the prompt path, as `EngineModel` does: by the client's
+clock, HTTP included, and by the engine's own time), cold prefill against context length, what a
 prefix-cache hit does to the time to first token, and aggregate decode with several streams.
 """
 
@@ -19,10 +21,13 @@ import aiohttp
 import msgspec
 
 from .config import EngineConfig
-from .model import BOS_ID, ID_OFFSET
+from .model import BOS_ID, ID_OFFSET, verify_ends
 from .process import EngineNotInstalled, LlamaServer
 
-__all__ = ["measure", "rates_text"]
+__all__ = ["VERIFY_KS", "measure", "rates_text"]
+
+VERIFY_KS = (8, 16, 32, 64, 128)  # the k measured for verified decoding
+VERIFIED_TOKENS = 256  # planned tokens a verified measurement decodes, after a 500-token prompt
 
 
 def _prompt(n: int, salt: int) -> list[int]:
@@ -39,7 +44,7 @@ async def _complete(session: aiohttp.ClientSession, url: str, body: dict[str, An
     return time.perf_counter() - start, data
 
 
-async def _rates(url: str, slots: int, repeats: int) -> dict[str, float]:
+async def _rates(url: str, slots: int, repeats: int, verify_ks: tuple[int, ...]) -> dict[str, float]:
     out: dict[str, float] = {}
     salt = iter(range(1, 10_000))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
@@ -55,6 +60,10 @@ async def _rates(url: str, slots: int, repeats: int) -> dict[str, float]:
             forced.append(d["timings"]["predicted_per_second"])
         out["decode_free_tok_s"] = statistics.median(free)
         out["decode_forced_tok_s"] = statistics.median(forced)
+        for k in verify_ks:
+            runs = [await _verified(s, url, k, next(salt)) for _ in range(repeats)]
+            out[f"verified_tok_s_k{k}"] = statistics.median(wall for wall, _ in runs)
+            out[f"verified_engine_tok_s_k{k}"] = statistics.median(engine for _, engine in runs)
         for ctx in (500, 2000):
             rates, hits = [], []
             for _ in range(repeats):
@@ -83,12 +92,30 @@ async def _rates(url: str, slots: int, repeats: int) -> dict[str, float]:
     return out
 
 
-def measure(config: EngineConfig, *, repeats: int = 3) -> dict[str, float]:
-    """Start an engine of `config` (or attach to ``engine_url``) and measure its rates."""
+async def _verified(s: aiohttp.ClientSession, url: str, k: int, salt: int) -> tuple[float, float]:
+    """Verified decoding of `VERIFIED_TOKENS` after a prompt of 500: tokens/s by the client's
+    clock (from the prefill pass's end to the last pass's, HTTP included) and by the engine's."""
+    p = _prompt(500, salt)
+    planned = [ID_OFFSET + 500 + 13 * i for i in range(VERIFIED_TOKENS)]
+    body = {"n_predict": 1, "cache_prompt": True, "id_slot": 0, "temperature": 0.0}
+    ends = verify_ends(len(planned), k)
+    await _complete(s, url, {**body, "prompt": p})
+    wall = engine_ms = 0.0
+    for end in ends[1:]:
+        took, d = await _complete(s, url, {**body, "prompt": p + planned[:end]})
+        wall += took
+        engine_ms += d["timings"]["prompt_ms"] + d["timings"]["predicted_ms"]
+    # The prefill pass stood for the first planned token; the passes for the rest.
+    return (len(planned) - 1) / wall, (len(planned) - 1) / (engine_ms / 1e3)
+
+
+def measure(config: EngineConfig, *, repeats: int = 3, verify_ks: tuple[int, ...] = VERIFY_KS) -> dict[str, float]:
+    """Start an engine of `config` (or attach to ``engine_url``) and measure its rates
+    (verified decoding at each of `verify_ks`: none, not measured)."""
     if config.engine_url:
-        return asyncio.run(_rates(config.engine_url, config.engine_slots, repeats))
+        return asyncio.run(_rates(config.engine_url, config.engine_slots, repeats, verify_ks))
     with LlamaServer(config) as server:
-        return asyncio.run(_rates(server.url, config.engine_slots, repeats))
+        return asyncio.run(_rates(server.url, config.engine_slots, repeats, verify_ks))
 
 
 def rates_text(r: dict[str, float]) -> str:
@@ -96,6 +123,12 @@ def rates_text(r: dict[str, float]) -> str:
         f"decode, one stream: {r['decode_free_tok_s']:.1f} tokens/s free, {r['decode_forced_tok_s']:.1f} forced "
         f"(the token-id grammar: {100 * (1 - r['decode_forced_tok_s'] / r['decode_free_tok_s']):.0f} % slower)",
     ]
+    verified = ", ".join(
+        f"{r[f'verified_tok_s_k{k}']:.0f} at k={k} ({r[f'verified_engine_tok_s_k{k}']:.0f} by the engine's time)"
+        for k in VERIFY_KS
+        if f"verified_tok_s_k{k}" in r
+    )
+    lines.append(f"verified decoding (planned tokens k a pass, after 500 prompt tokens), tokens/s: {verified}")
     for ctx in (500, 2000):
         lines.append(
             f"prefill at {ctx} tokens: {r[f'prefill_cold_tok_s_at_{ctx}']:.0f} tokens/s cold; a cached prefix + 20 new "
@@ -113,13 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slots", type=int, default=2, help="llama.cpp --parallel (and the most streams measured)")
     p.add_argument("--threads", type=int, default=1, help="llama.cpp -t")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure (the median is shown)")
+    p.add_argument(
+        "--verify-k",
+        default=",".join(map(str, VERIFY_KS)),
+        help="verified decoding's tokens per pass to measure, comma-separated",
+    )
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = p.parse_args(argv)
+    try:
+        verify_ks = tuple(int(k) for k in args.verify_k.split(",") if k)
+    except ValueError:
+        verify_ks = ()
+    if not verify_ks or min(verify_ks) < 1 or max(verify_ks) > 512:
+        p.error(f"--verify-k: comma-separated integers from 1 to 512, got {args.verify_k!r}")
     config = EngineConfig(
         engine_kind="llamacpp", engine_url=args.url, engine_slots=args.slots, engine_threads=args.threads
     )
     try:
-        r = measure(config, repeats=args.repeats)
+        r = measure(config, repeats=args.repeats, verify_ks=verify_ks)
     except EngineNotInstalled as err:
         print(f"python -m sim.engine.rates: {err}", file=sys.stderr)
         return 2

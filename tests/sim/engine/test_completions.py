@@ -6,6 +6,7 @@ llama.cpp engine spoken to in this dialect is in test_engine.py."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,7 +24,7 @@ from prototype.store.memory import MemoryStore
 from sim.engine.backend import engine_model
 from sim.engine.completions import CompletionsDialect, completions_error
 from sim.engine.config import EngineConfig
-from sim.engine.model import EngineError, EngineModel
+from sim.engine.model import EngineError, EngineModel, verify_ends
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from tests.support import served
@@ -201,3 +202,40 @@ async def test_the_engine_refuses_explicit_prompt_caching() -> None:
                 assert fake.bodies == []
                 served_turn = await client.responses.create(model="sim", input="hi")
                 assert served_turn.status == "completed" and len(fake.bodies) >= 1
+
+
+async def test_verified_decoding_sends_the_plan_k_ids_a_pass_and_streams_each_pass_at_its_end() -> None:
+    """Each pass is the prompt and the framed ids so far with one token asked (ignored); the API
+    gets the plan's tokens, the same as forced decoding's, as each pass returns."""
+    prompt = np.arange(100, 300, dtype=np.uint32)
+    fake = FakeVLLM(echo_grammar=True)
+    async with _vllm(fake) as url:
+        async with _model(_config(url, engine_decode="forced")) as model:
+            forced = await _sample(model, _request(prompt))
+        planned = [int(t.strip("<[]>")) for t in fake.bodies[0]["grammar"].removeprefix("root ::= ").split()]
+        fake.bodies.clear()
+        seen: list[tuple[Any, int]] = []  # each event, with the passes the server had received when it came
+        async with _model(_config(url, engine_decode="verified", engine_verify_k=4)) as model:
+            async for event in model.sample(_request(prompt)):
+                seen.append((event, len(fake.bodies)))
+            turn = model.turns[0]
+    ends = verify_ends(len(planned), 4)
+    assert len(planned) > 9 and len(ends) == 2 + (len(planned) - 2) // 4
+    head = fake.bodies[0]["prompt"]
+    assert [b["prompt"] for b in fake.bodies] == [head + planned[:end] for end in ends]
+    assert all(b["max_tokens"] == 1 and "grammar" not in b for b in fake.bodies)
+    tokens = [e.token_ids for e, _ in seen if isinstance(e, TokensSampled)]
+    assert tokens == [e.token_ids for e in forced if isinstance(e, TokensSampled)]
+    # Prefilled after the first pass (the prompt alone), the last tokens after the last pass.
+    assert isinstance(seen[0][0], Prefilled) and seen[0][1] == 1
+    passes_at = [n for e, n in seen if isinstance(e, TokensSampled)]
+    assert passes_at == sorted(passes_at) and passes_at[0] == 1 and passes_at[-1] == len(ends)
+    assert turn.predicted_n == len(planned) and len(turn.passes) == len(ends) - 1
+    assert [p.prompt_n for p in turn.passes] == [b - a for a, b in itertools.pairwise(ends)]
+
+
+def test_verified_passes_end_where_forced_decoding_leaves_the_slot() -> None:
+    assert verify_ends(0, 4) == [0] and verify_ends(1, 4) == [0]
+    assert verify_ends(2, 4) == [0, 1]
+    assert verify_ends(9, 4) == [0, 4, 8]
+    assert verify_ends(10, 4) == [0, 4, 8, 9]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -32,7 +33,7 @@ from sim.__main__ import main, table
 from sim.engine.backend import ctx_for, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.llamacpp import LLAMACPP
-from sim.engine.model import EngineModel
+from sim.engine.model import EngineModel, verify_ends
 from sim.engine.process import EngineNotInstalled, LlamaServer, binary_path
 from sim.harness.experiment import CompareConfig, compare
 from sim.harness.sizing import planned_prompts
@@ -124,6 +125,30 @@ def test_every_mode_decodes_the_same_tokens_and_holds_or_reuses_its_kv(engine: L
         assert all(t.resident for t in turns if t.tag == mode and t.turn_index > 0), mode
     usage = {r.mode: [t.response.usage.output_tokens for t in r.turns if t.response.usage] for r in result.rollouts}
     assert usage["http"] == usage["ws"] == usage["http_prev"]
+
+
+def test_verified_decoding_leaves_each_slot_as_forced_decoding_does(engine: LlamaServer) -> None:
+    """`ws` for three turns end to end, forced then verified (8 ids a pass): the same words, and
+    turn by turn the same cached and prefilled counts (the next turn's cache_n shows the slot held
+    exactly forced decoding's tokens); every pass after the prefill found the passes before it."""
+    runs = {
+        decode: _compare(engine, ("ws",), engine_decode=decode, engine_verify_k=8) for decode in ("forced", "verified")
+    }
+    assert _said(runs["verified"].rollouts[0]) == _said(runs["forced"].rollouts[0])
+    counts = {
+        decode: [(t.turn_index, t.prompt_tokens, t.cache_n, t.prompt_n, t.predicted_n) for t in r.engine_turns]
+        for decode, r in runs.items()
+    }
+    assert len(counts["forced"]) == 3 and counts["verified"] == counts["forced"]
+    for turn in runs["verified"].engine_turns:
+        assert [p.prompt_n for p in turn.passes] == [
+            b - a for a, b in itertools.pairwise(verify_ends(turn.predicted_n, 8))
+        ]
+        assert [p.cache_n for p in turn.passes] == [
+            turn.prompt_tokens + 1 + a for a in verify_ends(turn.predicted_n, 8)[:-1]
+        ]
+        assert turn.ttft_s < turn.total_s and turn.predicted_ms == pytest.approx(sum(p.engine_ms for p in turn.passes))
+    assert all(not t.passes for t in runs["forced"].engine_turns)
 
 
 def test_the_openai_compatible_dialect_drives_every_mode_through_the_same_engine(engine: LlamaServer) -> None:
