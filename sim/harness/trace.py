@@ -269,13 +269,13 @@ def write_capacity(
     directory: str | Path, config: CapacityConfig, rows: list[dict[str, Any]], points: list[dict[str, Any]]
 ) -> Path:
     """A capacity run folder: config.json, runs.csv (per seed), points.csv (with intervals),
-    frontier.png (goodput) and crossover.png (append's session time saved against ws)."""
+    frontier.png (goodput) and, when both ran, crossover.png (append's session time saved against ws)."""
     out = Path(directory)
     write_json(config, out / "config.json")
     write_table(rows, out / "runs.csv")
     write_table(points, out / "points.csv")
     _capacity_grid(out / "frontier.png", config, points, "goodput", f"goodput (p90 TTFT ≤ {config.ttft_slo_s:g} s)")
-    if "ws" in config.modes:
+    if "ws" in config.modes and "append" in config.modes:  # the crossover is append's against ws
         _capacity_grid(out / "crossover.png", config, points, "saved_vs_ws", "session time saved vs ws (%)")
     return out
 
