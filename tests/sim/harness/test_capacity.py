@@ -256,8 +256,9 @@ def test_capacity_keeps_its_run_in_a_new_folder_by_default(
 ) -> None:
     runs = tmp_path / "runs"
     monkeypatch.setenv(console.RUNS_ENV, str(runs))
-    argv = ["capacity", "--workload=interactive", "--sessions=5", "--loads=1", "--seeds=1", "--modes=ws"]
-    argv += ["--kv-budgets=80000", "--tool-tails=1", "--decode-slots=8", "--workers=1", "--quiet"]
+    argv = ["capacity", "--workload=interactive", "--sessions=5", "--loads=1", "--seeds=1", "--modes=ws,append"]
+    argv += ["--policies=hold", "--preempt=false", "--kv-budgets=80000", "--tool-tails=1", "--decode-slots=8"]
+    argv += ["--workers=1", "--quiet"]
     assert main(argv) == 0
     (folder,) = runs.iterdir()
     assert re.fullmatch(r"capacity-\d{8}-\d{4}", folder.name) and (folder / "points.csv").is_file()

@@ -198,5 +198,7 @@ def test_a_job_stopped_by_sigterm_stops_its_workers(executor: list[str], tmp_pat
         _, err = proc.communicate()
     assert left == [], "workers left running"
     assert proc.returncode == 130, err
-    assert err.strip().splitlines()[-1] == "python -m sim capacity: interrupted"
+    # Its one line (Dask's own shutdown logging may follow it when the signal came while the
+    # cluster was still starting).
+    assert "python -m sim capacity: interrupted" in err.splitlines(), err
     assert not (tmp_path / "run").exists()  # an interrupted job writes no results
