@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import statistics
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 from msgspec import Raw
@@ -56,7 +56,7 @@ class _RequestPeek(msgspec.Struct):
     instructions: Raw = NULL
     input: Raw = NULL
     stream: bool | None = None
-    store: bool | None = None
+    store: Any = None  # any type: a bad value (the upstream's to refuse) must not lose the rest of the peek
 
 
 class _ResponsePeek(msgspec.Struct):

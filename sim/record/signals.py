@@ -18,14 +18,38 @@ Sans-IO, from the capture's lines (sim/record/capture.py):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+from msgspec import Raw
 
 from sim.record.workload import usage_counts
 
-if TYPE_CHECKING:
-    from sim.record.capture import Line
-
 __all__ = ["session_signals"]
+
+
+class Line(Protocol):
+    """The fields of a capture line (sim/record/capture.py's `Line`) the signals read."""
+
+    @property
+    def conversation(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def turn(self) -> int: ...
+    @property
+    def sent_at(self) -> float: ...
+    @property
+    def done_at(self) -> float: ...
+    @property
+    def request_bytes(self) -> int: ...
+    @property
+    def usage(self) -> Raw | None: ...
+    @property
+    def failed(self) -> str | None: ...
+    @property
+    def connection(self) -> int | None: ...
+    @property
+    def store(self) -> bool | None: ...
 
 
 def session_signals(lines: Sequence[Line]) -> dict[str, dict[str, object]]:

@@ -32,8 +32,7 @@ from sim.harness.predict import time_saved, trend_misfit, trust_notes
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.rollout.replay import load_trace
-from tests.sim.analysis.test_calibrate_capture import _capture, _draw
-from tests.sim.record.test_recorder import http_flow, recording, ws_flow
+from tests.recording import draw_profile, drawn_capture, http_flow, recording, ws_flow
 from tests.support import REPO, served
 
 # A profile no preset holds: hosted's shape at other sizes (waits of 45 to 270 ms), large enough
@@ -122,8 +121,8 @@ def _convex(records: list[TurnRecord], strength: float) -> list[TurnRecord]:
 
 @pytest.mark.parametrize("seed", [11, 13])
 def test_a_mild_convex_cost_the_poor_fit_alarm_passes_is_a_stated_misfit(seed: int) -> None:
-    profile, model = _draw(seed)
-    honest = _capture(profile, model, seed)
+    profile, model = draw_profile(seed)
+    honest = drawn_capture(profile, model, seed)
     assert trend_misfit(fit(honest), honest) is None  # the negative control: no misfit on the model's own costs
     # 3·10⁻⁹ s × prompt²: a thirtieth of the poor-fit control's strength, +0.35 s on a 10,000-token prompt.
     mild = _convex(honest, 3e-9)
@@ -135,8 +134,8 @@ def test_a_mild_convex_cost_the_poor_fit_alarm_passes_is_a_stated_misfit(seed: i
 
 
 def test_a_prediction_beyond_the_captures_sizes_warns_and_one_inside_does_not() -> None:
-    profile, model = _draw(11)
-    captured = _capture(profile, model, 11)
+    profile, model = draw_profile(11)
+    captured = drawn_capture(profile, model, 11)
     calibration = fit(captured)
     same = CompareConfig.of(rollouts=6, tool_calls=4, seed=11)  # the capture's own workload
     assert trust_notes(calibration, captured, same) == []

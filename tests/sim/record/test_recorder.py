@@ -10,9 +10,9 @@ import asyncio
 import contextlib
 import itertools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import aiohttp
 import pytest
@@ -23,100 +23,9 @@ from prototype.wire.schemas import OutputTextDelta, Response, ResponseCreated, e
 from prototype.wire.sse import encode_event
 from sim.__main__ import main
 from sim.analysis.records import read_records
-from sim.record.proxy import Recorder, make_recorder_app
 from tests.processes import free_port
+from tests.recording import Flow, http_flow, http_prev_flow, recording, ws_flow
 from tests.support import RECEIVE_TIMEOUT_S, live_server, receive_event
-
-TOOLS: Final[list[Any]] = [
-    {
-        "type": "function",
-        "name": "run",
-        "description": "run a shell command",
-        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
-    }
-]
-
-Flow = Callable[[AsyncOpenAI, str], Awaitable[list[tuple[str, str]]]]
-
-
-def _seen(event: Any) -> tuple[str, str]:
-    """What a client's stream is compared on: each event's type and its text (ids aside)."""
-    return (event.type, getattr(event, "delta", None) or getattr(event, "text", None) or "")
-
-
-def _outputs(response: Any) -> list[Any]:
-    return [
-        {"type": "function_call_output", "call_id": item.call_id, "output": "ok"}
-        for item in response.output
-        if item.type == "function_call"
-    ]
-
-
-async def http_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
-    """The whole history each request, streamed, until the model answers in text."""
-    seen: list[tuple[str, str]] = []
-    items: list[Any] = [{"role": "user", "content": prompt}]
-    while True:
-        stream = await c.responses.create(model="sim", input=items, tools=TOOLS, stream=True)
-        done = None
-        async for event in stream:
-            seen.append(_seen(event))
-            if event.type == "response.completed":
-                done = event.response
-        assert done is not None
-        calls = _outputs(done)
-        if not calls:
-            return seen
-        items += [item.model_dump(mode="json", exclude_none=True) for item in done.output] + calls
-
-
-async def http_prev_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
-    """`previous_response_id` over HTTP; the first turn not streamed (a whole JSON body)."""
-    response = await c.responses.create(model="sim", input=prompt, tools=TOOLS)
-    seen = [("body", response.output_text)]
-    while calls := _outputs(response):
-        stream = await c.responses.create(
-            model="sim", input=calls, tools=TOOLS, previous_response_id=response.id, stream=True
-        )
-        async for event in stream:
-            seen.append(_seen(event))
-            if event.type == "response.completed":
-                response = event.response
-    return seen
-
-
-async def ws_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
-    """WebSocket mode (`client.responses.connect()`): one connection, `previous_response_id` after the first."""
-    seen: list[tuple[str, str]] = []
-    async with c.responses.connect() as connection:
-        await connection.response.create(model="sim", input=prompt, tools=TOOLS)
-        while True:
-            done = None
-            async for event in connection:
-                seen.append(_seen(event))
-                if event.type in ("error", "response.failed"):
-                    raise AssertionError(event)
-                if event.type == "response.completed":
-                    done = event.response
-                    break
-            assert done is not None
-            calls = _outputs(done)
-            if not calls:
-                return seen
-            await connection.response.create(model="sim", input=calls, tools=TOOLS, previous_response_id=done.id)
-
-
-@contextlib.asynccontextmanager
-async def recording(upstream: str, out: Path) -> AsyncIterator[tuple[str, Recorder]]:
-    """The recorder on an ephemeral port in front of `upstream`; yields its base URL."""
-    recorder = Recorder(upstream, out)
-    runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}/v1", recorder
-    finally:
-        await runner.cleanup()
 
 
 async def _run(flow: Flow, prompt: str, *, out: Path | None) -> list[tuple[str, str]]:

@@ -22,7 +22,7 @@ from sim.record.capture import Capture, Pending
 from sim.record.proxy import Recorder, make_recorder_app
 from sim.rollout.replay import REPLAY_PROMPT_TOKENS, load_trace
 from tests.processes import free_port
-from tests.sim.record.test_recorder import http_flow, http_prev_flow, recording, ws_flow
+from tests.recording import http_flow, http_prev_flow, recording, ws_flow
 from tests.support import RECEIVE_TIMEOUT_S, REPO, live_server
 
 
