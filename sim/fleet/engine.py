@@ -183,7 +183,7 @@ class _Fleet:
             Event.FIRST: self.on_first,
             Event.FREE: self.on_free,
             Event.END: self.on_end,
-            Event.SEND: self.on_send,
+            Event.SEND: self.send,
             Event.TTL: self.on_ttl,
             Event.STEP: self.on_step,
             Event.JOIN: self.on_join,
@@ -236,7 +236,7 @@ class _Fleet:
         for entry in prefilled:
             if entry.run_id == states[entry.session].run_id:  # not preempted meanwhile
                 self.first_token(r, entry.session, entry.turn)
-        self.steps.end_step(r)
+        self.steps.schedule(r)
 
     def on_copied(self, t: float, replica: int, tokens: int) -> None:
         """An offloaded context's copy out has ended: its GPU KV is free."""
@@ -248,7 +248,7 @@ class _Fleet:
         st = self.states[s]
         st.record.arrived_at = t
         self.run_record.sessions.append(st.record)
-        self.send(s, 0)
+        self.send(t, s, 0)
 
     def on_ready(self, t: float, s: int, k: int) -> None:
         st = self.states[s]
@@ -286,9 +286,6 @@ class _Fleet:
         else:
             self.loop.push(t + st.spec.tool_times_s[k], Event.SEND, s, k + 1)
 
-    def on_send(self, t: float, s: int, k: int) -> None:
-        self.send(s, k)
-
     def on_join(self, t: float, s: int, k: int) -> None:
         st = self.states[s]
         if t == st.join_at:  # not preempted (and admitted again) while it reloaded
@@ -304,9 +301,9 @@ class _Fleet:
 
     # -- the turn ----------------------------------------------------------------------------
 
-    def send(self, s: int, k: int) -> None:
+    def send(self, now: float, s: int, k: int) -> None:
+        """Turn `k` of session `s` leaves the client at `now` (the SEND handler)."""
         st = self.states[s]
-        now = self.loop.now
         if st.replica < 0:
             st.replica = self.router.route(st, s)
             st.connected_at = now

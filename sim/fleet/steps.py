@@ -6,7 +6,7 @@
   admitted turns, first come first served; with no prefill, identical decode-only steps run as
   one segment up to the next last token, and new work cuts the segment at once. A step's end
   hands back the turns whose last token or end of prefill it reached; the fleet acts on them,
-  then `end_step` schedules the next.
+  then `schedule` starts the next.
 * `FreeCompute`: each turn at its own rates from its admission (first token, slot free, end),
   three events pushed at once."""
 
@@ -77,7 +77,8 @@ class PricedSteps:
     def schedule(self, r: Replica) -> None:
         """The replica's next step: every decoding sequence gets a token, prefill chunks fill the
         rest of the token budget first come first served; with no prefill, identical decode
-        steps run as one segment up to the next last token."""
+        steps run as one segment up to the next last token. The step in flight, if any, has ended."""
+        r.in_step = False
         r.version += 1
         cost = self.cost
         decoding = len(r.decode_heap)
@@ -108,7 +109,7 @@ class PricedSteps:
     def begin_step(self, r: Replica, version: int) -> tuple[list[Decoding], list[Prefill]] | None:
         """A step (or segment) of `r` ends: the turns whose last token it reached, in order, and
         the prefill entries it finished (each stale if its session was preempted meanwhile);
-        None for a stale step. Until `end_step`, new work waits for the next step."""
+        None for a stale step. Until `schedule`, new work waits for the next step."""
         if version != r.version:
             return None
         r.in_step = True
@@ -134,10 +135,6 @@ class PricedSteps:
             r.context_sum -= self.states[done.session].decode_context
             finished.append(done)
         return finished, prefilled
-
-    def end_step(self, r: Replica) -> None:
-        r.in_step = False
-        self.schedule(r)
 
     def decode(self, r: Replica, st: SessionState, s: int, k: int) -> bool:
         """The turn's first token is out: it decodes to its last, or (one token) it is done: False."""
