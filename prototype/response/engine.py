@@ -55,6 +55,7 @@ from ..context.safety import SafetyClassifier
 from ..context.tokenizer import Tokenizer
 from ..ids import IdFactory
 from ..model import (
+    ImplicitCacheOnly,
     TokenArray,
     TokenModel,
 )
@@ -143,6 +144,9 @@ class Engine:
         multi_agent_holds_calls: bool = True,
     ) -> None:
         self.model = model
+        # The model's cache cannot follow explicit breakpoints: its name for the refusal (decided
+        # once here, not by a runtime Protocol check on every request).
+        self.implicit_cache_only: str | None = model.cache_name if isinstance(model, ImplicitCacheOnly) else None
         self.store = store
         self.clock = clock
         self.tokenizer = tokenizer

@@ -34,7 +34,7 @@ from ..context.conversation import (
     render_preamble,
 )
 from ..context.safety import ClassifierState
-from ..model import ImplicitCacheOnly, ModelRequest
+from ..model import ModelRequest
 from ..pipeline import STAGE_SWITCH, Count, Optimization, Stage
 from ..wire.contract import applied_prompt_cache_options, check_context_window, comparison_response_id
 from ..wire.errors import ProtocolError
@@ -158,10 +158,10 @@ async def resolve(
     `fork`: another response already continues from `cached` (a fork onto another lane), so its
     context is copied rather than extended in place.
     """
-    if isinstance(engine.model, ImplicitCacheOnly):
+    if engine.implicit_cache_only is not None:
         options = applied_prompt_cache_options(request.params)
         explicit = not isinstance(options, UnsetType) and options.mode == "explicit"
-        refuse_explicit(explicit, request.items, engine.model.cache_name)
+        refuse_explicit(explicit, request.items, engine.implicit_cache_only)
     report = stages.report
     prev = request.previous_response_id
     hit = (

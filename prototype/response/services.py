@@ -97,6 +97,7 @@ class Services(Protocol):
     """The engine's shared services and counters, as a response's life uses them."""
 
     model: TokenModel
+    implicit_cache_only: str | None  # the model's cache name when it cannot follow explicit breakpoints
     clock: Clock
     ids: IdFactory
     item_parser: ItemParser
