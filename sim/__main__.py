@@ -25,7 +25,6 @@ import msgspec
 import uvloop
 
 from prototype.options import OneLineParser, add_struct_options, leaves, option_error, struct_from_args
-from sim.analysis.calibrate import fit, fit_file, report
 from sim.analysis.metrics import live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.stats import Estimate
@@ -57,7 +56,7 @@ from sim.harness.console import (
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
-from sim.harness.predict import predict_designs, prediction_table, trust_notes
+from sim.harness.predict import calibrate_main, calibrate_options
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
@@ -73,7 +72,6 @@ from sim.harness.validate import (
     validation_text,
 )
 from sim.record.proxy import record_main, record_options
-from sim.rollout.replay import load_trace
 from sim.rollout.result import ALL_MODES, MODES
 
 __all__ = [
@@ -252,25 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ttl_options(sub)
 
-    cal = sub.add_parser(
-        "calibrate",
-        help="fit a cost profile to per-turn records and print its held-out error (docs/calibration.md)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    cal.add_argument("records", nargs="+", metavar="RECORDS", help="records.jsonl files or run folders")
-    cal.add_argument("--out", metavar="PROFILE.json", help="write the fit; `--profile PROFILE.json` reads it")
-    cal.add_argument("--holdout", type=float, default=0.3, help="share of whole rollouts held out of the fit")
-    cal.add_argument("--seed", type=int, default=0, help="seeds the split and the intervals")
-    cal.add_argument(
-        "--predict",
-        action="store_true",
-        help="run the virtual comparison on the fit for every design and print each one's time saved vs http",
-    )
-    cal.add_argument("--trace", metavar="FILE", help="--predict on these rollouts (sim record's workload.jsonl)")
-    cal.add_argument("--rollouts", type=int, default=4, help="--predict: rollouts per design (not with --trace)")
-    cal.add_argument("--tool-calls", type=int, default=5, help="--predict: tool calls per rollout (not with --trace)")
-    cal.add_argument("--refits", type=int, default=8, help="--predict: refits whose spread widens the interval")
-
+    calibrate_options(sub)
     record_options(sub)
     return p
 
@@ -304,45 +284,6 @@ def capacity_main(args: argparse.Namespace) -> int:
     print("\n" + cache_table(config, points_))
     if folder is not None:
         print(f"run folder: {write_capacity(folder, config, rows, points_)}", file=sys.stderr)
-    return 0
-
-
-def calibrate_main(args: argparse.Namespace) -> int:
-    try:
-        if args.trace is not None and not args.predict:
-            raise ValueError("--trace: the rollouts a prediction runs on; give --predict with it")
-        if args.trace is not None:
-            load_trace(args.trace)  # refused before the fit, in one line
-        records = read_records(args.records)
-        calibration = fit(records, holdout=args.holdout, seed=args.seed)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(report(calibration))
-    if args.out:
-        try:
-            fitted = fit_file(calibration)
-        except ValueError as exc:  # no usable profile: none is written
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        write_json(fitted, args.out)
-        rates = fitted.model
-        flags = {"tps": "--tps", "prefill_tok_per_s": "--prefill-tok-per-s", "model_latency_s": "--model-latency-s"}
-        given = " ".join(f"{flag} {rates[k]:.6g}" for k, flag in flags.items() if k in rates)
-        print(f"wrote {args.out}: python -m sim compare --profile {args.out} --free-cpu {given}".rstrip())
-        for group in calibration.sums:
-            print(f"  {', '.join(group)}: placeholder equal shares of their sum (only the sum is identified)")
-        if calibration.unidentified or calibration.sums:
-            print("  (compare refuses a run whose modes pay a field the fit left open; --predict gives the range)")
-    if args.predict:
-        config = CompareConfig.of(rollouts=args.rollouts, tool_calls=args.tool_calls, seed=args.seed, trace=args.trace)
-        try:
-            predictions, skipped = predict_designs(calibration, config, refits=args.refits)
-            notes = trust_notes(calibration, records, config)
-        except (OSError, ValueError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        print("\n" + prediction_table(predictions, skipped, refits=args.refits, notes=notes))
     return 0
 
 

@@ -30,18 +30,21 @@ contexts carries an error the interval does not hold.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
 from prototype.pipeline import DESIGNS, MODEL_COSTS, CostProfile, profile_gaps
-from sim.analysis.calibrate import SUM, Calibration, predict
-from sim.analysis.records import TurnRecord, records_from_rollouts
+from sim.analysis.calibrate import SUM, Calibration, fit, fit_file, predict, report
+from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare
+from sim.rollout.replay import load_trace
 from sim.rollout.result import ALL_MODES, RolloutResult
 
 __all__ = [
@@ -250,3 +253,66 @@ def trust_notes(c: Calibration, captured: Sequence[TurnRecord], config: CompareC
     notes = outside_capture(captured, records_from_rollouts(run.rollouts, source="predicted"))
     misfit = trend_misfit(c, captured)
     return notes + ([misfit] if misfit else [])
+
+
+def calibrate_options(sub: Any) -> None:
+    """`python -m sim calibrate`'s parser."""
+    cal = sub.add_parser(
+        "calibrate",
+        help="fit a cost profile to per-turn records and print its held-out error (docs/calibration.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    cal.add_argument("records", nargs="+", metavar="RECORDS", help="records.jsonl files or run folders")
+    cal.add_argument("--out", metavar="PROFILE.json", help="write the fit; `--profile PROFILE.json` reads it")
+    cal.add_argument("--holdout", type=float, default=0.3, help="share of whole rollouts held out of the fit")
+    cal.add_argument("--seed", type=int, default=0, help="seeds the split and the intervals")
+    cal.add_argument(
+        "--predict",
+        action="store_true",
+        help="run the virtual comparison on the fit for every design and print each one's time saved vs http",
+    )
+    cal.add_argument("--trace", metavar="FILE", help="--predict on these rollouts (sim record's workload.jsonl)")
+    cal.add_argument("--rollouts", type=int, default=4, help="--predict: rollouts per design (not with --trace)")
+    cal.add_argument("--tool-calls", type=int, default=5, help="--predict: tool calls per rollout (not with --trace)")
+    cal.add_argument("--refits", type=int, default=8, help="--predict: refits whose spread widens the interval")
+
+
+def calibrate_main(args: argparse.Namespace) -> int:
+    try:
+        if args.trace is not None and not args.predict:
+            raise ValueError("--trace: the rollouts a prediction runs on; give --predict with it")
+        if args.trace is not None:
+            load_trace(args.trace)  # refused before the fit, in one line
+        records = read_records(args.records)
+        calibration = fit(records, holdout=args.holdout, seed=args.seed)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report(calibration))
+    if args.out:
+        try:
+            fitted = fit_file(calibration)
+        except ValueError as exc:  # no usable profile: none is written
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        from sim.harness.trace import write_json  # the run-folder writer is the one module that writes files
+
+        write_json(fitted, args.out)
+        rates = fitted.model
+        flags = {"tps": "--tps", "prefill_tok_per_s": "--prefill-tok-per-s", "model_latency_s": "--model-latency-s"}
+        given = " ".join(f"{flag} {rates[k]:.6g}" for k, flag in flags.items() if k in rates)
+        print(f"wrote {args.out}: python -m sim compare --profile {args.out} --free-cpu {given}".rstrip())
+        for group in calibration.sums:
+            print(f"  {', '.join(group)}: placeholder equal shares of their sum (only the sum is identified)")
+        if calibration.unidentified or calibration.sums:
+            print("  (compare refuses a run whose modes pay a field the fit left open; --predict gives the range)")
+    if args.predict:
+        config = CompareConfig.of(rollouts=args.rollouts, tool_calls=args.tool_calls, seed=args.seed, trace=args.trace)
+        try:
+            predictions, skipped = predict_designs(calibration, config, refits=args.refits)
+            notes = trust_notes(calibration, records, config)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print("\n" + prediction_table(predictions, skipped, refits=args.refits, notes=notes))
+    return 0
