@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -160,6 +161,33 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _command_line(pid: int) -> str:
+    """`pid`'s command line ("" once it has gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _still_running_after(pids: set[int], bound_s: float) -> set[int]:
+    """Those of `pids` still running `bound_s` after the call: each one's exit is awaited on a
+    pidfd (an event, not a sleep), so the call returns as soon as all have gone."""
+    deadline = time.monotonic() + bound_s
+    left = set()
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone already
+            continue
+        try:
+            readable, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(fd)
+        if not readable and _running(pid):
+            left.add(pid)
+    return left
+
+
 def _descendants_once_working(proc: subprocess.Popen[str], count: int, bound_s: float) -> set[int]:
     """The job's descendant processes once it has at least `count` (polled, up to `bound_s`)."""
     deadline = time.monotonic() + bound_s
@@ -187,16 +215,21 @@ def test_a_job_stopped_by_sigterm_stops_its_workers(executor: list[str], tmp_pat
         start_new_session=True,  # a signal to the test's own group does not reach it
     )
     try:
-        workers = _descendants_once_working(proc, 2, 120)
+        descendants = _descendants_once_working(proc, 2, 120)
+        # multiprocessing's resource tracker is no worker: it ends on its own once the job's end
+        # closes its pipe, so it may outlive the job by a moment. It must end soon after.
+        trackers = {pid for pid in descendants if "resource_tracker" in _command_line(pid)}
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=90)
         # The job joined its workers before it exited: none may be running now.
-        left = [pid for pid in workers if _running(pid)]
+        left = [pid for pid in descendants - trackers if _running(pid)]
+        trackers_left = _still_running_after(trackers, 30)
     finally:
         with contextlib.suppress(ProcessLookupError):  # whatever is left of the job's group, on any outcome
             os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
     assert left == [], "workers left running"
+    assert trackers_left == set(), "multiprocessing's resource tracker outlived the job"
     assert proc.returncode == 130, err
     # Its one line (Dask's own shutdown logging may follow it when the signal came while the
     # cluster was still starting).
