@@ -10,8 +10,13 @@ PIP_INSTALL = $(PY) -m pip install -q -c constraints.txt
 
 .PHONY: install engine node-clients test test-fast compare lint typecheck docs-tables docs-layers
 
+# openai's sync WebSocket connect takes websockets 17's `reconnect` path, which the dev extra cannot
+# install beside openai-agents (websockets<17): a copy of its own, put first on the path by one test.
+WEBSOCKETS_NEXT = websockets==17.4
+
 install:
 	$(PIP_INSTALL) -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --upgrade --target build/websockets-next '$(WEBSOCKETS_NEXT)'
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server >/dev/null; } \
 		|| { echo "make install: redis-server is missing and could not be installed (Debian package redis-server; apt-get needs root)" >&2; exit 1; }
 	@command -v redis-server >/dev/null 2>&1 || { echo "make install: redis-server is still not on PATH" >&2; exit 1; }

@@ -78,6 +78,14 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     token_budget: Annotated[int, Meta(ge=0, description="priced: tokens a step (0 = the engine's)")] = 0
     kv_budget_tokens: Annotated[int, Meta(ge=0, description="KV capacity per replica in tokens (0 = unlimited)")] = 0
     cache_ttl_s: Annotated[float, Meta(ge=0, description="prefix-cache idle time-to-live (0 = until evicted)")] = 0.0
+    prefix_ttl_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="the shared instructions' own prefix-cache idle time-to-live, as a breakpoint of its own on "
+            "the system prefix (a 12 h breakpoint beside 30 min ones on the turns); 0: kept for the whole run",
+        ),
+    ] = 0.0
     hold_policy: str = "hold"
     hold_ttl_s: Annotated[float, Meta(ge=0)] = 10.0
     offload_gb_per_s: Annotated[
@@ -153,6 +161,11 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.prefix_ttl_s and self.cache_ttl_s > self.prefix_ttl_s:
+            raise ValueError(
+                "prefix_ttl_s: the turns' entries extend the shared prefix, so they expire first: give "
+                f"cache_ttl_s at most prefix_ttl_s, got {self.cache_ttl_s:g} > {self.prefix_ttl_s:g}"
+            )
         if self.compute == "free" and not self.model.tps > 0:
             raise ValueError("model.tps: free compute paces each turn at its own rate, > 0")
         if self.slot_cache and self.model.decode_slots is None:

@@ -324,6 +324,7 @@ class _Fleet:
         r.free_slots += 1
         r.running -= 1
         r.decoding.pop(s, None)
+        r.shared_used = self.loop.now
         self.ledger.add_active(r, -st.active)
         st.active = 0
         self.holds.after_turn(r, st, s, k)

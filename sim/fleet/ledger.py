@@ -93,9 +93,13 @@ class KVLedger:
     def account(self, t: float) -> None:
         """The KV totals integrated up to `t`; with a cache time-to-live each entry leaves them
         (and the cache) at its timeout, replicas' entries in time order (a replica's cache is in
-        idle order)."""
+        idle order). With `prefix_ttl_s` the shared instructions leave a replica too, once nothing
+        of a session is there and no turn has ended there for that long (their entries, which
+        extend them, have expired first: `cache_ttl_s` is at most `prefix_ttl_s`; without a
+        `cache_ttl_s` they stay until evicted, and the instructions at least as long)."""
         ttl = self.config.cache_ttl_s
-        while ttl > 0:
+        prefix_ttl = self.config.prefix_ttl_s
+        while ttl > 0 or prefix_ttl > 0:
             oldest = None  # the replica whose cache's head has been idle longest (the first such)
             last = math.inf
             for r in self.replicas:
@@ -103,11 +107,29 @@ class KVLedger:
                     head = next(iter(r.cache.values())).last_use
                     if head < last:
                         oldest, last = r, head
-            if oldest is None or not t - last > ttl:
+            idle, at = None, math.inf  # the replica whose idle instructions are due first
+            if prefix_ttl > 0:
+                for r in self.replicas:
+                    if r.shared and not (r.cache or r.running or r.holders or r.queue):
+                        due = r.shared_used + prefix_ttl
+                        if due < at and t > due:
+                            idle, at = r, due
+            entry_due = ttl > 0 and oldest is not None and t - last > ttl
+            if idle is not None and not (entry_due and last + ttl <= at):
+                self.integrate(at)
+                self.drop_shared(idle)
+                continue
+            if not entry_due:
                 break
+            assert oldest is not None
             self.integrate(last + ttl)
             self.drop_entry(oldest, next(iter(oldest.cache)))
         self.integrate(t)
+
+    def drop_shared(self, r: Replica) -> None:
+        """The shared instructions leave `r`'s cache: the next turn here prefills them again."""
+        self.totals.cached -= r.shared
+        r.shared, r.shared_at = 0, math.inf
 
     def integrate(self, t: float) -> None:
         dt = t - self.integrated_to

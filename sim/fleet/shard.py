@@ -90,7 +90,8 @@ def run_shard(
     totals = fleet.ledger.totals
     r, ttl = fleet.replicas[0], config.cache_ttl_s
     entries = ((e.tokens, e.last_use + ttl if ttl > 0 else math.inf) for e in r.cache.values())
-    return ShardRun(run, (totals.active, totals.held, totals.cached), ((r.shared, math.inf), *entries))
+    shared_until = r.shared_used + config.prefix_ttl_s if config.prefix_ttl_s > 0 else math.inf
+    return ShardRun(run, (totals.active, totals.held, totals.cached), ((r.shared, shared_until), *entries))
 
 
 def merge(mode: str, config: FleetConfig, sessions: Sequence[SessionTokens], shards: Sequence[ShardRun]) -> FleetRun:

@@ -92,6 +92,7 @@ class Replica:
         "segment_at",
         "shared",
         "shared_at",
+        "shared_used",
         "step_s",
         "steps",
         "version",
@@ -106,6 +107,7 @@ class Replica:
         self.cached = 0
         self.shared = 0  # the instructions' blocks, cached once the first turn has prefilled them
         self.shared_at = math.inf  # when they are: the first turn's end of prefill
+        self.shared_used = 0.0  # when a turn here last ended (the instructions' last use)
         self.decoding: dict[int, tuple[float, float]] = {}  # free compute: running session → (first token, slot free)
         self.cache: OrderedDict[int, CacheEntry] = OrderedDict()  # session → its entry, LRU first
         self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first

@@ -59,6 +59,8 @@ from sim.rollout.workload import WORKLOADS
 __all__ = [
     "MEASURES",
     "TTLCurveConfig",
+    "one_ttl_curve",
+    "one_ttl_table",
     "run_ttl_point",
     "tracelab_rule",
     "ttl_curve",
@@ -152,6 +154,14 @@ class TTLCurveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     )
     seeds: Annotated[int, Meta(ge=1, description="seeds per timeout: the intervals are over seeds")] = 5
     seed: int = 0
+    one_ttl: Annotated[
+        bool,
+        Meta(
+            description="also serve every timeout with the shared instructions on the same timeout (one TTL for "
+            "every breakpoint) and give the difference from the sweep's own instructions' TTL (--prefix-ttl-s: 0 "
+            "keeps them for the run; 43200 is a 12 h breakpoint), paired by seed"
+        ),
+    ] = False
     mode: Annotated[str, Meta(description="the API mode served (ws: a prefix cache, nothing held)")] = "ws"
     profile: Annotated[str, Meta(description="API cost profile: local, hosted, or a JSON file")] = "hosted"
     # The timeout is the sweep's axis; the KV budget defaults to unbounded, as TraceLab's cache.
@@ -168,6 +178,11 @@ class TTLCurveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
             raise ValueError("ttls_s: increasing, each once")
         if self.fleet.cache_ttl_s:
             raise ValueError("fleet.cache_ttl_s: the timeouts are the sweep's axis, set them with ttls_s")
+        if self.fleet.prefix_ttl_s and self.fleet.prefix_ttl_s < self.ttls_s[-1]:
+            raise ValueError(
+                f"prefix_ttl_s: at least the longest timeout ({self.ttls_s[-1]:g} s): the turns' entries "
+                "extend the instructions and expire first"
+            )
 
 
 def tracelab_rule(sessions: Sequence[SessionTokens], model_s: float, ttl_s: float) -> tuple[float, float]:
@@ -186,10 +201,13 @@ def tracelab_rule(sessions: Sequence[SessionTokens], model_s: float, ttl_s: floa
     return (hit / total if total else math.nan), (idle / model_s if model_s > 0 else math.nan)
 
 
-def run_ttl_point(config: TTLCurveConfig, ttl_s: float, seed: int) -> dict[str, Any]:
-    """One timeout and seed: the fleet's measures and TraceLab's rule on the same run. Picklable."""
+def run_ttl_point(config: TTLCurveConfig, ttl_s: float, seed: int, one_ttl: bool = False) -> dict[str, Any]:
+    """One timeout and seed: the fleet's measures and TraceLab's rule on the same run (with
+    `one_ttl`, the instructions expire on the same timeout). Picklable."""
     sessions = point_sessions(config.workload, seed, config.sessions, 1.0)
     fleet = msgspec.structs.replace(config.fleet, cache_ttl_s=ttl_s)
+    if one_ttl:
+        fleet = msgspec.structs.replace(fleet, prefix_ttl_s=ttl_s)
     traced = _SplitStored(config.mode, load_profile(config.profile), fleet, sessions, seed)
     run = traced.run(arrivals(seed, config.sessions, config.load), 0, (), math.inf)
     kv = run.kv_token_s
@@ -240,6 +258,49 @@ def ttl_curve(
     else:
         rows = [run_ttl_point(config, t, s) for t, s in grid]
     return rows, _aggregate(config, rows)
+
+
+def one_ttl_curve(
+    config: TTLCurveConfig, rows: Sequence[dict[str, Any]], executor: Executor | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every (timeout, seed) again with the instructions on the same timeout: (those rows, per
+    timeout the sweep's rows less them, paired by seed, each difference's mean and t interval)."""
+    grid = [(ttl, config.seed + i) for i in range(config.seeds) for ttl in config.ttls_s]
+    ttls, seeds = [t for t, _ in grid], [s for _, s in grid]
+    if executor is not None:
+        one = list(executor.map(run_ttl_point, [config] * len(grid), ttls, seeds, [True] * len(grid)))
+    else:
+        one = [run_ttl_point(config, t, s, True) for t, s in grid]
+    own = {(r["ttl_s"], r["seed"]): r for r in rows}
+    out = []
+    for ttl in config.ttls_s:
+        pairs = [(own[ttl, r["seed"]], r) for r in one if r["ttl_s"] == ttl]
+        point: dict[str, Any] = {"ttl_s": ttl, "n": len(pairs)}
+        for m in ("hit_rate", "stored_over_active"):
+            low_high = seed_interval([a[m] - b[m] for a, b in pairs])
+            point.update(zip((f"{m}_gain", f"{m}_gain_ci_low", f"{m}_gain_ci_high"), low_high, strict=True))
+            point[f"{m}_one_ttl"] = float(np.mean([b[m] for _, b in pairs]))
+        out.append(point)
+    return one, out
+
+
+def one_ttl_table(config: TTLCurveConfig, points: Sequence[dict[str, Any]]) -> str:
+    own = f"{config.fleet.prefix_ttl_s:g} s" if config.fleet.prefix_ttl_s else "the whole run"
+    lines = [
+        f"the instructions on their own TTL ({own}) against one TTL for every breakpoint: the sweep's measure less "
+        f"the one-TTL run's, paired by seed (n = {config.seeds}), 95 % t interval",
+        f"{'timeout':>8} {'one-TTL hit rate':>17} {'hit rate gain, points':>26} {'one-TTL stored/active':>22} "
+        f"{'stored/active gain':>22}",
+    ]
+    for p in points:
+        hit = _ci(100 * p["hit_rate_gain"], 100 * p["hit_rate_gain_ci_low"], 100 * p["hit_rate_gain_ci_high"], "+.2f")
+        m = "stored_over_active_gain"
+        stored = _ci(p[m], p[f"{m}_ci_low"], p[f"{m}_ci_high"], "+.3f")
+        lines.append(
+            f"{p['ttl_s']:>7g}s {100 * p['hit_rate_one_ttl']:>15.1f} % {hit:>26} "
+            f"{p['stored_over_active_one_ttl']:>22.2f} {stored:>22}"
+        )
+    return "\n".join(lines)
 
 
 def _ci(mean: float, low: float, high: float, fmt: str) -> str:
@@ -306,14 +367,21 @@ def ttl_main(args: argparse.Namespace) -> int:
 
         with process_pool(args.workers) as pool:
             rows, points = ttl_curve(config, pool)
+            one_rows, gains = one_ttl_curve(config, rows, pool) if config.one_ttl else ([], [])
     else:
         rows, points = ttl_curve(config)
+        one_rows, gains = one_ttl_curve(config, rows) if config.one_ttl else ([], [])
     print(ttl_table(config, points))
+    if gains:
+        print("\n" + one_ttl_table(config, gains))
     if folder is not None:
         out = folder
         write_json({"config": config}, out / "config.json")
         write_table([{k: _round(v) for k, v in p.items()} for p in points], out / "points.csv")
         write_table([{k: _round(v) for k, v in r.items()} for r in rows], out / "runs.csv")
+        if gains:
+            write_table([{k: _round(v) for k, v in p.items()} for p in gains], out / "one_ttl_points.csv")
+            write_table([{k: _round(v) for k, v in r.items()} for r in one_rows], out / "one_ttl_runs.csv")
         print(f"run folder: {out}", file=sys.stderr)
     return 0
 

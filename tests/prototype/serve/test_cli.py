@@ -10,6 +10,7 @@ turns a hang into a closed socket and a failed test.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import subprocess
@@ -156,6 +157,57 @@ def test_conversations_over_websocket_and_http_then_sigterm(server: ServerProces
             with pytest.raises(websockets.exceptions.ConnectionClosed) as excinfo:
                 conn.recv()
             assert excinfo.value.rcvd is not None and excinfo.value.rcvd.code == 1001, excinfo.value
+
+
+# websockets 17, installed apart by `make install` (the dev extra has 16: openai-agents needs <17).
+WEBSOCKETS_NEXT: Final = REPO / "build" / "websockets-next"
+_ON_WEBSOCKETS_NEXT: Final = """
+import json, sys
+import openai, websockets
+from websockets.sync import client as sync_client
+assert hasattr(sync_client, "reconnect"), websockets.__file__  # openai's sync connect goes through it
+base_url, api_key, first, tools = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+client = openai.OpenAI(api_key=api_key, base_url=base_url, max_retries=0, timeout=10.0)
+said, items, previous = [], first, {}
+with client.responses.connect() as conn:
+    for _ in range(3):
+        conn.response.create(model="sim", input=items, tools=tools, store=False, **previous)
+        while (ev := conn.recv()).type not in ("response.completed", "response.failed", "error"):
+            pass
+        assert ev.type == "response.completed", ev
+        item = ev.response.output[-1]
+        if item.type == "function_call":
+            said.append(["function_call", item.arguments])
+            cmd = json.loads(item.arguments)["cmd"]
+            items = [{"type": "function_call_output", "call_id": item.call_id, "output": f"$ {cmd}\\nok\\n"}]
+        else:
+            said.append(["message", "".join(p.text for p in item.content if p.type == "output_text")])
+        previous = {"previous_response_id": ev.response.id}
+print(json.dumps({"websockets": websockets.__version__, "said": said}))
+"""
+
+
+@pytest.mark.slow
+def test_the_sync_connect_on_websockets_17_takes_reconnect_and_says_the_same(server: ServerProcess) -> None:
+    """openai 3.63's `client.responses.connect()` opens its socket with websockets 17's
+    `sync.client.reconnect` (redirects not followed) where it exists: the same conversation as on
+    16's `connect`, run in a subprocess that finds websockets 17 first on its path."""
+    if not (WEBSOCKETS_NEXT / "websockets").is_dir():
+        pytest.skip(f"websockets 17 is not at {WEBSOCKETS_NEXT} (make install puts it there)")
+    env = {**os.environ, "PYTHONPATH": str(WEBSOCKETS_NEXT)}
+    done = subprocess.run(
+        [sys.executable, "-c", _ON_WEBSOCKETS_NEXT, server.base_url, API_KEY, *map(json.dumps, (FIRST_INPUT, TOOLS))],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["websockets"].startswith("17."), seen
+    with sdk(server) as client:
+        assert [tuple(turn) for turn in seen["said"]] == check_conversation(ws_conversation(client))
 
 
 @pytest.mark.slow

@@ -564,3 +564,29 @@ def test_a_held_slot_keeps_a_paused_response_in_its_slot(compute: str) -> None:
     assert all(r.done for r in (*pinned.sessions, *shared.sessions))
     ws = [run("ws", held).sessions[1].admission_wait_s for held in (True, False)]
     assert ws[0] == ws[1]
+
+
+def test_the_shared_prefix_expires_on_its_own_ttl_and_is_prefilled_again() -> None:
+    """Two sessions 100 s apart on one replica, turns' entries kept 10 s. The instructions kept
+    for the run (prefix TTL 0) or 200 s: session 1's first turn finds them. Kept 50 s: they leave
+    50 s after session 0's last turn, each further 10 s of prefix TTL adds their tokens x 10 s of
+    cached KV, and session 1 prefills them again."""
+    sessions = [fleet_session(0, 2000, (40,)), fleet_session(1, 2000, (40,))]
+
+    def run(prefix_ttl: float) -> FleetRun:
+        config = FleetConfig(compute="free", cache_ttl_s=10.0, prefix_ttl_s=prefix_ttl)
+        return simulate("ws", LOCAL, config, sessions, arrivals=[0.0, 100.0])
+
+    kept, long, fifty, sixty = run(0.0), run(200.0), run(50.0), run(60.0)
+    assert long.hit_tokens == kept.hit_tokens and long.prefilled_tokens == kept.prefilled_tokens
+    assert fifty.prefilled_tokens > kept.prefilled_tokens and fifty.hit_tokens < kept.hit_tokens
+    assert sixty.prefilled_tokens == fifty.prefilled_tokens
+    instructions = fifty.prefilled_tokens - kept.prefilled_tokens  # what session 1 prefilled again
+    assert sixty.kv_token_s["cached"] - fifty.kv_token_s["cached"] == pytest.approx(10 * instructions, rel=0.01)
+
+
+def test_a_prefix_ttl_shorter_than_the_turns_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefix_ttl_s"):
+        FleetConfig(cache_ttl_s=120.0, prefix_ttl_s=60.0)
+    FleetConfig(cache_ttl_s=60.0, prefix_ttl_s=60.0)
+    FleetConfig(prefix_ttl_s=60.0)  # the turns kept until evicted: the instructions once none is left

@@ -17,7 +17,7 @@ from sim.fleet.engine import simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 from sim.harness import console
 from sim.harness.capacity import arrivals, point_sessions
-from sim.harness.ttl import TTLCurveConfig, _SplitStored, run_ttl_point, tracelab_rule, ttl_curve
+from sim.harness.ttl import TTLCurveConfig, _SplitStored, one_ttl_curve, run_ttl_point, tracelab_rule, ttl_curve
 
 SMALL = TTLCurveConfig(sessions=30, load=0.5, ttls_s=(5.0, 60.0, 900.0), seeds=2)
 
@@ -136,3 +136,27 @@ def test_the_curve_keeps_its_run_in_a_new_folder_by_default(
     assert list(runs.iterdir()) == [folder] and "run folder" not in capsys.readouterr().err
     assert main([*argv, "--no-save", "--out", str(tmp_path / "x")]) == 2
     assert "--no-save: not with --out" in capsys.readouterr().err
+
+
+def test_the_instructions_on_their_own_ttl_against_one_ttl_for_every_breakpoint(tmp_path: Path) -> None:
+    """Sparse sessions (one every 100 s on average) on two replicas: a replica often idles past a
+    60 s timeout, so with one TTL the instructions expire and are prefilled again; on a 12 h
+    breakpoint of their own they stay. The paired gain is positive at 60 s and none at a timeout
+    past every gap; the run folder keeps both arms."""
+    config = TTLCurveConfig(sessions=12, load=0.01, ttls_s=(60.0, 40_000.0), seeds=2, one_ttl=True)
+    config = msgspec.structs.replace(config, fleet=msgspec.structs.replace(config.fleet, prefix_ttl_s=43_200.0))
+    rows, _ = ttl_curve(config)
+    one_rows, gains = one_ttl_curve(config, rows)
+    own = {(r["ttl_s"], r["seed"]): r["hit_rate"] for r in rows}
+    assert all(own[60.0, r["seed"]] > r["hit_rate"] for r in one_rows if r["ttl_s"] == 60.0)  # every seed
+    short, past = gains
+    assert short["hit_rate_gain"] > 0 and short["n"] == 2, short
+    assert past["hit_rate_gain"] == 0 and past["stored_over_active_gain"] == 0, past
+    argv = ["ttl-curve", "--sessions=6", "--load=0.01", "--ttls-s=60", "--seeds=2", "--one-ttl"]
+    assert main([*argv, "--prefix-ttl-s=43200", f"--out={tmp_path}"]) == 0
+    assert (tmp_path / "one_ttl_points.csv").is_file() and (tmp_path / "one_ttl_runs.csv").is_file()
+
+
+def test_a_prefix_ttl_under_the_longest_timeout_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefix_ttl_s"):
+        TTLCurveConfig(ttls_s=(60.0, 900.0), fleet=FleetConfig(prefix_ttl_s=600.0))
