@@ -49,7 +49,10 @@ all-zero block hashes to splitmix64(0) != 0, so runs of identical blocks still
 differ by length). Treating ``h_b`` as random words, two different prefixes
 share a key with probability about 2^-64 (2^-33 in the worst case above), far
 below anything a simulation run can hit. Not cryptographic: a simulator has
-no adversary.
+no adversary. Since key ``i`` depends on blocks ``0 .. i`` only, a prompt followed
+by more tokens (a turn's output, cached behind its prompt) keeps the prompt's keys
+and hashes only the blocks from its partial last block on (`extended_keys`), as
+vLLM hashes only a request's new blocks.
 """
 
 from __future__ import annotations
