@@ -69,6 +69,7 @@ __all__ = [
     "MODEL_COSTS",
     "PROFILES",
     "STAGE_COSTS",
+    "STAGE_ROWS",
     "STAGE_SWITCH",
     "CostProfile",
     "Count",
@@ -184,6 +185,10 @@ MODEL_COSTS: Final[tuple[StageCost, ...]] = (
 )
 # The switch that lets a WebSocket connection skip a stage's waits (one per stage: a test checks).
 STAGE_SWITCH: Final[dict[Stage, Optimization]] = {r.stage: r.switch for r in STAGE_COSTS if r.switch is not None}
+# Each stage's rows of STAGE_COSTS, in the table's order (what `CostProfile.stage_s` sums).
+STAGE_ROWS: Final[dict[Stage, tuple[StageCost, ...]]] = {
+    stage: tuple(r for r in STAGE_COSTS if r.stage is stage) for stage in Stage
+}
 # Stages after the first token; the rest of a turn's waits come before it.
 AFTER_FIRST_TOKEN: Final = frozenset({Stage.DECODE, Stage.POST})
 
@@ -292,9 +297,8 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     def stage_s(self, stage: Stage, counts: Mapping[Count, float] | None = None) -> float:
         """The stage's modeled wait: the sum of its rows for `counts`."""
         total = 0.0
-        for row in STAGE_COSTS:
-            if row.stage is stage:
-                total += self.row_s(row, counts or {})
+        for row in STAGE_ROWS[stage]:
+            total += self.row_s(row, counts or {})
         return total
 
     def compaction_s(self, tokens_read: int, tokens_written: int) -> float:

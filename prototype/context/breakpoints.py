@@ -21,7 +21,7 @@ from ..model import CacheBreakpoint
 from ..wire.errors import ProtocolError
 from ..wire.requests import ContentPartView
 from ..wire.schemas import decode_content
-from .conversation import BREAKPOINT_KEY, Context, Item
+from .conversation import Context, Item
 from .tokenizer import Tokenizer
 
 __all__ = [
@@ -101,7 +101,7 @@ def first_breakpoint(items: Sequence[Item]) -> str | None:
     """Where the first content part of `items` (a request's input, in order) that carries a
     breakpoint is, as a `param` (`input[i].content[j].prompt_cache_breakpoint`); None: none does."""
     for index, item in enumerate(items):
-        if BREAKPOINT_KEY not in item.raw:
+        if not item.marked:
             continue
         parsed = _parts(item)
         field = "content" if item.view.type == "message" else "output"

@@ -130,6 +130,12 @@ def conversation_key(first_user_text: str) -> int:
 class Item:
     raw: bytes  # verbatim JSON of the item
     view: InputItemView
+    # Whether its JSON names a breakpoint field (context/breakpoints.py reads which part, if any):
+    # scanned once when the item is made, not each time a context or a request holds it.
+    marked: bool = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "marked", BREAKPOINT_KEY in self.raw)
 
     @property
     def is_model_output(self) -> bool:
@@ -168,15 +174,16 @@ class Context:
     def extend(self, items: Sequence[Item], chunks: Sequence[TokenArray]) -> None:
         for item, chunk in zip(items, chunks, strict=True):
             view = item.view
-            if view.id is not None and view.type != REFERENCE_TYPE:
+            kind, call_id = view.type, view.call_id
+            if view.id is not None and kind != REFERENCE_TYPE:
                 self.item_ids.add(view.id)
-            if view.call_id is not None:
-                if view.type in CALL_TYPES:
-                    self.call_ids.add(view.call_id)
-                    self.pending[view.call_id] = None
-                elif view.type in OUTPUT_TYPES:
-                    self.pending.pop(view.call_id, None)
-            if view.type == COMPACTION_TYPE:  # the history it stands for counted its model turns
+            if call_id is not None:
+                if kind in CALL_TYPES:
+                    self.call_ids.add(call_id)
+                    self.pending[call_id] = None
+                elif kind in OUTPUT_TYPES:
+                    self.pending.pop(call_id, None)
+            if kind == COMPACTION_TYPE:  # the history it stands for counted its model turns
                 payload = decode_payload(view.encrypted_content or "", "input")
                 self.turn_index = payload.turns
                 if payload.conversation_key:
@@ -185,9 +192,9 @@ class Context:
             if model and not self.last_was_model:
                 self.turn_index += 1
             self.last_was_model = model
-            if self.conversation_key == 0 and item.view.type == "message" and item.view.role == "user":
-                self.conversation_key = conversation_key(_text_of(item.view))
-            if BREAKPOINT_KEY in item.raw:
+            if self.conversation_key == 0 and kind == "message" and view.role == "user":
+                self.conversation_key = conversation_key(_text_of(view))
+            if item.marked:
                 self.marked.append((len(self.items), self.n_tokens))
             self.items.append(item)
             self.chunks.append(chunk)

@@ -133,7 +133,32 @@ def _required(node: dict[str, Any]) -> frozenset[str]:
     return found
 
 
+# A union's candidates depend on the value's shape only (JSON types, field names and their types,
+# its `type`), and a conversation sends the same few shapes again and again: kept by the shape.
+_CANDIDATES: dict[tuple[int, object], list[dict[str, Any]] | None] = {}
+_CANDIDATES_MAX: Final = 4096  # shapes kept at most (a request may invent new ones; the table is cleared then)
+
+
+def _shape(value: object) -> object:
+    """What `_candidates` reads of `value`: its JSON type and, for an object, its `type` (a string)
+    and its fields with their JSON types."""
+    if not isinstance(value, dict):
+        return type(value)
+    tag = value.get("type")
+    return (tag if isinstance(tag, str) else None, frozenset((k, type(v)) for k, v in value.items()))
+
+
 def _candidates(alternatives: list[dict[str, Any]], value: object) -> list[dict[str, Any]] | None:
+    key = (id(alternatives), _shape(value))  # `alternatives` are the schema's, alive as long as it is
+    if key in _CANDIDATES:
+        return _CANDIDATES[key]
+    if len(_CANDIDATES) >= _CANDIDATES_MAX:
+        _CANDIDATES.clear()
+    found = _CANDIDATES[key] = _find_candidates(alternatives, value)
+    return found
+
+
+def _find_candidates(alternatives: list[dict[str, Any]], value: object) -> list[dict[str, Any]] | None:
     """The variants `value` may be: those of its JSON type and, for an object, of its `type`,
     whose fields' types its fields have, and that name at least one of its other fields. Any of
     them may accept it (the API does not hold a replayed item to every field its variant lists

@@ -581,7 +581,8 @@ class SimulatedModel:
                     itertools.chain.from_iterable(framed_output_ids(self.tokenizer, items, truncated=truncated)),
                     np.uint32,
                 )
-                cache.insert((*request.prompt, said), now=self.clock.now())
+                assert prepared is not None
+                cache.insert(cache.extend(prepared, request.prompt, said), now=self.clock.now())
             finished = True
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
         finally:

@@ -49,7 +49,10 @@ all-zero block hashes to splitmix64(0) != 0, so runs of identical blocks still
 differ by length). Treating ``h_b`` as random words, two different prefixes
 share a key with probability about 2^-64 (2^-33 in the worst case above), far
 below anything a simulation run can hit. Not cryptographic: a simulator has
-no adversary.
+no adversary. Since key ``i`` depends on blocks ``0 .. i`` only, a prompt followed
+by more tokens (a turn's output, cached behind its prompt) keeps the prompt's keys
+and hashes only the blocks from its partial last block on (`extended_keys`), as
+vLLM hashes only a request's new blocks.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ __all__ = [
     "PreparedPrompt",
     "Prompt",
     "block_keys",
+    "extended_keys",
 ]
 
 DEFAULT_BLOCK_TOKENS: Final = 16  # tokens per KV block: vLLM's default block size
@@ -134,17 +138,51 @@ def block_keys(prompt_chunks: Sequence[npt.NDArray[np.uint32]], block_tokens: in
     Key ``i`` is a function of tokens ``0 .. (i+1)*block_tokens`` only (see the
     module docstring for the construction and the collision argument).
     """
-    tokens = _concatenate(prompt_chunks)
+    return _chained(_concatenate(prompt_chunks), block_tokens, np.empty(0, dtype=np.uint64))
+
+
+def extended_keys(
+    keys: _U64,
+    prompt_chunks: Sequence[npt.NDArray[np.uint32]],
+    more: npt.NDArray[np.uint32],
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    *,
+    prompt_tokens: int | None = None,
+) -> _U64:
+    """``block_keys((*prompt_chunks, more))`` given ``keys == block_keys(prompt_chunks)``: a key
+    depends on its prefix only, so the prompt's full blocks keep theirs and only the blocks from
+    its partial last block on are hashed (the chain goes on from the last key). `prompt_tokens`:
+    the chunks' total length, if known."""
+    if prompt_tokens is None:
+        prompt_tokens = sum(len(chunk) for chunk in prompt_chunks)
+    rest = prompt_tokens - len(keys) * block_tokens
+    tail: list[npt.NDArray[np.uint32]] = []
+    for chunk in reversed(prompt_chunks):  # the prompt's last `rest` tokens: its partial block
+        if rest <= 0:
+            break
+        tail.append(chunk[-rest:] if len(chunk) > rest else chunk)
+        rest -= len(chunk)
+    return _chained(np.concatenate((*reversed(tail), more)), block_tokens, keys)
+
+
+def _chained(tokens: npt.NDArray[np.uint32], block_tokens: int, head: _U64) -> _U64:
+    """`head` (the keys of the blocks before `tokens`) followed by the keys of `tokens`' full blocks."""
     n_blocks = len(tokens) // block_tokens
     if n_blocks == 0:
-        return np.empty(0, dtype=np.uint64)
+        return head
     offsets = _OFFSET_MULTIPLIERS.get(block_tokens)
     if offsets is None:
         offsets = _OFFSET_MULTIPLIERS.setdefault(block_tokens, _stream(_OFFSET_SALT, block_tokens) | _ONE)
     words = tokens[: n_blocks * block_tokens].astype(np.uint64).reshape(n_blocks, block_tokens)
     content = _mix64(words @ offsets)
-    _POSITIONS.ensure(n_blocks)
-    keys: _U64 = np.cumsum(content * _POSITIONS.block[:n_blocks], dtype=np.uint64) + _POSITIONS.length[:n_blocks]
+    done = len(head)
+    _POSITIONS.ensure(done + n_blocks)
+    keys: _U64 = np.cumsum(content * _POSITIONS.block[done : done + n_blocks], dtype=np.uint64)
+    if done:  # the chain's sum so far: the last key without its position's offset (wrapping, as arrays)
+        keys += head[done - 1 :] - _POSITIONS.length[done - 1 : done]
+        keys += _POSITIONS.length[done : done + n_blocks]
+        return np.concatenate((head, keys))
+    keys += _POSITIONS.length[:n_blocks]
     return keys
 
 
@@ -416,6 +454,15 @@ class PrefixCache:
             return prompt
         keys = block_keys(prompt, self.block_tokens)
         return PreparedPrompt(self.block_tokens, sum(len(chunk) for chunk in prompt), keys)
+
+    def extend(
+        self, prepared: PreparedPrompt, prompt: Sequence[npt.NDArray[np.uint32]], more: npt.NDArray[np.uint32]
+    ) -> PreparedPrompt:
+        """The prompt followed by `more`, prepared, given `prepared` (`prompt`'s, from `prepare`):
+        only the blocks past the prompt's full ones are hashed (`extended_keys`)."""
+        self.prepare(prepared)  # its block size checked
+        keys = extended_keys(prepared.keys, prompt, more, self.block_tokens, prompt_tokens=prepared.prompt_tokens)
+        return PreparedPrompt(self.block_tokens, prepared.prompt_tokens + len(more), keys)
 
     def match(self, prompt: Prompt) -> int:
         """Leading prompt tokens whose KV is cached: a multiple of ``block_tokens``, < prompt length.

@@ -19,6 +19,7 @@ from prototype.pipeline import (
     MODEL_COSTS,
     PROFILES,
     STAGE_COSTS,
+    STAGE_ROWS,
     STAGE_SWITCH,
     CostProfile,
     Count,
@@ -111,3 +112,13 @@ def test_a_fit_file_is_refused_where_it_leaves_open_what_the_run_pays(tmp_path: 
     zero.write_text(json.dumps({"cost_profile": {"name": "fitted"}, "unidentified": [], "sums": []}))
     with pytest.raises(ValueError, match="identified no API wait"):
         load_profile(str(zero), ["http"])
+
+
+def test_each_stage_sums_its_own_rows_in_the_tables_order() -> None:
+    assert sorted((r for rows in STAGE_ROWS.values() for r in rows), key=STAGE_COSTS.index) == list(STAGE_COSTS)
+    for stage, rows in STAGE_ROWS.items():
+        assert rows == tuple(r for r in STAGE_COSTS if r.stage is stage)
+    hosted = PROFILES["hosted"]
+    counts = {c: 3.0 for c in Count}
+    expected = sum(hosted.row_s(r, counts) for r in STAGE_COSTS if r.stage is Stage.NETWORK)
+    assert hosted.stage_s(Stage.NETWORK, counts) == expected > 0

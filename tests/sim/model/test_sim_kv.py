@@ -14,7 +14,7 @@ import numpy.typing as npt
 import pytest
 
 from sim.model import kv
-from sim.model.kv import PrefixCache, PrefixCacheStatistics, PreparedPrompt, block_keys
+from sim.model.kv import PrefixCache, PrefixCacheStatistics, PreparedPrompt, block_keys, extended_keys
 
 B = 16  # block tokens in these tests
 Tokens = npt.NDArray[np.uint32]
@@ -53,6 +53,33 @@ def test_keys_chain_the_prefix() -> None:
     # The same block content at another position, or after another prefix, is another key.
     shifted = np.concatenate([prompt[16:32], prompt[16:32]])
     assert not set(block_keys((shifted,), B).tolist()) & set(keys.tolist())
+
+
+@pytest.mark.parametrize("block", [1, 5, B])
+@pytest.mark.parametrize(("prompt_n", "more_n"), [(0, 40), (15, 1), (32, 0), (37, 60), (100, 3), (250, 250)])
+def test_extended_keys_are_the_keys_of_the_whole(block: int, prompt_n: int, more_n: int) -> None:
+    """Hashing only the blocks past a prompt's full ones gives the whole's keys, bit for bit, for
+    any chunking (its partial last block split over chunks too) and near the uint64 wrap."""
+    for low, high in ((0, 200_000), (2**32 - 4, 2**32)):
+        rng = np.random.default_rng(prompt_n * 1000 + more_n)
+        prompt = rng.integers(low, high, size=prompt_n, dtype=np.uint64).astype(np.uint32)
+        more = rng.integers(low, high, size=more_n, dtype=np.uint64).astype(np.uint32)
+        parts = chunks(prompt, *sorted({min(prompt_n, c) for c in (1, prompt_n - 3, prompt_n - 1)}))
+        whole = block_keys((*parts, more), block)
+        extended = extended_keys(block_keys(parts, block), parts, more, block)
+        assert extended.dtype == whole.dtype and np.array_equal(extended, whole)
+        given = extended_keys(block_keys(parts, block), parts, more, block, prompt_tokens=prompt_n)
+        assert np.array_equal(given, whole)
+
+
+def test_an_extended_prompt_is_the_prepared_whole() -> None:
+    cache = PrefixCache(B)
+    prompt, said = chunks(tokens(70), 30), tokens(41, seed=1)
+    extended = cache.extend(cache.prepare(prompt), prompt, said)
+    assert extended.prompt_tokens == 111
+    assert np.array_equal(extended.keys, cache.prepare((*prompt, said)).keys)
+    with pytest.raises(ValueError, match="^prompt prepared for 16-token blocks, cache uses 32$"):
+        PrefixCache(32).extend(extended, prompt, said)
 
 
 def test_keys_are_distinct_for_repetitive_and_long_prompts() -> None:
