@@ -75,6 +75,7 @@ async def run_rollout(
         result.tool_time_s += tool_s
         items = tool_outputs(outcome, output)
     result.finished_at = clock.now()
+    result.reconnects = list(getattr(client, "reconnects", ()))  # a `RotatingClient`'s moves
     return result
 
 
