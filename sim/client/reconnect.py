@@ -60,7 +60,7 @@ class SessionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     ] = True
     rotate_margin_s: Annotated[
         float, Meta(ge=0, description="rotate a socket when a turn would start within this many seconds of its limit")
-    ] = 60.0
+    ] = 300.0
 
 
 LIMIT_CODE: Final = "websocket_connection_limit_reached"
@@ -93,7 +93,7 @@ class RotatingClient:
     client: WSClient
     clock: Clock
     lifetime_s: float
-    margin_s: float = 60.0
+    margin_s: float = 300.0
     enabled: bool = True  # off: the client does not move; a limit or a cut ends the rollout with its error
     reconnects: list[Reconnect] = field(default_factory=list)
     opened_at: float | None = None  # the current socket's opening, on the client's clock
