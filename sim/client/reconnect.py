@@ -39,7 +39,16 @@ from prototype.wire.schemas import ErrorEvent, ResponseInjectFailed, StageReport
 from sim.client.client import ResponsesClient, WSClient
 from sim.rollout.result import ClientError, Mode, Reconnect, ReconnectReason, TurnResult
 
-__all__ = ["CUT_REASONS", "RECONNECTING_MODES", "RotatingClient", "SessionConfig", "limit_error", "session_client"]
+__all__ = [
+    "CUT_REASONS",
+    "RECONNECTING_MODES",
+    "RotatingClient",
+    "SessionConfig",
+    "cut_error",
+    "limit_error",
+    "lost_input",
+    "session_client",
+]
 
 RECONNECTING_MODES: Final = ("ws", "append", "inject")  # the modes `RotatingClient` keeps across the limit
 
@@ -112,7 +121,7 @@ class RotatingClient:
         if not self.enabled:
             result = await c.turn(new_items, **settings)
             if _cut_reason(result) is not None:
-                raise _cut_error(result)
+                raise cut_error(result)
             return result
         if c.ws is not None and self._dead:
             moved = await self._reopen("cut")
@@ -197,7 +206,14 @@ def session_client(client: ResponsesClient, clock: Clock, session: SessionConfig
     return client
 
 
-def _cut_error(result: TurnResult) -> ClientError:
+def lost_input(result: TurnResult) -> bool:
+    """Whether `result` is a paused response that ended under the client (the limit, or its pause
+    timeout) with no call for the agent to answer: the input the turn carried never reached a
+    model, and a loop that took it for the rollout's answer would end it early."""
+    return _cut_reason(result) is not None and not result.call_ids
+
+
+def cut_error(result: TurnResult) -> ClientError:
     """A cut response as the rollout's error, when the client does not move on."""
     reason = _cut_reason(result)
     code = LIMIT_CODE if reason == "connection_limit" else reason
