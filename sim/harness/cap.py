@@ -18,9 +18,10 @@ Figures per design (95 % intervals, n rollouts):
 * **what a reconnect cost**: per move to a new socket, the first turn on it as the server's stage
   report shows it (sim/rollout/result.py `Reconnect`): its E2E, `load_state` (the store load of
   a cold connection cache), `render`, tokens rendered and prefilled; beside it the same means
-  over the design's other turns that carry a stage report, continuing on a warm socket. A turn
-  that reports no stages (the beta's, which pause without an event) is not in these means, and
-  a `restart` (a new response on the same socket after a pause timeout) is counted, not costed.
+  over the design's other turns that carry a stage report, continuing on a warm socket (`ws` and
+  `http_prev` only: an append or inject response's report sums its segments). A turn that
+  reports no stages (the beta's, which pause without an event) is not in these means, and a
+  `restart` (a new response on the same socket after a pause timeout) is counted, not costed.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ from sim.rollout.result import RolloutResult
 __all__ = ["CAP_MODES", "CapDesign", "CapResult", "cap_main", "cap_tables", "run_cap", "write_cap"]
 
 CAP_MODES: Final = ("http_prev", *RECONNECTING_MODES)  # http_prev: the reference that holds no socket
+# An append or inject response reports its segments summed, not turn by turn: no warm row.
+_SUMMED: Final = ("append", "inject")
 _RESPONSE_ID: Final = re.compile(r"'resp_[0-9a-f]+'")
 _LIMIT_ERRORS: Final = ("previous_response_not_found", "websocket_connection_limit_reached", "connection_limit")
 
@@ -131,7 +134,7 @@ def _design(config: CompareConfig, run: CompareResult, store: bool, mode: str) -
         paired_mean([len(r.reconnects) for r in done], seed=seed),
         dict(Counter(m.reason for m in moves)),
         _cost([(m.e2e_s, m.load_s, m.render_s, m.tokens_rendered, m.tokens_prefilled) for m in costed], seed),
-        _cost(_warm_turns(done), seed),
+        _cost(_warm_turns(done) if mode not in _SUMMED else [], seed),
         paired_mean([r.completion_s for r in done], seed=seed),
         [f"{count} × {error}" for error, count in errors.most_common()],
     )
