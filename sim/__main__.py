@@ -32,6 +32,7 @@ from sim.engine.model import EngineTurn
 from sim.engine.process import EngineNotInstalled
 from sim.engine.rates import measure, rates_text
 from sim.fleet.config import READ_LEAVES
+from sim.harness.cap import cap_main, cap_options
 from sim.harness.capacity import (
     CapacityConfig,
     cache_table,
@@ -194,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(lg, **LONG_DEFAULTS)
     lg.add_argument("--window-turns", type=int, default=50, help="turns per window of the table")
+    cap_options(lg)
     lg.add_argument(
         "--charge-cpu", action="store_true", help="charge CPU work to virtual time (default: CPU free, reproducible)"
     )
@@ -288,6 +290,9 @@ def capacity_main(args: argparse.Namespace) -> int:
 
 
 def long_main(args: argparse.Namespace) -> int:
+    if args.cap:
+        config = config_from(args)
+        return cap_main(config, args, _describe(config), long_modes=str(LONG_DEFAULTS["modes"]))
     try:
         config = config_from(args)
         check(config, virtual=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 from prototype.clock import Clock
 from sim.client.client import ResponsesClient, WSClient
+from sim.client.reconnect import cut_error, lost_input
 from sim.client.tools import SimulatedTools, ToolRunner
 from sim.rollout.result import InterjectionRecord, Mode, RolloutResult, TurnResult, tool_outputs
 from sim.rollout.spec import EXEC_TOOL, RolloutSpec
@@ -66,6 +67,8 @@ async def run_rollout(
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
     for turn in range(len(spec.tool_times_s) + 1):
         outcome = await client.turn(items, **settings)
+        if lost_input(outcome):  # a client that does not move on (lanes, steer, or reconnect off)
+            raise cut_error(outcome)
         result.turns.append(outcome)
         if turn == len(spec.tool_times_s):
             break
@@ -75,6 +78,7 @@ async def run_rollout(
         result.tool_time_s += tool_s
         items = tool_outputs(outcome, output)
     result.finished_at = clock.now()
+    result.reconnects = list(getattr(client, "reconnects", ()))  # a `RotatingClient`'s moves
     return result
 
 
@@ -108,6 +112,8 @@ async def run_interjected(
         if interjection is not None and steering:
             client.arm(interjection)  # type: ignore[attr-defined]
         outcome = await client.turn(items, **settings)
+        if lost_input(outcome):
+            raise cut_error(outcome)
         result.turns.append(outcome)
         for record in carried:
             record.seen_at = outcome.first_token_at
@@ -198,6 +204,8 @@ async def run_async_rollout(
     try:
         for turn in range(len(spec.tool_times_s) + 1):
             outcome = await client.next_turn()
+            if lost_input(outcome):  # `async` is not kept across the limit: the rollout fails with it
+                raise cut_error(outcome)
             result.turns.append(outcome)
             if outcome.response.status != "in_progress" or turn == len(spec.tool_times_s) or not outcome.call_ids:
                 break

@@ -53,6 +53,7 @@ from prototype.wire.contract import COMPACT_THRESHOLD_MIN
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
 from sim.client.client import ResponsesClient, WSClient, open_client, share_socket
 from sim.client.loop import run_async_rollout, run_rollout
+from sim.client.reconnect import SessionConfig, session_client
 from sim.client.tools import ToolRunner, tool_runner
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
@@ -63,16 +64,7 @@ from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache
 from sim.model.policy import DefaultPolicy, Policy
 from sim.rollout.replay import load_trace, replay_plan
-from sim.rollout.result import (
-    ALL_MODES,
-    MODES,
-    WS_MODES,
-    ClientError,
-    Mode,
-    RolloutFailure,
-    RolloutResult,
-    error_line,
-)
+from sim.rollout.result import ALL_MODES, MODES, WS_MODES, ClientError, Mode, RolloutFailure, RolloutResult, error_line
 from sim.rollout.spec import RolloutSpec, draw_interjections, make_spec
 from sim.rollout.workload import WORKLOADS, draw_rollouts
 from sim.runtime.inprocess import InProcessServer, Tap
@@ -177,6 +169,7 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     # A real engine behind the server instead of the simulator (docs/engine.md): live only; the
     # simulator still plans every turn's tokens, the engine prefills and decodes them.
     engine: EngineConfig = EngineConfig()
+    session: SessionConfig = SessionConfig()  # the client's store and its moves across the connection limit
 
     @classmethod
     def of(cls, **fields: Any) -> CompareConfig:
@@ -586,11 +579,13 @@ class _Scheduler:
         behind the server) is a `RolloutFailure` with the error's line, and the others run on."""
         config, clock, tools = self.config, self.clock, self.world.tools
         async with self._gate:
-            client = self._client(mode, batch, index, size)
+            lifetime_s = self.world.server_config.websocket.lifetime_s
+            client = session_client(self._client(mode, batch, index, size), clock, config.session, lifetime_s)
             result: RolloutResult | RolloutFailure
             try:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.server.disable)
+                store = store if config.session.store_responses is None else config.session.store_responses
                 if isinstance(client, WSClient) and client.overlap:
                     result = await run_async_rollout(
                         client, clock, spec, model="sim", tools=tools, context_management=self._context_management

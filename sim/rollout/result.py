@@ -22,6 +22,8 @@ __all__ = [
     "ClientError",
     "InterjectionRecord",
     "Mode",
+    "Reconnect",
+    "ReconnectReason",
     "RolloutFailure",
     "RolloutResult",
     "TurnResult",
@@ -134,6 +136,28 @@ class InterjectionRecord:
         return None if self.seen_at is None else self.seen_at - self.arrived_at
 
 
+ReconnectReason = Literal["rotate", "limit", "closed", "cut", "restart"]
+
+
+@dataclass(slots=True)
+class Reconnect:
+    """One move of a WebSocket rollout to a new socket (or, `restart`, to a new response on the same
+    one; sim/client/reconnect.py): why, at which turn, when, and what its first turn cost (the
+    server's stage report)."""
+
+    reason: ReconnectReason  # rotate: before the limit; limit: a create refused at it; closed: the socket
+    # was gone; cut: a paused response ended at the limit; restart: a pause ended by its timeout
+    turn: int  # the rollout's turn index (0 = the first)
+    at: float  # clock time of the move
+    connect_s: float = 0.0  # opening the new socket, on the client's clock
+    e2e_s: float = 0.0  # the first turn after the move, send to its end
+    connection_cache: str = ""  # that turn's `longrun.connection_cache` (miss: loaded from the store)
+    load_s: float = 0.0  # its `load_state` stage (the store load on a miss)
+    render_s: float = 0.0  # its `render` stage
+    tokens_rendered: int = 0
+    tokens_prefilled: int = 0
+
+
 @dataclass(slots=True)
 class RolloutResult:
     mode: Mode
@@ -149,6 +173,7 @@ class RolloutResult:
     interjections: list[InterjectionRecord] = field(default_factory=list)
     tokens_discarded: int = 0  # decoded tokens of items a steer cut off (`steer` mode)
     successors: int = 0  # automatic successors the steers started (`steer` mode)
+    reconnects: list[Reconnect] = field(default_factory=list)  # WebSocket modes across the connection limit
 
     @property
     def completion_s(self) -> float:
