@@ -8,7 +8,9 @@ A request's conversation: the conversation of the response its `previous_respons
 else, the conversation whose last request's input (instructions and items, compared as the
 client's own bytes) is a prefix of this request's input (a client resending the whole history);
 else a new one. Its `turn` is the number of that conversation's completed lines before it, so a
-retry after a failed request takes the failed request's turn. Its mode is what the proxy saw:
+retry after a failed request takes the failed request's turn. A warm-up (`generate: false`: a
+prefill with no model turn, as Codex opens its WebSocket) is a line marked `warmup` that names
+its response for the requests that continue it but is no turn of its conversation. Its mode is what the proxy saw:
 `ws` on a WebSocket, `http_prev` over HTTP with a `previous_response_id`, `http` otherwise (the
 reader relabels an `http` conversation that later continues by `previous_response_id`).
 """
@@ -56,6 +58,7 @@ class _RequestPeek(msgspec.Struct):
     instructions: Raw = NULL
     input: Raw = NULL
     stream: bool | None = None
+    generate: Any = None  # `false`: a warm-up (no model turn)
     store: Any = None  # any type: a bad value (the upstream's to refuse) must not lose the rest of the peek
 
 
@@ -104,6 +107,7 @@ class Line(msgspec.Struct, kw_only=True, omit_defaults=True):
     proxy_first_byte_ms: float | None = None  # the upstream's first byte to its write downstream
     connection: int | None = None  # the WebSocket connection's number (1, 2, …) in this recording
     store: bool | None = None  # the request's `store`, when it sent one
+    warmup: bool = False  # `generate: false`: no model turn; the reader skips the line
 
 
 _encoder = msgspec.json.Encoder()
@@ -135,6 +139,7 @@ class Pending:
     connection: int | None = None
     store: bool | None = None
     content: tuple[str | None, str | None, str | None] = (None, None, None)  # task, instructions, tool output
+    warmup: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -262,6 +267,7 @@ class Capture:
             prefix=hashes[-1],
             content=content,
             store=peek.store if isinstance(peek.store, bool) else None,
+            warmup=peek.generate is False,
         )
 
     @staticmethod
@@ -291,7 +297,10 @@ class Capture:
         assert p.done_at is not None and not p.finished
         p.finished = True
         ok = p.failed is None
-        if ok:
+        if ok and p.warmup:  # continued by `previous_response_id`, but no turn of its own
+            if p.response_id is not None:
+                self._by_response[p.response_id] = p.conversation
+        elif ok:
             self._completed[p.conversation] = p.turn + 1
             self._by_prefix[p.prefix] = p.conversation
             if p.response_id is not None:
@@ -320,6 +329,7 @@ class Capture:
             proxy_first_byte_ms=_ms(p.proxy_first_byte_ms),
             connection=p.connection,
             store=p.store,
+            warmup=p.warmup,
         )
         self.lines.append(line)
         return _encoder.encode(line) + b"\n"
@@ -327,11 +337,12 @@ class Capture:
     def summary(self) -> dict[str, object]:
         modes: dict[str, int] = {}
         for line in self.lines:
-            if line.failed is None:
+            if line.failed is None and not line.warmup:
                 modes[line.mode] = modes.get(line.mode, 0) + 1
         return {
             "requests": len(self.lines),
             "failed": sum(1 for line in self.lines if line.failed is not None),
+            "warmups": sum(1 for line in self.lines if line.warmup),
             "completed_by_mode": modes,
             "conversations": len({line.conversation for line in self.lines}),
             "workload_turns": self.workload.written,
