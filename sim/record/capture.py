@@ -18,6 +18,7 @@ reader relabels an `http` conversation that later continues by `previous_respons
 from __future__ import annotations
 
 import hashlib
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -29,7 +30,7 @@ from prototype.wire.requests import NULL, is_null
 from sim.record.signals import session_signals
 from sim.record.workload import Turn, Workload, assistant_of, task_of, tool_output_of, usage_counts
 
-__all__ = ["Capture", "Pending", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
+__all__ = ["Capture", "Pending", "SSEData", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
 
 # The token-carrying deltas (prototype/serve/session.py's TOKEN_DELTAS, by their wire names, and
 # the other deltas of the API that carry model tokens).
@@ -81,6 +82,25 @@ class _EventPeek(msgspec.Struct):
     status: str | None = None
     usage: Raw = NULL
     output: Raw = NULL
+
+
+_DATA_LINE: Final = re.compile(rb"^data: ?([^\r\n]*)", re.MULTILINE)
+
+
+class SSEData:
+    """The `data:` lines of an SSE stream as its bytes arrive, each an event's JSON: the API sends
+    every event's data on one line (an event whose data spans lines is relayed but not read).
+    A scan of the bytes for the lines the recorder reads, not a whole SSE parse, so that reading
+    the stream costs the relay little (docs/performance.md, `record`)."""
+
+    def __init__(self) -> None:
+        self._tail = b""  # the bytes after the last line end: a line still arriving
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        data = self._tail + chunk if self._tail else chunk
+        end = data.rfind(b"\n") + 1
+        self._tail = data[end:]
+        return [line for line in _DATA_LINE.findall(data, 0, end) if line != b"[DONE]"]
 
 
 _request = msgspec.json.Decoder(_RequestPeek)

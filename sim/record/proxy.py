@@ -37,8 +37,8 @@ from yarl import URL
 
 from prototype.wire.errors import ProtocolError, http_error_body, ws_error_event
 from prototype.wire.schemas import ErrorEvent, encode
-from prototype.wire.sse import SSEDecoder, encode_event
-from sim.record.capture import Capture, Pending
+from prototype.wire.sse import encode_event
+from sim.record.capture import Capture, Pending, SSEData
 
 __all__ = ["Recorder", "make_recorder_app", "record_main", "record_options", "serve_recorder"]
 
@@ -189,7 +189,7 @@ class Recorder:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         if pending is not None and upstream.status >= 400:
             pending.failed = f"http {upstream.status}"
-        decoder = SSEDecoder() if streamed else None
+        decoder = SSEData() if streamed else None
         body = bytearray()
         try:
             await response.prepare(request)
@@ -200,9 +200,8 @@ class Recorder:
                     continue
                 pending.first_byte(received, self.clock())
                 if decoder is not None:
-                    for event in decoder.feed(chunk):
-                        if event.data != "[DONE]":
-                            pending.event(event.data.encode(), received)
+                    for data in decoder.feed(chunk):
+                        pending.event(data, received)
                 else:
                     body += chunk
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:

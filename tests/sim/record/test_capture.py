@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from prototype.wire.sse import SSEDecoder
 from sim.analysis.records import read_records
-from sim.record.capture import Capture, Pending
+from sim.record.capture import Capture, Pending, SSEData
 
 USAGE = b'{"input_tokens":10,"input_tokens_details":{"cached_tokens":0},"output_tokens":3}'
 
@@ -99,3 +100,24 @@ def test_a_warm_up_is_no_turn_but_its_response_is_continued(tmp_path: Path) -> N
     # Negative control: the same lines without the mark read the warm-up as a turn.
     capture.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "warmup"}) + "\n" for x in (w, t0, t1)))
     assert len(read_records([capture])) == 3
+
+
+def test_the_sse_scan_reads_each_events_data_however_the_bytes_are_cut() -> None:
+    """`SSEData` against the full SSE parser (prototype/wire/sse.py) on a stream of one-line data
+    events: LF and CRLF line ends, a comment, `data:` with and without its space, `[DONE]`."""
+    stream = (
+        b": keep-alive\n\n"
+        b'event: response.created\r\ndata: {"type":"response.created","sequence_number":0}\r\n\r\n'
+        b'id: 7\ndata:{"type":"response.output_text.delta","delta":"data: x"}\n\n'
+        b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    expected = [e.data.encode() for e in SSEDecoder().feed(stream) if e.data != "[DONE]"]
+    assert len(expected) == 3
+    for cut in range(1, len(stream)):
+        scan = SSEData()
+        assert scan.feed(stream[:cut]) + scan.feed(stream[cut:]) == expected, cut
+    scan = SSEData()
+    assert [line for i in range(len(stream)) for line in scan.feed(stream[i : i + 1])] == expected
+    # Negative control: a line that only contains `data:` is not a data line.
+    assert SSEData().feed(b'event: x\nxdata: {"a":1}\n : data: {"b":2}\n') == []
