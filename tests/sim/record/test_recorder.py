@@ -59,7 +59,7 @@ def _lines(out: Path) -> list[dict[str, Any]]:
         (http_flow, [["http"] * 3]),
         (http_prev_flow, [["http", "http_prev", "http_prev"]]),
         (ws_flow, [["ws"] * 3]),
-        (lanes_flow, [["ws"] * 3] * 2),
+        pytest.param(lanes_flow, [["ws"] * 3] * 2, marks=pytest.mark.slow),
     ],
 )
 async def test_a_client_runs_unchanged_through_the_recorder(tmp_path: Path, flow: Flow, modes: list[list[str]]) -> None:

@@ -119,6 +119,7 @@ async def test_the_cli_writes_no_key_header_or_body_anywhere(tmp_path: Path, kee
     assert _found(stdout + stderr) == set(), (stdout + stderr)[-2000:]
 
 
+@pytest.mark.slow
 async def test_the_recorder_logs_no_key_header_or_body(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Every log record of the recorder and of aiohttp under it, at DEBUG, holds no key, header or body."""
     caplog.set_level(logging.DEBUG)
