@@ -22,10 +22,13 @@ from openai import AsyncOpenAI
 
 from tests.processes import free_port
 from tests.recording import TOOLS, check_recording, http_flow, normalised, recorded_lines, recording, ws_flow
-from tests.support import NODE_DIR, RECEIVE_TIMEOUT_S, REPO, live_server, run_node
+from tests.support import NODE_DIR, REPO, live_server, run_node
 
 FLOWS_SCRIPT: Final = NODE_DIR / "flows.mjs"
 TIMEOUT_S: Final = 60.0
+CLI_TIMEOUT_S: Final = 120.0
+"""Upper bound on `python -m sim record`'s start (a fresh interpreter's imports) and on its
+shutdown, so a hung recorder fails the test; generous, for a loaded shared machine."""
 PROMPT: Final = "List the files."
 MODES: Final = {
     "http": [["http"] * 3],
@@ -104,11 +107,11 @@ async def test_the_cli_writes_no_key_header_or_body_anywhere(tmp_path: Path, kee
         )
         assert proc.stdout is not None
         try:
-            assert b"recording" in await asyncio.wait_for(proc.stdout.readline(), RECEIVE_TIMEOUT_S)
+            assert b"recording" in await asyncio.wait_for(proc.stdout.readline(), CLI_TIMEOUT_S)
             await _agent_loops(f"http://127.0.0.1:{port}/v1")
         finally:
             proc.send_signal(signal.SIGINT)
-            stdout, stderr = await asyncio.wait_for(proc.communicate(), RECEIVE_TIMEOUT_S)
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), CLI_TIMEOUT_S)
     assert proc.returncode == 0, stderr.decode(errors="replace")[-2000:]
     files = sorted(p for p in out.rglob("*") if p.is_file())
     assert [p.name for p in files] == ["capture.jsonl", "summary.json", "workload.jsonl"]
