@@ -5,12 +5,15 @@ cost profiles (the http and ws turns of a virtual run, as a proxy would see them
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 import numpy as np
+import pytest
 from aiohttp import web
 from openai import AsyncOpenAI
 
@@ -30,12 +33,42 @@ TOOLS: Final[list[Any]] = [
     }
 ]
 
-Flow = Callable[[AsyncOpenAI, str], Awaitable[list[tuple[str, str]]]]
+Flow = Callable[[AsyncOpenAI, str], Awaitable[list[dict[str, Any]]]]
+
+_TIMED: Final = re.compile(r"(_at|_s|_ms)$")  # wall-clock stamps and measured durations
+# resp_…, msg_…, fc_…, call_…, and UUIDs (Codex's thread ids)
+_ID: Final = re.compile(r"\b[a-z]+_[0-9a-f]{16,}\b|\b[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\b")
 
 
-def seen_of(event: Any) -> tuple[str, str]:
-    """What a client's stream is compared on: each event's type and its text (ids aside)."""
-    return (event.type, getattr(event, "delta", None) or getattr(event, "text", None) or "")
+def seen_of(event: Any) -> dict[str, Any]:
+    """An event as openai-python delivered it (the fields the server sent)."""
+    dumped: dict[str, Any] = event.model_dump(mode="json", exclude_unset=True)
+    return dumped
+
+
+def _untimed(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: "<time>" if _TIMED.search(k) else _untimed(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
+def normalised(events: list[dict[str, Any]]) -> list[str]:
+    """What a client's stream is compared on across runs: every event whole, in order, with what
+    legitimately differs run to run replaced (timestamps and measured durations by `<time>`,
+    each id by its order of first appearance); lanes compared one after another (`stream_id`
+    order), since lanes on one socket interleave as the machine schedules them."""
+    lanes: dict[str, list[dict[str, Any]]] = {}
+    for event in events:
+        lanes.setdefault(str(event.get("stream_id")), []).append(event)
+    ids: dict[str, str] = {}
+    out = []
+    for lane in sorted(lanes):
+        for event in lanes[lane]:
+            text = json.dumps(_untimed(event), sort_keys=True)
+            out.append(_ID.sub(lambda m: ids.setdefault(m.group(0), f"<id{len(ids)}>"), text))
+    return out
 
 
 def outputs_of(response: Any) -> list[Any]:
@@ -46,9 +79,9 @@ def outputs_of(response: Any) -> list[Any]:
     ]
 
 
-async def http_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+async def http_flow(c: AsyncOpenAI, prompt: str) -> list[dict[str, Any]]:
     """The whole history each request, streamed, until the model answers in text."""
-    seen: list[tuple[str, str]] = []
+    seen: list[dict[str, Any]] = []
     items: list[Any] = [{"role": "user", "content": prompt}]
     while True:
         stream = await c.responses.create(model="sim", input=items, tools=TOOLS, stream=True)
@@ -64,10 +97,10 @@ async def http_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
         items += [item.model_dump(mode="json", exclude_none=True) for item in done.output] + calls
 
 
-async def http_prev_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+async def http_prev_flow(c: AsyncOpenAI, prompt: str) -> list[dict[str, Any]]:
     """`previous_response_id` over HTTP; the first turn not streamed (a whole JSON body)."""
     response = await c.responses.create(model="sim", input=prompt, tools=TOOLS)
-    seen = [("body", response.output_text)]
+    seen = [{"type": "body", "response": seen_of(response)}]
     while calls := outputs_of(response):
         stream = await c.responses.create(
             model="sim", input=calls, tools=TOOLS, previous_response_id=response.id, stream=True
@@ -79,9 +112,9 @@ async def http_prev_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
     return seen
 
 
-async def ws_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
+async def ws_flow(c: AsyncOpenAI, prompt: str) -> list[dict[str, Any]]:
     """WebSocket mode (`client.responses.connect()`): one connection, `previous_response_id` after the first."""
-    seen: list[tuple[str, str]] = []
+    seen: list[dict[str, Any]] = []
     async with c.responses.connect() as connection:
         await connection.response.create(model="sim", input=prompt, tools=TOOLS)
         while True:
@@ -98,6 +131,99 @@ async def ws_flow(c: AsyncOpenAI, prompt: str) -> list[tuple[str, str]]:
             if not calls:
                 return seen
             await connection.response.create(model="sim", input=calls, tools=TOOLS, previous_response_id=done.id)
+
+
+LANES: Final = ("a", "b")
+
+
+async def lanes_flow(c: AsyncOpenAI, prompt: str) -> list[dict[str, Any]]:
+    """Two lanes (`stream_id`) on one WebSocket connection, their tool loops at the same time: each
+    lane's next `response.create` goes out when that lane's response completes."""
+    seen: list[dict[str, Any]] = []
+    async with c.responses.connect() as connection:
+        for lane in LANES:
+            await connection.response.create(model="sim", input=f"{prompt} (lane {lane})", tools=TOOLS, stream_id=lane)
+        open_lanes = set(LANES)
+        async for event in connection:
+            seen.append(seen_of(event))
+            if event.type in ("error", "response.failed"):
+                raise AssertionError(event)
+            if event.type != "response.completed":
+                continue
+            lane = getattr(event, "stream_id", None)
+            assert lane in open_lanes, event
+            calls = outputs_of(event.response)
+            if not calls:
+                open_lanes.discard(lane)
+                if not open_lanes:
+                    return seen
+                continue
+            await connection.response.create(
+                model="sim",
+                input=calls,
+                tools=TOOLS,
+                previous_response_id=event.response.id,
+                stream_id=lane,
+            )
+    raise AssertionError(f"the connection closed with lanes {open_lanes} open")
+
+
+def recorded_lines(out: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / name).read_text().splitlines()]
+
+
+def check_recording(out: Path, modes: list[list[str]], *, warmups: int = 0) -> list[list[dict[str, Any]]]:
+    """The recorder's files after a run of whole agent loops that each ended in text: one
+    conversation per entry of `modes` (in order of their first request), each a capture line per
+    turn in that mode (its usage, first-token time, unique response id, chained by
+    `previous_response_id` where the client sent one), and a `workload.jsonl` line per turn with
+    the capture's token counts and the client's time between turns; `warmups` lines marked
+    `warmup` (`generate: false`) besides, each continued by a turn. The capture's lines (the
+    turns'), per conversation."""
+    lines = recorded_lines(out, "capture.jsonl")
+    warm = {line["response_id"]: line for line in lines if line.get("warmup")}
+    assert len(warm) == warmups, lines
+    lines = [line for line in lines if not line.get("warmup")]
+    by_conversation: dict[str, list[dict[str, Any]]] = {}
+    for line in lines:
+        by_conversation.setdefault(line["conversation"], []).append(line)
+    assert [[line["mode"] for line in conv] for conv in by_conversation.values()] == modes, lines
+    workload = {(w["rollout"], w["turn"]): w for w in recorded_lines(out, "workload.jsonl")}
+    assert len(workload) == len(lines), workload
+    ids = [line["response_id"] for line in lines]
+    assert all(isinstance(i, str) and i.startswith("resp_") for i in ids) and len(set(ids)) == len(ids), ids
+    for conversation, conv in by_conversation.items():
+        assert [line["turn"] for line in conv] == list(range(len(conv)))
+        for k, line in enumerate(conv):
+            assert "failed" not in line, line
+            assert line["request_bytes"] > 0 and line["proxy_request_ms"] >= 0, line
+            assert line["sent_at"] <= line.get("first_token_at", line["sent_at"]) <= line["done_at"], line
+            assert ("connection" in line) == (line["mode"] == "ws"), line
+            chained = line.get("previous_response_id")
+            if line["mode"] in ("ws", "http_prev") and k > 0:
+                assert chained == conv[k - 1]["response_id"], (k, line)
+            elif k == 0 and chained in warm:
+                assert warm.pop(chained)["conversation"] == conversation, line
+            else:
+                assert chained is None, (k, line)
+            usage = line["usage"]
+            w = workload[(conversation, k)]
+            assert (w["mode"], w["input_tokens"], w["output_tokens"]) == (
+                line["mode"],
+                usage["input_tokens"],
+                usage["output_tokens"],
+            ), (w, line)
+            assert w["cached_tokens"] == usage.get("input_tokens_details", {}).get("cached_tokens", 0), (w, line)
+            assert w["tool_call"] == (k < len(conv) - 1), w
+            assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0, line
+            if k < len(conv) - 1:  # the client's time from this response's end to its next request
+                assert w["tool_time_s"] == pytest.approx(conv[k + 1]["sent_at"] - line["done_at"], abs=1e-5), (w, line)
+            # Streamed turns carry their first token's time; these flows' `http_prev` loops send
+            # their first turn unstreamed (a whole JSON body).
+            unstreamed = k == 0 and len(conv) > 1 and conv[1]["mode"] == "http_prev"
+            assert ("first_token_at" in line) != unstreamed, line
+    assert not warm, warm  # every warm-up continued by its conversation's first turn
+    return list(by_conversation.values())
 
 
 @contextlib.asynccontextmanager

@@ -113,6 +113,7 @@ class Exchange(msgspec.Struct, kw_only=True):
     timing_metrics: TimingMetrics | None = None  # a Codex `responsesapi.websocket_timing` frame's
     timing: WebsocketTiming | None = None  # or the whole frame
     failed: str | None = None  # a recorder's request without a usable turn (an error, a fault): skipped
+    warmup: bool = False  # the recorder's `generate: false` request: no turn, skipped; later lines may continue it
 
 
 _decoder = msgspec.json.Decoder(TurnRecord)
@@ -191,7 +192,8 @@ def read_records(paths: Iterable[str | Path]) -> list[TurnRecord]:
     frames: docs/calibration.md), or from run folders (their `records.jsonl`). A bad line is an
     error naming its file and line: a missing field, a negative time, a turn whose conversation
     lacks the turns before it, a `previous_response_id` the log does not have. A line marked
-    `failed` (the recorder's: a request that ended without a turn) is skipped; an `http`
+    `failed` (the recorder's: a request that ended without a turn) or `warmup` (its `generate:
+    false` request) is skipped; an `http`
     conversation a later line continues by `previous_response_id` is read as `http_prev`."""
     out: list[TurnRecord] = []
     for given in paths:
@@ -201,6 +203,7 @@ def read_records(paths: Iterable[str | Path]) -> list[TurnRecord]:
         lines: dict[tuple[str, str, int], int] = {}  # (mode, rollout, turn) -> line
         order: dict[tuple[str, str], int] = {}
         responses: dict[str, TurnRecord] = {}
+        warmed: set[str] = set()  # the response ids of warm-ups: continued, but no turn
         for number, line in enumerate(path.read_bytes().splitlines(), 1):
             if not line.strip():
                 continue
@@ -209,7 +212,12 @@ def read_records(paths: Iterable[str | Path]) -> list[TurnRecord]:
                     e = _exchange.decode(line)
                     if e.failed is not None:
                         continue
-                    if e.previous_response_id is not None and e.previous_response_id not in responses:
+                    if e.warmup:
+                        warmed.add(e.response_id or "")
+                        continue
+                    if e.previous_response_id is not None and not (
+                        e.previous_response_id in responses or e.previous_response_id in warmed
+                    ):
                         raise ValueError(f"previous_response_id {e.previous_response_id!r} is not an earlier response")
                     before = responses.get(e.previous_response_id or "")
                     if before is not None and before.mode == "http" and e.mode == "http_prev":

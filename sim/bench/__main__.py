@@ -48,7 +48,7 @@ from .engine import engine
 from .fleet import LARGE_POINT_SESSIONS, fleet
 from .lanes import lanes_vs_connections
 from .process import bench_process
-from .record import recorder_vs_direct
+from .record import recorder_stream_rates, recorder_vs_direct
 from .report import Row
 from .stats import stats
 from .virtual import virtual
@@ -408,9 +408,12 @@ async def lanes(n: int, tokens: int, repeats: int) -> None:
     report("lanes", what, on_lanes, on_conns, on_lanes / on_conns, "<= 1.25", on_lanes / on_conns <= 1.25)
 
 
-async def record(n_turns: int, rounds: int) -> None:
+async def record(n_turns: int, n_tokens: int, rounds: int) -> None:
     with bench_server("--tps", "0", "--policy", "agent", "--tool-calls", str(n_turns + 10)) as port:
         await recorder_vs_direct(port, n_turns, rounds, report, note)
+
+    with bench_server("--tps", "0") as port:
+        await recorder_stream_rates(port, n_tokens, rounds, report)
 
 
 # Every sizing option at its smoke size (`--smoke`): each target runs to the end in seconds, so
@@ -576,7 +579,7 @@ def jobs(args: argparse.Namespace) -> dict[str, Callable[[], Any]]:
             else report("contract", "skipped: needs --baseline REV (a revision without the checks)", 0, 0, 0, "-", None)
         ),
         "lanes": lambda: uvloop.run(lanes(args.lanes, args.tokens // 4, args.repeats)),
-        "record": lambda: uvloop.run(record(args.record_turns, args.repeats)),
+        "record": lambda: uvloop.run(record(args.record_turns, args.tokens // 4, args.repeats)),
         "stats": lambda: stats(
             report,
             args.stats_baseline,

@@ -8,7 +8,9 @@ A request's conversation: the conversation of the response its `previous_respons
 else, the conversation whose last request's input (instructions and items, compared as the
 client's own bytes) is a prefix of this request's input (a client resending the whole history);
 else a new one. Its `turn` is the number of that conversation's completed lines before it, so a
-retry after a failed request takes the failed request's turn. Its mode is what the proxy saw:
+retry after a failed request takes the failed request's turn. A warm-up (`generate: false`: a
+prefill with no model turn, as Codex opens its WebSocket) is a line marked `warmup` that names
+its response for the requests that continue it but is no turn of its conversation. Its mode is what the proxy saw:
 `ws` on a WebSocket, `http_prev` over HTTP with a `previous_response_id`, `http` otherwise (the
 reader relabels an `http` conversation that later continues by `previous_response_id`).
 """
@@ -16,6 +18,7 @@ reader relabels an `http` conversation that later continues by `previous_respons
 from __future__ import annotations
 
 import hashlib
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -27,7 +30,7 @@ from prototype.wire.requests import NULL, is_null
 from sim.record.signals import session_signals
 from sim.record.workload import Turn, Workload, assistant_of, task_of, tool_output_of, usage_counts
 
-__all__ = ["Capture", "Pending", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
+__all__ = ["Capture", "Pending", "SSEData", "TOKEN_DELTA_TYPES", "TERMINAL_TYPES", "latency_summary"]
 
 # The token-carrying deltas (prototype/serve/session.py's TOKEN_DELTAS, by their wire names, and
 # the other deltas of the API that carry model tokens).
@@ -56,6 +59,7 @@ class _RequestPeek(msgspec.Struct):
     instructions: Raw = NULL
     input: Raw = NULL
     stream: bool | None = None
+    generate: Any = None  # `false`: a warm-up (no model turn)
     store: Any = None  # any type: a bad value (the upstream's to refuse) must not lose the rest of the peek
 
 
@@ -78,6 +82,25 @@ class _EventPeek(msgspec.Struct):
     status: str | None = None
     usage: Raw = NULL
     output: Raw = NULL
+
+
+_DATA_LINE: Final = re.compile(rb"^data: ?([^\r\n]*)", re.MULTILINE)
+
+
+class SSEData:
+    """The `data:` lines of an SSE stream as its bytes arrive, each an event's JSON: the API sends
+    every event's data on one line (an event whose data spans lines is relayed but not read).
+    A scan of the bytes for the lines the recorder reads, not a whole SSE parse, so that reading
+    the stream costs the relay little (docs/performance.md, `record`)."""
+
+    def __init__(self) -> None:
+        self._tail = b""  # the bytes after the last line end: a line still arriving
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        data = self._tail + chunk if self._tail else chunk
+        end = data.rfind(b"\n") + 1
+        self._tail = data[end:]
+        return [line for line in _DATA_LINE.findall(data, 0, end) if line != b"[DONE]"]
 
 
 _request = msgspec.json.Decoder(_RequestPeek)
@@ -104,6 +127,7 @@ class Line(msgspec.Struct, kw_only=True, omit_defaults=True):
     proxy_first_byte_ms: float | None = None  # the upstream's first byte to its write downstream
     connection: int | None = None  # the WebSocket connection's number (1, 2, …) in this recording
     store: bool | None = None  # the request's `store`, when it sent one
+    warmup: bool = False  # `generate: false`: no model turn; the reader skips the line
 
 
 _encoder = msgspec.json.Encoder()
@@ -135,6 +159,7 @@ class Pending:
     connection: int | None = None
     store: bool | None = None
     content: tuple[str | None, str | None, str | None] = (None, None, None)  # task, instructions, tool output
+    warmup: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -262,6 +287,7 @@ class Capture:
             prefix=hashes[-1],
             content=content,
             store=peek.store if isinstance(peek.store, bool) else None,
+            warmup=peek.generate is False,
         )
 
     @staticmethod
@@ -291,7 +317,10 @@ class Capture:
         assert p.done_at is not None and not p.finished
         p.finished = True
         ok = p.failed is None
-        if ok:
+        if ok and p.warmup:  # continued by `previous_response_id`, but no turn of its own
+            if p.response_id is not None:
+                self._by_response[p.response_id] = p.conversation
+        elif ok:
             self._completed[p.conversation] = p.turn + 1
             self._by_prefix[p.prefix] = p.conversation
             if p.response_id is not None:
@@ -320,6 +349,7 @@ class Capture:
             proxy_first_byte_ms=_ms(p.proxy_first_byte_ms),
             connection=p.connection,
             store=p.store,
+            warmup=p.warmup,
         )
         self.lines.append(line)
         return _encoder.encode(line) + b"\n"
@@ -327,11 +357,12 @@ class Capture:
     def summary(self) -> dict[str, object]:
         modes: dict[str, int] = {}
         for line in self.lines:
-            if line.failed is None:
+            if line.failed is None and not line.warmup:
                 modes[line.mode] = modes.get(line.mode, 0) + 1
         return {
             "requests": len(self.lines),
             "failed": sum(1 for line in self.lines if line.failed is not None),
+            "warmups": sum(1 for line in self.lines if line.warmup),
             "completed_by_mode": modes,
             "conversations": len({line.conversation for line in self.lines}),
             "workload_turns": self.workload.written,

@@ -1,7 +1,8 @@
 """The recording reverse proxy: aiohttp in front of a Responses API (`python -m sim record`).
 
-Every request is forwarded to `--upstream` as it came (its path, query, headers and body; the
-hop-by-hop headers and `Accept-Encoding` aside, so the upstream answers uncompressed), and every
+Every request is forwarded to `--upstream` as it came (its path and query as the client encoded
+them, its headers, repeated ones too, and its body; the hop-by-hop headers and `Accept-Encoding`
+aside, so the upstream answers uncompressed), and every
 response is written back chunk by chunk as it arrives, never re-encoded; WebSocket frames are
 relayed one by one in each direction. `POST …/responses` and each `response.create` on a
 WebSocket become a capture line (sim/record/capture.py) written and flushed when the response
@@ -31,11 +32,13 @@ from typing import IO, Any, Final
 import aiohttp
 import msgspec
 from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
 
 from prototype.wire.errors import ProtocolError, http_error_body, ws_error_event
 from prototype.wire.schemas import ErrorEvent, encode
-from prototype.wire.sse import SSEDecoder, encode_event
-from sim.record.capture import Capture, Pending
+from prototype.wire.sse import encode_event
+from sim.record.capture import Capture, Pending, SSEData
 
 __all__ = ["Recorder", "make_recorder_app", "record_main", "record_options", "serve_recorder"]
 
@@ -68,14 +71,21 @@ class _Peek(msgspec.Struct):
 _peek = msgspec.json.Decoder(_Peek)
 
 
-def _forwarded(headers: Mapping[str, str], *, websocket: bool = False) -> dict[str, str]:
-    out: dict[str, str] = {}
+def _forwarded(headers: Mapping[str, str], *, websocket: bool = False) -> CIMultiDict[str]:
+    """The end-to-end headers, each repeated one kept (a dict would keep only its last value)."""
+    out: CIMultiDict[str] = CIMultiDict()
     for k, v in headers.items():
         low = k.lower()
         if low in _HOP or (websocket and low.startswith(_WS_HANDSHAKE)):
             continue
-        out[k] = v
+        out.add(k, v)
     return out
+
+
+def _target(upstream: str, request: web.Request) -> URL:
+    """The upstream URL of a request: its path and query as the client encoded them (`raw_path`),
+    never decoded and encoded again."""
+    return URL(upstream + request.raw_path, encoded=True)
 
 
 def _upstream_error(message: str, *, code: str = "upstream_unavailable") -> ProtocolError:
@@ -149,7 +159,7 @@ class Recorder:
         if request.method == "POST" and request.path.rstrip("/").endswith("/responses"):
             pending = self.begin("http", body, arrived)
         assert self.session is not None
-        url = self.upstream + request.path_qs
+        url = _target(self.upstream, request)
         try:
             if pending is not None:
                 pending.forwarded(self.clock())
@@ -179,7 +189,7 @@ class Recorder:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=headers)
         if pending is not None and upstream.status >= 400:
             pending.failed = f"http {upstream.status}"
-        decoder = SSEDecoder() if streamed else None
+        decoder = SSEData() if streamed else None
         body = bytearray()
         try:
             await response.prepare(request)
@@ -190,9 +200,8 @@ class Recorder:
                     continue
                 pending.first_byte(received, self.clock())
                 if decoder is not None:
-                    for event in decoder.feed(chunk):
-                        if event.data != "[DONE]":
-                            pending.event(event.data.encode(), received)
+                    for data in decoder.feed(chunk):
+                        pending.event(data, received)
                 else:
                     body += chunk
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
@@ -235,8 +244,8 @@ class Recorder:
 
     async def websocket(self, request: web.Request, arrived: float) -> web.StreamResponse:
         assert self.session is not None
-        url = self.upstream + request.path_qs
-        url = "ws" + url[4:] if url.startswith("http") else url
+        target = _target(self.upstream, request)
+        url = target.with_scheme("wss" if target.scheme == "https" else "ws")
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         try:
             up = await self.session.ws_connect(

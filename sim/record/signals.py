@@ -50,6 +50,8 @@ class Line(Protocol):
     def connection(self) -> int | None: ...
     @property
     def store(self) -> bool | None: ...
+    @property
+    def warmup(self) -> bool: ...
 
 
 def session_signals(lines: Sequence[Line]) -> dict[str, dict[str, object]]:
@@ -61,7 +63,7 @@ def session_signals(lines: Sequence[Line]) -> dict[str, dict[str, object]]:
 
 
 def _conversation(lines: list[Line]) -> dict[str, object]:
-    done = [x for x in lines if x.failed is None]
+    done = [x for x in lines if x.failed is None and not x.warmup]
     counts = [usage_counts(x.usage) if x.usage is not None else None for x in done]
     sent = [c[0] for c in counts if c is not None]
     prefilled = [c[0] - c[1] for c in counts if c is not None]
@@ -73,12 +75,12 @@ def _conversation(lines: list[Line]) -> dict[str, object]:
         if after.connection != before.connection:
             lost = "store: false chain ended" if before.store is False else "connection cache cold"
             reconnects.append({"turn": after.turn, "lost": lost})
-        elif before.failed is None:
+        elif before.failed is None and not before.warmup:  # a warm-up is followed by no tool call
             silence = max(silence, after.sent_at - before.done_at)
     out: dict[str, object] = {
         "modes": sorted({x.mode for x in lines}),
         "turns": len(done),
-        "failed": len(lines) - len(done),
+        "failed": sum(1 for x in lines if x.failed is not None),
         "request_bytes": {
             "first": lines[0].request_bytes,
             "last": lines[-1].request_bytes,

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
-from sim.record.capture import Capture, Pending
+from prototype.wire.sse import SSEDecoder
+from sim.analysis.records import read_records
+from sim.record.capture import Capture, Pending, SSEData
 
 USAGE = b'{"input_tokens":10,"input_tokens_details":{"cached_tokens":0},"output_tokens":3}'
 
@@ -59,3 +63,61 @@ def test_the_same_first_message_again_is_a_new_conversation_and_websockets_follo
     w1 = _complete(c, c.begin("ws", follow, 2.0), "resp_w2", 2.0)
     assert (w0["conversation"], again["conversation"], w1["conversation"]) == ("conv-0", "conv-1", "conv-0")
     assert w1["mode"] == "ws" and w1["turn"] == 1 and w1["previous_response_id"] == "resp_w0"
+
+
+def test_a_warm_up_is_no_turn_but_its_response_is_continued(tmp_path: Path) -> None:
+    """Codex opens its WebSocket with `generate: false` (a prefill, no model turn): the line is
+    marked `warmup`, the task's first request that continues it is turn 0 of its conversation,
+    no workload line is written for it, and calibration reads the capture without it."""
+    c = Capture()
+    written: list[int] = []  # the workload lines' turns, as the recorder writes them
+
+    def begin(frame: bytes, at: float) -> Pending:
+        p = c.begin("ws", frame, at)
+        line = c.workload.began(p.conversation, at)  # what Recorder.begin does
+        written.extend([json.loads(line)["turn"]] if line is not None else [])
+        return p
+
+    warm = b'{"type":"response.create","model":"m","input":[],"instructions":"be brief","generate":false}'
+    w = _complete(c, begin(warm, 0.0), "resp_warm", 0.0)
+    assert w["warmup"] is True and w["turn"] == 0
+    first = b'{"type":"response.create","model":"m","input":"go","previous_response_id":"resp_warm"}'
+    t0 = _complete(c, begin(first, 1.0), "resp_t0", 1.0)
+    assert written == []  # the warm-up left no turn waiting for its tool time
+    follow = b'{"type":"response.create","model":"m","input":[],"previous_response_id":"resp_t0"}'
+    t1 = _complete(c, begin(follow, 2.0), "resp_t1", 2.0)
+    assert (t0["conversation"], t0["turn"], "warmup" in t0) == (w["conversation"], 0, False)
+    assert (t1["conversation"], t1["turn"]) == (w["conversation"], 1)
+    assert written == [0] and [json.loads(x)["turn"] for x in c.workload.close().splitlines()] == [1]
+    summary = c.summary()
+    assert summary["warmups"] == 1 and summary["completed_by_mode"] == {"ws": 2}
+    sessions: Any = summary["sessions"]
+    assert sessions[w["conversation"]]["turns"] == 2 and sessions[w["conversation"]]["failed"] == 0
+    assert sessions[w["conversation"]]["input_tokens"]["first"] == 10
+    capture = tmp_path / "capture.jsonl"
+    capture.write_text("".join(json.dumps(x) + "\n" for x in (w, t0, t1)))
+    assert [(r.mode, r.turn) for r in read_records([capture])] == [("ws", 0), ("ws", 1)]
+    # Negative control: the same lines without the mark read the warm-up as a turn.
+    capture.write_text("".join(json.dumps({k: v for k, v in x.items() if k != "warmup"}) + "\n" for x in (w, t0, t1)))
+    assert len(read_records([capture])) == 3
+
+
+def test_the_sse_scan_reads_each_events_data_however_the_bytes_are_cut() -> None:
+    """`SSEData` against the full SSE parser (prototype/wire/sse.py) on a stream of one-line data
+    events: LF and CRLF line ends, a comment, `data:` with and without its space, `[DONE]`."""
+    stream = (
+        b": keep-alive\n\n"
+        b'event: response.created\r\ndata: {"type":"response.created","sequence_number":0}\r\n\r\n'
+        b'id: 7\ndata:{"type":"response.output_text.delta","delta":"data: x"}\n\n'
+        b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    expected = [e.data.encode() for e in SSEDecoder().feed(stream) if e.data != "[DONE]"]
+    assert len(expected) == 3
+    for cut in range(1, len(stream)):
+        scan = SSEData()
+        assert scan.feed(stream[:cut]) + scan.feed(stream[cut:]) == expected, cut
+    scan = SSEData()
+    assert [line for i in range(len(stream)) for line in scan.feed(stream[i : i + 1])] == expected
+    # Negative control: a line that only contains `data:` is not a data line.
+    assert SSEData().feed(b'event: x\nxdata: {"a":1}\n : data: {"b":2}\n') == []
