@@ -17,12 +17,13 @@ tells the core, through the channel, what only it reports (`Pauses`); the run ke
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from ..context.conversation import CreateRequest, Item
 from ..ids import IdFactory
-from ..model import SamplingFinished
+from ..model import DecidesAsync, ModelRequest, SamplingFinished, TokenModel
 from ..wire.schemas import FunctionCall, RequiredInput, Response
 from .stream import ResponseStream, StreamError
 
@@ -64,7 +65,6 @@ class ResponseDialect:
 
     name: ClassVar[str] = "create"
     holds_kv: ClassVar[bool] = False  # whether the model keeps the response's KV across its pauses
-    decodes_past_calls: ClassVar[bool] = False  # whether a turn that waits may decode on instead
 
     __slots__ = ()
 
@@ -82,6 +82,14 @@ class ResponseDialect:
     def item_done(self, stream: ResponseStream, turn_index: int) -> None:
         """An output item finished (`stream.output[-1]`): nothing to tell the core."""
 
+    def may_decode_on(self, model: TokenModel) -> bool:
+        """Whether a turn that waits asks the model to decode on past its calls instead."""
+        return False
+
+    def decodes_on(self, model: TokenModel, next_request: Callable[[], ModelRequest]) -> bool:
+        """The model's decision for the next turn, asked after `turn_ended`."""
+        return False
+
     def turn_ended(self) -> tuple[Item, ...]:
         raise StreamError(f"a response of the {self.name} dialect does not decode on past calls")
 
@@ -90,10 +98,6 @@ class ResponseDialect:
 
     def resumed(self) -> None:
         """The core resumed the response with an output for every call it waited for."""
-
-    def outstanding(self) -> tuple[int, ...]:
-        """The turns whose async calls still wait for an output, in order (the beta's)."""
-        return ()
 
 
 class AppendResponse(ResponseDialect):
@@ -136,7 +140,6 @@ class BetaResponse(AppendResponse):
     may decode on past the calls of a turn instead of pausing."""
 
     name = "beta"
-    decodes_past_calls = True
 
     __slots__ = ("open_calls",)
 
@@ -169,5 +172,18 @@ class BetaResponse(AppendResponse):
     def resumed(self) -> None:
         self.open_calls.clear()  # the core resumes once every pending call has its output
 
-    def outstanding(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.open_calls.values())))
+    # -- decoding on past a call (docs/beta.md#async-tools-that-overlap-decoding) -------------------
+
+    def may_decode_on(self, model: TokenModel) -> bool:
+        """Only a model that decides (`DecidesAsync`) is asked."""
+        return isinstance(model, DecidesAsync)
+
+    def decodes_on(self, model: TokenModel, next_request: Callable[[], ModelRequest]) -> bool:
+        """The model's decision (`DecidesAsync.decodes_on`) for the next turn, given the turns
+        whose outputs are still outstanding. Nothing outstanding: the pause resumes at once, as
+        when every output came during the turn. The request is the next turn's as the context
+        stands (its calls in; what was handed over joins it if the model decodes on)."""
+        outstanding = tuple(sorted(set(self.open_calls.values())))
+        if not outstanding or not isinstance(model, DecidesAsync):
+            return False
+        return model.decodes_on(next_request(), outstanding)

@@ -30,7 +30,6 @@ from ..context.conversation import (
 from ..ids import IdFactory
 from ..model import (
     ContextWindowExceeded,
-    DecidesAsync,
     ItemFinished,
     ModelRequest,
     Prefilled,
@@ -54,6 +53,7 @@ from .stream import (
     InjectRefused,
     Interrupt,
     Pause,
+    ResponseStream,
     Resume,
     Start,
     SteerAccepted,
@@ -115,6 +115,25 @@ class Inbox:
     def take_decision(self) -> Resumed | Aborted | None:
         decision, self._decision = self._decision, None
         return decision
+
+    def drain(self, stream: ResponseStream) -> list[ServerEvent]:
+        """The queued acknowledgements, numbered now in the response's stream."""
+        out: list[ServerEvent] = []
+        for ack in self.acks:
+            out.extend(stream.receive(ack))
+        self.acks.clear()
+        return out
+
+    async def decision(self, stream: ResponseStream, emit: Emit) -> Resumed | Aborted:
+        """The core's decision for the paused response (go on with the appended items, or end
+        `incomplete`); what it acknowledges meanwhile goes out as it comes."""
+        while True:
+            if self.acks:
+                await emit(self.drain(stream))
+            decision = self.take_decision()
+            if decision is not None:
+                return decision
+            await self.wait()
 
     async def wait(self) -> None:
         """Until something is put (return at once if something is waiting)."""
@@ -325,9 +344,10 @@ class ResponseRun:
                 if not end.waits_for:
                     return await self._finish(stream.receive(done), owed=end.owed)
                 carried: tuple[Item, ...] = ()
-                if self.dialect.decodes_past_calls and self._may_decode_on():
+                # A queued steer takes the next safe boundary, which is a resume: the model is not asked.
+                if self.dialect.may_decode_on(self.engine.model) and not self.steers():
                     carried = await self._boundary()
-                    if self._decodes_on():
+                    if self.dialect.decodes_on(self.engine.model, self.turn.model_request):
                         ended = await self._decode_on(carried)
                         if ended is not None:
                             return ended
@@ -354,11 +374,6 @@ class ResponseRun:
 
     # -- beta async tools: decoding on past a call (docs/beta.md#async-tools-that-overlap-decoding) --
 
-    def _may_decode_on(self) -> bool:
-        """Whether the model is asked at all: it must decide (`DecidesAsync`), and a queued steer
-        takes the next safe boundary, which is a resume."""
-        return isinstance(self.engine.model, DecidesAsync) and not self.steers()
-
     async def _boundary(self) -> tuple[Item, ...]:
         """The end of a turn that made async calls: the calls join the context, and the core
         hands over what was injected meanwhile (in the context only if the model decodes on;
@@ -368,17 +383,6 @@ class ResponseRun:
         turn.prompt_tokens = turn.count()
         self.stages.lap(Stage.RENDER)
         return self.dialect.turn_ended()
-
-    def _decodes_on(self) -> bool:
-        """The model's decision (`DecidesAsync.decodes_on`) for the next turn, given the turns
-        whose outputs are still outstanding. Nothing outstanding: the pause resumes at once, as
-        when every output came during the turn. The request is the next turn's as the context
-        stands (its calls in; what was handed over joins it if the model decodes on)."""
-        model = self.engine.model
-        outstanding = self.dialect.outstanding()
-        if not outstanding or not isinstance(model, DecidesAsync):
-            return False
-        return model.decodes_on(self.turn.model_request(), outstanding)
 
     async def _decode_on(self, carried: tuple[Item, ...]) -> Outcome | None:
         """The model samples its next turn now: what was injected joins the context (its upload
@@ -414,7 +418,7 @@ class ResponseRun:
         engine.counts.pauses += 1
         paused_at = engine.clock.now()
         self.dialect.paused(required)
-        decision = await self._decision()
+        decision = await self.inbox.decision(self.stream, self.emit)
         # The response's KV stays resident while the client runs its tools.
         engine.counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
         if isinstance(decision, Aborted):
@@ -451,25 +455,8 @@ class ResponseRun:
             await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE) + self._drain())
             return Outcome(stream.response, None)
 
-    async def _decision(self) -> Resumed | Aborted:
-        """The core's decision for the paused response (go on with the appended items, or end
-        `incomplete`); what it acknowledges meanwhile goes out as it comes."""
-        inbox = self.inbox
-        while True:
-            if self.inbox.acks:
-                await self.emit(self._drain())
-            decision = inbox.take_decision()
-            if decision is not None:
-                return decision
-            await inbox.wait()
-
     def _drain(self) -> list[ServerEvent]:
-        """The queued acknowledgements, numbered now."""
-        out: list[ServerEvent] = []
-        for ack in self.inbox.acks:
-            out.extend(self.stream.receive(ack))
-        self.inbox.acks.clear()
-        return out
+        return self.inbox.drain(self.stream)
 
     def _started(self, events: list[ServerEvent]) -> list[ServerEvent]:
         """The stream's first events, then the acknowledgements that came before them."""
