@@ -5,7 +5,10 @@ The run keeps the segment loop (sample, decode on, pause, the boundary rules of 
 and calls plain units for the rest: `prepare.py` builds and grows the prompt (pre-inference),
 `finish.py` does post-inference (billing, the store write before the terminal event, the stage
 report), `compact.py` a server-side compaction. None of them keeps state or emits: one owner per
-response. The engine lends the run its shared services (`services.Services`).
+response. What waiting for the client means (whether a turn's calls pause the response, whether the
+model holds its KV or decodes on past async calls) the run asks the response's dialect object
+(`dialect.py`), built from the one its channel names. The engine lends the run its shared services
+(`services.Services`).
 """
 
 from __future__ import annotations
