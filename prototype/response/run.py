@@ -5,7 +5,10 @@ The run keeps the segment loop (sample, decode on, pause, the boundary rules of 
 and calls plain units for the rest: `prepare.py` builds and grows the prompt (pre-inference),
 `finish.py` does post-inference (billing, the store write before the terminal event, the stage
 report), `compact.py` a server-side compaction. None of them keeps state or emits: one owner per
-response. The engine lends the run its shared services (`services.Services`).
+response. What waiting for the client means (whether a turn's calls pause the response, whether the
+model holds its KV or decodes on past async calls) the run asks the response's dialect object
+(`dialect.py`), built from the one its channel names. The engine lends the run its shared services
+(`services.Services`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from ..context.conversation import (
 from ..ids import IdFactory
 from ..model import (
     ContextWindowExceeded,
-    DecidesAsync,
     ItemFinished,
     ModelRequest,
     Prefilled,
@@ -42,11 +44,11 @@ from ..wire.contract import CONTEXT_LENGTH_MESSAGE, applied_prompt_cache_options
 from ..wire.errors import INTERNAL_ERROR, ProtocolError
 from ..wire.requests import is_null
 from ..wire.schemas import FunctionCall, RequiredInput, Response, ServerEvent, SteerRef
+from .dialect import Pauses, ResponseDialect
 from .finish import Outcome, finish
 from .prepare import Resolved, Turn, add_resumed, diagnose_cache, resolve
 from .services import Arrival, Services, Stages
 from .stream import (
-    DIALECTS,
     CompactionDone,
     CompactionStarted,
     Continue,
@@ -117,6 +119,25 @@ class Inbox:
         decision, self._decision = self._decision, None
         return decision
 
+    def drain(self, stream: ResponseStream) -> list[ServerEvent]:
+        """The queued acknowledgements, numbered now in the response's stream."""
+        out: list[ServerEvent] = []
+        for ack in self.acks:
+            out.extend(stream.receive(ack))
+        self.acks.clear()
+        return out
+
+    async def decision(self, stream: ResponseStream, emit: Emit) -> Resumed | Aborted:
+        """The core's decision for the paused response (go on with the appended items, or end
+        `incomplete`); what it acknowledges meanwhile goes out as it comes."""
+        while True:
+            if self.acks:
+                await emit(self.drain(stream))
+            decision = self.take_decision()
+            if decision is not None:
+                return decision
+            await self.wait()
+
     async def wait(self) -> None:
         """Until something is put (return at once if something is waiting)."""
         if self.acks or self._decision is not None:
@@ -132,29 +153,16 @@ class Inbox:
             self._wake.set()
 
 
-class Channel(Protocol):
+class Channel(Pauses, Protocol):
     """A WebSocket response's link to its connection core (the session's per-job handle).
     The run tells the core what happened, without waiting (nothing is written to the socket
     from here: the connection has one writer); the core's answers come back as return values
-    (`turn_ended`, `steers`) or through `inbox`, which only the run's task drains. `dialect` is
-    the connection's: `create` (no pauses; steering), `append` or `beta` (the pause's wire
-    rendering, stream.DIALECTS)."""
+    (`turn_ended`, `steers`) or through `inbox`, which only the run's task drains. `dialect`:
+    the pause dialect the connection's responses run in (its core's `PauseDialect.responses`),
+    of which the run builds one object."""
 
-    dialect: str
+    dialect: type[ResponseDialect]
     inbox: Inbox
-
-    def called(self, call: RequiredInput) -> None:
-        """Beta: an async call was emitted; its output may be injected from now on."""
-        ...
-
-    def turn_ended(self) -> tuple[Item, ...]:
-        """Beta: the run's turn ended in async calls; returns what was injected so far, before
-        the run decides whether its model decodes on."""
-        ...
-
-    def paused(self, required: tuple[RequiredInput, ...]) -> None:
-        """The response paused for `required`; the decision arrives in `inbox`."""
-        ...
 
     def steers(self) -> tuple[SteerRef, ...]:
         """The steers queued for this response, oldest first (the core holds them: one place)."""
@@ -255,8 +263,9 @@ class ResponseRun:
         self.request = request
         self.emit = emit
         self.arrival = arrival
-        # Append and beta pause; a `create` connection's responses end where HTTP's do.
-        self.pauses = channel if channel is not None and channel.dialect in DIALECTS else None
+        # What waiting for the client means for this response (a `create` connection's
+        # responses end where HTTP's do).
+        self.dialect = channel.dialect(channel) if channel is not None else ResponseDialect()
         # Acknowledgements that arrive from the core wait here until this run's task numbers
         # them, at its next event boundary or at once while it waits, so sequence numbers go out
         # in order. Over HTTP nothing arrives.
@@ -264,25 +273,9 @@ class ResponseRun:
         self.steers = channel.steers if channel is not None else _no_steers  # queued for this response
         self.stages = stages
         self.template = template
-        if self.pauses is not None:
-            async_tools = frozenset(tool.name for tool in request.tools if tool.is_async)
-            multi_agent = request.params.multi_agent is not None and request.params.multi_agent.enabled
-            self.stream = ResponseStream(
-                self.template,
-                engine.ids,
-                dialect=self.pauses.dialect,
-                async_tools=async_tools,
-                multi_agent=multi_agent,
-                holds_calls=engine.multi_agent_holds_calls,
-            )
-        else:
-            self.stream = ResponseStream(self.template, engine.ids)
+        self.stream = self.dialect.stream(template, engine.ids, request, engine.multi_agent_holds_calls)
         self.resolved = resolved
-        self.turn = Turn(engine, request, resolved, template.id, hold_kv=self.pauses is not None)
-        self.in_context = 0  # append mode: output items already interleaved in the context
-        self.beta = self.pauses is not None and self.pauses.dialect == "beta"
-        # Beta async tools: the unanswered async calls (call_id -> the turn_index of the turn that made them).
-        self._open_calls: dict[str, int] = {}
+        self.turn = Turn(engine, request, resolved, template.id, hold_kv=self.dialect.holds_kv)
 
     async def run(self) -> Outcome:
         """The response's life, then what the core acknowledged while its last events went out
@@ -319,7 +312,7 @@ class ResponseRun:
         try:
             return await self._segments()
         finally:
-            if self.pauses is not None:
+            if self.dialect.holds_kv:
                 engine.model.release(self.template.id)  # the held KV becomes ordinary, evictable prefix cache
 
     # -- compaction --------------------------------------------------------------------------------
@@ -333,7 +326,7 @@ class ResponseRun:
         await stages.wait(Stage.COMPACTION, cost)
         await self.emit(stream.receive(CompactionDone(compaction.item)))
         # The item already stands in the context: what follows it in the output is new to it.
-        self.in_context = self.turn.outputs_in_context = len(stream.output)
+        self.turn.outputs_in_context = len(stream.output)
 
     # -- model segments and pauses -----------------------------------------------------------------
 
@@ -350,29 +343,19 @@ class ResponseRun:
                     events = stream.receive(done)
                     stages.report.tokens_discarded = stream.discarded_tokens
                     return await self._finish(events)
+                end = self.dialect.turn_end(stream, done)
+                if not end.waits_for:
+                    return await self._finish(stream.receive(done), owed=end.owed)
                 carried: tuple[Item, ...] = ()
-                if self.beta:
-                    # Only async calls make the response wait; any other call ends it (docs/beta.md).
-                    required, owed = stream.split_calls()
-                    if owed or not required or done.reason != "stop":
-                        return await self._finish(stream.receive(done), owed=tuple(owed))
-                    if self._may_decode_on():
-                        carried = await self._boundary()
-                        if self._decodes_on():
-                            ended = await self._decode_on(carried)
-                            if ended is not None:
-                                return ended
-                            continue
-                else:
-                    required = stream.pending_calls()
-                if self.pauses is None:
-                    # WebSocket mode (and HTTP): every call is the client's; steers wait for its outputs.
-                    return await self._finish(
-                        stream.receive(done), owed=tuple(required) if done.reason == "stop" else ()
-                    )
-                if not required or done.reason != "stop":
-                    return await self._finish(stream.receive(done))
-                ended = await self._pause(self.pauses, tuple(required), carried)
+                # A queued steer takes the next safe boundary, which is a resume: the model is not asked.
+                if self.dialect.may_decode_on(self.engine.model) and not self.steers():
+                    carried = await self._boundary()
+                    if self.dialect.decodes_on(self.engine.model, self.turn.model_request):
+                        ended = await self._decode_on(carried)
+                        if ended is not None:
+                            return ended
+                        continue
+                ended = await self._pause(end.waits_for, carried)
                 if ended is not None:
                     return ended
         except ConnectionResetError:
@@ -394,37 +377,15 @@ class ResponseRun:
 
     # -- beta async tools: decoding on past a call (docs/beta.md#async-tools-that-overlap-decoding) --
 
-    def _may_decode_on(self) -> bool:
-        """Whether the model is asked at all: it must decide (`DecidesAsync`), and a queued steer
-        takes the next safe boundary, which is a resume."""
-        return isinstance(self.engine.model, DecidesAsync) and not self.steers()
-
     async def _boundary(self) -> tuple[Item, ...]:
         """The end of a turn that made async calls: the calls join the context, and the core
         hands over what was injected meanwhile (in the context only if the model decodes on;
         otherwise carried to the resume, ahead of what comes later)."""
-        assert self.pauses is not None
         turn = self.turn
         await turn.add_outputs(self.stream.output, self.stages.report)
-        self.in_context = turn.outputs_in_context
         turn.prompt_tokens = turn.count()
         self.stages.lap(Stage.RENDER)
-        taken = self.pauses.turn_ended()
-        for item in taken:
-            if item.view.type == "function_call_output":
-                self._open_calls.pop(str(item.view.call_id), None)
-        return taken
-
-    def _decodes_on(self) -> bool:
-        """The model's decision (`DecidesAsync.decodes_on`) for the next turn, given the turns
-        whose outputs are still outstanding. Nothing outstanding: the pause resumes at once, as
-        when every output came during the turn. The request is the next turn's as the context
-        stands (its calls in; what was handed over joins it if the model decodes on)."""
-        model = self.engine.model
-        outstanding = tuple(sorted(set(self._open_calls.values())))
-        if not outstanding or not isinstance(model, DecidesAsync):
-            return False
-        return model.decodes_on(self.turn.model_request(), outstanding)
+        return self.dialect.turn_ended()
 
     async def _decode_on(self, carried: tuple[Item, ...]) -> Outcome | None:
         """The model samples its next turn now: what was injected joins the context (its upload
@@ -448,28 +409,25 @@ class ResponseRun:
             return await self._finish(stream.end_incomplete("content_filter"))
         return None
 
-    async def _pause(
-        self, pauses: Channel, required: tuple[RequiredInput, ...], carried: tuple[Item, ...] = ()
-    ) -> Outcome | None:
+    async def _pause(self, required: tuple[RequiredInput, ...], carried: tuple[Item, ...] = ()) -> Outcome | None:
         """Pause for tool outputs; resume with what was appended (None), or end incomplete.
         `carried`: beta, input the core handed over at the turn's end, committed first."""
         engine, stream, turn, stages = self.engine, self.stream, self.turn, self.stages
         await turn.add_outputs(stream.output, stages.report)
-        self.in_context = turn.outputs_in_context
         stages.lap(Stage.RENDER)
         stream.response = structs.replace(stream.response, longrun=stages.end_segment())
         pause = stream.receive(Pause())
         await self.emit(self._drain() + pause if self.inbox.acks else pause)
         engine.counts.pauses += 1
         paused_at = engine.clock.now()
-        pauses.paused(required)
-        decision = await self._decision()
+        self.dialect.paused(required)
+        decision = await self.inbox.decision(self.stream, self.emit)
         # The response's KV stays resident while the client runs its tools.
         engine.counts.kv_idle_token_s += turn.resident_tokens * (engine.clock.now() - paused_at)
         if isinstance(decision, Aborted):
             stages.new_segment(engine.clock.now())
             return await self._finish(stream.end_incomplete(decision.reason))
-        self._open_calls.clear()  # the core resumes once every pending call has its output
+        self.dialect.resumed()
         resumed = decision.arrival or Arrival(engine.clock.now(), transport="ws")
         stages.new_segment(resumed.at)
         await stages.wait(Stage.NETWORK, engine.profile.upload_s(resumed.body_bytes))
@@ -500,25 +458,8 @@ class ResponseRun:
             await self.emit(stream.abort("context_length_exceeded", CONTEXT_LENGTH_MESSAGE) + self._drain())
             return Outcome(stream.response, None)
 
-    async def _decision(self) -> Resumed | Aborted:
-        """The core's decision for the paused response (go on with the appended items, or end
-        `incomplete`); what it acknowledges meanwhile goes out as it comes."""
-        inbox = self.inbox
-        while True:
-            if self.inbox.acks:
-                await self.emit(self._drain())
-            decision = inbox.take_decision()
-            if decision is not None:
-                return decision
-            await inbox.wait()
-
     def _drain(self) -> list[ServerEvent]:
-        """The queued acknowledgements, numbered now."""
-        out: list[ServerEvent] = []
-        for ack in self.inbox.acks:
-            out.extend(self.stream.receive(ack))
-        self.inbox.acks.clear()
-        return out
+        return self.inbox.drain(self.stream)
 
     def _started(self, events: list[ServerEvent]) -> list[ServerEvent]:
         """The stream's first events, then the acknowledgements that came before them."""
@@ -542,6 +483,7 @@ class ResponseRun:
         async with contextlib.aclosing(self.engine.model.sample(request)) as events:
             receive, queued, steers = stream.receive, self.inbox.acks, self.steers
             cut = self.engine.steer_boundary == "token"
+            item_done = self.dialect.item_done
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if isinstance(event, Prefilled):
@@ -555,12 +497,7 @@ class ResponseRun:
                         return event
                     elif isinstance(event, ItemFinished):
                         await emit(receive(event))
-                        call = stream.output[-1]
-                        if self.beta and isinstance(call, FunctionCall) and stream.waits(call):
-                            assert self.pauses is not None
-                            # Its output may be injected from now on, while the model decodes on.
-                            self._open_calls[call.call_id] = request.turn_index
-                            self.pauses.called(RequiredInput(call_id=call.call_id, name=call.name))
+                        item_done(stream, request.turn_index)
                         if queued:
                             await emit(self._drain())
                         if steers() and self._steerable():  # the item is whole: a safe output boundary
@@ -584,7 +521,14 @@ class ResponseRun:
         terminal event, what was acknowledged meanwhile (numbered after it: see stream.py), and
         (beta) `response.steer.pending` for each queued steer if it completed owing calls."""
         outcome = await finish(
-            self.engine, self.request, self.arrival, self.stages, self.stream, self.resolved, self.in_context, events
+            self.engine,
+            self.request,
+            self.arrival,
+            self.stages,
+            self.stream,
+            self.resolved,
+            self.turn.outputs_in_context,
+            events,
         )
         events.extend(self._drain())
         if owed and outcome.ok and outcome.response.status == "completed":

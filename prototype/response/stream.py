@@ -508,11 +508,7 @@ class ResponseStream:
             done = structs.replace(item, status="incomplete", arguments=text)
         self.output.append(done)
         out.append(OutputItemDone(sequence_number=self._next(), output_index=index, item=done))
-        return out + self._end_incomplete(EndIncomplete(event.reason))
-
-    def _interrupt(self, event: Interrupt) -> list[ServerEvent]:
-        """A steer between items: `response.incomplete` (`steered`)."""
-        return self._end_incomplete(EndIncomplete(event.reason))
+        return out + self._end_incomplete(event)
 
     def _prefilled(self, event: Prefilled) -> list[ServerEvent]:
         """The prompt is prefilled: nothing on the wire."""
@@ -524,32 +520,15 @@ class ResponseStream:
         self.response = structs.replace(
             self.response,
             status="completed",
-            output=self._phased(self.output),
+            output=_phased(self.output) if self.multi_agent else list(self.output),
             usage=self.usage(),
             completed_at=self.response.created_at,
         )
         return [ResponseCompleted(sequence_number=self._next(), response=self.response)]
 
-    def _phased(self, output: list[OutputItem]) -> list[OutputItem]:
-        """The completed response's output; with `multi_agent`, each message carries its phase:
-        the last item, when a message, is the root agent's final answer, every other message
-        commentary. The streamed `.done` events carry none (the phase is known only at the end)."""
-        if not self.multi_agent:
-            return list(output)
-        last = len(output) - 1
-        return [
-            structs.replace(item, phase="final_answer" if i == last else "commentary")
-            if isinstance(item, OutputMessage)
-            else item
-            for i, item in enumerate(output)
-        ]
-
-    def _truncate(self, event: SamplingFinished) -> list[ServerEvent]:
-        """`response.incomplete` (`max_output_tokens`)."""
-        return self._end_incomplete(EndIncomplete(event.reason))
-
-    def _end_incomplete(self, event: EndIncomplete) -> list[ServerEvent]:
-        """`response.incomplete` with the given reason."""
+    def _end_incomplete(self, event: EndIncomplete | Interrupt | SamplingFinished) -> list[ServerEvent]:
+        """`response.incomplete` with the input's reason: the caller's, `max_output_tokens` (a
+        truncation) or `steered` (an interrupt)."""
         self.response = structs.replace(
             self.response,
             status="incomplete",
@@ -582,51 +561,6 @@ class ResponseStream:
         self.input_tokens += event.input_tokens
         return []
 
-    def _inject_accepted(self, event: InjectAccepted) -> list[ServerEvent]:
-        """`response.inject.created`, numbered in this stream."""
-        return [ResponseInjectCreated(sequence_number=self._next(), response_id=self.response.id)]
-
-    def _inject_refused(self, event: InjectRefused) -> list[ServerEvent]:
-        """`response.inject.failed`, numbered in this stream."""
-        error = InjectError(code=event.code, message=event.message)
-        return [
-            ResponseInjectFailed(
-                sequence_number=self._next(), response_id=self.response.id, input=event.input, error=error
-            )
-        ]
-
-    def _steer_accepted(self, event: SteerAccepted) -> list[ServerEvent]:
-        """`response.steer.accepted`, numbered in this stream."""
-        return [ResponseSteerAccepted(sequence_number=self._next(), steer=event.steer)]
-
-    def _steer_pending(self, event: SteerPending) -> list[ServerEvent]:
-        """`response.steer.pending` with the owed calls, after `response.completed`."""
-        return [
-            ResponseSteerPending(
-                sequence_number=self._next(),
-                reason="waiting_for_required_input",
-                required_input=list(event.required),
-                steer=event.steer,
-            )
-        ]
-
-    def _compaction_started(self, event: CompactionStarted) -> list[ServerEvent]:
-        # The item is announced with an empty `encrypted_content` (the spec requires the field);
-        # `response.output_item.done` carries the content (docs/compaction.md).
-        """The compaction item's `output_item.added`."""
-        index = len(self.output)
-        announced = CompactionItem(id=event.item_id, encrypted_content="")
-        return [
-            OutputItemAdded(sequence_number=self._next(), output_index=index, item=announced),
-            ResponseCompactionCompacting(sequence_number=self._next(), item_id=event.item_id, output_index=index),
-        ]
-
-    def _compaction_done(self, event: CompactionDone) -> list[ServerEvent]:
-        """The compaction item's `output_item.done`."""
-        index = len(self.output)
-        self.output.append(event.item)
-        return [OutputItemDone(sequence_number=self._next(), output_index=index, item=event.item)]
-
     def _fail(self, event: Fail) -> list[ServerEvent]:
         """`response.failed`."""
         self.response = structs.replace(
@@ -637,6 +571,74 @@ class ResponseStream:
             usage=self.usage(),
         )
         return [ResponseFailed(sequence_number=self._next(), response=self.response)]
+
+
+# -- the actions that number an event outside the model's items: the beta's acknowledgements
+# (numbered wherever the stream is) and a compaction's item -----------------------------------------
+
+
+def _inject_accepted(stream: ResponseStream, event: InjectAccepted) -> list[ServerEvent]:
+    """`response.inject.created`, numbered in this stream."""
+    return [ResponseInjectCreated(sequence_number=stream._next(), response_id=stream.response.id)]
+
+
+def _inject_refused(stream: ResponseStream, event: InjectRefused) -> list[ServerEvent]:
+    """`response.inject.failed`, numbered in this stream."""
+    error = InjectError(code=event.code, message=event.message)
+    return [
+        ResponseInjectFailed(
+            sequence_number=stream._next(), response_id=stream.response.id, input=event.input, error=error
+        )
+    ]
+
+
+def _steer_accepted(stream: ResponseStream, event: SteerAccepted) -> list[ServerEvent]:
+    """`response.steer.accepted`, numbered in this stream."""
+    return [ResponseSteerAccepted(sequence_number=stream._next(), steer=event.steer)]
+
+
+def _steer_pending(stream: ResponseStream, event: SteerPending) -> list[ServerEvent]:
+    """`response.steer.pending` with the owed calls, after `response.completed`."""
+    return [
+        ResponseSteerPending(
+            sequence_number=stream._next(),
+            reason="waiting_for_required_input",
+            required_input=list(event.required),
+            steer=event.steer,
+        )
+    ]
+
+
+def _compaction_started(stream: ResponseStream, event: CompactionStarted) -> list[ServerEvent]:
+    # The item is announced with an empty `encrypted_content` (the spec requires the field);
+    # `response.output_item.done` carries the content (docs/compaction.md).
+    """The compaction item's `output_item.added`."""
+    index = len(stream.output)
+    announced = CompactionItem(id=event.item_id, encrypted_content="")
+    return [
+        OutputItemAdded(sequence_number=stream._next(), output_index=index, item=announced),
+        ResponseCompactionCompacting(sequence_number=stream._next(), item_id=event.item_id, output_index=index),
+    ]
+
+
+def _compaction_done(stream: ResponseStream, event: CompactionDone) -> list[ServerEvent]:
+    """The compaction item's `output_item.done`."""
+    index = len(stream.output)
+    stream.output.append(event.item)
+    return [OutputItemDone(sequence_number=stream._next(), output_index=index, item=event.item)]
+
+
+def _phased(output: list[OutputItem]) -> list[OutputItem]:
+    """A `multi_agent` response's completed output, each message with its phase: the last
+    item, when a message, is the root agent's final answer, every other message commentary.
+    The streamed `.done` events carry none (the phase is known only at the end)."""
+    last = len(output) - 1
+    return [
+        structs.replace(item, phase="final_answer" if i == last else "commentary")
+        if isinstance(item, OutputMessage)
+        else item
+        for i, item in enumerate(output)
+    ]
 
 
 # -- the table: (state, input kind) -> (action, next state) -------------------------------------------
@@ -654,20 +656,20 @@ TRANSITIONS: Final[dict[tuple[RS, type], tuple[Action, RS]]] = {
     (RS.IN_ITEM, TokensSampled): (R._delta, RS.IN_ITEM),
     (RS.IN_ITEM, ItemFinished): (R._item_finished, RS.IN_PROGRESS),
     (RS.IN_PROGRESS, SamplingFinished): (R._complete, RS.COMPLETED),
-    (RS.IN_PROGRESS, Truncated): (R._truncate, RS.INCOMPLETE),
+    (RS.IN_PROGRESS, Truncated): (R._end_incomplete, RS.INCOMPLETE),
     (RS.IN_PROGRESS, Pause): (R._pause, RS.PAUSED),
     (RS.PAUSED, Resume): (R._resume, RS.IN_PROGRESS),
     (RS.IN_PROGRESS, Continue): (R._continue, RS.IN_PROGRESS),  # the engine sends it in the beta only
-    **{(s, InjectAccepted): (R._inject_accepted, s) for s in _STARTED},  # numbered where the stream is
-    **{(s, InjectRefused): (R._inject_refused, s) for s in _LIVE},
-    **{(s, SteerAccepted): (R._steer_accepted, s) for s in _STARTED},
-    (RS.COMPLETED, SteerPending): (R._steer_pending, RS.COMPLETED),  # after response.completed
+    **{(s, InjectAccepted): (_inject_accepted, s) for s in _STARTED},  # numbered where the stream is
+    **{(s, InjectRefused): (_inject_refused, s) for s in _LIVE},
+    **{(s, SteerAccepted): (_steer_accepted, s) for s in _STARTED},
+    (RS.COMPLETED, SteerPending): (_steer_pending, RS.COMPLETED),  # after response.completed
     (RS.IN_PROGRESS, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.PAUSED, EndIncomplete): (R._end_incomplete, RS.INCOMPLETE),
     (RS.IN_ITEM, Interrupt): (R._interrupt_item, RS.INCOMPLETE),  # beta: a steer, mid-item
-    (RS.IN_PROGRESS, Interrupt): (R._interrupt, RS.INCOMPLETE),  # beta: a steer, between items
-    (RS.IN_PROGRESS, CompactionStarted): (R._compaction_started, RS.COMPACTING),
-    (RS.COMPACTING, CompactionDone): (R._compaction_done, RS.IN_PROGRESS),
+    (RS.IN_PROGRESS, Interrupt): (R._end_incomplete, RS.INCOMPLETE),  # beta: a steer, between items
+    (RS.IN_PROGRESS, CompactionStarted): (_compaction_started, RS.COMPACTING),
+    (RS.COMPACTING, CompactionDone): (_compaction_done, RS.IN_PROGRESS),
     (RS.COMPACTING, Fail): (R._fail, RS.FAILED),
     (RS.QUEUED, Fail): (R._fail, RS.FAILED),
     (RS.IN_PROGRESS, Fail): (R._fail, RS.FAILED),

@@ -39,6 +39,7 @@ from ..config import ServerConfig
 from ..context.cache import CacheEntry
 from ..context.conversation import Item, parse_item
 from ..ids import IdFactory
+from ..response.dialect import AppendResponse, ResponseDialect
 from ..response.engine import Engine, store_errors
 from ..response.run import Aborted, Inbox, Resumed
 from ..response.services import Arrival
@@ -106,7 +107,8 @@ class SessionRunner:
 
     def __init__(self, api: SessionHost, core: SessionCore, saved: bytes | None) -> None:
         self.api = api
-        self.dialect = "append"  # the engine's pause dialect: pause at each call, resume on its outputs
+        # The engine's pause dialect: pause at each call, resume on its outputs.
+        self.dialect: type[ResponseDialect] = AppendResponse
         self.core = core
         self.feeds: list[EventFeed] = []
         self.inbox = Inbox()

@@ -22,6 +22,7 @@ from ..config import ServerConfig
 from ..context.cache import stream_prefix
 from ..context.conversation import Item
 from ..pipeline import Optimization
+from ..response.dialect import ResponseDialect
 from ..response.engine import Engine
 from ..response.run import Aborted, Emit, Inbox, Resumed
 from ..response.services import Arrival
@@ -301,7 +302,7 @@ class WebSocketSession:
             open_responses=config.open_responses,
         )
         self.jobs: dict[int, _JobHandle] = {}  # by job number, while in flight
-        self.dialect = self.conn.dialect.name
+        self.dialect = self.conn.dialect.responses  # what each response's run builds its dialect from
         self.routed = False  # auth and routing done once on this connection
 
     async def serve(self) -> None:
@@ -312,7 +313,7 @@ class WebSocketSession:
             async for data in self.ws:
                 if isinstance(data, str):
                     self.conn.receive_text(data, at=self.engine.clock.now())
-                    self._dispatch()
+                    self.dispatch()
                 else:
                     # Binary frames are a protocol violation; a binary *server* frame is a hard error for Codex.
                     self.out.close(CLOSE_UNSUPPORTED_DATA, b"binary frames are not supported")
@@ -320,7 +321,7 @@ class WebSocketSession:
         finally:
             timer.cancel()
             self.conn.disconnected()
-            self._dispatch()
+            self.dispatch()
             tasks = [timer, *(handle.task for handle in self.jobs.values() if handle.task is not None)]
             for handle in self.jobs.values():
                 handle.disarm()
@@ -336,9 +337,9 @@ class WebSocketSession:
         await self.engine.clock.sleep_until(deadline)
         if not self.ws.closed:
             self.conn.limit_reached()
-            self._dispatch()
+            self.dispatch()
 
-    def _dispatch(self) -> None:
+    def dispatch(self) -> None:
         """Carry out the core's outputs, without waiting: frames and a close go to the outbox,
         a job starts as a task, everything else lands in its job's inbox."""
         for out in self.conn.outputs_to_send():
@@ -355,11 +356,12 @@ class WebSocketSession:
                     if target is not None:  # a job that ended meanwhile has nothing left to hear
                         target.carry_out(out)
 
-    async def _pause_timeout(self, job: Job) -> None:
+    async def pause_timeout(self, job: Job) -> None:
+        """A paused response's timer: past the append timeout the core decides what it means."""
         clock = self.engine.clock
         await clock.sleep_until(clock.now() + self.append_timeout_s)
         self.conn.pause_timed_out(job)
-        self._dispatch()
+        self.dispatch()
 
     async def _run(self, handle: _JobHandle) -> None:
         job, out = handle.job, self.out
@@ -420,7 +422,7 @@ class WebSocketSession:
         finally:
             handle.disarm()
             self.jobs.pop(job.number, None)
-        self._dispatch()
+        self.dispatch()
 
 
 class _JobHandle:
@@ -430,7 +432,7 @@ class _JobHandle:
 
     __slots__ = ("dialect", "inbox", "job", "pause_timer", "session", "task")
 
-    def __init__(self, session: WebSocketSession, job: Job, dialect: str) -> None:
+    def __init__(self, session: WebSocketSession, job: Job, dialect: type[ResponseDialect]) -> None:
         self.session = session
         self.job = job
         self.dialect = dialect
@@ -445,7 +447,7 @@ class _JobHandle:
                 if self.task is not None:
                     self.task.cancel()
             case ArmPauseTimer():
-                self.pause_timer = asyncio.get_running_loop().create_task(self.session._pause_timeout(self.job))
+                self.pause_timer = asyncio.get_running_loop().create_task(self.session.pause_timeout(self.job))
             case ResumeJob(items=items, at=at, body_bytes=size):
                 self.disarm()
                 self.inbox.decide(Resumed(items, Arrival(at, size, "ws", routed=True)))
@@ -468,16 +470,16 @@ class _JobHandle:
 
     def called(self, call: RequiredInput) -> None:
         self.session.conn.call_emitted(self.job, call)
-        self.session._dispatch()
+        self.session.dispatch()
 
     def turn_ended(self) -> tuple[Item, ...]:
         self.session.conn.turn_ended(self.job)
-        self.session._dispatch()  # the core hands the input over at once (`TakeInput`)
+        self.session.dispatch()  # the core hands the input over at once (`TakeInput`)
         return self.inbox.take_handed()
 
     def paused(self, required: tuple[RequiredInput, ...]) -> None:
         self.session.conn.response_paused(self.job, required)
-        self.session._dispatch()
+        self.session.dispatch()
 
     def steers(self) -> tuple[SteerRef, ...]:
         return self.session.conn.queued_steers(self.job)

@@ -14,17 +14,19 @@ what a response that waits for client input keeps:
   are carried to the create that continues it.
 
 The connection's table calls the same methods whatever the dialect; a dialect overrides only
-where its rule differs. Outputs go to `emit`, in order.
+where its rule differs. Outputs go to `emit`, in order. Each names the dialect its responses run
+in (`responses`, prototype/response/dialect.py): what a response that waits keeps and reports.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Final
+from typing import ClassVar, Final
 
 from ..context.cache import tag_stream
 from ..context.conversation import Item, parse_items
+from ..response.dialect import AppendResponse, BetaResponse, ResponseDialect
 from ..response.stream import InjectRefused
 from ..wire.errors import ProtocolError
 from ..wire.requests import ResponseAppend, ResponseInject
@@ -73,6 +75,8 @@ class PauseDialect:
     steering = False  # whether `response.steer` is an event type on the connection
     closes_on_bad_inject = False  # whether a schema-invalid `response.inject` closes the socket
     takes_messages = True  # whether an append or inject may carry user or developer messages
+    # The dialect each response on the connection runs in (one object per response).
+    responses: ClassVar[type[ResponseDialect]] = AppendResponse
 
     def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str]) -> None:
         self.emit = emit
@@ -274,6 +278,7 @@ class CreateDialect(PauseDialect):
 
     name = "create"
     steering = True
+    responses = ResponseDialect
 
     def refuse_event(self, append: ResponseAppend | ResponseInject) -> ProtocolError | None:
         return unsupported(
@@ -291,6 +296,7 @@ class BetaDialect(PauseDialect):
     name = "beta"
     steering = True
     closes_on_bad_inject = True
+    responses = BetaResponse
 
     def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str], *, inject_messages: bool = False) -> None:
         super().__init__(emit, ended_ids)

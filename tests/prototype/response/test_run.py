@@ -37,6 +37,7 @@ from prototype.model import (
     SamplingFinished,
     TokensSampled,
 )
+from prototype.response.dialect import AppendResponse, BetaResponse, ResponseDialect
 from prototype.response.engine import Engine
 from prototype.response.finish import Outcome
 from prototype.response.run import Aborted, Inbox, Resumed
@@ -50,6 +51,13 @@ from sim.runtime.clock import ManualClock
 TOOL: Final = {"type": "function", "name": "exec", "parameters": {"type": "object", "properties": {}}}
 ASYNC_TOOL: Final = {**TOOL, "name": "exec_async", "async": True}
 STEER: Final = SteerRef(id="steer_1", previous_response_id="resp_x")
+
+# The connection cores' dialects by name, as their `PauseDialect.responses` name them.
+DIALECTS: Final[dict[str, type[ResponseDialect]]] = {
+    "create": ResponseDialect,
+    "append": AppendResponse,
+    "beta": BetaResponse,
+}
 
 Planned = tuple[Literal["message", "function_call"], str, str]  # (kind, function name or "", text or arguments)
 
@@ -125,7 +133,7 @@ class FakeChannel:
         decide: Callable[[tuple[RequiredInput, ...]], Resumed | Aborted] = answer_every_call,
         hand: Callable[[FakeChannel], tuple[Item, ...]] = lambda channel: (),
     ) -> None:
-        self.dialect = dialect
+        self.dialect = DIALECTS[dialect]
         self.inbox = Inbox()
         self.decide = decide
         self.hand = hand
