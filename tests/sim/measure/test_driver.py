@@ -28,6 +28,8 @@ from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from sim.__main__ import main
 from sim.analysis.records import read_records
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.predict import time_saved
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.rollout.replay import load_trace
@@ -263,6 +265,10 @@ PROFILE: Final = CostProfile(
 )
 
 
+MODEL: Final = {"tps": 800.0, "prefill_tok_per_s": 8000.0, "model_latency_s": 0.15}
+_ROW: Final = re.compile(r"^(\w+)\s+(-?[\d.]+) %\s+(-?[\d.]+) %–(-?[\d.]+) %", re.M)
+
+
 def profiled() -> contextlib.AbstractAsyncContextManager[tuple[int, web.Application]]:
     @contextlib.asynccontextmanager
     async def opened() -> AsyncIterator[tuple[int, web.Application]]:
@@ -271,9 +277,9 @@ def profiled() -> contextlib.AbstractAsyncContextManager[tuple[int, web.Applicat
             clock=clock,
             policy=DefaultPolicy(tool_calls=3),
             seed=3,
-            decode_tok_per_s=800.0,
-            prefill_tok_per_s=8000.0,
-            model_latency_s=0.15,
+            decode_tok_per_s=MODEL["tps"],
+            prefill_tok_per_s=MODEL["prefill_tok_per_s"],
+            model_latency_s=MODEL["model_latency_s"],
         )
         app = make_app(model=model, store=MemoryStore(), clock=clock, config=ServerConfig(profile=PROFILE), seed=3)
         async with served(app) as port:
@@ -283,6 +289,9 @@ def profiled() -> contextlib.AbstractAsyncContextManager[tuple[int, web.Applicat
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(
+    480
+)  # about a minute of live rollouts, then a fit and the virtual comparisons, on a loaded machine
 def test_a_measurement_of_a_profiled_server_is_the_chains_first_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -295,6 +304,14 @@ def test_a_measurement_of_a_profiled_server_is_the_chains_first_step(
     assert code == 0, printed.err
     step = printed.out.splitlines()[-1].removeprefix("next: python -m sim ").split()
     assert main(step + ["--refits", "4"]) == 0, capsys.readouterr()
-    predicted = capsys.readouterr().out
-    assert re.search(r"^append\s+-?[\d.]+ %", predicted, re.M), predicted  # a prediction for a design not measured
-    assert "http_prev  not predicted" not in predicted  # its store load was measured
+    out_text = capsys.readouterr().out
+    predicted = {m: (float(s) / 100, float(lo) / 100, float(hi) / 100) for m, s, lo, hi in _ROW.findall(out_text)}
+    # Every design is predicted, http_prev too (its store load was measured), and append, which
+    # the capture cannot hold, against what longrun's comparison gives on the measured workload
+    # and the true profile: within 2 points or inside its interval (test_predict.py's criterion;
+    # the measured designs' narrow intervals carry the fit's refits, not the loopback's CPU noise).
+    assert set(predicted) >= {"http_prev", "ws", "append", "inject", "async", "steer", "agents"}, out_text
+    config = CompareConfig.of(trace=str(out / "workload.jsonl"), modes=("http", "append"), profile=PROFILE, **MODEL)
+    truth = time_saved(compare(config, virtual=True, free_cpu=True).rollouts)["append"]
+    saved, low, high = predicted["append"]
+    assert abs(saved - truth) <= 0.02 or low <= truth <= high, (predicted, truth)
