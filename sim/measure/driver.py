@@ -52,6 +52,7 @@ from sim.client.loop import run_rollout
 from sim.harness.console import add_save_options, start_folder
 from sim.harness.experiment import CompareConfig, custom_specs
 from sim.harness.trace import write_json
+from sim.record.capture import Line
 from sim.record.proxy import Recorder, make_recorder_app
 from sim.rollout.result import ClientError, Mode, RolloutResult, TurnResult, error_line
 from sim.rollout.spec import EXEC_TOOL, RolloutSpec
@@ -205,6 +206,7 @@ class Measured:
     rollouts: list[RolloutResult]
     error: str | None = None  # the line the run stopped on
     summary: dict[str, object] = dataclasses.field(default_factory=dict)  # the recorder's
+    used: tuple[int, int] = (0, 0)  # input and output tokens of the captured requests' `usage`
 
 
 async def measure(
@@ -244,17 +246,19 @@ async def measure(
             if done.error is not None:
                 break
     done.summary = recorder.capture.summary()
+    done.used = _used(recorder.capture.lines)
     return done
 
 
-def _used(rollouts: Sequence[RolloutResult]) -> tuple[int, int]:
-    """Input and output tokens the endpoint's `usage` reported."""
+def _used(lines: Sequence[Line]) -> tuple[int, int]:
+    """Input and output tokens the endpoint's `usage` reported on the captured requests (a
+    stopped rollout's turns too)."""
     inputs = outputs = 0
-    for r in rollouts:
-        for t in r.turns:
-            if t.response.usage is not None:
-                inputs += t.response.usage.input_tokens
-                outputs += t.response.usage.output_tokens
+    for line in lines:
+        usage = msgspec.json.decode(line.usage) if line.usage is not None else None
+        if isinstance(usage, dict):
+            inputs += int(usage.get("input_tokens") or 0)
+            outputs += int(usage.get("output_tokens") or 0)
     return inputs, outputs
 
 
@@ -360,7 +364,7 @@ def measure_main(args: argparse.Namespace, run: Callable[[Coroutine[Any, Any, An
 
 
 def _report(done: Measured, budget: Budget, folder: Path | None) -> int:
-    inputs, outputs = _used(done.rollouts)
+    inputs, outputs = done.used
     s = done.summary
     latency = s.get("proxy_request_ms")
     median = latency.get("median") if isinstance(latency, dict) else None
