@@ -72,6 +72,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
+from sim.measure.driver import measure_main, measure_options
 from sim.record.proxy import record_main, record_options
 from sim.rollout.result import ALL_MODES, MODES
 
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibrate_options(sub)
     record_options(sub)
+    measure_options(sub)
     return p
 
 
@@ -628,6 +630,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "fidelity": lambda a: fidelity_main(a, uvloop.new_event_loop),
         "validate": validate_main,
         "record": lambda a: record_main(a, uvloop.run),
+        "measure": lambda a: measure_main(a, uvloop.run),
     }
     if args.command in jobs:
         return jobs[args.command](args)
