@@ -367,7 +367,7 @@ class _PromptLog:
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
     kind = MemoPrefixCache if memoize else PrefixCache
-    return kind(capacity_tokens=config.model.kv_capacity_tokens)
+    return kind(block_tokens=config.model.prefix_block_tokens, capacity_tokens=config.model.kv_capacity_tokens)
 
 
 async def run_compare(
