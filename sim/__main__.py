@@ -53,6 +53,7 @@ from sim.harness.console import (
     table,
     terminal_table,
 )
+from sim.harness.drift import drift_text
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
@@ -413,6 +414,8 @@ def _describe(config: CompareConfig) -> str:
 def _show(title: str, result: CompareResult) -> None:
     print(f"\n{title}")
     print(terminal_table(result.summary, result.failed))
+    if result.drift is not None:
+        print(drift_text(result.drift))
     if result.stopped:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
@@ -475,7 +478,8 @@ def compare_main(args: argparse.Namespace) -> int:
         tables = args.command != "results"
         path = write_run(main_result, folder, tables=tables)
         if tables:  # every column of the terminal's table
-            write_text(table(main_result.summary, main_result.failed), path / "table.txt")
+            drift = "" if main_result.drift is None else "\n" + drift_text(main_result.drift)
+            write_text(table(main_result.summary, main_result.failed) + drift, path / "table.txt")
         if live_result is not None and agreement is not None:
             write_run(live_result, path / "live", tables=tables)
             if tables:
