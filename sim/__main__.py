@@ -45,6 +45,7 @@ from sim.harness.console import (
     add_save_options,
     agreement_text,
     interjection_table,
+    one_line_logs,
     pairs_table,
     points_bar,
     run_folder,
@@ -602,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     naming what was refused, with exit code 2, before anything runs: the commands raise it as
     `SystemExit(message)`, which Python alone would print with exit code 1."""
     args = build_parser().parse_args(argv)
+    one_line_logs()
     try:
         with sigterm_as_sigint():
             return _dispatch(args)
