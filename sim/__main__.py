@@ -576,6 +576,8 @@ def validate_main(args: argparse.Namespace) -> int:
             saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
             if hasattr(args, "cache_generated"):  # the simulator's what-if, on the saved measurement
                 saved = saved.updated(cache_generated=args.cache_generated)
+            if hasattr(args, "engine_block_tokens"):  # the prediction at another prefix granularity
+                saved = saved.updated(engine_block_tokens=args.engine_block_tokens)
             v = validate_records(
                 read_records([folder]), saved, train_share=args.train_share, seed=saved.seed, capture=args.capture
             )
