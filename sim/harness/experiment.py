@@ -418,7 +418,8 @@ async def run_compare(
                     break
                 specs = more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
                 specs = interjected(config, specs)
-    scheduler.results.sort(key=lambda r: config.modes.index(r.mode))  # interleaved rounds: back in mode order
+    for outcomes in (scheduler.results, scheduler.failed):  # interleaved rounds: back in mode order (a stable sort)
+        outcomes.sort(key=lambda r: config.modes.index(r.mode))
     summary = summarize(scheduler.results, scheduler.kv_idle, seed=config.seed)
     engine_turns = list(world.real_engine.turns) if world.real_engine is not None else []
     drift = drift_report(engine_turns, config.modes) if world.real_engine is not None else None
