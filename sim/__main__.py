@@ -46,6 +46,7 @@ from sim.harness.console import (
     add_save_options,
     agreement_text,
     interjection_table,
+    one_line_logs,
     pairs_table,
     points_bar,
     run_folder,
@@ -54,6 +55,7 @@ from sim.harness.console import (
     table,
     terminal_table,
 )
+from sim.harness.drift import drift_text
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.long import long_tables, run_long, write_long
@@ -420,6 +422,8 @@ def _describe(config: CompareConfig) -> str:
 def _show(title: str, result: CompareResult) -> None:
     print(f"\n{title}")
     print(terminal_table(result.summary, result.failed))
+    if result.drift is not None:
+        print(drift_text(result.drift))
     if result.stopped:
         print(f"stopped adding rollouts: {result.stopped}")
     print("\npaired by rollout:")
@@ -482,7 +486,8 @@ def compare_main(args: argparse.Namespace) -> int:
         tables = args.command != "results"
         path = write_run(main_result, folder, tables=tables)
         if tables:  # every column of the terminal's table
-            write_text(table(main_result.summary, main_result.failed), path / "table.txt")
+            drift = "" if main_result.drift is None else "\n" + drift_text(main_result.drift)
+            write_text(table(main_result.summary, main_result.failed) + drift, path / "table.txt")
         if live_result is not None and agreement is not None:
             write_run(live_result, path / "live", tables=tables)
             if tables:
@@ -578,6 +583,8 @@ def validate_main(args: argparse.Namespace) -> int:
             saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
             if hasattr(args, "cache_generated"):  # the simulator's what-if, on the saved measurement
                 saved = saved.updated(cache_generated=args.cache_generated)
+            if hasattr(args, "engine_block_tokens"):  # the prediction at another prefix granularity
+                saved = saved.updated(engine_block_tokens=args.engine_block_tokens)
             v = validate_records(
                 read_records([folder]), saved, train_share=args.train_share, seed=saved.seed, capture=args.capture
             )
@@ -605,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     naming what was refused, with exit code 2, before anything runs: the commands raise it as
     `SystemExit(message)`, which Python alone would print with exit code 1."""
     args = build_parser().parse_args(argv)
+    one_line_logs()
     try:
         with sigterm_as_sigint():
             return _dispatch(args)

@@ -12,15 +12,28 @@ from typing import Annotated, Final, Literal
 import msgspec
 from msgspec import Meta
 
+from sim.model.kv import DEFAULT_BLOCK_TOKENS
+
 from .slots import OnFull
 
-__all__ = ["DEFAULT_CTX_PER_SLOT", "DEFAULT_VERIFY_K", "ENGINE_KINDS", "EngineConfig", "EngineDecode", "EngineKind"]
+__all__ = [
+    "DEFAULT_CTX_PER_SLOT",
+    "DIALECT_BLOCK_TOKENS",
+    "DEFAULT_VERIFY_K",
+    "ENGINE_KINDS",
+    "EngineConfig",
+    "EngineDecode",
+    "EngineKind",
+]
 
 EngineKind = Literal["none", "llamacpp", "openai"]
 EngineDecode = Literal["forced", "verified", "length"]
 ENGINE_KINDS: Final[tuple[EngineKind, ...]] = ("none", "llamacpp", "openai")
 DEFAULT_CTX_PER_SLOT: Final = 8192  # a slot's context when none is given and no workload sizes it
 DEFAULT_VERIFY_K: Final = 64  # measured: docs/engine.md#verified-decoding
+# Prefix reuse granularity by dialect: llama.cpp's slot reuses its KV to the token; vLLM caches
+# whole blocks (16 tokens unless --block-size says otherwise). "none": the simulator's own blocks.
+DIALECT_BLOCK_TOKENS: Final[dict[EngineKind, int]] = {"none": DEFAULT_BLOCK_TOKENS, "llamacpp": 1, "openai": 16}
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -94,6 +107,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             description="when every slot is busy or pinned by a paused response: wait, drop its KV, or swap it to host"
         ),
     ] = "wait"
+    engine_block_tokens: Annotated[
+        Annotated[int, Meta(ge=1)] | None,
+        Meta(
+            description="the engine's prefix-cache granularity in tokens, which the simulator's prediction of the "
+            "engine (sim validate, the fleet's contention check) uses; none: the dialect's (llamacpp: 1, its slots "
+            "reuse token-exact; openai: 16, vLLM's default --block-size)"
+        ),
+    ] = None
     engine_startup_timeout_s: Annotated[float, Meta(gt=0, description="seconds to wait for the engine's /health")] = (
         120.0
     )
@@ -102,6 +123,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def ctx_per_slot(self) -> int:
         """The slots' context in tokens: `engine_ctx_per_slot`, or the default when none is given."""
         return DEFAULT_CTX_PER_SLOT if self.engine_ctx_per_slot is None else self.engine_ctx_per_slot
+
+    @property
+    def prefix_block_tokens(self) -> int:
+        """The granularity of the engine's prefix reuse: `engine_block_tokens`, or the dialect's."""
+        if self.engine_block_tokens is not None:
+            return self.engine_block_tokens
+        return DIALECT_BLOCK_TOKENS[self.engine_kind]
 
     def __post_init__(self) -> None:
         if self.engine_kind == "openai" and self.engine_url is None:

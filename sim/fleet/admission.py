@@ -79,7 +79,7 @@ class Admission:
         entry = r.cache.get(s)
         shared = r.shared if r.shared_at <= self.loop.now else 0
         own = entry.tokens + r.shared if entry is not None else 0
-        return floor_blocks(min(max(own, shared), prompt - 1))
+        return floor_blocks(min(max(own, shared), prompt - 1), self.ledger.block)
 
     def admit(self, r: Replica, s: int, k: int, ready: float) -> bool:
         """Turn `k` of session `s` takes a slot and its KV on `r` if they are there (making room
@@ -89,7 +89,7 @@ class Admission:
             return False
         prompt = st.prompts[k]
         out = st.spec.output_tokens[k]
-        shared = r.shared or floor_blocks(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA)
+        shared = r.shared or floor_blocks(st.spec.instruction_tokens + SHARED_PREFIX_EXTRA, self.ledger.block)
         need = prompt + out + CALL_TEMPLATE_TOKENS - shared  # the context after the turn, template included
         if self.grow:  # the prompt now, the output at the first token
             st.pending_kv = out + CALL_TEMPLATE_TOKENS

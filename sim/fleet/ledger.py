@@ -15,15 +15,16 @@ from typing import Final
 from sim.fleet.config import FleetConfig, FleetRun
 from sim.fleet.loop import EventLoop
 from sim.fleet.state import CacheEntry, Replica, SessionState
+from sim.model.kv import DEFAULT_BLOCK_TOKENS
 
 __all__ = ["BLOCK", "KVLedger", "KVTotals", "floor_blocks"]
 
-BLOCK: Final = 16  # vLLM's default KV block size (sim/model/kv.py)
+BLOCK: Final = DEFAULT_BLOCK_TOKENS  # vLLM's default KV block size; a run's is its model's `prefix_block_tokens`
 
 
-def floor_blocks(tokens: int) -> int:
-    """`tokens` rounded down to whole KV blocks."""
-    return tokens // BLOCK * BLOCK
+def floor_blocks(tokens: int, block: int = BLOCK) -> int:
+    """`tokens` rounded down to whole KV blocks of `block` tokens."""
+    return tokens // block * block
 
 
 @dataclass(slots=True)
@@ -51,6 +52,7 @@ class KVLedger:
     ) -> None:
         self.config = config
         self.budget = config.kv_budget_tokens or (1 << 62)
+        self.block = config.model.prefix_block_tokens  # the prefix cache's granularity
         self.run = run
         self.loop = loop
         self.replicas = replicas
@@ -156,7 +158,7 @@ class KVLedger:
     def to_cache(self, r: Replica, s: int, tokens: int) -> None:
         """Session `s`'s context of `tokens` into `r`'s prefix cache (its full blocks)."""
         self.drop_entry(r, s)
-        unique = floor_blocks(tokens) - r.shared
+        unique = floor_blocks(tokens, self.block) - r.shared
         if unique > 0:
             r.cache[s] = CacheEntry(unique, self.loop.now)
             self.add_cached(r, unique)
@@ -177,7 +179,7 @@ class KVLedger:
     def evict_entry(self, r: Replica, s: int, deficit: int) -> None:
         """Free `deficit` tokens of `s`'s cache entry: its tail blocks (`evict_tail`), or all of it."""
         entry = r.cache[s]
-        cut = -(-deficit // BLOCK) * BLOCK
+        cut = -(-deficit // self.block) * self.block
         if self.config.evict_tail and entry.tokens > cut:
             entry.tokens -= cut
             self.add_cached(r, -cut)

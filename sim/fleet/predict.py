@@ -27,6 +27,7 @@ from sim.fleet.config import FleetConfig
 from sim.fleet.engine import SHARED_PREFIX_EXTRA, simulate
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS, SessionTokens
 from sim.model.config import HOSTED_MODEL
+from sim.model.kv import DEFAULT_BLOCK_TOKENS
 
 __all__ = ["TurnPrediction", "predict_turns"]
 
@@ -51,11 +52,12 @@ def predict_turns(
     held_slot: bool = False,
     slot_cache: bool = False,
     shared_tokens: int = 0,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> list[list[TurnPrediction]]:
     """Each rollout's turns as the fleet model predicts them (see the module's docstring).
     `shared_tokens`: the prompt prefix every rollout shares (the system prompt: any slot's KV
-    serves it). Refuses rollouts whose contexts do not grow by at least each turn's output and
-    template."""
+    serves it). `block_tokens`: the engine's prefix-cache granularity (llama.cpp's slots: 1).
+    Refuses rollouts whose contexts do not grow by at least each turn's output and template."""
     m = len(prompt_tokens)
     if not (len(output_tokens) == len(tool_times_s) == m) or m == 0:
         raise ValueError("one prompt, output and tool-time list per rollout, at least one rollout")
@@ -87,7 +89,7 @@ def predict_turns(
         hold_policy="hold",
         held_slot=held_slot,
         slot_cache=slot_cache,
-        model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=slots),
+        model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=slots, prefix_block_tokens=block_tokens),
     )
     starts = list(starts_s) if starts_s is not None else [0.0] * m
     run = simulate(mode, load_profile("local"), config, sessions, arrivals=starts)

@@ -1,6 +1,7 @@
 """What a job shows and where it keeps it: the comparison's tables (one that fits a terminal, one
 with every column for the run folder), progress on stderr (a bar on a terminal, a line at each
-tenth in a log or a pipe) and the default run folder's name (`runs/JOB-YYYYMMDD-HHMM`, UTC).
+tenth in a log or a pipe), the server's log as one line a record (`one_line_logs`) and the
+default run folder's name (`runs/JOB-YYYYMMDD-HHMM`, UTC).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import argparse
 import contextlib
 import datetime
 import itertools
+import logging
 import math
 import os
 import sys
@@ -29,6 +31,7 @@ __all__ = [
     "add_save_options",
     "agreement_text",
     "interjection_table",
+    "one_line_logs",
     "pairs_table",
     "points_bar",
     "progress_bar",
@@ -38,6 +41,36 @@ __all__ = [
     "table",
     "terminal_table",
 ]
+
+
+class _OneLine(logging.Formatter):
+    """A record as one line: the logger, the message and the exception's own line, no traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{record.name}: {record.getMessage()}"
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            line += f": {type(error).__name__}: {error}"
+        return " ".join(line.split())
+
+
+class _Stderr(logging.Handler):
+    """Writes to whatever `sys.stderr` is when a record comes (a test's capture, a redirect)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def one_line_logs() -> None:
+    """The server's log (`longrun.*`) in a job's stderr one line a record: a rollout that a
+    failed response ended is a failed row of the job's table, and its log line says why without
+    the traceback Python's last-resort handler would print. Idempotent."""
+    logger = logging.getLogger("longrun")
+    if not any(isinstance(h.formatter, _OneLine) for h in logger.handlers):
+        handler = _Stderr()
+        handler.setFormatter(_OneLine())
+        handler.setLevel(logging.WARNING)
+        logger.addHandler(handler)
 
 
 # Where a job's default run folder goes: `runs/` where the command runs (in .gitignore), or this

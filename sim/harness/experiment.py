@@ -8,7 +8,9 @@ loop's clock; virtual runs use the in-process transport on a `VirtualTimeLoop`,
 through the same engine and WebSocket adapter.
 
 Each mode starts from a cold prefix cache: the same prompts run in every mode,
-and a cache warmed by the previous mode would favour whichever runs later.
+and a cache warmed by the previous mode would favour whichever runs later. On a
+real engine the modes are interleaved round by round, and the engine's own speed
+is checked across modes and over the run (`CompareResult.drift`, sim/harness/drift.py).
 
 With `ci_width` > 0 the run continues in batches of `rollouts` on the same server (each
 mode keeps its own prefix cache across batches, so the rollouts are those of one larger
@@ -24,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -59,14 +59,15 @@ from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineModel, EngineTurn
 from sim.harness.console import progress_bar
+from sim.harness.drift import Drift, drift_report, rotation, round_size
+from sim.harness.specs import first_rollouts, interjected, more_rollouts
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
 from sim.model.kv import PrefixCache
-from sim.model.policy import DefaultPolicy, Policy
-from sim.rollout.replay import load_trace, replay_plan
+from sim.model.policy import Policy
 from sim.rollout.result import ALL_MODES, MODES, WS_MODES, ClientError, Mode, RolloutFailure, RolloutResult, error_line
-from sim.rollout.spec import RolloutSpec, draw_interjections, make_spec
-from sim.rollout.workload import WORKLOADS, draw_rollouts
+from sim.rollout.spec import RolloutSpec
+from sim.rollout.workload import WORKLOADS
 from sim.runtime.inprocess import InProcessServer, Tap
 from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
@@ -192,6 +193,7 @@ class CompareResult:
     stopped: str = ""  # with ci_width: why no more batches ran (intervals narrow enough, or the cap)
     engine_turns: list[EngineTurn] = field(default_factory=list)  # a real engine's own per-turn counters
     failed: list[RolloutFailure] = field(default_factory=list)  # rollouts that ended in an error, not in the metrics
+    drift: Drift | None = None  # a real engine's speed per mode and over the run (sim/harness/drift.py)
 
 
 def narrow_enough(summary: list[ModeSummary], width_points: float) -> tuple[bool, float]:
@@ -360,7 +362,7 @@ class _PromptLog:
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
     kind = MemoPrefixCache if memoize else PrefixCache
-    return kind(capacity_tokens=config.model.kv_capacity_tokens)
+    return kind(block_tokens=config.model.prefix_block_tokens, capacity_tokens=config.model.kv_capacity_tokens)
 
 
 async def run_compare(
@@ -391,8 +393,8 @@ async def run_compare(
         raise ValueError("memoize=True is for virtual time with free CPU; charge_cpu=True measures that work")
     if tap is not None and not virtual:
         raise ValueError("tap= sees the in-process transport of a virtual run; a live run uses sockets")
-    specs, drawn = _rollouts(config, memoize=memoize)
-    specs = _interjected(config, specs)
+    specs, drawn = first_rollouts(config, memoize=memoize)
+    specs = interjected(config, specs)
     world = _World.build(config, clock, drawn, virtual=virtual, pace_by_turn=pace_by_turn, memoize=memoize)
     async with world.serve(config, clock, virtual=virtual, memoize=memoize, charge_cpu=charge_cpu, tap=tap):
         scheduler = _Scheduler(config, world, clock, memoize=memoize)
@@ -407,10 +409,13 @@ async def run_compare(
                 if reason is not None:
                     stopped = reason
                     break
-                specs = _more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
-                specs = _interjected(config, specs)
+                specs = more_rollouts(config, drawn, n, min(config.rollouts, config.max_rollouts - n), memoize=memoize)
+                specs = interjected(config, specs)
+    for outcomes in (scheduler.results, scheduler.failed):  # interleaved rounds: back in mode order (a stable sort)
+        outcomes.sort(key=lambda r: config.modes.index(r.mode))
     summary = summarize(scheduler.results, scheduler.kv_idle, seed=config.seed)
     engine_turns = list(world.real_engine.turns) if world.real_engine is not None else []
+    drift = drift_report(engine_turns, config.modes) if world.real_engine is not None else None
     return CompareResult(
         config,
         virtual,
@@ -420,6 +425,7 @@ async def run_compare(
         stopped,
         engine_turns,
         scheduler.failed,
+        drift,
     )
 
 
@@ -516,7 +522,8 @@ class _Scheduler:
     rollout and kept across batches: the same prompts run in every mode, and a shared cache would
     favour whichever mode runs later. Within a mode, `concurrency` (or `lanes`) rollouts are in
     flight at once; with `lanes`, the rollouts of a WebSocket mode share connections. A real engine
-    (`config.engine`) has one cache: its slots are erased as each mode's rollouts start."""
+    (`config.engine`) has one cache: its slots are erased as each round's rollouts start in each
+    mode, and the modes are interleaved round by round."""
 
     def __init__(self, config: CompareConfig, world: _World, clock: Clock, *, memoize: bool) -> None:
         self.config, self.world, self.clock = config, world, clock
@@ -525,6 +532,7 @@ class _Scheduler:
         self.kv_idle = dict.fromkeys(config.modes, 0.0)
         self._caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
         self._gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
+        self.rounds = 0  # a real engine's rounds run so far (their mode order rotates)
         self._shared: dict[tuple[Mode, int, int], list[WSClient]] = {}
         self._context_management = (
             [{"type": "compaction", "compact_threshold": config.compact_threshold}]
@@ -538,24 +546,40 @@ class _Scheduler:
         return (len(self.results) + len(self.failed)) // max(1, len(self.config.modes))
 
     async def run_batch(self, batch: int, specs: list[RolloutSpec], *, done: Callable[[], object]) -> None:
-        """Every mode's rollouts of `specs`, mode after mode; `done()` after each rollout."""
+        """Every mode's rollouts of `specs`; `done()` after each rollout. The simulator: mode after
+        mode (each has its own cache). A real engine: in rounds of the rollouts in flight at once,
+        every mode per round in an order rotating by round, on erased slots (sim/harness/drift.py)."""
+        indexed = list(enumerate(specs))
+        if self.world.real_engine is None:
+            for mode in self.config.modes:
+                await self._run_mode(mode, batch, indexed, len(specs), done)
+            return
+        size = round_size(self.config.concurrency, self.config.lanes)
+        for start in range(0, len(specs), size):
+            for mode in rotation(self.config.modes, self.rounds):
+                await self._run_mode(mode, batch, indexed[start : start + size], len(specs), done)
+            self.rounds += 1
+
+    async def _run_mode(
+        self, mode: str, batch: int, indexed: list[tuple[int, RolloutSpec]], size: int, done: Callable[[], object]
+    ) -> None:
+        """The rollouts `indexed` (their index in a batch of `size`) in `mode`, gathered."""
         world = self.world
         assert world.engine is not None, "the world serves while batches run"
-        for mode in self.config.modes:
-            world.model.prefix_cache = self._caches[mode]
-            world.prompts.mode = mode
-            if world.real_engine is not None:  # a real engine has one cache: cold for each mode
-                await world.real_engine.reset()
-                world.real_engine.tag = mode
-            idle_before = world.engine.statistics().kv_idle_token_s
-            # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
-            runs = (self._one(mode, batch, i, spec, len(specs), done) for i, spec in enumerate(specs))  # type: ignore[arg-type]
-            for outcome in await asyncio.gather(*runs):
-                if isinstance(outcome, RolloutFailure):
-                    self.failed.append(outcome)
-                else:
-                    self.results.append(outcome)
-            self.kv_idle[mode] += world.engine.statistics().kv_idle_token_s - idle_before
+        world.model.prefix_cache = self._caches[mode]
+        world.prompts.mode = mode
+        if world.real_engine is not None:  # a real engine has one cache: cold for each mode's rollouts
+            await world.real_engine.reset()
+            world.real_engine.tag = mode
+        idle_before = world.engine.statistics().kv_idle_token_s
+        # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
+        runs = (self._one(mode, batch, i, spec, size, done) for i, spec in indexed)  # type: ignore[arg-type]
+        for outcome in await asyncio.gather(*runs):
+            if isinstance(outcome, RolloutFailure):
+                self.failed.append(outcome)
+            else:
+                self.results.append(outcome)
+        self.kv_idle[mode] += world.engine.statistics().kv_idle_token_s - idle_before
 
     def _client(self, mode: Mode, batch: int, index: int, size: int) -> ResponsesClient:
         """With `lanes`, rollout `index` of a batch of `size` rollouts of a WebSocket mode runs on
@@ -631,64 +655,3 @@ def _stopping_rule(config: CompareConfig, scheduler: _Scheduler, n: int) -> str 
     if n >= config.max_rollouts:
         return f"cap of {config.max_rollouts} rollouts reached (widest ±{widest:.2f} points)"
     return None
-
-
-def _rollouts(config: CompareConfig, *, memoize: bool = False) -> tuple[list[RolloutSpec], Policy]:
-    """The first batch of rollouts every mode runs, and the policy of the server's model. With
-    `memoize`, a custom rollout drawn before in this process is reused (a spec is immutable):
-    the points of a sweep that differ only in speed share it, texts and all."""
-    if config.trace is not None:
-        return replay_plan(load_trace(config.trace), config.seed)
-    if config.workload != "custom":
-        specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, config.rollouts)
-        return specs, DefaultPolicy(tool_calls=config.tool_calls, per_conversation=per_conversation)
-    return custom_specs(config, 0, config.rollouts, memoize), DefaultPolicy(tool_calls=config.tool_calls)
-
-
-def custom_specs(config: CompareConfig, start: int, count: int, memoize: bool = False) -> list[RolloutSpec]:
-    make = _memo_spec if memoize else make_spec
-    return [
-        make(
-            config.seed,
-            i,
-            max_turns=config.tool_calls,
-            tool_time_median_s=config.tool_time_s,
-            tool_time_sigma=config.tool_time_sigma,
-            tool_output_median_tokens=config.tool_output_tokens,
-            system_prompt_tokens=config.system_prompt_tokens,
-        )
-        for i in range(start, start + count)
-    ]
-
-
-def _more_rollouts(
-    config: CompareConfig, policy: Policy, start: int, count: int, *, memoize: bool
-) -> list[RolloutSpec]:
-    """Rollouts `start` … `start + count − 1` (for the next batch); a workload's new
-    conversations get their tool-call counts in the policy's table."""
-    if config.workload == "custom":
-        return custom_specs(config, start, count, memoize)
-    specs, per_conversation = draw_rollouts(WORKLOADS[config.workload], config.seed, count, start=start)
-    table = getattr(policy, "per_conversation", None)
-    if not isinstance(table, dict):
-        raise TypeError("a workload's policy keeps a mutable per-conversation table")
-    table.update(per_conversation)
-    return specs
-
-
-def _interjected(config: CompareConfig, specs: list[RolloutSpec]) -> list[RolloutSpec]:
-    """The specs with `config.interjections` each (sim.rollout.spec.draw_interjections); as they are at 0."""
-    if not config.interjections:
-        return specs
-    return [
-        dataclasses.replace(
-            spec,
-            interjections=draw_interjections(
-                config.seed, spec.index, config.interjections, len(spec.tool_times_s), config.interjection_window_s
-            ),
-        )
-        for spec in specs
-    ]
-
-
-_memo_spec: Final = functools.lru_cache(maxsize=256)(make_spec)

@@ -26,7 +26,8 @@ from msgspec import structs
 from sim.engine.backend import CTX_STEP, MODEL_CONTEXT, ctx_for, prompt_limit, slot_kv_bytes
 from sim.engine.config import DEFAULT_CTX_PER_SLOT
 from sim.fleet.sessions import from_spec
-from sim.harness.experiment import CompareConfig, custom_specs
+from sim.harness.experiment import CompareConfig
+from sim.harness.specs import custom_specs
 from sim.rollout.workload import WORKLOADS, draw_rollouts
 
 __all__ = [

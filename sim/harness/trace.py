@@ -165,6 +165,8 @@ def write_run(result: CompareResult, directory: str | Path, *, tables: bool = Tr
             for turn in result.engine_turns:
                 fb.write(msgspec.json.encode(turn))
                 fb.write(b"\n")
+    if result.drift is not None:  # the engine's speed per mode and over the run (docs/engine.md#drift)
+        write_json(result.drift, path / "drift.json")
     _plots(result, rows, path)
     return path
 

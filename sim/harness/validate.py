@@ -87,10 +87,17 @@ class Validation:
 
 def predicted_config(c: Calibration, measured: CompareConfig) -> CompareConfig:
     """The simulator's config for the measured run: the fit's profile and model rates, the
-    engine's slots as decode slots, everything else (workload, seed, modes) as measured."""
+    engine's slots as decode slots and its prefix-cache granularity as the model's blocks,
+    everything else (workload, seed, modes) as measured."""
     values = {k: p.value for k, p in c.profile_params.items()}
     settings = profile_settings(values, {})
-    return measured.updated(engine_kind="none", decode_slots=measured.engine.engine_slots, **settings)
+    engine = measured.engine
+    return measured.updated(
+        engine_kind="none",
+        decode_slots=engine.engine_slots,
+        prefix_block_tokens=engine.prefix_block_tokens,
+        **settings,
+    )
 
 
 def _key(r: TurnRecord) -> tuple[str, str, int]:
@@ -352,6 +359,7 @@ def contention_records(
                 held_slot=held_slot,
                 slot_cache=slot_cache,
                 shared_tokens=shared,
+                block_tokens=config.engine.prefix_block_tokens,
             )
             ttft, turn = [], []
             for i, (p_turns, m_turns) in enumerate(zip(predicted, measured, strict=True)):

@@ -50,7 +50,8 @@ from prototype.serve.wallclock import AsyncioClock
 from sim.client.client import ResponsesClient, open_client
 from sim.client.loop import run_rollout
 from sim.harness.console import add_save_options, start_folder
-from sim.harness.experiment import CompareConfig, custom_specs
+from sim.harness.experiment import CompareConfig
+from sim.harness.specs import custom_specs
 from sim.harness.trace import write_json
 from sim.record.capture import Line
 from sim.record.proxy import Recorder, make_recorder_app

@@ -17,7 +17,7 @@ from prototype.clock import Clock
 from prototype.context.tokenizer import Tokenizer
 
 from .accelerator import LatenessRecorder, SimulatedModel
-from .kv import DEFAULT_CAPACITY_TOKENS, PrefixCache
+from .kv import DEFAULT_BLOCK_TOKENS, DEFAULT_CAPACITY_TOKENS, PrefixCache
 from .policy import Policy
 
 __all__ = ["HOSTED_MODEL", "ModelConfig", "build_model"]
@@ -41,6 +41,14 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         DEFAULT_CAPACITY_TOKENS
     )
     prefix_cache: Annotated[bool, Meta(description="the simulator's prefix cache (--no-prefix-cache: off)")] = True
+    prefix_block_tokens: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="the prefix cache's granularity: a hit counts whole blocks of this many tokens (vLLM: 16; "
+            "llama.cpp's slots: 1, token-exact)",
+        ),
+    ] = DEFAULT_BLOCK_TOKENS
     decode_slots: Annotated[
         Annotated[int, Meta(ge=1)] | None,
         Meta(description="turns decoding at once; more queue FIFO"),
@@ -70,6 +78,13 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         ),
     ] = 0.0
 
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens < self.prefix_block_tokens:
+            raise ValueError(
+                f"kv_capacity_tokens {self.kv_capacity_tokens} holds no block of prefix_block_tokens "
+                f"{self.prefix_block_tokens}"
+            )
+
 
 HOSTED_MODEL: Final = ModelConfig(model_latency_s=0.05, prefill_tok_per_s=20_000.0, async_independent=0.5)
 """The model a comparison and the fleet stand for by default: a hosted model's first-token latency and
@@ -98,7 +113,11 @@ def build_model(
         model_latency_s=config.model_latency_s,
         prefill_tok_per_s=config.prefill_tok_per_s if config.prefill_tok_per_s > 0 else math.inf,
         prefill_s_per_token_ctx=config.prefill_s_per_token_ctx,
-        prefix_cache=prefix_cache_type(capacity_tokens=config.kv_capacity_tokens) if config.prefix_cache else None,
+        prefix_cache=(
+            prefix_cache_type(block_tokens=config.prefix_block_tokens, capacity_tokens=config.kv_capacity_tokens)
+            if config.prefix_cache
+            else None
+        ),
         prefix_caching=config.prefix_cache,
         decode_slots=config.decode_slots,
         concurrency_slowdown=config.concurrency_slowdown,

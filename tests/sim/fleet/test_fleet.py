@@ -16,6 +16,7 @@ from sim.analysis.stats import paired_mean
 from sim.fleet.compute import ENGINES, StepCost
 from sim.fleet.config import FleetConfig, FleetRun
 from sim.fleet.engine import simulate
+from sim.fleet.holds import CALL_TEMPLATE_TOKENS
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
 from sim.harness.experiment import CompareConfig, CompareResult, compare
@@ -432,6 +433,21 @@ def test_the_engine_prediction_queues_rollouts_beyond_the_slots() -> None:
     assert held[1].ttft_s < cost.prefill_alone_s(0, 700) / 2
     with pytest.raises(ValueError, match="context"):
         predict_turns("ws", 2, [[500, 510]], [outputs], [tools])
+
+
+def test_the_caches_granularity_is_the_models_setting() -> None:
+    """One session's second turn finds its first turn's context cached (prompt, output and the
+    call's template: 101 + 7 + 14 tokens): all of it token-exact (llama.cpp's slots), whole
+    16-token blocks of it by default (vLLM); the same prompts either way."""
+    spec = fleet_session(0, 101, (7, 7), (1.0,))
+    runs = {}
+    for block in (1, 16):
+        config = FleetConfig(model=msgspec.structs.replace(HOSTED_MODEL, prefix_block_tokens=block))
+        runs[block] = simulate("ws", LOCAL, config, [spec], arrivals=[0.0])
+    assert runs[1].hit_tokens == 101 + 7 + CALL_TEMPLATE_TOKENS == 122
+    assert runs[16].hit_tokens == 112 and FleetConfig().model.prefix_block_tokens == 16
+    assert runs[1].prompt_tokens == runs[16].prompt_tokens
+    assert runs[1].prefilled_tokens == runs[16].prefilled_tokens - 10
 
 
 def test_a_slot_cache_keeps_only_the_sequences_the_slots_last_served() -> None:

@@ -19,6 +19,7 @@ from sim.analysis.metrics import headline
 from sim.harness import console
 from sim.harness.console import points_bar
 from sim.harness.experiment import CompareConfig, compare
+from tests.fake_engine import fake_engine
 
 SMALL = CompareConfig.of(
     rollouts=2, tool_calls=4, tps=0, tool_time_s=0, seed=7, profile="local", system_prompt_tokens=500
@@ -555,6 +556,34 @@ def test_a_rollout_that_fails_is_a_failed_row_not_a_traceback(
     assert [(f["mode"], f["rollout"]) for f in config["failed"]] == [("http", 0), ("ws", 0), ("append", 0)]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["ws"]["saved_vs_http_n"] == 2
+
+
+def test_an_engine_fault_mid_run_is_a_failed_row_and_one_log_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stand-in llama.cpp engine answers the second turn of `ws`'s rollout 0 with a 500: that
+    rollout is a failed row with the API's error, the server's log of it one line naming the
+    engine's error, no traceback; every other rollout reports."""
+    out = tmp_path / "run"
+    with fake_engine(fail=frozenset({4})) as engine:  # requests 0-2: http rollout 0; 3-5: ws rollout 0
+        argv = ["compare", "--quiet", "--engine", "llamacpp", "--engine-url", engine.url, "--profile", "local"]
+        argv += ["--rollouts", "2", "--tool-calls", "2", "--system-prompt-tokens", "300", "--tool-output-tokens"]
+        argv += ["60", "--tool-time-s", "0", "--modes", "http,ws,append", "--out", str(out)]
+        assert main(argv) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert [line for line in lines if " failed (rollout 0): " in line] == [
+        "ws           1 failed (rollout 0): response failed server_error: The server had an error while processing "
+        "your request. Sorry about that!"
+    ]
+    table_rows = [line.split() for line in lines if "failed" not in line and " vs " not in line]
+    rows = {words[0]: words[1] for words in table_rows if words[:1] in (["http"], ["ws"], ["append"])}
+    assert rows == {"http": "2", "ws": "1", "append": "2"}  # n: the rollouts that ran
+    logged = [line for line in captured.err.splitlines() if line.startswith("longrun.engine: ")]
+    assert len(logged) == 1 and logged[0].endswith("failed: EngineError: llama.cpp answered 500: fake engine fault")
+    assert "Traceback" not in captured.out + captured.err
+    config = json.loads((out / "config.json").read_text())
+    assert [(f["mode"], f["rollout"]) for f in config["failed"]] == [("ws", 0)]
 
 
 def test_every_rollout_failing_still_reports() -> None:

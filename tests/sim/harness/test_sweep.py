@@ -19,7 +19,8 @@ import msgspec
 import pytest
 
 from sim.__main__ import main
-from sim.harness.experiment import CompareConfig, _rollouts, compare
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.specs import first_rollouts
 from sim.harness.sweep import SweepConfig, dask_executor, points, run_sweep
 from sim.rollout.result import TurnResult
 
@@ -94,7 +95,7 @@ def test_sweep_points_share_their_draws() -> None:
             base=CompareConfig(rollouts=2, system_prompt_tokens=500, tool_output_tokens=100, seed=11),
         )
     )
-    specs = {(p.model.tps, p.tool_calls): _rollouts(p)[0] for p in grid}
+    specs = {(p.model.tps, p.tool_calls): first_rollouts(p)[0] for p in grid}
     runs = {(p.model.tps, p.tool_calls): compare(p, virtual=True, free_cpu=True) for p in grid}
     for r in range(2):
         short, long = specs[(1000.0, 5)][r], specs[(1000.0, 10)][r]

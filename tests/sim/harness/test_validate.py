@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import pytest
@@ -18,6 +19,7 @@ from sim.harness.validate import (
     as_capture,
     contention_records,
     engine_step_cost,
+    predicted_config,
     validate_records,
     validation_text,
 )
@@ -47,7 +49,8 @@ def measured() -> list:  # type: ignore[type-arg]
 @pytest.mark.slow  # a calibration fit, twice
 @pytest.mark.parametrize("capture", [False, True], ids=["staged", "capture"])
 def test_a_run_the_simulator_made_is_predicted_closely(measured: list, capture: bool) -> None:  # type: ignore[type-arg]
-    as_engine = MEASURED.updated(engine_kind="llamacpp")  # scored as if an engine had measured it
+    # Scored as if an engine with the simulator's 16-token blocks had measured it.
+    as_engine = MEASURED.updated(engine_kind="llamacpp", engine_block_tokens=16)
     v = validate_records(measured, as_engine, train_share=0.6, seed=0, capture=capture)
     assert not v.problems, v.problems
     assert set(v.test_rollouts).isdisjoint(v.train_rollouts) and v.test_rollouts
@@ -81,6 +84,20 @@ def test_validation_refuses_what_it_cannot_score(measured: list) -> None:  # typ
     two = [r for r in measured if r.rollout in ("0", "1")]
     with pytest.raises(ValueError, match="at least 3 rollouts"):
         validate_records(two, MEASURED.updated(engine_kind="llamacpp"))
+
+
+def test_the_prediction_reuses_prefixes_at_the_engines_granularity() -> None:
+    """The simulator standing for the engine caches as the engine does: token-exact for
+    llama.cpp's slots, 16-token blocks for an OpenAI-compatible (vLLM) engine or as stated."""
+    fit = SimpleNamespace(profile_params={})  # no profile field identified: the measured profile stays
+    llamacpp = MEASURED.updated(engine_kind="llamacpp")
+    assert predicted_config(fit, llamacpp).model.prefix_block_tokens == 1  # type: ignore[arg-type]
+    vllm = MEASURED.updated(engine_kind="openai", engine_url="http://127.0.0.1:8000")
+    assert predicted_config(fit, vllm).model.prefix_block_tokens == 16  # type: ignore[arg-type]
+    stated = llamacpp.updated(engine_block_tokens=4)
+    predicted = predicted_config(fit, stated)  # type: ignore[arg-type]
+    assert predicted.model.prefix_block_tokens == 4 and predicted.engine.engine_kind == "none"
+    assert MEASURED.model.prefix_block_tokens == 16  # the simulator's own runs keep vLLM's blocks
 
 
 def test_step_costs_come_from_the_engines_own_rates() -> None:
