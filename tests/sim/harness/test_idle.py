@@ -53,6 +53,8 @@ def test_the_figures_of_handmade_rollouts() -> None:
     assert s.turns_before_cut == 4.0 and s.keepalives_per_rollout == 1.5 and s.error == "boom"
     none = summarize(rows[1::2], keepalives=0)
     assert none.cut == 0 and none.lost_s == 0.0 and math.isnan(none.turns_before_cut)
+    other = summarize([*rows, IdleRollout("ws", "none", 4, 400.0, 410.0, 1, False, "400 bad")], keepalives=0)
+    assert (other.failed, other.cut, other.lost_s) == (1, 2, 130.0 / 5)  # a failure that is no cut is apart
 
 
 def test_the_job_runs_small_and_writes_its_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
