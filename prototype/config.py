@@ -112,6 +112,15 @@ class WebSocketConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_connections: Annotated[
         Annotated[int, Meta(ge=1)] | None, Meta(description="open WebSocket connections; further upgrades get HTTP 503")
     ] = MAX_CONNECTIONS
+    ping_interval_s: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        Meta(
+            description="keepalive: ping a connection once this many seconds pass with no frame from the client "
+            "(aiohttp's heartbeat: no pong within half of it closes the socket); none: no server pings, as OpenAI "
+            "documents none (docs/protocol.md#silent-sockets)",
+            extra={"flag": "--ws-ping-interval-s"},
+        ),
+    ] = None
     inject_messages: Annotated[
         bool,
         Meta(
@@ -181,6 +190,22 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         ),
     ] = False
     sse_done: Annotated[bool, Meta(description="end SSE streams with 'data: [DONE]'")] = False
+    sse_keepalive_s: Annotated[
+        Annotated[float, Meta(gt=0)] | None,
+        Meta(
+            description="what-if: an SSE stream silent this many seconds gets a comment line (': keepalive'); "
+            "none: no comments, as OpenAI documents none (docs/protocol.md#silent-sockets)"
+        ),
+    ] = None
+    idle_timeout_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="what-if: an intermediary in front of the server (a load balancer) closes a WebSocket or an "
+            "SSE stream that carried no frame either way for this many seconds (0 = none); in-process transports "
+            "only: live, put `python -m sim record --idle-timeout-s` in front (docs/protocol.md#silent-sockets)",
+        ),
+    ] = 0.0
     max_message_bytes: Annotated[
         int, Meta(ge=1, description="largest request body (413 beyond) and WebSocket frame (close 1009 beyond)")
     ] = MAX_MESSAGE_BYTES

@@ -29,7 +29,7 @@ from sim.model.policy import DefaultPolicy, Policy, load_script
 from .config import ServerConfig
 from .model import TokenModel
 from .options import OneLineParser, add_struct_options, option_error, struct_from_args
-from .serve.app import ApiRunner, make_app
+from .serve.app import LIVE_IDLE_TIMEOUT, ApiRunner, make_app
 from .serve.wallclock import AsyncioClock
 from .store.memory import MemoryStore
 from .store.spec import open_store
@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except EngineNotInstalled as err:
         print(f"python -m prototype.server: {err}", file=sys.stderr)
+        return 2
+    if config.idle_timeout_s:
+        print(f"python -m prototype.server: invalid option: {LIVE_IDLE_TIMEOUT}", file=sys.stderr)
         return 2
     try:
         uvloop.run(serve(args, model, config, engine))

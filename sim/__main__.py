@@ -58,6 +58,7 @@ from sim.harness.console import (
 from sim.harness.drift import drift_text
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
+from sim.harness.idle import idle_main, idle_options
 from sim.harness.long import long_tables, run_long, write_long
 from sim.harness.predict import calibrate_main, calibrate_options
 from sim.harness.results import render_results
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         "static routers only (hash; affinity for http, http_prev, agents)",
     )
     ttl_options(sub)
+    idle_options(sub)
 
     calibrate_options(sub)
     record_options(sub)
@@ -635,6 +637,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "calibrate": calibrate_main,
         "capacity": capacity_main,
         "ttl-curve": ttl_main,
+        "idle": idle_main,
         "fidelity": lambda a: fidelity_main(a, uvloop.new_event_loop),
         "validate": validate_main,
         "record": lambda a: record_main(a, uvloop.run),

@@ -10,6 +10,7 @@ log.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Final
@@ -40,9 +41,11 @@ from .session import (
     TextSender,
     WebSocketSession,
 )
+from .wallclock import SSE_COMMENT, Keepalive
 
 __all__ = [
     "ENGINE",
+    "LIVE_IDLE_TIMEOUT",
     "ApiRunner",
     "BatchedFrames",
     "WebSocketSession",
@@ -56,8 +59,8 @@ class _Socket(web.WebSocketResponse):
     """aiohttp closes on an oversize frame (1009) or invalid UTF-8 (1007) by itself, with an
     empty reason; this fills in a clear one for those codes."""
 
-    def __init__(self, *, max_msg_size: int) -> None:
-        super().__init__(max_msg_size=max_msg_size, compress=True, autoping=True)
+    def __init__(self, *, max_msg_size: int, heartbeat: float | None = None) -> None:
+        super().__init__(max_msg_size=max_msg_size, compress=True, autoping=True, heartbeat=heartbeat)
         self._reasons: dict[int, bytes] = {
             WSCloseCode.MESSAGE_TOO_BIG: f"message larger than {max_msg_size} bytes".encode(),
             WSCloseCode.INVALID_TEXT: b"text frame is not valid UTF-8",
@@ -66,6 +69,13 @@ class _Socket(web.WebSocketResponse):
     async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
         return await super().close(code=code, message=message or self._reasons.get(code, b""), drain=drain)
 
+
+# The live server has no intermediary in front of it: the idle timeout is the in-process transport's
+# and the recording proxy's (prototype/serve/wallclock.py).
+LIVE_IDLE_TIMEOUT: Final = (
+    "--idle-timeout-s is an intermediary's, not the server's: the in-process transport models it, and live, "
+    "`python -m sim record --idle-timeout-s S --upstream URL` puts it in front of the server"
+)
 
 ENGINE: Final = web.AppKey("engine", Engine)
 CONFIG: Final = web.AppKey("config", ServerConfig)
@@ -84,6 +94,8 @@ def make_app(
     seed: int | None = None,
 ) -> web.Application:
     config = config or ServerConfig()
+    if config.idle_timeout_s:
+        raise ValueError(LIVE_IDLE_TIMEOUT)
     app = web.Application(client_max_size=config.max_message_bytes, middlewares=[_auth_middleware])
     app[CONFIG] = config
     service = compose(config, model=model, store=store, clock=clock, seed=seed)
@@ -273,7 +285,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         nonlocal writer
         if writer is None:
             await resp.prepare(request)
-            writer = BatchedSSE(resp)
+            writer = BatchedSSE(resp, keepalive_s=config.sse_keepalive_s)
         data = b"".join(encode_event(encode(ev), event=ev.__struct_config__.tag) for ev in events)  # type: ignore[arg-type]
         await writer.send(data, urgent=not events or type(events[-1]) not in TOKEN_DELTAS)
 
@@ -337,20 +349,57 @@ async def _agents_reply(request: web.Request, reply: JSONReply | StreamReply) ->
     if isinstance(reply, JSONReply):
         return _json_reply(reply)
     resp = web.StreamResponse(status=200, headers=SSE_HEADERS)
+    comments: _Comments | None = None
     try:
         writer = await resp.prepare(request)
         assert writer is not None
+        if (every := request.app[CONFIG].sse_keepalive_s) is not None:
+            comments = _Comments(resp, every)
         # One batch at a time, each waiting for the socket: the frames stay in the feed (bounded,
         # feeds.py) until the client reads, not in the transport's unbounded buffer.
         while (chunk := await reply.feed.get()) is not None:
+            if comments is not None:
+                comments.keepalive.heard()
             await resp.write(chunk)
             await writer.drain()
+        if comments is not None:
+            await comments.end()
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the subscriber went away; the session runs on
     finally:
+        if comments is not None:
+            await comments.end()
         reply.runner.unsubscribe(reply.feed)
     return resp
+
+
+class _Comments:
+    """SSE keepalive comments on a stream whose handler waits for events: each written by a task
+    of its own (one chunk, one transport write, never inside another chunk), none after `end`."""
+
+    def __init__(self, resp: web.StreamResponse, every_s: float) -> None:
+        self.resp = resp
+        self.ended = False
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.keepalive = Keepalive(every_s, self._send)
+
+    def _send(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._write())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _write(self) -> None:
+        if not self.ended:
+            with contextlib.suppress(ConnectionResetError):
+                await self.resp.write(SSE_COMMENT)
+
+    async def end(self) -> None:
+        """No more comments; those being written are written."""
+        self.ended = True
+        self.keepalive.stop()
+        if self.tasks:
+            await asyncio.gather(*self.tasks)
 
 
 async def agents_create(request: web.Request) -> web.StreamResponse:
@@ -416,7 +465,7 @@ async def websocket_or_405(request: web.Request) -> web.StreamResponse:
     slots = request.app[SLOTS]
     terms = admit_websocket(config, request.headers, request.query, slots)  # a refusal is the middleware's JSON
     try:
-        ws = _Socket(max_msg_size=config.max_message_bytes)
+        ws = _Socket(max_msg_size=config.max_message_bytes, heartbeat=config.websocket.ping_interval_s)
         await ws.prepare(request)
         request.app[SOCKETS].add(ws)
         transport = request.transport
@@ -478,7 +527,7 @@ class BatchedSSE:
     until it is written. Order is kept: there is one writer.
     """
 
-    def __init__(self, resp: web.StreamResponse) -> None:
+    def __init__(self, resp: web.StreamResponse, *, keepalive_s: float | None = None) -> None:
         self.resp = resp
         self.parts: list[bytes] = []
         self.size = 0
@@ -488,24 +537,39 @@ class BatchedSSE:
         self.wake = asyncio.Event()
         self.progress = asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._write_loop())
+        # A stream silent for `keepalive_s` gets a comment in the next batch (ServerConfig.sse_keepalive_s).
+        self.keepalive = None if keepalive_s is None else Keepalive(keepalive_s, self._comment)
+
+    def _comment(self) -> None:
+        if self.error is None:
+            self._append(SSE_COMMENT)
 
     async def send(self, data: bytes, *, urgent: bool) -> None:
         if self.error is not None:
             raise ConnectionResetError("the SSE stream is broken") from self.error
+        if self.keepalive is not None:
+            self.keepalive.heard()
+        self._append(data)
+        if urgent or self.size > BATCH_BYTES:
+            await self._until_written(self.queued)
+
+    def _append(self, data: bytes) -> None:
         if not self.parts:
             self.queued += 1  # a new batch
         self.parts.append(data)
         self.size += len(data)
         self.wake.set()
-        if urgent or self.size > BATCH_BYTES:
-            await self._until_written(self.queued)
 
     async def flush(self) -> None:
-        """Return once everything sent so far is written."""
+        """The stream's end: no more keepalives; return once everything sent so far is written."""
+        if self.keepalive is not None:
+            self.keepalive.stop()
         await self._until_written(self.queued)
 
     def cancel(self) -> None:
-        """Stop the writer (whatever it has not written is dropped)."""
+        """Stop the writer (whatever it has not written is dropped) and its keepalive."""
+        if self.keepalive is not None:
+            self.keepalive.stop()
         self.task.cancel()
 
     async def _until_written(self, batch: int) -> None:

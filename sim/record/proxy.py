@@ -10,6 +10,13 @@ ends, and each completed turn a line of `workload.jsonl` (sim/record/workload.py
 its conversation's next request begins (the last turns at shutdown). Authorization passes
 through and is written nowhere.
 
+Silent connections (`--idle-timeout-s S`, a what-if: what a load balancer in front of the API
+does, prototype/serve/wallclock.py's `IdleWatch`): a WebSocket, or an HTTP request and its
+response, that carries no frame either way for S seconds is dropped: the client's connection is
+closed under it (a WebSocket client sees the abnormal closure, 1006; an SSE reader a truncated
+body), the upstream's closed, and the line failed `idle timeout`. The upstream's pings count as
+frames: the proxy answers them and passes each on to the client (its pong stays with the proxy).
+
 Faults: an upstream that cannot be reached gives the client a 502 in the API's shape
 (`{"error": {...}}`); one that closes a stream midway gives an SSE client an `error` event (a
 WebSocket client an `error` frame) and a failed line; a client that goes away mid-stream closes
@@ -21,13 +28,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import signal
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, Literal
 
 import aiohttp
 import msgspec
@@ -35,6 +43,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from prototype.serve.wallclock import IdleCut, IdleWatch
 from prototype.wire.errors import ProtocolError, http_error_body, ws_error_event
 from prototype.wire.schemas import ErrorEvent, encode
 from prototype.wire.sse import encode_event
@@ -96,9 +105,17 @@ class Recorder:
     """The proxy's state: the upstream, the capture, the output file, the clock."""
 
     def __init__(
-        self, upstream: str, out: Path, *, clock: Callable[[], float] = time.monotonic, keep_content: bool = False
+        self,
+        upstream: str,
+        out: Path,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        keep_content: bool = False,
+        idle_timeout_s: float = 0.0,
     ) -> None:
         self.upstream = upstream.rstrip("/")
+        self.idle_timeout_s = idle_timeout_s  # 0: no idle timeout
+        self.cuts: list[IdleCut] = []  # connections dropped for silence
         self.out = out
         self.clock = clock
         self.capture = Capture(keep_content=keep_content)
@@ -148,6 +165,19 @@ class Recorder:
         self._file.write(line)
         self._file.flush()
 
+    def watch(self, request: web.Request, kind: Literal["websocket", "sse"], mode: str) -> IdleWatch | None:
+        """The idle timer on a client's connection, if there is a timeout: at the cut, the
+        connection is closed under the client (its handler's reads and writes then fail)."""
+        if not self.idle_timeout_s:
+            return None
+
+        def cut(record: IdleCut) -> None:
+            self.cuts.append(record)
+            if request.transport is not None:
+                request.transport.close()
+
+        return IdleWatch(self.idle_timeout_s, cut, kind=kind, mode=mode)
+
     # ------------------------------------------------------------------------------------- HTTP
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -155,6 +185,7 @@ class Recorder:
         if request.headers.get("Upgrade", "").lower() == "websocket":
             return await self.websocket(request, arrived)
         body = await request.read()
+        watch = self.watch(request, "sse", "http")  # the request's body was its last frame
         pending = None
         if request.method == "POST" and request.path.rstrip("/").endswith("/responses"):
             pending = self.begin("http", body, arrived)
@@ -167,20 +198,28 @@ class Recorder:
                 request.method, url, headers=_forwarded(request.headers), data=body, allow_redirects=False
             )
         except (aiohttp.ClientError, OSError) as exc:
+            if watch is not None:
+                watch.stop()
             err = _upstream_error(f"The upstream {self.upstream} could not be reached: {type(exc).__name__}")
             if pending is not None:
                 pending.fail("upstream unreachable", self.clock())
                 self.write(pending)
             return web.Response(status=502, body=http_error_body(err), content_type="application/json")
         try:
-            return await self._relay(request, upstream, pending)
+            return await self._relay(request, upstream, pending, watch)
         finally:
+            if watch is not None:
+                watch.stop()
             upstream.release()
             if pending is not None:
                 self.write(pending)
 
     async def _relay(
-        self, request: web.Request, upstream: aiohttp.ClientResponse, pending: Pending | None
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        pending: Pending | None,
+        watch: IdleWatch | None = None,
     ) -> web.StreamResponse:
         headers = _forwarded(upstream.headers)
         streamed = upstream.content_type == "text/event-stream"
@@ -195,6 +234,10 @@ class Recorder:
             await response.prepare(request)
             async for chunk in upstream.content.iter_any():
                 received = self.clock()
+                if watch is not None:
+                    if watch.cut is not None:
+                        raise ConnectionResetError("idle timeout")
+                    watch.frame()
                 await response.write(chunk)
                 if pending is None:
                     continue
@@ -223,10 +266,11 @@ class Recorder:
                 request.transport.close()  # a body shorter than its Content-Length: the client sees it cut
             return response
         except (ConnectionError, asyncio.CancelledError):
-            # The client went away: closing the upstream response cancels it there.
+            # The client went away (or was cut off): closing the upstream response cancels it there.
             upstream.close()
             if pending is not None:
-                pending.fail("client disconnected", self.clock())
+                cut = watch is not None and watch.cut is not None
+                pending.fail("idle timeout" if cut else "client disconnected", self.clock())
             raise
         if pending is not None:
             if decoder is not None and not pending.terminal:
@@ -253,7 +297,7 @@ class Recorder:
                 headers=_forwarded(request.headers, websocket=True),
                 protocols=protocols,
                 max_msg_size=0,
-                autoping=True,
+                autoping=not self.idle_timeout_s,  # with a timeout, the upstream's pings are relayed
             )
         except aiohttp.WSServerHandshakeError as exc:
             err = ProtocolError(f"The upstream refused the WebSocket: {exc.message}", code=None, status=exc.status)
@@ -266,10 +310,12 @@ class Recorder:
         )
         lanes: dict[str | None, deque[Pending]] = {}
         self._connections += 1
+        watch: IdleWatch | None = None
         try:
             await down.prepare(request)
-            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes, self._connections))
-            to_down = asyncio.ensure_future(self._server_frames(up, down, lanes))
+            watch = self.watch(request, "websocket", "ws")
+            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes, self._connections, watch))
+            to_down = asyncio.ensure_future(self._server_frames(up, down, lanes, watch))
             done, _ = await asyncio.wait((to_up, to_down), return_when=asyncio.FIRST_COMPLETED)
             upstream_ended = to_down in done
             for task in (to_up, to_down):
@@ -281,10 +327,14 @@ class Recorder:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await down.send_str(ws_error_event(err).decode())
             reason = "upstream closed mid-response" if upstream_ended else "client disconnected"
+            if watch is not None and watch.cut is not None:
+                reason = "idle timeout"
             for p in in_flight:
                 p.fail(reason, self.clock())
                 self.write(p)
         finally:  # each side's close code passed to the other
+            if watch is not None:
+                watch.stop()
             await up.close(code=down.close_code or aiohttp.WSCloseCode.OK)
             await down.close(code=up.close_code or aiohttp.WSCloseCode.OK)
         return down
@@ -295,9 +345,12 @@ class Recorder:
         up: aiohttp.ClientWebSocketResponse,
         lanes: dict[str | None, deque[Pending]],
         connection: int,
+        watch: IdleWatch | None = None,
     ) -> None:
         async for msg in down:
             at = self.clock()
+            if watch is not None:
+                watch.frame()
             if msg.type is aiohttp.WSMsgType.TEXT:
                 data: str = msg.data
                 pending = None
@@ -320,11 +373,22 @@ class Recorder:
                 break
 
     async def _server_frames(
-        self, up: aiohttp.ClientWebSocketResponse, down: web.WebSocketResponse, lanes: dict[str | None, deque[Pending]]
+        self,
+        up: aiohttp.ClientWebSocketResponse,
+        down: web.WebSocketResponse,
+        lanes: dict[str | None, deque[Pending]],
+        watch: IdleWatch | None = None,
     ) -> None:
         async for msg in up:
             received = self.clock()
-            if msg.type is aiohttp.WSMsgType.TEXT:
+            if watch is not None:
+                watch.frame()
+            if msg.type is aiohttp.WSMsgType.PING:  # only with a timeout (autoping off): passed on
+                await up.pong(msg.data)
+                await down.ping(msg.data)
+            elif msg.type is aiohttp.WSMsgType.PONG:
+                continue
+            elif msg.type is aiohttp.WSMsgType.TEXT:
                 data: str = msg.data
                 await down.send_str(data)
                 written = self.clock()
@@ -362,10 +426,10 @@ def make_recorder_app(recorder: Recorder) -> web.Application:
 
 
 async def serve_recorder(
-    upstream: str, host: str, port: int, out: Path, *, keep_content: bool = False
+    upstream: str, host: str, port: int, out: Path, *, keep_content: bool = False, idle_timeout_s: float = 0.0
 ) -> dict[str, object]:
     """Record until SIGINT or SIGTERM; the summary (also in `out/summary.json`)."""
-    recorder = Recorder(upstream, out, keep_content=keep_content)
+    recorder = Recorder(upstream, out, keep_content=keep_content, idle_timeout_s=idle_timeout_s)
     runner = web.AppRunner(make_recorder_app(recorder), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -392,6 +456,14 @@ def record_options(sub: argparse._SubParsersAction[Any]) -> None:
         "--out", required=True, metavar="DIR", help="writes capture.jsonl, workload.jsonl and summary.json here"
     )
     rec.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="what-if: drop a WebSocket or an HTTP exchange that carries no frame either way for S seconds, as a "
+        "load balancer would (0 = never; docs/protocol.md#silent-sockets)",
+    )
+    rec.add_argument(
         "--keep-content",
         action="store_true",
         help="workload.jsonl keeps the task, instructions, each turn's output and each tool's output (never a key)",
@@ -406,6 +478,18 @@ def record_main(
     if not host or not port.isdigit():
         print(f"error: --listen {args.listen!r}: want HOST:PORT", file=sys.stderr)
         return 2
-    summary = run(serve_recorder(args.upstream, host, int(port), Path(args.out), keep_content=args.keep_content))
+    if not (args.idle_timeout_s >= 0 and math.isfinite(args.idle_timeout_s)):
+        print(f"error: --idle-timeout-s {args.idle_timeout_s!r}: want seconds >= 0 (0 = never)", file=sys.stderr)
+        return 2
+    summary = run(
+        serve_recorder(
+            args.upstream,
+            host,
+            int(port),
+            Path(args.out),
+            keep_content=args.keep_content,
+            idle_timeout_s=args.idle_timeout_s,
+        )
+    )
     print(msgspec.json.format(msgspec.json.encode(summary)).decode())
     return 0

@@ -11,6 +11,16 @@ With `live_costs` (on a server whose run charges CPU: `InProcessServer.charge_cp
 one costs beyond that, as measured on this machine (`sim.runtime.virtual.LiveCosts`): an HTTP
 request when it is sent, its response at the server's first events (where the live
 server prepares the response and sends its headers), a WebSocket message when it is sent.
+
+Silent connections (prototype/serve/wallclock.py): with `ServerConfig.idle_timeout_s` an
+intermediary sits on every WebSocket and SSE stream and cuts one that carried no frame either way
+for that long, as a load balancer drops the TCP connection: the client's next read gets `CLOSED`
+(aiohttp's abnormal closure, 1006) and its next send `ClientConnectionResetError`; an SSE reader
+gets `ClientPayloadError`; the server sees its socket close (or its next write fail). With
+`websocket.ping_interval_s` the server pings a connection its client has been silent on, and the
+client answers at once (as websockets' background keepalive does): two frames, which reset the
+intermediary's timer; with `sse_keepalive_s` a silent SSE stream gets a comment line. Every cut is
+kept in `InProcessServer.cuts`, every keepalive sent counted in `keepalives`.
 """
 
 from __future__ import annotations
@@ -18,8 +28,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
-from typing import Generic, Literal, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Generic, Literal, TypeVar
 
 import aiohttp
 import msgspec
@@ -33,6 +43,7 @@ from prototype.serve.admission import admit_websocket, authorize
 from prototype.serve.compose import Overrides, compose
 from prototype.serve.exchange import HTTPExchange, JSONReply
 from prototype.serve.session import WebSocketSession
+from prototype.serve.wallclock import IdleCut, IdleWatch, Keepalive
 from prototype.store.base import ResponseStore
 from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
@@ -104,6 +115,49 @@ def _charges(costs: LiveCosts | None) -> _LiveCharges | None:
     return None if costs is None else _LiveCharges(costs)
 
 
+class _Line:
+    """What lies between a WebSocket's two ends: the intermediary's idle timer (`idle_timeout_s`)
+    and the server's pings (`ping_interval_s`), each if set. `up`/`down` for every frame."""
+
+    __slots__ = ("cut", "keepalive", "server", "watch")
+
+    def __init__(self, server: InProcessServer, mode: str, cut: Callable[[], None]) -> None:
+        self.server = server
+        self.cut = cut
+        config = server.config
+        self.watch = (
+            IdleWatch(config.idle_timeout_s, self._cut, kind="websocket", mode=mode) if config.idle_timeout_s else None
+        )
+        every = config.websocket.ping_interval_s
+        self.keepalive = Keepalive(every, self._ping) if every is not None else None
+
+    def up(self) -> None:
+        if self.watch is not None:
+            self.watch.frame()
+        if self.keepalive is not None:
+            self.keepalive.heard()
+
+    def down(self) -> None:
+        if self.watch is not None:
+            self.watch.frame()
+
+    def _ping(self) -> None:  # the ping down and the client's pong up, at once
+        self.server.keepalives += 1
+        if self.watch is not None:
+            self.watch.frame()
+
+    def _cut(self, cut: IdleCut) -> None:
+        self.server.cuts.append(cut)
+        self.close()
+        self.cut()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        if self.keepalive is not None:
+            self.keepalive.stop()
+
+
 class _ServerSocket:
     """The server's end of an in-process WebSocket: a `prototype.serve.session.SessionSocket`."""
 
@@ -112,12 +166,17 @@ class _ServerSocket:
         self.outbox = outbox
         self.closed = False
         self.tap = tap
+        self.line: _Line | None = None
 
     async def send_text(self, data: bytes) -> None:
         self.push(data)
 
     # A `prototype.serve.session.FrameBuffer`: a frame is handed over at once, nothing to drain.
     def push(self, data: bytes) -> bool:
+        if self.closed:  # cut by the intermediary: the frame goes nowhere
+            return False
+        if self.line is not None:
+            self.line.down()
         frame = bytes(data)  # the writer may hand over a view of its buffer
         if self.tap is not None:
             self.tap("down", frame)
@@ -133,9 +192,17 @@ class _ServerSocket:
     async def close(self, *, code: int = 1000, message: bytes = b"") -> bool:
         if not self.closed:
             self.closed = True
+            if self.line is not None:
+                self.line.close()
             self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.CLOSE, code, message.decode()))
             self.inbox.put_nowait(None)
         return True
+
+    def cut(self) -> None:
+        """The connection dropped under the server: its session reads the end."""
+        if not self.closed:
+            self.closed = True
+            self.inbox.put_nowait(None)
 
     def __aiter__(self) -> _ServerSocket:
         return self
@@ -163,8 +230,14 @@ class _ClientSocket:
         self.session_task: asyncio.Task[None] | None = None
         self.tap = tap
         self.charges = charges
+        self.line: _Line | None = None
+        self.dropped = False  # cut by the intermediary
 
     async def send_str(self, data: str) -> None:
+        if self.dropped:  # what aiohttp raises writing to a connection that dropped
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        if self.line is not None:
+            self.line.up()
         if self.tap is not None:
             self.tap("up", data.encode())
         if self.charges is not None:
@@ -176,9 +249,84 @@ class _ClientSocket:
         return await self.inbox.get()
 
     async def close(self) -> None:
+        if self.line is not None:
+            self.line.close()
         self.outbox.put_nowait(None)
         if self.session_task is not None:
             await self.session_task
+
+    def cut(self) -> None:
+        """The connection dropped under the client: its next read gets the abnormal closure."""
+        self.dropped = True
+        self.inbox.put_nowait(_CLOSED)
+
+
+class _Stream:
+    """What lies on one SSE stream: the intermediary's idle timer (`idle_timeout_s`) and the
+    server's comments (`sse_keepalive_s`), each if set. `frame()` for every chunk sent; the
+    reader learns of a cut from `wake` (called once) or `next`."""
+
+    __slots__ = ("cut", "keepalive", "server", "wake", "watch")
+
+    def __init__(self, server: InProcessServer, mode: str, wake: Callable[[], None] | None = None) -> None:
+        self.server = server
+        self.wake = wake
+        self.cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        config = server.config
+        self.watch = (
+            IdleWatch(config.idle_timeout_s, self._cut, kind="sse", mode=mode) if config.idle_timeout_s else None
+        )
+        every = config.sse_keepalive_s
+        self.keepalive = Keepalive(every, self._comment) if every is not None else None
+
+    @classmethod
+    def of(cls, server: InProcessServer, mode: str, wake: Callable[[], None] | None = None) -> _Stream | None:
+        """A stream's line, or None where nothing lies on it."""
+        config = server.config
+        return cls(server, mode, wake) if config.idle_timeout_s or config.sse_keepalive_s is not None else None
+
+    def frame(self) -> None:
+        if self.watch is not None:
+            self.watch.frame()
+        if self.keepalive is not None:
+            self.keepalive.heard()
+
+    def _comment(self) -> None:
+        self.server.keepalives += 1
+        if self.watch is not None:
+            self.watch.frame()
+
+    def _cut(self, cut: IdleCut) -> None:
+        self.server.cuts.append(cut)
+        self.close()
+        self.cut.set_result(None)
+        if self.wake is not None:
+            self.wake()
+
+    def dropped(self) -> aiohttp.ClientPayloadError:
+        """What aiohttp raises reading a streamed body whose connection dropped."""
+        return aiohttp.ClientPayloadError("Response payload is not completed: the connection was closed")
+
+    async def next(self, get: Awaitable[T]) -> T:
+        """`get`'s result, or the cut's `ClientPayloadError` if the intermediary cuts first."""
+        task = asyncio.ensure_future(get)
+        await asyncio.wait((task, self.cut), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            raise self.dropped()
+        return task.result()
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        if self.keepalive is not None:
+            self.keepalive.stop()
+
+
+def _end(*channels: _Channel[Any]) -> None:
+    """Wake the reader of whichever channel it reads: the stream is over."""
+    for channel in channels:
+        channel.put_nowait(None)
 
 
 def _reply_error(reply: JSONReply) -> ClientError:
@@ -213,8 +361,16 @@ class _InProcessHTTP(HTTPClient):
         # where it runs live); with CPU free that framing is skipped (the same events).
         sse = SSEDecoder() if self.server.charge_cpu else None
         chunks: _Channel[bytes | None] = _Channel()
+        line = _Stream.of(self.server, "http_prev" if self.chained else "http", wake=lambda: _end(queue, chunks))
+
+        def sent() -> None:  # a chunk on the stream; after a cut, the live server's write fails
+            if line is not None:
+                if line.cut.done():
+                    raise ConnectionResetError("the client went away")
+                line.frame()
 
         async def emit(events: list[ServerEvent]) -> None:
+            sent()
             for ev in events:
                 data = encode(ev)  # the bytes a socket would carry
                 if tap is not None:
@@ -225,6 +381,7 @@ class _InProcessHTTP(HTTPClient):
 
         async def emit_sse(events: list[ServerEvent]) -> None:
             nonlocal responded
+            sent()
             if not responded:  # the live server prepares the response (its headers) at its first events
                 assert charges is not None
                 responded = True
@@ -250,12 +407,19 @@ class _InProcessHTTP(HTTPClient):
             if sse is None:
                 while (event := await queue.get()) is not None:
                     yield event
-                return
-            while (chunk := await chunks.get()) is not None:
-                for parsed in sse.feed(chunk):
-                    yield decode_server_event(parsed.data)
+            else:
+                while (chunk := await chunks.get()) is not None:
+                    for parsed in sse.feed(chunk):
+                        yield decode_server_event(parsed.data)
+            if line is not None and line.cut.done():
+                raise line.dropped()
         finally:
-            await task
+            if line is not None:
+                line.close()
+            if line is not None and line.cut.done():
+                self.server.orphan(task)  # the server finds out at its next write, as live
+            else:
+                await task
 
 
 class _InProcessWS(WSClient):
@@ -281,6 +445,13 @@ class _InProcessWS(WSClient):
         to_client: _Channel[aiohttp.WSMessage] = _Channel()
         server_end = _ServerSocket(to_server, to_client, server.tap)
         client_end = _ClientSocket(to_client, to_server, server.tap, _charges(server.live_costs))
+        if server.config.idle_timeout_s or server.config.websocket.ping_interval_s is not None:
+
+            def cut() -> None:
+                server_end.cut()
+                client_end.cut()
+
+            server_end.line = client_end.line = _Line(server, self.mode, cut)
         session = WebSocketSession(server.engine, server.config, server_end, terms=terms)
 
         async def serve() -> None:
@@ -291,6 +462,16 @@ class _InProcessWS(WSClient):
 
         client_end.session_task = asyncio.get_running_loop().create_task(serve())
         return client_end
+
+
+async def _read(get: Awaitable[bytes | None], line: _Stream | None) -> bytes | None:
+    """An Agents API stream's next chunk through its line: a chunk is a frame."""
+    if line is None:
+        return await get
+    chunk = await line.next(get)
+    if chunk is not None:
+        line.frame()
+    return chunk
 
 
 class _InProcessAgents(AgentsClient):
@@ -320,12 +501,15 @@ class _InProcessAgents(AgentsClient):
             raise _reply_error(JSONReply.error(err)) from None
         if isinstance(reply, JSONReply):
             raise _reply_error(reply)
+        line = _Stream.of(self.server, "agents")
         try:
-            while (chunk := await reply.feed.get()) is not None:
+            while (chunk := await _read(reply.feed.get(), line)) is not None:
                 if tap is not None:
                     tap("down", chunk)
                 yield chunk
         finally:
+            if line is not None:
+                line.close()
             reply.runner.unsubscribe(reply.feed)
 
     async def _subscribe(self, session_id: str) -> AsyncIterator[bytes]:
@@ -333,12 +517,15 @@ class _InProcessAgents(AgentsClient):
         reply = await self.server.agents.stream_events(session_id)  # subscribed now
 
         async def chunks() -> AsyncIterator[bytes]:
+            line = _Stream.of(self.server, "agents")
             try:
-                while (chunk := await reply.feed.get()) is not None:
+                while (chunk := await _read(reply.feed.get(), line)) is not None:
                     if self.server.tap is not None:
                         self.server.tap("down", chunk)
                     yield chunk
             finally:
+                if line is not None:
+                    line.close()
                 reply.runner.unsubscribe(reply.feed)
 
         return chunks()
@@ -393,9 +580,26 @@ class InProcessServer:
         self.tool_cache = tool_cache
         self.tap = tap
         self.live_costs = live_costs if charge_cpu else None
+        self.cuts: list[IdleCut] = []  # connections the intermediary cut (`config.idle_timeout_s`)
+        self.keepalives = 0  # pings and SSE comments the server sent
+        self._orphans: set[asyncio.Task[None]] = set()
+
+    def orphan(self, task: asyncio.Task[None]) -> None:
+        """A request's run whose client was cut off: it ends at its next write (its error dropped)."""
+        self._orphans.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._orphans.discard(t)
+            if not t.cancelled():
+                t.exception()
+
+        task.add_done_callback(done)
 
     async def close(self) -> None:
-        """What the live server does at shutdown: the service closed (`Service.close`)."""
+        """What the live server does at shutdown: the service closed (`Service.close`), once the
+        requests whose clients were cut off have ended (at their next write)."""
+        if self._orphans:
+            await asyncio.wait(set(self._orphans))
         await self.service.close()
 
     def client(self, mode: Mode, clock: Clock) -> ResponsesClient:
