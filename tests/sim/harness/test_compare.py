@@ -477,6 +477,9 @@ NOT_DEFAULT: dict[str, object] = {
     "max_subscriber_bytes": None,
     "context_window": 9_000,
     "max_output_tokens": None,
+    "idle_timeout_s": 90.0,
+    "sse_keepalive_s": 10.0,
+    "ping_interval_s": 15.0,
 }
 
 
