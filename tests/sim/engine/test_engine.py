@@ -204,6 +204,7 @@ def test_the_default_workload_runs_on_slots_sized_to_it(capsys: pytest.CaptureFi
     no size given: its slots are sized to the planned largest context before it starts, and it runs."""
     argv = ["compare", "--engine", "llamacpp", "--rollouts", "1", "--tool-calls", "1", "--modes", "http,append"]
     argv += ["--engine-threads", "2", "--profile", "local", "--tool-time-s", "0.05", "--quiet"]
+    argv += ["--engine-decode", "verified"]  # the sizing is the check; decoded as forced would, sooner
     assert main(argv) == 0
     out = capsys.readouterr().out
     plan = planned_prompts(CompareConfig.of(rollouts=1, tool_calls=1))
