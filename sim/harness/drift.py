@@ -23,7 +23,18 @@ then samples the whole run.
 
 Each spread is held against a bound (`DRIFT_BOUND`, 10 %); `Drift.within_bound` is False when any
 measured spread exceeds it, and the comparison prints a warning beside its table
-(docs/engine.md#drift). Pure functions of the turns: no I/O, no clock.
+(docs/engine.md#drift).
+
+`carry` then puts the drift into each time-saved interval against the base mode: a mode's engine
+time at the run's pooled rates instead of its own (decode, and prefill at its first turns' rate)
+differs by a number of seconds; the difference between that and the base's, over the base's total
+time, is the share of the saving the engine's speed could explain, and the paired interval widens
+by it on each side. Only where the designs do the same engine work at the same speed: with every
+rollout on a slot of its own (no contention), the same tokens decode and the same first prompts
+prefill in every mode, so a rate that differs by mode is the engine's, not the design's. Under
+contention a second stream slows decoding by design, and nothing is carried.
+
+Pure functions of the turns: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -37,7 +48,17 @@ import msgspec
 if TYPE_CHECKING:  # its module speaks to the engine: only the record's type is read here
     from sim.engine.model import EngineTurn
 
-__all__ = ["DRIFT_BOUND", "Drift", "ModeRates", "drift_report", "drift_text", "rotation", "round_size"]
+__all__ = [
+    "DRIFT_BOUND",
+    "Carried",
+    "Drift",
+    "ModeRates",
+    "carry",
+    "drift_report",
+    "drift_text",
+    "rotation",
+    "round_size",
+]
 
 DRIFT_BOUND: Final = 0.10  # a spread of the engine's rates beyond this is reported as drift
 
@@ -66,6 +87,17 @@ class ModeRates(msgspec.Struct, frozen=True, kw_only=True):
     turns: int
 
 
+class Carried(msgspec.Struct, frozen=True, kw_only=True):
+    """One mode's time saved against `base` with the engine's drift carried (module docstring)."""
+
+    mode: str
+    base: str
+    saved: float  # the paired saving, as the comparison measured it
+    ci_low: float  # its interval, widened by |bias| on each side
+    ci_high: float
+    bias: float  # (engine seconds the mode lost to its rates − the base's) / the base's total seconds
+
+
 class Drift(msgspec.Struct, frozen=True, kw_only=True):
     """The engine's speed across modes and across the run, against `bound` (module docstring)."""
 
@@ -76,6 +108,7 @@ class Drift(msgspec.Struct, frozen=True, kw_only=True):
     decode_over_run: float  # |last third's decode rate / first third's − 1|
     prefill_over_run: float
     within_bound: bool
+    carried: list[Carried] = []  # time saved with the drift carried (`carry`); empty under contention
 
 
 def _rate(tokens: Sequence[int], ms: Sequence[float]) -> float:
@@ -126,7 +159,49 @@ def drift_report(turns: Sequence[EngineTurn], modes: Sequence[str], *, bound: fl
         "prefill_over_run": _over_run(firsts, _prefill),
     }
     within = all(not (s > bound) for s in spreads.values())  # NaN (not measured) is no evidence of drift
-    return Drift(bound=bound, modes=per_mode, within_bound=within, **spreads)
+    return Drift(
+        bound=bound,
+        modes=per_mode,
+        within_bound=within,
+        decode_across_modes=spreads["decode_across_modes"],
+        prefill_across_modes=spreads["prefill_across_modes"],
+        decode_over_run=spreads["decode_over_run"],
+        prefill_over_run=spreads["prefill_over_run"],
+    )
+
+
+def _lost_s(turns: Sequence[EngineTurn], pooled_decode: float, pooled_prefill: float) -> float:
+    """Seconds these turns' engine time exceeds the same work at the pooled rates (negative: the
+    mode ran faster than the pool)."""
+    decode_s = sum(t.predicted_ms for t in turns if t.predicted_ms > 0) / 1000
+    prefill_s = sum(t.prompt_ms for t in turns if t.prompt_ms > 0) / 1000
+    lost = 0.0
+    if decode_s > 0 and math.isfinite(pooled_decode):
+        lost += decode_s * (1 - _decode(turns) / pooled_decode)
+    own_prefill = _prefill(turns)
+    if prefill_s > 0 and math.isfinite(pooled_prefill) and math.isfinite(own_prefill):
+        lost += prefill_s * (1 - own_prefill / pooled_prefill)
+    return lost
+
+
+def carry(
+    drift: Drift, turns: Sequence[EngineTurn], savings: Sequence[tuple[str, float, float, float]],
+    *, base: str, base_total_s: float,
+) -> Drift:  # fmt: skip
+    """`drift` with each (mode, saved, ci_low, ci_high) against `base` carried (module docstring);
+    `base_total_s` is the base mode's summed rollout time over the pairs. Call it only for a run
+    without contention."""
+    if base_total_s <= 0:
+        return drift
+    pooled_decode, pooled_prefill = _decode(turns), _prefill(turns)
+    lost = {m.mode: _lost_s([t for t in turns if t.tag == m.mode], pooled_decode, pooled_prefill) for m in drift.modes}
+    carried = []
+    for mode, saved, low, high in savings:
+        bias = (lost.get(mode, 0.0) - lost.get(base, 0.0)) / base_total_s
+        carried.append(
+            Carried(mode=mode, base=base, saved=saved, ci_low=low - abs(bias), ci_high=high + abs(bias), bias=bias)
+        )
+    return msgspec.structs.replace(drift, carried=carried)
 
 
 def _pct(x: float) -> str:
@@ -147,6 +222,11 @@ def drift_text(d: Drift) -> str:
         f"prefill {_pct(d.prefill_across_modes)} across modes, {_pct(d.prefill_over_run)} first to last third "
         f"(bound {100 * d.bound:g} %)"
     )
+    for c in d.carried:
+        lines.append(
+            f"  {c.mode} vs {c.base}: time saved {100 * c.saved:.1f} % ({100 * c.ci_low:.1f} to {100 * c.ci_high:.1f} "
+            f"with the drift carried: the engine's rates explain {100 * c.bias:+.2f} points)"
+        )
     if not d.within_bound:
         lines.append(
             f"  WARNING: the engine's speed moved more than {100 * d.bound:g} % during the run: differences between "

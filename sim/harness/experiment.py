@@ -59,7 +59,7 @@ from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineModel, EngineTurn
 from sim.harness.console import progress_bar
-from sim.harness.drift import Drift, drift_report, rotation, round_size
+from sim.harness.drift import Drift, carry, drift_report, rotation, round_size
 from sim.harness.specs import first_rollouts, interjected, more_rollouts
 from sim.model.accelerator import SimulatedModel
 from sim.model.config import HOSTED_MODEL, ModelConfig, build_model
@@ -415,13 +415,23 @@ async def run_compare(
         outcomes.sort(key=lambda r: config.modes.index(r.mode))
     summary = summarize(scheduler.results, scheduler.kv_idle, seed=config.seed)
     engine_turns = list(world.real_engine.turns) if world.real_engine is not None else []
-    drift = drift_report(engine_turns, config.modes) if world.real_engine is not None else None
+    pairs = pair_summaries(scheduler.results, seed=config.seed)
+    drift = None
+    if world.real_engine is not None:
+        drift = drift_report(engine_turns, config.modes)
+        if round_size(config.concurrency, config.lanes) <= config.engine.engine_slots:  # no contention
+            base = config.modes[0]
+            drift = carry(
+                drift, engine_turns,
+                [(p.other, p.saved, p.saved_ci_low, p.saved_ci_high) for p in pairs if p.base == base],
+                base=base, base_total_s=sum(r.completion_s for r in scheduler.results if r.mode == base),
+            )  # fmt: skip
     return CompareResult(
         config,
         virtual,
         scheduler.results,
         summary,
-        pair_summaries(scheduler.results, seed=config.seed),
+        pairs,
         stopped,
         engine_turns,
         scheduler.failed,

@@ -13,7 +13,7 @@ import pytest
 
 from sim.__main__ import main
 from sim.engine.model import EngineTurn
-from sim.harness.drift import DRIFT_BOUND, drift_report, drift_text, rotation, round_size
+from sim.harness.drift import DRIFT_BOUND, carry, drift_report, drift_text, rotation, round_size
 from sim.harness.experiment import CompareConfig, compare
 from tests.fake_engine import fake_engine
 
@@ -100,6 +100,27 @@ def test_no_engine_time_is_no_evidence_either_way() -> None:
     assert "n/a" in drift_text(d)
 
 
+def test_the_drift_is_carried_into_the_saving_by_what_the_rates_explain() -> None:
+    """`ws` decoded at 4/5 of the others' rate: its extra engine seconds over the base's total
+    time widen its interval on both sides; `append`, at the pooled rate, gains almost nothing."""
+    turns = _turns(0.0)
+    for i, t in enumerate(turns):
+        if t.tag == "ws":
+            turns[i] = dataclasses.replace(t, predicted_ms=1.25 * t.predicted_ms)
+    d = drift_report(turns, MODES)
+    carried = carry(d, turns, [("ws", 0.05, 0.03, 0.07), ("append", 0.05, 0.03, 0.07)], base="http", base_total_s=200.0)
+    ws, append = carried.carried
+    decode_s = {m: sum(t.predicted_ms for t in turns if t.tag == m) / 1000 for m in MODES}
+    pooled = sum(t.predicted_n for t in turns) / sum(decode_s.values())
+    lost = {m: decode_s[m] - sum(t.predicted_n for t in turns if t.tag == m) / pooled for m in MODES}
+    assert ws.bias == pytest.approx((lost["ws"] - lost["http"]) / 200.0)
+    assert ws.bias > 0.01  # the slow engine made ws look slower: its saving is understated
+    assert (ws.ci_low, ws.ci_high) == pytest.approx((0.03 - ws.bias, 0.07 + ws.bias))
+    assert abs(append.bias) < ws.bias / 4 and append.saved == 0.05
+    assert "with the drift carried" in drift_text(carried)
+    assert carry(d, turns, [("ws", 0.05, 0.03, 0.07)], base="http", base_total_s=0.0).carried == []
+
+
 ENGINE_RUN = CompareConfig.of(
     engine_kind="llamacpp",
     engine_ctx_per_slot=4096,
@@ -127,6 +148,9 @@ def test_an_engine_comparison_interleaves_the_modes_and_reports_the_engines_spee
     assert result.drift is not None and result.drift.within_bound
     assert all(r.decode_tok_s == pytest.approx(25.0) for r in result.drift.modes)
     assert all(r.prefill_tok_s == pytest.approx(250.0) for r in result.drift.modes)
+    # One rollout a slot: the rates are carried into the savings, and at one speed they explain nothing.
+    assert [(c.mode, c.base) for c in result.drift.carried] == [("ws", "http"), ("append", "http")]
+    assert all(c.bias == pytest.approx(0.0, abs=1e-9) for c in result.drift.carried)
 
 
 def test_the_drift_is_beside_the_table_and_in_the_run_folder(
