@@ -91,7 +91,7 @@ class Contention:
     cost: StepCost | None  # the step costs from the fit (None: no usable fit)
     rules: SlotRules
     arrival: str  # where the arrival order came from
-    what_ifs: list[str]  # named departures from the engine kind's model and the config's order
+    notes: list[str]  # named what-ifs (departures from the engine kind's slots and the config's order), failed rollouts
     scores: list[Score]
     train_rollouts: list[str]
     test_rollouts: list[str]
@@ -210,10 +210,10 @@ def contention_records(
     rollouts = sorted({r.rollout for r in records if r.mode in modes}, key=int)
     if len(rollouts) < 3:
         raise ValueError("the contention check needs at least 3 rollouts: 2 or more to fit on, 1 held out")
-    arrival, what_ifs = _orders(config, len(rollouts), measured_order=measured_order)
+    arrival, notes = _orders(config, len(rollouts), measured_order=measured_order)
     rules = SlotRules.of(config.engine, other=other_slots)
     if other_slots:
-        what_ifs.append(f"what-if: the other engine kind's slots, {rules.text()}")
+        notes.append(f"what-if: the other engine kind's slots, {rules.text()}")
     train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
     c = fit(training, holdout=0.5 if len(train) < 4 else 0.3, seed=seed)
@@ -224,17 +224,20 @@ def contention_records(
     except ValueError as exc:
         blocking, cost = [str(exc)], None
     if cost is None:
-        return Contention(c, None, rules, arrival, what_ifs, [], train, test, problems=blocking)
+        return Contention(c, None, rules, arrival, notes, [], train, test, problems=blocking)
     by_mode = {m: _mode_rollouts(m, records, engine_turns) for m in modes}
+    for m in modes:  # a failed rollout has no records: predicted without it, and said so
+        gone = [r for r in rollouts if r not in by_mode[m].names]
+        if gone:
+            notes.append(f"{m}: rollouts {', '.join(gone)} failed; predicted without their load on the engine")
     # The system prompt's KV (less the engine's BOS) as the engine reused it on a first turn: a
     # count of the workload, the same in every order.
     shared = max((t.cache_n - 1 for t in engine_turns if t.turn_index == 0), default=0)
 
-    def predicted(mode: str, order: Sequence[int]) -> list[list[TurnPrediction]]:
+    def predicted(mode: str, position: dict[str, int]) -> list[list[TurnPrediction]]:
         m = by_mode[mode]
-        starts = [0.0] * len(m.names)
-        for position, i in enumerate(order):
-            starts[i] = position * (config.stagger_s if config.stagger_s > 0 else TIE_S)
+        spacing = config.stagger_s if config.stagger_s > 0 else TIE_S
+        starts = [position[name] * spacing for name in m.names]
         return predict_turns(
             mode, slots, m.prompts, m.outputs, m.tools, engine=cost, starts_s=starts,
             held_slot=rules.held_slot, slot_cache=rules.slot_cache, shared_tokens=shared,
@@ -243,22 +246,27 @@ def contention_records(
 
     sets = [(f"held-out rollouts ({', '.join(train_modes)})", train_modes)]
     sets += [(f"held-out design ({d}, held-out rollouts)", [d]) for d in modes if d in HELD_OUT_DESIGNS]
-    n = len(rollouts)
-    if config.stagger_s > 0:
-        orders: list[dict[str, Sequence[int]]] = [dict.fromkeys(modes, range(n))]
+    # Each order: per mode, each rollout's position among those started together.
+    if config.stagger_s > 0:  # the config's: a rollout's index (one group: every rollout in flight)
+        orders = [{m: {name: int(name) for name in by_mode[m].names} for m in modes}]
     elif measured_order:  # each mode's rollouts in the order their first turns got a slot
-        orders = [{m: sorted(range(n), key=by_mode[m].first_wait.__getitem__) for m in modes}]
+        orders = [{m: _ranks(by_mode[m].names, by_mode[m].first_wait) for m in modes}]
     else:
-        orders = [dict.fromkeys(modes, order) for order in itertools.permutations(range(n))]
+        orders = [dict.fromkeys(modes, {name: p for p, name in enumerate(o)}) for o in itertools.permutations(rollouts)]
     per_order: list[list[Score]] = []
     one = len(orders) == 1  # one order: each median with its interval; many: their range instead
     for order in orders:
         runs = {m: predicted(m, order[m]) for m in modes}
         per_order.append([_set_score(name, members, by_mode, runs, test, seed, one) for name, members in sets])
     if len(per_order) == 1:
-        return Contention(c, cost, rules, arrival, what_ifs, per_order[0], train, test)
+        return Contention(c, cost, rules, arrival, notes, per_order[0], train, test)
     scores, ranges = _over_orders(per_order)
-    return Contention(c, cost, rules, arrival, what_ifs, scores, train, test, orders=len(orders), ranges=ranges)
+    return Contention(c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges)
+
+
+def _ranks(names: Sequence[str], waits: Sequence[float]) -> dict[str, int]:
+    ranked = sorted(range(len(names)), key=waits.__getitem__)
+    return {names[i]: rank for rank, i in enumerate(ranked)}
 
 
 def _set_score(
@@ -328,7 +336,7 @@ def contention_text(v: Contention) -> str:
     lines.append(f"fitted model (the fleet model's step costs): {model}")
     lines.append(f"slots: {v.rules.text()}")
     lines.append(f"arrival order: {v.arrival}")
-    lines.extend(v.what_ifs)
+    lines.extend(v.notes)
     for s in v.scores:
         lines.append(f"contention, {s.name}, {s.turns} turns of {s.rollouts} rollouts:")
         if s.name in v.ranges:

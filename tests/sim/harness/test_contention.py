@@ -115,6 +115,10 @@ def test_the_prediction_reads_no_measured_order(measured: list[TurnRecord]) -> N
     assert "what-if: the order the rollouts reached the engine" in contention_text(what_if[0])
     with pytest.raises(ValueError, match="no measured order"):
         contention_records(as_engine, measured, _engine_turns(measured, {}), measured_order=True)
+    # A rollout that failed mid-run has no records: the others are predicted, and the text says so.
+    survived = [r for r in measured if (r.mode, r.rollout) != ("ws", "1")]
+    partial = contention_records(as_engine, survived, _engine_turns(survived, {}), seed=0)
+    assert not partial.problems and "ws: rollouts 1 failed" in contention_text(partial)
 
 
 def test_the_slots_follow_the_engine_kind() -> None:
@@ -198,3 +202,26 @@ def test_the_contention_defaults_are_the_fast_regime() -> None:
 
     assert d.stagger_s > 0 and d.concurrency >= d.rollouts >= 3 and d.engine.engine_decode == "verified"
     assert {"http", "ws", "append"} <= set(d.modes) and d.rollouts > d.engine.engine_slots
+
+
+@pytest.mark.slow  # live: ~30 s of a stand-in engine's paced turns
+def test_the_complete_command_runs_and_its_folder_scores_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`validate --contention --stagger-s S --out DIR` against a stand-in llama.cpp: the run, the
+    fit, the prediction in the config's order; its folder scored again (`--from`) gives the same
+    scores, the order being the config's."""
+    from tests.fake_engine import fake_engine
+
+    out = tmp_path / "run"
+    with fake_engine() as engine:
+        argv = ["validate", "--contention", "--quiet", "--engine-url", engine.url, "--stagger-s", "0.1"]
+        argv += ["--rollouts", "4", "--concurrency", "4", "--tool-calls", "2", "--tool-time-s", "0.05"]
+        argv += ["--system-prompt-tokens", "300", "--tool-output-tokens", "60", "--out", str(out)]
+        assert main(argv) in (0, 1)  # 1: a fit with problems, said in the output
+    live = capsys.readouterr().out
+    scores = live[live.index("fit on rollouts") :]
+    assert "arrival order: the config's: rollout i starts i × 0.1 s after the first" in scores
+    assert "held-out rollouts (http, ws)" in scores and "held-out design (append, held-out rollouts)" in scores
+    assert main(["validate", "--contention", "--from", str(out)]) in (0, 1)
+    assert capsys.readouterr().out.strip() == scores.strip()
