@@ -30,7 +30,6 @@ from sim.analysis.records import read_records
 from sim.analysis.stats import Estimate
 from sim.engine.model import EngineTurn
 from sim.engine.process import EngineNotInstalled
-from sim.engine.rates import measure, rates_text
 from sim.fleet.config import READ_LEAVES
 from sim.harness.cap import cap_main, cap_options
 from sim.harness.capacity import (
@@ -55,6 +54,7 @@ from sim.harness.console import (
     table,
     terminal_table,
 )
+from sim.harness.contention import contention, contention_records, contention_text
 from sim.harness.drift import drift_text
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
@@ -66,15 +66,7 @@ from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
 from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
-from sim.harness.validate import (
-    contention,
-    contention_records,
-    engine_step_cost,
-    scores_text,
-    validate,
-    validate_records,
-    validation_text,
-)
+from sim.harness.validate import validate, validate_records, validation_text
 from sim.measure.driver import measure_main, measure_options
 from sim.record.proxy import record_main, record_options
 from sim.rollout.result import ALL_MODES, MODES
@@ -231,8 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument(
         "--contention",
         action="store_true",
-        help="instead: more rollouts in flight than slots (ws, append), the engine's rates measured alone, the "
-        "fleet model's per-turn prediction of the same run against it",
+        help="instead: more rollouts in flight than slots (http, ws, append; rollout i starts i × --stagger-s after "
+        "the first), a fit on some rollouts' http and ws turns, the fleet model's prediction of the held-out turns",
+    )
+    val.add_argument(
+        "--other-slots",
+        action="store_true",
+        help="--contention what-if: predict with the other engine kind's slots (llama.cpp's pinned slots for an "
+        "OpenAI-compatible engine, vLLM's paged KV for llama.cpp)",
+    )
+    val.add_argument(
+        "--measured-order",
+        action="store_true",
+        help="--contention --from a run without a stagger, what-if: the order its rollouts reached the engine, "
+        "read from the measurement (default: every order scored)",
     )
     val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
@@ -501,16 +505,19 @@ def compare_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# `python -m sim validate --contention`: four rollouts in flight on the engine's two slots; the
-# engine's host-RAM prompt cache on, so a create turn's prefix follows it to any slot (the fleet
-# model's assumption about a prefix cache).
+# `python -m sim validate --contention`: eight rollouts of each mode in flight on the engine's two
+# slots, started half a second apart in index order (the arrival order, an input of the
+# prediction), decoded verified (the fast regime: the engine's time per turn near the API's); the
+# engine's host-RAM prompt cache on.
 CONTENTION_DEFAULTS: Final = CompareConfig.of(
     engine_kind="llamacpp",
     engine_cache_ram_mib=-1,
-    modes=("ws", "append"),
+    engine_decode="verified",
+    modes=("http", "ws", "append"),
     profile="local",
-    rollouts=4,
-    concurrency=4,
+    rollouts=8,  # the fit's 4 training rollouts: 3 give its coefficients, 1 its own hold-out
+    concurrency=8,
+    stagger_s=0.5,
     tool_calls=3,
     system_prompt_tokens=600,
     tool_output_tokens=120,
@@ -547,7 +554,8 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
 
 
 def contention_main(args: argparse.Namespace) -> int:
-    if args.source:  # a saved run: its records, the engine's turns and the rates measured before it
+    options = {"train_share": args.train_share, "other_slots": args.other_slots}
+    if args.source:  # a saved run: its config, records and the engine's turns
         folder = Path(args.source)
         try:
             saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
@@ -555,25 +563,39 @@ def contention_main(args: argparse.Namespace) -> int:
                 msgspec.json.decode(line, type=EngineTurn)
                 for line in (folder / "engine.jsonl").read_bytes().splitlines()
             ]
-            rates = msgspec.json.decode((folder / "rates.json").read_bytes())
-            scores = contention_records(saved, read_records([folder]), turns, engine_step_cost(rates), seed=saved.seed)
+            v = contention_records(
+                saved, read_records([folder]), turns, seed=saved.seed, measured_order=args.measured_order, **options
+            )
         except (OSError, KeyError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-            raise SystemExit(f"python -m sim validate --contention: {exc}") from None
-        print(scores_text(scores))
-        return 0
+            raise SystemExit(f"python -m sim validate: {exc}") from None
+        print(contention_text(v))
+        return 1 if v.problems else 0
+    if args.measured_order:
+        raise SystemExit("python -m sim validate: --measured-order scores a saved run (--from) only")
+    given = {k: getattr(args, k, getattr(CONTENTION_DEFAULTS, k)) for k in ("stagger_s", "concurrency", "rollouts")}
+    if not given["stagger_s"] > 0:  # refused before the engine starts
+        raise SystemExit(
+            "python -m sim validate: a new contention run needs --stagger-s > 0 (the arrival order "
+            "is an input of the prediction, never read from the engine)"
+        )
+    if given["concurrency"] < given["rollouts"]:
+        raise SystemExit(
+            "python -m sim validate: every rollout of a mode must be in flight at once "
+            f"(--concurrency {given['concurrency']} < --rollouts {given['rollouts']})"
+        )
     config = _engine_config(args, CONTENTION_DEFAULTS)
     out = start_folder(args, "validate-contention")
-    rates = measure(config.engine, verify_ks=())  # the contention check reads forced decoding's rates
-    print(f"the engine alone: {rates_text(rates)}", flush=True)
     print(f"longrun validate --contention: {config.rollouts} rollouts in flight; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)
     _show(f"engine, n={config.rollouts} rollouts per mode, {config.concurrency} in flight:", measured)
     if out is not None:
-        folder = write_run(measured, out)
-        write_json(rates, folder / "rates.json")  # what the fleet model's step costs were built from
-        print(f"run folder: {folder}", file=sys.stderr)
-    print("\n" + scores_text(contention(measured, engine_step_cost(rates), seed=config.seed)))
-    return 0
+        print(f"run folder: {write_run(measured, out)}", file=sys.stderr)
+    try:
+        v = contention(measured, seed=config.seed, **options)
+    except ValueError as exc:
+        raise SystemExit(f"python -m sim validate: {exc}") from None
+    print("\n" + contention_text(v))
+    return 1 if v.problems else 0
 
 
 def validate_main(args: argparse.Namespace) -> int:

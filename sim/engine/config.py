@@ -19,6 +19,7 @@ from .slots import OnFull
 __all__ = [
     "DEFAULT_CTX_PER_SLOT",
     "DIALECT_BLOCK_TOKENS",
+    "DIALECT_PINNED_SLOTS",
     "DEFAULT_VERIFY_K",
     "ENGINE_KINDS",
     "EngineConfig",
@@ -34,6 +35,10 @@ DEFAULT_VERIFY_K: Final = 64  # measured: docs/engine.md#verified-decoding
 # Prefix reuse granularity by dialect: llama.cpp's slot reuses its KV to the token; vLLM caches
 # whole blocks (16 tokens unless --block-size says otherwise). "none": the simulator's own blocks.
 DIALECT_BLOCK_TOKENS: Final[dict[EngineKind, int]] = {"none": DEFAULT_BLOCK_TOKENS, "llamacpp": 1, "openai": 16}
+# Whether a slot is one sequence and its KV, by dialect: llama.cpp's slot is (a paused response
+# pins it; a create finds only what the slot it lands on last served); vLLM pages KV apart from
+# its running sequences (a paused response frees its seat; the prefix cache follows the prompt).
+DIALECT_PINNED_SLOTS: Final[dict[EngineKind, bool]] = {"none": False, "llamacpp": True, "openai": False}
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -130,6 +135,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         if self.engine_block_tokens is not None:
             return self.engine_block_tokens
         return DIALECT_BLOCK_TOKENS[self.engine_kind]
+
+    @property
+    def pinned_slots(self) -> bool:
+        """Whether the engine's slot is one sequence and its KV (`DIALECT_PINNED_SLOTS`)."""
+        return DIALECT_PINNED_SLOTS[self.engine_kind]
 
     def __post_init__(self) -> None:
         if self.engine_kind == "openai" and self.engine_url is None:

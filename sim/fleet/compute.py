@@ -35,12 +35,17 @@ Two parameter sets:
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Final
 
 import msgspec
 from msgspec import Meta
 
-__all__ = ["ENGINES", "StepCost"]
+from sim.model.config import ModelConfig
+
+__all__ = ["ENGINES", "LLAMACPP_BATCH_TOKENS", "StepCost", "model_step_cost"]
+
+LLAMACPP_BATCH_TOKENS: Final = 2048  # llama.cpp's `n_batch` default: the tokens one step takes
 
 
 class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -54,6 +59,9 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     decode_s_per_token: tuple[float, ...]
     decode_s_per_ctx_token: Annotated[float, Meta(ge=0)]
     token_budget: Annotated[int, Meta(ge=1)]
+    # A fixed time every turn's prefill pays once (a model's first-token latency, as the
+    # simulator's `model_latency_s`), spread over the turn's uncached tokens.
+    request_s: Annotated[float, Meta(ge=0)] = 0.0
 
     def __post_init__(self) -> None:
         b, d = self.decode_batch, self.decode_s_per_token
@@ -77,8 +85,9 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
     def prefill_s_per(self, cached: int, uncached: int) -> float:
         """Time per token of a prefill of `uncached` tokens after `cached` ones (attention at its
-        mean position)."""
-        return self.prefill_s_per_token + self.prefill_s_per_token_ctx * (cached + uncached / 2)
+        mean position), the turn's `request_s` spread over them."""
+        fixed = self.request_s / uncached if uncached > 0 else 0.0
+        return self.prefill_s_per_token + self.prefill_s_per_token_ctx * (cached + uncached / 2) + fixed
 
     def prefill_alone_s(self, cached: int, uncached: int) -> float:
         """A prefill alone on the replica, in budget-sized steps (its first token comes with it)."""
@@ -111,3 +120,32 @@ ENGINES: Final[dict[str, StepCost]] = {
         token_budget=2048,
     ),
 }
+
+
+def model_step_cost(
+    model: ModelConfig, *, slots: int, name: str, token_budget: int = LLAMACPP_BATCH_TOKENS
+) -> StepCost:
+    """The simulator's model rates as engine steps of up to `slots` sequences, for the same turns
+    to cost the same in both: a prefill alone costs `sim.model.accelerator.prefill_time_s` (the
+    latency once, the uncached tokens at the prefill rate, their attention term), and a stream
+    decodes at `tps` slowed by `concurrency_slowdown` for every other stream decoding beside it
+    (the simulator's rule: a step of D sequences takes (1 + slowdown × (D − 1)) / tps). A
+    calibration fit's rates (`sim.harness.predict.profile_settings` puts them in a
+    `ModelConfig`) become the fleet model's step costs here, and nowhere else."""
+    if not 0 < model.tps < math.inf:
+        raise ValueError("the model's decode rate (tps) must be finite and > 0 to price engine steps")
+    if slots < 1:
+        raise ValueError("slots: at least 1")
+    prefill = 1 / model.prefill_tok_per_s if 0 < model.prefill_tok_per_s < math.inf else 0.0
+    batch = tuple(range(1, slots + 1))
+    return StepCost(
+        name=name,
+        step_s=0.0,
+        prefill_s_per_token=prefill,
+        prefill_s_per_token_ctx=model.prefill_s_per_token_ctx,
+        decode_batch=batch,
+        decode_s_per_token=tuple((1 + model.concurrency_slowdown * (d - 1)) / (d * model.tps) for d in batch),
+        decode_s_per_ctx_token=0.0,
+        token_budget=token_budget,
+        request_s=model.model_latency_s,
+    )

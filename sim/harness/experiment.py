@@ -115,6 +115,14 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         str | None, Meta(description="replay a recorded trace (JSONL, see sim/rollout/replay.py) instead of a workload")
     ] = None
     concurrency: Annotated[int, Meta(ge=1, description="rollouts of a mode in flight at once")] = 1
+    stagger_s: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="rollout i of the rollouts a mode starts together starts i × this many seconds after the "
+            "first: the arrival order, an input (0 = all at once, in the order the gate lets them)",
+        ),
+    ] = 0.0
     lanes: Annotated[
         int,
         Meta(
@@ -583,7 +591,13 @@ class _Scheduler:
             world.real_engine.tag = mode
         idle_before = world.engine.statistics().kv_idle_token_s
         # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.
-        runs = (self._one(mode, batch, i, spec, size, done) for i, spec in indexed)  # type: ignore[arg-type]
+        # With a stagger, the p-th rollout of the group first waits until p × stagger_s after the
+        # group's start (the arrival order is the config's, not the event loop's).
+        first = self.clock.now()
+        runs = (
+            self._one(mode, batch, i, spec, size, done, start_at=first + p * self.config.stagger_s)  # type: ignore[arg-type]
+            for p, (i, spec) in enumerate(indexed)
+        )
         for outcome in await asyncio.gather(*runs):
             if isinstance(outcome, RolloutFailure):
                 self.failed.append(outcome)
@@ -607,11 +621,22 @@ class _Scheduler:
         return group[index % lanes]
 
     async def _one(
-        self, mode: Mode, batch: int, index: int, spec: RolloutSpec, size: int, done: Callable[[], object]
+        self,
+        mode: Mode,
+        batch: int,
+        index: int,
+        spec: RolloutSpec,
+        size: int,
+        done: Callable[[], object],
+        *,
+        start_at: float,
     ) -> RolloutResult | RolloutFailure:
-        """One rollout; one that ends in an error (the server's, the transport's, the engine's
-        behind the server) is a `RolloutFailure` with the error's line, and the others run on."""
+        """One rollout, started no earlier than `start_at` (the config's stagger); one that ends
+        in an error (the server's, the transport's, the engine's behind the server) is a
+        `RolloutFailure` with the error's line, and the others run on."""
         config, clock, tools = self.config, self.clock, self.world.tools
+        if start_at > clock.now():
+            await clock.sleep_until(start_at)
         async with self._gate:
             lifetime_s = self.world.server_config.websocket.lifetime_s
             client = session_client(self._client(mode, batch, index, size), clock, config.session, lifetime_s)

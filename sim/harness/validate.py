@@ -29,26 +29,21 @@ from msgspec import structs
 from sim.analysis.calibrate import Calibration, fit
 from sim.analysis.records import TurnRecord, records_from_rollouts
 from sim.analysis.stats import Estimate, paired_saving
-from sim.engine.model import EngineTurn
-from sim.fleet.compute import StepCost
-from sim.fleet.predict import predict_turns
-from sim.fleet.sessions import STEP_TEMPLATE_TOKENS
 from sim.harness.experiment import CompareConfig, CompareResult, compare
 from sim.harness.predict import profile_settings
 
 __all__ = [
-    "CONTENTION_MODES",
     "HELD_OUT_DESIGN",
     "TRAIN_MODES",
     "Score",
     "Validation",
+    "error_tail",
+    "score_pairs",
+    "score_lines",
+    "split_rollouts",
     "as_capture",
-    "contention",
-    "contention_records",
-    "engine_step_cost",
     "predicted_config",
     "validate",
-    "scores_text",
     "validate_records",
     "validation_text",
 ]
@@ -57,7 +52,6 @@ TRAIN_MODES: Final = ("http", "ws")
 HELD_OUT_DESIGN: Final = "append"
 BASE: Final = "http"
 RESAMPLES: Final = 2000
-TIE_S: Final = 1e-3  # apart, rollouts started together reach the engine in its measured order
 POOR_FIT: Final = "the fit is poor"  # sim.analysis.calibrate's wording for a held-out error above its bound
 
 
@@ -71,6 +65,11 @@ class Score:
     ttft_bias: float  # median predicted / measured − 1 (sign: the simulator is slow or fast)
     turns: int
     rollouts: int
+    # The tail the medians hide: p90 and max of the same per-turn errors (NaN: no turn).
+    ttft_p90: float = math.nan
+    ttft_max: float = math.nan
+    turn_p90: float = math.nan
+    turn_max: float = math.nan
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +103,11 @@ def _key(r: TurnRecord) -> tuple[str, str, int]:
     return (r.mode, r.rollout, r.turn)
 
 
-def _median_error(pairs: list[tuple[str, float, float]], *, seed: int) -> tuple[Estimate, float]:
-    """Median |p/m − 1| over (rollout, predicted, measured) pairs, bootstrap over rollouts; and
-    the median signed error."""
+def _median_error(
+    pairs: list[tuple[str, float, float]], *, seed: int, resamples: int = RESAMPLES
+) -> tuple[Estimate, float]:
+    """Median |p/m − 1| over (rollout, predicted, measured) pairs, bootstrap over rollouts
+    (`resamples`; 0: no interval); and the median signed error."""
     if not pairs:
         return Estimate(math.nan, math.nan, math.nan, 0), math.nan
     rollouts = sorted({r for r, _, _ in pairs})
@@ -114,15 +115,41 @@ def _median_error(pairs: list[tuple[str, float, float]], *, seed: int) -> tuple[
     every = np.concatenate(list(by.values()))
     value = float(np.median(every))
     signed = float(np.median([p / m - 1 for _, p, m in pairs]))
-    if len(rollouts) < 2:
+    if len(rollouts) < 2 or resamples == 0:
         return Estimate(value, math.nan, math.nan, len(every)), signed
     rng = np.random.default_rng(np.random.SeedSequence([seed, len(every), 0xE11]))
     medians = [
         float(np.median(np.concatenate([by[rollouts[i]] for i in rng.integers(0, len(rollouts), len(rollouts))])))
-        for _ in range(RESAMPLES)
+        for _ in range(resamples)
     ]
     low, high = np.quantile(medians, [0.025, 0.975])
     return Estimate(value, float(low), float(high), len(every)), signed
+
+
+def error_tail(pairs: Sequence[tuple[str, float, float]]) -> tuple[float, float]:
+    """p90 (linear between order statistics) and max of |p/m − 1| over (rollout, predicted,
+    measured) pairs; NaN for none."""
+    if not pairs:
+        return math.nan, math.nan
+    errors = np.array([abs(p / m - 1) for _, p, m in pairs])
+    return float(np.quantile(errors, 0.9)), float(errors.max())
+
+
+def score_pairs(
+    name: str,
+    ttft: Sequence[tuple[str, float, float]],
+    turn: Sequence[tuple[str, float, float]],
+    *,
+    rollouts: int,
+    seed: int,
+    interval: bool = True,
+) -> Score:
+    """A `Score` of per-turn (rollout, predicted, measured) TTFT and turn-time pairs; without
+    `interval`, the medians' bootstrap is skipped."""
+    resamples = RESAMPLES if interval else 0
+    ttft_err, bias = _median_error(list(ttft), seed=seed, resamples=resamples)
+    turn_err, _ = _median_error(list(turn), seed=seed, resamples=resamples)
+    return Score(name, ttft_err, turn_err, bias, len(turn), rollouts, *error_tail(ttft), *error_tail(turn))
 
 
 def _score(
@@ -135,9 +162,7 @@ def _score(
         if k in predicted and measured[k].ttft_s and predicted[k].ttft_s
     ]
     turn = [(k[1], predicted[k].e2e_s, measured[k].e2e_s) for k in keys if k in predicted and measured[k].e2e_s > 0]
-    ttft_err, bias = _median_error(ttft, seed=seed)  # type: ignore[arg-type]
-    turn_err, _ = _median_error(turn, seed=seed)
-    return Score(name, ttft_err, turn_err, bias, len(turn), len({k[1] for k in keys}))
+    return score_pairs(name, ttft, turn, rollouts=len({k[1] for k in keys}), seed=seed)  # type: ignore[arg-type]
 
 
 def _rollout_times(records: Sequence[TurnRecord]) -> dict[tuple[str, str], float]:
@@ -146,6 +171,14 @@ def _rollout_times(records: Sequence[TurnRecord]) -> dict[tuple[str, str], float
     for r in records:
         out[(r.mode, r.rollout)] = out.get((r.mode, r.rollout), 0.0) + r.e2e_s + (r.tool_s or 0.0)
     return out
+
+
+def split_rollouts(rollouts: Sequence[str], train_share: float, *, seed: int) -> tuple[list[str], list[str]]:
+    """The rollouts a fit sees (at least 2, at least 1 left) and the held-out rest, seeded."""
+    n_train = max(2, min(len(rollouts) - 1, round(train_share * len(rollouts))))
+    rng = np.random.default_rng(np.random.SeedSequence([seed, len(rollouts), 0xF17]))
+    train = sorted(rng.choice(list(rollouts), size=n_train, replace=False).tolist(), key=int)
+    return train, [r for r in rollouts if r not in train]
 
 
 def as_capture(r: TurnRecord) -> TurnRecord:
@@ -184,10 +217,7 @@ def validate_records(
         raise ValueError(
             "validate needs at least 3 rollouts: 2 or more to fit on (one held out inside the fit), 1 held out"
         )
-    n_train = max(2, min(len(rollouts) - 1, round(train_share * len(rollouts))))
-    rng = np.random.default_rng(np.random.SeedSequence([seed, len(rollouts), 0xF17]))
-    train = sorted(rng.choice(rollouts, size=n_train, replace=False).tolist(), key=int)
-    test = [r for r in rollouts if r not in train]
+    train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in measured_records if r.rollout in train and r.mode in TRAIN_MODES]
     if capture:
         training = [as_capture(r) for r in training]
@@ -221,10 +251,20 @@ def validate_records(
     return Validation(c, config, scores, measured_saved, predicted_saved, train, test)
 
 
-def _pct(e: Estimate) -> str:
+def _pct(e: Estimate, p90: float = math.nan, top: float = math.nan) -> str:
+    tail = "" if math.isnan(p90) else f"; p90 {100 * p90:.1f} %, max {100 * top:.1f} %"
     if math.isnan(e.ci_low):
-        return f"{100 * e.value:.1f} % (n={e.n}: no interval)"
-    return f"{100 * e.value:.1f} % (95 % CI {100 * e.ci_low:.1f}–{100 * e.ci_high:.1f}, n={e.n} turns)"
+        return f"{100 * e.value:.1f} % (n={e.n}: no interval){tail}"
+    return f"{100 * e.value:.1f} % (95 % CI {100 * e.ci_low:.1f}–{100 * e.ci_high:.1f}, n={e.n} turns){tail}"
+
+
+def score_lines(s: Score) -> list[str]:
+    """A score's two error lines: median with its interval, signed median, p90 and max."""
+    return [
+        f"  per-turn TTFT error (median |pred/meas − 1|): {_pct(s.ttft, s.ttft_p90, s.ttft_max)}; "
+        f"median signed {100 * s.ttft_bias:+.1f} %",
+        f"  per-turn turn-time error: {_pct(s.turn, s.turn_p90, s.turn_max)}",
+    ]
 
 
 def validation_text(v: Validation) -> str:
@@ -237,11 +277,8 @@ def validation_text(v: Validation) -> str:
     model = ", ".join(f"{k} {p.value:.4g}" for k, p in v.calibration.model.items())
     lines.append(f"fitted model: {model}")
     for s in v.scores:
-        lines.append(f"{s.name}, {s.rollouts} rollouts:")
-        lines.append(
-            f"  per-turn TTFT error (median |pred/meas − 1|): {_pct(s.ttft)}; median signed {100 * s.ttft_bias:+.1f} %"
-        )
-        lines.append(f"  per-turn turn-time error: {_pct(s.turn)}")
+        lines.append(f"{s.name}, {s.turns} turns of {s.rollouts} rollouts:")
+        lines.extend(score_lines(s))
     lines.append("time saved against http, every rollout (engine measured, paired 95 % CI → simulator predicted):")
     for mode, e in v.measured_saved.items():
         p = v.predicted_saved.get(mode, math.nan)
@@ -250,139 +287,4 @@ def validation_text(v: Validation) -> str:
             f"  {mode}: {100 * e.value:.1f} % ({100 * e.ci_low:.1f}–{100 * e.ci_high:.1f}, n={e.n}) → "
             f"{100 * p:.1f} %{'' if inside else '  (outside the measured interval)'}"
         )
-    return "\n".join(lines)
-
-
-# -- contention: the fleet model against the engine ------------------------------------------------
-
-CONTENTION_MODES: Final = ("ws", "append")
-
-
-def engine_step_cost(rates: dict[str, float]) -> StepCost:
-    """The fleet model's step costs for an engine from its measured rates
-    (`sim.engine.rates.measure`, the engine driven directly): prefill seconds per token and its
-    attention term from the cold prefills of 500 and 2,000 tokens (a cold prefill of L tokens
-    costs a + k × L / 2 a token: two points, two unknowns), forced decode seconds per token alone,
-    and a second stream's slowdown (the free decode's aggregate at 1 stream over 2, applied to the
-    forced rate)."""
-    short, long = 1 / rates["prefill_cold_tok_s_at_500"], 1 / rates["prefill_cold_tok_s_at_2000"]
-    ctx = max(0.0, (long - short) / ((2000 - 500) / 2))
-    decode = 1 / rates["decode_forced_tok_s"]
-    slowdown = rates["decode_aggregate_tok_s_1_streams"] / rates["decode_aggregate_tok_s_2_streams"]
-    return StepCost(
-        name="measured-engine",
-        step_s=0.0,
-        prefill_s_per_token=short - ctx * 500 / 2,
-        prefill_s_per_token_ctx=ctx,
-        decode_batch=(1, 2),
-        decode_s_per_token=(decode, decode * slowdown),
-        decode_s_per_ctx_token=0.0,
-        token_budget=2048,
-    )
-
-
-def contention(result: CompareResult, cost: StepCost, *, seed: int = 0) -> list[Score]:
-    """The fleet model's prediction (`sim.fleet.predict.predict_turns`) of a contention run on
-    the engine (more rollouts in flight than slots), turn by turn against the measurement: the
-    same rollouts' prompts, the engine's decoded tokens per turn, the client's tool times and
-    start times. One score per mode and cache variant."""
-    records = records_from_rollouts(result.rollouts, source="longrun-live")
-    first = min((r.started_at for r in result.rollouts), default=0.0)
-    starts: dict[tuple[str, str], float] = {(str(r.mode), str(r.index)): r.started_at - first for r in result.rollouts}
-    return contention_records(result.config, records, result.engine_turns, cost, starts=starts, seed=seed)
-
-
-def contention_records(
-    config: CompareConfig,
-    records: Sequence[TurnRecord],
-    engine_turns: Sequence[EngineTurn],
-    cost: StepCost,
-    *,
-    starts: dict[tuple[str, str], float] | None = None,
-    seed: int = 0,
-) -> list[Score]:
-    """`contention` on a run's records and engine turns (a saved run folder's records.jsonl and
-    engine.jsonl). Without `starts` every rollout starts at once, which a run with as many in
-    flight as rollouts does (its start times are not in the records: refused otherwise)."""
-    if starts is None and config.concurrency < config.rollouts:
-        raise ValueError("a saved contention run must have every rollout in flight at once (--concurrency)")
-    slots = config.engine.engine_slots
-    by_conversation: dict[tuple[str, int], list[EngineTurn]] = {}
-    for t in engine_turns:
-        by_conversation.setdefault((t.tag, t.conversation_key), []).append(t)
-    # The system prompt's KV (less the engine's BOS) as the engine reused it on a first turn.
-    shared = max((t.cache_n - 1 for v in by_conversation.values() for t in v if t.turn_index == 0), default=0)
-    scores = []
-    for mode in [m for m in config.modes if m in CONTENTION_MODES]:
-        engine_of = {tuple(x.prompt_tokens for x in sorted(v, key=lambda x: x.turn_index)): v
-                     for (tag, _), v in by_conversation.items() if tag == mode}  # fmt: skip
-        rollouts: dict[str, list[TurnRecord]] = {}
-        for r in records:
-            if r.mode == mode:
-                rollouts.setdefault(r.rollout, []).append(r)
-        prompts, outputs, tools, start_s, measured = [], [], [], [], []
-        first_wait: list[float] = []
-        for name in sorted(rollouts, key=int):
-            turns = sorted(rollouts[name], key=lambda r: r.turn)
-            engine = engine_of.get(tuple(t.prompt_tokens or 0 for t in turns))
-            if engine is None or len(engine) != len(turns):
-                raise ValueError(f"{mode} rollout {name}: its engine turns cannot be matched")
-            out = [t.predicted_n for t in sorted(engine, key=lambda x: x.turn_index)]
-            grown = [turns[0].prompt_tokens or 0]
-            for k in range(1, len(turns)):  # the fleet's template is a floor on growth
-                grown.append(max(turns[k].prompt_tokens or 0, grown[-1] + out[k - 1] + STEP_TEMPLATE_TOKENS))
-            prompts.append(grown)
-            outputs.append(out)
-            tools.append([t.tool_s or 0.0 for t in turns[:-1]])
-            start_s.append(starts.get((mode, name), 0.0) if starts is not None else 0.0)
-            first_wait.append(min(engine, key=lambda x: x.turn_index).queued_s)
-            measured.append(turns)
-        # Rollouts started together reach the engine in an order the API's work decides (ms
-        # apart); the engine's own order at the first turn (who waited for a slot) breaks the tie,
-        # so the prediction serves the same rollouts first rather than a coin flip's.
-        rank = sorted(range(len(start_s)), key=lambda i: (round(start_s[i], 2), first_wait[i]))
-        for position, i in enumerate(rank):
-            start_s[i] += position * TIE_S
-        # The fleet's default frees a paused response's slot (vLLM); llama.cpp keeps it pinned. A
-        # create turn's prefix: following the conversation (a host-RAM cache), or only what the
-        # slot it lands on last served (`slot_cache`), the shared system prompt reusable from any.
-        variants = [(False, False), (True, True)] if mode == "append" else [(False, False), (False, True)]
-        for held_slot, slot_cache in variants:
-            predicted = predict_turns(
-                mode,
-                slots,
-                prompts,
-                outputs,
-                tools,
-                engine=cost,
-                starts_s=start_s,
-                held_slot=held_slot,
-                slot_cache=slot_cache,
-                shared_tokens=shared,
-                block_tokens=config.engine.prefix_block_tokens,
-            )
-            ttft, turn = [], []
-            for i, (p_turns, m_turns) in enumerate(zip(predicted, measured, strict=True)):
-                for p, m in zip(p_turns, m_turns, strict=True):
-                    if m.ttft_s:
-                        ttft.append((str(i), p.ttft_s, m.ttft_s))
-                    turn.append((str(i), p.turn_s, m.e2e_s))
-            ttft_err, bias = _median_error(ttft, seed=seed)
-            turn_err, _ = _median_error(turn, seed=seed)
-            slot = ", the paused response keeps its slot (held_slot)" if held_slot else ""
-            slot += ", each slot keeps only its last sequence's KV (slot_cache)" if slot_cache else ""
-            scores.append(
-                Score(f"contention, {mode}: {len(measured)} rollouts on {slots} slots{slot}", ttft_err, turn_err,
-                      bias, len(turn), len(measured))
-            )  # fmt: skip
-    return scores
-
-
-def scores_text(scores: Sequence[Score]) -> str:
-    lines = []
-    for s in scores:
-        lines.append(f"{s.name}:")
-        signed = f"{100 * s.ttft_bias:+.1f} %"
-        lines.append(f"  per-turn TTFT error (median |pred/meas − 1|): {_pct(s.ttft)}; median signed {signed}")
-        lines.append(f"  per-turn turn-time error: {_pct(s.turn)}")
     return "\n".join(lines)

@@ -643,3 +643,30 @@ def test_the_figures_say_what_the_run_was_and_draw_only_known_intervals() -> Non
     title = plot_title(engine, rows)
     rate = int(title.split("llamacpp engine, ")[1].split(" tok/s measured")[0])
     assert 45 <= rate <= 55 and "1000" not in title
+
+
+def _first_sent(clock: object, seen: dict[int, float], rollouts: int, direction: str, data: bytes) -> None:
+    """Note when each rollout's first request reached the server (its task names its index)."""
+    if direction != "up":
+        return
+    for i in range(rollouts):
+        if i not in seen and f"Task {i}:".encode() in data:
+            seen[i] = clock.now()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("mode", ["http", "ws", "append"])
+def test_a_stagger_starts_the_rollouts_in_the_stated_order(mode: str) -> None:
+    """`stagger_s`: rollout i reaches the server i × stagger_s after the first (virtual clock:
+    exactly), whatever the event loop would have picked; 0 keeps every rollout starting at once."""
+    from sim.harness.experiment import run_compare
+    from sim.runtime.virtual import VirtualClock, run_virtual
+
+    for stagger in (0.0, 0.25):
+        config = SMALL.updated(rollouts=4, concurrency=4, stagger_s=stagger, modes=(mode,), tool_calls=1)
+        clock, seen = VirtualClock(), {}  # type: ignore[var-annotated]
+        tap = functools.partial(_first_sent, clock, seen, 4)
+        result = run_virtual(run_compare(config, clock, virtual=True, tap=tap), charge_cpu=False)
+        assert sorted(seen) == [0, 1, 2, 3]
+        assert [seen[i] - seen[0] for i in range(4)] == pytest.approx([i * stagger for i in range(4)], abs=1e-9)
+        starts = {r.index: r.started_at for r in result.rollouts}
+        assert [starts[i] - starts[0] for i in range(4)] == pytest.approx([i * stagger for i in range(4)], abs=1e-9)

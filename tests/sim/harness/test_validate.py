@@ -3,27 +3,23 @@ a virtual run standing in for the engine's measurement, so the simulator must pr
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 
-from sim.__main__ import main
-from sim.analysis.records import read_records, records_from_rollouts
-from sim.engine.model import EngineTurn
-from sim.harness.experiment import CompareConfig, compare, config_of
+from sim.analysis.records import records_from_rollouts
+from sim.harness.experiment import CompareConfig, compare
 from sim.harness.validate import (
+    Score,
     as_capture,
-    contention_records,
-    engine_step_cost,
+    error_tail,
     predicted_config,
+    score_lines,
+    score_pairs,
     validate_records,
     validation_text,
 )
-from tests.support import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,51 +96,16 @@ def test_the_prediction_reuses_prefixes_at_the_engines_granularity() -> None:
     assert MEASURED.model.prefix_block_tokens == 16  # the simulator's own runs keep vLLM's blocks
 
 
-def test_step_costs_come_from_the_engines_own_rates() -> None:
-    rates = {
-        "prefill_cold_tok_s_at_500": 270.0,
-        "prefill_cold_tok_s_at_2000": 240.0,
-        "decode_forced_tok_s": 25.0,
-        "decode_aggregate_tok_s_1_streams": 50.0,
-        "decode_aggregate_tok_s_2_streams": 40.0,
-    }
-    cost = engine_step_cost(rates)
-    # Both measured cold prefills come back exactly: a per-token cost and its attention term.
-    assert cost.prefill_alone_s(0, 500) == pytest.approx(500 / 270)
-    assert cost.prefill_alone_s(0, 2000) == pytest.approx(2000 / 240)
-    assert cost.prefill_s_per_token_ctx > 0 and cost.prefill_s_per(1500, 500) > cost.prefill_s_per(0, 500)
-    assert cost.decode_s(1) == pytest.approx(1 / 25)
-    assert cost.decode_s(2) == pytest.approx(2 * 1.25 / 25)
-    # A longer prefill measured faster a token (noise) gives no negative attention term.
-    flat = engine_step_cost({**rates, "prefill_cold_tok_s_at_2000": 280.0})
-    assert flat.prefill_s_per_token_ctx == 0.0 and not math.isnan(flat.prefill_alone_s(0, 100))
-
-
-@pytest.mark.parametrize("run", ["contention", "contention-2"])
-def test_a_saved_contention_run_is_scored_again_without_the_engine(run: str) -> None:
-    """The committed engine runs (docs/validation.md): the fleet model with the engine's own
-    slot semantics (`slot_cache`, and `held_slot` for append) predicts its turns; the default,
-    a cache that follows each conversation, puts ws turns early."""
-    folder = REPO / "docs" / "results" / "engine" / run
-    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
-    turns = [msgspec.json.decode(line, type=EngineTurn) for line in (folder / "engine.jsonl").read_bytes().splitlines()]
-    cost = engine_step_cost(json.loads((folder / "rates.json").read_text()))
-    scores = {s.name: s for s in contention_records(config, read_records([folder]), turns, cost, seed=config.seed)}
-    ws_follows = scores["contention, ws: 4 rollouts on 2 slots"]
-    ws_slots = next(s for name, s in scores.items() if name.startswith("contention, ws") and "slot_cache" in name)
-    append = next(s for name, s in scores.items() if "held_slot" in name)
-    assert ws_slots.ttft.value < 0.10 < 0.20 < ws_follows.ttft.value and ws_follows.ttft_bias < -0.15
-    assert ws_slots.turn.value < 0.10 and append.ttft.value < 0.20 and ws_slots.turns == append.turns == 16
-    with pytest.raises(ValueError, match="in flight"):
-        contention_records(config.updated(concurrency=2), read_records([folder]), turns, cost)
-
-
-def test_the_cli_scores_a_saved_contention_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folder = REPO / "docs" / "results" / "engine" / "contention"
-    assert main(["validate", "--contention", "--from", str(folder)]) == 0
-    out = capsys.readouterr().out
-    assert out.count("per-turn TTFT error") == 4 and "slot_cache" in out and "held_slot" in out
-    # A folder without the engine's turns: one line naming the file, no traceback.
-    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
-    assert main(["validate", "--contention", "--from", str(tmp_path)]) == 2
-    assert "engine.jsonl" in capsys.readouterr().err
+def test_a_score_reports_the_tail_beside_the_median() -> None:
+    """p90 and max of the per-turn errors (the tail a median hides), on a tiny example whose
+    errors are 10, 20, 30, 40 and 50 %: p90 interpolates between the two largest."""
+    pairs = [("0", 1.1, 1.0), ("0", 0.8, 1.0), ("1", 1.3, 1.0), ("1", 0.6, 1.0), ("2", 3.0, 2.0)]
+    assert error_tail(pairs) == pytest.approx((0.46, 0.5))
+    assert all(math.isnan(x) for x in error_tail([]))
+    s = score_pairs("tiny", pairs, pairs[:2], rollouts=3, seed=0)
+    assert s.ttft.value == pytest.approx(0.3) and (s.ttft_p90, s.ttft_max) == pytest.approx((0.46, 0.5))
+    assert (s.turn_p90, s.turn_max) == pytest.approx((0.19, 0.2)) and (s.turns, s.rollouts) == (2, 3)
+    assert "p90 46.0 %, max 50.0 %" in "\n".join(score_lines(s))
+    # Fields added later keep their defaults: a Score built the old way still is one.
+    old = Score("old", s.ttft, s.turn, 0.0, 5, 3)
+    assert math.isnan(old.ttft_p90) and math.isnan(old.turn_max)

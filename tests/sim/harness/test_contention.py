@@ -1,0 +1,227 @@
+"""The fleet model against the engine under contention (sim/harness/contention.py): the fit's
+rates as step costs, the arrival order from the config and never from the measurement, the
+engine kind's slot semantics, and the committed engine runs scored again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+
+from sim.__main__ import main
+from sim.analysis.calibrate import Param
+from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
+from sim.engine.model import EngineTurn
+from sim.fleet.compute import model_step_cost
+from sim.harness.contention import SlotRules, contention_records, contention_text, fitted_step_cost
+from sim.harness.experiment import CompareConfig, compare, config_of
+from sim.model.config import ModelConfig
+from tests.support import REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+# A contention run the simulator makes, standing in for the engine's: 4 rollouts of each mode in
+# flight on 2 decode slots, started 0.3 s apart (the hosted profile: the fit has API stages to fit).
+RUN = CompareConfig.of(
+    modes=("http", "ws", "append"),
+    profile="hosted",
+    rollouts=4,
+    concurrency=4,
+    stagger_s=0.3,
+    decode_slots=2,
+    tool_calls=2,
+    tool_time_s=0.5,
+    system_prompt_tokens=600,
+    tool_output_tokens=120,
+    tps=40.0,
+    prefill_tok_per_s=400.0,
+    model_latency_s=0.02,
+    seed=3,
+)
+MODES = {"http": 0, "ws": 1, "append": 2}
+
+
+def _engine_turns(records: list[TurnRecord], waits: dict[tuple[str, str], float]) -> list[EngineTurn]:
+    """The engine's own per-turn counters as a llama.cpp run would log them for these turns;
+    `waits`: each first turn's wait for a slot."""
+    return [
+        EngineTurn(
+            tag=r.mode,
+            conversation_key=1000 * MODES[r.mode] + int(r.rollout),
+            turn_index=r.turn,
+            slot=0,
+            resident=False,
+            prompt_tokens=r.prompt_tokens or 0,
+            prompt_n=(r.uncached_tokens or 0) + 1,
+            cache_n=(r.cached_tokens or 0) + 1,
+            prompt_ms=0.0,
+            predicted_n=r.output_tokens or 1,
+            predicted_ms=0.0,
+            queued_s=waits.get((r.mode, r.rollout), 0.0) if r.turn == 0 else 0.0,
+            ttft_s=r.ttft_s or 0.0,
+            total_s=r.e2e_s,
+        )
+        for r in records
+    ]
+
+
+@pytest.fixture(scope="module")
+def measured() -> list[TurnRecord]:
+    return records_from_rollouts(compare(RUN, virtual=True, free_cpu=True).rollouts, source="longrun-live")
+
+
+def _waits(order: list[int]) -> dict[tuple[str, str], float]:
+    """First-turn waits that rank the rollouts in `order` (the first listed waited least)."""
+    return {(mode, str(i)): 0.1 * rank for mode in MODES for rank, i in enumerate(order)}
+
+
+@pytest.mark.slow  # a calibration fit per scoring
+def test_the_prediction_reads_no_measured_order(measured: list[TurnRecord]) -> None:
+    """A staggered run's prediction takes its starts from the config: permuting the engine's
+    measured first-turn waits leaves it as it is. The what-if that reads them is named."""
+    as_engine = RUN.updated(engine_kind="llamacpp")
+    scored = [
+        contention_records(as_engine, measured, _engine_turns(measured, _waits(order)), seed=0)
+        for order in ([0, 1, 2, 3], [3, 1, 0, 2])
+    ]
+    assert not scored[0].problems, scored[0].problems
+    assert scored[0].scores == scored[1].scores and scored[0].orders == 1
+    names = [s.name for s in scored[0].scores]
+    assert names == ["held-out rollouts (http, ws)", "held-out design (append, held-out rollouts)"]
+    test = scored[0].test_rollouts
+    assert test and set(test).isdisjoint(scored[0].train_rollouts)
+    for s in scored[0].scores:  # n as turns and rollouts, of the held-out rollouts only
+        assert s.rollouts == len(test) and s.turns == len(test) * 3 * (2 if "http" in s.name else 1)
+        assert s.ttft_p90 >= s.ttft.value and s.ttft_max >= s.ttft_p90
+    text = contention_text(scored[0])
+    assert "arrival order: the config's: rollout i starts i × 0.3 s after the first" in text and "what-if" not in text
+    # Unstaggered, the same turns are scored over every order: the waits are not read either ...
+    unstaggered = as_engine.updated(stagger_s=0.0)
+    every = [
+        contention_records(unstaggered, measured, _engine_turns(measured, _waits(order)), seed=0)
+        for order in ([0, 1, 2, 3], [3, 1, 0, 2])
+    ]
+    assert every[0].orders == 24 and every[0].scores == every[1].scores and every[0].ranges == every[1].ranges
+    low, high, _, _ = every[0].ranges["held-out rollouts (http, ws)"]
+    assert low <= every[0].scores[0].ttft.value <= high
+    # ... and the what-if that takes the engine's order does read them, and says so.
+    what_if = [
+        contention_records(unstaggered, measured, _engine_turns(measured, _waits(order)), seed=0, measured_order=True)
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0])
+    ]
+    assert what_if[0].scores != what_if[1].scores
+    assert "what-if: the order the rollouts reached the engine" in contention_text(what_if[0])
+    with pytest.raises(ValueError, match="no measured order"):
+        contention_records(as_engine, measured, _engine_turns(measured, {}), measured_order=True)
+    # A rollout that failed mid-run has no records: the others are predicted, and the text says so.
+    survived = [r for r in measured if (r.mode, r.rollout) != ("ws", "1")]
+    partial = contention_records(as_engine, survived, _engine_turns(survived, {}), seed=0)
+    assert not partial.problems and "ws: rollouts 1 failed" in contention_text(partial)
+
+
+def test_the_slots_follow_the_engine_kind() -> None:
+    """llama.cpp's slot is one sequence and its KV; an OpenAI-compatible engine (vLLM) pages KV
+    apart from its sequences; the other kind's semantics only as a named what-if."""
+    llamacpp = CompareConfig.of(engine_kind="llamacpp").engine
+    openai = CompareConfig.of(engine_kind="openai", engine_url="http://127.0.0.1:8000").engine
+    assert SlotRules.of(llamacpp) == SlotRules(held_slot=True, slot_cache=True)
+    assert SlotRules.of(openai) == SlotRules(held_slot=False, slot_cache=False)
+    assert SlotRules.of(llamacpp, other=True) == SlotRules.of(openai)
+    assert SlotRules.of(openai, other=True) == SlotRules.of(llamacpp)
+
+
+def test_the_step_cost_comes_from_the_fit() -> None:
+    """The fit's four model rates are the step costs (one conversion, `model_step_cost`); a fit
+    that does not identify a decode or prefill rate alone is refused."""
+    rates = {"model_latency_s": 0.15, "prefill_tok_per_s": 285.0, "prefill_s_per_token_ctx": 5e-7, "tps": 10.0}
+    c = SimpleNamespace(model={k: Param(v, v, v) for k, v in rates.items()})
+    cost = fitted_step_cost(c, 2)  # type: ignore[arg-type]
+    assert cost == model_step_cost(ModelConfig(**rates), slots=2, name="fitted")
+    assert cost.prefill_alone_s(700, 330) == pytest.approx(0.15 + 330 / 285 + 5e-7 * 330 * (700 + 165))
+    assert cost.decode_s(1) == cost.decode_s(2) == pytest.approx(0.1)  # each stream at the fitted rate
+    del c.model["tps"]
+    with pytest.raises(ValueError, match="no tps"):
+        fitted_step_cost(c, 2)  # type: ignore[arg-type]
+
+
+def _saved(run: str) -> tuple[CompareConfig, list[TurnRecord], list[EngineTurn]]:
+    folder = REPO / "docs" / "results" / "engine" / run
+    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    turns = [msgspec.json.decode(line, type=EngineTurn) for line in (folder / "engine.jsonl").read_bytes().splitlines()]
+    return config, read_records([folder]), turns
+
+
+# The page's figures (docs/validation.md, "Contention"): per committed run, the median over the
+# 24 orders of the median per-turn TTFT error, held-out ws rollouts and held-out append rollouts.
+PAGE: dict[str, tuple[float, float]] = {"contention": (0.434, 0.196), "contention-2": (0.457, 0.114)}
+
+
+@pytest.mark.slow  # a calibration fit per run
+@pytest.mark.parametrize("run", ["contention", "contention-2"])
+def test_a_saved_contention_run_is_scored_again_without_the_engine(run: str) -> None:
+    """The committed engine runs had no stagger: each is scored over every order of its 4
+    rollouts, on the fit of two rollouts' ws turns, with llama.cpp's pinned slots."""
+    config, records, turns = _saved(run)
+    v = contention_records(config, records, turns, seed=config.seed)
+    assert not v.problems and v.orders == 24 and v.rules == SlotRules(held_slot=True, slot_cache=True)
+    ws, append = v.scores
+    assert (ws.name, ws.turns, ws.rollouts) == ("held-out rollouts (ws)", 8, 2)
+    assert (ws.ttft.value, append.ttft.value) == pytest.approx(PAGE[run], abs=0.001)
+    with pytest.raises(ValueError, match="in flight"):
+        contention_records(config.updated(concurrency=2), records, turns)
+
+
+def test_the_cli_scores_a_saved_contention_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = REPO / "docs" / "results" / "engine" / "contention"
+    assert main(["validate", "--contention", "--from", str(folder), "--measured-order"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("per-turn TTFT error") == 2 and "what-if: the order the rollouts reached the engine" in out
+    assert "p90" in out and "8 turns of 2 rollouts" in out
+    # A folder without the engine's turns: one line naming the file, no traceback.
+    (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
+    assert main(["validate", "--contention", "--from", str(tmp_path)]) == 2
+    assert "engine.jsonl" in capsys.readouterr().err
+
+
+def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before the engine starts: the arrival order is an input, so a run needs one; and every
+    rollout must be in flight at once."""
+    assert main(["validate", "--contention", "--stagger-s", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "needs --stagger-s > 0" in err
+    assert main(["validate", "--contention", "--rollouts", "8", "--concurrency", "4"]) == 2
+    assert "in flight at once" in capsys.readouterr().err
+    assert main(["validate", "--contention", "--measured-order"]) == 2
+    assert "--from" in capsys.readouterr().err
+
+
+def test_the_contention_defaults_are_the_fast_regime() -> None:
+    from sim.__main__ import CONTENTION_DEFAULTS as d
+
+    assert d.stagger_s > 0 and d.concurrency >= d.rollouts >= 3 and d.engine.engine_decode == "verified"
+    assert {"http", "ws", "append"} <= set(d.modes) and d.rollouts > d.engine.engine_slots
+
+
+@pytest.mark.slow  # live: ~30 s of a stand-in engine's paced turns
+def test_the_complete_command_runs_and_its_folder_scores_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`validate --contention --stagger-s S --out DIR` against a stand-in llama.cpp: the run, the
+    fit, the prediction in the config's order; its folder scored again (`--from`) gives the same
+    scores, the order being the config's."""
+    from tests.fake_engine import fake_engine
+
+    out = tmp_path / "run"
+    with fake_engine() as engine:
+        argv = ["validate", "--contention", "--quiet", "--engine-url", engine.url, "--stagger-s", "0.1"]
+        argv += ["--rollouts", "4", "--concurrency", "4", "--tool-calls", "2", "--tool-time-s", "0.05"]
+        argv += ["--system-prompt-tokens", "300", "--tool-output-tokens", "60", "--out", str(out)]
+        assert main(argv) in (0, 1)  # 1: a fit with problems, said in the output
+    live = capsys.readouterr().out
+    scores = live[live.index("fit on rollouts") :]
+    assert "arrival order: the config's: rollout i starts i × 0.1 s after the first" in scores
+    assert "held-out rollouts (http, ws)" in scores and "held-out design (append, held-out rollouts)" in scores
+    assert main(["validate", "--contention", "--from", str(out)]) in (0, 1)
+    assert capsys.readouterr().out.strip() == scores.strip()
