@@ -345,7 +345,7 @@ def _cells(r: CurveRow) -> list[str]:
         r.mode,
         _measured(r),
         str(r.n),
-        f"{_pct(r.predicted)} %",
+        "n/a" if math.isnan(r.predicted) else f"{_pct(r.predicted)} %",
         _verdict(r),
         _drift(r),
     ]

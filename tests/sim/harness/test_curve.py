@@ -22,10 +22,12 @@ from sim.harness.curve import (
     MARKERS,
     Curve,
     CurveError,
+    CurveRow,
     PointSpec,
     curve_markdown,
     curve_of,
     curve_text,
+    draw_curve,
     parse_points,
     read_curve_csv,
     replace_block,
@@ -256,3 +258,24 @@ def test_points_run_live_on_the_engine_then_drawn(tmp_path: Path, capsys: pytest
         assert r.drift_decode_across_modes < DRIFT_BOUND
         assert r.inside == (r.saved_ci_low <= r.predicted <= r.saved_ci_high)  # False when NaN
         assert not math.isnan(r.predicted) or "no prediction" in printed
+
+
+def test_a_point_whose_engine_drifted_says_so_in_the_table_and_figure(tmp_path: Path) -> None:
+    from sim.harness.trace import write_figure
+
+    row = dict(point="verified k=8", decode="verified", verify_k=8, engine_decode_tok_s=180.0)
+    row |= dict(wall_decode_tok_s=150.0, prefill_tok_s=260.0, mode="ws", saved=0.12, saved_ci_low=0.05)
+    row |= dict(saved_ci_high=0.2, n=6, predicted=float("nan"), inside=False, drift_within_bound=False)
+    row |= dict(drift_decode_across_modes=0.25, drift_decode_over_run=float("nan"), failed=0, folder="x")
+    rows = [msgspec.convert(row, CurveRow), msgspec.convert(row | {"drift_within_bound": True}, CurveRow)]
+    markdown = curve_markdown(rows)
+    assert "| DRIFT (25 %) |" in markdown and "| held (25 %) |" in markdown
+    assert "| 12.0 % (5.0 to 20.0) | 6 | n/a | no prediction |" in markdown
+    drawn: list[str] = []
+
+    def draw(ax: object) -> None:
+        draw_curve(ax, rows[:1])
+        drawn.extend(t.get_text() for t in ax.texts)  # type: ignore[attr-defined]
+
+    write_figure(draw, tmp_path / "c.png")
+    assert drawn == ["drift"]
