@@ -55,6 +55,7 @@ from sim.harness.console import (
     terminal_table,
 )
 from sim.harness.contention import contention, contention_records, contention_text
+from sim.harness.curve import curve_main, curve_options
 from sim.harness.drift import drift_text
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
 from sim.harness.fidelity import fidelity_main, fidelity_options
@@ -260,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ttl_options(sub)
     idle_options(sub)
+    curve_options(sub)
 
     calibrate_options(sub)
     record_options(sub)
@@ -662,6 +664,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "idle": idle_main,
         "fidelity": lambda a: fidelity_main(a, uvloop.new_event_loop),
         "validate": validate_main,
+        "curve": lambda a: curve_main(a, lambda c, progress: run(c, virtual=False, progress=progress)),
         "record": lambda a: record_main(a, uvloop.run),
         "measure": lambda a: measure_main(a, uvloop.run),
     }

@@ -33,6 +33,7 @@ import csv
 import json
 import math
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,16 @@ from sim.analysis.stats import Estimate
 from sim.harness.capacity import CapacityConfig, Variant, variants
 from sim.harness.experiment import CompareResult
 
-__all__ = ["p50_error_bars", "plot_title", "turn_rows", "write_json", "write_run", "write_table", "write_text"]
+__all__ = [
+    "p50_error_bars",
+    "plot_title",
+    "turn_rows",
+    "write_figure",
+    "write_json",
+    "write_run",
+    "write_table",
+    "write_text",
+]
 
 
 def _git_sha() -> str:
@@ -168,6 +178,21 @@ def write_run(result: CompareResult, directory: str | Path, *, tables: bool = Tr
     if result.drift is not None:  # the engine's speed per mode and over the run (docs/engine.md#drift)
         write_json(result.drift, path / "drift.json")
     _plots(result, rows, path)
+    return path
+
+
+def write_figure(draw: Callable[[Any], None], target: str | Path, *, size: tuple[float, float] = (7, 4)) -> Path:
+    """One figure, drawn by `draw` on its axis, as a PNG (a job's own figure: `sim curve`'s curve.png)."""
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt  # after choosing the backend
+
+    path = Path(target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=size)
+    draw(ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
     return path
 
 
