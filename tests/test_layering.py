@@ -9,7 +9,8 @@ module table):
   interpreter importing it loads none of them, nor redis or sqlite3 (nor numpy where declared);
   `io = "asyncio"` modules load no aiohttp or uvloop; uvloop is chosen only in entry points;
 * the tree's sizes: the prototype/ root holds at most 8 modules, each sub-package at most 10, and no
-  module is over 700 lines;
+  module is over 700 lines, no class of prototype/ or sim/ over 300 (those `OVER_300` lists, being
+  split, over 400);
 * the page's request paths (docs/architecture.md, "The life of a request") name declared modules and
   names they define, each hop linked to the one before it by imports.
 """
@@ -310,15 +311,36 @@ def test_this_python_has_the_private_loop_state_the_virtual_loop_reads() -> None
         loop.close()
 
 
-MAX_CLASS_LINES = 400  # h11's `Connection` is about 500 lines; a class past this owns too much
+MAX_CLASS_LINES = 300  # a class past this does more than one job (issue 54)
+HARD_CLASS_LINES = 400  # h11's `Connection` is about 500 lines; no class goes past this, listed or not
+OVER_300: dict[str, str] = {  # class -> its issue: to be split along a seam, then struck from this list
+    "prototype/ws/connection.py::Connection": "issue 54",
+    "sim/client/client.py::WSClient": "issue 54",
+}
 
 
-@pytest.mark.parametrize("path", modules("prototype"), ids=lambda p: p.name)
-def test_no_class_in_prototype_is_over_400_lines(path: Path) -> None:
+def class_sizes(path: Path) -> dict[str, int]:
+    """Lines of each class of a module, nested ones too, as `path::Name`."""
     tree = ast.parse(path.read_text(), str(path))
-    sizes = {
-        node.name: node.end_lineno - node.lineno + 1
+    where = path.relative_to(ROOT).as_posix()
+    return {
+        f"{where}::{node.name}": node.end_lineno - node.lineno + 1
         for node in ast.walk(tree)
         if isinstance(node, ast.ClassDef) and node.end_lineno is not None
     }
-    assert not {name: n for name, n in sizes.items() if n > MAX_CLASS_LINES}, sizes
+
+
+@pytest.mark.parametrize(
+    "path", modules("prototype") + modules("sim"), ids=lambda p: p.relative_to(ROOT).with_suffix("").as_posix()
+)
+def test_no_class_is_over_300_lines(path: Path) -> None:
+    sizes = class_sizes(path)
+    over = {name: n for name, n in sizes.items() if n > (HARD_CLASS_LINES if name in OVER_300 else MAX_CLASS_LINES)}
+    assert not over, f"classes over the cap (split them along a seam): {over}"
+
+
+def test_every_class_listed_over_300_lines_still_is() -> None:
+    """A listed class that is split (or gone) leaves the list, so the list only shrinks."""
+    sizes = {name: n for path in modules("prototype") + modules("sim") for name, n in class_sizes(path).items()}
+    stale = sorted(name for name in OVER_300 if sizes.get(name, 0) <= MAX_CLASS_LINES)
+    assert not stale, f"within {MAX_CLASS_LINES} lines now or gone: strike them from OVER_300: {stale}"

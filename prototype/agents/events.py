@@ -205,6 +205,13 @@ class TurnRecord:
             usage=self.usage,
         )
 
+    def move(self, move: str) -> None:
+        """Take one of the turn's transitions (`TURN_TRANSITIONS`)."""
+        after = TURN_TRANSITIONS.get((self.status, move))
+        if after is None:
+            raise AgentStateError(f"turn {self.id}: {move} in state {self.status.name}")
+        self.status = after
+
 
 TURN_TRANSITIONS: Final[dict[tuple[TS, str], TS]] = {
     (TS.QUEUED, "start"): TS.IN_PROGRESS,

@@ -40,7 +40,9 @@ The core reads no clock and does no I/O. The adapter (`prototype/serve/agents_ap
 (after `check`), the engine's Responses events for the running turn (`response_events`), and
 "turn paused" / "turn ended" inputs; then drains `outputs_to_send()`: events to publish, a turn
 to start, resume or cancel. Every legal (state, input) pair is a row of `TRANSITIONS`; anything
-else raises `AgentStateError`.
+else raises `AgentStateError`. The core decides; two parts it holds do one job each: `SessionWire`
+makes the wire objects (events with their ids, the items a turn's Responses events and the
+client's inputs become) and `IdempotencyKeys` keeps rule 9's digests.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ from .events import (
     ENGINE_INPUTS,
     SS,
     TURN_ERROR_CODES,
-    TURN_TRANSITIONS,
     AgentStateError,
     AllAnswered,
     CallAdded,
@@ -94,7 +95,15 @@ from .events import (
     TurnRecord,
 )
 
-__all__ = ["CONTEXT_LOST", "SessionCore", "TRANSITIONS", "output_item", "unknown_call"]
+__all__ = [
+    "CONTEXT_LOST",
+    "IdempotencyKeys",
+    "SessionCore",
+    "SessionWire",
+    "TRANSITIONS",
+    "output_item",
+    "unknown_call",
+]
 
 CONTEXT_LOST: Final = (
     "The session's context is lost: the response its turns continue ({}) is no longer in the store, "
@@ -114,6 +123,16 @@ def unknown_call(call_id: str, index: int) -> ProtocolError:
     """The registration-race 400 (rule 3); openai-python matches its code and message exactly."""
     return ProtocolError(
         f"Unknown pending tool call: {call_id}",
+        code="invalid_request_error",
+        param=f"events[{index}].call_id",
+        type="invalid_request_error",
+    )
+
+
+def answered_twice(call_id: str, index: int) -> ProtocolError:
+    """The 400 for a second result of one call."""
+    return ProtocolError(
+        f"Tool call {call_id} already has a result.",
         code="invalid_request_error",
         param=f"events[{index}].call_id",
         type="invalid_request_error",
@@ -165,6 +184,131 @@ def _ext(response: Response | None) -> w.LongrunExt | UnsetType:
     return w.LongrunExt(structs.replace(response, output=[], tools=[], instructions=None))
 
 
+class IdempotencyKeys:
+    """Rule 9: the digest of the body each `Idempotency-Key` applied, by key."""
+
+    __slots__ = ("digests",)
+
+    def __init__(self, digests: dict[str, bytes] | None = None) -> None:
+        self.digests = dict(digests or {})
+
+    def replayed(self, key: str | None, body: bytes) -> bool:
+        """Whether a POST with this key was applied already (raises for the same key with another body)."""
+        if key is None:
+            return False
+        digest = hashlib.sha256(body).digest()
+        seen = self.digests.get(key)
+        if seen is None:
+            return False
+        if seen != digest:
+            raise ProtocolError(
+                "This Idempotency-Key was already used with a different request body.",
+                code="idempotency_key_reused",
+                param="Idempotency-Key",
+            )
+        return True
+
+    def remember(self, key: str | None, body: bytes) -> bool:
+        """Keep the body's digest under `key`; whether there was a key to keep."""
+        if key is None:
+            return False
+        self.digests[key] = hashlib.sha256(body).digest()
+        return True
+
+
+class SessionWire:
+    """The session's wire objects: its events (each stamped with a fresh event id) and the items
+    it makes of the running turn's Responses events and of the client's inputs. It keeps no
+    session state: what is committed, published or registered is the core's decision."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, ids: IdFactory) -> None:
+        self.ids = ids
+
+    def event(self, kind: type[Any], **fields: Any) -> Any:
+        return kind(event_id=self.ids.new("event"), **fields)
+
+    def response_event(self, ev: ServerEvent, sid: str, tid: str) -> Any | None:
+        """The session event a Responses event of turn `tid` becomes, or None. A function call's
+        item and the response's end are inputs of the core, not rendered here; everything else
+        (the response's lifecycle, argument deltas, compaction) has no session event of its own:
+        the turn's lifecycle comes from the core's inputs."""
+        if isinstance(ev, OutputItemAdded) and isinstance(ev.item, OutputMessage):
+            item = w.MessageItemOut(id=ev.item.id, content=[], role="assistant", status="in_progress", turn_id=tid)
+            return self.event(w.ItemAdded, item=item, output_index=ev.output_index, session_id=sid, turn_id=tid)
+        if isinstance(ev, ContentPartAdded | ContentPartDone):
+            part = w.ContentOut(text=ev.part.text)
+            kind = w.ContentPartAdded if isinstance(ev, ContentPartAdded) else w.ContentPartDone
+            return self.event(
+                kind,
+                content_index=ev.content_index,
+                item_id=ev.item_id,
+                output_index=ev.output_index,
+                part=part,
+                session_id=sid,
+                turn_id=tid,
+            )
+        if isinstance(ev, OutputTextDelta):
+            return self.event(
+                w.OutputTextDelta,
+                content_index=ev.content_index,
+                delta=ev.delta,
+                item_id=ev.item_id,
+                output_index=ev.output_index,
+                session_id=sid,
+                turn_id=tid,
+            )
+        if isinstance(ev, OutputTextDone):
+            return self.event(
+                w.OutputTextDone,
+                content_index=ev.content_index,
+                item_id=ev.item_id,
+                output_index=ev.output_index,
+                session_id=sid,
+                text=ev.text,
+                turn_id=tid,
+            )
+        if isinstance(ev, OutputItemDone) and isinstance(ev.item, OutputMessage):
+            content = [Raw(encode(w.ContentOut(text=part.text))) for part in ev.item.content]
+            done = w.MessageItemOut(id=ev.item.id, content=content, role="assistant", status="completed", turn_id=tid)
+            return self.event(w.ItemDone, item=done, output_index=ev.output_index, session_id=sid, turn_id=tid)
+        return None
+
+    def call(self, call: FunctionCall, tid: str) -> tuple[w.RequiredFunctionCall, w.FunctionCallItemOut]:
+        """A function call of turn `tid`: what `required_actions` shows of it, and its item."""
+        view = w.RequiredFunctionCall(arguments=call.arguments, call_id=call.call_id, name=call.name, turn_id=tid)
+        item = w.FunctionCallItemOut(
+            id=call.id,
+            arguments=call.arguments,
+            call_id=call.call_id,
+            name=call.name,
+            status="in_progress",
+            turn_id=tid,
+        )
+        return view, item
+
+    def tool_output(
+        self, result: w.InputToolResult, status: Literal["completed", "failed"], tid: str
+    ) -> w.FunctionCallOutputItemOut:
+        """A tool result's item (a fresh `fco_` id)."""
+        return w.FunctionCallOutputItemOut(
+            id=self.ids.new("fco"),
+            call_id=result.call_id,
+            error=None if result.success else result.error,
+            output=result.output if result.success else None,
+            status=status,
+            turn_id=tid,
+        )
+
+    def user_message(self, data: bytes, tid: str) -> w.MessageItemOut:
+        """An input message's item (a fresh `msg_` id)."""
+        message = msgspec.json.decode(data, type=w.MessageIn)
+        return w.MessageItemOut(
+            id=self.ids.new("msg"), content=message.content, role="user", status="completed", turn_id=tid
+        )
+
+
 Action = Callable[["SessionCore", Any], None]
 
 
@@ -198,8 +342,8 @@ class SessionCore:
         self.paused = False
         self.steers: list[bytes] = []  # messages queued for the active turn's next step boundary
         self.last_response_id: str | None = None  # the response the next turn continues
-        self.keys: dict[str, bytes] = {}  # Idempotency-Key -> digest of the body it applied
-        self._messages: dict[str, w.MessageItemOut] = {}  # assistant messages in flight, by item id
+        self.keys = IdempotencyKeys()
+        self.wire = SessionWire(ids)
         self._paused_as: Response | None = None  # the running turn's response at its latest pause
         self._in_batch = False  # applying one POST's events: the step boundary waits for the whole batch
         self.revision = 0  # counts the changes the stored record has to follow
@@ -248,23 +392,10 @@ class SessionCore:
     def replayed(self, key: str | None, body: bytes) -> bool:
         """Whether a POST of input events with this Idempotency-Key was applied already
         (raises for the same key with another body)."""
-        if key is None:
-            return False
-        digest = hashlib.sha256(body).digest()
-        seen = self.keys.get(key)
-        if seen is None:
-            return False
-        if seen != digest:
-            raise ProtocolError(
-                "This Idempotency-Key was already used with a different request body.",
-                code="idempotency_key_reused",
-                param="Idempotency-Key",
-            )
-        return True
+        return self.keys.replayed(key, body)
 
     def remember(self, key: str | None, body: bytes) -> None:
-        if key is not None:
-            self.keys[key] = hashlib.sha256(body).digest()
+        if self.keys.remember(key, body):
             self.revision += 1
 
     def check(self, events: Sequence[w.InputEvent]) -> None:
@@ -282,12 +413,7 @@ class SessionCore:
                 if self.active is None or call is None or event.turn_id != self.active.id:
                     raise unknown_call(event.call_id, index)
                 if call.result is not None or event.call_id in answered:
-                    raise ProtocolError(
-                        f"Tool call {event.call_id} already has a result.",
-                        code="invalid_request_error",
-                        param=f"events[{index}].call_id",
-                        type="invalid_request_error",
-                    )
+                    raise answered_twice(event.call_id, index)
                 answered.add(event.call_id)
 
     def response_events(self, turn_id: str, events: Sequence[ServerEvent]) -> None:
@@ -296,59 +422,16 @@ class SessionCore:
         turn = self.active
         if turn is None or turn.id != turn_id or self.state is SS.DELETED:
             return
-        sid, tid = self.id, turn.id
         for ev in events:
-            if isinstance(ev, OutputItemAdded) and isinstance(ev.item, OutputMessage):
-                item = w.MessageItemOut(id=ev.item.id, content=[], role="assistant", status="in_progress", turn_id=tid)
-                self._messages[ev.item.id] = item
-                self._publish(w.ItemAdded, item=item, output_index=ev.output_index, session_id=sid, turn_id=tid)
-            elif isinstance(ev, ContentPartAdded | ContentPartDone):
-                part = w.ContentOut(text=ev.part.text)
-                kind = w.ContentPartAdded if isinstance(ev, ContentPartAdded) else w.ContentPartDone
-                self._publish(
-                    kind,
-                    content_index=ev.content_index,
-                    item_id=ev.item_id,
-                    output_index=ev.output_index,
-                    part=part,
-                    session_id=sid,
-                    turn_id=tid,
-                )
-            elif isinstance(ev, OutputTextDelta):
-                self._publish(
-                    w.OutputTextDelta,
-                    content_index=ev.content_index,
-                    delta=ev.delta,
-                    item_id=ev.item_id,
-                    output_index=ev.output_index,
-                    session_id=sid,
-                    turn_id=tid,
-                )
-            elif isinstance(ev, OutputTextDone):
-                self._publish(
-                    w.OutputTextDone,
-                    content_index=ev.content_index,
-                    item_id=ev.item_id,
-                    output_index=ev.output_index,
-                    session_id=sid,
-                    text=ev.text,
-                    turn_id=tid,
-                )
-            elif isinstance(ev, OutputItemDone) and isinstance(ev.item, OutputMessage):
-                content = [Raw(encode(w.ContentOut(text=part.text))) for part in ev.item.content]
-                done = w.MessageItemOut(
-                    id=ev.item.id, content=content, role="assistant", status="completed", turn_id=tid
-                )
-                self._messages.pop(ev.item.id, None)
-                self.items.append((tid, done))
-                self.revision += 1
-                self._publish(w.ItemDone, item=done, output_index=ev.output_index, session_id=sid, turn_id=tid)
-            elif isinstance(ev, OutputItemDone) and isinstance(ev.item, FunctionCall):
+            if isinstance(ev, OutputItemDone) and isinstance(ev.item, FunctionCall):
                 self.receive(CallAdded(ev.item, ev.output_index, turn_id))
             elif isinstance(ev, ResponseDone):
                 self._paused_as = ev.response  # the pause: `TurnPaused` follows
-            # Everything else (the response's lifecycle, argument deltas, compaction) has no
-            # session event of its own: the turn's lifecycle comes from the core's inputs.
+            elif (out := self.wire.response_event(ev, self.id, turn_id)) is not None:
+                if isinstance(out, w.ItemDone):  # an assistant message, whole: committed
+                    self.items.append((turn_id, out.item))
+                    self.revision += 1
+                self._out.append(Publish(out))
 
     def announce(self) -> None:
         """`agent.session.created`, once, before the first turn."""
@@ -386,7 +469,7 @@ class SessionCore:
         self.active, self.calls, self.paused, self.steers = turn, {}, False, []
         self._publish(w.TurnCreated, session_id=self.id, turn=self.turn_view(turn), turn_id=turn.id)
         self._commit_messages(event.messages)
-        self._move(turn, "start")
+        turn.move("start")
         turn.started_at = self.last_active_at
         self._publish(w.SessionInProgress, session=self.snapshot())
         self._publish(w.TurnInProgress, session_id=self.id, turn=self.turn_view(turn), turn_id=turn.id)
@@ -400,17 +483,8 @@ class SessionCore:
         """Register the call (results are accepted from now on) and announce it with `turn.item.added`."""
         turn = self.active
         assert turn is not None
-        call = event.call
-        view = w.RequiredFunctionCall(arguments=call.arguments, call_id=call.call_id, name=call.name, turn_id=turn.id)
-        self.calls[call.call_id] = _Call(view, len(self.items), event.output_index)
-        item = w.FunctionCallItemOut(
-            id=call.id,
-            arguments=call.arguments,
-            call_id=call.call_id,
-            name=call.name,
-            status="in_progress",
-            turn_id=turn.id,
-        )
+        view, item = self.wire.call(event.call, turn.id)
+        self.calls[view.call_id] = _Call(view, len(self.items), event.output_index)
         self.items.append((turn.id, item))
         self._publish(w.ItemAdded, item=item, output_index=event.output_index, session_id=self.id, turn_id=turn.id)
 
@@ -423,14 +497,7 @@ class SessionCore:
         status: Literal["completed", "failed"] = "completed" if result.success else "failed"
         done = self._settle(call, status)
         self._publish(w.ItemDone, item=done, output_index=call.output_index, session_id=self.id, turn_id=turn.id)
-        output = w.FunctionCallOutputItemOut(
-            id=self.ids.new("fco"),
-            call_id=result.call_id,
-            error=None if result.success else result.error,
-            output=result.output if result.success else None,
-            status=status,
-            turn_id=turn.id,
-        )
+        output = self.wire.tool_output(result, status, turn.id)
         self.items.append((turn.id, output))
         self._publish(w.ItemAdded, item=output, output_index=None, session_id=self.id, turn_id=turn.id)
         if not self._in_batch and self._answered():
@@ -444,7 +511,7 @@ class SessionCore:
         if missing:
             raise AgentStateError(f"the turn paused for unregistered calls {missing}")
         self.paused = True
-        self._move(turn, "pause")
+        turn.move("pause")
         if all(c.result is not None for c in self.calls.values()):
             self.receive(AllAnswered())  # every result came while the step was still running
         else:
@@ -457,7 +524,7 @@ class SessionCore:
         outputs = tuple(c.result for c in self.calls.values() if c.result is not None)
         steers, self.steers = tuple(self.steers), []
         self.calls, self.paused = {}, False
-        self._move(turn, "resume")
+        turn.move("resume")
         self._commit_messages(steers)
         self._publish(w.SessionInProgress, session=self.snapshot())
         self._publish(w.TurnInProgress, session_id=self.id, turn_id=turn.id, turn=self.turn_view(turn))
@@ -494,17 +561,17 @@ class SessionCore:
         ext = _ext(event.response)
         self._paused_as = None
         if event.status == "completed":
-            self._move(turn, "complete")
+            turn.move("complete")
             self._publish(w.TurnCompleted, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
         elif event.status == "cancelled":
-            self._move(turn, "cancel")
+            turn.move("cancel")
             steers = ()  # rule 6
             self._publish(w.TurnCancelled, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
         else:
             code = TURN_ERROR_CODES.get(event.reason or "", "server_error")
             message = event.message or f"The turn ended {event.status} ({event.reason or 'no reason given'})."
             turn.error = w.TurnErrorOut(code=code, message=message)
-            self._move(turn, "fail")
+            turn.move("fail")
             error = w.SessionErrorOut(code=code, message=message, param=None, type="server_error")
             self._publish(w.ErrorEvent, error=error, session_id=self.id)
             self._publish(w.TurnFailed, session_id=self.id, turn=view(), turn_id=turn.id, usage=usage, longrun=ext)
@@ -537,21 +604,12 @@ class SessionCore:
         turn = self.active
         assert turn is not None
         for data in messages:
-            message = msgspec.json.decode(data, type=w.MessageIn)
-            item = w.MessageItemOut(
-                id=self.ids.new("msg"), content=message.content, role="user", status="completed", turn_id=turn.id
-            )
+            item = self.wire.user_message(data, turn.id)
             self.items.append((turn.id, item))
             self._publish(w.ItemAdded, item=item, output_index=None, session_id=self.id, turn_id=turn.id)
 
-    def _move(self, turn: TurnRecord, move: str) -> None:
-        after = TURN_TRANSITIONS.get((turn.status, move))
-        if after is None:
-            raise AgentStateError(f"turn {turn.id}: {move} in state {turn.status.name}")
-        turn.status = after
-
     def _publish(self, kind: type[Any], **fields: Any) -> None:
-        self._out.append(Publish(kind(event_id=self.ids.new("event"), **fields)))
+        self._out.append(Publish(self.wire.event(kind, **fields)))
 
 
 C = SessionCore

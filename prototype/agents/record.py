@@ -20,7 +20,7 @@ from ..ids import IdFactory
 from ..wire.schemas import guarded_decoder
 from . import wire as w
 from .events import SS, TS, TurnRecord
-from .machine import SessionCore
+from .machine import IdempotencyKeys, SessionCore
 
 __all__ = [
     "SESSION_KEY_PREFIX",
@@ -65,7 +65,7 @@ def record_of(core: SessionCore, *, owner: str | None, lease_until: float) -> Se
         turns=[core.turn_view(turn) for turn in core.turns],
         items=[item for _, item in core.items],
         last_response_id=core.last_response_id,
-        keys={key: digest.hex() for key, digest in core.keys.items()},
+        keys={key: digest.hex() for key, digest in core.keys.digests.items()},
         prompt_cache_ttl=core.prompt_cache_ttl,
         active_turn=active,
         owner=owner if active is not None else None,
@@ -92,7 +92,7 @@ def restore(record: SessionRecord, *, ids: IdFactory) -> SessionCore:
     ]
     core.items = [(item.turn_id, item) for item in record.items]
     core.last_response_id = record.last_response_id
-    core.keys = {key: bytes.fromhex(digest) for key, digest in record.keys.items()}
+    core.keys = IdempotencyKeys({key: bytes.fromhex(digest) for key, digest in record.keys.items()})
     if view.status == "failed":
         core.state, core.error = SS.FAILED, view.error
     if record.active_turn is not None:

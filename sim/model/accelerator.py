@@ -80,6 +80,9 @@ character, so an item's texts concatenate to exactly its text (the last token
 of an item flushes the decoder, so a cut inside a character yields U+FFFD
 rather than losing bytes).
 
+Parts: `TurnPlanner` decides what a turn says (steps 1-2) and the async draw, `DecodeSchedule`
+keeps the slots and decode intervals the turns share (steps 4 and 6); `SimulatedModel` runs a turn.
+
 `statistics()` counts requests, prompt, cached and prefilled tokens and queue
 time when sampling starts, output tokens as they are yielded (a cancelled turn
 counts what it produced), and carries the prefix cache's own statistics.
@@ -120,7 +123,9 @@ __all__ = [
     "ItemText",
     "LatenessRecorder",
     "ModelStatistics",
+    "DecodeSchedule",
     "SimulatedModel",
+    "TurnPlanner",
     "framed_output_ids",
     "jitter_rng",
     "prefill_time_s",
@@ -283,6 +288,109 @@ def framed_output_ids(
     return framed
 
 
+class TurnPlanner:
+    """What a turn says (steps 1-2) and whether the turns after it need its async outputs (the
+    module docstring's "Async tools"): each a function of (seed, conversation, turn) and the
+    model-visible request only, never of timing or of what else the model is doing."""
+
+    __slots__ = ("_bits", "_rng", "async_independent", "policy", "seed", "tokenizer")
+
+    def __init__(self, policy: Policy, tokenizer: Tokenizer, seed: int, async_independent: float) -> None:
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.seed = seed
+        self.async_independent = async_independent
+        self._bits = np.random.PCG64(0)
+        self._rng = np.random.Generator(self._bits)
+
+    def plan_tokens(self, request: ModelRequest) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
+        """The turn's items with their token ids, ``max_output_tokens`` applied, and whether the
+        cap cut them: a function of (seed, conversation, turn) and the model-visible request only.
+        A real engine behind the seam (`sim.engine`) decodes exactly these tokens."""
+        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
+        return self._cut(self.policy.plan(request, self._rng), request.max_output_tokens)
+
+    def _cut(self, planned: list[PlannedItem], budget: int | None) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
+        """Tokenize the plan and apply ``max_output_tokens``: (items with their ids, whether cut)."""
+        items: list[tuple[PlannedItem, list[int]]] = []
+        left = budget
+        for item in planned:
+            ids = self.tokenizer.encode_list(item.text)
+            if left is not None:
+                if left == 0 and ids:
+                    return items, True  # nothing of this item fits
+                if len(ids) > left:
+                    items.append((item, ids[:left]))
+                    return items, True
+                left -= len(ids)
+            items.append((item, ids))
+        return items, False
+
+    def decodes_on(self, request: ModelRequest, outstanding: tuple[int, ...]) -> bool:
+        """`prototype.model.DecidesAsync`: sample `request`'s turn now, without the outputs of the
+        async calls made at the turns `outstanding`, iff none of those turns drew "needed next"
+        and the turn is planned to call a tool (a final answer waits for every output)."""
+        if self.async_independent <= 0 or not request.parallel_tool_calls:
+            return False
+        if not all(self.independent(request.conversation_key, k) for k in outstanding):
+            return False
+        # The turn's plan, from the same rng state `sample` starts it from: the plan is the turn's.
+        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
+        return any(item.kind == "function_call" for item in self.policy.plan(request, self._rng))
+
+    def independent(self, conversation_key: int, turn_index: int) -> bool:
+        """Whether the async outputs of turn `turn_index` are not needed by the turns after it
+        (only by the final answer): a draw of its own, below `async_independent`."""
+        entropy = [_entropy(self.seed), _entropy(conversation_key), _entropy(turn_index), _ASYNC_STREAM]
+        u = float(np.random.default_rng(np.random.SeedSequence(entropy)).random())
+        return u < self.async_independent
+
+
+class DecodeSchedule:
+    """The turns' shared timing state (steps 4 and 6): the decode slots, each busy until a time (an
+    arriving turn takes the one that frees first, in arrival order), and the turns' decode
+    intervals, whose overlap with a turn's first token slows its rate."""
+
+    __slots__ = ("_decoding", "_free_at", "_holder", "concurrency_slowdown", "slots")
+
+    def __init__(self, slots: int | None, concurrency_slowdown: float) -> None:
+        self.slots = slots
+        self.concurrency_slowdown = concurrency_slowdown
+        self._free_at: list[float] = [-math.inf] * (slots or 0)  # per slot: busy until
+        self._holder: list[int] = [-1] * (slots or 0)  # per slot: the turn that reserved it last
+        self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
+
+    def queue(self, start: float) -> tuple[int, float]:
+        """The slot a turn arriving at `start` takes (-1: slots unlimited) and its wait for it."""
+        if self.slots is None:
+            return -1, 0.0
+        slot = min(range(self.slots), key=self._free_at.__getitem__)  # earliest free, lowest index
+        return slot, max(0.0, self._free_at[slot] - start)
+
+    def batched(self, rate: float, start: float, t0: float) -> float:
+        """`rate` slowed by the turns decoding at `t0` (a turn arriving at `start`)."""
+        for serial in [s for s, d in self._decoding.items() if d.end <= start]:
+            del self._decoding[serial]  # over before this turn started: cannot overlap any later t0
+        if self.concurrency_slowdown > 0:
+            others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
+            rate /= 1 + self.concurrency_slowdown * others
+        return rate
+
+    def book(self, serial: int, slot: int, start: float, end: float) -> _Decoding:
+        """Turn `serial` decodes over ``[start, end)``, holding `slot` until `end`."""
+        decoding = self._decoding[serial] = _Decoding(start, end)
+        if slot >= 0:
+            self._free_at[slot] = end
+            self._holder[slot] = serial
+        return decoding
+
+    def close(self, serial: int, slot: int, decoding: _Decoding, now: float) -> None:
+        """The turn was closed early at `now`: the slot and the batch lose it now."""
+        decoding.end = min(decoding.end, now)
+        if slot >= 0 and self._holder[slot] == serial:
+            self._free_at[slot] = min(self._free_at[slot], now)
+
+
 class SimulatedModel:
     """A `TokenModel` whose words come from a `Policy` and whose timing from a `Clock`.
 
@@ -354,11 +462,9 @@ class SimulatedModel:
         if not 0 <= async_independent <= 1:
             raise ValueError(f"async_independent must be in [0, 1], got {async_independent}")
         self.clock = clock
-        self.policy = policy
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer()
         self.seed = seed
-        self._bits = np.random.PCG64(0)
-        self._rng = np.random.Generator(self._bits)
+        self.planner = TurnPlanner(policy, self.tokenizer, seed, async_independent)
         self.decode_tok_per_s = decode_tok_per_s
         self.model_latency_s = model_latency_s
         self.prefill_tok_per_s = prefill_tok_per_s
@@ -367,17 +473,12 @@ class SimulatedModel:
             (prefix_cache if prefix_cache is not None else PrefixCache()) if prefix_caching else None
         )
         self.breakpoint_cache = None if self.prefix_cache is None else BreakpointCache(self.prefix_cache.block_tokens)
-        self.decode_slots = decode_slots
-        self.concurrency_slowdown = concurrency_slowdown
+        self.schedule = DecodeSchedule(decode_slots, concurrency_slowdown)
         self.decode_jitter = decode_jitter
         self.lateness = lateness
         self.pace_by_turn = pace_by_turn
         self.coalesce_due = coalesce_due
-        self.async_independent = async_independent
         self.cache_generated = cache_generated
-        self._slot_free_at: list[float] = [-math.inf] * (decode_slots or 0)  # per slot: busy until
-        self._slot_holder: list[int] = [-1] * (decode_slots or 0)  # per slot: the turn that reserved it last
-        self._decoding: dict[int, _Decoding] = {}  # turn serial -> decode interval, pruned as turns end
         self._serials = itertools.count()
         self._requests = 0
         self._prompt_tokens = 0
@@ -404,23 +505,8 @@ class SimulatedModel:
             self.prefix_cache.release(conversation_id, self.clock.now())
 
     def decodes_on(self, request: ModelRequest, outstanding: tuple[int, ...]) -> bool:
-        """`prototype.model.DecidesAsync`: sample `request`'s turn now, without the outputs of the
-        async calls made at the turns `outstanding`, iff none of those turns drew "needed next"
-        and the turn is planned to call a tool (a final answer waits for every output)."""
-        if self.async_independent <= 0 or not request.parallel_tool_calls:
-            return False
-        if not all(self.independent(request.conversation_key, k) for k in outstanding):
-            return False
-        # The turn's plan, from the same rng state `sample` starts it from: the plan is the turn's.
-        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
-        return any(item.kind == "function_call" for item in self.policy.plan(request, self._rng))
-
-    def independent(self, conversation_key: int, turn_index: int) -> bool:
-        """Whether the async outputs of turn `turn_index` are not needed by the turns after it
-        (only by the final answer): a draw of its own, below `async_independent`."""
-        entropy = [_entropy(self.seed), _entropy(conversation_key), _entropy(turn_index), _ASYNC_STREAM]
-        u = float(np.random.default_rng(np.random.SeedSequence(entropy)).random())
-        return u < self.async_independent
+        """`prototype.model.DecidesAsync`: the planner's answer (`TurnPlanner.decodes_on`)."""
+        return self.planner.decodes_on(request, outstanding)
 
     def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
         """Seconds from getting a slot to the first token (step 5): latency + uncached / prefill
@@ -484,19 +570,11 @@ class SimulatedModel:
         # Steps 4-6: queue, prefill, decode rate; every time known now. The turn starts once
         # planned: the simulator's own work (hashing, planning, tokenizing) is not model time.
         start = self.clock.now()
-        slot = -1
-        queued_s = 0.0
-        if self.decode_slots is not None:
-            slot = min(range(self.decode_slots), key=self._slot_free_at.__getitem__)  # earliest free, lowest index
-            queued_s = max(0.0, self._slot_free_at[slot] - start)
+        slot, queued_s = self.schedule.queue(start)
         prefill_s = self.prefill_s(request.prompt_tokens, cached)
         t0 = start + queued_s + prefill_s
         rate = self._decode_rate(request, t0, start)
-        decoding = _Decoding(t0, t0 + n_tokens / rate if math.isfinite(rate) else t0)
-        self._decoding[serial] = decoding
-        if slot >= 0:
-            self._slot_free_at[slot] = decoding.end
-            self._slot_holder[slot] = serial
+        decoding = self.schedule.book(serial, slot, t0, t0 + n_tokens / rate if math.isfinite(rate) else t0)
         self._queued_s += queued_s
 
         finished = False
@@ -587,45 +665,18 @@ class SimulatedModel:
             yield SamplingFinished("max_output_tokens" if truncated else "stop")
         finally:
             if not finished:  # closed early: the slot and the batch lose this turn now
-                now = self.clock.now()
-                decoding.end = min(decoding.end, now)
-                if slot >= 0 and self._slot_holder[slot] == serial:
-                    self._slot_free_at[slot] = min(self._slot_free_at[slot], now)
+                self.schedule.close(serial, slot, decoding, self.clock.now())
 
     def plan_tokens(self, request: ModelRequest) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
-        """The turn's items with their token ids, ``max_output_tokens`` applied, and whether the
-        cap cut them: a function of (seed, conversation, turn) and the model-visible request only.
-        A real engine behind the seam (`sim.engine`) decodes exactly these tokens."""
-        self._bits.state = _turn_state(self.seed, request.conversation_key, request.turn_index)  # type: ignore[assignment]
-        return self._cut(self.policy.plan(request, self._rng), request.max_output_tokens)
-
-    def _cut(self, planned: list[PlannedItem], budget: int | None) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
-        """Tokenize the plan and apply ``max_output_tokens``: (items with their ids, whether cut)."""
-        items: list[tuple[PlannedItem, list[int]]] = []
-        left = budget
-        for item in planned:
-            ids = self.tokenizer.encode_list(item.text)
-            if left is not None:
-                if left == 0 and ids:
-                    return items, True  # nothing of this item fits
-                if len(ids) > left:
-                    items.append((item, ids[:left]))
-                    return items, True
-                left -= len(ids)
-            items.append((item, ids))
-        return items, False
+        """The turn's items with their token ids and whether the cap cut them (`TurnPlanner.plan_tokens`)."""
+        return self.planner.plan_tokens(request)
 
     def _decode_rate(self, request: ModelRequest, t0: float, start: float) -> float:
         """This turn's tokens/s (step 6): jitter, then slowdown by the turns decoding at `t0`."""
-        for serial in [s for s, d in self._decoding.items() if d.end <= start]:
-            del self._decoding[serial]  # over before this turn started: cannot overlap any later t0
         rate = self.decode_tok_per_s
         if self.decode_jitter > 0:
             factor = float(
                 jitter_rng(self.seed, request.conversation_key, request.turn_index).lognormal(0.0, self.decode_jitter)
             )
             rate *= factor
-        if self.concurrency_slowdown > 0:
-            others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
-            rate /= 1 + self.concurrency_slowdown * others
-        return rate
+        return self.schedule.batched(rate, start, t0)

@@ -21,6 +21,9 @@ Faults: an upstream that cannot be reached gives the client a 502 in the API's s
 (`{"error": {...}}`); one that closes a stream midway gives an SSE client an `error` event (a
 WebSocket client an `error` frame) and a failed line; a client that goes away mid-stream closes
 the upstream response (cancelling it) and its line is marked failed.
+
+Parts: `Recorder` is the proxy (the upstream session, the HTTP relay, the WebSocket handshake),
+`WebSocketRelay` one relayed WebSocket, `CaptureLog` the recording's files.
 """
 
 from __future__ import annotations
@@ -49,7 +52,15 @@ from prototype.wire.schemas import ErrorEvent, encode
 from prototype.wire.sse import encode_event
 from sim.record.capture import Capture, Pending, SSEData
 
-__all__ = ["Recorder", "make_recorder_app", "record_main", "record_options", "serve_recorder"]
+__all__ = [
+    "CaptureLog",
+    "Recorder",
+    "WebSocketRelay",
+    "make_recorder_app",
+    "record_main",
+    "record_options",
+    "serve_recorder",
+]
 
 # Not forwarded: hop-by-hop headers (RFC 9110 §7.6.1), the ones aiohttp sets itself, and the
 # encoding (the upstream answers uncompressed, so the recorder reads what it relays).
@@ -101,38 +112,25 @@ def _upstream_error(message: str, *, code: str = "upstream_unavailable") -> Prot
     return ProtocolError(message, code=code, status=502, type="server_error")
 
 
-class Recorder:
-    """The proxy's state: the upstream, the capture, the output file, the clock."""
+class CaptureLog:
+    """The recording's files in its folder: `capture.jsonl` (a line per response, written and
+    flushed whole when it ends), `workload.jsonl` (a line per completed turn, written when its
+    conversation's next request begins; the last turns at `close`) and `summary.json`."""
 
-    def __init__(
-        self,
-        upstream: str,
-        out: Path,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        keep_content: bool = False,
-        idle_timeout_s: float = 0.0,
-    ) -> None:
-        self.upstream = upstream.rstrip("/")
-        self.idle_timeout_s = idle_timeout_s  # 0: no idle timeout
-        self.cuts: list[IdleCut] = []  # connections dropped for silence
+    def __init__(self, out: Path, capture: Capture, clock: Callable[[], float]) -> None:
         self.out = out
+        self.capture = capture
         self.clock = clock
-        self.capture = Capture(keep_content=keep_content)
-        self.session: aiohttp.ClientSession | None = None
         self._file: IO[bytes] | None = None
         self._workload: IO[bytes] | None = None
-        self._connections = 0  # WebSocket connections seen: each one's number goes on its lines
 
-    async def start(self) -> None:
+    def open(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
         self._file = (self.out / "capture.jsonl").open("ab")
         self._workload = (self.out / "workload.jsonl").open("ab")
-        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
 
-    async def stop(self) -> dict[str, object]:
-        if self.session is not None:
-            await self.session.close()
+    def close(self) -> dict[str, object]:
+        """Close the files; the summary, also written to `summary.json`."""
         if self._file is not None:
             self._file.close()
         if self._workload is not None:
@@ -165,6 +163,38 @@ class Recorder:
         self._file.write(line)
         self._file.flush()
 
+
+class Recorder:
+    """The proxy: its upstream and client session, the HTTP relay and the WebSocket handshake,
+    feeding the recording's files (`CaptureLog`); each WebSocket is a `WebSocketRelay`."""
+
+    def __init__(
+        self,
+        upstream: str,
+        out: Path,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        keep_content: bool = False,
+        idle_timeout_s: float = 0.0,
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.idle_timeout_s = idle_timeout_s  # 0: no idle timeout
+        self.cuts: list[IdleCut] = []  # connections dropped for silence
+        self.clock = clock
+        self.capture = Capture(keep_content=keep_content)
+        self.log = CaptureLog(out, self.capture, clock)
+        self.session: aiohttp.ClientSession | None = None
+        self._connections = 0  # WebSocket connections seen: each one's number goes on its lines
+
+    async def start(self) -> None:
+        self.log.open()
+        self.session = aiohttp.ClientSession(auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None))
+
+    async def stop(self) -> dict[str, object]:
+        if self.session is not None:
+            await self.session.close()
+        return self.log.close()
+
     def watch(self, request: web.Request, kind: Literal["websocket", "sse"], mode: str) -> IdleWatch | None:
         """The idle timer on a client's connection, if there is a timeout: at the cut, the
         connection is closed under the client (its handler's reads and writes then fail)."""
@@ -188,7 +218,7 @@ class Recorder:
         watch = self.watch(request, "sse", "http")  # the request's body was its last frame
         pending = None
         if request.method == "POST" and request.path.rstrip("/").endswith("/responses"):
-            pending = self.begin("http", body, arrived)
+            pending = self.log.begin("http", body, arrived)
         assert self.session is not None
         url = _target(self.upstream, request)
         try:
@@ -203,7 +233,7 @@ class Recorder:
             err = _upstream_error(f"The upstream {self.upstream} could not be reached: {type(exc).__name__}")
             if pending is not None:
                 pending.fail("upstream unreachable", self.clock())
-                self.write(pending)
+                self.log.write(pending)
             return web.Response(status=502, body=http_error_body(err), content_type="application/json")
         try:
             return await self._relay(request, upstream, pending, watch)
@@ -212,7 +242,7 @@ class Recorder:
                 watch.stop()
             upstream.release()
             if pending is not None:
-                self.write(pending)
+                self.log.write(pending)
 
     async def _relay(
         self,
@@ -308,30 +338,12 @@ class Recorder:
         down = web.WebSocketResponse(
             protocols=[up.protocol] if up.protocol else (), max_msg_size=0, compress=False, autoping=True
         )
-        lanes: dict[str | None, deque[Pending]] = {}
         self._connections += 1
         watch: IdleWatch | None = None
         try:
             await down.prepare(request)
             watch = self.watch(request, "websocket", "ws")
-            to_up = asyncio.ensure_future(self._client_frames(down, up, lanes, self._connections, watch))
-            to_down = asyncio.ensure_future(self._server_frames(up, down, lanes, watch))
-            done, _ = await asyncio.wait((to_up, to_down), return_when=asyncio.FIRST_COMPLETED)
-            upstream_ended = to_down in done
-            for task in (to_up, to_down):
-                task.cancel()
-            await asyncio.gather(to_up, to_down, return_exceptions=True)
-            in_flight = [p for q in lanes.values() for p in q if not p.finished]
-            if upstream_ended and in_flight and not down.closed:
-                err = _upstream_error("The upstream closed the connection before the response ended.")
-                with contextlib.suppress(ConnectionError, RuntimeError):
-                    await down.send_str(ws_error_event(err).decode())
-            reason = "upstream closed mid-response" if upstream_ended else "client disconnected"
-            if watch is not None and watch.cut is not None:
-                reason = "idle timeout"
-            for p in in_flight:
-                p.fail(reason, self.clock())
-                self.write(p)
+            await WebSocketRelay(self.log, down, up, self._connections, watch).run()
         finally:  # each side's close code passed to the other
             if watch is not None:
                 watch.stop()
@@ -339,16 +351,53 @@ class Recorder:
             await down.close(code=up.close_code or aiohttp.WSCloseCode.OK)
         return down
 
-    async def _client_frames(
+
+class WebSocketRelay:
+    """One relayed WebSocket: frames passed one by one each way; each `response.create` a pending
+    line in its lane (the frame's `stream_id`), written when its response ends, or failed with
+    the reason the connection ended before it did."""
+
+    def __init__(
         self,
+        log: CaptureLog,
         down: web.WebSocketResponse,
         up: aiohttp.ClientWebSocketResponse,
-        lanes: dict[str | None, deque[Pending]],
         connection: int,
-        watch: IdleWatch | None = None,
+        watch: IdleWatch | None,
     ) -> None:
+        self.log = log
+        self.down, self.up = down, up
+        self.connection = connection  # the connection's number, on each of its lines
+        self.watch = watch
+        self.lanes: dict[str | None, deque[Pending]] = {}
+
+    async def run(self) -> None:
+        """Relay until either side ends; then fail the lines still in flight."""
+        down, watch, clock = self.down, self.watch, self.log.clock
+        to_up = asyncio.ensure_future(self._client_frames())
+        to_down = asyncio.ensure_future(self._server_frames())
+        done, _ = await asyncio.wait((to_up, to_down), return_when=asyncio.FIRST_COMPLETED)
+        upstream_ended = to_down in done
+        for task in (to_up, to_down):
+            task.cancel()
+        await asyncio.gather(to_up, to_down, return_exceptions=True)
+        in_flight = [p for q in self.lanes.values() for p in q if not p.finished]
+        if upstream_ended and in_flight and not down.closed:
+            err = _upstream_error("The upstream closed the connection before the response ended.")
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await down.send_str(ws_error_event(err).decode())
+        reason = "upstream closed mid-response" if upstream_ended else "client disconnected"
+        if watch is not None and watch.cut is not None:
+            reason = "idle timeout"
+        for p in in_flight:
+            p.fail(reason, clock())
+            self.log.write(p)
+
+    async def _client_frames(self) -> None:
+        """The client's frames, upstream; each `response.create` a pending line in its lane."""
+        down, up, lanes, watch, clock = self.down, self.up, self.lanes, self.watch, self.log.clock
         async for msg in down:
-            at = self.clock()
+            at = clock()
             if watch is not None:
                 watch.frame()
             if msg.type is aiohttp.WSMsgType.TEXT:
@@ -361,26 +410,22 @@ class Recorder:
                     except msgspec.DecodeError:
                         kind = None
                     if kind == "response.create":
-                        pending = self.begin("ws", raw, at, connection)
+                        pending = self.log.begin("ws", raw, at, self.connection)
                         lanes.setdefault(pending.lane, deque()).append(pending)
                 await up.send_str(data)
                 if pending is not None:
                     pending.forwarded(at)  # the frame is handed upstream as it is read
-                    pending.proxy_request_ms = (self.clock() - at) * 1000
+                    pending.proxy_request_ms = (clock() - at) * 1000
             elif msg.type is aiohttp.WSMsgType.BINARY:
                 await up.send_bytes(msg.data)
             else:
                 break
 
-    async def _server_frames(
-        self,
-        up: aiohttp.ClientWebSocketResponse,
-        down: web.WebSocketResponse,
-        lanes: dict[str | None, deque[Pending]],
-        watch: IdleWatch | None = None,
-    ) -> None:
+    async def _server_frames(self) -> None:
+        """The upstream's frames, to the client; a lane's line written when its response ends."""
+        up, down, lanes, watch, clock = self.up, self.down, self.lanes, self.watch, self.log.clock
         async for msg in up:
-            received = self.clock()
+            received = clock()
             if watch is not None:
                 watch.frame()
             if msg.type is aiohttp.WSMsgType.PING:  # only with a timeout (autoping off): passed on
@@ -391,7 +436,7 @@ class Recorder:
             elif msg.type is aiohttp.WSMsgType.TEXT:
                 data: str = msg.data
                 await down.send_str(data)
-                written = self.clock()
+                written = clock()
                 try:
                     lane = _peek.decode(data).stream_id
                 except msgspec.DecodeError:
@@ -403,7 +448,7 @@ class Recorder:
                 pending.first_byte(received, written)
                 if pending.event(data, received):
                     queue.popleft()
-                    self.write(pending)
+                    self.log.write(pending)
             elif msg.type is aiohttp.WSMsgType.BINARY:
                 await down.send_bytes(msg.data)
             else:

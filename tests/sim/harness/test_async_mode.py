@@ -182,7 +182,7 @@ def test_the_simulated_model_decides_and_never_decodes_on_to_its_final_answer() 
     assert model.decodes_on(request(1), (0,))  # turn 1 calls a tool: it may go on
     assert not model.decodes_on(request(2), (0, 1))  # turn 2 is the final answer (tool_calls=2)
     assert not model.decodes_on(request(1, parallel=False), (0,))  # one call in flight at a time
-    model.async_independent = 0.0
+    model.planner.async_independent = 0.0
     assert not model.decodes_on(request(1), (0,))
 
 
@@ -258,9 +258,9 @@ def test_an_output_that_never_arrives_times_the_response_out() -> None:
 
 def test_a_larger_share_only_adds_turns_that_decode_on() -> None:
     _, model = _server(independent=0.3)
-    low = {k for k in range(200) if model.independent(7, k)}
-    model.async_independent = 0.6
-    high = {k for k in range(200) if model.independent(7, k)}
+    low = {k for k in range(200) if model.planner.independent(7, k)}
+    model.planner.async_independent = 0.6
+    high = {k for k in range(200) if model.planner.independent(7, k)}
     assert low < high and 30 < len(low) < 90 and 90 < len(high) < 150  # common random numbers
     with pytest.raises(ValueError, match="async_independent"):
         SimulatedModel(clock=VirtualClock(), policy=DefaultPolicy(), async_independent=1.5)
