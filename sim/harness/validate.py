@@ -274,7 +274,12 @@ def validation_text(v: Validation) -> str:
     ]
     if v.problems:
         return "\n".join([*lines, "no usable fit: " + "; ".join(v.problems)])
-    model = ", ".join(f"{k} {p.value:.4g}" for k, p in v.calibration.model.items())
+    c = v.calibration
+    lines.append(
+        f"the fit's coefficients come from rollouts {', '.join(c.train_rollouts)}; its own hold-out (the fit's "
+        f"error, inside the training share): rollouts {', '.join(c.test_rollouts)}"
+    )
+    model = ", ".join(f"{k} {p.value:.4g}" for k, p in c.model.items())
     lines.append(f"fitted model: {model}")
     for s in v.scores:
         lines.append(f"{s.name}, {s.turns} turns of {s.rollouts} rollouts:")
