@@ -257,6 +257,7 @@ class Connection:
         self.handle(self.mux.lane_of(event), event)
 
     def call_emitted(self, job: Job, call: RequiredInput) -> None:
+        # `lane_of_job` checks the job is its lane's in flight (for `_called` and `_take` too).
         self.handle(self.mux.lane_of_job(job), CallEmitted(job, call))
 
     def turn_ended(self, job: Job) -> None:
@@ -447,13 +448,11 @@ class Connection:
         self.dialect.append(lane, event)
 
     def _called(self, lane: Lane, event: CallEmitted) -> None:
-        """Beta: an async call was emitted (by the lane's job: `call_emitted` checked); its output
-        may be injected from now on."""
+        """Beta: an async call was emitted; its output may be injected from now on."""
         self.dialect.called(lane, event)
 
     def _take(self, lane: Lane, event: TurnEnded) -> None:
-        """Beta: a turn ended in async calls (of the lane's job: `turn_ended` checked); hand the
-        response what was injected so far."""
+        """Beta: a turn ended in async calls; hand the response what was injected so far."""
         self.dialect.take(lane, event)
 
     def _steer(self, lane: Lane, event: SteerReceived) -> None:
