@@ -40,6 +40,9 @@ _TOOL_HEAD: Final = "<|start|>tool<|message|>"  # conversation._render_text of a
 _MARKS_KEPT: Final = 4096  # items whose marks `_MARKS` keeps before starting afresh
 
 Mark = tuple[int, str | None]  # (tokens of the item's rendering before the boundary, the part's own ttl)
+# Module state in the sans-IO core, on purpose: a memo of a pure function of its key (a tokenizer's
+# name fixes its encoding; the item's bytes fix its parts), so a lookup answers what computing would,
+# whichever connection or engine asks; bounded by `_MARKS_KEPT`, it cannot grow with the traffic.
 _MARKS: dict[tuple[str, bytes], tuple[Mark, ...]] = {}
 
 

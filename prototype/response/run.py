@@ -534,6 +534,6 @@ class ResponseRun:
         if owed and outcome.ok and outcome.response.status == "completed":
             for steer in self.steers():
                 events.extend(self.stream.receive(SteerPending(steer, owed)))
-            outcome = dataclasses.replace(outcome, owed=owed)
+            outcome = Outcome(outcome.response, outcome.entry, outcome.error, outcome.failure, owed=owed)
         await self.emit(events)
         return outcome

@@ -135,6 +135,10 @@ def _required(node: dict[str, Any]) -> frozenset[str]:
 
 # A union's candidates depend on the value's shape only (JSON types, field names and their types,
 # its `type`), and a conversation sends the same few shapes again and again: kept by the shape.
+# Module state in the sans-IO core, on purpose: a memo of a pure function of the pinned schemas
+# (loaded once per process, never changed) and the shape, so no caller can see another's entries
+# except through speed, every connection and test shares the same answers, and a size bound keeps
+# it from growing with what clients invent (as `re` keeps its compiled patterns).
 _CANDIDATES: dict[tuple[int, object], list[dict[str, Any]] | None] = {}
 _CANDIDATES_MAX: Final = 4096  # shapes kept at most (a request may invent new ones; the table is cleared then)
 

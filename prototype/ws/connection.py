@@ -91,16 +91,16 @@ The core reads no clock and does no I/O: the adapter feeds it client frames and
 to start, resume, abort or cancel, a pause timer to arm, a close (events.py).
 Every input goes to one lane (lanes.py); each lane's legal moves are the rows of
 `TRANSITIONS`, whose actions are the methods that carry out the move. Anything else raises
-`ConnectionStateError`. The connection keeps the multiplexing (which lane an input is for,
-the in-flight cap, the lifetime) and hands each other rule set to its unit, as h2 splits a
-connection: frame classification (frames.py), the connection cache's budget, LRU and forks
-(conncache.py), the pause machine per dialect (pauses.py) and steering (steering.py).
+`ConnectionStateError`. The connection keeps the table and the lifetime and hands each other
+rule set to its unit, as h2 splits a connection: the multiplexing (which lane an input is for,
+the lanes' FIFOs, the in-flight cap: mux.py), frame classification (frames.py), the connection
+cache's budget, LRU and forks (conncache.py), the pause machine per dialect (pauses.py) and
+steering, automatic successors included (steering.py).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -108,7 +108,7 @@ from msgspec import structs
 
 from ..config import WebSocketConfig
 from ..context.cache import CacheEntry, stream_prefix, tag_stream
-from ..context.conversation import Item, ToolCache
+from ..context.conversation import ToolCache
 from ..ids import IdFactory
 from ..wire.errors import ProtocolError, ws_error_event
 from ..wire.schemas import RequiredInput, SteerRef
@@ -138,6 +138,7 @@ from .events import (
 )
 from .frames import FrameClassifier
 from .lanes import CS, OPEN, ConnectionStateError, Lane, Pause, error_frame
+from .mux import LaneMux
 from .pauses import CLOSE_BAD_INJECT, PauseDialect, dialect_of
 from .steering import UNSTEERABLE_MODELS, Steering
 
@@ -153,6 +154,10 @@ def limit_message(lifetime_s: float) -> str:
     else:
         span = f"{lifetime_s:g} seconds"
     return f"Responses websocket connection limit reached ({span}). Create a new websocket connection to continue."
+
+
+def limit_error(lifetime_s: float) -> ProtocolError:
+    return ProtocolError(limit_message(lifetime_s), code="websocket_connection_limit_reached")
 
 
 Action = Callable[["Connection", Lane, Any], None]
@@ -179,14 +184,14 @@ class Connection:
         fields of it (`Connection(lifetime_s=1)`), as the core's tests build one."""
         self.limits = structs.replace(limits or WebSocketConfig(), **overrides)
         self.ids = ids or IdFactory()
-        self.default = Lane(None, None)
-        self.lanes: dict[str | None, Lane] = {None: self.default}
+        self.mux = LaneMux(self.limits)
+        self.default = self.mux.default
+        self.lanes = self.mux.lanes  # the mux's own map, read by the units
         self.ended_ids: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
         self.expired = False  # the lifetime limit was reached
         self.closing = False  # CloseSocket was emitted
         self.expiry_errors = 0  # limit errors sent for refused creates
         self._jobs = 0
-        self._arrivals = 0  # creates received: their order across lanes
         self._out: list[Output] = []
         emit = self._out.append
         # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta.
@@ -224,11 +229,11 @@ class Connection:
 
     @property
     def n_in_flight(self) -> int:
-        return sum(1 for lane in self.lanes.values() if lane.in_flight is not None)
+        return self.mux.in_flight
 
     @property
     def named_lanes(self) -> int:
-        return len(self.lanes) - 1
+        return self.mux.named
 
     @property
     def cache_hits(self) -> int:
@@ -246,17 +251,17 @@ class Connection:
 
     def receive_text(self, data: str | bytes, *, at: float = 0.0) -> None:
         """One text frame from the client."""
-        event = self.frames.classify(data, self._fits, at)
-        if isinstance(event, CreateReceived) and event.request.params.stream_id not in self.lanes:
-            stream_id = event.request.params.stream_id  # a valid create opens its lane
-            self.lanes[stream_id] = Lane(stream_id, stream_prefix(stream_id), CS.EXPIRED if self.expired else CS.IDLE)
-        self.handle(self._lane_of(event), event)
+        event = self.frames.classify(data, self.mux.fits, at)
+        if isinstance(event, CreateReceived):  # a valid create opens its lane
+            self.mux.open(event.request.params.stream_id, self.expired)
+        self.handle(self.mux.lane_of(event), event)
 
     def call_emitted(self, job: Job, call: RequiredInput) -> None:
-        self.handle(self._lane_of_job(job), CallEmitted(job, call))
+        # `lane_of_job` checks the job is its lane's in flight (for `_called` and `_take` too).
+        self.handle(self.mux.lane_of_job(job), CallEmitted(job, call))
 
     def turn_ended(self, job: Job) -> None:
-        self.handle(self._lane_of_job(job), TurnEnded(job))
+        self.handle(self.mux.lane_of_job(job), TurnEnded(job))
 
     def response_ended(
         self,
@@ -267,17 +272,18 @@ class Connection:
         *,
         at: float = 0.0,
     ) -> None:
-        self.handle(self._lane_of_job(job), ResponseEnded(job, entry, error, owed, at))
+        self.handle(self.mux.lane_of_job(job), ResponseEnded(job, entry, error, owed, at))
 
     def response_paused(self, job: Job, required: tuple[RequiredInput, ...]) -> None:
-        self.handle(self._lane_of_job(job), ResponsePaused(job, required))
+        self.handle(self.mux.lane_of_job(job), ResponsePaused(job, required))
 
     def queued_steers(self, job: Job) -> tuple[SteerRef, ...]:
         """The steers queued for `job`'s response (read by its run: where it may stop)."""
-        return tuple(steer.ref for steer in self._lane_of_job(job).steers)
+        steers = self.mux.lane_of_job(job).steers
+        return tuple(steer.ref for steer in steers) if steers else ()
 
     def pause_timed_out(self, job: Job) -> None:
-        self.handle(self._lane_of_job(job), PauseTimedOut(job))
+        self.handle(self.mux.lane_of_job(job), PauseTimedOut(job))
 
     def limit_reached(self) -> None:
         for lane in list(self.lanes.values()):
@@ -302,64 +308,21 @@ class Connection:
             raise ConnectionStateError(f"can't handle {type(event).__name__} in state {lane.state.name}") from None
         action(self, lane, event)
         lane.state = nxt
-        if lane.state is CS.PAUSED and lane.pause is not None and not lane.pause.pending:
+        if nxt is CS.PAUSED and lane.pause is not None and not lane.pause.pending:
             self.handle(lane, AllAnswered())
-        self._start_waiting()
-        self._close_if_done()
-
-    def _start_waiting(self) -> None:
-        """Start queued creates on idle lanes while responses in flight are under the cap,
-        the earliest arrival first."""
-        while self.n_in_flight < self.limits.max_in_flight:
-            ready = [lane for lane in self.lanes.values() if lane.state is CS.IDLE and lane.queue]
-            if not ready:
-                return
-            self.handle(min(ready, key=lambda lane: lane.queue[0][0]), Dequeue())
-
-    def _close_if_done(self) -> None:
+        # Queued creates start on idle lanes while responses in flight are under the cap.
+        while (ready := self.mux.next_ready()) is not None:
+            self.handle(ready, Dequeue())
         if self.expired and not self.closing and all(lane.state is CS.EXPIRED for lane in self.lanes.values()):
             self.closing = True
             if self.expiry_errors == 0:  # nothing was refused: the limit itself is reported once
-                self._out.append(error_frame(self._limit_error(), None))
+                self._out.append(error_frame(limit_error(self.limits.lifetime_s), None))
             self._out.append(CloseSocket(CLOSE_GOING_AWAY, "connection limit reached"))
-
-    def _fits(self, stream_id: str | None) -> bool:
-        """Whether a create may run on the lane `stream_id` names: it exists, or one more fits."""
-        return stream_id in self.lanes or self.named_lanes < self.limits.max_named_lanes
-
-    def _lane_of(self, event: Input) -> Lane:
-        if isinstance(event, CreateReceived):
-            return self.lanes[event.request.params.stream_id]  # `receive_text` made sure it exists
-        if isinstance(event, BadFrame):
-            return self.lanes.get(event.stream_id, self.default)
-        target = None
-        if isinstance(event, AppendReceived):
-            target = event.event.response_id
-        elif isinstance(event, SteerReceived):
-            target = event.event.previous_response_id
-        if target is not None:
-            for lane in self.lanes.values():
-                if lane.owns(target):
-                    return lane
-            for lane in self.lanes.values():
-                if lane.last_ended == target:
-                    return lane
-        return self.default
-
-    def _lane_of_job(self, job: Job) -> Lane:
-        lane = self.lanes.get(job.stream_id)
-        if lane is None or job is not lane.in_flight:
-            raise ConnectionStateError(f"job {job.number} is not the one in flight")
-        return lane
 
     # -- actions (the table's callables) -------------------------------------------------------------
 
-    def _limit_error(self) -> ProtocolError:
-        return ProtocolError(limit_message(self.limits.lifetime_s), code="websocket_connection_limit_reached")
-
     def _nothing(self, lane: Lane, event: Input) -> None:
         """Nothing to do in this state."""
-        pass
 
     def _drain(self, lane: Lane, event: LimitReached) -> None:
         """The limit, with the lane's response in flight: it may finish; nothing new starts."""
@@ -368,47 +331,20 @@ class Connection:
     def _enqueue(self, lane: Lane, event: CreateReceived) -> None:
         """Queue the create behind the lane's response (or refuse it: `concurrent_request`,
         `queued_requests_limit_reached`)."""
-        # A lane is busy while its response runs, and also while its next create waits for one
-        # of the connection's in-flight slots (an idle lane with a queue).
-        busy = lane.state is CS.ACTIVE or bool(lane.queue)
-        waiting = len(lane.queue) - (0 if lane.state is CS.ACTIVE else 1)  # creates behind the lane's next one
-        if busy and self.limits.reject_concurrent:
-            self._refuse(
-                lane,
-                event,
-                ProtocolError(
-                    "Another response is in progress on this connection.", code="concurrent_request", status=409
-                ),
-            )
-            return
-        max_queued = self.limits.max_queued
-        if busy and max_queued is not None and waiting >= max_queued:
-            self._refuse(
-                lane,
-                event,
-                ProtocolError(
-                    f"Too many queued response.create events on this connection (at most {max_queued} "
-                    "wait behind the response in progress). Wait for a response to finish, or open another connection.",
-                    code="queued_requests_limit_reached",
-                    status=429,
-                ),
-            )
-            return
-        self._arrivals += 1
-        lane.queue.append((self._arrivals, event))
+        refusal = self.mux.refusal(lane)
+        if refusal is not None:
+            self._refuse(lane, event, refusal)
+        else:
+            self.mux.enqueue(lane, event)
 
     def _start_next(self, lane: Lane, event: Dequeue) -> None:
         """Start the lane's next queued create: its cache entry is resolved now, and input
         parked for its parent goes first."""
-        if not lane.queue:
-            raise ConnectionStateError("nothing is queued")
-        _, queued = lane.queue.popleft()
-        request = queued.request
-        if parked := self.steering.continuing(lane, request):
-            request = dataclasses.replace(request, items=parked + request.items)
+        _, queued = self.mux.dequeue(lane)
+        request = self.steering.continuing(lane, queued.request)
         self._jobs += 1
         cached, exclusive = self.cache_book.take(request.previous_response_id)
-        lane.in_flight = Job(
+        job = Job(
             self._jobs,
             request,
             cached,
@@ -417,12 +353,14 @@ class Connection:
             body_bytes=queued.body_bytes,
             exclusive=exclusive,
         )
-        self._out.append(StartJob(lane.in_flight))
+        self.mux.started(lane, job)
+        self._out.append(StartJob(job))
 
-    def _finish_job(self, lane: Lane, event: ResponseEnded) -> None:
+    def _ended(self, lane: Lane, event: ResponseEnded) -> None:
+        """The response in flight ended: cache entry stored (or its parent evicted), queued steers resolved."""
         if event.job is not lane.in_flight:
             raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
-        lane.in_flight = None
+        self.mux.stopped(lane)
         committed = self.dialect.ended(lane)
         lane.last_ended = event.job.response_id
         self.ended_ids.append(event.job.response_id)
@@ -434,40 +372,24 @@ class Connection:
                 self._out.append(error_frame(event.error, lane))
         successor = self.steering.ended(lane, event, committed, expired=self.expired)
         if successor is not None:
-            self._successor(lane, event, successor)
-
-    def _successor(self, lane: Lane, ended: ResponseEnded, items: tuple[Item, ...]) -> None:
-        """The automatic successor: the parent's settings, the queued input, the parent as its
-        `previous_response_id`; it runs next on the lane (its `response.created` commits the steers).
-        It arrives when the parent ended: the server, not the client, sent it."""
-        parent = ended.job
-        request = parent.request
-        params = structs.replace(request.params, previous_response_id=parent.response_id)
-        successor = dataclasses.replace(request, params=params, items=items, generate=True)
-        self._arrivals += 1
-        lane.queue.appendleft((self._arrivals, CreateReceived(successor, ended.at)))
-
-    def _ended(self, lane: Lane, event: ResponseEnded) -> None:
-        """The response in flight ended: cache entry stored (or its parent evicted), queued steers resolved."""
-        self._finish_job(lane, event)
+            self.mux.enqueue(lane, successor, first=True)
 
     def _ended_expired(self, lane: Lane, event: ResponseEnded) -> None:
         """The response in flight ended after the limit: as `_ended`, then the lane expires."""
-        self._finish_job(lane, event)
+        self._ended(lane, event)
         self._expire(lane, event)
 
     def _expire(self, lane: Lane, event: Input) -> None:
         """The lane's queued creates will not run: each gets the limit error."""
         self.expired = True
-        err = self._limit_error()
-        for _ in lane.queue:
+        err = limit_error(self.limits.lifetime_s)
+        for _ in range(self.mux.dropped(lane)):
             self._out.append(error_frame(err, lane))
             self.expiry_errors += 1
-        lane.queue.clear()
 
     def _refuse_expired(self, lane: Lane, event: CreateReceived) -> None:
         """Refuse the create with `websocket_connection_limit_reached`."""
-        self._out.append(error_frame(self._limit_error(), lane))
+        self._out.append(error_frame(limit_error(self.limits.lifetime_s), lane))
         self.expiry_errors += 1
 
     def _refuse(self, lane: Lane, event: CreateReceived, error: ProtocolError) -> None:
@@ -490,8 +412,8 @@ class Connection:
         lane.pause = None
         if lane.in_flight is not None:
             self._out.append(CancelJob(lane.in_flight))
-            lane.in_flight = None
-        lane.queue.clear()
+            self.mux.stopped(lane)
+        self.mux.dropped(lane)
         lane.cache = None
 
     # -- the pause machine and steering (their units decide; the lane's state is the table's) -------
@@ -527,14 +449,10 @@ class Connection:
 
     def _called(self, lane: Lane, event: CallEmitted) -> None:
         """Beta: an async call was emitted; its output may be injected from now on."""
-        if event.job is not lane.in_flight:
-            raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
         self.dialect.called(lane, event)
 
     def _take(self, lane: Lane, event: TurnEnded) -> None:
         """Beta: a turn ended in async calls; hand the response what was injected so far."""
-        if event.job is not lane.in_flight:
-            raise ConnectionStateError(f"job {event.job.number} is not the one in flight")
         self.dialect.take(lane, event)
 
     def _steer(self, lane: Lane, event: SteerReceived) -> None:

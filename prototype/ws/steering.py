@@ -10,6 +10,7 @@ of queued steers, through its inbox.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Callable
 from typing import Final
@@ -22,7 +23,7 @@ from ..ids import IdFactory
 from ..wire.errors import ProtocolError
 from ..wire.requests import ResponseSteer
 from ..wire.schemas import ResponseSteerFailed, SteerError, SteerRef, SteerSubmission, encode
-from .events import AckSteer, Output, ResponseEnded, SendFrame
+from .events import AckSteer, CreateReceived, Output, ResponseEnded, SendFrame
 from .lanes import Lane, Parked, QueuedSteer
 
 __all__ = ["MAX_PENDING_STEERS", "STEER_MESSAGE_KEYS", "UNSTEERABLE_MODELS", "Steering"]
@@ -130,23 +131,23 @@ class Steering:
                 )
         return parse_items([msgspec.Raw(msgspec.json.encode(m)) for m in decoded])
 
-    def continuing(self, lane: Lane, request: CreateRequest) -> tuple[Item, ...]:
-        """The input parked for the response `request` continues, to go before its own input;
+    def continuing(self, lane: Lane, request: CreateRequest) -> CreateRequest:
+        """`request` with the input parked for the response it continues before its own input;
         parked input for any other parent is refused (the lane no longer continues it)."""
         if lane.parked is not None and lane.parked.parent == request.previous_response_id:
             # Steers queued for a parent that stopped for client tool outputs are prepended,
             # in submission order, to the create that continues it.
             items = lane.parked.items()
             lane.parked = None
-            return items
+            return dataclasses.replace(request, items=items + request.items) if items else request
         self.unpark(lane)
-        return ()
+        return request
 
     def ended(
         self, lane: Lane, event: ResponseEnded, committed: tuple[Item, ...], *, expired: bool
-    ) -> tuple[Item, ...] | None:
+    ) -> CreateReceived | None:
         """The lane's response ended; `committed` is what the pause machine carries from it. The
-        input of an automatic successor to start now, or None."""
+        automatic successor to start now, or None."""
         steers, lane.steers = lane.steers, []
         if not steers and not committed:
             return None
@@ -168,7 +169,7 @@ class Steering:
             lane.parked = parked
             return None
         if not expired:
-            return parked.items()
+            return self._successor(event, parked.items())
         for steer in steers:  # past the lifetime limit no successor can start
             self.failed(
                 lane,
@@ -179,6 +180,17 @@ class Steering:
                 steer.ref.id,
             )
         return None
+
+    @staticmethod
+    def _successor(ended: ResponseEnded, items: tuple[Item, ...]) -> CreateReceived:
+        """The automatic successor: the parent's settings, the queued input, the parent as its
+        `previous_response_id`; it runs next on the lane (its `response.created` commits the steers).
+        It arrives when the parent ended: the server, not the client, sent it."""
+        parent = ended.job
+        request = parent.request
+        params = msgspec.structs.replace(request.params, previous_response_id=parent.response_id)
+        successor = dataclasses.replace(request, params=params, items=items, generate=True)
+        return CreateReceived(successor, ended.at)
 
     def unpark(self, lane: Lane) -> None:
         """Parked steers whose parent the lane no longer continues come back, with their ids."""

@@ -31,6 +31,16 @@ TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 TERMINALS: Final = (ResponseCompleted, ResponseFailed, ResponseIncomplete, ResponseDone)  # done: append pause
 
 
+_TOKEN, _ITEM, _END, _ERROR = "token", "item", "end", "error"
+_ROLES: Final[dict[type, str]] = {
+    **dict.fromkeys(TOKEN_DELTAS, _TOKEN),
+    OutputItemDone: _ITEM,
+    **dict.fromkeys(TERMINALS, _END),
+    ErrorEvent: _ERROR,
+}
+"""What `Tracker.see` does with an event, by its type; any other type is only logged and counted."""
+
+
 class Tracker:
     """Folds a server event stream into a `TurnResult`."""
 
@@ -46,13 +56,19 @@ class Tracker:
     def see(self, event: ServerEvent) -> TurnResult | None:
         self.events += 1
         self.log.append((self.clock.now(), event.__struct_config__.tag))  # type: ignore[arg-type]
-        if self.first_token_at is None and isinstance(event, TOKEN_DELTAS):
-            self.first_token_at = self.clock.now()
-        if isinstance(event, OutputItemDone):
+        role = _ROLES.get(type(event))  # one lookup per event (the wire's event types have no subclasses)
+        if role is None:
+            return None
+        if role is _TOKEN:
+            if self.first_token_at is None:
+                self.first_token_at = self.clock.now()
+        elif role is _ITEM:
+            assert isinstance(event, OutputItemDone)
             self.items.append(msgspec.to_builtins(event.item))
-        elif isinstance(event, TERMINALS):
-            return self.ended(event.response)
-        if isinstance(event, ErrorEvent):
+        elif role is _END:
+            return self.ended(event.response)  # type: ignore[union-attr]
+        else:
+            assert isinstance(event, ErrorEvent)
             raise ClientError(event.status if isinstance(event.status, int) else 400, msgspec.to_builtins(event.error))
         return None
 
