@@ -11,6 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import msgspec
 
 from prototype.wire.schemas import (
@@ -22,10 +23,11 @@ from prototype.wire.schemas import (
     ResponseIncomplete,
     ResponseSteerAccepted,
     ResponseSteerFailed,
+    decode_server_event,
     encode,
 )
 from sim.client.tracker import TOKEN_DELTAS
-from sim.client.websocket import InjectDriver, WSSocket
+from sim.client.websocket import InjectDriver, WSSocket, socket_ended
 from sim.rollout.result import InterjectionRecord, TurnResult
 from sim.rollout.spec import Interjection
 
@@ -96,11 +98,16 @@ class SteerDriver(InjectDriver):
             return await super().turn(new_items, **settings)
         st = self.steer_state
         tracker = await self.socket.start(self.frame(new_items, settings))
+        ws = self.socket.ws
+        assert ws is not None
         latest: Response | None = None
         held: Response | None = None  # a terminal event passed over while a steer was outstanding
         loop = asyncio.get_running_loop()
         while True:
-            event = await self.socket.receive()
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise socket_ended(msg)
+            event = decode_server_event(msg.data)
             if isinstance(event, ResponseSteerAccepted):
                 if st.unanswered:
                     record = st.unanswered.pop(0)

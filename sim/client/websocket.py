@@ -56,10 +56,16 @@ __all__ = [
     "WSSocket",
     "beta_settings",
     "share_socket",
+    "socket_ended",
     "upgrade_refused",
 ]
 
 BETA_MODES = ("inject", "async", "steer")  # the `responses_multi_agent` beta's dialect (docs/beta.md)
+
+
+def socket_ended(msg: aiohttp.WSMessage) -> ClientError:
+    """A turn's error when its socket ended (`msg` is not a text frame)."""
+    return ClientError(502, f"socket ended: {msg.type.name} {msg.data!r}")
 
 
 def upgrade_refused(status: int) -> ClientError:
@@ -126,14 +132,6 @@ class WSSocket:
         await ws.send_str(data)
         return tracker
 
-    async def receive(self) -> ServerEvent:
-        """The next server event; a socket that ended is the turn's error."""
-        assert self.ws is not None, "receive before the socket opened"
-        msg = await self.ws.receive()
-        if msg.type is not aiohttp.WSMsgType.TEXT:
-            raise ClientError(502, f"socket ended: {msg.type.name} {msg.data!r}")
-        return decode_server_event(msg.data)
-
     async def reopen(self) -> None:
         """Close this client's own socket and open the next one (sim/client/reconnect.py)."""
         if self.ws is not None:
@@ -157,7 +155,9 @@ class WSSocket:
 
 class WSClient(ABC):
     """A WebSocket mode's driver over `socket` (the `ResponsesClient` interface): a turn sends
-    `frame`'s body and feeds each event to `see` until it returns the turn's result."""
+    `frame`'s body and reads to the terminal event, where `ended` sees it. The beta's drivers
+    read their own turns (a turn also ends at an async call). Each read loop is written out in
+    place: an event costs its decoding and the tracker's call only (the loops run for every event)."""
 
     def __init__(self, socket: WSSocket) -> None:
         self.socket = socket
@@ -171,15 +171,23 @@ class WSClient(ABC):
         return self.socket.create(settings, new_items, self.history.previous_id)
 
     @abstractmethod
-    def see(self, event: ServerEvent, tracker: Tracker) -> TurnResult | None:
-        """Fold `event` into the turn; its result when the turn ends there."""
+    def ended(self, event: ServerEvent) -> None:
+        """The turn ended at `event` (a terminal event: `response.done` is append's pause)."""
 
     async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
         tracker = await self.socket.start(self.frame(new_items, settings))
-        while (result := self.see(await self.socket.receive(), tracker)) is None:
-            pass
-        self.history.record(new_items, result)
-        return result
+        ws = self.socket.ws
+        assert ws is not None
+        while True:
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise socket_ended(msg)
+            event = decode_server_event(msg.data)
+            result = tracker.see(event)
+            if result is not None:
+                self.ended(event)
+                self.history.record(new_items, result)
+                return result
 
     def forget_pause(self) -> None:
         """The waiting response is gone (its socket closed, or it ended): the next turn creates."""
@@ -193,8 +201,8 @@ class ChainDriver(WSClient):
     """`ws`: every turn a `response.create` with `previous_response_id` and the new items only;
     a turn ends at the terminal event."""
 
-    def see(self, event: ServerEvent, tracker: Tracker) -> TurnResult | None:
-        return tracker.see(event)
+    def ended(self, event: ServerEvent) -> None:
+        pass  # nothing waits: the next turn creates
 
 
 class AppendDriver(WSClient):
@@ -207,11 +215,8 @@ class AppendDriver(WSClient):
             return {"type": "response.append", "response_id": self.paused_id, "input": new_items}
         return super().frame(new_items, settings)
 
-    def see(self, event: ServerEvent, tracker: Tracker) -> TurnResult | None:
-        result = tracker.see(event)
-        if result is not None:
-            self.paused_id = event.response.id if isinstance(event, ResponseDone) else None
-        return result
+    def ended(self, event: ServerEvent) -> None:
+        self.paused_id = event.response.id if isinstance(event, ResponseDone) else None
 
 
 class InjectDriver(WSClient):
@@ -223,7 +228,6 @@ class InjectDriver(WSClient):
     def __init__(self, socket: WSSocket) -> None:
         super().__init__(socket)
         self.waiting: Response | None = None  # the snapshot of the response that waits
-        self.latest: Response | None = None  # this turn's latest snapshot (`response.created`)
 
     def create_settings(self, settings: dict[str, Any]) -> dict[str, Any]:
         return beta_settings(settings, overlap=False)
@@ -233,20 +237,30 @@ class InjectDriver(WSClient):
             return {"type": "response.inject", "response_id": self.paused_id, "input": new_items}
         return super().frame(new_items, self.create_settings(settings))
 
-    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
-        self.latest = None
-        return await super().turn(new_items, **settings)
+    def ended(self, event: ServerEvent) -> None:
+        self.paused_id = None
 
-    def see(self, event: ServerEvent, tracker: Tracker) -> TurnResult | None:
-        result = tracker.see(event)
-        if result is not None:
-            self.paused_id = None
-            return result
-        if isinstance(event, ResponseCreated):
-            self.latest = event.response
-        elif isinstance(event, OutputItemDone) and isinstance(event.item, FunctionCall) and event.item.is_async is True:
-            return tracker.paused(self.wait_on(self.latest))
-        return None
+    async def turn(self, new_items: list[dict[str, Any]], **settings: Any) -> TurnResult:
+        tracker = await self.socket.start(self.frame(new_items, settings))
+        ws = self.socket.ws
+        assert ws is not None
+        latest: Response | None = None  # the response's latest snapshot
+        while True:
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise socket_ended(msg)
+            event = decode_server_event(msg.data)
+            result = tracker.see(event)
+            if result is not None:
+                self.ended(event)
+            elif isinstance(event, ResponseCreated):
+                latest = event.response
+            elif isinstance(event, OutputItemDone) and isinstance(event.item, FunctionCall):
+                if event.item.is_async is True:  # the beta's pause: the call waits for its output
+                    result = tracker.paused(self.wait_on(latest))
+            if result is not None:
+                self.history.record(new_items, result)
+                return result
 
     def wait_on(self, latest: Response | None) -> Response:
         """An async call ended the turn: its response (`latest`, else the one already waiting)
@@ -295,11 +309,14 @@ class AsyncDriver(InjectDriver):
         """Read to the end of the next turn, the `output_item.done` of an async call (the next
         turn starts there) or the terminal event. The turn's `response` is the latest snapshot,
         its bytes what the client sent during it (the create, or injects)."""
-        tracker = self.reading
-        if tracker is None or self.socket.ws is None:
+        tracker, ws = self.reading, self.socket.ws
+        if tracker is None or ws is None:
             raise ClientError(400, "next_turn before begin")
         while True:
-            event = await self.socket.receive()
+            msg = await ws.receive()
+            if msg.type is not aiohttp.WSMsgType.TEXT:
+                raise socket_ended(msg)
+            event = decode_server_event(msg.data)
             result = tracker.see(event)
             if result is not None:
                 self.history.previous_id = result.response.id
