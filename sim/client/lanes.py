@@ -1,7 +1,7 @@
 """Several rollouts on one WebSocket, each on its own lane (`stream_id`, docs/lanes.md): a
 `LaneSocket` opens the socket with its first lane's first turn, and one reader task hands each
 frame to the lane its `stream_id` names, as the SDKs' WebSocket sessions do
-(sim/client/client.py's `share_socket` puts clients on one)."""
+(sim/client/websocket.py's `share_socket` puts clients on one)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ __all__ = ["LaneSocket", "TextSocket"]
 
 
 class TextSocket(Protocol):
-    """What `WSClient` needs of a WebSocket (aiohttp's client socket, or an in-process pair)."""
+    """What a `WSSocket` (sim/client/websocket.py) needs of a WebSocket (aiohttp's client socket, or an
+    in-process pair)."""
 
     async def send_str(self, data: str) -> None: ...
 
@@ -31,16 +32,18 @@ class LaneSocket:
     """One WebSocket shared by several lanes: one reader task routes every frame to the lane
     its `stream_id` names (frames without one go to the default lane), as the SDKs' WebSocket
     sessions do. The socket opens with the first lane's first turn and closes when the last
-    lane closes."""
+    of its `lanes` closes."""
 
-    def __init__(self, connect: Callable[[], Awaitable[TextSocket]], close: Callable[[], Awaitable[Any]]) -> None:
+    def __init__(
+        self, connect: Callable[[], Awaitable[TextSocket]], close: Callable[[], Awaitable[Any]], *, lanes: int
+    ) -> None:
         self._connect = connect
         self._close = close
         self._ws: TextSocket | None = None
         self._opening: asyncio.Lock | None = None
         self._reader: asyncio.Task[None] | None = None
         self._inboxes: dict[str | None, asyncio.Queue[aiohttp.WSMessage]] = {}
-        self._open_lanes = 0
+        self._open_lanes = lanes  # lanes not yet released
 
     def lane(self, stream_id: str | None) -> _LaneEnd:
         inbox = self._inboxes.setdefault(stream_id, asyncio.Queue())

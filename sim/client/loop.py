@@ -19,9 +19,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from prototype.clock import Clock
-from sim.client.client import ResponsesClient, WSClient
+from sim.client.client import ResponsesClient
 from sim.client.reconnect import cut_error, lost_input
+from sim.client.steer import SteerDriver
 from sim.client.tools import SimulatedTools, ToolRunner
+from sim.client.websocket import AsyncDriver
 from sim.rollout.result import InterjectionRecord, Mode, RolloutResult, TurnResult, tool_outputs
 from sim.rollout.spec import EXEC_TOOL, RolloutSpec
 
@@ -100,7 +102,7 @@ async def run_interjected(
     turn, in every mode alike."""
     tools = tools or SimulatedTools()
     settings = _settings(client.mode, spec, model, store, context_management)
-    steering = bool(getattr(client, "steering", False))
+    steerer = client if isinstance(client, SteerDriver) and client.steering else None
     planned = {interjection.turn: interjection for interjection in spec.interjections}
     result = RolloutResult(client.mode, spec.index, clock.now(), 0.0)
     items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": spec.task}]
@@ -109,8 +111,8 @@ async def run_interjected(
     turn = 0
     while True:
         interjection = planned.get(turn)
-        if interjection is not None and steering:
-            client.arm(interjection)  # type: ignore[attr-defined]
+        if interjection is not None and steerer is not None:
+            steerer.arm(interjection)
         outcome = await client.turn(items, **settings)
         if lost_input(outcome):
             raise cut_error(outcome)
@@ -118,13 +120,13 @@ async def run_interjected(
         for record in carried:
             record.seen_at = outcome.first_token_at
         carried = []
-        if interjection is not None and not steering:
+        if interjection is not None and steerer is None:
             start = outcome.first_token_at if outcome.first_token_at is not None else outcome.sent_at
             record = InterjectionRecord(interjection, start + interjection.delay_s)
             held.append(record)
             result.interjections.append(record)
         if turn >= len(spec.tool_times_s) or not outcome.call_ids:
-            held += client.disarm() if steering else []  # type: ignore[attr-defined]
+            held += steerer.disarm() if steerer is not None else []
             if not held:
                 break
             last = max(record.arrived_at for record in held)
@@ -142,8 +144,8 @@ async def run_interjected(
         items += [record.interjection.message() for record in carried]
         turn += 1
     result.finished_at = clock.now()
-    if steering:
-        state = client.steer_state  # type: ignore[attr-defined]
+    if steerer is not None:
+        state = steerer.steer_state
         result.interjections.extend(state.records)
         result.tokens_discarded, result.successors = state.tokens_discarded, state.successors
     return result
@@ -175,7 +177,7 @@ def exposed_s(spans: Sequence[tuple[float, float]], hidden_by: Sequence[tuple[fl
 
 
 async def run_async_rollout(
-    client: WSClient,
+    client: AsyncDriver,
     clock: Clock,
     spec: RolloutSpec,
     *,

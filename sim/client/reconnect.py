@@ -36,7 +36,8 @@ from msgspec import Meta
 
 from prototype.clock import Clock
 from prototype.wire.schemas import ErrorEvent, ResponseInjectFailed, StageReport, decode_server_event
-from sim.client.client import ResponsesClient, WSClient
+from sim.client.client import ResponsesClient
+from sim.client.websocket import WSClient
 from sim.rollout.result import ClientError, Mode, Reconnect, ReconnectReason, TurnResult
 
 __all__ = [
@@ -111,7 +112,7 @@ class RotatingClient:
     mode: Mode = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.client.mode not in RECONNECTING_MODES or self.client.lanes is not None:
+        if self.client.mode not in RECONNECTING_MODES or self.client.socket.lanes is not None:
             raise ValueError(f"reconnects are modeled for solo ws, append and inject clients, not {self.client.mode}")
         self.mode = self.client.mode
 
@@ -123,11 +124,11 @@ class RotatingClient:
             if _cut_reason(result) is not None:
                 raise cut_error(result)
             return result
-        if c.ws is not None and self._dead:
+        if c.socket.ws is not None and self._dead:
             moved = await self._reopen("cut")
-        elif c.ws is not None and c.paused_id is None and self._age() >= self.lifetime_s - self.margin_s:
+        elif c.socket.ws is not None and c.paused_id is None and self._age() >= self.lifetime_s - self.margin_s:
             moved = await self._reopen("rotate")
-        if c.ws is None:
+        if c.socket.ws is None:
             self.opened_at = self.clock.now()
         for _ in range(MAX_MOVES):
             resumed = c.paused_id is not None
@@ -144,7 +145,7 @@ class RotatingClient:
             # The tool outputs went to a response that had ended: restart the turn as a create, on
             # this socket if it lives on (a pause timeout), else on a new one.
             if cut == "append_timeout" and await self._answered():
-                c.paused_id, c._waiting = None, None
+                c.forget_pause()
                 moved = self._moved("restart", 0.0)
             else:
                 moved = await self._reopen("cut")
@@ -159,7 +160,7 @@ class RotatingClient:
     async def _answered(self) -> bool:
         """After a resume that met an ended response: read on to the server's refusal of it (an
         `error` or `response.inject.failed`). True: the socket lives on; False: it is closing."""
-        ws = self.client.ws
+        ws = self.client.socket.ws
         assert ws is not None
         while True:
             msg = await ws.receive()
@@ -181,14 +182,9 @@ class RotatingClient:
 
     async def _reopen(self, reason: ReconnectReason) -> Reconnect:
         """Close the socket and open the next one; what waited on the old one is gone."""
-        c = self.client
         start = self.clock.now()
-        if c.ws is not None:
-            await c.ws.close()
-        await c._close_session()
-        c.ws, c.session = None, None
-        c.paused_id, c._waiting = None, None
-        c.ws = await c._connect()
+        self.client.forget_pause()
+        await self.client.socket.reopen()
         self.opened_at = self.clock.now()
         self._dead = False
         return self._moved(reason, self.opened_at - start)
@@ -201,7 +197,7 @@ def session_client(client: ResponsesClient, clock: Clock, session: SessionConfig
     """`client` as `session` keeps it: a solo `ws`, `append` or `inject` client inside a
     `RotatingClient` for the server's connection `lifetime_s`; any other client as it is (HTTP has no
     connection limit; lanes, `async` and `steer` are not modeled across it)."""
-    if isinstance(client, WSClient) and client.mode in RECONNECTING_MODES and client.lanes is None:
+    if isinstance(client, WSClient) and client.mode in RECONNECTING_MODES and client.socket.lanes is None:
         return RotatingClient(client, clock, lifetime_s, session.rotate_margin_s, enabled=session.reconnect)
     return client
 

@@ -1,6 +1,7 @@
-"""Folding a server event stream into a `TurnResult`: the part every measuring client shares
-(sim/client/client.py's HTTP and WebSocket clients, sim/client/agents_client.py's). Decodes
-nothing itself: it sees the msgspec events the server encodes with."""
+"""Folding a server event stream into a `TurnResult`, and the history a client keeps across
+turns: the parts every measuring client shares (sim/client/client.py's HTTP clients,
+sim/client/websocket.py's and sim/client/steer.py's WebSocket drivers, sim/client/agents_client.py's).
+Decodes nothing itself: it sees the msgspec events the server encodes with."""
 
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from prototype.wire.schemas import (
     ResponseFailed,
     ResponseIncomplete,
     ServerEvent,
+    encode,
 )
 from sim.rollout.result import ClientError, TurnResult
 
-__all__ = ["TERMINALS", "TOKEN_DELTAS", "Tracker"]
+__all__ = ["TERMINALS", "TOKEN_DELTAS", "History", "Tracker"]
 
 TOKEN_DELTAS: Final = (OutputTextDelta, FunctionCallArgumentsDelta)
 
@@ -88,3 +90,32 @@ class Tracker:
             self.items,
             self.log,
         )
+
+
+class History:
+    """What a client keeps across turns: input so far + outputs so far and the last response's
+    id; with `encoded`, each item's JSON too, made once, so a body that resends them copies bytes."""
+
+    def __init__(self, *, encoded: bool = False) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.encoded: list[msgspec.Raw] | None = [] if encoded else None
+        self.previous_id: str | None = None
+
+    def record(self, sent: list[dict[str, Any]], result: TurnResult) -> None:
+        self.items.extend(sent)
+        self.items.extend(result.output_items)
+        if self.encoded is not None:
+            self.encoded.extend(msgspec.Raw(encode(item)) for item in (*sent, *result.output_items))
+        self.previous_id = result.response.id
+        if any(item.get("type") == "compaction" for item in result.output_items):
+            # The compaction guide's latency tip: what came before the latest compaction item,
+            # but user messages, is not resent (the item stands for it; the server would drop it).
+            last = max(i for i, item in enumerate(self.items) if item.get("type") == "compaction")
+            keep = [i for i, item in enumerate(self.items) if i >= last or _is_user_message(item)]
+            self.items = [self.items[i] for i in keep]
+            if self.encoded is not None:
+                self.encoded = [self.encoded[i] for i in keep]
+
+
+def _is_user_message(item: dict[str, Any]) -> bool:
+    return item.get("type", "message") == "message" and item.get("role") == "user"

@@ -51,10 +51,11 @@ from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import COMPACT_THRESHOLD_MIN
 from sim.analysis.metrics import ModeSummary, PairSummary, headline, pair_summaries, summarize
-from sim.client.client import ResponsesClient, WSClient, open_client, share_socket
+from sim.client.client import ResponsesClient, open_client
 from sim.client.loop import run_async_rollout, run_rollout
 from sim.client.reconnect import SessionConfig, session_client
 from sim.client.tools import ToolRunner, tool_runner
+from sim.client.websocket import AsyncDriver, WSClient, share_socket
 from sim.engine.backend import check_installed, engine_limits, engine_model
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineModel, EngineTurn
@@ -645,7 +646,7 @@ class _Scheduler:
                 # Without the state cache, `ws` continues from the store, so it must store.
                 store = mode == "http_prev" or (mode == "ws" and Optimization.STATE_CACHE in config.server.disable)
                 store = store if config.session.store_responses is None else config.session.store_responses
-                if isinstance(client, WSClient) and client.overlap:
+                if isinstance(client, AsyncDriver):
                     result = await run_async_rollout(
                         client, clock, spec, model="sim", tools=tools, context_management=self._context_management
                     )

@@ -49,8 +49,9 @@ from prototype.wire.errors import ProtocolError
 from prototype.wire.schemas import ServerEvent, decode_server_event, encode
 from prototype.wire.sse import SSEDecoder, encode_event
 from sim.client.agents_client import AgentsClient
-from sim.client.client import HTTPClient, ResponsesClient, WSClient, upgrade_refused
+from sim.client.client import HTTPClient, ResponsesClient, ws_client
 from sim.client.lanes import TextSocket
+from sim.client.websocket import WSSocket, upgrade_refused
 from sim.rollout.result import WS_MODES, ClientError, Mode
 from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 
@@ -216,7 +217,7 @@ class _ServerSocket:
 
 
 class _ClientSocket:
-    """The client's end: `TextSocket` for `WSClient`."""
+    """The client's end: `TextSocket` for `WSSocket`."""
 
     def __init__(
         self,
@@ -422,7 +423,7 @@ class _InProcessHTTP(HTTPClient):
                 await task
 
 
-class _InProcessWS(WSClient):
+class _InProcessWS(WSSocket):
     def __init__(
         self,
         server: InProcessServer,
@@ -432,7 +433,7 @@ class _InProcessWS(WSClient):
         super().__init__("inprocess://", clock, mode=mode)
         self.server = server
 
-    async def _connect(self) -> TextSocket:
+    async def connect(self) -> TextSocket:
         server = self.server
         headers = self.upgrade_headers()
         query = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(self.url).query))
@@ -606,7 +607,7 @@ class InProcessServer:
         if mode in ("http", "http_prev"):
             return _InProcessHTTP(self, clock, chained=mode == "http_prev")
         if mode in WS_MODES:
-            return _InProcessWS(self, clock, mode)
+            return ws_client(_InProcessWS(self, clock, mode))
         if mode == "agents":
             return _InProcessAgents(self, clock)
         raise ValueError(f"unknown mode {mode!r}")

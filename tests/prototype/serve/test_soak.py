@@ -42,8 +42,9 @@ from prototype.wire.schemas import (
     ServerEvent,
     decode_server_event,
 )
-from sim.client.client import HTTPClient, WSClient
+from sim.client.client import HTTPClient, ws_client
 from sim.client.lanes import TextSocket
+from sim.client.websocket import WSClient, WSSocket
 from sim.rollout.result import MODES, Mode, tool_outputs
 from tests.support import EXEC_TOOL, Live, live_server
 
@@ -80,13 +81,13 @@ class RecordingSocket:
         return await self.inner.close()
 
 
-class RecordingWS(WSClient):
+class RecordingWS(WSSocket):
     def __init__(self, *args: Any, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.received: list[ServerEvent] = []
 
-    async def _connect(self) -> TextSocket:
-        return RecordingSocket(await super()._connect(), self.received)
+    async def connect(self) -> TextSocket:
+        return RecordingSocket(await super().connect(), self.received)
 
 
 class RecordingHTTP(HTTPClient):
@@ -110,11 +111,13 @@ class Tally:
 
 async def rollout(live: Live, mode: Mode, index: int) -> tuple[Mode, list[ServerEvent]]:
     clock = AsyncioClock()
-    client: RecordingHTTP | RecordingWS
+    client: RecordingHTTP | WSClient
     if mode in ("http", "http_prev"):
         client = RecordingHTTP(live.base_url, clock, chained=mode == "http_prev")
+        received = client.received
     else:
-        client = RecordingWS(live.base_url, clock, mode=mode)
+        socket = RecordingWS(live.base_url, clock, mode=mode)
+        client, received = ws_client(socket), socket.received
     settings = {"model": "sim", "tools": [EXEC_TOOL], "instructions": "You are a coding agent.", "store": True}
     items: list[dict[str, Any]] = [{"role": "user", "content": f"Task {index}: fix the failing test."}]
     try:
@@ -126,7 +129,7 @@ async def rollout(live: Live, mode: Mode, index: int) -> tuple[Mode, list[Server
         assert not items, f"{mode} rollout {index} did not reach its text answer"
     finally:
         await client.close()
-    return mode, client.received
+    return mode, received
 
 
 def check(mode: Mode, events: list[ServerEvent], tally: Tally) -> None:

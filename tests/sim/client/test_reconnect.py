@@ -12,9 +12,9 @@ import pytest
 from prototype.config import ServerConfig, WebSocketConfig
 from prototype.store.memory import MemoryStore
 from prototype.wire.schemas import StageReport
-from sim.client.client import WSClient
 from sim.client.loop import run_rollout
 from sim.client.reconnect import RotatingClient
+from sim.client.websocket import WSClient
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
 from sim.rollout.result import ClientError, RolloutResult, TurnResult

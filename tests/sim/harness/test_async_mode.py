@@ -21,8 +21,8 @@ from prototype.ws.connection import Connection
 from prototype.ws.events import AckInject, ArmPauseTimer, ResumeJob, StartJob, TakeInput
 from prototype.ws.lanes import CS
 from sim.__main__ import main, run
-from sim.client.client import WSClient
 from sim.client.loop import exposed_s
+from sim.client.websocket import AsyncDriver
 from sim.harness import experiment
 from sim.harness.experiment import CompareConfig
 from sim.model import config as model_config
@@ -192,7 +192,7 @@ def test_an_output_injected_during_a_later_turn_is_committed_after_its_call() ->
 
     async def go() -> None:
         client = server.client("async", clock)
-        assert isinstance(client, WSClient)
+        assert isinstance(client, AsyncDriver)
         try:
             await client.begin(TASK, **SETTINGS)
             first = await client.next_turn()
@@ -238,7 +238,7 @@ def test_an_output_that_never_arrives_times_the_response_out() -> None:
 
     async def go() -> None:
         client = server.client("async", clock)
-        assert isinstance(client, WSClient)
+        assert isinstance(client, AsyncDriver)
         try:
             await client.begin(TASK, **SETTINGS)
             first = await client.next_turn()
