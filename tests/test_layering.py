@@ -314,7 +314,6 @@ def test_this_python_has_the_private_loop_state_the_virtual_loop_reads() -> None
 MAX_CLASS_LINES = 300  # a class past this does more than one job (issue 54)
 HARD_CLASS_LINES = 400  # h11's `Connection` is about 500 lines; no class goes past this, listed or not
 OVER_300: dict[str, str] = {  # class -> its issue: to be split along a seam, then struck from this list
-    "sim/client/client.py::WSClient": "issue 54",
 }
 
 
