@@ -530,6 +530,14 @@ class _InProcessAgents(AgentsClient):
 
         return chunks()
 
+    async def _turn(self, session_id: str, turn_id: str) -> dict[str, Any]:
+        self._admit()
+        try:
+            reply = await self.server.agents.get_turn(session_id, turn_id)
+        except ProtocolError as err:
+            raise _reply_error(JSONReply.error(err)) from None
+        return msgspec.json.decode(reply.body)  # type: ignore[no-any-return]
+
     async def _post(self, session_id: str, data: bytes, key: str) -> None:
         if self.server.tap is not None:
             self.server.tap("up", data)
