@@ -255,6 +255,7 @@ def profiled() -> contextlib.AbstractAsyncContextManager[tuple[int, web.Applicat
 
 
 @pytest.mark.slow
+@pytest.mark.wire_unchecked  # the fit reads the loopback's times: per-event validation would be measured in them
 @pytest.mark.timeout(
     480
 )  # about a minute of live rollouts, then a fit and the virtual comparisons, on a loaded machine
