@@ -1,6 +1,7 @@
 """Shared helpers of the recorder's and calibration's tests: openai-python's agent loops in the
-three modes a user can record, the recorder on an ephemeral port, and captures drawn from random
-cost profiles (the http and ws turns of a virtual run, as a proxy would see them)."""
+three modes a user can record, the recorder on an ephemeral port, captures drawn from random
+cost profiles (the http and ws turns of a virtual run, as a proxy would see them), and the server
+running a cost profile no preset holds that the chains to a prediction start from."""
 
 from __future__ import annotations
 
@@ -17,9 +18,15 @@ import pytest
 from aiohttp import web
 from openai import AsyncOpenAI
 
+from prototype.config import ServerConfig
 from prototype.pipeline import PROFILES, CostProfile
+from prototype.serve.app import make_app
+from prototype.serve.wallclock import AsyncioClock
+from prototype.store.memory import MemoryStore
 from sim.analysis.records import TurnRecord, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare
+from sim.model.accelerator import SimulatedModel
+from sim.model.policy import DefaultPolicy
 from sim.record.proxy import Recorder, make_recorder_app
 
 NOISE: Final = 0.05
@@ -284,3 +291,44 @@ def drawn_capture(profile: CostProfile, model: dict[str, float], seed: int) -> l
             )
         )
     return out
+
+
+# A profile no preset holds, for the chains from a live server to a prediction
+# (tests/sim/measure/test_driver.py, tests/sim/harness/test_predict.py): hosted's shape at other
+# sizes (waits of 45 to 270 ms), large enough beside the loopback's own CPU time (server, recorder
+# and client share one process) on a shared machine for the fit to follow the profile.
+OWN_PROFILE: Final = CostProfile(
+    name="own",
+    rtt_s=0.090,
+    uplink_bytes_per_s=5e6,
+    auth_s=0.075,
+    routing_s=0.150,
+    validate_s_per_token=1e-5,
+    state_load_s=0.060,
+    safety_call_s=0.180,
+    safety_s_per_token=1e-5,
+    inference_hop_s=0.045,
+    billing_s=0.270,
+)
+OWN_MODEL: Final = {"tps": 800.0, "prefill_tok_per_s": 8000.0, "model_latency_s": 0.15}
+_PREDICTED: Final = re.compile(r"^(\w+)\s+(-?[\d.]+) %\s+(-?[\d.]+) %–(-?[\d.]+) %", re.M)
+
+
+def own_profile_app() -> web.Application:
+    """longrun's server on the wall clock running `OWN_PROFILE` over a model of `OWN_MODEL`'s rates
+    (three tool calls a rollout)."""
+    clock = AsyncioClock()
+    model = SimulatedModel(
+        clock=clock,
+        policy=DefaultPolicy(tool_calls=3),
+        seed=3,
+        decode_tok_per_s=OWN_MODEL["tps"],
+        prefill_tok_per_s=OWN_MODEL["prefill_tok_per_s"],
+        model_latency_s=OWN_MODEL["model_latency_s"],
+    )
+    return make_app(model=model, store=MemoryStore(), clock=clock, config=ServerConfig(profile=OWN_PROFILE), seed=3)
+
+
+def predicted_saved(out: str) -> dict[str, tuple[float, float, float]]:
+    """`sim calibrate --predict`'s table: each mode's time saved and its interval, as fractions."""
+    return {m: (float(s) / 100, float(lo) / 100, float(hi) / 100) for m, s, lo, hi in _PREDICTED.findall(out)}

@@ -12,8 +12,12 @@ Per step the client reads what append mode's client reads: the turn's response a
 reports it at the pause or the end (longrun's `longrun` extension field on those events: usage
 and stage timings, the output trimmed), the function calls (whole in `turn.item.added`: there
 are no argument deltas, so a step that ends in a call has its first token at that event) and the
-messages. Subclasses replace `_create` and `_post` to carry the same bodies over another
-transport (sim.runtime.inprocess).
+messages. Subclasses replace `_create`, `_subscribe`, `_turn` and `_post` to carry the same
+bodies over another transport (sim.runtime.inprocess).
+
+A turn that ends while the tools run (the server's pause timeout fails it with `request_timeout`)
+no longer holds the calls, and the POST of their results is refused `Unknown pending tool call`;
+the client then reads the turn (`GET .../turns/{id}`) and reports its error, not the refusal.
 """
 
 from __future__ import annotations
@@ -96,8 +100,33 @@ class AgentsClient:
             data = encode({"events": events})
             tracker = Tracker(self.clock, self.clock.now(), len(data))
             self._posts += 1
-            await self._post(self.session_id, data, f"{self.session_id}-{self._posts}")
+            try:
+                await self._post(self.session_id, data, f"{self.session_id}-{self._posts}")
+            except ClientError as exc:
+                raise await self._ended_under(exc) from None
         return await self._read(tracker)
+
+    async def _ended_under(self, refused: ClientError) -> ClientError:
+        """The error to report for tool results the server refused as `Unknown pending tool call`.
+
+        This client posts results only after `requires_action`, when the calls are registered, so
+        the refusal means the turn ended while the tools ran (the pause timeout: `request_timeout`).
+        The turn as `GET .../turns/{id}` shows it says why; a failed turn's error (as its stream's
+        `error` event gives it, status 400 as a stream error's) is the rollout's. The API takes no
+        result for a call of an ended turn, so the turn cannot be resumed with them."""
+        body = refused.body.get("error") if isinstance(refused.body, dict) else None
+        if refused.status != 400 or not isinstance(body, dict):
+            return refused
+        if not str(body.get("message", "")).startswith("Unknown pending tool call"):
+            return refused
+        assert self.session_id is not None and self.turn_id is not None
+        turn = await self._turn(self.session_id, self.turn_id)
+        error = turn.get("error")
+        if turn.get("status") != "failed" or not isinstance(error, dict):
+            return refused
+        self._idle = True  # the session went idle after the turn's end
+        message = f"turn {self.turn_id} failed before its tool results were sent: {error.get('message')}"
+        return ClientError(400, {"type": "server_error", "code": error.get("code"), "message": message})
 
     def _input(self, item: dict[str, Any]) -> dict[str, Any]:
         if item.get("type") == "function_call_output":
@@ -185,6 +214,14 @@ class AgentsClient:
                 resp.close()
 
         return chunks()
+
+    async def _turn(self, session_id: str, turn_id: str) -> dict[str, Any]:
+        """`GET .../turns/{turn_id}`: the turn as the server keeps it."""
+        assert self.http is not None
+        async with self.http.get(f"{self.url}/{session_id}/turns/{turn_id}", headers=self._headers()) as resp:
+            if resp.status != 200:
+                raise ClientError(resp.status, await resp.json())
+            return await resp.json()  # type: ignore[no-any-return]
 
     async def _post(self, session_id: str, data: bytes, key: str) -> None:
         assert self.http is not None

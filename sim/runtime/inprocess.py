@@ -116,33 +116,30 @@ def _charges(costs: LiveCosts | None) -> _LiveCharges | None:
     return None if costs is None else _LiveCharges(costs)
 
 
-class _Line:
-    """What lies between a WebSocket's two ends: the intermediary's idle timer (`idle_timeout_s`)
-    and the server's pings (`ping_interval_s`), each if set. `up`/`down` for every frame."""
+class _Watched:
+    """What lies on one in-process connection, each if set: the intermediary's idle timer
+    (`idle_timeout_s`) and the server's keepalive (WebSocket pings or SSE comments, every
+    `keepalive_s`). `heard()` for a frame that resets both; a keepalive sent counts as a frame
+    either way (a ping and its pong, or the comment). A cut is kept in `server.cuts`, stops both
+    timers, then `_on_cut()` tells the connection."""
 
-    __slots__ = ("cut", "keepalive", "server", "watch")
+    __slots__ = ("keepalive", "server", "watch")
 
-    def __init__(self, server: InProcessServer, mode: str, cut: Callable[[], None]) -> None:
+    def __init__(
+        self, server: InProcessServer, kind: Literal["websocket", "sse"], mode: str, keepalive_s: float | None
+    ) -> None:
         self.server = server
-        self.cut = cut
-        config = server.config
-        self.watch = (
-            IdleWatch(config.idle_timeout_s, self._cut, kind="websocket", mode=mode) if config.idle_timeout_s else None
-        )
-        every = config.websocket.ping_interval_s
-        self.keepalive = Keepalive(every, self._ping) if every is not None else None
+        timeout_s = server.config.idle_timeout_s
+        self.watch = IdleWatch(timeout_s, self._cut, kind=kind, mode=mode) if timeout_s else None
+        self.keepalive = Keepalive(keepalive_s, self._kept) if keepalive_s is not None else None
 
-    def up(self) -> None:
+    def heard(self) -> None:
         if self.watch is not None:
             self.watch.frame()
         if self.keepalive is not None:
             self.keepalive.heard()
 
-    def down(self) -> None:
-        if self.watch is not None:
-            self.watch.frame()
-
-    def _ping(self) -> None:  # the ping down and the client's pong up, at once
+    def _kept(self) -> None:
         self.server.keepalives += 1
         if self.watch is not None:
             self.watch.frame()
@@ -150,13 +147,37 @@ class _Line:
     def _cut(self, cut: IdleCut) -> None:
         self.server.cuts.append(cut)
         self.close()
-        self.cut()
+        self._on_cut()
+
+    def _on_cut(self) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         if self.watch is not None:
             self.watch.stop()
         if self.keepalive is not None:
             self.keepalive.stop()
+
+
+class _Line(_Watched):
+    """What lies between a WebSocket's two ends (`_Watched`, the keepalive the server's pings,
+    `ping_interval_s`): `up()` for every frame from the client (it also resets the pings, as
+    aiohttp's heartbeat), `down()` for every frame from the server."""
+
+    __slots__ = ("cut",)
+
+    def __init__(self, server: InProcessServer, mode: str, cut: Callable[[], None]) -> None:
+        super().__init__(server, "websocket", mode, server.config.websocket.ping_interval_s)
+        self.cut = cut
+
+    up = _Watched.heard
+
+    def down(self) -> None:
+        if self.watch is not None:
+            self.watch.frame()
+
+    def _on_cut(self) -> None:
+        self.cut()
 
 
 class _ServerSocket:
@@ -262,23 +283,17 @@ class _ClientSocket:
         self.inbox.put_nowait(_CLOSED)
 
 
-class _Stream:
-    """What lies on one SSE stream: the intermediary's idle timer (`idle_timeout_s`) and the
-    server's comments (`sse_keepalive_s`), each if set. `frame()` for every chunk sent; the
-    reader learns of a cut from `wake` (called once) or `next`."""
+class _Stream(_Watched):
+    """What lies on one SSE stream (`_Watched`, the keepalive the server's comments,
+    `sse_keepalive_s`): `frame()` for every chunk sent; the reader learns of a cut from `wake`
+    (called once) or `next`."""
 
-    __slots__ = ("cut", "keepalive", "server", "wake", "watch")
+    __slots__ = ("cut", "wake")
 
     def __init__(self, server: InProcessServer, mode: str, wake: Callable[[], None] | None = None) -> None:
-        self.server = server
-        self.wake = wake
         self.cut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        config = server.config
-        self.watch = (
-            IdleWatch(config.idle_timeout_s, self._cut, kind="sse", mode=mode) if config.idle_timeout_s else None
-        )
-        every = config.sse_keepalive_s
-        self.keepalive = Keepalive(every, self._comment) if every is not None else None
+        self.wake = wake
+        super().__init__(server, "sse", mode, server.config.sse_keepalive_s)
 
     @classmethod
     def of(cls, server: InProcessServer, mode: str, wake: Callable[[], None] | None = None) -> _Stream | None:
@@ -286,20 +301,9 @@ class _Stream:
         config = server.config
         return cls(server, mode, wake) if config.idle_timeout_s or config.sse_keepalive_s is not None else None
 
-    def frame(self) -> None:
-        if self.watch is not None:
-            self.watch.frame()
-        if self.keepalive is not None:
-            self.keepalive.heard()
+    frame = _Watched.heard
 
-    def _comment(self) -> None:
-        self.server.keepalives += 1
-        if self.watch is not None:
-            self.watch.frame()
-
-    def _cut(self, cut: IdleCut) -> None:
-        self.server.cuts.append(cut)
-        self.close()
+    def _on_cut(self) -> None:
         self.cut.set_result(None)
         if self.wake is not None:
             self.wake()
@@ -316,12 +320,6 @@ class _Stream:
             task.cancel()
             raise self.dropped()
         return task.result()
-
-    def close(self) -> None:
-        if self.watch is not None:
-            self.watch.stop()
-        if self.keepalive is not None:
-            self.keepalive.stop()
 
 
 def _end(*channels: _Channel[Any]) -> None:
@@ -530,6 +528,14 @@ class _InProcessAgents(AgentsClient):
                 reply.runner.unsubscribe(reply.feed)
 
         return chunks()
+
+    async def _turn(self, session_id: str, turn_id: str) -> dict[str, Any]:
+        self._admit()
+        try:
+            reply = await self.server.agents.get_turn(session_id, turn_id)
+        except ProtocolError as err:
+            raise _reply_error(JSONReply.error(err)) from None
+        return msgspec.json.decode(reply.body)  # type: ignore[no-any-return]
 
     async def _post(self, session_id: str, data: bytes, key: str) -> None:
         if self.server.tap is not None:

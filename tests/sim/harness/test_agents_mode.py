@@ -82,6 +82,7 @@ async def test_the_client_over_loopback_follows_a_second_turn() -> None:
     """The measuring client itself over a real socket: the create's stream to the answer, then a
     message to the idle session, read on a `GET .../events` subscription."""
     from prototype.serve.wallclock import AsyncioClock
+    from sim.client.agents_client import AgentsClient
     from sim.client.client import open_client
     from sim.rollout.result import tool_outputs
     from sim.rollout.spec import EXEC_TOOL
@@ -102,5 +103,8 @@ async def test_the_client_over_loopback_follows_a_second_turn() -> None:
             again = await client.turn([{"type": "message", "role": "user", "content": "And now?"}], **settings)
             assert again.response.status == "completed" and again.response.id != results[-1].response.id
             assert again.output_items and again.output_items[-1]["type"] == "message"
+            assert isinstance(client, AgentsClient) and client.session_id and client.turn_id
+            turn = await client._turn(client.session_id, client.turn_id)  # what it reads of a turn that failed
+            assert turn["id"] == client.turn_id and turn["status"] == "completed"
         finally:
             await client.close()

@@ -11,71 +11,42 @@ convex cost too mild for the poor-fit alarm is a stated misfit, the model's own 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
-from typing import Final
 
 import msgspec
 import pytest
 from openai import AsyncOpenAI
 
-from prototype.config import ServerConfig
-from prototype.pipeline import CostProfile
-from prototype.serve.app import make_app
-from prototype.serve.wallclock import AsyncioClock
-from prototype.store.memory import MemoryStore
 from sim.__main__ import main
 from sim.analysis.calibrate import fit
 from sim.analysis.records import TurnRecord
 from sim.harness.experiment import CompareConfig, compare
 from sim.harness.predict import time_saved, trend_misfit, trust_notes
-from sim.model.accelerator import SimulatedModel
-from sim.model.policy import DefaultPolicy
 from sim.rollout.replay import load_trace
-from tests.recording import draw_profile, drawn_capture, http_flow, recording, ws_flow
-from tests.support import REPO, served
-
-# A profile no preset holds: hosted's shape at other sizes (waits of 45 to 270 ms), large enough
-# beside the loopback's own CPU time (server, recorder and client share this process) on a
-# shared machine for the fit to follow the profile.
-PROFILE: Final = CostProfile(
-    name="recorded",
-    rtt_s=0.090,
-    uplink_bytes_per_s=5e6,
-    auth_s=0.075,
-    routing_s=0.150,
-    validate_s_per_token=1e-5,
-    state_load_s=0.060,
-    safety_call_s=0.180,
-    safety_s_per_token=1e-5,
-    inference_hop_s=0.045,
-    billing_s=0.270,
+from tests.recording import (
+    OWN_MODEL,
+    OWN_PROFILE,
+    draw_profile,
+    drawn_capture,
+    http_flow,
+    own_profile_app,
+    predicted_saved,
+    recording,
+    ws_flow,
 )
-MODEL: Final = {"tps": 800.0, "prefill_tok_per_s": 8000.0, "model_latency_s": 0.15}
+from tests.support import REPO, served
 
 
 async def _record(out: Path, conversations: int) -> None:
-    clock = AsyncioClock()
-    model = SimulatedModel(
-        clock=clock,
-        policy=DefaultPolicy(tool_calls=3),
-        seed=3,
-        decode_tok_per_s=MODEL["tps"],
-        prefill_tok_per_s=MODEL["prefill_tok_per_s"],
-        model_latency_s=MODEL["model_latency_s"],
-    )
-    app = make_app(model=model, store=MemoryStore(), clock=clock, config=ServerConfig(profile=PROFILE), seed=3)
-    async with served(app) as port, recording(f"http://127.0.0.1:{port}", out) as (base, _):
+    async with served(own_profile_app()) as port, recording(f"http://127.0.0.1:{port}", out) as (base, _):
         async with AsyncOpenAI(api_key="sk-test", base_url=base, max_retries=0, timeout=30) as c:
             for k in range(conversations):
                 await http_flow(c, f"Conversation {k}: list the files.")
                 await ws_flow(c, f"Conversation {k}: read the logs.")
 
 
-_ROW: Final = re.compile(r"^(\w+)\s+(-?[\d.]+) %\s+(-?[\d.]+) %–(-?[\d.]+) %", re.M)
-
-
 @pytest.mark.slow
+@pytest.mark.wire_unchecked  # the fit reads the loopback's times: per-event validation would be measured in them
 async def test_a_recording_of_http_and_ws_predicts_append_on_the_recorded_workload(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -87,9 +58,9 @@ async def test_a_recording_of_http_and_ws_predicts_append_on_the_recorded_worklo
     code = main(["calibrate", str(capture), "--predict", "--trace", str(workload), "--refits", "4"])
     out = capsys.readouterr().out
     assert code == 0, out
-    predicted = {m: (float(s) / 100, float(lo) / 100, float(hi) / 100) for m, s, lo, hi in _ROW.findall(out)}
+    predicted = predicted_saved(out)
     assert "http_prev  not predicted: state_load_s is not identified" in out  # no http_prev was recorded
-    config = CompareConfig.of(trace=str(workload), modes=("http", "ws", "append"), profile=PROFILE, **MODEL)
+    config = CompareConfig.of(trace=str(workload), modes=("http", "ws", "append"), profile=OWN_PROFILE, **OWN_MODEL)
     truth = time_saved(compare(config, virtual=True, free_cpu=True).rollouts)
     saved, low, high = predicted["append"]
     assert low <= saved <= high
