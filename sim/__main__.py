@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 import uvloop
@@ -54,7 +54,7 @@ from sim.harness.console import (
     table,
     terminal_table,
 )
-from sim.harness.contention import contention, contention_records, contention_text
+from sim.harness.contention import contention, contention_records, contention_text, fit_elsewhere
 from sim.harness.curve import curve_main, curve_options
 from sim.harness.drift import drift_text
 from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
@@ -232,6 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--contention what-if: predict with the other engine kind's slots (llama.cpp's pinned slots for an "
         "OpenAI-compatible engine, vLLM's paged KV for llama.cpp)",
+    )
+    val.add_argument(
+        "--fit-from",
+        metavar="DIR",
+        help="--contention: fit on this other engine run's http and ws turns (one rollout a slot, the same "
+        "engine) instead of the contention run's own training rollouts",
     )
     val.add_argument(
         "--measured-order",
@@ -556,7 +562,13 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
 
 
 def contention_main(args: argparse.Namespace) -> int:
-    options = {"train_share": args.train_share, "other_slots": args.other_slots}
+    options: dict[str, Any] = {"train_share": args.train_share, "other_slots": args.other_slots}
+    if args.fit_from:  # the engine's rates fitted on another run, read before any engine starts
+        try:
+            options["calibration"] = fit_elsewhere(read_records([Path(args.fit_from)]))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            raise SystemExit(f"python -m sim validate: --fit-from {args.fit_from}: {exc}") from None
+        options["fit_source"] = args.fit_from
     if args.source:  # a saved run: its config, records and the engine's turns
         folder = Path(args.source)
         try:

@@ -99,6 +99,15 @@ class Contention:
     # Per score, over the orders: the range of the median TTFT and turn-time errors.
     ranges: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    fit_source: str = ""  # a fit made on another run (`--fit-from`): that run's folder; "": this run's
+
+
+def fit_elsewhere(records: Sequence[TurnRecord], *, seed: int = 0) -> Calibration:
+    """A fit on another run's `http` and `ws` turns (every rollout of it; the fit keeps its own
+    hold-out): the engine's rates measured where its streams did not share it."""
+    training = [r for r in records if r.mode in TRAIN_MODES]
+    rollouts = {r.rollout for r in training}
+    return fit(training, holdout=0.5 if len(rollouts) < 4 else 0.3, seed=seed)
 
 
 def fitted_step_cost(c: Calibration, slots: int) -> StepCost:
@@ -195,10 +204,15 @@ def contention_records(
     seed: int = 0,
     other_slots: bool = False,
     measured_order: bool = False,
+    calibration: Calibration | None = None,
+    fit_source: str = "",
 ) -> Contention:
     """The contention check on a run's records and engine turns (a run folder's records.jsonl
     and engine.jsonl). `other_slots`: the what-if of the other engine kind's slot semantics;
-    `measured_order` (a run without a stagger): the what-if of the engine's measured order."""
+    `measured_order` (a run without a stagger): the what-if of the engine's measured order.
+    `calibration`: a fit made elsewhere (`fit_elsewhere`: another run of the same engine, one
+    rollout a slot; `fit_source` names it) instead of one on this run's training rollouts, every
+    score still on this run's held-out rollouts."""
     if config.engine.engine_kind == "none":
         raise ValueError("the contention check needs a run measured live on a real engine (--engine)")
     if config.concurrency < config.rollouts or config.ci_width > 0:
@@ -216,7 +230,7 @@ def contention_records(
         notes.append(f"what-if: the other engine kind's slots, {rules.text()}")
     train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
-    c = fit(training, holdout=0.5 if len(train) < 4 else 0.3, seed=seed)
+    c = fit(training, holdout=0.5 if len(train) < 4 else 0.3, seed=seed) if calibration is None else calibration
     blocking = [p for p in c.problems if not p.startswith(POOR_FIT)]
     slots = config.engine.engine_slots
     try:
@@ -224,7 +238,7 @@ def contention_records(
     except ValueError as exc:
         blocking, cost = [str(exc)], None
     if cost is None:
-        return Contention(c, None, rules, arrival, notes, [], train, test, problems=blocking)
+        return Contention(c, None, rules, arrival, notes, [], train, test, problems=blocking, fit_source=fit_source)
     by_mode = {m: _mode_rollouts(m, records, engine_turns) for m in modes}
     for m in modes:  # a failed rollout has no records: predicted without it, and said so
         gone = [r for r in rollouts if r not in by_mode[m].names]
@@ -259,9 +273,11 @@ def contention_records(
         runs = {m: predicted(m, order[m]) for m in modes}
         per_order.append([_set_score(name, members, by_mode, runs, test, seed, one) for name, members in sets])
     if len(per_order) == 1:
-        return Contention(c, cost, rules, arrival, notes, per_order[0], train, test)
+        return Contention(c, cost, rules, arrival, notes, per_order[0], train, test, fit_source=fit_source)
     scores, ranges = _over_orders(per_order)
-    return Contention(c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges)
+    return Contention(
+        c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges, fit_source=fit_source
+    )
 
 
 def _ranks(names: Sequence[str], waits: Sequence[float]) -> dict[str, int]:
@@ -325,10 +341,10 @@ def _over_orders(per_order: list[list[Score]]) -> tuple[list[Score], dict[str, t
 
 def contention_text(v: Contention) -> str:
     c = v.calibration
+    where = f"another run's rollouts ({v.fit_source})" if v.fit_source else f"rollouts {', '.join(v.train_rollouts)}"
     lines = [
-        f"fit on rollouts {', '.join(v.train_rollouts)} ({', '.join(c.modes)}): its coefficients from rollouts "
-        f"{', '.join(c.train_rollouts)}, its own hold-out {', '.join(c.test_rollouts)}; held out here: rollouts "
-        f"{', '.join(v.test_rollouts)}",
+        f"fit on {where} ({', '.join(c.modes)}): its coefficients from rollouts {', '.join(c.train_rollouts)}, its "
+        f"own hold-out {', '.join(c.test_rollouts)}; held out here: rollouts {', '.join(v.test_rollouts)}",
     ]
     if v.problems:
         return "\n".join([*lines, "no usable fit: " + "; ".join(v.problems)])

@@ -15,7 +15,7 @@ from sim.analysis.calibrate import Param
 from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
 from sim.engine.model import EngineTurn
 from sim.fleet.compute import model_step_cost
-from sim.harness.contention import SlotRules, contention_records, contention_text, fitted_step_cost
+from sim.harness.contention import SlotRules, contention_records, contention_text, fit_elsewhere, fitted_step_cost
 from sim.harness.experiment import CompareConfig, compare, config_of
 from sim.model.config import ModelConfig
 from tests.support import REPO
@@ -183,6 +183,35 @@ def test_the_cli_scores_a_saved_contention_run(tmp_path: Path, capsys: pytest.Ca
     (tmp_path / "config.json").write_bytes((folder / "config.json").read_bytes())
     assert main(["validate", "--contention", "--from", str(tmp_path)]) == 2
     assert "engine.jsonl" in capsys.readouterr().err
+
+
+# The page's figures for the fresh staggered run (docs/validation.md): the median per-turn TTFT
+# error of held-out http/ws rollouts and of the held-out design append, on the run's own fit and
+# on a fit of the same engine's uncontended run (`--fit-from`, a variant chosen after looking).
+FRESH: dict[str, tuple[float, float]] = {"own fit": (1.141, 0.636), "uncontended fit": (0.314, 0.195)}
+
+
+@pytest.mark.slow  # two calibration fits
+def test_the_fresh_contention_run_scores_as_the_page_says(capsys: pytest.CaptureFixture[str]) -> None:
+    config, records, turns = _saved("contention-fast")
+    own = contention_records(config, records, turns, seed=config.seed)
+    assert own.orders == 1 and not own.fit_source  # the config's order: one prediction, one score
+    uncontended = REPO / "docs" / "results" / "engine" / "curve" / "verified-k64"
+    elsewhere = contention_records(
+        config, records, turns, seed=config.seed,
+        calibration=fit_elsewhere(read_records([uncontended])), fit_source=str(uncontended),
+    )  # fmt: skip
+    for name, v in (("own fit", own), ("uncontended fit", elsewhere)):
+        held, design = v.scores
+        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
+        assert (held.ttft.value, design.ttft.value) == pytest.approx(FRESH[name], abs=0.001)
+    assert main(["validate", "--contention", "--from", str(REPO / "docs" / "results" / "engine" / "contention-fast"),
+                 "--fit-from", str(uncontended)]) == 0  # fmt: skip
+    assert "fit on another run's rollouts" in capsys.readouterr().out
+    # A --fit-from that is no run: one line, before anything is scored.
+    assert main(["validate", "--contention", "--fit-from", "/nonexistent", "--stagger-s", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--fit-from /nonexistent" in err
 
 
 def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:
