@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
-from sim.analysis.records import records_from_rollouts
-from sim.harness.experiment import CompareConfig, compare
+from sim.analysis.records import read_records, records_from_rollouts
+from sim.harness.experiment import CompareConfig, compare, config_of
 from sim.harness.validate import (
     Score,
     as_capture,
@@ -20,6 +21,7 @@ from sim.harness.validate import (
     validate_records,
     validation_text,
 )
+from tests.support import REPO
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,3 +111,29 @@ def test_a_score_reports_the_tail_beside_the_median() -> None:
     # Fields added later keep their defaults: a Score built the old way still is one.
     old = Score("old", s.ttft, s.turn, 0.0, 5, 3)
     assert math.isnan(old.ttft_p90) and math.isnan(old.turn_max)
+
+
+# docs/validation.md, "The designs in the fast regime": the committed run's measured savings
+# against http (paired 95 % CI) and the simulator's prediction from the fit on its training rollouts.
+FAST_PAGE: dict[str, tuple[float, float, float, float]] = {
+    "ws": (0.061, 0.019, 0.083, 0.057),
+    "append": (0.068, 0.030, 0.104, 0.064),
+}
+
+
+@pytest.mark.slow  # a calibration fit and a CPU-charged virtual comparison of 36 rollouts
+def test_the_committed_fast_run_scores_as_the_page_says() -> None:
+    """Re-scored from its folder: the page's figures, and each predicted saving inside the
+    measured interval (the prediction runs with CPU charged: its last digit moves)."""
+    folder = REPO / "docs" / "results" / "engine" / "fast"
+    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    v = validate_records(read_records([folder]), config, seed=config.seed)
+    assert not v.problems
+    for mode, (saved, low, high, predicted) in FAST_PAGE.items():
+        e = v.measured_saved[mode]
+        assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
+        assert v.predicted_saved[mode] == pytest.approx(predicted, abs=0.005)
+        assert e.ci_low <= v.predicted_saved[mode] <= e.ci_high
+    held, design = v.scores
+    assert (held.turns, held.rollouts, design.turns, design.rollouts) == (84, 6, 84, 12)
+    assert (held.ttft.value, design.ttft.value) == pytest.approx((0.150, 0.149), abs=0.01)
