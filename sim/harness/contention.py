@@ -33,7 +33,7 @@ from typing import Final
 
 import numpy as np
 
-from sim.analysis.calibrate import Calibration, fit
+from sim.analysis.calibrate import Calibration
 from sim.analysis.records import TurnRecord, records_from_rollouts
 from sim.analysis.stats import Estimate
 from sim.engine.config import EngineConfig
@@ -42,7 +42,7 @@ from sim.fleet.compute import StepCost, model_step_cost
 from sim.fleet.predict import TurnPrediction, predict_turns
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS
 from sim.harness.experiment import CompareConfig, CompareResult
-from sim.harness.validate import POOR_FIT, Score, score_lines, score_pairs, split_rollouts
+from sim.harness.validate import POOR_FIT, Score, fit_training, score_lines, score_pairs, split_rollouts
 from sim.model.config import ModelConfig
 
 __all__ = [
@@ -107,7 +107,7 @@ def fit_elsewhere(records: Sequence[TurnRecord], *, seed: int = 0) -> Calibratio
     hold-out): the engine's rates measured where its streams did not share it."""
     training = [r for r in records if r.mode in TRAIN_MODES]
     rollouts = {r.rollout for r in training}
-    return fit(training, holdout=0.5 if len(rollouts) < 4 else 0.3, seed=seed)
+    return fit_training(training, rollouts=len(rollouts), seed=seed)
 
 
 def fitted_step_cost(c: Calibration, slots: int) -> StepCost:
@@ -230,7 +230,7 @@ def contention_records(
         notes.append(f"what-if: the other engine kind's slots, {rules.text()}")
     train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
-    c = fit(training, holdout=0.5 if len(train) < 4 else 0.3, seed=seed) if calibration is None else calibration
+    c = fit_training(training, rollouts=len(train), seed=seed) if calibration is None else calibration
     blocking = [p for p in c.problems if not p.startswith(POOR_FIT)]
     slots = config.engine.engine_slots
     try:

@@ -42,6 +42,7 @@ __all__ = [
     "score_lines",
     "split_rollouts",
     "as_capture",
+    "fit_training",
     "predicted_config",
     "validate",
     "validate_records",
@@ -181,6 +182,12 @@ def split_rollouts(rollouts: Sequence[str], train_share: float, *, seed: int) ->
     return train, [r for r in rollouts if r not in train]
 
 
+def fit_training(training: Sequence[TurnRecord], *, rollouts: int, seed: int) -> Calibration:
+    """The fit on a training share of `rollouts` rollouts: its own hold-out half of them when
+    fewer than 4, else 30 % (the validation's and the contention check's one rule)."""
+    return fit(training, holdout=0.5 if rollouts < 4 else 0.3, seed=seed)
+
+
 def as_capture(r: TurnRecord) -> TurnRecord:
     """What a user's proxy or client capture of the same turn holds: times, sizes and `usage`,
     no server stages and no counts only the server knows (docs/calibration.md)."""
@@ -221,7 +228,7 @@ def validate_records(
     training = [r for r in measured_records if r.rollout in train and r.mode in TRAIN_MODES]
     if capture:
         training = [as_capture(r) for r in training]
-    c = fit(training, holdout=0.5 if len(train) < 4 else 0.3, seed=seed)
+    c = fit_training(training, rollouts=len(train), seed=seed)
     # A poor fit is what this measures (its held-out error says how poor); a fit that identifies
     # too little to run the simulator on is refused.
     blocking = [p for p in c.problems if not p.startswith(POOR_FIT)]
