@@ -300,6 +300,7 @@ class WebSocketSession:
             ids=engine.ids,
             reuse_tools=Optimization.STATE_CACHE not in config.disable,
             open_responses=config.open_responses,
+            item_parser=engine.item_parser,
         )
         self.jobs: dict[int, _JobHandle] = {}  # by job number, while in flight
         self.dialect = self.conn.dialect.responses  # what each response's run builds its dialect from

@@ -108,7 +108,7 @@ from msgspec import structs
 
 from ..config import WebSocketConfig
 from ..context.cache import CacheEntry, stream_prefix, tag_stream
-from ..context.conversation import ToolCache
+from ..context.conversation import ItemParser, ToolCache, parse_items
 from ..ids import IdFactory
 from ..wire.errors import ProtocolError, ws_error_event
 from ..wire.schemas import RequiredInput, SteerRef
@@ -178,6 +178,7 @@ class Connection:
         reuse_tools: bool = True,
         open_responses: bool = False,
         unsteerable_models: tuple[str, ...] = UNSTEERABLE_MODELS,
+        item_parser: ItemParser = parse_items,
         **overrides: Any,
     ) -> None:
         """`limits` whole (the server's `ServerConfig.websocket`); `overrides` replace single
@@ -202,7 +203,11 @@ class Connection:
         self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
         self.frames = FrameClassifier(
-            steering=self.dialect.steering, tools=self.tools, open_responses=open_responses, multi_agent=beta
+            steering=self.dialect.steering,
+            tools=self.tools,
+            open_responses=open_responses,
+            multi_agent=beta,
+            parse=item_parser,
         )
 
     # -- the default lane (a connection without `stream_id`s is exactly that lane) --------------------

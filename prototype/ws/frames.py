@@ -14,7 +14,7 @@ from collections.abc import Callable
 import msgspec
 from msgspec import structs
 
-from ..context.conversation import ToolCache, normalize_create
+from ..context.conversation import ItemParser, ToolCache, normalize_create, parse_items
 from ..wire.contract import from_validation_error
 from ..wire.errors import ProtocolError
 from ..wire.requests import ResponseCreate, ResponseSteer
@@ -40,9 +40,16 @@ class FrameClassifier:
     cache of the last validated tool list; `open_responses` admits that dialect's fields."""
 
     def __init__(
-        self, *, steering: bool, tools: ToolCache | None, open_responses: bool, multi_agent: bool = False
+        self,
+        *,
+        steering: bool,
+        tools: ToolCache | None,
+        open_responses: bool,
+        multi_agent: bool = False,
+        parse: ItemParser = parse_items,
     ) -> None:
         self.steering = steering
+        self.parse = parse  # the engine's item parser, as an HTTP body's items are validated
         self.multi_agent = multi_agent  # the beta connection: `multi_agent` is a create parameter
         self.tools = tools
         self.open_responses = open_responses
@@ -70,6 +77,7 @@ class FrameClassifier:
                     params,
                     websocket=True,
                     tool_cache=self.tools,
+                    parse=self.parse,
                     open_responses=self.open_responses,
                     multi_agent=self.multi_agent,
                 )
