@@ -137,3 +137,25 @@ def test_the_committed_fast_run_scores_as_the_page_says() -> None:
     held, design = v.scores
     assert (held.turns, held.rollouts, design.turns, design.rollouts) == (84, 6, 84, 12)
     assert (held.ttft.value, design.ttft.value) == pytest.approx((0.150, 0.149), abs=0.01)
+
+
+# The same section, `--profile local`: nothing separates, and the prediction (which charges the
+# simulator's own CPU time in this profile, so it moves with the machine's load) is under 1 %.
+LOCAL_PAGE: dict[str, tuple[float, float, float]] = {"ws": (-0.003, -0.056, 0.031), "append": (0.001, -0.038, 0.032)}
+
+
+@pytest.mark.slow  # as above
+def test_the_committed_local_profile_run_scores_as_the_page_says() -> None:
+    folder = REPO / "docs" / "results" / "engine" / "fast-local"
+    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    assert config.server.profile == "local"
+    v = validate_records(read_records([folder]), config, seed=config.seed)
+    assert not v.problems
+    for mode, (saved, low, high) in LOCAL_PAGE.items():
+        e = v.measured_saved[mode]
+        assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
+        assert e.ci_low < 0 < e.ci_high  # nothing separates from http
+        assert abs(v.predicted_saved[mode]) < 0.01 and e.ci_low <= v.predicted_saved[mode] <= e.ci_high
+    held, design = v.scores
+    assert (held.turns, held.rollouts, design.turns, design.rollouts) == (84, 6, 84, 12)
+    assert 0.12 < held.ttft.value < 0.17 and 0.12 < design.ttft.value < 0.18
