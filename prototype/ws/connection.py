@@ -197,7 +197,12 @@ class Connection:
         emit = self._out.append
         # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta.
         self.dialect: PauseDialect = dialect_of(
-            append_mode, beta, emit, self.ended_ids, inject_messages=self.limits.inject_messages
+            append_mode,
+            beta,
+            emit,
+            self.ended_ids,
+            inject_messages=self.limits.inject_messages,
+            parse=item_parser,
         )
         self.steering = Steering(emit, self.ids, self.ended_ids, unsteerable_models)
         self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)

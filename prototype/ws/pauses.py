@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import ClassVar, Final
 
 from ..context.cache import tag_stream
-from ..context.conversation import Item, parse_items
+from ..context.conversation import Item, ItemParser, parse_items
 from ..response.dialect import AppendResponse, BetaResponse, ResponseDialect
 from ..response.stream import InjectRefused
 from ..wire.errors import ProtocolError
@@ -78,9 +78,10 @@ class PauseDialect:
     # The dialect each response on the connection runs in (one object per response).
     responses: ClassVar[type[ResponseDialect]] = AppendResponse
 
-    def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str]) -> None:
+    def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str], parse: ItemParser = parse_items) -> None:
         self.emit = emit
         self.ended_ids = ended_ids  # the connection's recently ended responses (read only)
+        self.parse = parse  # the engine's item parser, as a create's items are validated
 
     # -- a response waits, resumes, or is aborted ----------------------------------------------------
 
@@ -195,7 +196,7 @@ class PauseDialect:
     def _parse(self, append: ResponseAppend | ResponseInject) -> tuple[Item, ...]:
         """The frame's items, validated; a dialect that closes on a bad inject raises `_SchemaError`."""
         try:
-            return parse_items(append.input)
+            return self.parse(append.input)
         except ProtocolError as err:
             if self.closes_on_bad_inject and isinstance(append, ResponseInject):
                 raise _SchemaError(err) from None
@@ -209,7 +210,7 @@ class PauseDialect:
     def _validate(
         self, pause: Pause, append: ResponseAppend | ResponseInject, parsed: tuple[Item, ...] | None = None
     ) -> tuple[Item, ...]:
-        items = parsed if parsed is not None else parse_items(append.input)
+        items = parsed if parsed is not None else self.parse(append.input)
         answered: set[str] = set()
         for index, item in enumerate(items):
             view = item.view
@@ -298,8 +299,15 @@ class BetaDialect(PauseDialect):
     closes_on_bad_inject = True
     responses = BetaResponse
 
-    def __init__(self, emit: Callable[[Output], None], ended_ids: deque[str], *, inject_messages: bool = False) -> None:
-        super().__init__(emit, ended_ids)
+    def __init__(
+        self,
+        emit: Callable[[Output], None],
+        ended_ids: deque[str],
+        parse: ItemParser = parse_items,
+        *,
+        inject_messages: bool = False,
+    ) -> None:
+        super().__init__(emit, ended_ids, parse)
         self.takes_messages = inject_messages
 
     def refuse_event(self, append: ResponseAppend | ResponseInject) -> ProtocolError | None:
@@ -337,7 +345,9 @@ def dialect_of(
     ended_ids: deque[str],
     *,
     inject_messages: bool = False,
+    parse: ItemParser = parse_items,
 ) -> PauseDialect:
+    """`parse`: the engine's item parser, which validates an append's or inject's items."""
     if beta:
-        return BetaDialect(emit, ended_ids, inject_messages=inject_messages)
-    return (AppendDialect if append_mode else CreateDialect)(emit, ended_ids)
+        return BetaDialect(emit, ended_ids, parse, inject_messages=inject_messages)
+    return (AppendDialect if append_mode else CreateDialect)(emit, ended_ids, parse)
