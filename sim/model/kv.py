@@ -443,6 +443,12 @@ class PrefixCache:
         # slots (all resident then), so the next `match` (a conversation's next turn, usually)
         # looks up only the keys past their common prefix.
         self._inserted: tuple[_U64, int, _I64] | None = None
+        # The last touch, not applied yet: its slots (head first) and the table's move count then.
+        # The next operation applies it first, unless it is the same conversation's next step
+        # (its turn's insert after the match, the output's insert after the prompt's, the next
+        # turn's match), which touches those slots again, head first, before anything reads the
+        # recency order: applying the earlier touch would leave no live trace (see `_supersede`).
+        self._deferred: tuple[_I64, int] | None = None
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         """The prompt's chained block keys (see `block_keys`); a `PreparedPrompt` is returned as is."""
@@ -477,7 +483,8 @@ class PrefixCache:
         self._matched = (prepared, self._table.moves, slots)
         misses = (slots < 0).nonzero()[0]
         hits = int(misses[0]) if misses.size else limit
-        self._table.touch(slots[:hits][::-1])
+        self._supersede(slots[:hits])
+        self._deferred = (slots[:hits], self._table.moves)
         matched = hits * self.block_tokens
         self._lookups += 1
         self._hit_tokens += matched
@@ -505,8 +512,10 @@ class PrefixCache:
         if absent.any():
             slots[absent] = table.place(prepared.keys[absent])
         if owner is None:
-            table.touch(slots[::-1])  # tail first: the head ends most recently used
+            self._supersede(slots)
+            self._deferred = (slots, table.moves)  # tail first: the head ends most recently used
         else:
+            self._flush()
             kept = 0 if previous is None else _common_prefix(previous.prompt.keys, prepared.keys)
             table.pin(slots[kept:])  # only the difference to the owner's previous pin changes counts
             self._owners[owner] = _Pin(prepared, now)
@@ -515,6 +524,29 @@ class PrefixCache:
         self._inserted = (prepared.keys, table.moves, slots)  # an eviction just below voids it
         self._evict()
         self._overflow += max(0, self._excess() - excess_before)
+
+    def _flush(self) -> None:
+        """Apply the deferred touch, if any."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._table.touch(deferred[0][::-1])
+
+    def _supersede(self, head: _I64) -> None:
+        """Before touching `head` (slots, head first, touched tail first): drop the deferred touch if
+        `head` starts with its slots and no block moved since, else apply it. Touching `head`
+        stamps each of those slots again, later than the deferred touch would have, in the same
+        tail-first order, so that touch's log entries would all be dead: the least recently used
+        order, the `_is_recent` test and every eviction come out the same without it. (The slots
+        `head` adds are never in the deferred touch, which only holds resident blocks of a prefix
+        of it.)"""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        done, moves = deferred
+        n = len(done)
+        if moves == self._table.moves and n <= len(head) and (n == 0 or bool((head[:n] == done).all())):
+            return
+        self._table.touch(done[::-1])
 
     def release(self, owner: str, now: float) -> None:
         """Unpin the owner's blocks (they stay cached, most recently used) and evict down to capacity.
@@ -527,6 +559,7 @@ class PrefixCache:
         if pin is None:
             return
         self._check_time(pin, now)
+        self._flush()
         del self._owners[owner]
         self._close_pin(pin, now, 0)
         self._evict()
@@ -583,5 +616,6 @@ class PrefixCache:
     def _evict(self) -> None:
         n = min(self._excess(), self._table.full - self._table.pinned)
         if n:
+            self._flush()  # eviction reads the recency order
             self._table.evict(n)
             self._evicted += n

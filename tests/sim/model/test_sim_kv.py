@@ -405,10 +405,13 @@ def test_touching_the_most_recent_blocks_again_keeps_the_order() -> None:
     old, conversation = tokens(3 * B, seed=1), tokens(3 * B + 1, seed=2)
     cache.insert((old,), now=0.0)
     cache.insert((conversation[: 3 * B],), now=1.0)
+    cache._flush()  # the insert's touch, deferred until the next operation (see `_supersede`)
     log_size = cache._table._log_size
     assert cache.match((conversation,)) == 3 * B  # already the 3 most recent, in this order
+    cache._flush()
     assert cache._table._log_size == log_size
     assert cache.match((old[: 2 * B + 1],)) == 2 * B  # not: the old prompt's head moves up
+    cache._flush()
     assert cache._table._log_size == log_size + 2
     cache.insert((tokens(2 * B, seed=3),), now=2.0)  # 2 over capacity: the oldest two go
     assert cache.match((conversation,)) == 2 * B  # its tail block was the oldest
@@ -530,6 +533,10 @@ def test_matches_a_reference_model(tiny_table: bool, monkeypatch: pytest.MonkeyP
             holder = owner if rng.random() < 0.5 else None
             cache.insert(prepared, owner=holder, now=float(step))
             reference.insert(listed, holder)
+            if rng.random() < 0.5:  # its output joins the cache behind the prompt (cache_generated)
+                more = trunk[len(prompt) : len(prompt) + int(rng.integers(0, 3 * B))].copy()
+                cache.insert(cache.extend(prepared, chunks(prompt, *cuts), more), now=float(step))
+                reference.insert(listed + more.tolist(), None)
         else:
             cache.release(owner, now=float(step))
             reference.release(owner)
