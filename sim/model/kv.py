@@ -436,19 +436,21 @@ class PrefixCache:
         self._evicted = 0
         self._overflow = 0
         self._kv_idle_token_s = 0.0
-        # The last `match`: its prompt, the table's move count then, and the slots it found, so
-        # the `insert` after a prefill reuses them if no resident block went or moved in between.
-        self._matched: tuple[PreparedPrompt, int, _I64] | None = None
+        # The last `match`: its prompt, the table's move count then, the slots it found and its
+        # hits, so the `insert` after a prefill reuses them if no resident block went or moved in
+        # between.
+        self._matched: tuple[PreparedPrompt, int, _I64, int] | None = None
         # The last `insert`: its keys, the table's move count before its evictions, and their
         # slots (all resident then), so the next `match` (a conversation's next turn, usually)
         # looks up only the keys past their common prefix.
         self._inserted: tuple[_U64, int, _I64] | None = None
-        # The last touch, not applied yet: its slots (head first) and the table's move count then.
-        # The next operation applies it first, unless it is the same conversation's next step
-        # (its turn's insert after the match, the output's insert after the prompt's, the next
-        # turn's match), which touches those slots again, head first, before anything reads the
-        # recency order: applying the earlier touch would leave no live trace (see `_supersede`).
-        self._deferred: tuple[_I64, int] | None = None
+        # The last touch, not applied yet: the first `n` slots of an array (head first) and the
+        # table's move count then. The next operation applies it first, unless it is the same
+        # conversation's next step (its turn's insert after the match, the output's insert after
+        # the prompt's, the next turn's match), which touches those slots again, head first,
+        # before anything reads the recency order: applying the earlier touch would leave no live
+        # trace (see `_supersede`).
+        self._deferred: tuple[_I64, int, int] | None = None
 
     def prepare(self, prompt: Prompt) -> PreparedPrompt:
         """The prompt's chained block keys (see `block_keys`); a `PreparedPrompt` is returned as is."""
@@ -479,12 +481,12 @@ class PrefixCache:
         """
         prepared = self.prepare(prompt)
         limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
-        slots = self._lookup_after_insert(prepared.keys[:limit])
-        self._matched = (prepared, self._table.moves, slots)
-        misses = (slots < 0).nonzero()[0]
-        hits = int(misses[0]) if misses.size else limit
-        self._supersede(slots[:hits])
-        self._deferred = (slots[:hits], self._table.moves)
+        slots, source, known = self._lookup_after_insert(prepared.keys[:limit])
+        misses = (slots[known:] < 0).nonzero()[0]  # the first `known` are resident
+        hits = known + int(misses[0]) if misses.size else limit
+        self._matched = (prepared, self._table.moves, slots, hits)
+        self._supersede(source, min(known, hits))
+        self._deferred = (slots, hits, self._table.moves)
         matched = hits * self.block_tokens
         self._lookups += 1
         self._hit_tokens += matched
@@ -507,13 +509,14 @@ class PrefixCache:
         prepared = self.prepare(prompt)
         table = self._table
         excess_before = self._excess()
-        slots = self._slots(prepared)
-        absent = slots < 0
+        slots, source, known = self._slots(prepared)
+        tail = slots[known:]  # the first `known` are resident
+        absent = tail < 0
         if absent.any():
-            slots[absent] = table.place(prepared.keys[absent])
+            tail[absent] = table.place(prepared.keys[known:][absent])
         if owner is None:
-            self._supersede(slots)
-            self._deferred = (slots, table.moves)  # tail first: the head ends most recently used
+            self._supersede(source, known)
+            self._deferred = (slots, len(slots), table.moves)  # tail first: the head ends most recently used
         else:
             self._flush()
             kept = 0 if previous is None else _common_prefix(previous.prompt.keys, prepared.keys)
@@ -529,24 +532,22 @@ class PrefixCache:
         """Apply the deferred touch, if any."""
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
-            self._table.touch(deferred[0][::-1])
+            self._table.touch(deferred[0][: deferred[1]][::-1])
 
-    def _supersede(self, head: _I64) -> None:
-        """Before touching `head` (slots, head first, touched tail first): drop the deferred touch if
-        `head` starts with its slots and no block moved since, else apply it. Touching `head`
-        stamps each of those slots again, later than the deferred touch would have, in the same
-        tail-first order, so that touch's log entries would all be dead: the least recently used
-        order, the `_is_recent` test and every eviction come out the same without it. (The slots
-        `head` adds are never in the deferred touch, which only holds resident blocks of a prefix
-        of it.)"""
+    def _supersede(self, source: _I64 | None, copied: int) -> None:
+        """Before a touch whose slots (head first, touched tail first) begin with `source[:copied]`:
+        drop the deferred touch if it is of `source[:n]` with ``n <= copied`` and no block moved
+        since, else apply it. The touch to come stamps each of those slots again, later than the
+        deferred one would have, in the same tail-first order, so the deferred touch's log entries
+        would all be dead: the least recently used order, the `_is_recent` test and every eviction
+        come out the same without it."""
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        done, moves = deferred
-        n = len(done)
-        if moves == self._table.moves and n <= len(head) and (n == 0 or bool((head[:n] == done).all())):
+        done, n, moves = deferred
+        if done is source and n <= copied and moves == self._table.moves:
             return
-        self._table.touch(done[::-1])
+        self._table.touch(done[:n][::-1])
 
     def release(self, owner: str, now: float) -> None:
         """Unpin the owner's blocks (they stay cached, most recently used) and evict down to capacity.
@@ -576,28 +577,30 @@ class PrefixCache:
             kv_idle_token_s=self._kv_idle_token_s,
         )
 
-    def _lookup_after_insert(self, keys: _U64) -> _I64:
+    def _lookup_after_insert(self, keys: _U64) -> tuple[_I64, _I64 | None, int]:
         """`lookup`, taking the slots of the keys it shares with the last insert's prompt if no
-        resident key moved or went since."""
+        resident key moved or went since: (the slots, the array their head was copied from or
+        None, how many were copied; those are resident)."""
         table = self._table
         inserted = self._inserted
         if inserted is not None and inserted[1] == table.moves:
             common = _common_prefix(inserted[0], keys)
             if common:
-                return np.concatenate((inserted[2][:common], table.lookup(keys[common:])))
-        return table.lookup(keys)
+                return np.concatenate((inserted[2][:common], table.lookup(keys[common:]))), inserted[2], common
+        return table.lookup(keys), None, 0
 
-    def _slots(self, prepared: PreparedPrompt) -> _I64:
+    def _slots(self, prepared: PreparedPrompt) -> tuple[_I64, _I64 | None, int]:
         """`lookup` of the prompt's keys, reusing the last `match`'s while no resident block went
         or moved. Its misses stay misses: keys are only added by an insert, and every insert
         clears the last match. Without that match (a turn's output inserted behind its prompt), the
-        slots of the prefix it shares with the last insert are reused on the same condition."""
+        slots of the prefix it shares with the last insert are reused on the same condition. As
+        `_lookup_after_insert`, with the copied count the match's hits (its misses are copied too)."""
         matched, self._matched = self._matched, None
         table = self._table
         if matched is None or matched[0] is not prepared or matched[1] != table.moves:
             return self._lookup_after_insert(prepared.keys)
         head = matched[2]
-        return np.concatenate((head, table.lookup(prepared.keys[len(head) :])))
+        return np.concatenate((head, table.lookup(prepared.keys[len(head) :]))), head, matched[3]
 
     @staticmethod
     def _check_time(pin: _Pin, now: float) -> None:

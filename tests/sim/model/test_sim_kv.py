@@ -419,6 +419,32 @@ def test_touching_the_most_recent_blocks_again_keeps_the_order() -> None:
     assert cache.statistics().evicted_blocks == 2
 
 
+def test_a_conversation_s_next_step_supersedes_its_last_touch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn's match, its insert, its output's insert and the next turn's match and insert each
+    touch the blocks of the step before again, head first: no touch is applied until another
+    conversation's operation needs the recency order, and then only the last one."""
+    touched: list[int] = []
+    touch = kv._BlockTable.touch
+
+    def counted(table: kv._BlockTable, slots: np.ndarray) -> None:
+        touched.append(len(slots))
+        touch(table, slots)
+
+    monkeypatch.setattr(kv._BlockTable, "touch", counted)
+    cache = PrefixCache(B, capacity_tokens=64 * B)
+    prompt, output = tokens(3 * B + 1, seed=1), tokens(2 * B, seed=2)
+    first = cache.prepare((prompt,))
+    cache.match(first)
+    cache.insert(first, now=0.0)
+    cache.insert(cache.extend(first, (prompt,), output), now=1.0)
+    second = cache.prepare((np.concatenate((prompt, output, tokens(B, seed=3))),))
+    assert cache.match(second) == 5 * B
+    cache.insert(second, now=2.0)
+    assert touched == []
+    assert cache.match((tokens(2 * B + 1, seed=4),)) == 0  # another conversation
+    assert touched == [6]  # the second insert's 6 blocks, before that match
+
+
 def test_blocks_placed_where_evicted_ones_were_are_touched_anew() -> None:
     """New keys in the slots of evicted ones, touched in the same order as those were: the old
     entries are behind the log's head, so the touch is not taken for a repeat."""
