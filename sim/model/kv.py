@@ -27,6 +27,10 @@ https://docs.vllm.ai/en/latest/design/prefix_caching/, and docs/simulator.md):
   blocks are never evicted: if only pinned blocks remain and the cache is over
   capacity, the overflow is allowed and counted (``overflow_blocks``): held KV
   that a real server would have had to preempt or refuse.
+* **Deferred touches.** A touch is applied when the next operation begins, and dropped when
+  that operation is the same conversation's next step touching the same blocks again (a turn's
+  insert after its match, its output's insert, the next turn's match): the recency order is
+  exactly that of touching every time, at the cost of the turn's new blocks.
 * **Idle KV.** ``kv_idle_token_s`` is Σ pinned tokens × seconds pinned, each
   owner's pinned tokens accumulated from its ``insert(owner=...)`` to its next
   ``insert`` or ``release`` (the ``now`` arguments; this module reads no clock).
