@@ -25,10 +25,11 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
+import numpy.typing as npt
 from msgspec import Raw
 
 from prototype.context.conversation import Item, parse_item, parse_items
@@ -304,6 +305,20 @@ class MemoPrefixCache(PrefixCache):
             self._memo.put(key, (prepared, tuple(prompt)), len(prepared.keys) + len(prompt))
             return prepared
         return found[0]  # type: ignore[index,no-any-return]
+
+    def extend(
+        self, prepared: PreparedPrompt, prompt: Sequence[npt.NDArray[np.uint32]], more: npt.NDArray[np.uint32]
+    ) -> PreparedPrompt:
+        """`PrefixCache.extend`, looked up by the prepared prompt's identity and `more`'s tokens
+        (a turn's output behind the same prepared prompt, in every run with the same seed); the
+        entry keeps `prepared` alive, so its identity is never reused while the entry lasts."""
+        key = ("extend", id(prepared), more.tobytes())
+        found = self._memo.get(key)
+        if found is not None and found[1] is prepared:  # type: ignore[index]
+            return found[0]  # type: ignore[index,no-any-return]
+        extended = super().extend(prepared, prompt, more)
+        self._memo.put(key, (extended, prepared), len(extended.keys) + 1)
+        return extended
 
 
 @functools.cache

@@ -190,6 +190,21 @@ def test_prepared_prompts_are_looked_up_by_their_read_only_chunks() -> None:
     assert np.array_equal(after.keys, plain.prepare((mutable,)).keys)
 
 
+def test_an_extended_prompt_is_looked_up_by_its_prepared_prompt_and_tokens() -> None:
+    rng = np.random.default_rng(6)
+    head, more, other = (rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (1_000, 45, 45))
+    head.flags.writeable = False
+    table = _Lru(1_000_000)
+    memo, plain = MemoPrefixCache(table=table), PrefixCache()
+    prepared = memo.prepare((head,))
+    extended = memo.extend(prepared, (head,), more)
+    assert np.array_equal(extended.keys, plain.extend(plain.prepare((head,)), (head,), more).keys)
+    assert MemoPrefixCache(table=table).extend(prepared, (head,), more.copy()) is extended  # same tokens: a hit
+    assert memo.extend(prepared, (head,), other).keys[-1] != extended.keys[-1]  # other tokens: hashed
+    fresh = plain.prepare((head,))  # an equal prompt prepared elsewhere: another identity, hashed anew
+    assert memo.extend(fresh, (head,), more) is not extended
+
+
 def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
     from msgspec import Raw
 
