@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -85,6 +85,22 @@ class _Lru:
         self.hits += 1
         self._table.move_to_end(key)
         return entry[0]
+
+    def get_many(self, keys: Iterable[object]) -> list[object | None]:
+        """`get` of each key in turn: the same values, hits, misses and order of use."""
+        table, hits = self._table, 0
+        found: list[object | None] = []
+        for key in keys:
+            entry = table.get(key)
+            if entry is None:
+                found.append(None)
+            else:
+                hits += 1
+                table.move_to_end(key)
+                found.append(entry[0])
+        self.hits += hits
+        self.misses += len(found) - hits
+        return found
 
     @property
     def hit_rate(self) -> float:
@@ -269,6 +285,14 @@ class MemoRendered:
         if entry is None or entry[0] is not item:
             return None
         return entry[1]
+
+    def get_all(self, items: Sequence[Item]) -> list[TokenArray | None]:
+        """`get` of each item, in one pass over the table (the history an `http` request resends)."""
+        entries = self._memo.get_many(map(id, items))
+        return [
+            entry[1] if entry is not None and entry[0] is item else None  # type: ignore[index]
+            for entry, item in zip(entries, items, strict=True)
+        ]
 
     def put(self, item: Item, tokens: TokenArray) -> None:
         tokens.flags.writeable = False
