@@ -130,17 +130,17 @@ def conversation_key(first_user_text: str) -> int:
 class Item:
     raw: bytes  # verbatim JSON of the item
     view: InputItemView
-    # Whether its JSON names a breakpoint field (context/breakpoints.py reads which part, if any):
-    # scanned once when the item is made, not each time a context or a request holds it.
+    # Read once when the item is made, not each time a context or a request holds it: whether its
+    # JSON names a breakpoint field (context/breakpoints.py reads which part, if any), whether the
+    # model produced it (a run of such items is one model turn).
     marked: bool = field(init=False, repr=False, compare=False)
+    is_model_output: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "marked", BREAKPOINT_KEY in self.raw)
-
-    @property
-    def is_model_output(self) -> bool:
         v = self.view
-        return v.type in MODEL_ITEM_TYPES or (v.type == "message" and v.role == "assistant")
+        object.__setattr__(self, "marked", BREAKPOINT_KEY in self.raw)
+        model = v.type in MODEL_ITEM_TYPES or (v.type == "message" and v.role == "assistant")
+        object.__setattr__(self, "is_model_output", model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,9 +226,6 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
     ids: set[str] = set()
     calls: set[str] = set()
     pending = dict(context.pending)
-    # A referenced item is not resolved here (the simulator does not render references), so
-    # an output after a reference may answer the call it stands for.
-    referenced = any(item.view.type == REFERENCE_TYPE for item in items)
     for item in items:
         view = item.view
         if view.id is not None and view.type != REFERENCE_TYPE:  # a reference names another item's id
@@ -246,13 +243,19 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
             calls.add(call_id)
             pending[call_id] = None
         elif view.type in OUTPUT_TYPES:
-            if call_id not in calls and call_id not in context.call_ids and not referenced:
+            # A referenced item is not resolved here (the simulator does not render references), so
+            # an output after a reference may answer the call it stands for (looked for only now).
+            if call_id not in calls and call_id not in context.call_ids and not _references(items):
                 raise ProtocolError(
                     f"No tool call found for function call output with call_id {call_id}.", code=None, param="input"
                 )
             pending.pop(call_id, None)
     if pending:
         raise ProtocolError(f"No tool output found for function call {next(iter(pending))}.", code=None, param="input")
+
+
+def _references(items: Sequence[Item]) -> bool:
+    return any(item.view.type == REFERENCE_TYPE for item in items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,7 +87,7 @@ UNBOUNDED: Final = ModelLimits(context_window=None, max_output_tokens=None)  # a
 class RenderedItems(Protocol):
     """Tokens of items rendered before, by item (`sim.memo.MemoRendered`, where CPU is free)."""
 
-    def get(self, item: Item) -> TokenArray | None: ...
+    def get_all(self, items: Sequence[Item]) -> list[TokenArray | None]: ...
 
     def put(self, item: Item, tokens: TokenArray) -> None: ...
 
@@ -189,7 +189,7 @@ class Engine:
         if rendered is None:
             chunks = await self._tokenize(render_texts(items))
         else:  # items rendered before are looked up; the rest rendered and recorded
-            found = [rendered.get(item) for item in items]
+            found = rendered.get_all(items)
             missing = [i for i, tokens in enumerate(found) if tokens is None]
             if missing:
                 fresh = await self._tokenize(render_texts([items[i] for i in missing]))
@@ -197,7 +197,7 @@ class Engine:
                     found[i] = tokens
                     rendered.put(items[i], tokens)
             chunks = found  # type: ignore[assignment]  # no None left
-        n = sum(len(c) for c in chunks)
+        n = sum(map(len, chunks))
         self.counts.items_rendered += len(items)
         self.counts.tokens_rendered += n
         if report is not None:

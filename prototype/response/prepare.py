@@ -288,14 +288,14 @@ def compaction_limit(engine: Services, request: CreateRequest) -> int | None:
 
 async def classify(engine: Services, stages: Stages, resolved: Resolved) -> None:
     """Run the classifier over the context chunks it has not read yet."""
-    chunks = resolved.context.chunks
-    before = stages.report.tokens_classified
+    chunks, classifier, report = resolved.context.chunks, engine.classifier, stages.report
+    before = report.tokens_classified
     state = resolved.safety
     for chunk in chunks[resolved.safety_chunks :]:
-        state = engine.classifier.update(state, chunk)
-        stages.report.tokens_classified += len(chunk)
+        state = classifier.update(state, chunk)
+        report.tokens_classified += len(chunk)
     resolved.safety, resolved.safety_chunks = state, len(chunks)
-    n = stages.report.tokens_classified - before
+    n = report.tokens_classified - before
     engine.counts.tokens_classified += n
     stages.lap(Stage.SAFETY)
     await stages.wait(Stage.SAFETY, engine.profile.stage_s(Stage.SAFETY, {Count.TOKENS_CLASSIFIED: n}))

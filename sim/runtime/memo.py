@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -57,6 +57,7 @@ PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
 ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
+HINT_LISTS: Final = 256  # conversations whose last item list `MemoItems` keeps, to look their items up again
 _writeable: Final = operator.attrgetter("flags.writeable")
 _BUDGETS: Final = {
     "plans": PLAN_BUDGET,
@@ -86,6 +87,22 @@ class _Lru:
         self.hits += 1
         self._table.move_to_end(key)
         return entry[0]
+
+    def get_many(self, keys: Iterable[object]) -> list[object | None]:
+        """`get` of each key in turn: the same values, hits, misses and order of use."""
+        table, hits = self._table, 0
+        found: list[object | None] = []
+        for key in keys:
+            entry = table.get(key)
+            if entry is None:
+                found.append(None)
+            else:
+                hits += 1
+                table.move_to_end(key)
+                found.append(entry[0])
+        self.hits += hits
+        self.misses += len(found) - hits
+        return found
 
     @property
     def hit_rate(self) -> float:
@@ -232,22 +249,40 @@ class MemoItems:
     """An `ItemParser` (`prototype.context.conversation`) that looks up items by their JSON bytes: an
     item that validated once parses to the same `Item` wherever it comes again (the history
     every `http` request resends, every context `http_prev` loads). Misses are validated by
-    `parse_item`, so an invalid item raises exactly as without the table."""
+    `parse_item`, so an invalid item raises exactly as without the table.
+
+    Hashing an item's bytes costs a pass over them, and an `http` request resends the items of
+    the conversation's previous request, in the same places. So the keys of each conversation's
+    last list (by its first item) are kept, and an item equal to the key in its place is looked
+    up by that key, whose hash was computed once, instead of by its fresh bytes. The lookup is
+    by equal bytes either way, so it finds what it would have found."""
 
     def __init__(self, table: _Lru | None = None) -> None:
         self._memo = table if table is not None else _shared("items")
+        # A list's keys in order, by its first item, for the last `HINT_LISTS` lists (oldest out).
+        self._hints: dict[bytes, list[bytes]] = {}
 
     def __call__(self, value: str | list[Raw]) -> tuple[Item, ...]:
         if isinstance(value, str):
             return parse_items(value)
-        get, out = self._memo.get, []
+        get, keys, out = self._memo.get, [], []
+        hint: list[bytes] = []
         for index, raw in enumerate(value):
             data = bytes(raw)
+            if index == 0:
+                hint = self._hints.pop(data, hint)  # re-added below: the newest
+            if index < len(hint) and hint[index] == data:
+                data = hint[index]
             item = get(data)
             if item is None:
                 item = parse_item(data, index)
                 self._memo.put(data, item, len(data))
+            keys.append(data)
             out.append(item)
+        if keys:
+            self._hints[keys[0]] = keys
+            if len(self._hints) > HINT_LISTS:
+                del self._hints[next(iter(self._hints))]
         return tuple(out)  # type: ignore[arg-type]
 
     @property
@@ -270,6 +305,14 @@ class MemoRendered:
         if entry is None or entry[0] is not item:
             return None
         return entry[1]
+
+    def get_all(self, items: Sequence[Item]) -> list[TokenArray | None]:
+        """`get` of each item, in one pass over the table (the history an `http` request resends)."""
+        entries = self._memo.get_many(map(id, items))
+        return [
+            entry[1] if entry is not None and entry[0] is item else None  # type: ignore[index]
+            for entry, item in zip(entries, items, strict=True)
+        ]
 
     def put(self, item: Item, tokens: TokenArray) -> None:
         tokens.flags.writeable = False

@@ -229,6 +229,30 @@ def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
         assert memoized.value.param == plain.value.param == f"input[{value.index(bad)}].role"
 
 
+def test_item_table_hints_find_what_the_table_finds() -> None:
+    """A conversation's resent history is looked up by the keys of its last list; an item that
+    changed in its place, another conversation in between, or a longer list: the same items,
+    hits and misses as plain lookups by bytes."""
+    from msgspec import Raw
+
+    from sim.runtime.memo import MemoItems
+
+    def item(call: str, output: str) -> Raw:
+        return Raw(b'{"type":"function_call_output","call_id":"%s","output":"%s"}' % (call.encode(), output.encode()))
+
+    a = [Raw(b'{"type":"message","role":"user","content":"task a"}'), item("c1", "one"), item("c2", "two")]
+    b = [Raw(b'{"type":"message","role":"user","content":"task b"}'), item("c1", "one")]
+    memo = MemoItems(_Lru(1 << 20))
+    first = memo(a)
+    assert memo(b)[1] is first[1]  # equal bytes: the same Item, whichever list it is in
+    again = memo([*a, item("c3", "three")])
+    assert again[:3] == first and all(x is y for x, y in zip(again, first, strict=False))
+    changed = memo([a[0], item("c1", "uno"), a[2]])
+    assert changed[0] is first[0] and changed[1] is not first[1] and changed[2] is first[2]
+    assert (memo._memo.hits, memo._memo.misses) == (6, 6)
+    assert memo([]) == ()
+
+
 def test_rendered_items_are_looked_up_by_identity() -> None:
     from msgspec import Raw
 
