@@ -195,24 +195,18 @@ class Connection:
         self._jobs = 0
         self._out: list[Output] = []
         emit = self._out.append
-        # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta.
+        # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta. Items
+        # are validated by `item_parser` (the engine's) in every frame, as in an HTTP body.
+        inject, parse = self.limits.inject_messages, item_parser
         self.dialect: PauseDialect = dialect_of(
-            append_mode,
-            beta,
-            emit,
-            self.ended_ids,
-            inject_messages=self.limits.inject_messages,
-            parse=item_parser,
+            append_mode, beta, emit, self.ended_ids, inject_messages=inject, parse=parse
         )
         self.steering = Steering(emit, self.ids, self.ended_ids, unsteerable_models)
         self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
+        steering = self.dialect.steering
         self.frames = FrameClassifier(
-            steering=self.dialect.steering,
-            tools=self.tools,
-            open_responses=open_responses,
-            multi_agent=beta,
-            parse=item_parser,
+            steering=steering, tools=self.tools, open_responses=open_responses, multi_agent=beta, parse=parse
         )
 
     # -- the default lane (a connection without `stream_id`s is exactly that lane) --------------------
