@@ -170,10 +170,12 @@ async def test_disconnect_cancels_sampling_and_frees_everything(
 
 @pytest.mark.parametrize("ending", ["append_timeout", "connection_limit"])
 async def test_pause_timeout_and_lifetime_limit_release_the_held_kv(ending: str) -> None:
+    # The server's real timers: long enough that the pause's KV is still held when the client has
+    # read `response.done` (a process's first request, or a loaded machine, takes a few hundred ms).
     config = (
-        ServerConfig(websocket=WebSocketConfig(append_timeout_s=0.2))
+        ServerConfig(websocket=WebSocketConfig(append_timeout_s=1.0))
         if ending == "append_timeout"
-        else ServerConfig(websocket=WebSocketConfig(lifetime_s=0.3))
+        else ServerConfig(websocket=WebSocketConfig(lifetime_s=1.5))
     )
     async with live_server(config=config, tool_calls=3) as live:  # unpaced: the pause comes at once
         async with aiohttp.ClientSession() as session:
