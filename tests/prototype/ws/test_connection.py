@@ -902,3 +902,20 @@ def test_a_lane_waiting_for_a_slot_is_busy_for_the_queue_limit() -> None:
     c.receive_text(create(stream_id="b"))  # a second one behind it: over the limit
     (err,) = frames(c.outputs_to_send())
     assert err["stream_id"] == "b" and err["error"]["code"] == "queued_requests_limit_reached"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("append_mode", [False, True])
+def test_a_frame_s_items_go_through_the_engine_s_item_parser(append_mode: bool) -> None:
+    """One validation path for both transports: the parser the engine validates an HTTP body's
+    items with (a virtual run's item table) also reads a create's items, and the pause dialect's
+    (an append's or inject's)."""
+    seen: list[object] = []
+
+    def parser(value: str | list[msgspec.Raw]) -> tuple[conversation.Item, ...]:
+        seen.append(value)
+        return conversation.parse_items(value)
+
+    c = Connection(append_mode=append_mode, item_parser=parser)
+    c.receive_text(create(input=[{"type": "message", "role": "user", "content": "hi"}]))
+    assert started(c.outputs_to_send()) and len(seen) == 1
+    assert c.dialect.parse is parser
