@@ -197,16 +197,16 @@ class Connection:
         emit = self._out.append
         # The pause machine's dialect: WebSocket mode (`create`), append mode, or the beta. Items
         # are validated by `item_parser` (the engine's) in every frame, as in an HTTP body.
-        inject, parse = self.limits.inject_messages, item_parser
+        inject = self.limits.inject_messages
         self.dialect: PauseDialect = dialect_of(
-            append_mode, beta, emit, self.ended_ids, inject_messages=inject, parse=parse
+            append_mode, beta, emit, self.ended_ids, inject_messages=inject, parse=item_parser
         )
         self.steering = Steering(emit, self.ids, self.ended_ids, unsteerable_models)
         self.cache_book = ConnectionCache(self.lanes, self.limits.max_cache_bytes)
         self.tools = ToolCache() if reuse_tools else None  # the last validated tool list
         steering = self.dialect.steering
         self.frames = FrameClassifier(
-            steering=steering, tools=self.tools, open_responses=open_responses, multi_agent=beta, parse=parse
+            steering=steering, tools=self.tools, open_responses=open_responses, multi_agent=beta, parse=item_parser
         )
 
     # -- the default lane (a connection without `stream_id`s is exactly that lane) --------------------

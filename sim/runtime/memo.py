@@ -301,13 +301,11 @@ class MemoRendered:
         self._memo = table if table is not None else _shared("rendered")
 
     def get(self, item: Item) -> TokenArray | None:
-        entry: tuple[Item, TokenArray] | None = self._memo.get(id(item))  # type: ignore[assignment]
-        if entry is None or entry[0] is not item:
-            return None
-        return entry[1]
+        return self.get_all((item,))[0]
 
     def get_all(self, items: Sequence[Item]) -> list[TokenArray | None]:
-        """`get` of each item, in one pass over the table (the history an `http` request resends)."""
+        """Each item's tokens, None where not recorded, in one pass over the table (the history an
+        `http` request resends)."""
         entries = self._memo.get_many(map(id, items))
         return [
             entry[1] if entry is not None and entry[0] is item else None  # type: ignore[index]

@@ -13,6 +13,7 @@ from sim.analysis.records import read_records, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare, config_of
 from sim.harness.validate import (
     Score,
+    Validation,
     as_capture,
     error_tail,
     predicted_config,
@@ -121,14 +122,21 @@ FAST_PAGE: dict[str, tuple[float, float, float, float]] = {
 }
 
 
+def _rescored(run: str) -> tuple[CompareConfig, Validation]:
+    """A committed engine run (docs/results/engine/RUN) validated again from its folder: its
+    measured config and the validation."""
+    folder = REPO / "docs" / "results" / "engine" / run
+    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    v = validate_records(read_records([folder]), config, seed=config.seed)
+    assert not v.problems
+    return config, v
+
+
 @pytest.mark.slow  # a calibration fit and a CPU-charged virtual comparison of 36 rollouts
 def test_the_committed_fast_run_scores_as_the_page_says() -> None:
     """Re-scored from its folder: the page's figures, and each predicted saving inside the
     measured interval (the prediction runs with CPU charged: its last digit moves)."""
-    folder = REPO / "docs" / "results" / "engine" / "fast"
-    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
-    v = validate_records(read_records([folder]), config, seed=config.seed)
-    assert not v.problems
+    _, v = _rescored("fast")
     for mode, (saved, low, high, predicted) in FAST_PAGE.items():
         e = v.measured_saved[mode]
         assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
@@ -146,11 +154,8 @@ LOCAL_PAGE: dict[str, tuple[float, float, float]] = {"ws": (-0.003, -0.056, 0.03
 
 @pytest.mark.slow  # as above
 def test_the_committed_local_profile_run_scores_as_the_page_says() -> None:
-    folder = REPO / "docs" / "results" / "engine" / "fast-local"
-    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    config, v = _rescored("fast-local")
     assert config.server.profile == "local"
-    v = validate_records(read_records([folder]), config, seed=config.seed)
-    assert not v.problems
     for mode, (saved, low, high) in LOCAL_PAGE.items():
         e = v.measured_saved[mode]
         assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
