@@ -8,7 +8,10 @@ the sides alternate which goes first from one round to the next, so a drift of t
 falls on both. A side's rows are read from the lines it prints (the row format every revision of the
 bench prints), and the k-th row of one side is paired with the k-th row of the other. The ratio of a
 row is the median over the rounds of the ratio of the two runs of the same round; its spread, the
-lowest and highest of those ratios.
+lowest and highest of those ratios. Beside it, where the row's goal says which way is better
+(`<`: lower, `>`: higher), the ratio of each side's best round: on a machine whose speed moves,
+interference only ever slows a run down, so a side's best round is the closest to its code's own
+speed (as `timeit` reads its repeats), and the two bests are measured the same way on both sides.
 """
 
 from __future__ import annotations
@@ -49,11 +52,12 @@ class Refused(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Measured:
-    """One row of one side's run: the figure's text and value."""
+    """One row of one side's run: the figure's text, its value and its goal's text."""
 
     target: str
     figure: str
     value: float
+    goal: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,7 @@ class Pair:
     old_figure: str
     new: tuple[float, ...]
     old: tuple[float, ...]
+    goal: str = ""  # the new side's goal: its first character says which way is better
 
     @property
     def ratios(self) -> list[float]:
@@ -76,10 +81,23 @@ class Pair:
     def ratio(self) -> float:
         return statistics.median(self.ratios)
 
+    @property
+    def best_ratio(self) -> float | None:
+        """new/old of each side's best round (lowest value when the goal is `<`, highest when `>`);
+        None when the goal says no direction (a row that is only reported)."""
+        best = min if self.goal.startswith("<") else max if self.goal.startswith(">") else None
+        if best is None:
+            return None
+        old = best(self.old)
+        return best(self.new) / old if old else float("nan")
+
     def row(self, revision: str) -> Row:
         """The pair as a bench row: the medians of each side, the ratio and its spread (in the goal's
-        column); reported only, never a verdict."""
+        column, with the best rounds' ratio where the row has a direction); reported only, never a
+        verdict."""
         spread = f"{min(self.ratios):.2f}-{max(self.ratios):.2f}"
+        if self.best_ratio is not None:
+            spread += f"; best/best {self.best_ratio:.2f}"
         new, old = statistics.median(self.new), statistics.median(self.old)
         return Row(self.target, f"{self.figure} (new/old vs {revision})", new, old, self.ratio, spread, None)
 
@@ -90,7 +108,7 @@ def parse_rows(text: str) -> list[Measured]:
     for line in text.splitlines():
         m = _LINE.match(line)
         if m:
-            rows.append(Measured(m["target"], m["figure"].rstrip(), float(m["value"])))
+            rows.append(Measured(m["target"], m["figure"].rstrip(), float(m["value"]), m["goal"].strip()))
     return rows
 
 
@@ -212,6 +230,7 @@ def pairs(target: str, new: list[list[Measured]], old: list[list[Measured]]) -> 
                 old[0][k].figure,
                 tuple(rows[k].value for rows in new),
                 tuple(rows[k].value for rows in old),
+                new[0][k].goal,
             )
         )
     return out
@@ -251,7 +270,8 @@ def compare(
 def _line(pair: Pair) -> str:
     spread = f"{min(pair.ratios):.3f}-{max(pair.ratios):.3f}"
     new, old = statistics.median(pair.new), statistics.median(pair.old)
-    return f"{pair.target:<10} {pair.figure:<46} {new:>12.4g} {old:>12.4g} {pair.ratio:>8.3f}  {spread}"
+    best = "-" if pair.best_ratio is None else f"{pair.best_ratio:.3f}"
+    return f"{pair.target:<10} {pair.figure:<46} {new:>12.4g} {old:>12.4g} {pair.ratio:>8.3f} {best:>9}  {spread}"
 
 
 def against(
@@ -268,7 +288,8 @@ def against(
     started = datetime.datetime.now(datetime.UTC)
     about, revision = page.machine(), page.commit()
     rows: list[Row] = []
-    print(f"{'target':<10} {'figure':<46} {'new':>12} {'old':>12} {'new/old':>8}  spread (lowest-highest round)")
+    header = f"{'target':<10} {'figure':<46} {'new':>12} {'old':>12} {'new/old':>8} {'best/best':>9}"
+    print(f"{header}  spread (lowest-highest round)")
     try:
         if "contract" in targets:
             contract()

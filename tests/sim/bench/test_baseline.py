@@ -37,6 +37,7 @@ def test_the_rows_a_run_printed_are_read_back_whatever_their_figures_and_goals()
     read = baseline.parse_rows(printed)
     assert [(m.target, m.figure) for m in read] == [(r.target, r.figure) for r in rows]
     assert [m.value for m in read] == [pytest.approx(57.5), pytest.approx(1.14e4)]
+    assert [m.goal for m in read] == ["<= 20 ms", ">= 20,000"]
 
 
 def test_a_side_gets_the_sizes_but_not_the_targets_nor_the_comparisons_own_options() -> None:
@@ -52,6 +53,21 @@ def test_the_ratio_is_the_median_of_each_rounds_ratio_and_the_spread_their_range
     assert pair.ratios == [0.5, 1.5, 2.0] and pair.ratio == 1.5
     row = pair.row("main")
     assert (row.value, row.floor, row.ratio, row.goal, row.ok) == (20.0, 20.0, 1.5, "0.50-2.00", None)
+    assert pair.best_ratio is None  # a goal with no direction: no best round
+
+
+def test_the_best_rounds_ratio_follows_the_direction_the_goal_gives() -> None:
+    # A time (lower is better): each side's fastest round, 10 against 9.
+    new = [[baseline.Measured("5", "a", v, "<= 20 ms")] for v in (12.0, 30.0, 10.0)]
+    old = [[baseline.Measured("5", "a", v, "<= 20 ms")] for v in (10.0, 20.0, 9.0)]
+    (time,) = baseline.pairs("virtual", new, old)
+    assert time.ratio == pytest.approx(1.2) and time.best_ratio == pytest.approx(10.0 / 9.0)
+    assert time.row("main").goal == "1.11-1.50; best/best 1.11"
+    # A rate (higher is better): each side's highest round.
+    new = [[baseline.Measured("9", "b", v, ">= 20,000")] for v in (100.0, 300.0)]
+    old = [[baseline.Measured("9", "b", v, ">= 20,000")] for v in (200.0, 150.0)]
+    (rate,) = baseline.pairs("fleet", new, old)
+    assert rate.best_ratio == pytest.approx(1.5)
 
 
 def test_sides_that_print_different_rows_cannot_be_paired() -> None:
@@ -85,6 +101,7 @@ def test_the_checkout_against_its_own_commit_prints_both_sides_rows_and_ratios_n
     for side in ("new", "old"):  # each side's own run, echoed: two rounds of its one row
         assert out.count(f"{side} | 9          fleet turns/CPU s (append, 20 sessions") == 2
     (line,) = [x for x in out.splitlines() if x.startswith("fleet ") and "(append, 20 sessions" in x]
-    ratio, spread = line.split()[-2:]
+    ratio, best, spread = line.split()[-3:]
     low, high = (float(x) for x in spread.split("-"))
     assert 0.25 < low <= float(ratio) <= high < 4.0  # the same code: only the machine's noise apart
+    assert 0.25 < float(best) < 4.0
