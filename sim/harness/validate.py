@@ -8,7 +8,8 @@
 2. **predicts** the same seeded rollouts in every measured mode by running the simulator (virtual
    time, CPU charged) on the fit, with the engine's slot count as its decode slots;
 3. **scores** the prediction turn by turn against the measurement on what the fit never saw:
-   the held-out rollouts of `http` and `ws`, and the held-out design `append` on every rollout.
+   the held-out rollouts of `http` and `ws`, and each held-out design (every other measured mode:
+   `append`, `inject`, `agents`, ...) on every rollout.
    Per-turn TTFT and turn time: the median relative error, with a bootstrap interval over
    rollouts; time saved against `http`: the prediction against the measured paired interval.
 
@@ -33,7 +34,6 @@ from sim.harness.experiment import CompareConfig, CompareResult, compare
 from sim.harness.predict import profile_settings
 
 __all__ = [
-    "HELD_OUT_DESIGN",
     "TRAIN_MODES",
     "Score",
     "Validation",
@@ -43,6 +43,7 @@ __all__ = [
     "split_rollouts",
     "as_capture",
     "fit_training",
+    "held_out_designs",
     "predicted_config",
     "validate",
     "validate_records",
@@ -50,7 +51,6 @@ __all__ = [
 ]
 
 TRAIN_MODES: Final = ("http", "ws")
-HELD_OUT_DESIGN: Final = "append"
 BASE: Final = "http"
 RESAMPLES: Final = 2000
 POOR_FIT: Final = "the fit is poor"  # sim.analysis.calibrate's wording for a held-out error above its bound
@@ -203,6 +203,11 @@ def validate(result: CompareResult, *, train_share: float = 0.5, seed: int = 0, 
     return validate_records(records, result.config, train_share=train_share, seed=seed, capture=capture)
 
 
+def held_out_designs(config: CompareConfig) -> list[str]:
+    """The designs the fit never sees: every measured mode but the training modes, in the run's order."""
+    return [m for m in config.modes if m not in TRAIN_MODES]
+
+
 def validate_records(
     measured_records: list[TurnRecord],
     measured_config: CompareConfig,
@@ -216,9 +221,13 @@ def validate_records(
     who records their own http and ws traffic can (issue 41's path), instead of the server's stages."""
     if measured_config.engine.engine_kind == "none":
         raise ValueError("validate needs a comparison measured live on a real engine (--engine)")
-    missing = [m for m in (*TRAIN_MODES, HELD_OUT_DESIGN) if m not in measured_config.modes]
+    missing = [m for m in TRAIN_MODES if m not in measured_config.modes]
     if missing:
         raise ValueError(f"validate needs the modes {', '.join(missing)} in the measured run")
+    if not held_out_designs(measured_config):
+        raise ValueError(
+            f"validate needs a measured mode besides {', '.join(TRAIN_MODES)} to hold out as a design (e.g. append)"
+        )
     rollouts = sorted({r.rollout for r in measured_records}, key=int)
     if len(rollouts) < 3:
         raise ValueError(
@@ -240,11 +249,10 @@ def validate_records(
     measured = {_key(r): r for r in measured_records}
     predicted = {_key(r): r for r in predicted_records}
     held_rollouts = [k for k in measured if k[0] in TRAIN_MODES and k[1] in test]
-    held_design = [k for k in measured if k[0] == HELD_OUT_DESIGN]
-    scores = [
-        _score("held-out rollouts (http, ws)", measured, predicted, held_rollouts, seed=seed),
-        _score(f"held-out design ({HELD_OUT_DESIGN}, every rollout)", measured, predicted, held_design, seed=seed),
-    ]
+    scores = [_score("held-out rollouts (http, ws)", measured, predicted, held_rollouts, seed=seed)]
+    for design in held_out_designs(measured_config):
+        held = [k for k in measured if k[0] == design]
+        scores.append(_score(f"held-out design ({design}, every rollout)", measured, predicted, held, seed=seed))
     m_times, p_times = _rollout_times(measured_records), _rollout_times(predicted_records)
     measured_saved: dict[str, Estimate] = {}
     predicted_saved: dict[str, float] = {}
@@ -277,7 +285,7 @@ def score_lines(s: Score) -> list[str]:
 def validation_text(v: Validation) -> str:
     lines = [
         f"fit on rollouts {', '.join(v.train_rollouts)} ({', '.join(TRAIN_MODES)}); held out: rollouts "
-        f"{', '.join(v.test_rollouts)} and the design {HELD_OUT_DESIGN}",
+        f"{', '.join(v.test_rollouts)} and the designs {', '.join(held_out_designs(v.config))}",
     ]
     if v.problems:
         return "\n".join([*lines, "no usable fit: " + "; ".join(v.problems)])

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from sim.__main__ import main
 from sim.analysis.records import read_records, records_from_rollouts
 from sim.harness.experiment import CompareConfig, compare, config_of
 from sim.harness.validate import (
@@ -16,6 +17,7 @@ from sim.harness.validate import (
     Validation,
     as_capture,
     error_tail,
+    held_out_designs,
     predicted_config,
     score_lines,
     score_pairs,
@@ -61,7 +63,7 @@ def test_a_run_the_simulator_made_is_predicted_closely(measured: list, capture: 
         assert score.turn.value < 0.05, (score.name, score.turn)
     e = v.measured_saved["append"]
     assert abs(v.predicted_saved["append"] - e.value) < 0.02
-    assert "held-out design (append" in validation_text(v)
+    assert "held-out design (append" in validation_text(v) and "the designs append" in validation_text(v)
 
 
 def test_a_capture_keeps_times_sizes_and_usage_only(measured: list) -> None:  # type: ignore[type-arg]
@@ -78,7 +80,9 @@ def test_a_capture_keeps_times_sizes_and_usage_only(measured: list) -> None:  # 
 def test_validation_refuses_what_it_cannot_score(measured: list) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match="real engine"):
         validate_records(measured, MEASURED)
-    with pytest.raises(ValueError, match="modes"):
+    with pytest.raises(ValueError, match="modes ws"):
+        validate_records(measured, MEASURED.updated(engine_kind="llamacpp", modes=("http", "append")))
+    with pytest.raises(ValueError, match="besides http, ws to hold out as a design"):
         validate_records(measured, MEASURED.updated(engine_kind="llamacpp", modes=("http", "ws")))
     two = [r for r in measured if r.rollout in ("0", "1")]
     with pytest.raises(ValueError, match="at least 3 rollouts"):
@@ -164,3 +168,39 @@ def test_the_committed_local_profile_run_scores_as_the_page_says() -> None:
     held, design = v.scores
     assert (held.turns, held.rollouts, design.turns, design.rollouts) == (84, 6, 84, 12)
     assert 0.12 < held.ttft.value < 0.17 and 0.12 < design.ttft.value < 0.18
+
+
+# The same section, `inject` and `agents` beside `ws`: the run has no `append`, so its held-out
+# designs are the two beta designs, each scored on its own.
+BETA_PAGE: dict[str, tuple[float, float, float]] = {
+    "ws": (0.039, -0.003, 0.086),
+    "inject": (0.040, -0.010, 0.070),
+    "agents": (0.044, -0.007, 0.085),
+}
+
+
+@pytest.mark.slow  # as above
+def test_the_committed_beta_run_holds_out_inject_and_agents_and_predicts_inside() -> None:
+    config, v = _rescored("fast-beta")
+    assert held_out_designs(config) == ["inject", "agents"]
+    names = [s.name for s in v.scores]
+    assert names == [
+        "held-out rollouts (http, ws)",
+        "held-out design (inject, every rollout)",
+        "held-out design (agents, every rollout)",
+    ]
+    for mode, (saved, low, high) in BETA_PAGE.items():
+        e = v.measured_saved[mode]
+        assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
+        assert e.ci_low <= v.predicted_saved[mode] <= e.ci_high
+    held, inject, agents = v.scores
+    assert (held.turns, held.rollouts, inject.turns, inject.rollouts) == (84, 6, 84, 12)
+    assert (held.ttft.value, inject.ttft.value, agents.ttft.value) == pytest.approx((0.149, 0.168, 0.119), abs=0.01)
+
+
+def test_a_new_run_with_nothing_to_hold_out_is_refused_before_the_engine_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["validate", "--modes", "http,ws", "--rollouts", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "at least one other mode to hold out as a design" in err
