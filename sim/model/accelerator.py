@@ -563,7 +563,7 @@ class SimulatedModel:
         # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
         # `turn_rng(seed, conversation, turn)`, as one generator reset to that state: the plan
         # draws from it before anything else runs, and a policy keeps no rng past `plan`.
-        items, truncated = self.plan_tokens(request)
+        items, truncated = self.planner.plan_tokens(request)
         cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
         n_tokens = sum(len(ids) for _, ids in items)
 
