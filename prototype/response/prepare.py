@@ -199,7 +199,7 @@ async def resolve(
             stages.lap(Stage.LOAD_STATE)
         preamble = render_preamble(request, engine.tokenizer)
     new: Sequence[Item] = request.items
-    if any(item.view.type == COMPACTION_TYPE for item in new):
+    if COMPACTION_TYPE in [item.view.type for item in new]:  # one pass, not a generator resumed per item
         # A compaction item stands for every item before it but user messages (compaction.py).
         new = prune(new, [item.view for item in new])
         kept = [(item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)]
