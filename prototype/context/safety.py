@@ -221,6 +221,12 @@ class SafetyClassifier:
             blocked=state.blocked or self._contains_blocked(tokens),
         )
 
+    def update_all(self, state: ClassifierState, chunks: Iterable[TokenArray]) -> ClassifierState:
+        """`update` with each of `chunks` in turn (a context's new chunks, in one call)."""
+        for tokens in chunks:
+            state = self.update(state, tokens)
+        return state
+
     def verdict(self, state: ClassifierState) -> Verdict:
         """Score and flag of everything read into ``state``. A blocked token forces score 1.0."""
         if state.blocked:

@@ -199,7 +199,7 @@ async def resolve(
             stages.lap(Stage.LOAD_STATE)
         preamble = render_preamble(request, engine.tokenizer)
     new: Sequence[Item] = request.items
-    if any(item.view.type == COMPACTION_TYPE for item in new):
+    if COMPACTION_TYPE in [item.view.type for item in new]:  # one pass, not a generator resumed per item
         # A compaction item stands for every item before it but user messages (compaction.py).
         new = prune(new, [item.view for item in new])
         kept = [(item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)]
@@ -288,14 +288,11 @@ def compaction_limit(engine: Services, request: CreateRequest) -> int | None:
 
 async def classify(engine: Services, stages: Stages, resolved: Resolved) -> None:
     """Run the classifier over the context chunks it has not read yet."""
-    chunks, classifier, report = resolved.context.chunks, engine.classifier, stages.report
-    before = report.tokens_classified
-    state = resolved.safety
-    for chunk in chunks[resolved.safety_chunks :]:
-        state = classifier.update(state, chunk)
-        report.tokens_classified += len(chunk)
-    resolved.safety, resolved.safety_chunks = state, len(chunks)
-    n = report.tokens_classified - before
+    chunks = resolved.context.chunks
+    new = chunks[resolved.safety_chunks :]
+    resolved.safety, resolved.safety_chunks = engine.classifier.update_all(resolved.safety, new), len(chunks)
+    n = sum(map(len, new))
+    stages.report.tokens_classified += n
     engine.counts.tokens_classified += n
     stages.lap(Stage.SAFETY)
     await stages.wait(Stage.SAFETY, engine.profile.stage_s(Stage.SAFETY, {Count.TOKENS_CLASSIFIED: n}))

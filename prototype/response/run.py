@@ -281,15 +281,21 @@ class ResponseRun:
         """The response's life, then what the core acknowledged while its last events went out
         (numbered after them: see stream.py). Nothing awaits between the last look at the inbox
         and the return, so the core learns of the end before it can acknowledge anything else."""
-        outcome = await self._life()
+        outcome = await self._start()
+        if outcome is None:  # the model segments run in this frame: no layer between them and `run`
+            try:
+                outcome = await self._segments()
+            finally:
+                if self.dialect.holds_kv:
+                    self.engine.model.release(self.template.id)  # the held KV becomes ordinary, evictable prefix cache
         if outcome.error is None:
             while self.inbox.acks:
                 await self.emit(self._drain())
         return outcome
 
-    async def _life(self) -> Outcome:
+    async def _start(self) -> Outcome | None:
+        """Up to the first model segment; the outcome if the response ends before it (None: sample)."""
         engine, stages, request = self.engine, self.stages, self.request
-        profile = engine.profile
         if not request.generate:
             # Warm-up (`generate: false`, the WebSocket-mode guide): pre-inference work and a prefill
             # of the prompt (so the model's prefix cache holds it), no decode: `output: []`, zero usage.
@@ -301,7 +307,7 @@ class ResponseRun:
             stages.lap(Stage.PREFILL)
             return await self._finish(self.stream.receive(SamplingFinished("stop")))
         if not (self.arrival.routed and engine.uses(self.arrival, STAGE_SWITCH[Stage.ROUTING])):
-            await stages.wait(Stage.ROUTING, profile.stage_s(Stage.ROUTING))
+            await stages.wait(Stage.ROUTING, engine.profile.stage_s(Stage.ROUTING))
         await self.emit(self._started(self.stream.receive(Start(input_tokens=self.turn.prompt_tokens))))
         if self.resolved.compaction is not None:
             await self._announce_compaction(self.resolved.compaction)
@@ -309,11 +315,7 @@ class ResponseRun:
                 return await self._finish(self.stream.receive(SamplingFinished("stop")))
         if engine.classifier.verdict(self.resolved.safety).flagged:
             return await self._finish(self.stream.end_incomplete("content_filter"))  # refused before inference
-        try:
-            return await self._segments()
-        finally:
-            if self.dialect.holds_kv:
-                engine.model.release(self.template.id)  # the held KV becomes ordinary, evictable prefix cache
+        return None
 
     # -- compaction --------------------------------------------------------------------------------
 

@@ -120,6 +120,10 @@ __all__ = [
 
 
 class RS(enum.Enum):
+    # Members are singletons that compare by identity: hashed by identity too, in C, not by
+    # `Enum.__hash__` (a Python call) at each lookup of the transition table.
+    __hash__ = object.__hash__
+
     QUEUED = enum.auto()
     IN_PROGRESS = enum.auto()  # between items
     IN_ITEM = enum.auto()  # streaming one output item

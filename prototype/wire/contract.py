@@ -21,6 +21,7 @@ import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Final, TypeVar
 
 import msgspec
@@ -400,6 +401,13 @@ def _nested(decode: Callable[[Raw], T], raw: Raw, param: str) -> T:
         raise err from None
 
 
+# Each table's fields of a create, read in one call: a tuple in the table's order (a table
+# holds two or more fields; `attrgetter` of one name would return the bare value).
+_open_responses_values: Final = attrgetter(*OPEN_RESPONSES_PARAMETERS)
+_range_values: Final = attrgetter(*(rule.name for rule in RANGES))
+_enum_values: Final = attrgetter(*(name for name, _ in ENUMS))
+
+
 def check_params(
     params: CreateParams, *, websocket: bool, open_responses: bool = False, multi_agent: bool = False
 ) -> None:
@@ -407,12 +415,14 @@ def check_params(
     ranges, enums, lengths, metadata. Raise the first broken rule's `ProtocolError`.
     `open_responses`: the Open Responses dialect, which adds its request fields; `multi_agent`:
     a `responses_multi_agent=v1` WebSocket connection, the only place `multi_agent` is a parameter."""
-    for name in OPEN_RESPONSES_PARAMETERS:
-        if not open_responses and getattr(params, name) is not msgspec.UNSET:
-            raise ProtocolError(f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name)
+    if not open_responses:
+        for name, value in zip(OPEN_RESPONSES_PARAMETERS, _open_responses_values(params), strict=True):
+            if value is not msgspec.UNSET:
+                raise ProtocolError(f"Unknown parameter: '{name}'.", code="unknown_parameter", param=name)
     if not params.model:
         raise ProtocolError("Missing required parameter: 'model'.", code="missing_required_parameter", param="model")
-    if params.previous_response_id is not None and not is_null(params.conversation):
+    conversation = not is_null(params.conversation)
+    if params.previous_response_id is not None and conversation:
         raise ProtocolError(
             "Mutually exclusive parameters: Ensure you are only providing one of: 'previous_response_id' or "
             "'conversation'.",
@@ -421,9 +431,10 @@ def check_params(
         )
     if params.background:
         raise _unsupported("background")
-    for name in ("conversation", "prompt"):
-        if not is_null(getattr(params, name)):
-            raise _unsupported(name)
+    if conversation:
+        raise _unsupported("conversation")
+    if not is_null(params.prompt):
+        raise _unsupported("prompt")
     if not websocket and params.generate is not msgspec.UNSET:
         raise ProtocolError("Unsupported parameter: generate", code="unsupported_parameter", param="generate")
     if not multi_agent and params.multi_agent is not None:
@@ -438,12 +449,10 @@ def check_params(
             )
     if not websocket and params.stream_id is not None:
         raise ProtocolError("Unknown parameter: 'stream_id'.", code="unknown_parameter", param="stream_id")
-    for rule in RANGES:
-        value = getattr(params, rule.name)
+    for rule, value in zip(RANGES, _range_values(params), strict=True):
         if value is not None:
             _check_range(rule, value)
-    for name, values in ENUMS:
-        value = getattr(params, name)
+    for (name, values), value in zip(ENUMS, _enum_values(params), strict=True):
         if value is not None:
             _check_enum(name, value, values)
     for index, value in enumerate(params.include or ()):

@@ -44,6 +44,10 @@ _STREAM_ID_CHARS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopq
 class CS(enum.Enum):
     """The state of one lane (the connection is the set of its lanes)."""
 
+    # Members are singletons that compare by identity: hashed by identity too, in C, not by
+    # `Enum.__hash__` (a Python call) at each lookup of the transition table.
+    __hash__ = object.__hash__
+
     IDLE = enum.auto()
     ACTIVE = enum.auto()  # one response in flight on the lane, sampling
     PAUSED = enum.auto()  # append mode: the in-flight response waits for tool outputs

@@ -273,8 +273,8 @@ def summarize(
         saved = paired_saving(*_paired_times(results, "http", mode), seed=seed) if has_http else None
         turns = [t for r in rs for t in r.turns]
         work = [w for r in rs for w in per_turn_work(r)]
-        ttft = [t.ttft_s for t in turns if t.ttft_s is not None]
-        later = [t.ttft_s for r in rs for t in r.turns[1:] if t.ttft_s is not None]
+        ttft = [v for t in turns if (v := t.ttft_s) is not None]
+        later = [v for r in rs for t in r.turns[1:] if (v := t.ttft_s) is not None]
         model_s = sum(w.get(f"stage:{s}", 0.0) for w in work for s in MODEL_STAGES)
         tool_s = sum(r.tool_time_s for r in rs)
         total_s = float(completion.sum())

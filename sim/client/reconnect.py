@@ -151,7 +151,7 @@ class RotatingClient:
                 moved = await self._reopen("cut")
         else:
             raise ClientError(502, f"the turn did not go through in {MAX_MOVES} moves")
-        self._dead = _cut_reason(result) == "connection_limit"
+        self._dead = cut == "connection_limit"  # `cut`: the reason of the `result` the loop broke on
         if moved is not None:
             _cost(moved, result)
         self.turns += 1

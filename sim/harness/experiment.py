@@ -349,9 +349,9 @@ class _PromptLog:
         cached = decoded = 0
         try:
             async for event in events:
-                if isinstance(event, TokensSampled):
+                if type(event) is TokensSampled:  # the model's event types are final: no isinstance call per event
                     decoded += len(event.token_ids)
-                elif isinstance(event, Prefilled):
+                elif type(event) is Prefilled:
                     cached = event.cached_tokens
                 yield event
         finally:

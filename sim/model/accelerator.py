@@ -105,7 +105,7 @@ import numpy.typing as npt
 
 from prototype.clock import Clock
 from prototype.context.conversation import generation_header, render_model_output
-from prototype.context.tokenizer import Tokenizer, get_tokenizer
+from prototype.context.tokenizer import TokenArray, Tokenizer, get_tokenizer
 from prototype.model import (
     ItemFinished,
     ItemStarted,
@@ -273,7 +273,7 @@ class _Decoding:
 
 def framed_output_ids(
     tokenizer: Tokenizer, items: list[tuple[PlannedItem, list[int]]], *, truncated: bool
-) -> list[list[int]]:
+) -> list[TokenArray]:
     """The ids each item of a turn stands for in the next turn's prompt: its rendering in the
     context (`render_model_output`), less the generation header the turn's prompt already ends
     with for its first item. A model that keeps these in its KV (an engine's slot, a prefix cache
@@ -283,7 +283,7 @@ def framed_output_ids(
     framed = []
     for k, (item, ids) in enumerate(items):
         text = tokenizer.decode(ids) if truncated and k == len(items) - 1 else item.text
-        rendered = tokenizer.encode_list(render_model_output(item.kind, item.name, text))
+        rendered = tokenizer.encode(render_model_output(item.kind, item.name, text))
         framed.append(rendered[header:] if k == 0 else rendered)
     return framed
 
@@ -563,7 +563,7 @@ class SimulatedModel:
         # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
         # `turn_rng(seed, conversation, turn)`, as one generator reset to that state: the plan
         # draws from it before anything else runs, and a policy keeps no rng past `plan`.
-        items, truncated = self.plan_tokens(request)
+        items, truncated = self.planner.plan_tokens(request)
         cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
         n_tokens = sum(len(ids) for _, ids in items)
 
@@ -655,10 +655,7 @@ class SimulatedModel:
                 lateness.turns.append((index, rate, handed_first, handed_last))
             if cache is not None and self.cache_generated and items:
                 # The turn's output, as the next prompt renders it, joins the cache behind its prompt.
-                said = np.fromiter(
-                    itertools.chain.from_iterable(framed_output_ids(self.tokenizer, items, truncated=truncated)),
-                    np.uint32,
-                )
+                said = np.concatenate(framed_output_ids(self.tokenizer, items, truncated=truncated))
                 assert prepared is not None
                 cache.insert(cache.extend(prepared, request.prompt, said), now=self.clock.now())
             finished = True

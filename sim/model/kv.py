@@ -529,8 +529,7 @@ class PrefixCache:
             if previous is not None:
                 self._close_pin(previous, now, kept)
         self._inserted = (prepared.keys, table.moves, slots)  # an eviction just below voids it
-        self._evict()
-        self._overflow += max(0, self._excess() - excess_before)
+        self._overflow += max(0, self._evict() - excess_before)
 
     def _flush(self) -> None:
         """Apply the deferred touch, if any."""
@@ -620,9 +619,13 @@ class PrefixCache:
     def _excess(self) -> int:
         return max(0, self._table.full - self.capacity_blocks)
 
-    def _evict(self) -> None:
-        n = min(self._excess(), self._table.full - self._table.pinned)
+    def _evict(self) -> int:
+        """Evict unpinned blocks, least recently used first, down to capacity as far as they go;
+        the blocks still over capacity (`evict` takes exactly the `n` asked)."""
+        excess = self._excess()
+        n = min(excess, self._table.full - self._table.pinned)
         if n:
             self._flush()  # eviction reads the recency order
             self._table.evict(n)
             self._evicted += n
+        return excess - n

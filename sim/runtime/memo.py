@@ -170,17 +170,25 @@ class MemoClassifier(SafetyClassifier):
         return self._start  # one object, so every stream's chain starts at the same identity
 
     def update(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
-        if not isinstance(tokens, np.ndarray) or tokens.flags.writeable:
-            return self._step(state, tokens)  # its content may change under its identity: never chained
-        link = (id(state), id(tokens))
-        entry = self._chain.get(link)
-        if entry is not None and entry[0] is state and entry[1] is tokens:
-            return entry[2]
-        after = self._step(state, tokens)
-        if len(self._chain) >= self._chain_entries:
-            self._chain.clear()
-        self._chain[link] = (state, tokens, after)
-        return after
+        return self.update_all(state, (tokens,))
+
+    def update_all(self, state: ClassifierState, chunks: Iterable[TokenArray]) -> ClassifierState:
+        chain = self._chain
+        for tokens in chunks:  # the chain's steps inline: an `http` history is one call, not one per chunk
+            if not isinstance(tokens, np.ndarray) or tokens.flags.writeable:
+                state = self._step(state, tokens)  # its content may change under its identity: never chained
+                continue
+            link = (id(state), id(tokens))
+            entry = chain.get(link)
+            if entry is not None and entry[0] is state and entry[1] is tokens:
+                state = entry[2]
+                continue
+            after = self._step(state, tokens)
+            if len(chain) >= self._chain_entries:
+                chain.clear()
+            chain[link] = (state, tokens, after)
+            state = after
+        return state
 
     def _step(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
         tokens = check_tokens(tokens)
