@@ -67,7 +67,7 @@ from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
 from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
-from sim.harness.validate import TRAIN_MODES, held_out_designs, validate, validate_records, validation_text
+from sim.harness.validate import modes_refusal, validate, validate_records, validation_text
 from sim.measure.driver import measure_main, measure_options
 from sim.record.proxy import record_main, record_options
 from sim.rollout.result import ALL_MODES, MODES
@@ -631,11 +631,9 @@ def validate_main(args: argparse.Namespace) -> int:
         print(validation_text(v))
         return 1 if v.problems else 0
     config = _engine_config(args, VALIDATE_DEFAULTS)
-    if any(m not in config.modes for m in TRAIN_MODES) or not held_out_designs(config):
-        raise SystemExit(
-            f"python -m sim validate: --modes {','.join(config.modes)}: the fit needs {', '.join(TRAIN_MODES)} "
-            "and at least one other mode to hold out as a design (e.g. append)"
-        )
+    refused = modes_refusal(config)
+    if refused:  # before the engine starts
+        raise SystemExit(f"python -m sim validate: --modes {','.join(config.modes)}: {refused}")
     out = start_folder(args, "validate")
     print(f"longrun validate: {config.rollouts} rollouts per mode live on the engine; {_describe(config)}", flush=True)
     measured = run(config, virtual=False, progress=not args.quiet)

@@ -44,6 +44,7 @@ __all__ = [
     "as_capture",
     "fit_training",
     "held_out_designs",
+    "modes_refusal",
     "predicted_config",
     "validate",
     "validate_records",
@@ -208,6 +209,17 @@ def held_out_designs(config: CompareConfig) -> list[str]:
     return [m for m in config.modes if m not in TRAIN_MODES]
 
 
+def modes_refusal(config: CompareConfig) -> str | None:
+    """Why the run's modes cannot be validated (the training modes missing, or nothing left to
+    hold out as a design), or None: checked before a new run starts and on a saved one."""
+    missing = [m for m in TRAIN_MODES if m not in config.modes]
+    if missing:
+        return f"validate needs the modes {', '.join(missing)} in the measured run"
+    if not held_out_designs(config):
+        return f"validate needs a measured mode besides {', '.join(TRAIN_MODES)} to hold out as a design (e.g. append)"
+    return None
+
+
 def validate_records(
     measured_records: list[TurnRecord],
     measured_config: CompareConfig,
@@ -221,13 +233,9 @@ def validate_records(
     who records their own http and ws traffic can (issue 41's path), instead of the server's stages."""
     if measured_config.engine.engine_kind == "none":
         raise ValueError("validate needs a comparison measured live on a real engine (--engine)")
-    missing = [m for m in TRAIN_MODES if m not in measured_config.modes]
-    if missing:
-        raise ValueError(f"validate needs the modes {', '.join(missing)} in the measured run")
-    if not held_out_designs(measured_config):
-        raise ValueError(
-            f"validate needs a measured mode besides {', '.join(TRAIN_MODES)} to hold out as a design (e.g. append)"
-        )
+    refused = modes_refusal(measured_config)
+    if refused:
+        raise ValueError(refused)
     rollouts = sorted({r.rollout for r in measured_records}, key=int)
     if len(rollouts) < 3:
         raise ValueError(

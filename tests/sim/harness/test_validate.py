@@ -203,4 +203,4 @@ def test_a_new_run_with_nothing_to_hold_out_is_refused_before_the_engine_starts(
 ) -> None:
     assert main(["validate", "--modes", "http,ws", "--rollouts", "3"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "at least one other mode to hold out as a design" in err
+    assert err.count("\n") == 1 and "--modes http,ws: validate needs a measured mode besides http, ws" in err
