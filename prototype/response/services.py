@@ -76,13 +76,8 @@ class Stages:
     def lap(self, stage: Stage) -> None:
         """Charge the time since the last mark to `stage` (real work just done)."""
         now = self.clock.now()
-        seconds = now - self.mark
+        self.add(stage, now - self.mark)
         self.mark = now
-        # `add`, inlined: every stage of every response laps, most of them through `wait`.
-        stages = self.report.stages_s
-        stages[stage] = stages.get(stage, 0.0) + seconds
-        totals = self.counts.stage_s
-        totals[stage] = totals.get(stage, 0.0) + seconds
 
     async def wait(self, stage: Stage, seconds: float) -> None:
         """A modeled wait: the named stage awaits the clock, then is charged as measured."""
