@@ -64,6 +64,7 @@ from prototype.model import (
 )
 from sim.model.accelerator import ItemText, SimulatedModel, framed_output_ids
 from sim.model.policy import PlannedItem
+from sim.model.receipt import Receipt, counted
 
 from .config import EngineConfig
 from .process import LlamaServer
@@ -215,7 +216,12 @@ class EngineModel:
     def decodes_on(self, request: ModelRequest, outstanding: tuple[int, ...]) -> bool:
         return self.planner.decodes_on(request, outstanding)
 
-    async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
+    def sample(self, request: ModelRequest, receipt: Receipt | None = None) -> AsyncGenerator[ModelEvent, None]:
+        """One turn's events (`_turn`); with `receipt`, its counts as `counted` takes them."""
+        events = self._turn(request)
+        return events if receipt is None else counted(events, receipt)
+
+    async def _turn(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         items, truncated = self.planner.plan_tokens(request)
         framed = [engine_ids(ids) for ids in framed_output_ids(self.planner.tokenizer, items, truncated=truncated)]
         forced = [t for ids in framed for t in ids]

@@ -41,7 +41,7 @@ from msgspec import Meta, structs
 from prototype.clock import Clock
 from prototype.config import ServerConfig
 from prototype.context.conversation import ToolCache, conversation_key
-from prototype.model import ModelEvent, ModelRequest, Prefilled, TokensSampled
+from prototype.model import ModelEvent, ModelRequest
 from prototype.options import replace_leaves
 from prototype.pipeline import Optimization, load_profile
 from prototype.response.engine import Engine
@@ -328,8 +328,8 @@ class _PromptLog:
     """The server's model, recording every turn it samples, by (mode, conversation): the prompt
     the turn's model read, and the prompt tokens it found cached and the tokens it decoded, in
     every mode (an append or inject turn that pauses reports no usage on the wire, and its
-    response's usage at the end is the total). The model's generator is passed through one
-    async generator that counts as the events go by: no event waits on the loop for it."""
+    response's usage at the end is the total). The model reports the last two itself, to its
+    receipt (sim/model/receipt.py), once the turn's stream ends: its events pass as they are."""
 
     def __init__(self, model: SimulatedModel) -> None:
         self.model: SimulatedModel | EngineModel = model
@@ -340,23 +340,7 @@ class _PromptLog:
     def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
         key = (self.mode, request.conversation_key)
         self.prompts.setdefault(key, []).append(request.prompt_tokens)
-        return self._counted(self.outputs.setdefault(key, []), self.model.sample(request))
-
-    @staticmethod
-    async def _counted(
-        into: list[tuple[int, int]], events: AsyncGenerator[ModelEvent, None]
-    ) -> AsyncGenerator[ModelEvent, None]:
-        cached = decoded = 0
-        try:
-            async for event in events:
-                if type(event) is TokensSampled:  # the model's event types are final: no isinstance call per event
-                    decoded += len(event.token_ids)
-                elif type(event) is Prefilled:
-                    cached = event.cached_tokens
-                yield event
-        finally:
-            await events.aclose()  # closed early by the service: the model's cleanup runs now
-            into.append((cached, decoded))
+        return self.model.sample(request, self.outputs.setdefault(key, []).append)
 
     def release(self, conversation_id: str) -> None:
         self.model.release(conversation_id)

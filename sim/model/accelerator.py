@@ -118,6 +118,7 @@ from prototype.model import (
 from sim.model.breakpoints import BreakpointCache, written
 from sim.model.kv import PrefixCache, PrefixCacheStatistics
 from sim.model.policy import PlannedItem, Policy
+from sim.model.receipt import Receipt
 
 __all__ = [
     "ItemText",
@@ -520,149 +521,159 @@ class SimulatedModel:
             prompt_tokens - cached_tokens,
         )
 
-    async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
+    async def sample(self, request: ModelRequest, receipt: Receipt | None = None) -> AsyncGenerator[ModelEvent, None]:
         """Stream one turn: ``Prefilled (ItemStarted TokensSampled* ItemFinished)* SamplingFinished``.
 
         Raises `ValueError` (before any event, touching no state) if the prompt
         chunks do not add up to ``prompt_tokens``, ``resident_tokens`` is
         outside ``[0, prompt_tokens]`` or ``max_output_tokens`` is negative.
+        With `receipt`, the turn's (cached, decoded) go to it when the stream
+        ends, however it ends (sim/model/receipt.py).
         """
-        prompt_len = sum(map(len, request.prompt))
-        if prompt_len != request.prompt_tokens:
-            raise ValueError(f"prompt chunks hold {prompt_len} tokens, prompt_tokens={request.prompt_tokens}")
-        if not 0 <= request.resident_tokens <= request.prompt_tokens:
-            raise ValueError(
-                f"resident_tokens={request.resident_tokens} outside [0, prompt_tokens={request.prompt_tokens}]"
-            )
-        budget = request.max_output_tokens
-        if budget is not None and budget < 0:
-            raise ValueError(f"max_output_tokens must be >= 0, got {budget}")
-        serial = next(self._serials)
-
-        # Step 3: the cached prefix: the prefix cache (the implicit breakpoint: not in `explicit`
-        # mode) and the explicit breakpoints (breakpoints.py), on the same switch.
-        cache = self.prefix_cache
-        prepared = None
-        cached = max(0, min(request.resident_tokens, request.prompt_tokens - 1))  # held KV, last token recomputed
-        implicit = request.cache_mode == "implicit"
-        if cache is not None:
-            prepared = cache.prepare(request.prompt)  # hashed once for the match now and the insert after prefill
-            if implicit:
-                cached = max(cache.match(prepared), cached)
-        marks = self.breakpoint_cache is not None and prepared is not None and bool(request.breakpoints)
-        tokens = np.concatenate(request.prompt) if marks else np.empty(0, dtype=np.uint32)
-        if marks:
-            assert self.breakpoint_cache is not None and prepared is not None
-            hit = self.breakpoint_cache.match(prepared.keys, tokens, request.breakpoints, self.clock.now())
-            cached = max(hit, cached)
-        self._requests += 1
-        self._prompt_tokens += request.prompt_tokens
-        self._cached_tokens += cached
-        self._prefilled_tokens += request.prompt_tokens - cached
-
-        # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
-        # `turn_rng(seed, conversation, turn)`, as one generator reset to that state: the plan
-        # draws from it before anything else runs, and a policy keeps no rng past `plan`.
-        items, truncated = self.planner.plan_tokens(request)
-        cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
-        n_tokens = sum(len(ids) for _, ids in items)
-
-        # Steps 4-6: queue, prefill, decode rate; every time known now. The turn starts once
-        # planned: the simulator's own work (hashing, planning, tokenizing) is not model time.
-        start = self.clock.now()
-        slot, queued_s = self.schedule.queue(start)
-        prefill_s = self.prefill_s(request.prompt_tokens, cached)
-        t0 = start + queued_s + prefill_s
-        rate = self._decode_rate(request, t0, start)
-        decoding = self.schedule.book(serial, slot, t0, t0 + n_tokens / rate if math.isfinite(rate) else t0)
-        self._queued_s += queued_s
-
-        finished = False
+        # The receipt's counts (sim/model/receipt.py): the cached tokens `Prefilled` told and
+        # `index`, the turn's tokens yielded so far (each event's are counted before its yield).
+        told = index = 0
         try:
-            await self.clock.sleep_until(t0)
-            if cache is not None and prepared is not None and (implicit or request.hold_kv):
-                owner = request.conversation_id if request.hold_kv else None
-                cache.insert(prepared, owner=owner, now=self.clock.now())
+            prompt_len = sum(map(len, request.prompt))
+            if prompt_len != request.prompt_tokens:
+                raise ValueError(f"prompt chunks hold {prompt_len} tokens, prompt_tokens={request.prompt_tokens}")
+            if not 0 <= request.resident_tokens <= request.prompt_tokens:
+                raise ValueError(
+                    f"resident_tokens={request.resident_tokens} outside [0, prompt_tokens={request.prompt_tokens}]"
+                )
+            budget = request.max_output_tokens
+            if budget is not None and budget < 0:
+                raise ValueError(f"max_output_tokens must be >= 0, got {budget}")
+            serial = next(self._serials)
+
+            # Step 3: the cached prefix: the prefix cache (the implicit breakpoint: not in `explicit`
+            # mode) and the explicit breakpoints (breakpoints.py), on the same switch.
+            cache = self.prefix_cache
+            prepared = None
+            cached = max(0, min(request.resident_tokens, request.prompt_tokens - 1))  # held KV, last token recomputed
+            implicit = request.cache_mode == "implicit"
+            if cache is not None:
+                prepared = cache.prepare(request.prompt)  # hashed once for the match now and the insert after prefill
+                if implicit:
+                    cached = max(cache.match(prepared), cached)
+            marks = self.breakpoint_cache is not None and prepared is not None and bool(request.breakpoints)
+            tokens = np.concatenate(request.prompt) if marks else np.empty(0, dtype=np.uint32)
             if marks:
                 assert self.breakpoint_cache is not None and prepared is not None
-                chosen = written(request.cache_mode, request.breakpoints)
-                self.breakpoint_cache.write(prepared.keys, tokens, chosen, self.clock.now())
-            yield Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=prefill_s)
-            paced = math.isfinite(rate)
-            index = 0  # token index within the turn
-            lateness = self.lateness if paced else None
-            by_turn, coalesce = self.pace_by_turn, self.coalesce_due
-            handed_first = handed_last = 0.0
-            clock_now, sleep_until = self.clock.now, self.clock.sleep_until
-            token_bytes, decode_bytes, texts = self.tokenizer.token_bytes, self.tokenizer.decode_bytes, self._texts
-            due = t0
-            for item, ids in items:
-                yield ItemStarted(item.kind, item.name)
-                if by_turn:  # every token but the turn's last in one event, at once; the last at the end
-                    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-                    last_of_turn = index + len(ids) == n_tokens
-                    head = ids[:-1] if last_of_turn else ids
-                    if head:
-                        index += len(head)
-                        self._output_tokens += len(head)
-                        if truncated and item is cut_item:  # ids are a prefix of the text's tokens
-                            data = decode_bytes(head)
-                        else:  # ids are the text's tokens: its bytes without decoding token by token
-                            data = item.text.encode()
-                            if last_of_turn:
-                                data = data[: len(data) - len(token_bytes(ids[-1]))]
-                        head_text = decoder.decode(data, final=not last_of_turn)
-                        yield TokensSampled(tuple(head), head_text)
-                    if last_of_turn and ids:
+                hit = self.breakpoint_cache.match(prepared.keys, tokens, request.breakpoints, self.clock.now())
+                cached = max(hit, cached)
+            self._requests += 1
+            self._prompt_tokens += request.prompt_tokens
+            self._cached_tokens += cached
+            self._prefilled_tokens += request.prompt_tokens - cached
+
+            # Steps 1-2: the plan, fixed up front (max_output_tokens cut included).
+            # `turn_rng(seed, conversation, turn)`, as one generator reset to that state: the plan
+            # draws from it before anything else runs, and a policy keeps no rng past `plan`.
+            items, truncated = self.planner.plan_tokens(request)
+            cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
+            n_tokens = sum(len(ids) for _, ids in items)
+
+            # Steps 4-6: queue, prefill, decode rate; every time known now. The turn starts once
+            # planned: the simulator's own work (hashing, planning, tokenizing) is not model time.
+            start = self.clock.now()
+            slot, queued_s = self.schedule.queue(start)
+            prefill_s = self.prefill_s(request.prompt_tokens, cached)
+            t0 = start + queued_s + prefill_s
+            rate = self._decode_rate(request, t0, start)
+            decoding = self.schedule.book(serial, slot, t0, t0 + n_tokens / rate if math.isfinite(rate) else t0)
+            self._queued_s += queued_s
+
+            finished = False
+            try:
+                await self.clock.sleep_until(t0)
+                if cache is not None and prepared is not None and (implicit or request.hold_kv):
+                    owner = request.conversation_id if request.hold_kv else None
+                    cache.insert(prepared, owner=owner, now=self.clock.now())
+                if marks:
+                    assert self.breakpoint_cache is not None and prepared is not None
+                    chosen = written(request.cache_mode, request.breakpoints)
+                    self.breakpoint_cache.write(prepared.keys, tokens, chosen, self.clock.now())
+                told = cached
+                yield Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=prefill_s)
+                paced = math.isfinite(rate)
+                lateness = self.lateness if paced else None
+                by_turn, coalesce = self.pace_by_turn, self.coalesce_due
+                handed_first = handed_last = 0.0
+                clock_now, sleep_until = self.clock.now, self.clock.sleep_until
+                token_bytes, decode_bytes, texts = self.tokenizer.token_bytes, self.tokenizer.decode_bytes, self._texts
+                due = t0
+                for item, ids in items:
+                    yield ItemStarted(item.kind, item.name)
+                    if by_turn:  # every token but the turn's last in one event, at once; the last at the end
+                        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+                        last_of_turn = index + len(ids) == n_tokens
+                        head = ids[:-1] if last_of_turn else ids
+                        if head:
+                            self._output_tokens += len(head)
+                            if truncated and item is cut_item:  # ids are a prefix of the text's tokens
+                                data = decode_bytes(head)
+                            else:  # ids are the text's tokens: its bytes without decoding token by token
+                                data = item.text.encode()
+                                if last_of_turn:
+                                    data = data[: len(data) - len(token_bytes(ids[-1]))]
+                            head_text = decoder.decode(data, final=not last_of_turn)
+                            index += len(head)
+                            yield TokensSampled(tuple(head), head_text)
+                        if last_of_turn and ids:
+                            if paced:
+                                due = t0 + index / rate
+                                if due > clock_now():
+                                    await sleep_until(due)
+                            index += 1
+                            self._output_tokens += 1
+                            yield TokensSampled((ids[-1],), decoder.decode(token_bytes(ids[-1]), final=True))
+                        yield ItemFinished()
+                        continue
+                    last = len(ids) - 1
+                    token_text = ItemText(ids, token_bytes, texts).text
+                    position = 0
+                    while position <= last:
+                        end = position + 1  # this event's tokens: ids[position:end]
                         if paced:
                             due = t0 + index / rate
-                            if due > clock_now():
-                                await sleep_until(due)
-                        index += 1
-                        self._output_tokens += 1
-                        yield TokensSampled((ids[-1],), decoder.decode(token_bytes(ids[-1]), final=True))
-                    yield ItemFinished()
-                    continue
-                last = len(ids) - 1
-                token_text = ItemText(ids, token_bytes, texts).text
-                position = 0
-                while position <= last:
-                    end = position + 1  # this event's tokens: ids[position:end]
-                    if paced:
-                        due = t0 + index / rate
-                        now = clock_now()
-                        if due > now:
-                            await sleep_until(due)
                             now = clock_now()
-                        if coalesce and position < last and t0 + (index + 1) / rate <= now:
-                            # Woke late: the item's tokens due by now go in this event too.
-                            end = position + _due_by(now, t0, rate, index, last - position + 1)
-                    if end == position + 1:  # the per-token path
-                        group: tuple[int, ...] = (ids[position],)
-                        text = token_text(position)
-                    else:
-                        group = tuple(ids[position:end])
-                        text = "".join([token_text(p) for p in range(position, end)])
-                    self._output_tokens += len(group)
-                    yield TokensSampled(group, text)
-                    if lateness is not None:  # resumed: the consumer has written these tokens
-                        handed_last = lateness.tokens(due, len(group), 1.0 / rate)
-                        handed_first = handed_first or handed_last
-                    index += len(group)
-                    position = end
-                yield ItemFinished()
-            if lateness is not None and index:
-                lateness.turns.append((index, rate, handed_first, handed_last))
-            if cache is not None and self.cache_generated and items:
-                # The turn's output, as the next prompt renders it, joins the cache behind its prompt.
-                said = np.concatenate(framed_output_ids(self.tokenizer, items, truncated=truncated))
-                assert prepared is not None
-                cache.insert(cache.extend(prepared, request.prompt, said), now=self.clock.now())
-            finished = True
-            yield SamplingFinished("max_output_tokens" if truncated else "stop")
+                            if due > now:
+                                await sleep_until(due)
+                                now = clock_now()
+                            if coalesce and position < last and t0 + (index + 1) / rate <= now:
+                                # Woke late: the item's tokens due by now go in this event too.
+                                end = position + _due_by(now, t0, rate, index, last - position + 1)
+                        if end == position + 1:  # the per-token path
+                            group: tuple[int, ...] = (ids[position],)
+                            text = token_text(position)
+                        else:
+                            group = tuple(ids[position:end])
+                            text = "".join([token_text(p) for p in range(position, end)])
+                        n = len(group)
+                        self._output_tokens += n
+                        index += n
+                        yield TokensSampled(group, text)
+                        if lateness is not None:  # resumed: the consumer has written these tokens
+                            handed_last = lateness.tokens(due, n, 1.0 / rate)
+                            handed_first = handed_first or handed_last
+                        position = end
+                    yield ItemFinished()
+                if lateness is not None and index:
+                    lateness.turns.append((index, rate, handed_first, handed_last))
+                if cache is not None and self.cache_generated and items:
+                    # The turn's output, as the next prompt renders it, joins the cache behind its prompt.
+                    said = np.concatenate(framed_output_ids(self.tokenizer, items, truncated=truncated))
+                    assert prepared is not None
+                    cache.insert(cache.extend(prepared, request.prompt, said), now=self.clock.now())
+                finished = True
+                yield SamplingFinished("max_output_tokens" if truncated else "stop")
+            finally:
+                if not finished:  # closed early: the slot and the batch lose this turn now
+                    self.schedule.close(serial, slot, decoding, self.clock.now())
         finally:
-            if not finished:  # closed early: the slot and the batch lose this turn now
-                self.schedule.close(serial, slot, decoding, self.clock.now())
+            if receipt is not None:
+                receipt((told, index))
 
     def plan_tokens(self, request: ModelRequest) -> tuple[list[tuple[PlannedItem, list[int]]], bool]:
         """The turn's items with their token ids and whether the cap cut them (`TurnPlanner.plan_tokens`)."""

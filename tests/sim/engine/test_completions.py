@@ -6,6 +6,7 @@ llama.cpp engine spoken to in this dialect is in test_engine.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import pytest
 from aiohttp import web
 from openai import AsyncOpenAI
 
+from prototype.context.conversation import conversation_key
 from prototype.model import ContextWindowExceeded, ImplicitCacheOnly, ModelRequest, Prefilled, TokensSampled
 from prototype.serve.app import make_app
 from prototype.serve.wallclock import AsyncioClock
@@ -25,8 +27,10 @@ from sim.engine.backend import engine_model
 from sim.engine.completions import CompletionsDialect, completions_error
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineError, EngineModel, verify_ends
+from sim.harness.experiment import _PromptLog
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
+from sim.rollout.spec import RolloutSpec
 from tests.support import served
 
 pytestmark = pytest.mark.timeout(60)
@@ -239,3 +243,45 @@ def test_verified_passes_end_where_forced_decoding_leaves_the_slot() -> None:
     assert verify_ends(2, 4) == [0, 1]
     assert verify_ends(9, 4) == [0, 4, 8]
     assert verify_ends(10, 4) == [0, 4, 8, 9]
+
+
+async def test_the_comparison_counts_each_engine_turn_however_its_stream_ends() -> None:
+    """The comparison's per-turn counts (`RolloutResult.model_tokens`) from the engine: the cached
+    tokens its `Prefilled` said and the tokens streamed, for a turn read whole, one closed early,
+    one refused before its first event and one that fails after it."""
+    prompt = np.arange(100, 300, dtype=np.uint32)
+    task = "count the engine's turns"
+    spec = RolloutSpec(0, 0, task, (), ())
+    request = dataclasses.replace(_request(prompt), conversation_key=conversation_key(task))
+    too_long = dataclasses.replace(request, prompt=(np.arange(5000, dtype=np.uint32),), prompt_tokens=5000)
+
+    async def read(log: _PromptLog, request: ModelRequest, seen: list[Any], stop: int | None = None) -> list[Any]:
+        async with contextlib.aclosing(log.sample(request)) as events:
+            async for event in events:
+                seen.append(event)
+                if len(seen) == stop:
+                    break
+        return seen
+
+    def counts(events: list[Any]) -> tuple[int, int]:
+        cached = next((e.cached_tokens for e in events if isinstance(e, Prefilled)), 0)
+        return cached, sum(len(e.token_ids) for e in events if isinstance(e, TokensSampled))
+
+    async with _vllm(FakeVLLM()) as url:
+        async with _model(_config(url)) as model:
+            log = _PromptLog(model.planner)
+            log.model = model
+            first, second = await read(log, request, []), await read(log, request, [])
+            cut = await read(log, request, [], 3)
+            with pytest.raises(ContextWindowExceeded):
+                await read(log, too_long, [])
+            assert log.take("", spec)[1] == [counts(first), counts(second), counts(cut), (0, 0)]
+            assert counts(first)[1] > counts(cut)[1] > 0 and counts(second)[0] == len(prompt) - 1
+        async with _model(_config(url, engine_decode="forced")) as model:  # the server ignores the grammar
+            log = _PromptLog(model.planner)
+            log.model = model
+            diverged: list[Any] = []
+            with pytest.raises(EngineError, match="forced decoding diverged at token 0"):
+                await read(log, request, diverged)
+            assert [type(e) for e in diverged] == [Prefilled]
+            assert log.take("", spec)[1] == [counts(diverged)] == [(len(prompt) - 1, 0)]

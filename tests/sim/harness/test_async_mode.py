@@ -6,6 +6,7 @@ and `append`; only the timing differs, and only by overlapped tool time."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -28,6 +29,7 @@ from sim.harness.experiment import CompareConfig
 from sim.model import config as model_config
 from sim.model.accelerator import SimulatedModel
 from sim.model.policy import DefaultPolicy
+from sim.model.receipt import Receipt
 from sim.rollout.result import MODES, RolloutResult, tool_outputs
 from sim.rollout.spec import EXEC_TOOL
 from sim.runtime.inprocess import InProcessServer
@@ -51,14 +53,15 @@ class RecordingModel(SimulatedModel):
 
     turns: dict[tuple[int, int], list[tuple[int, ...]]] = {}
 
-    async def sample(self, request: ModelRequest) -> AsyncGenerator[ModelEvent, None]:
+    async def sample(self, request: ModelRequest, receipt: Receipt | None = None) -> AsyncGenerator[ModelEvent, None]:
         ids: list[int] = []
-        async for event in super().sample(request):
-            if isinstance(event, TokensSampled):
-                ids.extend(event.token_ids)
-            elif isinstance(event, SamplingFinished):  # the service stops reading here
-                self.turns.setdefault((request.conversation_key, request.turn_index), []).append(tuple(ids))
-            yield event
+        async with contextlib.aclosing(super().sample(request, receipt)) as events:  # its receipt on close
+            async for event in events:
+                if isinstance(event, TokensSampled):
+                    ids.extend(event.token_ids)
+                elif isinstance(event, SamplingFinished):  # the service stops reading here
+                    self.turns.setdefault((request.conversation_key, request.turn_index), []).append(tuple(ids))
+                yield event
 
 
 def _calls_and_answer(r: RolloutResult) -> list[Any]:
