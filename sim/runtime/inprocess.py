@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Generic, Literal, TypeVar
 
 import aiohttp
@@ -83,7 +83,8 @@ class _Channel(Generic[T]):
         while not items:
             if self._waiter is not None and not self._waiter.done():
                 raise RuntimeError("a channel has one consumer")
-            self._waiter = asyncio.get_running_loop().create_future()
+            # The future the loop's `create_future` would make, without that call: a read waits here per frame.
+            self._waiter = asyncio.Future(loop=asyncio.get_running_loop())
             try:
                 await self._waiter
             finally:
@@ -254,6 +255,7 @@ class _ClientSocket:
         self.charges = charges
         self.line: _Line | None = None
         self.dropped = False  # cut by the intermediary
+        self.receive: Callable[[], Coroutine[Any, Any, aiohttp.WSMessage]] = inbox.get  # a read is the channel's own
 
     async def send_str(self, data: str) -> None:
         if self.dropped:  # what aiohttp raises writing to a connection that dropped
@@ -266,9 +268,6 @@ class _ClientSocket:
             costs = self.charges.costs
             self.charges.charge(costs.ws_message, costs.ws_message_after_wait)
         self.outbox.put_nowait(data)
-
-    async def receive(self) -> aiohttp.WSMessage:
-        return await self.inbox.get()
 
     async def close(self) -> None:
         if self.line is not None:
