@@ -58,6 +58,7 @@ import heapq
 import selectors
 import sys
 import time
+from asyncio import format_helpers
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor
 from pathlib import Path
@@ -245,6 +246,19 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if self._charge_cpu:
             self._cpu_mark = time.perf_counter()
 
+    def call_soon(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
+        self, callback: Callable[..., object], *args: Any, context: contextvars.Context | None = None
+    ) -> asyncio.Handle:
+        """As asyncio's (every task's wake-up comes through here), in one call when debug is off."""
+        base: Any = self  # asyncio's private loop state
+        if base._debug:
+            return super().call_soon(callback, *args, context=context)
+        if base._closed:
+            raise RuntimeError("Event loop is closed")  # asyncio's `_check_closed`
+        handle = asyncio.Handle(callback, args, self, context)
+        base._ready.append(handle)
+        return handle
+
     def run_in_executor(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
         self, executor: Executor | None, func: Callable[..., T], *args: Any
     ) -> asyncio.Future[T]:
@@ -281,7 +295,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         real file descriptors are polled only when no callback is ready and something besides
         the self-pipe is registered (asyncio polls them every iteration; the self-pipe only
         wakes a blocked selector, and `call_soon_threadsafe` queues its callback before
-        writing to it). Same timers, same order. With debug on, asyncio's own iteration runs
+        writing to it), and each callback run in place (`Handle._run`'s body; no asyncio handle
+        overrides it). Same timers, same order. With debug on, asyncio's own iteration runs
         (it times slow callbacks) over `_VirtualSelector`."""
         base: Any = self  # asyncio's private loop state, which its stubs do not (all) declare
         if base._debug:
@@ -309,7 +324,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             elif self._threads:
                 pass  # the timer's time has come in real time (charged above), or the selector woke early
             elif scheduled:
-                self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
+                wait = scheduled[0]._when - self.virtual_now
+                if wait > 0:
+                    self.virtual_now += wait if wait < _MAX_WAIT_S else _MAX_WAIT_S
             else:
                 raise VirtualDeadlock("no task is ready and no timer is pending")
         if charging:
@@ -322,8 +339,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         for _ in range(len(ready)):
             handle = ready.popleft()
             if not handle._cancelled:
-                handle._run()
+                try:  # `Handle._run`, in place
+                    handle._context.run(handle._callback, *handle._args)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    self._callback_failed(handle, exc)
         handle = None  # breaks cycles when a callback raised
+
+    def _callback_failed(self, handle: asyncio.Handle, exc: BaseException) -> None:
+        """`Handle._run`'s report of a callback that raised, to the loop's exception handler."""
+        run: Any = handle  # asyncio's private Handle state, which its stubs do not declare
+        source = format_helpers._format_callback_source(run._callback, run._args)
+        context: dict[str, Any] = {"message": f"Exception in callback {source}", "exception": exc, "handle": handle}
+        if run._source_traceback:
+            context["source_traceback"] = run._source_traceback
+        self.call_exception_handler(context)
 
     def _drop_cancelled(self, scheduled: list[Any]) -> list[Any]:
         """asyncio's clean-up of cancelled timers: all of them once they are half of many (into a
