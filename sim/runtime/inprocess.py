@@ -58,6 +58,7 @@ from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 __all__ = ["InProcessServer", "Tap"]
 
 _CLOSED = aiohttp.WSMessage(WSMsgType.CLOSED, None, None)
+_TEXT = WSMsgType.TEXT
 Tap = Callable[[Literal["up", "down"], bytes], None]
 T = TypeVar("T")
 
@@ -203,7 +204,8 @@ class _ServerSocket:
         frame = bytes(data)  # the writer may hand over a view of its buffer
         if self.tap is not None:
             self.tap("down", frame)
-        self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, frame.decode(), None))
+        # Made as the tuple it is: its named constructor is a Python call, and every frame makes one.
+        self.outbox.put_nowait(tuple.__new__(aiohttp.WSMessage, (_TEXT, frame.decode(), None)))
         return False
 
     async def drain(self) -> None:
