@@ -111,6 +111,8 @@ def check_python() -> None:
         )
 
 
+_new_handle: Final = object.__new__  # a `Handle` whose fields `call_soon` sets
+
 IDLE_S: Final = 0.001  # a loop that skipped this much virtual time has slept: its next work runs "after a wait"
 
 
@@ -249,15 +251,24 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def call_soon(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
         self, callback: Callable[..., object], *args: Any, context: contextvars.Context | None = None
     ) -> asyncio.Handle:
-        """As asyncio's (every task's wake-up comes through here), in one call when debug is off."""
+        """As asyncio's (every task's wake-up comes through here), in one call when debug is off:
+        the `Handle`'s fields are set here, as its `__init__` sets them without debug (on
+        `TESTED_PYTHONS`: asyncio's `Handle` slots)."""
         base: Any = self  # asyncio's private loop state
         if base._debug:
             return super().call_soon(callback, *args, context=context)
         if base._closed:
             raise RuntimeError("Event loop is closed")  # asyncio's `_check_closed`
-        handle = asyncio.Handle(callback, args, self, context)
+        handle: Any = _new_handle(asyncio.Handle)
+        handle._context = contextvars.copy_context() if context is None else context
+        handle._loop = self
+        handle._callback = callback
+        handle._args = args
+        handle._cancelled = False
+        handle._repr = None
+        handle._source_traceback = None
         base._ready.append(handle)
-        return handle
+        return handle  # type: ignore[no-any-return]
 
     def run_in_executor(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
         self, executor: Executor | None, func: Callable[..., T], *args: Any
