@@ -440,6 +440,10 @@ class _Alarm(asyncio.TimerHandle):
         self._aborted = False  # the future's: the task was cancelled while it waited
         self._message: object = None
 
+    def __lt__(self, other: asyncio.TimerHandle) -> bool:
+        """Its place in the loop's timer heap, which holds timers only (TimerHandle's also checks that)."""
+        return self._when < other._when  # type: ignore[attr-defined, no-any-return]
+
     def __await__(self) -> Generator[_Alarm, None, None]:
         self._asyncio_future_blocking = True
         yield self  # the task calls add_done_callback(its wake-up); result() raises if cancelled
