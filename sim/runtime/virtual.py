@@ -391,17 +391,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 class VirtualClock:
     """The `Clock` of code running on a `VirtualTimeLoop` (or any of asyncio's own loops: it reads
-    the loop's time and sets its timers on the loop's timer heap)."""
+    the loop's time and sets its timers on the loop's timer heap). A `VirtualTimeLoop` that does
+    not charge CPU has its clock for its time: that is read in place (the engine reads the clock a
+    few times a token)."""
 
     def now(self) -> float:
-        return _get_running_loop().time()
+        loop = _get_running_loop()
+        if type(loop) is VirtualTimeLoop and not loop._charge_cpu:
+            return loop.virtual_now
+        return loop.time()
 
     def time(self) -> float:
         return EPOCH_S + self.now()
 
     async def sleep_until(self, deadline: float) -> None:
         loop = _get_running_loop()
-        if deadline > loop.time():
+        if deadline > (loop.virtual_now if type(loop) is VirtualTimeLoop and not loop._charge_cpu else loop.time()):
             await _Alarm(loop, deadline)
 
 
