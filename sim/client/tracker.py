@@ -57,13 +57,14 @@ class Tracker:
 
     def see(self, event: ServerEvent) -> TurnResult | None:
         self.events += 1
-        self.log.append((self.clock.now(), event.__struct_config__.tag))  # type: ignore[arg-type]
+        now = self.clock.now()
+        self.log.append((now, event.__struct_config__.tag))  # type: ignore[arg-type]
         role = _ROLES.get(type(event))  # one lookup per event (the wire's event types have no subclasses)
         if role is None:
             return None
         if role is _TOKEN:
             if self.first_token_at is None:
-                self.first_token_at = self.clock.now()
+                self.first_token_at = now
         elif role is _ITEM:
             assert isinstance(event, OutputItemDone)
             self.items.append(msgspec.to_builtins(event.item))

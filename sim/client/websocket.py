@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, Final
 
 import aiohttp
 
@@ -60,6 +60,7 @@ __all__ = [
     "upgrade_refused",
 ]
 
+_TEXT: Final = aiohttp.WSMsgType.TEXT  # every frame read is checked against it
 BETA_MODES = ("inject", "async", "steer")  # the `responses_multi_agent` beta's dialect (docs/beta.md)
 
 
@@ -180,7 +181,7 @@ class WSClient(ABC):
         assert ws is not None
         while True:
             msg = await ws.receive()
-            if msg.type is not aiohttp.WSMsgType.TEXT:
+            if msg.type is not _TEXT:
                 raise socket_ended(msg)
             event = decode_server_event(msg.data)
             result = tracker.see(event)
@@ -247,7 +248,7 @@ class InjectDriver(WSClient):
         latest: Response | None = None  # the response's latest snapshot
         while True:
             msg = await ws.receive()
-            if msg.type is not aiohttp.WSMsgType.TEXT:
+            if msg.type is not _TEXT:
                 raise socket_ended(msg)
             event = decode_server_event(msg.data)
             result = tracker.see(event)
@@ -314,7 +315,7 @@ class AsyncDriver(InjectDriver):
             raise ClientError(400, "next_turn before begin")
         while True:
             msg = await ws.receive()
-            if msg.type is not aiohttp.WSMsgType.TEXT:
+            if msg.type is not _TEXT:
                 raise socket_ended(msg)
             event = decode_server_event(msg.data)
             result = tracker.see(event)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Generic, Literal, TypeVar
 
 import aiohttp
@@ -58,6 +58,7 @@ from sim.runtime.virtual import IDLE_S, LiveCosts, VirtualTimeLoop
 __all__ = ["InProcessServer", "Tap"]
 
 _CLOSED = aiohttp.WSMessage(WSMsgType.CLOSED, None, None)
+_TEXT = WSMsgType.TEXT
 Tap = Callable[[Literal["up", "down"], bytes], None]
 T = TypeVar("T")
 
@@ -83,7 +84,8 @@ class _Channel(Generic[T]):
         while not items:
             if self._waiter is not None and not self._waiter.done():
                 raise RuntimeError("a channel has one consumer")
-            self._waiter = asyncio.get_running_loop().create_future()
+            # The future the loop's `create_future` would make, without that call: a read waits here per frame.
+            self._waiter = asyncio.Future(loop=asyncio.get_running_loop())
             try:
                 await self._waiter
             finally:
@@ -202,7 +204,8 @@ class _ServerSocket:
         frame = bytes(data)  # the writer may hand over a view of its buffer
         if self.tap is not None:
             self.tap("down", frame)
-        self.outbox.put_nowait(aiohttp.WSMessage(WSMsgType.TEXT, frame.decode(), None))
+        # Made as the tuple it is: its named constructor is a Python call, and every frame makes one.
+        self.outbox.put_nowait(tuple.__new__(aiohttp.WSMessage, (_TEXT, frame.decode(), None)))
         return False
 
     async def drain(self) -> None:
@@ -254,6 +257,7 @@ class _ClientSocket:
         self.charges = charges
         self.line: _Line | None = None
         self.dropped = False  # cut by the intermediary
+        self.receive: Callable[[], Coroutine[Any, Any, aiohttp.WSMessage]] = inbox.get  # a read is the channel's own
 
     async def send_str(self, data: str) -> None:
         if self.dropped:  # what aiohttp raises writing to a connection that dropped
@@ -266,9 +270,6 @@ class _ClientSocket:
             costs = self.charges.costs
             self.charges.charge(costs.ws_message, costs.ws_message_after_wait)
         self.outbox.put_nowait(data)
-
-    async def receive(self) -> aiohttp.WSMessage:
-        return await self.inbox.get()
 
     async def close(self) -> None:
         if self.line is not None:

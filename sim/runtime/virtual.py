@@ -58,6 +58,7 @@ import heapq
 import selectors
 import sys
 import time
+from asyncio import format_helpers
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor
 from pathlib import Path
@@ -109,6 +110,8 @@ def check_python() -> None:
             "(sim/runtime/virtual.py, TESTED_PYTHONS)"
         )
 
+
+_new_handle: Final = object.__new__  # a `Handle` whose fields `call_soon` sets
 
 IDLE_S: Final = 0.001  # a loop that skipped this much virtual time has slept: its next work runs "after a wait"
 
@@ -245,6 +248,28 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         if self._charge_cpu:
             self._cpu_mark = time.perf_counter()
 
+    def call_soon(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
+        self, callback: Callable[..., object], *args: Any, context: contextvars.Context | None = None
+    ) -> asyncio.Handle:
+        """As asyncio's (every task's wake-up comes through here), in one call when debug is off:
+        the `Handle`'s fields are set here, as its `__init__` sets them without debug (on
+        `TESTED_PYTHONS`: asyncio's `Handle` slots)."""
+        base: Any = self  # asyncio's private loop state
+        if base._debug:
+            return super().call_soon(callback, *args, context=context)
+        if base._closed:
+            raise RuntimeError("Event loop is closed")  # asyncio's `_check_closed`
+        handle: Any = _new_handle(asyncio.Handle)
+        handle._context = contextvars.copy_context() if context is None else context
+        handle._loop = self
+        handle._callback = callback
+        handle._args = args
+        handle._cancelled = False
+        handle._repr = None
+        handle._source_traceback = None
+        base._ready.append(handle)
+        return handle  # type: ignore[no-any-return]
+
     def run_in_executor(  # type: ignore[override]  # the same call; typeshed's is variadic-generic
         self, executor: Executor | None, func: Callable[..., T], *args: Any
     ) -> asyncio.Future[T]:
@@ -281,7 +306,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         real file descriptors are polled only when no callback is ready and something besides
         the self-pipe is registered (asyncio polls them every iteration; the self-pipe only
         wakes a blocked selector, and `call_soon_threadsafe` queues its callback before
-        writing to it). Same timers, same order. With debug on, asyncio's own iteration runs
+        writing to it), and each callback run in place (`Handle._run`'s body; no asyncio handle
+        overrides it). Same timers, same order. With debug on, asyncio's own iteration runs
         (it times slow callbacks) over `_VirtualSelector`."""
         base: Any = self  # asyncio's private loop state, which its stubs do not (all) declare
         if base._debug:
@@ -309,7 +335,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             elif self._threads:
                 pass  # the timer's time has come in real time (charged above), or the selector woke early
             elif scheduled:
-                self.virtual_now += min(max(0, scheduled[0]._when - self.virtual_now), _MAX_WAIT_S)
+                wait = scheduled[0]._when - self.virtual_now
+                if wait > 0:
+                    self.virtual_now += wait if wait < _MAX_WAIT_S else _MAX_WAIT_S
             else:
                 raise VirtualDeadlock("no task is ready and no timer is pending")
         if charging:
@@ -322,8 +350,22 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         for _ in range(len(ready)):
             handle = ready.popleft()
             if not handle._cancelled:
-                handle._run()
+                try:  # `Handle._run`, in place
+                    handle._context.run(handle._callback, *handle._args)
+                except (SystemExit, KeyboardInterrupt):
+                    raise
+                except BaseException as exc:
+                    self._callback_failed(handle, exc)
         handle = None  # breaks cycles when a callback raised
+
+    def _callback_failed(self, handle: asyncio.Handle, exc: BaseException) -> None:
+        """`Handle._run`'s report of a callback that raised, to the loop's exception handler."""
+        run: Any = handle  # asyncio's private Handle state, which its stubs do not declare
+        source = format_helpers._format_callback_source(run._callback, run._args)
+        context: dict[str, Any] = {"message": f"Exception in callback {source}", "exception": exc, "handle": handle}
+        if run._source_traceback:
+            context["source_traceback"] = run._source_traceback
+        self.call_exception_handler(context)
 
     def _drop_cancelled(self, scheduled: list[Any]) -> list[Any]:
         """asyncio's clean-up of cancelled timers: all of them once they are half of many (into a
@@ -348,76 +390,102 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
 
 class VirtualClock:
-    """The `Clock` of code running on a `VirtualTimeLoop` (or any loop: it reads the loop's time)."""
+    """The `Clock` of code running on a `VirtualTimeLoop` (or any of asyncio's own loops: it reads
+    the loop's time and sets its timers on the loop's timer heap). A `VirtualTimeLoop` that does
+    not charge CPU has its clock for its time: that is read in place (the engine reads the clock a
+    few times a token)."""
 
     def now(self) -> float:
-        return asyncio.get_running_loop().time()
+        loop = _get_running_loop()
+        if type(loop) is VirtualTimeLoop and not loop._charge_cpu:
+            return loop.virtual_now
+        return loop.time()
 
     def time(self) -> float:
         return EPOCH_S + self.now()
 
     async def sleep_until(self, deadline: float) -> None:
-        loop = asyncio.get_running_loop()
-        if deadline > loop.time():
+        loop = _get_running_loop()
+        if deadline > (loop.virtual_now if type(loop) is VirtualTimeLoop and not loop._charge_cpu else loop.time()):
             await _Alarm(loop, deadline)
 
 
-class _Alarm:
-    """What `VirtualClock.sleep_until` awaits: a future-like object (asyncio's duck-typed
-    protocol: ``_asyncio_future_blocking``, ``get_loop``, ``add_done_callback``, ``result``,
-    ``cancel``) whose timer calls the waiting task's wake-up itself. `asyncio.sleep` costs two
-    callbacks in two loop iterations (the timer sets a future, whose callback then wakes the
-    task); this costs one, and a virtual rollout waits 7 times a turn. The task wakes at the
-    same virtual time as with `asyncio.sleep`."""
+_get_running_loop: Final = asyncio.get_running_loop  # read per clock reading: one lookup less
 
-    __slots__ = ("_asyncio_future_blocking", "_cancelled", "_context", "_handle", "_loop", "_message", "_wake", "_when")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
-        self._loop = loop
-        self._when = when
+class _Alarm(asyncio.TimerHandle):
+    """What `VirtualClock.sleep_until` awaits: the loop's timer and, in the same object, the
+    future-like object the waiting task waits on (asyncio's duck-typed protocol:
+    ``_asyncio_future_blocking``, ``add_done_callback``, ``result``, ``cancel``; with no
+    ``get_loop`` the task reads ``_loop``). The task's wake-up is the timer's callback.
+    `asyncio.sleep` costs two callbacks in two loop iterations (the timer sets a future, whose
+    callback then wakes the task) and a timer and a future to make; this costs one callback and one
+    object, and a virtual rollout waits 7 times a turn (its engine once a token). The task wakes
+    at the same virtual time as with `asyncio.sleep`.
+
+    The timer part is a `TimerHandle` as `loop.call_at` makes one, its fields set here (on
+    `TESTED_PYTHONS`: asyncio's `Handle` and `TimerHandle` slots) and pushed on the loop's timer
+    heap once the task's wake-up is known. Its `cancel` and `cancelled` are the future's: the
+    timer is cancelled through `TimerHandle.cancel`."""
+
+    __slots__ = ("_aborted", "_asyncio_future_blocking", "_message")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, when: float) -> None:  # not TimerHandle's: see the class
+        timer: Any = self  # asyncio's private Handle state, which its stubs do not declare
+        timer._loop = loop
+        timer._when = when
+        timer._callback = None  # the task's wake-up (`add_done_callback`)
+        timer._args = None
+        timer._context = None
+        timer._cancelled = False  # the timer's (its heap skips it)
+        timer._scheduled = False
+        timer._repr = None
+        timer._source_traceback = None
         self._asyncio_future_blocking = False
-        self._handle: asyncio.TimerHandle | None = None
-        self._wake: Callable[[_Alarm], object] | None = None
-        self._context: contextvars.Context | None = None
-        self._cancelled = False
+        self._aborted = False  # the future's: the task was cancelled while it waited
         self._message: object = None
+
+    def __lt__(self, other: asyncio.TimerHandle) -> bool:
+        """Its place in the loop's timer heap, which holds timers only (TimerHandle's also checks that)."""
+        return self._when < other._when  # type: ignore[attr-defined, no-any-return]
 
     def __await__(self) -> Generator[_Alarm, None, None]:
         self._asyncio_future_blocking = True
         yield self  # the task calls add_done_callback(its wake-up); result() raises if cancelled
 
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
     def add_done_callback(self, fn: Callable[[_Alarm], object], *, context: contextvars.Context | None = None) -> None:
-        if self._wake is not None:
-            raise RuntimeError("an alarm wakes one task")
-        self._wake, self._context = fn, context
-        self._handle = self._loop.call_at(self._when, fn, self, context=context)
+        timer: Any = self
+        if timer._callback is not None or timer._cancelled:
+            raise RuntimeError("an alarm wakes one task, once")
+        timer._callback, timer._args = fn, (self,)
+        timer._context = contextvars.copy_context() if context is None else context
+        heapq.heappush(timer._loop._scheduled, self)
+        timer._scheduled = True
 
     def remove_done_callback(self, fn: Callable[[_Alarm], object]) -> int:
-        if self._wake is None or fn != self._wake:
+        timer: Any = self
+        if timer._callback is None or fn != timer._callback:
             return 0
-        if self._handle is not None:
-            self._handle.cancel()
-        self._wake = self._handle = None
+        asyncio.TimerHandle.cancel(self)
         return 1
 
     def result(self) -> None:
-        if self._cancelled:
+        if self._aborted:
             raise asyncio.CancelledError(*(() if self._message is None else (self._message,)))
 
     def cancelled(self) -> bool:
-        return self._cancelled
+        return self._aborted
 
-    def cancel(self, msg: object = None) -> bool:
+    def cancel(self, msg: object = None) -> bool:  # type: ignore[override]  # the future's (see the class)
         """The task is being cancelled while it waits (its wake-up has not run: then it would not
         wait any more): wake it now, with `CancelledError`."""
-        if self._cancelled or self._handle is None or self._wake is None:
+        timer: Any = self
+        wake, context = timer._callback, timer._context
+        if self._aborted or wake is None:
             return False
-        self._handle.cancel()
-        self._cancelled, self._message = True, msg
-        self._loop.call_soon(self._wake, self, context=self._context)
+        asyncio.TimerHandle.cancel(self)
+        self._aborted, self._message = True, msg
+        timer._loop.call_soon(wake, self, context=context)
         return True
 
 
