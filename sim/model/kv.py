@@ -500,7 +500,7 @@ class PrefixCache:
     ) -> PreparedPrompt:
         """The prompt followed by `more`, prepared, given `prepared` (`prompt`'s, from `prepare`):
         only the blocks past the prompt's full ones are hashed (`extended_keys`)."""
-        self.prepare(prepared)  # its block size checked
+        self._prepared(prepared)  # its block size checked
         keys = extended_keys(prepared.keys, prompt, more, self.block_tokens, prompt_tokens=prepared.prompt_tokens)
         return PreparedPrompt(self.block_tokens, prepared.prompt_tokens + len(more), keys)
 
