@@ -580,13 +580,8 @@ class SimulatedModel:
             # planned: the simulator's own work (hashing, planning, tokenizing) is not model time.
             start = self.clock.now()
             slot, queued_s = self.schedule.queue(start)
-            prefill_s = prefill_time_s(
-                self.model_latency_s,
-                self.prefill_tok_per_s,
-                self.prefill_s_per_token_ctx,
-                cached,
-                request.prompt_tokens - cached,
-            )  # `self.prefill_s`
+            ctx = self.model_latency_s, self.prefill_tok_per_s, self.prefill_s_per_token_ctx  # as `self.prefill_s`
+            prefill_s = prefill_time_s(*ctx, cached, request.prompt_tokens - cached)
             t0 = start + queued_s + prefill_s
             if self.decode_jitter > 0:
                 rate = self._decode_rate(request, t0, start)
@@ -617,28 +612,28 @@ class SimulatedModel:
                 for item, ids in items:
                     yield ItemStarted(item.kind, item.name)
                     if by_turn:  # every token but the turn's last in one event, at once; the last at the end
-                        decoder = _Utf8Decoder(errors="replace")
-                        last_of_turn = index + len(ids) == n_tokens
-                        head = ids[:-1] if last_of_turn else ids
-                        if head:
-                            self._output_tokens += len(head)
-                            if truncated and item is cut_item:  # ids are a prefix of the text's tokens
-                                head_text = decoder.decode(decode_bytes(head), final=not last_of_turn)
-                            elif not last_of_turn:  # ids are the whole text's tokens: their text is it
-                                head_text = item.text
-                            else:  # the text's bytes but its last token's, without decoding token by token
-                                data = item.text.encode()
-                                head_text = decoder.decode(data[: len(data) - len(token_bytes(ids[-1]))])
-                            index += len(head)
-                            yield TokensSampled(tuple(head), head_text)
-                        if last_of_turn and ids:
+                        if index + len(ids) < n_tokens:  # not the turn's last item, so not cut: the text's tokens
+                            if ids:
+                                self._output_tokens += len(ids)
+                                index += len(ids)
+                                yield TokensSampled(tuple(ids), item.text)
+                        elif ids:
+                            # The ids' bytes: the text's, or a prefix of them if the cap cut it. The head's
+                            # text is its whole characters (a character the last token completes is held
+                            # back, as an incremental decoder would); the last token's, the bytes after them.
+                            data = decode_bytes(ids) if truncated and item is cut_item else item.text.encode()
+                            head_text = data[: len(data) - len(token_bytes(ids[-1]))].decode("utf-8", "ignore")
+                            if len(ids) > 1:
+                                self._output_tokens += len(ids) - 1
+                                index += len(ids) - 1
+                                yield TokensSampled(tuple(ids[:-1]), head_text)
                             if paced:
                                 due = t0 + index / rate
                                 if due > clock_now():
                                     await sleep_until(due)
                             index += 1
                             self._output_tokens += 1
-                            yield TokensSampled((ids[-1],), decoder.decode(token_bytes(ids[-1]), final=True))
+                            yield TokensSampled((ids[-1],), data[len(head_text.encode()) :].decode("utf-8", "replace"))
                         yield ItemFinished()
                         continue
                     last = len(ids) - 1
