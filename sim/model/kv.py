@@ -324,7 +324,8 @@ class _BlockTable:
     def place(self, keys: _U64, key_list: list[int] | None = None) -> _I64:
         """Insert distinct non-resident keys, unpinned and never touched; their slots. `key_list`:
         ``keys.tolist()``, if the caller has it."""
-        self.reserve(len(keys))
+        if len(keys) > self._free_top:
+            self.reserve(len(keys))
         top = self._free_top - len(keys)
         slots = self._free[top : self._free_top].copy()
         self._free_top = top
@@ -548,7 +549,7 @@ class PrefixCache:
             self._check_time(previous, now)
         prepared = self._prepared(prompt)
         table = self._table
-        excess_before = max(0, len(table.index) - self.capacity_blocks)
+        resident_before = len(table.index)
         # The slots of a leading run of the prompt's blocks, known resident: the last `match`'s
         # hits if it was this prompt's and no resident block went or moved since (keys are only
         # added by an insert, and every insert clears the last match), else the prefix shared
@@ -571,8 +572,8 @@ class PrefixCache:
             if previous is not None:
                 self._close_pin(previous, now, kept)
         self._inserted = (prepared.keys, table.moves, slots)  # an eviction just below voids it
-        if len(table.index) > self.capacity_blocks:
-            self._overflow += max(0, self._evict() - excess_before)
+        if len(table.index) > self.capacity_blocks:  # over capacity: evict, counting what stays over
+            self._overflow += max(0, self._evict() - max(0, resident_before - self.capacity_blocks))
 
     def _flush(self) -> None:
         """Apply the deferred touch, if any."""
