@@ -158,7 +158,7 @@ def extended_keys(
     its partial last block on are hashed (the chain goes on from the last key). `prompt_tokens`:
     the chunks' total length, if known."""
     if prompt_tokens is None:
-        prompt_tokens = sum(len(chunk) for chunk in prompt_chunks)
+        prompt_tokens = sum(map(len, prompt_chunks))
     rest = prompt_tokens - len(keys) * block_tokens
     tail: list[npt.NDArray[np.uint32]] = []
     for chunk in reversed(prompt_chunks):  # the prompt's last `rest` tokens: its partial block
@@ -494,7 +494,7 @@ class PrefixCache:
                 )
             return prompt
         keys = block_keys(prompt, self.block_tokens)
-        return PreparedPrompt(self.block_tokens, sum(len(chunk) for chunk in prompt), keys)
+        return PreparedPrompt(self.block_tokens, sum(map(len, prompt)), keys)
 
     def extend(
         self, prepared: PreparedPrompt, prompt: Sequence[npt.NDArray[np.uint32]], more: npt.NDArray[np.uint32]
