@@ -612,20 +612,21 @@ class SimulatedModel:
                 for item, ids in items:
                     yield ItemStarted(item.kind, item.name)
                     if by_turn:  # every token but the turn's last in one event, at once; the last at the end
-                        if index + len(ids) < n_tokens:  # not the turn's last item, so not cut: the text's tokens
-                            if ids:
-                                self._output_tokens += len(ids)
-                                index += len(ids)
+                        count = len(ids)
+                        if index + count < n_tokens:  # not the turn's last item, so not cut: the text's tokens
+                            if count:
+                                self._output_tokens += count
+                                index += count
                                 yield TokensSampled(tuple(ids), item.text)
-                        elif ids:
+                        elif count:
                             # The ids' bytes: the text's, or a prefix of them if the cap cut it. The head's
                             # text is its whole characters (a character the last token completes is held
                             # back, as an incremental decoder would); the last token's, the bytes after them.
                             data = decode_bytes(ids) if truncated and item is cut_item else item.text.encode()
                             head_text = data[: len(data) - len(token_bytes(ids[-1]))].decode("utf-8", "ignore")
-                            if len(ids) > 1:
-                                self._output_tokens += len(ids) - 1
-                                index += len(ids) - 1
+                            if count > 1:
+                                self._output_tokens += count - 1
+                                index += count - 1
                                 yield TokensSampled(tuple(ids[:-1]), head_text)
                             if paced:
                                 due = t0 + index / rate

@@ -560,10 +560,10 @@ class PrefixCache:
             source, known = matched[2], matched[3]
         else:
             source, known = self._after_insert(prepared.keys)
-        slots = _joined(source, known, table.resolve(prepared.keys[known:]) if known < len(prepared.keys) else None)
+        slots = _joined(source, known, table.resolve(prepared.keys[known:]) if known < prepared.keys.size else None)
         if owner is None:
             self._supersede(source, known)
-            self._deferred = (slots, len(slots), table.moves)  # tail first: the head ends most recently used
+            self._deferred = (slots, slots.size, table.moves)  # tail first: the head ends most recently used
         else:
             self._flush()
             kept = 0 if previous is None else _common_prefix(previous.prompt.keys, prepared.keys)
