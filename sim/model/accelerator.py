@@ -372,16 +372,18 @@ class DecodeSchedule:
 
     def batched(self, rate: float, start: float, t0: float) -> float:
         """`rate` slowed by the turns decoding at `t0` (a turn arriving at `start`)."""
+        if not self.concurrency_slowdown > 0:
+            return rate  # no slowdown: the intervals are not kept (`book`)
         for serial in [s for s, d in self._decoding.items() if d.end <= start]:
             del self._decoding[serial]  # over before this turn started: cannot overlap any later t0
-        if self.concurrency_slowdown > 0:
-            others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
-            rate /= 1 + self.concurrency_slowdown * others
-        return rate
+        others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
+        return rate / (1 + self.concurrency_slowdown * others)
 
     def book(self, serial: int, slot: int, start: float, end: float) -> _Decoding:
         """Turn `serial` decodes over ``[start, end)``, holding `slot` until `end`."""
-        decoding = self._decoding[serial] = _Decoding(start, end)
+        decoding = _Decoding(start, end)
+        if self.concurrency_slowdown > 0:  # kept for the turns that start while it decodes (`batched`)
+            self._decoding[serial] = decoding
         if slot >= 0:
             self._free_at[slot] = end
             self._holder[slot] = serial
@@ -619,9 +621,8 @@ class SimulatedModel:
                                 index += count
                                 yield TokensSampled(tuple(ids), item.text)
                         elif count:
-                            # The ids' bytes: the text's, or a prefix of them if the cap cut it. The head's
-                            # text is its whole characters (a character the last token completes is held
-                            # back, as an incremental decoder would); the last token's, the bytes after them.
+                            # The ids' bytes (the text's, or a prefix if cut). The head's text: its whole characters, as
+                            # an incremental decoder gives them; the last token's: the bytes after those, flushed.
                             data = decode_bytes(ids) if truncated and item is cut_item else item.text.encode()
                             head_text = data[: len(data) - len(token_bytes(ids[-1]))].decode("utf-8", "ignore")
                             if count > 1:
