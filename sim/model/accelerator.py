@@ -621,8 +621,7 @@ class SimulatedModel:
                                 index += count
                                 yield TokensSampled(tuple(ids), item.text)
                         elif count:
-                            # The ids' bytes (the text's, or a prefix if cut). The head's text: its whole characters, as
-                            # an incremental decoder gives them; the last token's: the bytes after those, flushed.
+                            # The ids' bytes (the text's, a prefix if cut): the head's whole characters, then the rest.
                             data = decode_bytes(ids) if truncated and item is cut_item else item.text.encode()
                             head_text = data[: len(data) - len(token_bytes(ids[-1]))].decode("utf-8", "ignore")
                             if count > 1:
