@@ -136,6 +136,8 @@ __all__ = [
 _U64_MASK: Final = (1 << 64) - 1
 _JITTER_STREAM: Final = 1  # 4th SeedSequence word of the decode-jitter rng (the token rng has 3 words)
 _ASYNC_STREAM: Final = 2  # 4th SeedSequence word of the draw "the next turn needs this turn's async outputs"
+_Utf8Decoder: Final = codecs.getincrementaldecoder("utf-8")  # looked up once, not per item
+_NO_TOKENS: Final = np.empty(0, dtype=np.uint32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,7 +238,7 @@ class ItemText:
 
     def __init__(self, ids: list[int], token_bytes: Callable[[int], bytes], texts: dict[int, str]) -> None:
         self._ids, self._token_bytes, self._texts = ids, token_bytes, texts
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._decoder = _Utf8Decoder(errors="replace")
         self._pending = False  # the decoder holds the start of a multi-byte character
         self._last = len(ids) - 1
 
@@ -370,16 +372,18 @@ class DecodeSchedule:
 
     def batched(self, rate: float, start: float, t0: float) -> float:
         """`rate` slowed by the turns decoding at `t0` (a turn arriving at `start`)."""
+        if not self.concurrency_slowdown > 0:
+            return rate  # no slowdown: the intervals are not kept (`book`)
         for serial in [s for s, d in self._decoding.items() if d.end <= start]:
             del self._decoding[serial]  # over before this turn started: cannot overlap any later t0
-        if self.concurrency_slowdown > 0:
-            others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
-            rate /= 1 + self.concurrency_slowdown * others
-        return rate
+        others = sum(1 for d in self._decoding.values() if d.start <= t0 < d.end)
+        return rate / (1 + self.concurrency_slowdown * others)
 
     def book(self, serial: int, slot: int, start: float, end: float) -> _Decoding:
         """Turn `serial` decodes over ``[start, end)``, holding `slot` until `end`."""
-        decoding = self._decoding[serial] = _Decoding(start, end)
+        decoding = _Decoding(start, end)
+        if self.concurrency_slowdown > 0:  # kept for the turns that start while it decodes (`batched`)
+            self._decoding[serial] = decoding
         if slot >= 0:
             self._free_at[slot] = end
             self._holder[slot] = serial
@@ -557,7 +561,7 @@ class SimulatedModel:
                 if implicit:
                     cached = max(cache.match(prepared), cached)
             marks = self.breakpoint_cache is not None and prepared is not None and bool(request.breakpoints)
-            tokens = np.concatenate(request.prompt) if marks else np.empty(0, dtype=np.uint32)
+            tokens = np.concatenate(request.prompt) if marks else _NO_TOKENS
             if marks:
                 assert self.breakpoint_cache is not None and prepared is not None
                 hit = self.breakpoint_cache.match(prepared.keys, tokens, request.breakpoints, self.clock.now())
@@ -572,16 +576,21 @@ class SimulatedModel:
             # draws from it before anything else runs, and a policy keeps no rng past `plan`.
             items, truncated = self.planner.plan_tokens(request)
             cut_item = items[-1][0] if truncated and items else None  # only the last item can be cut
-            n_tokens = sum(len(ids) for _, ids in items)
+            n_tokens = sum([len(ids) for _, ids in items])
 
             # Steps 4-6: queue, prefill, decode rate; every time known now. The turn starts once
             # planned: the simulator's own work (hashing, planning, tokenizing) is not model time.
             start = self.clock.now()
             slot, queued_s = self.schedule.queue(start)
-            prefill_s = self.prefill_s(request.prompt_tokens, cached)
+            ctx = self.model_latency_s, self.prefill_tok_per_s, self.prefill_s_per_token_ctx  # as `self.prefill_s`
+            prefill_s = prefill_time_s(*ctx, cached, request.prompt_tokens - cached)
             t0 = start + queued_s + prefill_s
-            rate = self._decode_rate(request, t0, start)
-            decoding = self.schedule.book(serial, slot, t0, t0 + n_tokens / rate if math.isfinite(rate) else t0)
+            if self.decode_jitter > 0:
+                rate = self._decode_rate(request, t0, start)
+            else:
+                rate = self.schedule.batched(self.decode_tok_per_s, start, t0)
+            paced = math.isfinite(rate)
+            decoding = self.schedule.book(serial, slot, t0, t0 + n_tokens / rate if paced else t0)
             self._queued_s += queued_s
 
             finished = False
@@ -596,7 +605,6 @@ class SimulatedModel:
                     self.breakpoint_cache.write(prepared.keys, tokens, chosen, self.clock.now())
                 told = cached
                 yield Prefilled(cached_tokens=cached, queued_s=queued_s, prefill_s=prefill_s)
-                paced = math.isfinite(rate)
                 lateness = self.lateness if paced else None
                 by_turn, coalesce = self.pace_by_turn, self.coalesce_due
                 handed_first = handed_last = 0.0
@@ -606,28 +614,27 @@ class SimulatedModel:
                 for item, ids in items:
                     yield ItemStarted(item.kind, item.name)
                     if by_turn:  # every token but the turn's last in one event, at once; the last at the end
-                        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-                        last_of_turn = index + len(ids) == n_tokens
-                        head = ids[:-1] if last_of_turn else ids
-                        if head:
-                            self._output_tokens += len(head)
-                            if truncated and item is cut_item:  # ids are a prefix of the text's tokens
-                                data = decode_bytes(head)
-                            else:  # ids are the text's tokens: its bytes without decoding token by token
-                                data = item.text.encode()
-                                if last_of_turn:
-                                    data = data[: len(data) - len(token_bytes(ids[-1]))]
-                            head_text = decoder.decode(data, final=not last_of_turn)
-                            index += len(head)
-                            yield TokensSampled(tuple(head), head_text)
-                        if last_of_turn and ids:
+                        count = len(ids)
+                        if index + count < n_tokens:  # not the turn's last item, so not cut: the text's tokens
+                            if count:
+                                self._output_tokens += count
+                                index += count
+                                yield TokensSampled(tuple(ids), item.text)
+                        elif count:
+                            # The ids' bytes (the text's, a prefix if cut): the head's whole characters, then the rest.
+                            data = decode_bytes(ids) if truncated and item is cut_item else item.text.encode()
+                            head_text = data[: len(data) - len(token_bytes(ids[-1]))].decode("utf-8", "ignore")
+                            if count > 1:
+                                self._output_tokens += count - 1
+                                index += count - 1
+                                yield TokensSampled(tuple(ids[:-1]), head_text)
                             if paced:
                                 due = t0 + index / rate
                                 if due > clock_now():
                                     await sleep_until(due)
                             index += 1
                             self._output_tokens += 1
-                            yield TokensSampled((ids[-1],), decoder.decode(token_bytes(ids[-1]), final=True))
+                            yield TokensSampled((ids[-1],), data[len(head_text.encode()) :].decode("utf-8", "replace"))
                         yield ItemFinished()
                         continue
                     last = len(ids) - 1
@@ -663,7 +670,8 @@ class SimulatedModel:
                     lateness.turns.append((index, rate, handed_first, handed_last))
                 if cache is not None and self.cache_generated and items:
                     # The turn's output, as the next prompt renders it, joins the cache behind its prompt.
-                    said = np.concatenate(framed_output_ids(self.tokenizer, items, truncated=truncated))
+                    framed = framed_output_ids(self.tokenizer, items, truncated=truncated)
+                    said = framed[0] if len(framed) == 1 else np.concatenate(framed)
                     assert prepared is not None
                     cache.insert(cache.extend(prepared, request.prompt, said), now=self.clock.now())
                 finished = True

@@ -158,7 +158,7 @@ def extended_keys(
     its partial last block on are hashed (the chain goes on from the last key). `prompt_tokens`:
     the chunks' total length, if known."""
     if prompt_tokens is None:
-        prompt_tokens = sum(len(chunk) for chunk in prompt_chunks)
+        prompt_tokens = sum(map(len, prompt_chunks))
     rest = prompt_tokens - len(keys) * block_tokens
     tail: list[npt.NDArray[np.uint32]] = []
     for chunk in reversed(prompt_chunks):  # the prompt's last `rest` tokens: its partial block
@@ -233,6 +233,17 @@ def _common_prefix(a: _U64, b: _U64) -> int:
 
 
 _I64 = npt.NDArray[np.int64]
+_NO_SLOTS: Final[_I64] = np.empty(0, dtype=np.int64)
+_NO_SLOTS.flags.writeable = False
+
+
+def _joined(source: _I64 | None, known: int, rest: _I64 | None) -> _I64:
+    """``source[:known]`` (None: nothing) followed by `rest` (None: nothing), copying only to join."""
+    if rest is None:
+        return _NO_SLOTS if source is None else source[:known]
+    return rest if source is None or not known else np.concatenate((source[:known], rest))
+
+
 _MIN_SLOTS: Final = 1 << 12  # block slots allocated at least (the arrays double when full)
 _MIN_LOG: Final = 1 << 12  # recency-log entries allocated at least
 _EVICT_WINDOW: Final = 256  # recency-log entries examined at least per eviction step
@@ -310,16 +321,34 @@ class _BlockTable:
         self._free[size - old : size - old + free.size] = free
         self._free_top = size - old + free.size
 
-    def place(self, keys: _U64) -> _I64:
-        """Insert distinct non-resident keys, unpinned and never touched; their slots."""
-        self.reserve(len(keys))
+    def place(self, keys: _U64, key_list: list[int] | None = None) -> _I64:
+        """Insert distinct non-resident keys, unpinned and never touched; their slots. `key_list`:
+        ``keys.tolist()``, if the caller has it."""
+        if len(keys) > self._free_top:
+            self.reserve(len(keys))
         top = self._free_top - len(keys)
         slots = self._free[top : self._free_top].copy()
         self._free_top = top
+        # A free slot already has pins 0 and stamp -1 (it was allocated so, or evicted unpinned
+        # with its stamp reset), so it is unpinned and matches no log entry.
         self.keys[slots] = keys
-        self.pins[slots] = 0
-        self.stamp[slots] = -1  # matches no log entry
-        self.index.update(zip(keys.tolist(), slots.tolist(), strict=True))
+        self.index.update(zip(keys.tolist() if key_list is None else key_list, slots.tolist(), strict=True))
+        return slots
+
+    def resolve(self, keys: _U64) -> _I64:
+        """The slot of each of `keys` (distinct), placing the non-resident ones (`place`)."""
+        n = len(keys)
+        if not n:
+            return np.empty(0, dtype=np.int64)
+        key_list = keys.tolist()
+        found = list(map(self.index.get, key_list, itertools.repeat(-1, n)))
+        absent = found.count(-1)
+        if absent == n:  # the usual case: an insert's new blocks
+            return self.place(keys, key_list)
+        slots = np.array(found, dtype=np.int64)
+        if absent:
+            missing = slots < 0
+            slots[missing] = self.place(keys[missing])
         return slots
 
     def touch(self, slots: _I64) -> None:
@@ -465,14 +494,14 @@ class PrefixCache:
                 )
             return prompt
         keys = block_keys(prompt, self.block_tokens)
-        return PreparedPrompt(self.block_tokens, sum(len(chunk) for chunk in prompt), keys)
+        return PreparedPrompt(self.block_tokens, sum(map(len, prompt)), keys)
 
     def extend(
         self, prepared: PreparedPrompt, prompt: Sequence[npt.NDArray[np.uint32]], more: npt.NDArray[np.uint32]
     ) -> PreparedPrompt:
         """The prompt followed by `more`, prepared, given `prepared` (`prompt`'s, from `prepare`):
         only the blocks past the prompt's full ones are hashed (`extended_keys`)."""
-        self.prepare(prepared)  # its block size checked
+        self._prepared(prepared)  # its block size checked
         keys = extended_keys(prepared.keys, prompt, more, self.block_tokens, prompt_tokens=prepared.prompt_tokens)
         return PreparedPrompt(self.block_tokens, prepared.prompt_tokens + len(more), keys)
 
@@ -483,13 +512,21 @@ class PrefixCache:
         the hits before the first miss; those become most recently used (head
         block last). Counts one lookup, its hit and miss tokens.
         """
-        prepared = self.prepare(prompt)
+        prepared = self._prepared(prompt)
         limit = max(prepared.prompt_tokens - 1, 0) // self.block_tokens  # >= 1 token recomputed, whole blocks
-        slots, source, known = self._lookup_after_insert(prepared.keys[:limit])
-        misses = (slots[known:] < 0).nonzero()[0]  # the first `known` are resident
-        hits = known + int(misses[0]) if misses.size else limit
+        keys = prepared.keys[:limit]
+        source, known = self._after_insert(keys)
+        index = self._table.index
+        found: list[int] = []  # the slots of the hits past the first `known`, up to the first miss
+        for key in keys[known:].tolist():
+            slot = index.get(key)
+            if slot is None:
+                break
+            found.append(slot)
+        hits = known + len(found)
+        slots = _joined(source, known, np.array(found, dtype=np.int64) if found else None)
         self._matched = (prepared, self._table.moves, slots, hits)
-        self._supersede(source, min(known, hits))
+        self._supersede(source, known)
         self._deferred = (slots, hits, self._table.moves)
         matched = hits * self.block_tokens
         self._lookups += 1
@@ -510,17 +547,23 @@ class PrefixCache:
         previous = None if owner is None else self._owners.get(owner)
         if previous is not None:
             self._check_time(previous, now)
-        prepared = self.prepare(prompt)
+        prepared = self._prepared(prompt)
         table = self._table
-        excess_before = self._excess()
-        slots, source, known = self._slots(prepared)
-        tail = slots[known:]  # the first `known` are resident
-        absent = tail < 0
-        if absent.any():
-            tail[absent] = table.place(prepared.keys[known:][absent])
+        resident_before = len(table.index)
+        # The slots of a leading run of the prompt's blocks, known resident: the last `match`'s
+        # hits if it was this prompt's and no resident block went or moved since (keys are only
+        # added by an insert, and every insert clears the last match), else the prefix shared
+        # with the last insert (a turn's output inserted behind its prompt); the rest looked up.
+        matched, self._matched = self._matched, None
+        source: _I64 | None
+        if matched is not None and matched[0] is prepared and matched[1] == table.moves:
+            source, known = matched[2], matched[3]
+        else:
+            source, known = self._after_insert(prepared.keys)
+        slots = _joined(source, known, table.resolve(prepared.keys[known:]) if known < prepared.keys.size else None)
         if owner is None:
             self._supersede(source, known)
-            self._deferred = (slots, len(slots), table.moves)  # tail first: the head ends most recently used
+            self._deferred = (slots, slots.size, table.moves)  # tail first: the head ends most recently used
         else:
             self._flush()
             kept = 0 if previous is None else _common_prefix(previous.prompt.keys, prepared.keys)
@@ -529,7 +572,8 @@ class PrefixCache:
             if previous is not None:
                 self._close_pin(previous, now, kept)
         self._inserted = (prepared.keys, table.moves, slots)  # an eviction just below voids it
-        self._overflow += max(0, self._evict() - excess_before)
+        if len(table.index) > self.capacity_blocks:  # over capacity: evict, counting what stays over
+            self._overflow += max(0, self._evict() - max(0, resident_before - self.capacity_blocks))
 
     def _flush(self) -> None:
         """Apply the deferred touch, if any."""
@@ -580,30 +624,22 @@ class PrefixCache:
             kv_idle_token_s=self._kv_idle_token_s,
         )
 
-    def _lookup_after_insert(self, keys: _U64) -> tuple[_I64, _I64 | None, int]:
-        """`lookup`, taking the slots of the keys it shares with the last insert's prompt if no
-        resident key moved or went since: (the slots, the array their head was copied from or
-        None, how many were copied; those are resident)."""
-        table = self._table
+    def _prepared(self, prompt: Prompt) -> PreparedPrompt:
+        """`prepare`, without the call for a prompt prepared for this cache's blocks already."""
+        if isinstance(prompt, PreparedPrompt) and prompt.block_tokens == self.block_tokens:
+            return prompt
+        return self.prepare(prompt)
+
+    def _after_insert(self, keys: _U64) -> tuple[_I64 | None, int]:
+        """The leading keys `keys` shares with the last insert's prompt, if no resident key moved
+        or went since: (that insert's slots, whose head holds theirs, resident; how many), else
+        (None, 0)."""
         inserted = self._inserted
-        if inserted is not None and inserted[1] == table.moves:
+        if inserted is not None and inserted[1] == self._table.moves:
             common = _common_prefix(inserted[0], keys)
             if common:
-                return np.concatenate((inserted[2][:common], table.lookup(keys[common:]))), inserted[2], common
-        return table.lookup(keys), None, 0
-
-    def _slots(self, prepared: PreparedPrompt) -> tuple[_I64, _I64 | None, int]:
-        """`lookup` of the prompt's keys, reusing the last `match`'s while no resident block went
-        or moved. Its misses stay misses: keys are only added by an insert, and every insert
-        clears the last match. Without that match (a turn's output inserted behind its prompt), the
-        slots of the prefix it shares with the last insert are reused on the same condition. As
-        `_lookup_after_insert`, with the copied count the match's hits (its misses are copied too)."""
-        matched, self._matched = self._matched, None
-        table = self._table
-        if matched is None or matched[0] is not prepared or matched[1] != table.moves:
-            return self._lookup_after_insert(prepared.keys)
-        head = matched[2]
-        return np.concatenate((head, table.lookup(prepared.keys[len(head) :]))), head, matched[3]
+                return inserted[2], common
+        return None, 0
 
     @staticmethod
     def _check_time(pin: _Pin, now: float) -> None:

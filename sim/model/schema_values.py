@@ -93,18 +93,16 @@ class _Rand:
     and argument planning makes hundreds of picks per tool call; the same Generator state
     still gives the same values."""
 
-    __slots__ = ("_random", "_randrange", "_uniform")
+    __slots__ = ("_random", "_randrange", "_uniform", "random")
 
     def __init__(self, rng: np.random.Generator) -> None:
         r = random.Random(int(rng.integers(1 << 63)))
         self._random, self._randrange, self._uniform = r.random, r.randrange, r.uniform
+        self.random: Callable[[], float] = r.random  # a float in [0, 1): the bound method itself, no wrapper call
 
     def integers(self, lo: int, hi: int | None = None) -> int:
         """Like `Generator.integers`: [0, lo) with one argument, else [lo, hi)."""
         return self._randrange(lo) if hi is None else self._randrange(lo, hi)
-
-    def random(self) -> float:
-        return self._random()
 
     def uniform(self, lo: float, hi: float) -> float:
         return self._uniform(lo, hi)
