@@ -488,16 +488,16 @@ class ResponseRun:
             item_done = self.dialect.item_done
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
-                    if isinstance(event, Prefilled):
+                    if type(event) is Prefilled:  # the model's event types are final: no isinstance call
                         stages.report.tokens_prefilled += request.prompt_tokens - event.cached_tokens
                         stages.add(Stage.QUEUE, event.queued_s)
                         stages.lap(Stage.PREFILL)
                         stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
-                    elif isinstance(event, SamplingFinished):
+                    elif type(event) is SamplingFinished:
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return event
-                    elif isinstance(event, ItemFinished):
+                    elif type(event) is ItemFinished:
                         await emit(receive(event))
                         item_done(stream, request.turn_index)
                         if queued:
