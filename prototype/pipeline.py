@@ -50,6 +50,7 @@ path pays, so a fitted coefficient and a profile field mean one thing. A new des
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -295,10 +296,11 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return n / value if row.rate else value * n
 
     def stage_s(self, stage: Stage, counts: Mapping[Count, float] | None = None) -> float:
-        """The stage's modeled wait: the sum of its rows for `counts`."""
+        """The stage's modeled wait: the sum of its rows for `counts` (a row paid once is taken
+        from the profile's table, `_stage_terms`)."""
         total = 0.0
-        for row in STAGE_ROWS[stage]:
-            total += self.row_s(row, counts or {})
+        for row, once in _stage_terms(self)[stage]:
+            total += self.row_s(row, counts or {}) if once is None else once
         return total
 
     def compaction_s(self, tokens_read: int, tokens_written: int) -> float:
@@ -307,6 +309,16 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     def upload_s(self, body_bytes: int) -> float:
         return self.stage_s(Stage.NETWORK, {Count.BYTES: float(body_bytes)})
+
+
+@functools.cache
+def _stage_terms(profile: CostProfile) -> dict[Stage, tuple[tuple[StageCost, float | None], ...]]:
+    """Each stage's rows, in `STAGE_ROWS` order, with the wait of a row paid once (`row_s` of no
+    count: it depends on the profile alone), None for a row that needs its count."""
+    return {
+        stage: tuple((row, profile.row_s(row, {}) if row.count is Count.ONCE else None) for row in rows)
+        for stage, rows in STAGE_ROWS.items()
+    }
 
 
 PROFILES: Final[dict[str, CostProfile]] = {
