@@ -64,7 +64,17 @@ from .stream import (
     StreamError,
 )
 
-__all__ = ["Aborted", "Channel", "Emit", "Inbox", "ResponseRun", "Resumed", "new_response", "run_response"]
+__all__ = [
+    "Aborted",
+    "Channel",
+    "Emit",
+    "Inbox",
+    "ResponseRun",
+    "Resumed",
+    "new_response",
+    "run_response",
+    "start_response",
+]
 
 log = logging.getLogger("longrun.engine")
 
@@ -221,9 +231,25 @@ async def run_response(
     cached: CacheEntry | None,
     fork: bool,
 ) -> Outcome:
-    """One response from its arrival: pre-inference up to the resolved prompt (`prepare.resolve`),
-    then its `ResponseRun`, built whole from it. A request error found before the first event
-    comes back in `Outcome.error`, nothing emitted."""
+    """One response from its arrival: `start_response`, then its `ResponseRun`'s life."""
+    started = await start_response(engine, request, emit, arrival, response_id, channel, cached, fork)
+    return started if isinstance(started, Outcome) else await started.run()
+
+
+async def start_response(
+    engine: Services,
+    request: CreateRequest,
+    emit: Emit,
+    arrival: Arrival,
+    response_id: str | None,
+    channel: Channel | None,
+    cached: CacheEntry | None,
+    fork: bool,
+) -> ResponseRun | Outcome:
+    """Pre-inference up to the resolved prompt (`prepare.resolve`), then the response's
+    `ResponseRun`, built whole from it, for the caller to await its `run`: no frame of
+    pre-inference stays under every resumption of the response. A request error found before
+    the first event comes back as the `Outcome` (its `error`), nothing emitted."""
     engine.counts.responses += 1
     engine.counts.responses_websocket += arrival.transport == "ws"
     stages = Stages(engine.clock, engine.counts, arrival.at)
@@ -237,7 +263,7 @@ async def run_response(
         return Outcome(template, None, err)
     if diagnostics is not UNSET:
         template = structs.replace(template, prompt_cache_diagnostics=diagnostics)
-    return await ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved).run()
+    return ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved)
 
 
 class ResponseRun:
