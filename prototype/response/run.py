@@ -183,6 +183,13 @@ def _no_steers() -> tuple[SteerRef, ...]:
     return ()
 
 
+def _steerable(stream: ResponseStream) -> bool:
+    """Whether the response may stop here for a queued steer (docs/beta.md#steering): no call
+    finished in this segment, so ending it leaves nothing owed. An item in flight (only with
+    `steer_boundary="token"`) ends `incomplete` and stays out of the context."""
+    return not any(isinstance(item, FunctionCall) for item in stream.segment_output())
+
+
 def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_id: str | None = None) -> Response:
     """The in-progress snapshot: echoes the request's settings (instructions are not inherited)."""
     p = request.params
@@ -363,7 +370,7 @@ class ResponseRun:
         try:
             await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.stage_s(Stage.INFERENCE_HOP))
             while True:
-                if self.steers() and self._steerable():
+                if self.steers() and _steerable(stream):
                     # A steer queued before this segment's first token; nothing decoded yet.
                     return await self._finish(stream.receive(Interrupt()))
                 done = await self._sample(turn.model_request())
@@ -493,25 +500,20 @@ class ResponseRun:
         """The stream's first events, then the acknowledgements that came before them."""
         return events + self._drain() if self.inbox.acks else events
 
-    def _steerable(self) -> bool:
-        """Whether the response may stop here for a queued steer (docs/beta.md#steering): no call
-        finished in this segment, so ending it leaves nothing owed. An item in flight (only with
-        `steer_boundary="token"`) ends `incomplete` and stays out of the context."""
-        return not any(isinstance(item, FunctionCall) for item in self.stream.segment_output())
-
     async def _sample(self, request: ModelRequest) -> SamplingFinished | Interrupt:
         """One model segment. A steer accepted meanwhile stops it, if `_steerable`, at the end
         of the output item in flight (or, with `steer_boundary="token"`, at the event boundary
         it is acknowledged at): the model's generator is closed there, so no later token is
         decoded."""
         stream, stages, emit = self.stream, self.stages, self.emit
+        receive, queued, steers = stream.receive, self.inbox.acks, self.steers
+        cut = self.engine.steer_boundary == "token"
+        item_done = self.dialect.item_done
         self.engine.counts.model_calls += 1
+        events = self.engine.model.sample(request)
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
-        async with contextlib.aclosing(self.engine.model.sample(request)) as events:
-            receive, queued, steers = stream.receive, self.inbox.acks, self.steers
-            cut = self.engine.steer_boundary == "token"
-            item_done = self.dialect.item_done
+        try:
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
                     if type(event) is Prefilled:  # the model's event types are final: no isinstance call
@@ -528,7 +530,7 @@ class ResponseRun:
                         item_done(stream, request.turn_index)
                         if queued:
                             await emit(self._drain())
-                        if steers() and self._steerable():  # the item is whole: a safe output boundary
+                        if steers() and _steerable(stream):  # the item is whole: a safe output boundary
                             stages.lap(Stage.DECODE)
                             stages.report.tokens_decoded = stream.output_tokens
                             return Interrupt()
@@ -536,10 +538,12 @@ class ResponseRun:
                 await emit(receive(event))
                 if queued:  # an acknowledgement arrived while the model decoded
                     await emit(self._drain())
-                    if cut and steers() and self._steerable():
+                    if cut and steers() and _steerable(stream):
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return Interrupt()
+        finally:
+            await events.aclose()
         raise StreamError("model ended without SamplingFinished")
 
     # -- post-inference ----------------------------------------------------------------------------
