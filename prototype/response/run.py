@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from msgspec import UNSET, structs
 
@@ -179,8 +179,8 @@ class Channel(Pauses, Protocol):
         ...
 
 
-def _no_steers() -> tuple[SteerRef, ...]:
-    return ()
+# The steers a response without a channel has (over HTTP): none, from a call into C.
+_no_steers: Final[Callable[[], tuple[SteerRef, ...]]] = tuple
 
 
 def _steerable(stream: ResponseStream) -> bool:
