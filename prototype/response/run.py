@@ -190,6 +190,9 @@ def _steerable(stream: ResponseStream) -> bool:
     return not any(isinstance(item, FunctionCall) for item in stream.segment_output())
 
 
+_NUMBER: Final = (float, int)  # a constant: `float | int` would build its union at every call
+
+
 def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_id: str | None = None) -> Response:
     """The in-progress snapshot: echoes the request's settings (instructions are not inherited)."""
     p = request.params
@@ -213,8 +216,8 @@ def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_
         prompt_cache_key=p.prompt_cache_key,
         prompt_cache_options=applied_prompt_cache_options(p),
         prompt_cache_retention=p.prompt_cache_retention,
-        frequency_penalty=p.frequency_penalty if isinstance(p.frequency_penalty, float | int) else 0.0,
-        presence_penalty=p.presence_penalty if isinstance(p.presence_penalty, float | int) else 0.0,
+        frequency_penalty=p.frequency_penalty if isinstance(p.frequency_penalty, _NUMBER) else 0.0,
+        presence_penalty=p.presence_penalty if isinstance(p.presence_penalty, _NUMBER) else 0.0,
         safety_identifier=p.safety_identifier,
         top_logprobs=p.top_logprobs or 0,
         store=request.store,
