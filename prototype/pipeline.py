@@ -311,7 +311,7 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return self.stage_s(Stage.NETWORK, {Count.BYTES: float(body_bytes)})
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)  # bounded: a process may build many profiles (a sweep, a fit)
 def _stage_terms(profile: CostProfile) -> dict[Stage, tuple[tuple[StageCost, float | None], ...]]:
     """Each stage's rows, in `STAGE_ROWS` order, with the wait of a row paid once (`row_s` of no
     count: it depends on the profile alone), None for a row that needs its count."""
