@@ -295,10 +295,13 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return n / value if row.rate else value * n
 
     def stage_s(self, stage: Stage, counts: Mapping[Count, float] | None = None) -> float:
-        """The stage's modeled wait: the sum of its rows for `counts`."""
+        """The stage's modeled wait: the sum of its rows for `counts` (a row paid once is taken
+        from the profile's table, `_stage_terms`)."""
+        last = _last_terms  # the table of the profile asked before, found by identity (no hash of the profile)
+        terms = last[1] if last[0] is self else _stage_terms(self)
         total = 0.0
-        for row in STAGE_ROWS[stage]:
-            total += self.row_s(row, counts or {})
+        for row, once in terms[stage]:
+            total += self.row_s(row, counts or {}) if once is None else once
         return total
 
     def compaction_s(self, tokens_read: int, tokens_written: int) -> float:
@@ -307,6 +310,23 @@ class CostProfile(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     def upload_s(self, body_bytes: int) -> float:
         return self.stage_s(Stage.NETWORK, {Count.BYTES: float(body_bytes)})
+
+
+_StageTerms = dict[Stage, tuple[tuple[StageCost, float | None], ...]]
+_last_terms: tuple[CostProfile | None, _StageTerms] = (None, {})
+
+
+def _stage_terms(profile: CostProfile) -> _StageTerms:
+    """Each stage's rows, in `STAGE_ROWS` order, with the wait of a row paid once (`row_s` of no
+    count: it depends on the profile alone), None for a row that needs its count; kept as the
+    last profile's table (a process serves one profile at a time)."""
+    global _last_terms
+    terms = {
+        stage: tuple((row, profile.row_s(row, {}) if row.count is Count.ONCE else None) for row in rows)
+        for stage, rows in STAGE_ROWS.items()
+    }
+    _last_terms = (profile, terms)
+    return terms
 
 
 PROFILES: Final[dict[str, CostProfile]] = {

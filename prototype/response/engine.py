@@ -70,7 +70,7 @@ from ..wire.schemas import (
 from . import metrics
 from .finish import Outcome, outputs_in_context
 from .metrics import Histogram
-from .run import Channel, Emit, run_response
+from .run import Channel, Emit, ResponseRun, run_response, start_response
 from .services import Arrival, Counts
 
 __all__ = ["Engine", "EngineStatistics", "RenderedItems", "store_errors"]
@@ -253,6 +253,23 @@ class Engine:
         so its context is copied rather than extended in place."""
         arrival = arrival or Arrival(self.clock.now())
         return run_response(self, request, emit, arrival, response_id, channel, cached, fork)
+
+    def start(
+        self,
+        request: CreateRequest,
+        cached: CacheEntry | None,
+        emit: Emit,
+        *,
+        arrival: Arrival | None = None,
+        response_id: str | None = None,
+        channel: Channel | None = None,
+        fork: bool = False,
+    ) -> Coroutine[None, None, ResponseRun | Outcome]:
+        """`run` in two steps, for a caller on the per-event path: this one's pre-inference
+        (`run.start_response`) gives the response's `ResponseRun`, whose `run` the caller then
+        awaits itself, so no frame stays between them; or the `Outcome` of a request error."""
+        arrival = arrival or Arrival(self.clock.now())
+        return start_response(self, request, emit, arrival, response_id, channel, cached, fork)
 
     # -- stored responses --------------------------------------------------------------------------
 

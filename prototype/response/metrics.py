@@ -28,9 +28,10 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self.bounds, value)
-        if index < len(self.counts):
-            self.counts[index] += 1
+        try:
+            self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        except IndexError:  # above the last bound: in the +Inf bucket (`count`) alone
+            pass
         self.count += 1
         self.sum += value
 

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from msgspec import UNSET, structs
 
@@ -64,7 +64,17 @@ from .stream import (
     StreamError,
 )
 
-__all__ = ["Aborted", "Channel", "Emit", "Inbox", "ResponseRun", "Resumed", "new_response", "run_response"]
+__all__ = [
+    "Aborted",
+    "Channel",
+    "Emit",
+    "Inbox",
+    "ResponseRun",
+    "Resumed",
+    "new_response",
+    "run_response",
+    "start_response",
+]
 
 log = logging.getLogger("longrun.engine")
 
@@ -169,8 +179,18 @@ class Channel(Pauses, Protocol):
         ...
 
 
-def _no_steers() -> tuple[SteerRef, ...]:
-    return ()
+# The steers a response without a channel has (over HTTP): none, from a call into C.
+_no_steers: Final[Callable[[], tuple[SteerRef, ...]]] = tuple
+
+
+def _steerable(stream: ResponseStream) -> bool:
+    """Whether the response may stop here for a queued steer (docs/beta.md#steering): no call
+    finished in this segment, so ending it leaves nothing owed. An item in flight (only with
+    `steer_boundary="token"`) ends `incomplete` and stays out of the context."""
+    return not any(isinstance(item, FunctionCall) for item in stream.segment_output())
+
+
+_NUMBER: Final = (float, int)  # a constant: `float | int` would build its union at every call
 
 
 def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_id: str | None = None) -> Response:
@@ -196,8 +216,8 @@ def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_
         prompt_cache_key=p.prompt_cache_key,
         prompt_cache_options=applied_prompt_cache_options(p),
         prompt_cache_retention=p.prompt_cache_retention,
-        frequency_penalty=p.frequency_penalty if isinstance(p.frequency_penalty, float | int) else 0.0,
-        presence_penalty=p.presence_penalty if isinstance(p.presence_penalty, float | int) else 0.0,
+        frequency_penalty=p.frequency_penalty if isinstance(p.frequency_penalty, _NUMBER) else 0.0,
+        presence_penalty=p.presence_penalty if isinstance(p.presence_penalty, _NUMBER) else 0.0,
         safety_identifier=p.safety_identifier,
         top_logprobs=p.top_logprobs or 0,
         store=request.store,
@@ -221,9 +241,25 @@ async def run_response(
     cached: CacheEntry | None,
     fork: bool,
 ) -> Outcome:
-    """One response from its arrival: pre-inference up to the resolved prompt (`prepare.resolve`),
-    then its `ResponseRun`, built whole from it. A request error found before the first event
-    comes back in `Outcome.error`, nothing emitted."""
+    """One response from its arrival: `start_response`, then its `ResponseRun`'s life."""
+    started = await start_response(engine, request, emit, arrival, response_id, channel, cached, fork)
+    return started if isinstance(started, Outcome) else await started.run()
+
+
+async def start_response(
+    engine: Services,
+    request: CreateRequest,
+    emit: Emit,
+    arrival: Arrival,
+    response_id: str | None,
+    channel: Channel | None,
+    cached: CacheEntry | None,
+    fork: bool,
+) -> ResponseRun | Outcome:
+    """Pre-inference up to the resolved prompt (`prepare.resolve`), then the response's
+    `ResponseRun`, built whole from it, for the caller to await its `run`: no frame of
+    pre-inference stays under every resumption of the response. A request error found before
+    the first event comes back as the `Outcome` (its `error`), nothing emitted."""
     engine.counts.responses += 1
     engine.counts.responses_websocket += arrival.transport == "ws"
     stages = Stages(engine.clock, engine.counts, arrival.at)
@@ -237,7 +273,7 @@ async def run_response(
         return Outcome(template, None, err)
     if diagnostics is not UNSET:
         template = structs.replace(template, prompt_cache_diagnostics=diagnostics)
-    return await ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved).run()
+    return ResponseRun(engine, request, emit, arrival, channel, stages, template, resolved)
 
 
 class ResponseRun:
@@ -337,7 +373,7 @@ class ResponseRun:
         try:
             await stages.wait(Stage.INFERENCE_HOP, self.engine.profile.stage_s(Stage.INFERENCE_HOP))
             while True:
-                if self.steers() and self._steerable():
+                if self.steers() and _steerable(stream):
                     # A steer queued before this segment's first token; nothing decoded yet.
                     return await self._finish(stream.receive(Interrupt()))
                 done = await self._sample(turn.model_request())
@@ -467,42 +503,37 @@ class ResponseRun:
         """The stream's first events, then the acknowledgements that came before them."""
         return events + self._drain() if self.inbox.acks else events
 
-    def _steerable(self) -> bool:
-        """Whether the response may stop here for a queued steer (docs/beta.md#steering): no call
-        finished in this segment, so ending it leaves nothing owed. An item in flight (only with
-        `steer_boundary="token"`) ends `incomplete` and stays out of the context."""
-        return not any(isinstance(item, FunctionCall) for item in self.stream.segment_output())
-
     async def _sample(self, request: ModelRequest) -> SamplingFinished | Interrupt:
         """One model segment. A steer accepted meanwhile stops it, if `_steerable`, at the end
         of the output item in flight (or, with `steer_boundary="token"`, at the event boundary
         it is acknowledged at): the model's generator is closed there, so no later token is
         decoded."""
         stream, stages, emit = self.stream, self.stages, self.emit
+        receive, queued, steers = stream.receive, self.inbox.acks, self.steers
+        cut = self.engine.steer_boundary == "token"
+        item_done = self.dialect.item_done
         self.engine.counts.model_calls += 1
+        events = self.engine.model.sample(request)
         # Closed on every exit: a failed emit (the peer went away) stops the model's loop now,
         # not whenever the suspended generator is garbage-collected.
-        async with contextlib.aclosing(self.engine.model.sample(request)) as events:
-            receive, queued, steers = stream.receive, self.inbox.acks, self.steers
-            cut = self.engine.steer_boundary == "token"
-            item_done = self.dialect.item_done
+        try:
             async for event in events:
                 if type(event) is not TokensSampled:  # the per-token hot path skips these tests
-                    if isinstance(event, Prefilled):
+                    if type(event) is Prefilled:  # the model's event types are final: no isinstance call
                         stages.report.tokens_prefilled += request.prompt_tokens - event.cached_tokens
                         stages.add(Stage.QUEUE, event.queued_s)
                         stages.lap(Stage.PREFILL)
                         stages.add(Stage.PREFILL, -event.queued_s)  # the simulator's split of the wait
-                    elif isinstance(event, SamplingFinished):
+                    elif type(event) is SamplingFinished:
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return event
-                    elif isinstance(event, ItemFinished):
+                    elif type(event) is ItemFinished:
                         await emit(receive(event))
                         item_done(stream, request.turn_index)
                         if queued:
                             await emit(self._drain())
-                        if steers() and self._steerable():  # the item is whole: a safe output boundary
+                        if steers() and _steerable(stream):  # the item is whole: a safe output boundary
                             stages.lap(Stage.DECODE)
                             stages.report.tokens_decoded = stream.output_tokens
                             return Interrupt()
@@ -510,10 +541,12 @@ class ResponseRun:
                 await emit(receive(event))
                 if queued:  # an acknowledgement arrived while the model decoded
                     await emit(self._drain())
-                    if cut and steers() and self._steerable():
+                    if cut and steers() and _steerable(stream):
                         stages.lap(Stage.DECODE)
                         stages.report.tokens_decoded = stream.output_tokens
                         return Interrupt()
+        finally:
+            await events.aclose()
         raise StreamError("model ended without SamplingFinished")
 
     # -- post-inference ----------------------------------------------------------------------------

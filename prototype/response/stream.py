@@ -49,6 +49,7 @@ is a bug in the model or the caller and raises `StreamError` without moving the 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -112,7 +113,6 @@ __all__ = [
     "RS",
     "ResponseStream",
     "Resume",
-    "SequenceCounter",
     "Start",
     "StreamError",
     "Truncated",
@@ -267,21 +267,6 @@ INPUT_TYPES: Final = (
 )
 
 
-class SequenceCounter:
-    """The `sequence_number` source of one response (its stream's alone: inject
-    acknowledgements are the stream's events too)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def next(self) -> int:
-        seq = self.value
-        self.value += 1
-        return seq
-
-
 class StreamError(Exception):
     """An input the state machine cannot take: a bug in the caller or the model."""
 
@@ -298,7 +283,6 @@ class ResponseStream:
         self,
         template: Response,
         ids: IdFactory,
-        counter: SequenceCounter | None = None,
         *,
         dialect: str = "append",
         async_tools: frozenset[str] = frozenset(),
@@ -325,7 +309,9 @@ class ResponseStream:
         self.item_start_tokens = 0  # `output_tokens` when the item in flight started
         self.discarded_tokens = 0  # tokens of items an `Interrupt` ended incomplete
         self._ids = ids
-        self._next = (counter or SequenceCounter()).next
+        # The `sequence_number` source, the stream's alone (inject acknowledgements are its events
+        # too): a C iterator, so numbering an event calls no Python function.
+        self._next = itertools.count().__next__
         self._item: OutputMessage | FunctionCall | None = None
         self._parts: list[str] = []
 

@@ -41,6 +41,7 @@ from ..context.conversation import Item, parse_item
 from ..ids import IdFactory
 from ..response.dialect import AppendResponse, ResponseDialect
 from ..response.engine import Engine, store_errors
+from ..response.finish import Outcome
 from ..response.run import Aborted, Inbox, Resumed
 from ..response.services import Arrival
 from ..store.base import ResponseStore
@@ -328,7 +329,9 @@ class SessionRunner:
                 self.flush()
                 await let_subscribers_read(self.feeds)
 
-            outcome = await engine.run(create, cached, emit, arrival=arrival, channel=self)
+            started = await engine.start(create, cached, emit, arrival=arrival, channel=self)
+            # The response's life awaited here: this frame sits right over its every event.
+            outcome = started if isinstance(started, Outcome) else await started.run()
             response = outcome.response
             if outcome.entry is not None:
                 self.cached = outcome.entry

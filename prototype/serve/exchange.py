@@ -14,6 +14,7 @@ import msgspec
 from ..config import ServerConfig
 from ..context.conversation import CreateRequest, ToolCache, normalize_create
 from ..response.engine import Engine
+from ..response.finish import Outcome
 from ..response.run import Emit
 from ..response.services import Arrival
 from ..wire.contract import from_validation_error
@@ -79,7 +80,9 @@ class HTTPExchange:
         self.done_frame = config.sse_done
 
     async def run(self, emit: Emit = _discard) -> JSONReply | None:
-        outcome = await self.engine.run(self.create, None, emit if self.stream else _discard, arrival=self.arrival)
+        started = await self.engine.start(self.create, None, emit if self.stream else _discard, arrival=self.arrival)
+        # The response's life awaited here: this frame sits right over its every event.
+        outcome = started if isinstance(started, Outcome) else await started.run()
         if not self.stream:
             if outcome.error is not None:
                 return JSONReply.error(outcome.error)

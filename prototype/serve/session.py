@@ -24,6 +24,7 @@ from ..context.conversation import Item
 from ..pipeline import Optimization
 from ..response.dialect import ResponseDialect
 from ..response.engine import Engine
+from ..response.finish import Outcome
 from ..response.run import Aborted, Emit, Inbox, Resumed
 from ..response.services import Arrival
 from ..response.stream import InjectAccepted, SteerAccepted
@@ -404,7 +405,7 @@ class WebSocketSession:
         try:
             arrival = Arrival(job.arrived_at, job.body_bytes, "ws", routed=self.routed)
             self.routed = True
-            outcome = await self.engine.run(
+            started = await self.engine.start(
                 job.request,
                 job.cached,
                 emit,
@@ -413,6 +414,8 @@ class WebSocketSession:
                 channel=handle,
                 fork=not job.exclusive,
             )
+            # The response's life awaited here: this task's frame sits right over its every event.
+            outcome = started if isinstance(started, Outcome) else await started.run()
         except ConnectionResetError:
             return  # the peer is gone; the reader sees the close and frees everything
         except Exception:
