@@ -25,6 +25,7 @@ first, so an old holder never observes items appended after it.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -118,6 +119,7 @@ TOOL_CHOICE_KNOWN_TYPES: Final = (
 )
 ALLOWED_TOOLS_MODES: Final = ("auto", "required")
 BREAKPOINT_KEY: Final = b'"prompt_cache_breakpoint"'  # a content part's field, as any JSON encoder writes it
+item_type: Final = operator.attrgetter("view.type")  # an Item's type, read in C over a whole input
 
 
 def conversation_key(first_user_text: str) -> int:
@@ -255,7 +257,7 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
 
 
 def _references(items: Sequence[Item]) -> bool:
-    return any(item.view.type == REFERENCE_TYPE for item in items)
+    return REFERENCE_TYPE in map(item_type, items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -409,16 +411,18 @@ def normalize_create(
 def split_trigger(items: tuple[Item, ...]) -> tuple[tuple[Item, ...], bool]:
     """The input without its final `compaction_trigger` (an instruction to the server, not part
     of the context), and whether it had one; a trigger anywhere else is refused."""
-    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
+    types = list(map(item_type, items))  # one pass in C: a resent history is long
+    compact_now = bool(types) and types[-1] == TRIGGER_TYPE
     if compact_now:
         items = items[:-1]
-    for index, item in enumerate(items):
-        if item.view.type == TRIGGER_TYPE:
-            raise ProtocolError(
-                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
-                code="invalid_value",
-                param=f"input[{index}]",
-            )
+        types.pop()
+    if TRIGGER_TYPE in types:
+        index = types.index(TRIGGER_TYPE)
+        raise ProtocolError(
+            f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
+            code="invalid_value",
+            param=f"input[{index}]",
+        )
     return items, compact_now
 
 

@@ -31,6 +31,7 @@ from ..context.conversation import (
     check_continuation,
     generation_header,
     item_from_output,
+    item_type,
     render_preamble,
 )
 from ..context.safety import ClassifierState
@@ -199,7 +200,7 @@ async def resolve(
             stages.lap(Stage.LOAD_STATE)
         preamble = render_preamble(request, engine.tokenizer)
     new: Sequence[Item] = request.items
-    if COMPACTION_TYPE in [item.view.type for item in new]:  # one pass, not a generator resumed per item
+    if COMPACTION_TYPE in map(item_type, new):  # one pass in C: a resent history is long
         # A compaction item stands for every item before it but user messages (compaction.py).
         new = prune(new, [item.view for item in new])
         kept = [(item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)]
