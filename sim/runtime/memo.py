@@ -7,17 +7,19 @@ is honest in a live run and in virtual time with `charge_cpu=True`, where its du
 is part of what is measured. With CPU free its duration is not measured at all, only its
 results are used, and those are pure functions of the input: tokenizing a text, reading
 a token chunk into the classifier, planning a turn from the request and the turn's rng,
-hashing a prompt's KV blocks, validating an input item and rendering it. `MemoTokenizer`,
-`MemoClassifier`, `MemoPolicy`, `MemoPrefixCache`, `MemoItems` and `MemoRendered` return
-the same results from a per-process table instead of recomputing them, so every count,
-token and verdict is identical (tests/sim/runtime/test_memo.py compares whole results) and a sweep
-point costs a fraction of the wall time.
+hashing a prompt's KV blocks, validating an input item and rendering it, checking a
+context's items and extending it. `MemoTokenizer`, `MemoClassifier`, `MemoPolicy`,
+`MemoPrefixCache`, `MemoItems`, `MemoRendered` and `MemoContexts` return the same results
+from a per-process table instead of recomputing them, so every count, token and verdict is
+identical (tests/sim/runtime/test_memo.py compares whole results) and a sweep point costs a
+fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
 then exactly what the comparison measures. `run_compare(memoize=True)` refuses a live run.
 
 The tables are bounded (least recently used out first) and shared by everything in the
-process, so consecutive sweep points in one worker reuse each other's work.
+process, so consecutive sweep points in one worker reuse each other's work. What is kept per
+conversation (its last input, its context) is each memoizing object's own.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 from msgspec import Raw
 
-from prototype.context.conversation import Item, parse_item, parse_items
+from prototype.context.conversation import Context, Item, parse_item, parse_items
 from prototype.context.safety import ClassifierState, SafetyClassifier, check_tokens
 from prototype.context.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 from prototype.model import ModelRequest
@@ -41,6 +43,7 @@ from sim.model.policy import PlannedItem, Policy
 
 __all__ = [
     "MemoClassifier",
+    "MemoContexts",
     "MemoItems",
     "MemoRendered",
     "MemoPolicy",
@@ -57,8 +60,9 @@ PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
 ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
-HINT_LISTS: Final = 256  # conversations whose last item list `MemoItems` keeps, to look their items up again
+HINT_LISTS: Final = 256  # conversations whose last input (items, context, classifier read) is kept
 _writeable: Final = operator.attrgetter("flags.writeable")
+is_: Final = operator.is_
 _BUDGETS: Final = {
     "plans": PLAN_BUDGET,
     "prepared": PREPARED_BUDGET,
@@ -327,6 +331,37 @@ class MemoRendered:
     @property
     def hit_rate(self) -> float:
         return self._memo.hit_rate
+
+
+class MemoContexts:
+    """`prototype.response.services.KnownContexts`: each conversation's latest fresh context, by
+    its first item's identity (the last `HINT_LISTS` conversations, oldest out). With `MemoItems`
+    the history an `http` request resends is the same item objects, so the previous request's
+    context is found by comparing identities in C and copied (its lists, sets and dict, in C);
+    only the new items are checked and extended. An entry keeps its items alive, so an identity
+    is never reused while it lasts; it is a copy, and so is what `known` returns, so no live
+    context shares anything with it."""
+
+    def __init__(self, conversations: int = HINT_LISTS) -> None:
+        self._conversations = conversations
+        self._kept: dict[int, Context] = {}
+
+    def known(self, items: Sequence[Item]) -> Context | None:
+        if not items:
+            return None
+        kept = self._kept.get(id(items[0]))
+        if kept is None or len(kept.items) > len(items) or not all(map(is_, kept.items, items)):
+            return None
+        return kept.copy()
+
+    def keep(self, context: Context) -> None:
+        if not context.items:
+            return
+        key = id(context.items[0])
+        self._kept.pop(key, None)  # re-added: the newest
+        self._kept[key] = context.copy()
+        if len(self._kept) > self._conversations:
+            del self._kept[next(iter(self._kept))]
 
 
 class MemoPrefixCache(PrefixCache):
