@@ -263,39 +263,39 @@ class MemoItems:
     every `http` request resends, every context `http_prev` loads). Misses are validated by
     `parse_item`, so an invalid item raises exactly as without the table.
 
-    Hashing an item's bytes costs a pass over them, and an `http` request resends the items of
-    the conversation's previous request, in the same places. So the keys of each conversation's
-    last list (by its first item) are kept, and an item equal to the key in its place is looked
-    up by that key, whose hash was computed once, instead of by its fresh bytes. The lookup is
-    by equal bytes either way, so it finds what it would have found."""
+    An `http` request resends the conversation's previous list, then adds to it. So each
+    conversation's last list (by its first item's bytes) is kept with its items: a list that
+    starts with it, compared in C item by item on their bytes, takes those items as they are
+    (the same objects, valid in the same places) and only its new items are looked up."""
 
     def __init__(self, table: _Lru | None = None) -> None:
         self._memo = table if table is not None else _shared("items")
-        # A list's keys in order, by its first item, for the last `HINT_LISTS` lists (oldest out).
-        self._hints: dict[bytes, list[bytes]] = {}
+        # A list and its items, by its first item, for the last `HINT_LISTS` lists (oldest out).
+        self._lists: dict[bytes, tuple[list[Raw], tuple[Item, ...]]] = {}
 
     def __call__(self, value: str | list[Raw]) -> tuple[Item, ...]:
         if isinstance(value, str):
             return parse_items(value)
-        get, keys, out = self._memo.get, [], []
-        hint: list[bytes] = []
-        for index, raw in enumerate(value):
-            data = bytes(raw)
-            if index == 0:
-                hint = self._hints.pop(data, hint)  # re-added below: the newest
-            if index < len(hint) and hint[index] == data:
-                data = hint[index]
+        if not value:
+            return ()
+        first = bytes(value[0])
+        last = self._lists.pop(first, None)  # re-added below: the newest
+        out: list[Item] = []
+        if last is not None and len(last[0]) <= len(value) and value[: len(last[0])] == last[0]:
+            out.extend(last[1])
+        get, put = self._memo.get, self._memo.put
+        for index in range(len(out), len(value)):
+            data = bytes(value[index])
             item = get(data)
             if item is None:
                 item = parse_item(data, index)
-                self._memo.put(data, item, len(data))
-            keys.append(data)
-            out.append(item)
-        if keys:
-            self._hints[keys[0]] = keys
-            if len(self._hints) > HINT_LISTS:
-                del self._hints[next(iter(self._hints))]
-        return tuple(out)  # type: ignore[arg-type]
+                put(data, item, len(data))
+            out.append(item)  # type: ignore[arg-type]
+        items = tuple(out)
+        self._lists[first] = (list(value), items)
+        if len(self._lists) > HINT_LISTS:
+            del self._lists[next(iter(self._lists))]
+        return items
 
     @property
     def hit_rate(self) -> float:

@@ -230,11 +230,14 @@ def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
 
 
 def test_item_table_hints_find_what_the_table_finds() -> None:
-    """A conversation's resent history is looked up by the keys of its last list; an item that
-    changed in its place, another conversation in between, or a longer list: the same items,
-    hits and misses as plain lookups by bytes."""
+    """A list that starts with its conversation's last list takes that list's items (the same
+    objects, not looked up again) and looks up only the items after them; an item that changed
+    in its place, another conversation in between, or a shorter list: every item looked up by
+    its bytes. The items are those plain lookups find, and an invalid new item fails as plain."""
     from msgspec import Raw
 
+    from prototype.context.conversation import parse_items
+    from prototype.wire.errors import ProtocolError
     from sim.runtime.memo import MemoItems
 
     def item(call: str, output: str) -> Raw:
@@ -245,11 +248,21 @@ def test_item_table_hints_find_what_the_table_finds() -> None:
     memo = MemoItems(_Lru(1 << 20))
     first = memo(a)
     assert memo(b)[1] is first[1]  # equal bytes: the same Item, whichever list it is in
+    assert (memo._memo.hits, memo._memo.misses) == (1, 4)
     again = memo([*a, item("c3", "three")])
     assert again[:3] == first and all(x is y for x, y in zip(again, first, strict=False))
+    assert (memo._memo.hits, memo._memo.misses) == (1, 5)  # only the new item was looked up
     changed = memo([a[0], item("c1", "uno"), a[2]])
     assert changed[0] is first[0] and changed[1] is not first[1] and changed[2] is first[2]
-    assert (memo._memo.hits, memo._memo.misses) == (6, 6)
+    assert (memo._memo.hits, memo._memo.misses) == (3, 6)
+    assert changed == parse_items([a[0], item("c1", "uno"), a[2]])
+    bad = Raw(b'{"type":"message","role":"robot","content":"x"}')
+    longer = [a[0], item("c1", "uno"), a[2], bad]
+    with pytest.raises(ProtocolError) as memoized:
+        memo(longer)
+    with pytest.raises(ProtocolError) as plain:
+        parse_items(longer)
+    assert memoized.value.body() == plain.value.body() and memoized.value.param == "input[3].role"
     assert memo([]) == ()
 
 
