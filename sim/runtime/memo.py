@@ -25,6 +25,7 @@ conversation (its last input, its context) is each memoizing object's own.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -161,7 +162,10 @@ class MemoClassifier(SafetyClassifier):
     the same `begin()` state through the same chunks each turn, and each step is then one
     dict lookup that returns the very state object of last time. That chain table holds
     up to `chain_entries` steps (it starts over when full) and keeps its states and chunks
-    alive, so an identity is never reused while its entry lasts."""
+    alive, so an identity is never reused while its entry lasts. A read of several read-only
+    chunks is also kept whole, by the identities of its state and first chunk: the next
+    request's history starts with the same chunks (compared by identity in C), so the state
+    after them is taken at once and only the chunks after them are stepped through."""
 
     def __init__(self, budget_bytes: int = CLASSIFIER_BUDGET, chain_entries: int = CHAIN_ENTRIES) -> None:
         super().__init__()
@@ -169,6 +173,9 @@ class MemoClassifier(SafetyClassifier):
         self._start = ClassifierState()
         self._chain: dict[tuple[int, int], tuple[ClassifierState, TokenArray, ClassifierState]] = {}
         self._chain_entries = chain_entries
+        # The last `HINT_LISTS` reads of more than one chunk, by (state, first chunk) identity:
+        # (that state, the chunks read, the state after them).
+        self._runs: dict[tuple[int, int], tuple[ClassifierState, list[TokenArray], ClassifierState]] = {}
 
     def begin(self) -> ClassifierState:
         return self._start  # one object, so every stream's chain starts at the same identity
@@ -177,10 +184,24 @@ class MemoClassifier(SafetyClassifier):
         return self.update_all(state, (tokens,))
 
     def update_all(self, state: ClassifierState, chunks: Iterable[TokenArray]) -> ClassifierState:
-        chain = self._chain
-        for tokens in chunks:  # the chain's steps inline: an `http` history is one call, not one per chunk
+        chunks = list(chunks)
+        start, done, key = state, 0, None
+        if len(chunks) > 1:
+            key = (id(state), id(chunks[0]))
+            run = self._runs.pop(key, None)  # re-added below: the newest
+            if (
+                run is not None
+                and run[0] is state
+                and len(run[1]) <= len(chunks)
+                and all(map(is_, run[1], chunks))
+                and not any(map(_writeable, run[1]))  # still read-only, as the chain asks of each step
+            ):
+                done, state = len(run[1]), run[2]  # this run's chunks again, and maybe more after them
+        chain, shared = self._chain, True
+        for tokens in itertools.islice(chunks, done, None):  # the chain's steps inline: one call, not one per chunk
             if not isinstance(tokens, np.ndarray) or tokens.flags.writeable:
                 state = self._step(state, tokens)  # its content may change under its identity: never chained
+                shared = False
                 continue
             link = (id(state), id(tokens))
             entry = chain.get(link)
@@ -192,6 +213,10 @@ class MemoClassifier(SafetyClassifier):
                 chain.clear()
             chain[link] = (state, tokens, after)
             state = after
+        if shared and key is not None:
+            self._runs[key] = (start, chunks, state)
+            if len(self._runs) > HINT_LISTS:
+                del self._runs[next(iter(self._runs))]
         return state
 
     def _step(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:

@@ -297,6 +297,33 @@ def test_classifier_chain_table_is_bounded_and_still_exact() -> None:
         assert a == b
 
 
+def test_classifier_runs_start_from_a_known_read_and_equal_the_real_reads() -> None:
+    """A read of several read-only chunks is kept whole: a later read from the same state that
+    starts with the same chunks takes its state and steps through the rest only. Whatever the
+    order of reads, a caller's list changed afterwards or a writeable chunk changed under its
+    identity, the state is the real classifier's."""
+    rng = np.random.default_rng(8)
+    real, memo = SafetyClassifier(), MemoClassifier()
+    chunks = [rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (40, 1, 70, 2, 90, 30)]
+    for chunk in chunks:
+        chunk.flags.writeable = False
+    head = memo.update(memo.begin(), chunks[0])
+    for end in (2, 4, 6, 3, 6, 5):  # growing reads, then shorter and longer ones
+        want = real.update_all(real.update(real.begin(), chunks[0]), chunks[1:end])
+        assert memo.update_all(head, chunks[1:end]) == want
+        assert memo.update_all(memo.begin(), chunks[:end]) == real.update_all(real.begin(), chunks[:end])
+    assert memo._runs  # the reads were kept
+    history = chunks[:3]
+    memo.update_all(memo.begin(), history)
+    history.append(chunks[4])  # the caller's list grows after the read: the kept read does not
+    assert memo.update_all(memo.begin(), history) == real.update_all(real.begin(), history)
+    mutable = chunks[2].copy()  # writeable: its content may change under the same identity
+    read = [chunks[0], chunks[1], mutable, chunks[3]]
+    memo.update_all(memo.begin(), read)
+    mutable[0] ^= 1
+    assert memo.update_all(memo.begin(), read) == real.update_all(real.begin(), read)
+
+
 def test_a_run_with_cpu_charged_does_the_real_work_and_never_reads_the_tables() -> None:
     from sim.runtime.memo import memo_classifier, memo_tokenizer
 
