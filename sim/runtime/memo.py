@@ -310,7 +310,7 @@ class MemoItems:
             out.extend(last[1])
         get, put = self._memo.get, self._memo.put
         for index in range(len(out), len(value)):
-            data = bytes(value[index])
+            data = bytes(value[index]) if index else first  # the first item's bytes and hash once
             item = get(data)
             if item is None:
                 item = parse_item(data, index)
