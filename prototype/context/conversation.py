@@ -25,6 +25,7 @@ first, so an old holder never observes items appended after it.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ from ..wire.schemas import (
     encode,
     guarded_decoder,
 )
-from ..wire.tool_schema import check_parameters, strict_compatible
+from ..wire.tool_schema import check_parameters, echo_tools
 from .compaction import COMPACTION_TYPE, ENCRYPTED_CONTENT_MAX, TRIGGER_TYPE, decode_payload
 from .tokenizer import Tokenizer
 
@@ -118,6 +119,7 @@ TOOL_CHOICE_KNOWN_TYPES: Final = (
 )
 ALLOWED_TOOLS_MODES: Final = ("auto", "required")
 BREAKPOINT_KEY: Final = b'"prompt_cache_breakpoint"'  # a content part's field, as any JSON encoder writes it
+item_type: Final = operator.attrgetter("view.type")  # an Item's type, read in C over a whole input
 
 
 def conversation_key(first_user_text: str) -> int:
@@ -215,6 +217,23 @@ class Context:
         fresh.extend(self.items[:n_items], self.chunks[:n_items])
         return fresh
 
+    def copy(self) -> Context:
+        """This context as it is now, sharing no mutable state with it (its lists, sets and dict
+        copied; the items and token arrays they hold are immutable)."""
+        return Context(
+            list(self.items),
+            list(self.chunks),
+            self.n_tokens,
+            self.held_bytes,
+            self.turn_index,
+            self.conversation_key,
+            self.last_was_model,
+            set(self.item_ids),
+            set(self.call_ids),
+            dict(self.pending),
+            list(self.marked),
+        )
+
     def raw_items(self) -> list[Raw]:
         return [Raw(i.raw) for i in self.items]
 
@@ -255,7 +274,7 @@ def check_continuation(context: Context, items: Sequence[Item]) -> None:
 
 
 def _references(items: Sequence[Item]) -> bool:
-    return any(item.view.type == REFERENCE_TYPE for item in items)
+    return REFERENCE_TYPE in map(item_type, items)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,7 +286,7 @@ class CreateRequest:
     items: tuple[Item, ...]
     tools: tuple[FunctionTool, ...]
     tools_raw: tuple[Raw, ...]
-    tools_echo: tuple[Raw, ...]  # `tools_raw` as the response echoes them (`echo_tools`)
+    tools_echo: tuple[Raw, ...]  # `tools_raw` as the response echoes them (`tool_schema.echo_tools`)
     tool_choice: str
     store: bool
     generate: bool
@@ -409,16 +428,18 @@ def normalize_create(
 def split_trigger(items: tuple[Item, ...]) -> tuple[tuple[Item, ...], bool]:
     """The input without its final `compaction_trigger` (an instruction to the server, not part
     of the context), and whether it had one; a trigger anywhere else is refused."""
-    compact_now = bool(items) and items[-1].view.type == TRIGGER_TYPE
+    types = list(map(item_type, items))  # one pass in C: a resent history is long
+    compact_now = bool(types) and types[-1] == TRIGGER_TYPE
     if compact_now:
         items = items[:-1]
-    for index, item in enumerate(items):
-        if item.view.type == TRIGGER_TYPE:
-            raise ProtocolError(
-                f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
-                code="invalid_value",
-                param=f"input[{index}]",
-            )
+        types.pop()
+    if TRIGGER_TYPE in types:
+        index = types.index(TRIGGER_TYPE)
+        raise ProtocolError(
+            f"Invalid 'input[{index}]': a compaction_trigger item must be the final input item.",
+            code="invalid_value",
+            param=f"input[{index}]",
+        )
     return items, compact_now
 
 
@@ -544,29 +565,6 @@ def _parse_tools(tools_raw: tuple[Raw, ...]) -> tuple[FunctionTool, ...]:
         _check_constraints(TOOL, raw, f"tools[{index}]")
         tools.append(FunctionTool(view.name, view.description, params, view.strict, view.is_async is True))
     return tuple(tools)
-
-
-def echo_tools(tools_raw: tuple[Raw, ...]) -> tuple[Raw, ...]:
-    """The tools as a response echoes them: as sent, except that a function tool gets the
-    fields the spec's `FunctionTool` requires and a client may omit, with the values the API
-    states: `parameters` null, `strict` whether the schema allows strict mode
-    (`tool_schema.strict_compatible`; null without a schema). The list is already validated."""
-    out = []
-    for raw in tools_raw:
-        data = bytes(raw)
-        if b'"strict"' in data and b'"parameters"' in data:
-            out.append(raw)  # nothing to fill in (a false hit only costs the decode below)
-            continue
-        tool = msgspec.json.decode(data)
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            out.append(raw)
-            continue
-        tool.setdefault("parameters", None)
-        if tool.get("strict") is None and tool["parameters"] is not None:
-            tool["strict"] = strict_compatible(tool["parameters"])
-        tool.setdefault("strict", None)
-        out.append(Raw(encode(tool)))
-    return tuple(out)
 
 
 class _NamedChoice(msgspec.Struct):

@@ -44,6 +44,7 @@ from ..clock import Clock
 from ..config import STEER_BOUNDARIES, ModelLimits, SteerBoundary
 from ..context.cache import CacheEntry, store_unavailable
 from ..context.conversation import (
+    Context,
     CreateRequest,
     Item,
     ItemParser,
@@ -71,7 +72,7 @@ from . import metrics
 from .finish import Outcome, outputs_in_context
 from .metrics import Histogram
 from .run import Channel, Emit, ResponseRun, run_response, start_response
-from .services import Arrival, Counts
+from .services import Arrival, Counts, KnownContexts
 
 __all__ = ["Engine", "EngineStatistics", "RenderedItems", "store_errors"]
 
@@ -139,6 +140,7 @@ class Engine:
         render_executor: Executor | None = None,
         item_parser: ItemParser = parse_items,
         rendered: RenderedItems | None = None,
+        contexts: KnownContexts | None = None,
         limits: ModelLimits = UNBOUNDED,
         steer_boundary: SteerBoundary = "item",
         multi_agent_holds_calls: bool = True,
@@ -157,6 +159,7 @@ class Engine:
         self.render_executor = render_executor  # None: tokenize inline (virtual time charges it to the loop)
         self.item_parser = item_parser  # validates the items of HTTP bodies and of loaded contexts
         self.rendered = rendered  # None: every item is rendered and tokenized when used
+        self.contexts = contexts  # None: a request's input is checked and extended item by item
         # The model's context window and output limit (tokens; None: unbounded): a prompt longer
         # than the window minus the output limit is refused before inference (`wire/contract.py`).
         # The model's limits, taken whole (`ServerConfig.model`); None: unbounded.
@@ -181,10 +184,14 @@ class Engine:
             return False
         return arrival.transport == "ws" or (arrival.session and optimization in CONTEXT_CACHE)
 
-    async def render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]:
+    async def render(
+        self, items: Sequence[Item], report: StageReport | None = None, *, held: Context | None = None
+    ) -> list[TokenArray]:
         """The items' tokens. Items whose texts add up to `OFFLOAD_CHARS` or more are tokenized
         on `render_executor` if there is one (the BPE releases the GIL): the event loop keeps
-        pacing other streams meanwhile."""
+        pacing other streams meanwhile. `held`: a context whose tokens the caller already holds
+        (a known prefix, `KnownContexts`): not rendered again, counted as rendered all the same
+        (the real work renders it again)."""
         rendered = self.rendered
         if rendered is None:
             chunks = await self._tokenize(render_texts(items))
@@ -197,8 +204,11 @@ class Engine:
                     found[i] = tokens
                     rendered.put(items[i], tokens)
             chunks = found  # type: ignore[assignment]  # no None left
-        n = sum(map(len, chunks))
-        self.counts.items_rendered += len(items)
+        n, rendered_items = sum(map(len, chunks)), len(items)
+        if held is not None:
+            n += held.n_tokens
+            rendered_items += len(held.items)
+        self.counts.items_rendered += rendered_items
         self.counts.tokens_rendered += n
         if report is not None:
             report.tokens_rendered += n

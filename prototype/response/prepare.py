@@ -24,6 +24,7 @@ from ..context.breakpoints import TTL_S, conversation_breakpoints, has_breakpoin
 from ..context.cache import CacheEntry
 from ..context.compaction import COMPACTION_TYPE, Compaction, is_kept, prune
 from ..context.conversation import (
+    REFERENCE_TYPE,
     Context,
     CreateRequest,
     Item,
@@ -31,6 +32,7 @@ from ..context.conversation import (
     check_continuation,
     generation_header,
     item_from_output,
+    item_type,
     render_preamble,
 )
 from ..context.safety import ClassifierState
@@ -49,7 +51,7 @@ from ..wire.schemas import (
     StageReport,
 )
 from .compact import compact_context
-from .services import Arrival, Services, Stages
+from .services import Arrival, KnownContexts, Services, Stages
 
 __all__ = ["Resolved", "Turn", "classify", "compaction_limit", "diagnose_cache", "resolve", "add_resumed"]
 
@@ -199,15 +201,19 @@ async def resolve(
             stages.lap(Stage.LOAD_STATE)
         preamble = render_preamble(request, engine.tokenizer)
     new: Sequence[Item] = request.items
-    if COMPACTION_TYPE in [item.view.type for item in new]:  # one pass, not a generator resumed per item
+    compacts = COMPACTION_TYPE in map(item_type, new)
+    if compacts:
         # A compaction item stands for every item before it but user messages (compaction.py).
         new = prune(new, [item.view for item in new])
         kept = [(item, chunk) for item, chunk in zip(context.items, context.chunks, strict=True) if is_kept(item.view)]
         context = Context()
         context.extend([item for item, _ in kept], [chunk for _, chunk in kept])
         safety, safety_chunks = None, 0
-    check_continuation(context, new)  # new items only, against the context's sets
-    context.extend(new, await engine.render(new, report))
+    if prev is None and not compacts and engine.contexts is not None:  # nothing loaded: the input is the context
+        context = await _fresh(engine, engine.contexts, new, report)
+    else:
+        check_continuation(context, new)  # new items only, against the context's sets
+        context.extend(new, await engine.render(new, report))
     header = len(generation_header(engine.tokenizer))
     compaction = None
     limit = compaction_limit(engine, request)
@@ -228,6 +234,21 @@ async def resolve(
     resolved = Resolved(context, preamble, safety, safety_chunks, compaction)
     await classify(engine, stages, resolved)
     return resolved
+
+
+async def _fresh(engine: Services, known: KnownContexts, items: Sequence[Item], report: StageReport) -> Context:
+    """A context of `items` alone (a request without history to load: `http`), checked and
+    rendered as `resolve` does, starting from the context of its longest prefix built before:
+    only the items after that prefix are checked (against the prefix's sets) and rendered, the
+    prefix's tokens counted as rendered all the same."""
+    context = known.known(items) or Context()
+    rest = items[len(context.items) :]
+    check_continuation(context, rest)
+    chunks = await engine.render(rest, report, held=context)  # counts the prefix as rendered too
+    context.extend(rest, chunks)
+    if REFERENCE_TYPE not in map(item_type, rest):  # the kept prefix has none
+        known.keep(context)
+    return context
 
 
 async def diagnose_cache(

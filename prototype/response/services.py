@@ -14,7 +14,7 @@ from typing import Literal, Protocol
 
 from ..clock import Clock
 from ..config import SteerBoundary
-from ..context.conversation import Item, ItemParser
+from ..context.conversation import Context, Item, ItemParser
 from ..context.safety import SafetyClassifier
 from ..context.tokenizer import TokenArray, Tokenizer
 from ..ids import IdFactory
@@ -23,7 +23,7 @@ from ..pipeline import CostProfile, Optimization, Stage, StageReport
 from ..wire.schemas import Response
 from .metrics import Histogram
 
-__all__ = ["Arrival", "Counts", "Services", "Stages"]
+__all__ = ["Arrival", "Counts", "KnownContexts", "Services", "Stages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +95,24 @@ class Stages:
         self.mark = arrival_at
 
 
+class KnownContexts(Protocol):
+    """Contexts built before from the same items (`sim.runtime.memo.MemoContexts`, where CPU is
+    free): a request that resends a history (`http`) starts from the context of its longest
+    known prefix instead of validating and extending every item again. Only fresh contexts are
+    kept: extended from empty with items that passed `check_continuation` against it, none of
+    them an item reference (which lets an output answer a call the check cannot see: a prefix
+    with one would change how the items after it are checked)."""
+
+    def known(self, items: Sequence[Item]) -> Context | None:
+        """A copy of the kept context whose items are the longest prefix of `items` (the same
+        objects), the caller's to change; None when none is."""
+        ...
+
+    def keep(self, context: Context) -> None:
+        """Keep a fresh context as it is now (a copy: the caller goes on changing its own)."""
+        ...
+
+
 class Services(Protocol):
     """The engine's shared services and counters, as a response's life uses them."""
 
@@ -103,6 +121,7 @@ class Services(Protocol):
     clock: Clock
     ids: IdFactory
     item_parser: ItemParser
+    contexts: KnownContexts | None
     steer_boundary: SteerBoundary
     multi_agent_holds_calls: bool
     tokenizer: Tokenizer
@@ -116,7 +135,9 @@ class Services(Protocol):
 
     def uses(self, arrival: Arrival, optimization: Optimization) -> bool: ...
 
-    async def render(self, items: Sequence[Item], report: StageReport | None = None) -> list[TokenArray]: ...
+    async def render(
+        self, items: Sequence[Item], report: StageReport | None = None, *, held: Context | None = None
+    ) -> list[TokenArray]: ...
 
     async def load(self, response_id: str) -> list[Item]: ...
 

@@ -27,6 +27,7 @@ from ..context.tokenizer import Tokenizer, get_tokenizer
 from ..ids import IdFactory
 from ..model import TokenModel
 from ..response.engine import Engine, RenderedItems
+from ..response.services import KnownContexts
 from ..store.base import ResponseStore
 from .admission import Slots
 from .agents_api import AgentsAPI
@@ -45,6 +46,7 @@ class Overrides:
     classifier: SafetyClassifier | None = None
     item_parser: ItemParser = parse_items
     rendered: RenderedItems | None = None
+    contexts: KnownContexts | None = None
 
 
 class Service:
@@ -97,6 +99,7 @@ def compose(
         render_executor=executor,
         item_parser=parts.item_parser,
         rendered=parts.rendered,
+        contexts=parts.contexts,
         limits=config.model,
         steer_boundary=config.steer_boundary,
         multi_agent_holds_calls=config.multi_agent_holds_calls,

@@ -1,4 +1,5 @@
-"""Structural checks of a function tool's `parameters` JSON Schema.
+"""Structural checks of a function tool's `parameters` JSON Schema, and the tools as a response
+echoes them (`echo_tools`).
 
 The real API refuses a broken schema with 400 `invalid_function_parameters`
 before any inference; so does this server, instead of letting the simulator
@@ -29,7 +30,11 @@ from __future__ import annotations
 import math
 from typing import Final
 
+import msgspec
+from msgspec import Raw
+
 from .errors import ProtocolError
+from .schemas import encode
 
 __all__ = [
     "EXTRA_ITEMS",
@@ -38,6 +43,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_NESTING",
     "check_parameters",
+    "echo_tools",
     "strict_compatible",
 ]
 
@@ -231,3 +237,26 @@ def strict_compatible(schema: object) -> bool:
             if isinstance(defs, dict):
                 stack.extend(defs.values())
     return True
+
+
+def echo_tools(tools_raw: tuple[Raw, ...]) -> tuple[Raw, ...]:
+    """The tools as a response echoes them: as sent, except that a function tool gets the
+    fields the spec's `FunctionTool` requires and a client may omit, with the values the API
+    states: `parameters` null, `strict` whether the schema allows strict mode
+    (`strict_compatible`; null without a schema). The list is already validated."""
+    out = []
+    for raw in tools_raw:
+        data = bytes(raw)
+        if b'"strict"' in data and b'"parameters"' in data:
+            out.append(raw)  # nothing to fill in (a false hit only costs the decode below)
+            continue
+        tool = msgspec.json.decode(data)
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            out.append(raw)
+            continue
+        tool.setdefault("parameters", None)
+        if tool.get("strict") is None and tool["parameters"] is not None:
+            tool["strict"] = strict_compatible(tool["parameters"])
+        tool.setdefault("strict", None)
+        out.append(Raw(encode(tool)))
+    return tuple(out)

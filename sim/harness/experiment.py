@@ -69,8 +69,8 @@ from sim.model.policy import Policy
 from sim.rollout.result import ALL_MODES, MODES, WS_MODES, ClientError, Mode, RolloutFailure, RolloutResult, error_line
 from sim.rollout.spec import RolloutSpec
 from sim.rollout.workload import WORKLOADS
+from sim.runtime import memo
 from sim.runtime.inprocess import InProcessServer, Tap
-from sim.runtime.memo import MemoItems, MemoPolicy, MemoPrefixCache, MemoRendered, memo_classifier, memo_tokenizer
 from sim.runtime.virtual import VirtualClock, load_live_costs, run_virtual
 
 __all__ = [
@@ -354,7 +354,7 @@ class _PromptLog:
 
 
 def _prefix_cache(config: CompareConfig, memoize: bool) -> PrefixCache:
-    kind = MemoPrefixCache if memoize else PrefixCache
+    kind = memo.MemoPrefixCache if memoize else PrefixCache
     return kind(block_tokens=config.model.prefix_block_tokens, capacity_tokens=config.model.kv_capacity_tokens)
 
 
@@ -455,10 +455,10 @@ class _World:
         model = build_model(
             config.model,
             clock=clock,
-            policy=MemoPolicy(policy) if memoize else policy,
+            policy=memo.MemoPolicy(policy) if memoize else policy,
             seed=config.seed,
             pace_by_turn=pace_by_turn,
-            tokenizer=memo_tokenizer() if memoize else None,
+            tokenizer=memo.memo_tokenizer() if memoize else None,
         )
         return cls(tools, model, _PromptLog(model), MemoryStore(), _server_config(config))
 
@@ -492,7 +492,10 @@ class _World:
     async def _in_process(
         self, config: CompareConfig, clock: Clock, *, memoize: bool, charge_cpu: bool, tap: Tap | None
     ) -> AsyncIterator[None]:
-        memo = Overrides(memo_tokenizer(), memo_classifier(), MemoItems(), MemoRendered()) if memoize else None
+        parts = None
+        if memoize:
+            items, rendered, contexts = memo.MemoItems(), memo.MemoRendered(), memo.MemoContexts()
+            parts = Overrides(memo.memo_tokenizer(), memo.memo_classifier(), items, rendered, contexts)
         # Where CPU is free, HTTP requests also skip validating a tool list identical to the last.
         server = InProcessServer(
             self.server_config,
@@ -501,7 +504,7 @@ class _World:
             clock=clock,
             seed=config.seed,
             charge_cpu=charge_cpu,
-            overrides=memo,
+            overrides=parts,
             tool_cache=ToolCache() if memoize else None,
             tap=tap,
             live_costs=load_live_costs(config.live_costs) if config.live_costs else None,

@@ -7,22 +7,25 @@ is honest in a live run and in virtual time with `charge_cpu=True`, where its du
 is part of what is measured. With CPU free its duration is not measured at all, only its
 results are used, and those are pure functions of the input: tokenizing a text, reading
 a token chunk into the classifier, planning a turn from the request and the turn's rng,
-hashing a prompt's KV blocks, validating an input item and rendering it. `MemoTokenizer`,
-`MemoClassifier`, `MemoPolicy`, `MemoPrefixCache`, `MemoItems` and `MemoRendered` return
-the same results from a per-process table instead of recomputing them, so every count,
-token and verdict is identical (tests/sim/runtime/test_memo.py compares whole results) and a sweep
-point costs a fraction of the wall time.
+hashing a prompt's KV blocks, validating an input item and rendering it, checking a
+context's items and extending it. `MemoTokenizer`, `MemoClassifier`, `MemoPolicy`,
+`MemoPrefixCache`, `MemoItems`, `MemoRendered` and `MemoContexts` return the same results
+from a per-process table instead of recomputing them, so every count, token and verdict is
+identical (tests/sim/runtime/test_memo.py compares whole results) and a sweep point costs a
+fraction of the wall time.
 
 Never use them where CPU is charged or the run is live: the re-processing a mode does is
 then exactly what the comparison measures. `run_compare(memoize=True)` refuses a live run.
 
 The tables are bounded (least recently used out first) and shared by everything in the
-process, so consecutive sweep points in one worker reuse each other's work.
+process, so consecutive sweep points in one worker reuse each other's work. What is kept per
+conversation (its last input, its context) is each memoizing object's own.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -32,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 from msgspec import Raw
 
-from prototype.context.conversation import Item, parse_item, parse_items
+from prototype.context.conversation import Context, Item, parse_item, parse_items
 from prototype.context.safety import ClassifierState, SafetyClassifier, check_tokens
 from prototype.context.tokenizer import ENCODING_NAME, TokenArray, Tokenizer
 from prototype.model import ModelRequest
@@ -41,6 +44,7 @@ from sim.model.policy import PlannedItem, Policy
 
 __all__ = [
     "MemoClassifier",
+    "MemoContexts",
     "MemoItems",
     "MemoRendered",
     "MemoPolicy",
@@ -57,8 +61,9 @@ PLAN_BUDGET: Final = 16_000_000  # characters of planned text (≈ 16-32 MB)
 PREPARED_BUDGET: Final = 4_000_000  # block keys of prepared prompts (32 MB)
 RENDERED_BUDGET: Final = 4_000_000  # tokens of rendered items (≈ 16 MB of arrays)
 ITEMS_BUDGET: Final = 32_000_000  # bytes of item JSON used as keys (≈ 2-3 x that with the parsed items)
-HINT_LISTS: Final = 256  # conversations whose last item list `MemoItems` keeps, to look their items up again
+HINT_LISTS: Final = 256  # conversations whose last input (items, context, classifier read) is kept
 _writeable: Final = operator.attrgetter("flags.writeable")
+is_: Final = operator.is_
 _BUDGETS: Final = {
     "plans": PLAN_BUDGET,
     "prepared": PREPARED_BUDGET,
@@ -157,7 +162,10 @@ class MemoClassifier(SafetyClassifier):
     the same `begin()` state through the same chunks each turn, and each step is then one
     dict lookup that returns the very state object of last time. That chain table holds
     up to `chain_entries` steps (it starts over when full) and keeps its states and chunks
-    alive, so an identity is never reused while its entry lasts."""
+    alive, so an identity is never reused while its entry lasts. A read of several read-only
+    chunks is also kept whole, by the identities of its state and first chunk: the next
+    request's history starts with the same chunks (compared by identity in C), so the state
+    after them is taken at once and only the chunks after them are stepped through."""
 
     def __init__(self, budget_bytes: int = CLASSIFIER_BUDGET, chain_entries: int = CHAIN_ENTRIES) -> None:
         super().__init__()
@@ -165,6 +173,9 @@ class MemoClassifier(SafetyClassifier):
         self._start = ClassifierState()
         self._chain: dict[tuple[int, int], tuple[ClassifierState, TokenArray, ClassifierState]] = {}
         self._chain_entries = chain_entries
+        # The last `HINT_LISTS` reads of more than one chunk, by (state, first chunk) identity:
+        # (that state, the chunks read, the state after them).
+        self._runs: dict[tuple[int, int], tuple[ClassifierState, list[TokenArray], ClassifierState]] = {}
 
     def begin(self) -> ClassifierState:
         return self._start  # one object, so every stream's chain starts at the same identity
@@ -173,10 +184,24 @@ class MemoClassifier(SafetyClassifier):
         return self.update_all(state, (tokens,))
 
     def update_all(self, state: ClassifierState, chunks: Iterable[TokenArray]) -> ClassifierState:
-        chain = self._chain
-        for tokens in chunks:  # the chain's steps inline: an `http` history is one call, not one per chunk
+        chunks = list(chunks)
+        start, done, key = state, 0, None
+        if len(chunks) > 1:
+            key = (id(state), id(chunks[0]))
+            run = self._runs.pop(key, None)  # re-added below: the newest
+            if (
+                run is not None
+                and run[0] is state
+                and len(run[1]) <= len(chunks)
+                and all(map(is_, run[1], chunks))
+                and not any(map(_writeable, run[1]))  # still read-only, as the chain asks of each step
+            ):
+                done, state = len(run[1]), run[2]  # this run's chunks again, and maybe more after them
+        chain, shared = self._chain, True
+        for tokens in itertools.islice(chunks, done, None):  # the chain's steps inline: one call, not one per chunk
             if not isinstance(tokens, np.ndarray) or tokens.flags.writeable:
                 state = self._step(state, tokens)  # its content may change under its identity: never chained
+                shared = False
                 continue
             link = (id(state), id(tokens))
             entry = chain.get(link)
@@ -188,6 +213,10 @@ class MemoClassifier(SafetyClassifier):
                 chain.clear()
             chain[link] = (state, tokens, after)
             state = after
+        if shared and key is not None:
+            self._runs[key] = (start, chunks, state)
+            if len(self._runs) > HINT_LISTS:
+                del self._runs[next(iter(self._runs))]
         return state
 
     def _step(self, state: ClassifierState, tokens: TokenArray) -> ClassifierState:
@@ -259,39 +288,39 @@ class MemoItems:
     every `http` request resends, every context `http_prev` loads). Misses are validated by
     `parse_item`, so an invalid item raises exactly as without the table.
 
-    Hashing an item's bytes costs a pass over them, and an `http` request resends the items of
-    the conversation's previous request, in the same places. So the keys of each conversation's
-    last list (by its first item) are kept, and an item equal to the key in its place is looked
-    up by that key, whose hash was computed once, instead of by its fresh bytes. The lookup is
-    by equal bytes either way, so it finds what it would have found."""
+    An `http` request resends the conversation's previous list, then adds to it. So each
+    conversation's last list (by its first item's bytes) is kept with its items: a list that
+    starts with it, compared in C item by item on their bytes, takes those items as they are
+    (the same objects, valid in the same places) and only its new items are looked up."""
 
     def __init__(self, table: _Lru | None = None) -> None:
         self._memo = table if table is not None else _shared("items")
-        # A list's keys in order, by its first item, for the last `HINT_LISTS` lists (oldest out).
-        self._hints: dict[bytes, list[bytes]] = {}
+        # A list and its items, by its first item, for the last `HINT_LISTS` lists (oldest out).
+        self._lists: dict[bytes, tuple[list[Raw], tuple[Item, ...]]] = {}
 
     def __call__(self, value: str | list[Raw]) -> tuple[Item, ...]:
         if isinstance(value, str):
             return parse_items(value)
-        get, keys, out = self._memo.get, [], []
-        hint: list[bytes] = []
-        for index, raw in enumerate(value):
-            data = bytes(raw)
-            if index == 0:
-                hint = self._hints.pop(data, hint)  # re-added below: the newest
-            if index < len(hint) and hint[index] == data:
-                data = hint[index]
+        if not value:
+            return ()
+        first = bytes(value[0])
+        last = self._lists.pop(first, None)  # re-added below: the newest
+        out: list[Item] = []
+        if last is not None and len(last[0]) <= len(value) and value[: len(last[0])] == last[0]:
+            out.extend(last[1])
+        get, put = self._memo.get, self._memo.put
+        for index in range(len(out), len(value)):
+            data = bytes(value[index]) if index else first  # the first item's bytes and hash once
             item = get(data)
             if item is None:
                 item = parse_item(data, index)
-                self._memo.put(data, item, len(data))
-            keys.append(data)
-            out.append(item)
-        if keys:
-            self._hints[keys[0]] = keys
-            if len(self._hints) > HINT_LISTS:
-                del self._hints[next(iter(self._hints))]
-        return tuple(out)  # type: ignore[arg-type]
+                put(data, item, len(data))
+            out.append(item)  # type: ignore[arg-type]
+        items = tuple(out)
+        self._lists[first] = (list(value), items)
+        if len(self._lists) > HINT_LISTS:
+            del self._lists[next(iter(self._lists))]
+        return items
 
     @property
     def hit_rate(self) -> float:
@@ -327,6 +356,37 @@ class MemoRendered:
     @property
     def hit_rate(self) -> float:
         return self._memo.hit_rate
+
+
+class MemoContexts:
+    """`prototype.response.services.KnownContexts`: each conversation's latest fresh context, by
+    its first item's identity (the last `HINT_LISTS` conversations, oldest out). With `MemoItems`
+    the history an `http` request resends is the same item objects, so the previous request's
+    context is found by comparing identities in C and copied (its lists, sets and dict, in C);
+    only the new items are checked and extended. An entry keeps its items alive, so an identity
+    is never reused while it lasts; it is a copy, and so is what `known` returns, so no live
+    context shares anything with it."""
+
+    def __init__(self, conversations: int = HINT_LISTS) -> None:
+        self._conversations = conversations
+        self._kept: dict[int, Context] = {}
+
+    def known(self, items: Sequence[Item]) -> Context | None:
+        if not items:
+            return None
+        kept = self._kept.get(id(items[0]))
+        if kept is None or len(kept.items) > len(items) or not all(map(is_, kept.items, items)):
+            return None
+        return kept.copy()
+
+    def keep(self, context: Context) -> None:
+        if not context.items:
+            return
+        key = id(context.items[0])
+        self._kept.pop(key, None)  # re-added: the newest
+        self._kept[key] = context.copy()
+        if len(self._kept) > self._conversations:
+            del self._kept[next(iter(self._kept))]
 
 
 class MemoPrefixCache(PrefixCache):

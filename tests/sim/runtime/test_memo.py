@@ -230,11 +230,14 @@ def test_items_equal_the_validated_ones_and_errors_name_their_index() -> None:
 
 
 def test_item_table_hints_find_what_the_table_finds() -> None:
-    """A conversation's resent history is looked up by the keys of its last list; an item that
-    changed in its place, another conversation in between, or a longer list: the same items,
-    hits and misses as plain lookups by bytes."""
+    """A list that starts with its conversation's last list takes that list's items (the same
+    objects, not looked up again) and looks up only the items after them; an item that changed
+    in its place, another conversation in between, or a shorter list: every item looked up by
+    its bytes. The items are those plain lookups find, and an invalid new item fails as plain."""
     from msgspec import Raw
 
+    from prototype.context.conversation import parse_items
+    from prototype.wire.errors import ProtocolError
     from sim.runtime.memo import MemoItems
 
     def item(call: str, output: str) -> Raw:
@@ -245,11 +248,21 @@ def test_item_table_hints_find_what_the_table_finds() -> None:
     memo = MemoItems(_Lru(1 << 20))
     first = memo(a)
     assert memo(b)[1] is first[1]  # equal bytes: the same Item, whichever list it is in
+    assert (memo._memo.hits, memo._memo.misses) == (1, 4)
     again = memo([*a, item("c3", "three")])
     assert again[:3] == first and all(x is y for x, y in zip(again, first, strict=False))
+    assert (memo._memo.hits, memo._memo.misses) == (1, 5)  # only the new item was looked up
     changed = memo([a[0], item("c1", "uno"), a[2]])
     assert changed[0] is first[0] and changed[1] is not first[1] and changed[2] is first[2]
-    assert (memo._memo.hits, memo._memo.misses) == (6, 6)
+    assert (memo._memo.hits, memo._memo.misses) == (3, 6)
+    assert changed == parse_items([a[0], item("c1", "uno"), a[2]])
+    bad = Raw(b'{"type":"message","role":"robot","content":"x"}')
+    longer = [a[0], item("c1", "uno"), a[2], bad]
+    with pytest.raises(ProtocolError) as memoized:
+        memo(longer)
+    with pytest.raises(ProtocolError) as plain:
+        parse_items(longer)
+    assert memoized.value.body() == plain.value.body() and memoized.value.param == "input[3].role"
     assert memo([]) == ()
 
 
@@ -282,6 +295,33 @@ def test_classifier_chain_table_is_bounded_and_still_exact() -> None:
             a, b = real.update(a, chunk), memo.update(b, chunk)
             assert len(memo._chain) <= 3
         assert a == b
+
+
+def test_classifier_runs_start_from_a_known_read_and_equal_the_real_reads() -> None:
+    """A read of several read-only chunks is kept whole: a later read from the same state that
+    starts with the same chunks takes its state and steps through the rest only. Whatever the
+    order of reads, a caller's list changed afterwards or a writeable chunk changed under its
+    identity, the state is the real classifier's."""
+    rng = np.random.default_rng(8)
+    real, memo = SafetyClassifier(), MemoClassifier()
+    chunks = [rng.integers(0, 200_000, size=n).astype(np.uint32) for n in (40, 1, 70, 2, 90, 30)]
+    for chunk in chunks:
+        chunk.flags.writeable = False
+    head = memo.update(memo.begin(), chunks[0])
+    for end in (2, 4, 6, 3, 6, 5):  # growing reads, then shorter and longer ones
+        want = real.update_all(real.update(real.begin(), chunks[0]), chunks[1:end])
+        assert memo.update_all(head, chunks[1:end]) == want
+        assert memo.update_all(memo.begin(), chunks[:end]) == real.update_all(real.begin(), chunks[:end])
+    assert memo._runs  # the reads were kept
+    history = chunks[:3]
+    memo.update_all(memo.begin(), history)
+    history.append(chunks[4])  # the caller's list grows after the read: the kept read does not
+    assert memo.update_all(memo.begin(), history) == real.update_all(real.begin(), history)
+    mutable = chunks[2].copy()  # writeable: its content may change under the same identity
+    read = [chunks[0], chunks[1], mutable, chunks[3]]
+    memo.update_all(memo.begin(), read)
+    mutable[0] ^= 1
+    assert memo.update_all(memo.begin(), read) == real.update_all(real.begin(), read)
 
 
 def test_a_run_with_cpu_charged_does_the_real_work_and_never_reads_the_tables() -> None:
