@@ -20,7 +20,7 @@ from ..response.services import Arrival
 from ..wire.contract import from_validation_error
 from ..wire.errors import IN_STREAM_CODES, INTERNAL_ERROR, ProtocolError, http_error_body, sse_error_events
 from ..wire.requests import CreateParams
-from ..wire.schemas import CompactParams, ServerEvent, decode_compact_params, decode_create_params, decode_text, encode
+from ..wire.schemas import CompactParams, ServerEvent, checked_text, decode_compact_params, decode_create_params, encode
 
 T = TypeVar("T")
 
@@ -102,12 +102,12 @@ def http_compact(body: bytes, engine: Engine, config: ServerConfig) -> tuple[Com
     return decoded_body(body, config, decode_compact_params), arrival
 
 
-def decoded_body(body: bytes, config: ServerConfig, decode: Callable[[str], T]) -> T:
+def decoded_body(body: bytes, config: ServerConfig, decode: Callable[[bytes | str], T]) -> T:
     """An HTTP body within the size limit, UTF-8 as a whole, decoded and validated by `decode`;
     or the `ProtocolError` to answer with."""
     if len(body) > config.max_message_bytes:
         raise request_too_large(config.max_message_bytes)
     try:
-        return decode(decode_text(body))
+        return decode(checked_text(body))
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation_error(exc) from None

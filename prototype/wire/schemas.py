@@ -106,7 +106,7 @@ __all__ = [
     "decode_stream_tag",
     "decode_item",
     "decode_stored",
-    "decode_text",
+    "checked_text",
     "decode_tool",
     "encode",
     "guarded_decoder",
@@ -580,10 +580,12 @@ def guarded_decoder(decoder: msgspec.json.Decoder[T]) -> Callable[[bytes | str],
     return guarded
 
 
-def decode_text(data: bytes | str) -> str:
-    """A body or frame as text. msgspec checks UTF-8 only in the strings it decodes, never in
-    `Raw` parts (items, tools) that are kept and echoed verbatim, so the whole is checked here."""
-    if isinstance(data, str):
+def checked_text(data: bytes | str) -> bytes | str:
+    """A body or frame whose UTF-8 is checked, for a decoder to read. msgspec checks UTF-8 only
+    in the strings it decodes, never in `Raw` parts (items, tools) that are kept and echoed
+    verbatim, so the whole is checked here: text, and ASCII bytes (valid UTF-8 by construction;
+    checked in C, no copy made), are returned as they are; other bytes are decoded."""
+    if isinstance(data, str) or data.isascii():
         return data
     try:
         return data.decode()

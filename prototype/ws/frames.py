@@ -18,7 +18,7 @@ from ..context.conversation import ItemParser, ToolCache, normalize_create, pars
 from ..wire.contract import from_validation_error
 from ..wire.errors import ProtocolError
 from ..wire.requests import ResponseCreate, ResponseSteer
-from ..wire.schemas import decode_client_event, decode_envelope, decode_text
+from ..wire.schemas import checked_text, decode_client_event, decode_envelope
 from .events import AppendReceived, BadFrame, CreateReceived, SteerReceived
 from .lanes import INVALID_STREAM_ID, STREAM_LIMIT, valid_stream_id
 
@@ -60,7 +60,7 @@ class FrameClassifier:
         """`lanes(stream_id)`: whether a create may run on that lane (it exists, or one more
         named lane fits); a create naming a lane that does not fit gets `STREAM_LIMIT`."""
         try:
-            event = decode_client_event(decode_text(data))
+            event = decode_client_event(checked_text(data))
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return self._bad(data, exc)
         if isinstance(event, ResponseCreate):

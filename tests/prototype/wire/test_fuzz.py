@@ -43,7 +43,7 @@ from prototype.serve.wallclock import AsyncioClock
 from prototype.store.memory import MemoryStore
 from prototype.wire.contract import from_validation_error
 from prototype.wire.errors import ProtocolError
-from prototype.wire.schemas import RequiredInput, decode_create_params, decode_text
+from prototype.wire.schemas import RequiredInput, checked_text, decode_create_params
 from prototype.ws.connection import Connection
 from prototype.ws.events import SendFrame, StartJob
 from prototype.ws.lanes import CS
@@ -373,7 +373,7 @@ def test_frames_while_paused_never_break_the_pause(frames: list[str]) -> None:
 def decode_http(body: bytes) -> ProtocolError | None:
     """What `create_response` does with a body before the engine: the error it answers, if any."""
     try:
-        normalize_create(decode_create_params(decode_text(body)), websocket=False)
+        normalize_create(decode_create_params(checked_text(body)), websocket=False)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         return from_validation_error(exc)
     except ProtocolError as err:
