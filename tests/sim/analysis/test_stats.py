@@ -102,3 +102,23 @@ def test_difference_and_agreement_are_paired_and_seeded() -> None:
         paired_saving([1.0, 2.0], [1.0])
     one = paired_saving([10.0], [7.0])
     assert one.value == pytest.approx(0.3) and one.n == 1 and math.isnan(one.half_width)
+
+
+def test_the_quantile_is_numpys_to_the_bit() -> None:
+    """`quantile_interval`'s value is `np.quantile`'s (linear method) on the same samples, bit for
+    bit, over sizes, quantiles, ties, infinities and NaN."""
+    rng = np.random.default_rng(7)
+    specials = np.array([1.0, 1.5, -2.25, 1e308, -1e308, np.inf, -np.inf, 3.3, 1e-300])
+    for _ in range(3000):
+        n = int(rng.integers(1, 30))
+        if rng.random() < 0.3:
+            x = rng.choice(specials, size=n)
+        else:
+            x = rng.uniform(-10, 1000, size=n) * 10.0 ** rng.integers(-5, 5, size=n)
+        if rng.random() < 0.05:
+            x[rng.integers(n)] = np.nan
+        q = float(rng.choice([0.5, 0.9, 0.1, 0.0, 1.0, rng.random()]))
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = float(np.quantile(np.sort(x), q))
+        got = quantile_interval(x, q).value
+        assert (np.isnan(expected) and np.isnan(got)) or np.float64(got).tobytes() == np.float64(expected).tobytes()
