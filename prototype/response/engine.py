@@ -71,7 +71,7 @@ from ..wire.schemas import (
 from . import metrics
 from .finish import Outcome, outputs_in_context
 from .metrics import Histogram
-from .run import Channel, Emit, ResponseRun, run_response, start_response
+from .run import Channel, Emit, ResponseRun, start_response
 from .services import Arrival, Counts, KnownContexts
 
 __all__ = ["Engine", "EngineStatistics", "RenderedItems", "store_errors"]
@@ -237,33 +237,6 @@ class Engine:
 
     # -- one response ------------------------------------------------------------------------------
 
-    def run(
-        self,
-        request: CreateRequest,
-        cached: CacheEntry | None,
-        emit: Emit,
-        *,
-        arrival: Arrival | None = None,
-        response_id: str | None = None,
-        channel: Channel | None = None,
-        fork: bool = False,
-    ) -> Coroutine[None, None, Outcome]:
-        """Serve one create: the coroutine of `run.run_response`, whose `ResponseRun` owns its life
-        (returned as is, so awaiting it adds no frame to every resumption of the response).
-        Request errors before the first event come back in `Outcome.error` (nothing was
-        emitted); failures after it end the stream
-        with `response.failed` (`Outcome.failure` says which error). Cancellation propagates
-        after cleanup.
-
-        `channel`: the response runs on a WebSocket connection core. In its `append` and `beta`
-        dialects a turn that ends in function calls pauses the response instead of finishing
-        it, and the core decides whether to resume with appended items or to end `incomplete`.
-
-        `fork`: another response already continues from `cached` (a fork onto another lane),
-        so its context is copied rather than extended in place."""
-        arrival = arrival or Arrival(self.clock.now())
-        return run_response(self, request, emit, arrival, response_id, channel, cached, fork)
-
     def start(
         self,
         request: CreateRequest,
@@ -275,9 +248,19 @@ class Engine:
         channel: Channel | None = None,
         fork: bool = False,
     ) -> Coroutine[None, None, ResponseRun | Outcome]:
-        """`run` in two steps, for a caller on the per-event path: this one's pre-inference
-        (`run.start_response`) gives the response's `ResponseRun`, whose `run` the caller then
-        awaits itself, so no frame stays between them; or the `Outcome` of a request error."""
+        """Serve one create, in two steps: pre-inference (`run.start_response`) gives the
+        response's `ResponseRun`, which owns its life and whose `run` the caller then awaits
+        itself, so no frame stays between them and every event. A request error before the first
+        event comes back as the `Outcome` (its `error`; nothing was emitted); a failure after it
+        ends the stream with `response.failed` (the run's `Outcome.failure` says which error).
+        Cancellation propagates after cleanup.
+
+        `channel`: the response runs on a WebSocket connection core. In its `append` and `beta`
+        dialects a turn that ends in function calls pauses the response instead of finishing
+        it, and the core decides whether to resume with appended items or to end `incomplete`.
+
+        `fork`: another response already continues from `cached` (a fork onto another lane),
+        so its context is copied rather than extended in place."""
         arrival = arrival or Arrival(self.clock.now())
         return start_response(self, request, emit, arrival, response_id, channel, cached, fork)
 

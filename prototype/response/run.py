@@ -72,7 +72,6 @@ __all__ = [
     "ResponseRun",
     "Resumed",
     "new_response",
-    "run_response",
     "start_response",
 ]
 
@@ -231,21 +230,6 @@ def new_response(request: CreateRequest, ids: IdFactory, clock: Clock, response_
     )
 
 
-async def run_response(
-    engine: Services,
-    request: CreateRequest,
-    emit: Emit,
-    arrival: Arrival,
-    response_id: str | None,
-    channel: Channel | None,
-    cached: CacheEntry | None,
-    fork: bool,
-) -> Outcome:
-    """One response from its arrival: `start_response`, then its `ResponseRun`'s life."""
-    started = await start_response(engine, request, emit, arrival, response_id, channel, cached, fork)
-    return started if isinstance(started, Outcome) else await started.run()
-
-
 async def start_response(
     engine: Services,
     request: CreateRequest,
@@ -294,7 +278,7 @@ class ResponseRun:
         template: Response,
         resolved: Resolved,
     ) -> None:
-        """Built whole from what pre-inference resolved (`run_response`)."""
+        """Built whole from what pre-inference resolved (`start_response`)."""
         self.engine = engine
         self.request = request
         self.emit = emit

@@ -2,11 +2,12 @@
 subscribers, its turns' tasks, its copy of the last context, and its record in the store.
 
 The runner carries out its core's outputs (`prototype/agents/machine.py`) with the engine: a turn
-is one `Engine.run` in the `append` pause dialect, the runner being the run's `Channel`, so the
-turn pauses at each function call holding its KV and resumes with the tool results the core hands
-over. It writes the session's record (`prototype/agents/record.py`) by compare-and-set over the
-bytes it last read or wrote: the routes' changes before they answer, the engine's in the
-background, and while a turn runs, a renewal of its lease every third of `AgentsConfig.lease_s`.
+is one response (`Engine.start`, then its `ResponseRun.run`) in the `append` pause dialect, the
+runner being the run's `Channel`, so the turn pauses at each function call holding its KV and
+resumes with the tool results the core hands over. It writes the session's record
+(`prototype/agents/record.py`) by compare-and-set over the bytes it last read or wrote: the routes'
+changes before they answer, the engine's in the background, and while a turn runs, a renewal of
+its lease every third of `AgentsConfig.lease_s`.
 """
 
 from __future__ import annotations

@@ -221,7 +221,8 @@ def output_of(call_id: str, text: str = "ok") -> Item:
 
 
 async def run(engine: Engine, request: CreateRequest, wire: Wire, channel: FakeChannel | None = None) -> Outcome:
-    return await engine.run(request, None, wire.emit, channel=channel)
+    started = await engine.start(request, None, wire.emit, channel=channel)
+    return started if isinstance(started, Outcome) else await started.run()
 
 
 def calls_in(response: dict[str, Any]) -> list[RequiredInput]:
