@@ -77,6 +77,7 @@ class Client:
         """Post `events` with a subscription open, and read until the session is idle, failed or
         waiting for a tool result."""
         async with self.http.get(f"{self.base}/{sid}/events", headers=BETA) as stream:
+            assert stream.status == 200, await stream.text()  # a refused stream ends at once, no events
             status, body = await self.post(sid, *events)
             assert status == 202, body
             seen = []
@@ -88,6 +89,7 @@ class Client:
 
     async def until_idle(self, sid: str) -> dict[str, Any]:
         async with self.http.get(f"{self.base}/{sid}/events", headers=BETA) as stream:
+            assert stream.status == 200, await stream.text()
             status, session = await self.get(f"/{sid}")
             assert status == 200
             if session["status"] in ("idle", "failed"):
