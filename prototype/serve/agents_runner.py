@@ -158,8 +158,7 @@ class SessionRunner:
 
     async def _save_changes(self) -> None:
         try:
-            while not self.gone and self.core.revision != self.saved_revision:
-                await self.save()
+            await self.settle()
         except ProtocolError as err:  # an outage or a conflict: the next save (or read) retries it
             log.warning("session %s: the record was not saved: %s", self.core.id, err.message)
         finally:
@@ -167,8 +166,9 @@ class SessionRunner:
         self.flush()
 
     async def settle(self) -> None:
-        """Every change so far in the store (a read answers only what is stored)."""
-        if not self.gone and self.core.revision != self.saved_revision:
+        """Every change so far in the store when it returns, so a read answers only what is stored:
+        a change made while a save was in flight (the turn ended meanwhile) is saved too."""
+        while not self.gone and self.core.revision != self.saved_revision:
             await self.save()
 
     async def _renew(self) -> None:

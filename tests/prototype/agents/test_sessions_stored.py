@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
+import msgspec
 import pytest
 import redis.asyncio
 
+from prototype.agents.record import decode_record, session_key
 from prototype.config import AgentsConfig, ServerConfig
+from prototype.serve.app import AGENTS
+from prototype.store.memory import MemoryStore
 from prototype.store.redis import RedisStore
 from prototype.store.sqlite import SqliteStore
 from sim.model.policy import PlannedItem, ScriptPolicy
@@ -285,6 +289,70 @@ async def _two_servers_share_sessions(make_store: Any, http: aiohttp.ClientSessi
         for client in (a, b):
             status, listed = await client.get("")
             assert {s["id"] for s in listed["data"]} == {paused["id"], other["id"]}
+
+
+class HeldStore(MemoryStore):
+    """A memory store whose next write of a key that starts with a prefix waits until the test
+    releases it: a save in flight for as long as the test needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holds: dict[str, tuple[asyncio.Event, asyncio.Event]] = {}  # prefix -> (entered, released)
+
+    def hold(self, prefix: str) -> tuple[asyncio.Event, asyncio.Event]:
+        self.holds[prefix] = (asyncio.Event(), asyncio.Event())
+        return self.holds[prefix]
+
+    async def _wait(self, key: str) -> None:
+        prefix = next((p for p in self.holds if key.startswith(p)), None)
+        if prefix is not None:
+            entered, released = self.holds.pop(prefix)
+            entered.set()
+            await released.wait()
+
+    async def put(self, response_id: str, value: bytes) -> None:
+        await self._wait(response_id)
+        await super().put(response_id, value)
+
+    async def swap(self, key: str, expected: bytes | None, value: bytes) -> bool:
+        await self._wait(key)
+        return await super().swap(key, expected, value)
+
+
+async def test_a_read_answers_what_is_stored_when_the_turn_ends_during_its_save(http: aiohttp.ClientSession) -> None:
+    """The read's save of the running turn is in flight when the turn ends: the read answers only
+    once the end is stored too, so another process reading the store after it never sees less."""
+    store = HeldStore()
+    async with live_server(tool_calls=1, store=store) as live:
+        client, api = Client(http, live.base_url), live.app[AGENTS]
+        paused = await _paused_session(client)
+        runner = api.runners[paused["id"]]
+        (call,) = paused["required_actions"]
+        result = {"type": "agent.session.input.tool_result", "success": True, "output": "ok"}
+        result |= {"turn_id": call["turn_id"], "call_id": call["call_id"]}
+        # The resumed turn stops at storing its response, just before it ends.
+        response_entered, response_released = store.hold("resp_")
+        assert (await client.post(paused["id"], result))[0] == 202
+        await response_entered.wait()
+        assert runner.core.active is not None and runner.core.revision != runner.saved_revision  # unsaved
+        (turn,) = runner.tasks.values()
+        # A read saves what it answers; that save is held while the turn ends.
+        save_entered, save_released = store.hold(session_key(paused["id"]))
+
+        async def read() -> tuple[dict[str, Any], dict[str, Any]]:
+            reply = await api.retrieve(paused["id"])
+            stored = decode_record(store._entries[session_key(paused["id"])])  # at the moment it answers
+            return json.loads(reply.body), json.loads(msgspec.json.encode(stored.session))
+
+        reading = asyncio.create_task(read())
+        await save_entered.wait()
+        response_released.set()
+        await asyncio.wait({turn})
+        assert runner.core.active is None  # the turn has ended; its end is not stored yet
+        save_released.set()
+        answered, stored = await reading
+        assert answered["status"] == stored["status"] == "idle"
+        assert answered == stored
 
 
 @pytest.mark.redis
