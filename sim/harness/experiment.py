@@ -124,6 +124,14 @@ class CompareConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
             "first: the arrival order, an input (0 = all at once, in the order the gate lets them)",
         ),
     ] = 0.0
+    cold_rounds: Annotated[
+        bool,
+        Meta(
+            description="each round of a mode's rollouts (those it starts together) starts on a cold prefix cache, "
+            "as a real engine's comparison erases its slots at each round (an engine run records true); "
+            "off: a mode's cache is kept across its rollouts"
+        ),
+    ] = False
     lanes: Annotated[
         int,
         Meta(
@@ -378,6 +386,8 @@ async def run_compare(
     only): the in-process server's run mode (`InProcessServer`), the loop's (`run_virtual`) too.
     `tap` (virtual only) sees every body and frame the in-process transports carry."""
     check(config, virtual=virtual)
+    if config.engine.engine_kind != "none":  # its slots are erased at each round (`_Scheduler`): recorded
+        config = config.updated(cold_rounds=True)
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
     if charge_cpu and not virtual:
@@ -529,13 +539,15 @@ class _Scheduler:
     favour whichever mode runs later. Within a mode, `concurrency` (or `lanes`) rollouts are in
     flight at once; with `lanes`, the rollouts of a WebSocket mode share connections. A real engine
     (`config.engine`) has one cache: its slots are erased as each round's rollouts start in each
-    mode, and the modes are interleaved round by round."""
+    mode, and the modes are interleaved round by round; `cold_rounds` runs the simulator so (a
+    prediction of an engine run)."""
 
     def __init__(self, config: CompareConfig, world: _World, clock: Clock, *, memoize: bool) -> None:
         self.config, self.world, self.clock = config, world, clock
         self.results: list[RolloutResult] = []
         self.failed: list[RolloutFailure] = []
         self.kv_idle = dict.fromkeys(config.modes, 0.0)
+        self._memoize = memoize
         self._caches = {mode: _prefix_cache(config, memoize) for mode in config.modes}
         self._gate = asyncio.Semaphore(max(config.concurrency, config.lanes))
         self.rounds = 0  # a real engine's rounds run so far (their mode order rotates)
@@ -553,10 +565,10 @@ class _Scheduler:
 
     async def run_batch(self, batch: int, specs: list[RolloutSpec], *, done: Callable[[], object]) -> None:
         """Every mode's rollouts of `specs`; `done()` after each rollout. The simulator: mode after
-        mode (each has its own cache). A real engine: in rounds of the rollouts in flight at once,
+        mode (each has its own cache). A real engine, or `cold_rounds`: in rounds of the rollouts in flight at once,
         every mode per round in an order rotating by round, on erased slots (sim/harness/drift.py)."""
         indexed = list(enumerate(specs))
-        if self.world.real_engine is None:
+        if self.world.real_engine is None and not self.config.cold_rounds:
             for mode in self.config.modes:
                 await self._run_mode(mode, batch, indexed, len(specs), done)
             return
@@ -572,6 +584,8 @@ class _Scheduler:
         """The rollouts `indexed` (their index in a batch of `size`) in `mode`, gathered."""
         world = self.world
         assert world.engine is not None, "the world serves while batches run"
+        if self.config.cold_rounds and world.real_engine is None:  # as a real engine's erased slots
+            self._caches[mode] = _prefix_cache(self.config, self._memoize)
         world.model.prefix_cache = self._caches[mode]
         world.prompts.mode = mode
         if world.real_engine is not None:  # a real engine has one cache: cold for each mode's rollouts

@@ -124,6 +124,7 @@ def test_every_mode_decodes_the_same_tokens_and_holds_or_reuses_its_kv(engine: L
             # what the client added since (a tool output and the framing) is prefilled.
             assert after.cache_n - 1 >= before.prompt_tokens + before.predicted_n - 1, (mode, before, after)
             assert after.prompt_n <= after.prompt_tokens - before.prompt_tokens - before.predicted_n + 2, mode
+    assert result.config.cold_rounds  # recorded, so a prediction of the run starts its rounds cold too
     # append and inject run on the slot their paused response pinned.
     for mode in ("append", "inject"):
         assert all(t.resident for t in turns if t.tag == mode and t.turn_index > 0), mode

@@ -670,3 +670,18 @@ def test_a_stagger_starts_the_rollouts_in_the_stated_order(mode: str) -> None:
         assert [seen[i] - seen[0] for i in range(4)] == pytest.approx([i * stagger for i in range(4)], abs=1e-9)
         starts = {r.index: r.started_at for r in result.rollouts}
         assert [starts[i] - starts[0] for i in range(4)] == pytest.approx([i * stagger for i in range(4)], abs=1e-9)
+
+
+def test_cold_rounds_start_every_round_on_a_cold_cache_as_an_engine_run_does() -> None:
+    """`cold_rounds`: each round (here one rollout, concurrency 1) finds nothing cached on its first
+    turn, as a real engine's comparison erases its slots; off, a later rollout's first turn finds
+    the system prompt its mode cached before. Later turns cache their own history either way."""
+    base = CompareConfig.of(modes=("http", "ws"), rollouts=3, tool_calls=2, system_prompt_tokens=400, tps=0.0)
+    for cold in (False, True):
+        result = compare(base.updated(cold_rounds=cold), virtual=True, free_cpu=True)
+        assert len(result.rollouts) == 6
+        for r in result.rollouts:
+            (first, _), *later = r.model_tokens
+            warm_start = r.index > 0 and not cold
+            assert (first >= 384) is warm_start, (cold, r.mode, r.index, first)
+            assert later and all(cached > 0 for cached, _ in later)

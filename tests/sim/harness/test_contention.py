@@ -203,7 +203,7 @@ def test_the_fresh_contention_runs_score_as_the_page_says(run: str, capsys: pyte
     config, records, turns = _saved(run)
     own = contention_records(config, records, turns, seed=config.seed)
     assert own.orders == 1 and not own.fit_source  # the config's order: one prediction, one score
-    uncontended = REPO / "docs" / "results" / "engine" / "curve" / "verified-k64"
+    uncontended = REPO / "docs" / "results" / "engine" / "curve-t1" / "verified-k64"
     elsewhere = contention_records(
         config, records, turns, seed=config.seed,
         calibration=fit_elsewhere(read_records([uncontended])), fit_source=str(uncontended),
