@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -220,6 +221,27 @@ def test_the_fresh_contention_runs_score_as_the_page_says(run: str, capsys: pyte
     assert main(["validate", "--contention", "--fit-from", "/nonexistent", "--stagger-s", "0.5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--fit-from /nonexistent" in err
+
+
+@pytest.mark.slow  # three calibration fits
+def test_the_third_contention_run_scores_as_the_page_says_on_each_fit() -> None:
+    """`contention-3` (docs/validation.md): the fit on the same day's uncontended run
+    (`uncontended-s3`) against the run's own and the other day's curve point."""
+    config, records, turns = _saved("contention-3")
+    engine = REPO / "docs" / "results" / "engine"
+    medians = {}
+    for name, source in (("own", None), ("same day", "uncontended-s3"), ("other day", "curve-t1/verified-k64")):
+        extra: dict[str, Any] = {}
+        if source is not None:
+            extra = {"calibration": fit_elsewhere(read_records([engine / source])), "fit_source": source}
+        held, design = contention_records(config, records, turns, seed=config.seed, **extra).scores
+        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
+        medians[name] = (held.ttft.value, design.ttft.value)
+    assert medians["own"] == pytest.approx((0.637, 0.429), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.158, 0.250), abs=0.001)
+    assert medians["other day"][0] == pytest.approx(1.812, abs=0.001)
+    assert medians["same day"][0] < medians["own"][0] < medians["other day"][0]  # the day, more than the fit
+    assert medians["same day"][0] > 0.05  # the goal is still missed
 
 
 def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:
