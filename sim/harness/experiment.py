@@ -386,7 +386,7 @@ async def run_compare(
     only): the in-process server's run mode (`InProcessServer`), the loop's (`run_virtual`) too.
     `tap` (virtual only) sees every body and frame the in-process transports carry."""
     check(config, virtual=virtual)
-    if config.engine.engine_kind != "none":  # its slots are erased at each round (`_Scheduler`): recorded
+    if config.engine.engine_kind != "none":  # one cache, its slots erased at each round (`_Scheduler`)
         config = config.updated(cold_rounds=True)
     if memoize and not virtual:
         raise ValueError("memoize=True is for virtual time with free CPU: a live run measures that work")
@@ -565,10 +565,11 @@ class _Scheduler:
 
     async def run_batch(self, batch: int, specs: list[RolloutSpec], *, done: Callable[[], object]) -> None:
         """Every mode's rollouts of `specs`; `done()` after each rollout. The simulator: mode after
-        mode (each has its own cache). A real engine, or `cold_rounds`: in rounds of the rollouts in flight at once,
-        every mode per round in an order rotating by round, on erased slots (sim/harness/drift.py)."""
+        mode (each has its own cache). `cold_rounds` (every real engine's run): in rounds of the
+        rollouts in flight at once, every mode per round in an order rotating by round, each on a
+        cold cache (sim/harness/drift.py)."""
         indexed = list(enumerate(specs))
-        if self.world.real_engine is None and not self.config.cold_rounds:
+        if not self.config.cold_rounds:
             for mode in self.config.modes:
                 await self._run_mode(mode, batch, indexed, len(specs), done)
             return
@@ -584,12 +585,14 @@ class _Scheduler:
         """The rollouts `indexed` (their index in a batch of `size`) in `mode`, gathered."""
         world = self.world
         assert world.engine is not None, "the world serves while batches run"
-        if self.config.cold_rounds and world.real_engine is None:  # as a real engine's erased slots
-            self._caches[mode] = _prefix_cache(self.config, self._memoize)
+        if self.config.cold_rounds:  # the round starts cold: a real engine's slots erased, or a new cache
+            if world.real_engine is not None:
+                await world.real_engine.reset()
+            else:
+                self._caches[mode] = _prefix_cache(self.config, self._memoize)
         world.model.prefix_cache = self._caches[mode]
         world.prompts.mode = mode
-        if world.real_engine is not None:  # a real engine has one cache: cold for each mode's rollouts
-            await world.real_engine.reset()
+        if world.real_engine is not None:
             world.real_engine.tag = mode
         idle_before = world.engine.statistics().kv_idle_token_s
         # Started in order, each waits its turn at the gate (FIFO): concurrency 1 is sequential.

@@ -310,6 +310,10 @@ class HeldStore(MemoryStore):
             entered.set()
             await released.wait()
 
+    def stored(self, key: str) -> bytes | None:
+        """What the store holds now, read without yielding to the event loop."""
+        return self._entries.get(key)
+
     async def put(self, response_id: str, value: bytes) -> None:
         await self._wait(response_id)
         await super().put(response_id, value)
@@ -341,7 +345,7 @@ async def test_a_read_answers_what_is_stored_when_the_turn_ends_during_its_save(
 
         async def read() -> tuple[dict[str, Any], dict[str, Any]]:
             reply = await api.retrieve(paused["id"])
-            stored = decode_record(store._entries[session_key(paused["id"])])  # at the moment it answers
+            stored = decode_record(store.stored(session_key(paused["id"])) or b"")  # at the moment it answers
             return json.loads(reply.body), json.loads(msgspec.json.encode(stored.session))
 
         reading = asyncio.create_task(read())
