@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--contention --from a run without a stagger, what-if: the order its rollouts reached the engine, "
         "read from the measurement (default: every order scored)",
     )
+    val.add_argument(
+        "--one-token-decode",
+        action="store_true",
+        help="--contention what-if: price a verified run's decode a token a step, as ordinary decoding (default: "
+        "the engine's passes of k tokens, each sharing a step with the other slots' work)",
+    )
     val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
     cap = sub.add_parser(
@@ -562,7 +568,11 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
 
 
 def contention_main(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = {"train_share": args.train_share, "other_slots": args.other_slots}
+    options: dict[str, Any] = {
+        "train_share": args.train_share,
+        "other_slots": args.other_slots,
+        "one_token_decode": args.one_token_decode,
+    }
     if args.fit_from:  # the engine's rates fitted on another run, read before any engine starts
         try:
             options["calibration"] = fit_elsewhere(read_records([Path(args.fit_from)]))

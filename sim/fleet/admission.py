@@ -118,7 +118,9 @@ class Admission:
         if entry is not None:
             ledger.drop_entry(r, s)
         st.held = st.resident = 0
-        cached = min(st.hint, found)
+        # What the turn finds: llama.cpp's slots (`slot_cache`) match a prompt when a slot takes it;
+        # otherwise as the simulator does, when the turn reached the replica (its plan is made then).
+        cached = found if self.config.slot_cache else min(st.hint, found)
         st.cached_now = cached
         first = not r.shared
         st.active = need

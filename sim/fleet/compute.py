@@ -62,6 +62,12 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     # A fixed time every turn's prefill pays once (a model's first-token latency, as the
     # simulator's `model_latency_s`), spread over the turn's uncached tokens.
     request_s: Annotated[float, Meta(ge=0)] = 0.0
+    # Verified decoding (an engine fed each turn's known tokens k a pass, docs/engine.md): each
+    # decoding sequence puts its next pass of up to this many tokens into a step, priced as what
+    # the pass is on the engine, a prefill request of its tokens after the turn's context so far
+    # (`prefill_s_per`, the request's fixed time included), beside the other prefill chunks; the
+    # decode table does not apply. 1: ordinary decoding, a token a sequence per step.
+    decode_tokens_per_step: Annotated[int, Meta(ge=1)] = 1
 
     def __post_init__(self) -> None:
         b, d = self.decode_batch, self.decode_s_per_token
@@ -123,7 +129,12 @@ ENGINES: Final[dict[str, StepCost]] = {
 
 
 def model_step_cost(
-    model: ModelConfig, *, slots: int, name: str, token_budget: int = LLAMACPP_BATCH_TOKENS
+    model: ModelConfig,
+    *,
+    slots: int,
+    name: str,
+    token_budget: int = LLAMACPP_BATCH_TOKENS,
+    decode_tokens_per_step: int = 1,
 ) -> StepCost:
     """The simulator's model rates as engine steps of up to `slots` sequences, for the same turns
     to cost the same in both: a prefill alone costs `sim.model.accelerator.prefill_time_s` (the
@@ -131,7 +142,9 @@ def model_step_cost(
     decodes at `tps` slowed by `concurrency_slowdown` for every other stream decoding beside it
     (the simulator's rule: a step of D sequences takes (1 + slowdown × (D − 1)) / tps). A
     calibration fit's rates (`sim.harness.predict.profile_settings` puts them in a
-    `ModelConfig`) become the fleet model's step costs here, and nowhere else."""
+    `ModelConfig`) become the fleet model's step costs here, and nowhere else.
+    `decode_tokens_per_step`: verified decoding's k (`StepCost.decode_tokens_per_step`: its
+    passes priced by the prefill rates, `tps` then left to ordinary decoding)."""
     if not 0 < model.tps < math.inf:
         raise ValueError("the model's decode rate (tps) must be finite and > 0 to price engine steps")
     if slots < 1:
@@ -148,4 +161,5 @@ def model_step_cost(
         decode_s_per_ctx_token=0.0,
         token_budget=token_budget,
         request_s=model.model_latency_s,
+        decode_tokens_per_step=decode_tokens_per_step,
     )

@@ -165,3 +165,4 @@ class SessionState:
     join_at: float = math.nan  # an offloaded turn's end of reload: when it joins the prefill queue
     prefill_s_per_token: float = 0.0  # priced compute: the running turn's prefill cost a token
     decode_context: float = 0.0  # priced compute: the decoding turn's mean context (its KV reads a step)
+    decode_left: int = 0  # priced compute, verified decoding: the decoding turn's tokens still to pass

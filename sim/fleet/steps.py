@@ -6,7 +6,9 @@
   admitted turns, first come first served; with no prefill, identical decode-only steps run as
   one segment up to the next last token, and new work cuts the segment at once. A step's end
   hands back the turns whose last token or end of prefill it reached; the fleet acts on them,
-  then `schedule` starts the next.
+  then `schedule` starts the next. Under verified decoding (`StepCost.decode_tokens_per_step`
+  k > 1) every step is priced on its own: each decoding turn puts its next k tokens (its last
+  pass, what is left) into the step, and prefill chunks fill the rest of the budget.
 * `FreeCompute`: each turn at its own rates from its admission (first token, slot free, end),
   three events pushed at once."""
 
@@ -37,6 +39,7 @@ class PricedSteps:
         self.loop = loop
         self.states = states
         self.cost = cost
+        self.verify_k = cost.decode_tokens_per_step
 
     def start(
         self, r: Replica, st: SessionState, s: int, k: int, ready: float, cached: int, uncached: int, reload_s: float
@@ -75,29 +78,25 @@ class PricedSteps:
         r.segment_at = now
 
     def schedule(self, r: Replica) -> None:
-        """The replica's next step: every decoding sequence gets a token, prefill chunks fill the
-        rest of the token budget first come first served; with no prefill, identical decode
-        steps run as one segment up to the next last token. The step in flight, if any, has ended."""
+        """The replica's next step: every decoding sequence gets a token (verified decoding: its
+        next pass), prefill chunks fill the rest of the token budget first come first served;
+        with no prefill, identical decode steps run as one segment up to the next last token.
+        The step in flight, if any, has ended."""
         r.in_step = False
         r.version += 1
         cost = self.cost
+        if self.verify_k > 1:
+            self._schedule_verified(r)
+            return
         decoding = len(r.decode_heap)
         step_s = cost.step_s + cost.decode_s(decoding) + cost.decode_s_per_ctx_token * r.context_sum
         now = self.loop.now
         if r.prefilling:
             avail = float(cost.token_budget - decoding)
-            plan = []
-            for entry in r.prefilling:
-                if avail <= 0:
-                    break
-                chunk = min(entry.left, avail)
-                entry.chunk = chunk
-                plan.append(entry)
-                step_s += chunk * entry.s_per_token
-                avail -= chunk
+            plan: list[Prefill] = []
             r.plan = plan
-            r.phase, r.step_s = _STEP, step_s
-            self.loop.push(now + step_s, _STEP_EVENT, r.index, r.version)
+            r.phase, r.step_s = _STEP, self._fill(plan, r.prefilling, avail, step_s)
+            self.loop.push(now + r.step_s, _STEP_EVENT, r.index, r.version)
         elif decoding:
             r.phase, r.step_s, r.segment_at = _SEGMENT, step_s, now
             self.loop.push(
@@ -105,6 +104,39 @@ class PricedSteps:
             )
         else:
             r.phase = _IDLE
+
+    @staticmethod
+    def _fill(plan: list[Prefill], prefilling: list[Prefill], avail: float, step_s: float) -> float:
+        """The prefill chunks of a step with `avail` tokens of its budget left, first come first
+        served, into `plan`: the step's time `step_s` with theirs."""
+        for entry in prefilling:
+            if avail <= 0:
+                break
+            chunk = min(entry.left, avail)
+            entry.chunk = chunk
+            plan.append(entry)
+            step_s += chunk * entry.s_per_token
+            avail -= chunk
+        return step_s
+
+    def _schedule_verified(self, r: Replica) -> None:
+        """Verified decoding's step: each decoding turn's next pass (k tokens, or its last ones),
+        priced as a prefill of its tokens after the context so far, the prefill chunks in the
+        rest of the budget."""
+        if not (r.prefilling or r.decode_heap):
+            r.phase = _IDLE
+            return
+        cost, k, states = self.cost, self.verify_k, self.states
+        step_s, passes = cost.step_s, 0
+        for e in r.decode_heap:
+            st = states[e.session]
+            n = min(k, st.decode_left)
+            passes += n
+            step_s += n * cost.prefill_s_per(st.prompts[e.turn] + st.spec.output_tokens[e.turn] - st.decode_left, n)
+        plan: list[Prefill] = []
+        r.plan = plan
+        r.phase, r.step_s = _STEP, self._fill(plan, r.prefilling, float(cost.token_budget - passes), step_s)
+        self.loop.push(self.loop.now + r.step_s, _STEP_EVENT, r.index, r.version)
 
     def begin_step(self, r: Replica, version: int) -> tuple[list[Decoding], list[Prefill]] | None:
         """A step (or segment) of `r` ends: the turns whose last token it reached, in order, and
@@ -118,6 +150,10 @@ class PricedSteps:
             r.busy += r.step_s
             r.steps += 1
             r.position += 1.0
+            if self.verify_k > 1:
+                for e in r.decode_heap:
+                    st = self.states[e.session]
+                    st.decode_left -= min(self.verify_k, st.decode_left)
             for entry in r.plan:
                 entry.left -= entry.chunk
                 if entry.left <= 0:
@@ -145,7 +181,11 @@ class PricedSteps:
         seq = self.loop.next_seq()
         st.decode_context = st.prompts[k] + out / 2
         r.context_sum += st.decode_context
-        heapq.heappush(r.decode_heap, Decoding(r.position + out - 1, seq, s, k))
+        steps = out - 1
+        if self.verify_k > 1:  # its passes: k tokens each, the last what is left
+            st.decode_left = out - 1
+            steps = -(-(out - 1) // self.verify_k)
+        heapq.heappush(r.decode_heap, Decoding(r.position + steps, seq, s, k))
         return True
 
     def finish(self, r: Replica, st: SessionState, s: int) -> None:

@@ -7,7 +7,9 @@ engine's slots, so the designs do different engine work (docs/validation.md, "Co
 1. **fits** longrun's model of the turn (`sim.analysis.calibrate.fit`) on the `http` and `ws`
    turns the run measured, of the *training* rollouts only (`validate`'s seeded split), and
    turns the fit's four model rates into the fleet model's step costs
-   (`sim.fleet.compute.model_step_cost`);
+   (`sim.fleet.compute.model_step_cost`): under verified decoding, each decoding turn's pass of k
+   tokens shares a step with the other slots' work, as the engine batches it (the run's k, from
+   its config);
 2. **predicts** every measured mode with the fleet model (`sim.fleet.predict.predict_turns`): the
    same rollouts' prompts, the engine's decoded tokens per turn, the client's tool times, and
    the arrival order of the config (`stagger_s`: rollout i starts i × stagger_s after the
@@ -110,11 +112,11 @@ def fit_elsewhere(records: Sequence[TurnRecord], *, seed: int = 0) -> Calibratio
     return fit_training(training, rollouts=len(rollouts), seed=seed)
 
 
-def fitted_step_cost(c: Calibration, slots: int) -> StepCost:
+def fitted_step_cost(c: Calibration, slots: int, *, verify_k: int = 1) -> StepCost:
     """The fleet model's step costs from a fit's model rates: latency, prefill rate, attention
     term and decode rate, each stream at the fitted rate (`model_step_cost`, the conversion's
-    one place). A rate the fit did not identify on its own is refused; an unidentified latency
-    or attention term is 0."""
+    one place); `verify_k` > 1, verified decoding's passes of that many tokens. A rate the fit
+    did not identify on its own is refused; an unidentified latency or attention term is 0."""
     missing = [k for k in NEEDED_RATES if k not in c.model]
     if missing:
         raise ValueError(f"the fit identifies no {', '.join(missing)} alone: no step cost to predict with")
@@ -125,7 +127,7 @@ def fitted_step_cost(c: Calibration, slots: int) -> StepCost:
         model_latency_s=value.get("model_latency_s", 0.0),
         prefill_s_per_token_ctx=value.get("prefill_s_per_token_ctx", 0.0),
     )
-    return model_step_cost(model, slots=slots, name="fitted")
+    return model_step_cost(model, slots=slots, name="fitted", decode_tokens_per_step=verify_k)
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,12 +206,15 @@ def contention_records(
     seed: int = 0,
     other_slots: bool = False,
     measured_order: bool = False,
+    one_token_decode: bool = False,
     calibration: Calibration | None = None,
     fit_source: str = "",
 ) -> Contention:
     """The contention check on a run's records and engine turns (a run folder's records.jsonl
     and engine.jsonl). `other_slots`: the what-if of the other engine kind's slot semantics;
-    `measured_order` (a run without a stagger): the what-if of the engine's measured order.
+    `measured_order` (a run without a stagger): the what-if of the engine's measured order;
+    `one_token_decode`: the what-if of a verified run's decode priced as ordinary decoding (a
+    token a step).
     `calibration`: a fit made elsewhere (`fit_elsewhere`: another run of the same engine, one
     rollout a slot; `fit_source` names it) instead of one on this run's training rollouts, every
     score still on this run's held-out rollouts."""
@@ -228,13 +233,17 @@ def contention_records(
     rules = SlotRules.of(config.engine, other=other_slots)
     if other_slots:
         notes.append(f"what-if: the other engine kind's slots, {rules.text()}")
+    verify_k = config.engine.engine_verify_k if config.engine.engine_decode == "verified" else 1
+    if one_token_decode and verify_k > 1:
+        notes.append(f"what-if: the decode priced a token a step, not in the engine's verified passes of {verify_k}")
+        verify_k = 1
     train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
     c = fit_training(training, rollouts=len(train), seed=seed) if calibration is None else calibration
     blocking = [p for p in c.problems if not p.startswith(POOR_FIT)]
     slots = config.engine.engine_slots
     try:
-        cost = None if blocking else fitted_step_cost(c, slots)
+        cost = None if blocking else fitted_step_cost(c, slots, verify_k=verify_k)
     except ValueError as exc:
         blocking, cost = [str(exc)], None
     if cost is None:
@@ -351,6 +360,11 @@ def contention_text(v: Contention) -> str:
     model = ", ".join(f"{k} {p.value:.4g}" for k, p in v.calibration.model.items())
     lines.append(f"fitted model (the fleet model's step costs): {model}")
     lines.append(f"slots: {v.rules.text()}")
+    if v.cost is not None and v.cost.decode_tokens_per_step > 1:
+        lines.append(
+            f"decode: the engine's verified passes of {v.cost.decode_tokens_per_step} tokens, each priced as a "
+            "prefill of its tokens in a step beside the other slots' work"
+        )
     lines.append(f"arrival order: {v.arrival}")
     lines.extend(v.notes)
     for s in v.scores:

@@ -15,7 +15,7 @@ from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import paired_mean
 from sim.fleet.compute import ENGINES, StepCost
 from sim.fleet.config import FleetConfig, FleetRun
-from sim.fleet.engine import simulate
+from sim.fleet.engine import SHARED_PREFIX_EXTRA, simulate
 from sim.fleet.holds import CALL_TEMPLATE_TOKENS
 from sim.fleet.predict import predict_turns
 from sim.fleet.sessions import SessionTokens, array_sessions, custom_sessions, workload_sessions
@@ -467,6 +467,54 @@ def test_a_slot_cache_keeps_only_the_sequences_the_slots_last_served() -> None:
     assert slot[2][0].ttft_s - slot[2][0].admission_wait_s < cost.prefill_alone_s(0, 1200)
     with pytest.raises(ValueError, match="decode_slots"):
         FleetConfig(slot_cache=True)
+
+
+def test_a_queued_turn_finds_on_a_slot_what_is_there_when_the_slot_takes_it() -> None:
+    """llama.cpp matches a prompt against a slot's KV when the slot takes it: a third rollout
+    that arrived while the first pair prefilled the shared system prompt, and waited for a slot,
+    finds the prompt there. The paged default keeps the simulator's rule (the match made when the
+    turn reached the replica), so the same rollout prefills it again."""
+    prompts, outputs, tools = [1200, 1400], [40, 40], [5.0]
+    starts = [0.0, 0.0, 0.1]  # the third arrives before the shared prompt is prefilled
+    cost = ENGINES["llamacpp-cpu"]
+    slot = predict_turns(
+        "ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3, shared_tokens=700, starts_s=starts, slot_cache=True
+    )
+    paged = predict_turns("ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3, shared_tokens=700, starts_s=starts)
+    assert slot[2][0].admission_wait_s > 0 and paged[2][0].admission_wait_s > 0
+    assert slot[2][0].ttft_s - slot[2][0].admission_wait_s < cost.prefill_alone_s(0, 1200) / 2
+    assert paged[2][0].ttft_s - paged[2][0].admission_wait_s > cost.prefill_alone_s(0, 1200) * 0.9
+
+
+def test_verified_decoding_moves_a_pass_a_step_beside_another_slots_prefill() -> None:
+    """Verified decoding (k = 64): a turn's passes are prefills of 64 tokens (its last, what is
+    left), each sharing a step with the other slot's work. Rollout A (500 prompt tokens, 130
+    out) decodes 129 tokens after its first in passes of 64, 64 and 1; rollout B arrives during
+    A's first pass, and its 1,000-token prefill shares A's second pass's step, its own first pass
+    A's last step. At a token a step, A's decode would crawl behind B's prefill."""
+    cost = StepCost(
+        name="verified",
+        step_s=0.0,
+        prefill_s_per_token=1e-3,
+        prefill_s_per_token_ctx=0.0,
+        decode_batch=(1,),
+        decode_s_per_token=(0.01,),
+        decode_s_per_ctx_token=0.0,
+        token_budget=2048,
+        decode_tokens_per_step=64,
+    )
+    a, b = predict_turns(
+        "ws", 2, [[500], [1000]], [[130], [65]], [[], []], engine=cost, starts_s=[0.0, 0.55], block_tokens=1
+    )
+    prefill_b = (1000 - SHARED_PREFIX_EXTRA) * 1e-3  # the prompt's shared start: A's KV serves it
+    assert a[0].ttft_s == pytest.approx(0.5)
+    assert b[0].ttft_s == pytest.approx(0.564 + 0.064 + prefill_b - 0.55)  # its prefill waits for A's first pass
+    assert a[0].turn_s == pytest.approx(0.564 + 0.064 + prefill_b + 0.065)  # A's 1 and B's 64 in the last step
+    assert b[0].turn_s == pytest.approx(a[0].turn_s - 0.55)
+    alone = predict_turns("ws", 2, [[500]], [[130]], [[]], engine=cost)[0][0]
+    assert alone.turn_s == pytest.approx(0.5 + 0.129)
+    one_token = msgspec.structs.replace(cost, decode_tokens_per_step=1)
+    assert predict_turns("ws", 2, [[500]], [[130]], [[]], engine=one_token)[0][0].turn_s == pytest.approx(0.5 + 1.29)
 
 
 @pytest.mark.slow

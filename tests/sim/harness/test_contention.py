@@ -142,6 +142,8 @@ def test_the_step_cost_comes_from_the_fit() -> None:
     assert cost == model_step_cost(ModelConfig(**rates), slots=2, name="fitted")
     assert cost.prefill_alone_s(700, 330) == pytest.approx(0.15 + 330 / 285 + 5e-7 * 330 * (700 + 165))
     assert cost.decode_s(1) == cost.decode_s(2) == pytest.approx(0.1)  # each stream at the fitted rate
+    verified = fitted_step_cost(c, 2, verify_k=64)  # type: ignore[arg-type]
+    assert verified == msgspec.structs.replace(cost, decode_tokens_per_step=64)
     del c.model["tps"]
     with pytest.raises(ValueError, match="no tps"):
         fitted_step_cost(c, 2)  # type: ignore[arg-type]
@@ -156,7 +158,7 @@ def _saved(run: str) -> tuple[CompareConfig, list[TurnRecord], list[EngineTurn]]
 
 # The page's figures (docs/validation.md, "Contention"): per committed run, the median over the
 # 24 orders of the median per-turn TTFT error, held-out ws rollouts and held-out append rollouts.
-PAGE: dict[str, tuple[float, float]] = {"contention": (0.434, 0.196), "contention-2": (0.457, 0.114)}
+PAGE: dict[str, tuple[float, float]] = {"contention": (0.335, 0.196), "contention-2": (0.378, 0.114)}
 
 
 @pytest.mark.slow  # a calibration fit per run
@@ -191,10 +193,10 @@ def test_the_cli_scores_a_saved_contention_run(tmp_path: Path, capsys: pytest.Ca
 # on a fit of the same engine's uncontended run (`--fit-from`, a variant chosen after looking at
 # `contention-fast`; `contention-fast-2`, seed 1, is its check on a fresh run).
 FRESH: dict[tuple[str, str], tuple[float, float]] = {
-    ("contention-fast", "own fit"): (1.141, 0.636),
-    ("contention-fast", "uncontended fit"): (0.314, 0.195),
-    ("contention-fast-2", "own fit"): (0.865, 0.598),
-    ("contention-fast-2", "uncontended fit"): (0.548, 0.425),
+    ("contention-fast", "own fit"): (0.585, 0.707),
+    ("contention-fast", "uncontended fit"): (0.096, 0.150),
+    ("contention-fast-2", "own fit"): (1.097, 0.820),
+    ("contention-fast-2", "uncontended fit"): (0.593, 0.374),
 }
 
 
@@ -234,12 +236,18 @@ def test_the_third_contention_run_scores_as_the_page_says_on_each_fit() -> None:
         extra: dict[str, Any] = {}
         if source is not None:
             extra = {"calibration": fit_elsewhere(read_records([engine / source])), "fit_source": source}
-        held, design = contention_records(config, records, turns, seed=config.seed, **extra).scores
+        v = contention_records(config, records, turns, seed=config.seed, **extra)
+        assert v.cost is not None and v.cost.decode_tokens_per_step == config.engine.engine_verify_k == 64
+        held, design = v.scores
         assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
         medians[name] = (held.ttft.value, design.ttft.value)
-    assert medians["own"] == pytest.approx((0.637, 0.429), abs=0.001)
-    assert medians["same day"] == pytest.approx((0.158, 0.250), abs=0.001)
-    assert medians["other day"][0] == pytest.approx(1.812, abs=0.001)
+    # The what-if of the decode at a token a step, as the fleet priced it before.
+    one = contention_records(config, records, turns, seed=config.seed, one_token_decode=True, **extra)
+    assert one.cost is not None and one.cost.decode_tokens_per_step == 1
+    assert any(n.startswith("what-if: the decode priced a token a step") for n in one.notes)
+    assert medians["own"] == pytest.approx((0.656, 0.423), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.096, 0.232), abs=0.001)
+    assert medians["other day"][0] == pytest.approx(1.796, abs=0.001)
     assert medians["same day"][0] < medians["own"][0] < medians["other day"][0]  # the day, more than the fit
     assert medians["same day"][0] > 0.05  # the goal is still missed
 
