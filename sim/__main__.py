@@ -251,6 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--contention what-if: price a verified run's decode a token a step, as ordinary decoding (default: "
         "the engine's passes of k tokens, each sharing a step with the other slots' work)",
     )
+    val.add_argument(
+        "--no-host-cache",
+        action="store_true",
+        help="--contention what-if: llama.cpp's slots without the host-RAM prompt cache a run had on (default: "
+        "the cache's rule, a slot's long last prompt saved when another conversation takes the slot)",
+    )
     val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
     cap = sub.add_parser(
@@ -572,6 +578,7 @@ def contention_main(args: argparse.Namespace) -> int:
         "train_share": args.train_share,
         "other_slots": args.other_slots,
         "one_token_decode": args.one_token_decode,
+        "no_host_cache": args.no_host_cache,
     }
     if args.fit_from:  # the engine's rates fitted on another run, read before any engine starts
         try:

@@ -103,6 +103,7 @@ class Admission:
             return False
         if self.config.slot_cache:
             ledger.keep_sequences(r, s)
+            entry = r.cache.get(s)  # its context may be back from the host cache
         found = self.lookup(r, st, s, k)  # the KV here for the turn (making room never takes the turn's own)
         # Admitted: what the session held or had cached here becomes its running KV.
         reload_s = 0.0

@@ -121,6 +121,15 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             "aside); off: cached KV is bounded by the KV budget only (vLLM)"
         ),
     ] = False
+    slot_host_cache_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="slot_cache: llama.cpp's host-RAM prompt cache (--cache-ram), in tokens, oldest save "
+            "evicted first: a slot's sequence that keeps less than half its prompt for the turn taking the slot "
+            "is saved there, and that turn gets its own saved context back; 0: none",
+        ),
+    ] = 0
     admission: Annotated[
         str, Meta(description="plan: evict only if the planned victims make room (vLLM); greedy: evict, then check")
     ] = "plan"
@@ -168,6 +177,8 @@ class FleetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             )
         if self.compute == "free" and not self.model.tps > 0:
             raise ValueError("model.tps: free compute paces each turn at its own rate, > 0")
+        if self.slot_host_cache_tokens and not self.slot_cache:
+            raise ValueError("slot_host_cache_tokens: a host cache of slots' prompts needs slot_cache")
         if self.slot_cache and self.model.decode_slots is None:
             raise ValueError("slot_cache: the sequences a replica keeps are its decode slots (model.decode_slots)")
         if self.running_kv == "grow" and self.compute == "free":

@@ -190,15 +190,49 @@ class KVLedger:
     def keep_sequences(self, r: Replica, me: int) -> None:
         """`slot_cache`: session `me` takes a slot on `r`; the slot's last sequence goes, least
         recently used cache entry first, so that running, held and cached sequences number at
-        most the replica's decode slots (the shared prefix stays: every slot's prompt has it)."""
+        most the replica's decode slots (the shared prefix stays: every slot's prompt has it).
+        With a host cache (`slot_host_cache_tokens`), llama.cpp's rule when a slot changes hands:
+        a last sequence that keeps less than half its prompt for the new turn (past the shared
+        prefix, more than that prefix again) is saved there, and the new turn's own saved context,
+        if any, comes back into the slot."""
         limit = self.config.model.decode_slots or 0
         count = r.running + len(r.holders) + len(r.cache) + (0 if me in r.cache or me in r.holders else 1)
+        host = self.config.slot_host_cache_tokens > 0
         for s in list(r.cache):
             if count <= limit:
                 break
             if s != me:
-                self.run.evicted_tokens += self.drop_entry(r, s)
+                dropped = self.drop_entry(r, s)
                 count -= 1
+                if host and dropped > r.shared:
+                    self._save_host(r, s, dropped)
+                    if me in r.host:
+                        self._restore_host(r, me)
+                else:
+                    self.run.evicted_tokens += dropped
+
+    def _save_host(self, r: Replica, s: int, tokens: int) -> None:
+        """Session `s`'s context past the shared prefix into `r`'s host cache (replacing its older
+        save), the oldest saves evicted past the cache's tokens, the newest always kept."""
+        self._drop_host(r, s)
+        r.host[s] = tokens
+        r.host_tokens += tokens + r.shared
+        while r.host_tokens > self.config.slot_host_cache_tokens and len(r.host) > 1:
+            oldest = next(iter(r.host))
+            self.run.evicted_tokens += r.host[oldest]
+            self._drop_host(r, oldest)
+
+    def _drop_host(self, r: Replica, s: int) -> None:
+        tokens = r.host.pop(s, None)
+        if tokens is not None:
+            r.host_tokens -= tokens + r.shared
+
+    def _restore_host(self, r: Replica, s: int) -> None:
+        """Session `s`'s saved context back into the slot it takes (out of the host cache)."""
+        tokens = r.host[s]
+        self._drop_host(r, s)
+        r.cache[s] = CacheEntry(tokens, self.loop.now)
+        self.add_cached(r, tokens)
 
     def make_room(self, r: Replica, extra: int, me: int, *, preempt: bool, force: bool = False) -> bool:
         """Free `extra` tokens on `r` for session `me`: cache entries least recently used first,

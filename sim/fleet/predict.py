@@ -53,10 +53,13 @@ def predict_turns(
     slot_cache: bool = False,
     shared_tokens: int = 0,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    host_cache_tokens: int = 0,
 ) -> list[list[TurnPrediction]]:
     """Each rollout's turns as the fleet model predicts them (see the module's docstring).
     `shared_tokens`: the prompt prefix every rollout shares (the system prompt: any slot's KV
     serves it). `block_tokens`: the engine's prefix-cache granularity (llama.cpp's slots: 1).
+    `host_cache_tokens` (with `slot_cache`): llama.cpp's host-RAM prompt cache, in tokens
+    (`FleetConfig.slot_host_cache_tokens`).
     Refuses rollouts whose contexts do not grow by at least each turn's output and template."""
     m = len(prompt_tokens)
     if not (len(output_tokens) == len(tool_times_s) == m) or m == 0:
@@ -89,6 +92,7 @@ def predict_turns(
         hold_policy="hold",
         held_slot=held_slot,
         slot_cache=slot_cache,
+        slot_host_cache_tokens=host_cache_tokens,
         model=msgspec.structs.replace(HOSTED_MODEL, decode_slots=slots, prefix_block_tokens=block_tokens),
     )
     starts = list(starts_s) if starts_s is not None else [0.0] * m

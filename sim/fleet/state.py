@@ -79,6 +79,8 @@ class Replica:
         "free_slots",
         "held",
         "holders",
+        "host",
+        "host_tokens",
         "in_step",
         "index",
         "phase",
@@ -110,6 +112,8 @@ class Replica:
         self.shared_used = 0.0  # when a turn here last ended (the instructions' last use)
         self.decoding: dict[int, tuple[float, float]] = {}  # free compute: running session → (first token, slot free)
         self.cache: OrderedDict[int, CacheEntry] = OrderedDict()  # session → its entry, LRU first
+        self.host: OrderedDict[int, int] = OrderedDict()  # slot_host_cache_tokens: session → saved tokens, oldest first
+        self.host_tokens = 0  # the host cache's tokens, each saved prompt whole (its shared prefix included)
         self.holders: OrderedDict[int, int] = OrderedDict()  # paused session → held unique tokens, oldest first
         self.queue: list[Queued] = []  # a heap
         self.prefilled = 0

@@ -207,6 +207,7 @@ def contention_records(
     other_slots: bool = False,
     measured_order: bool = False,
     one_token_decode: bool = False,
+    no_host_cache: bool = False,
     calibration: Calibration | None = None,
     fit_source: str = "",
 ) -> Contention:
@@ -214,7 +215,8 @@ def contention_records(
     and engine.jsonl). `other_slots`: the what-if of the other engine kind's slot semantics;
     `measured_order` (a run without a stagger): the what-if of the engine's measured order;
     `one_token_decode`: the what-if of a verified run's decode priced as ordinary decoding (a
-    token a step).
+    token a step); `no_host_cache`: the what-if of llama.cpp's slots without the host-RAM prompt
+    cache the run had on.
     `calibration`: a fit made elsewhere (`fit_elsewhere`: another run of the same engine, one
     rollout a slot; `fit_source` names it) instead of one on this run's training rollouts, every
     score still on this run's held-out rollouts."""
@@ -237,6 +239,14 @@ def contention_records(
     if one_token_decode and verify_k > 1:
         notes.append(f"what-if: the decode priced a token a step, not in the engine's verified passes of {verify_k}")
         verify_k = 1
+    # llama.cpp's host-RAM prompt cache (--cache-ram, on in the run): its budget is the server's
+    # whole context in tokens (the byte limit of a positive size is not modelled).
+    host, ctx = 0, config.engine.engine_ctx_per_slot
+    if rules.slot_cache and config.engine.engine_cache_ram_mib != 0 and ctx is not None:  # a run sizes its slots
+        host = config.engine.engine_slots * ctx
+        if no_host_cache:
+            notes.append("what-if: llama.cpp's slots without the host-RAM prompt cache the run had on")
+            host = 0
     train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
     c = fit_training(training, rollouts=len(train), seed=seed) if calibration is None else calibration
@@ -264,7 +274,7 @@ def contention_records(
         return predict_turns(
             mode, slots, m.prompts, m.outputs, m.tools, engine=cost, starts_s=starts,
             held_slot=rules.held_slot, slot_cache=rules.slot_cache, shared_tokens=shared,
-            block_tokens=config.engine.prefix_block_tokens,
+            block_tokens=config.engine.prefix_block_tokens, host_cache_tokens=host,
         )  # fmt: skip
 
     sets = [(f"held-out rollouts ({', '.join(train_modes)})", train_modes)]

@@ -486,6 +486,31 @@ def test_a_queued_turn_finds_on_a_slot_what_is_there_when_the_slot_takes_it() ->
     assert paged[2][0].ttft_s - paged[2][0].admission_wait_s > cost.prefill_alone_s(0, 1200) * 0.9
 
 
+def test_a_host_cache_gives_back_a_long_context_its_slot_lost() -> None:
+    """llama.cpp's host-RAM prompt cache: a slot's last sequence that keeps less than half its
+    prompt for the turn taking the slot is saved, and its next turn gets it back wherever it
+    lands. Three rollouts on two slots, the third taking rollout 0's slot during its tool call:
+    with 2,000-token contexts (1,300 past the 700 shared) rollout 0's second turn prefills only
+    its new tokens; with 1,000-token ones (300 past) the slot kept more than half, nothing was
+    saved, and the history is prefilled again, as without the cache."""
+    outputs, tools, starts = [40, 40], [5.0], [0.0, 0.0, 3.0]
+
+    def second_ttft(first: int, host: int) -> float:
+        prompts = [first, first + 200]
+        runs = predict_turns(
+            "ws", 2, [prompts] * 3, [outputs] * 3, [tools] * 3, shared_tokens=700, starts_s=starts,
+            slot_cache=True, host_cache_tokens=host,
+        )  # fmt: skip
+        return runs[0][1].ttft_s - runs[0][1].admission_wait_s
+
+    cost = ENGINES["llamacpp-cpu"]
+    assert second_ttft(2000, 16_384) < cost.prefill_alone_s(2000, 200) * 1.5 < second_ttft(2000, 0)
+    assert second_ttft(1000, 16_384) == pytest.approx(second_ttft(1000, 0))
+    assert second_ttft(1000, 0) > cost.prefill_alone_s(700, 500)
+    with pytest.raises(ValueError, match="slot_cache"):
+        FleetConfig(slot_host_cache_tokens=1000)
+
+
 def test_verified_decoding_moves_a_pass_a_step_beside_another_slots_prefill() -> None:
     """Verified decoding (k = 64): a turn's passes are prefills of 64 tokens (its last, what is
     left), each sharing a step with the other slot's work. Rollout A (500 prompt tokens, 130
