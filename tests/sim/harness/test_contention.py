@@ -278,6 +278,34 @@ def test_the_fourth_contention_run_checks_the_verified_passes_on_a_fresh_run() -
     assert min(medians["same day"]) > 0.05  # the goal is still missed
 
 
+@pytest.mark.slow  # three calibration fits
+def test_the_fifth_contention_run_checks_the_host_cache_on_a_fresh_run() -> None:
+    """`contention-5` (docs/validation.md): measured after all three changes were committed,
+    scored on the same day's uncontended run (`uncontended-s7`). Each change beats its what-if
+    for `http`/`ws` there; the goal of 5 % is missed narrowly for them, widely for `append`."""
+    config, records, turns = _saved("contention-5")
+    same_day = fit_elsewhere(read_records([REPO / "docs" / "results" / "engine" / "uncontended-s7"]))
+    medians = {}
+    for name, extra in (
+        ("own", {}),
+        ("same day", {"calibration": same_day}),
+        ("no host cache", {"calibration": same_day, "no_host_cache": True}),
+        ("a token a step", {"calibration": same_day, "one_token_decode": True}),
+    ):
+        v = contention_records(config, records, turns, seed=config.seed, **extra)
+        held, design = v.scores
+        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
+        medians[name] = (held.ttft.value, design.ttft.value)
+        if name == "same day":
+            assert (held.ttft.ci_low, held.ttft.ci_high) == pytest.approx((0.061, 0.079), abs=0.001)
+    assert medians["own"] == pytest.approx((0.448, 0.284), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.069, 0.128), abs=0.001)
+    assert medians["no host cache"] == pytest.approx((0.134, 0.128), abs=0.001)
+    assert medians["a token a step"] == pytest.approx((0.248, 0.139), abs=0.001)
+    assert medians["same day"][0] < min(medians["no host cache"][0], medians["a token a step"][0])
+    assert min(medians["same day"]) > 0.05  # the goal is still missed
+
+
 def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:
     """Before the engine starts: the arrival order is an input, so a run needs one; and every
     rollout must be in flight at once."""
