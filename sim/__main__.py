@@ -54,6 +54,7 @@ from sim.harness.console import (
     table,
     terminal_table,
 )
+from sim.harness.contention import WHAT_IFS as CONTENTION_WHAT_IFS
 from sim.harness.contention import contention, contention_records, contention_text, fit_elsewhere
 from sim.harness.curve import curve_main, curve_options
 from sim.harness.drift import drift_text
@@ -227,12 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead: more rollouts in flight than slots (http, ws, append; rollout i starts i × --stagger-s after "
         "the first), a fit on some rollouts' http and ws turns, the fleet model's prediction of the held-out turns",
     )
-    val.add_argument(
-        "--other-slots",
-        action="store_true",
-        help="--contention what-if: predict with the other engine kind's slots (llama.cpp's pinned slots for an "
-        "OpenAI-compatible engine, vLLM's paged KV for llama.cpp)",
-    )
+    for flag, _, text in CONTENTION_WHAT_IFS:
+        val.add_argument(flag, action="store_true", help=f"--contention what-if: {text}")
     val.add_argument(
         "--fit-from",
         metavar="DIR",
@@ -244,18 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="--contention --from a run without a stagger, what-if: the order its rollouts reached the engine, "
         "read from the measurement (default: every order scored)",
-    )
-    val.add_argument(
-        "--one-token-decode",
-        action="store_true",
-        help="--contention what-if: price a verified run's decode a token a step, as ordinary decoding (default: "
-        "the engine's passes of k tokens, each sharing a step with the other slots' work)",
-    )
-    val.add_argument(
-        "--no-host-cache",
-        action="store_true",
-        help="--contention what-if: llama.cpp's slots without the host-RAM prompt cache a run had on (default: "
-        "the cache's rule, a slot's long last prompt saved when another conversation takes the slot)",
     )
     val.add_argument("--from", dest="source", metavar="DIR", help="validate a saved engine run folder (no new run)")
 
@@ -574,12 +559,8 @@ def _engine_config(args: argparse.Namespace, base: CompareConfig) -> CompareConf
 
 
 def contention_main(args: argparse.Namespace) -> int:
-    options: dict[str, Any] = {
-        "train_share": args.train_share,
-        "other_slots": args.other_slots,
-        "one_token_decode": args.one_token_decode,
-        "no_host_cache": args.no_host_cache,
-    }
+    options: dict[str, Any] = {"train_share": args.train_share}
+    options.update((key, getattr(args, key)) for _, key, _ in CONTENTION_WHAT_IFS)
     if args.fit_from:  # the engine's rates fitted on another run, read before any engine starts
         try:
             options["calibration"] = fit_elsewhere(read_records([Path(args.fit_from)]))

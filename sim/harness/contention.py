@@ -51,6 +51,7 @@ __all__ = [
     "CONTENTION_MODES",
     "HELD_OUT_DESIGNS",
     "MAX_ORDER_ROLLOUTS",
+    "WHAT_IFS",
     "Contention",
     "SlotRules",
     "contention",
@@ -65,6 +66,28 @@ CONTENTION_MODES: Final = (*TRAIN_MODES, *HELD_OUT_DESIGNS)
 TIE_S: Final = 1e-3  # an unstaggered run's order: its rollouts this far apart, in that order
 MAX_ORDER_ROLLOUTS: Final = 6  # every order of an unstaggered run's rollouts: 720 at 6, too many past it
 NEEDED_RATES: Final = ("prefill_tok_per_s", "tps")  # the fit must identify these alone to price a step
+# The named what-ifs of `contention_records` as `python -m sim validate --contention` takes them:
+# the option, the keyword, what it does.
+WHAT_IFS: Final = (
+    (
+        "--other-slots",
+        "other_slots",
+        "predict with the other engine kind's slots (llama.cpp's pinned slots for an OpenAI-compatible engine, "
+        "vLLM's paged KV for llama.cpp)",
+    ),
+    (
+        "--one-token-decode",
+        "one_token_decode",
+        "price a verified run's decode a token a step, as ordinary decoding, not in the engine's passes of k "
+        "tokens, each sharing a step with the other slots' work",
+    ),
+    (
+        "--no-host-cache",
+        "no_host_cache",
+        "llama.cpp's slots without the host-RAM prompt cache a run had on, whose rule saves a slot's long last "
+        "prompt when another conversation takes the slot",
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)
