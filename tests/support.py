@@ -30,6 +30,7 @@ from prototype.serve.app import ApiRunner, make_app
 from prototype.serve.wallclock import AsyncioClock
 from prototype.store.base import ResponseStore
 from prototype.store.memory import MemoryStore
+from sim.fleet.compute import StepCost
 from sim.fleet.sessions import SessionTokens
 from sim.harness.experiment import CompareConfig
 from sim.model.accelerator import SimulatedModel
@@ -378,6 +379,22 @@ def fleet_session(index: int, prompt: int, outputs: tuple[int, ...], tools: tupl
         tool_times_s=tools,
         tool_tokens=(10,) * len(tools),
         tool_bytes=(40,) * len(tools),
+    )
+
+
+def flat_step_cost(name: str, *, decode_tokens_per_step: int = 1) -> StepCost:
+    """A step cost of round numbers: 1 ms a prefill token and 10 ms a decoded one, nothing fixed,
+    no attention term, llama.cpp's 2,048-token budget."""
+    return StepCost(
+        name=name,
+        step_s=0.0,
+        prefill_s_per_token=1e-3,
+        prefill_s_per_token_ctx=0.0,
+        decode_batch=(1,),
+        decode_s_per_token=(0.01,),
+        decode_s_per_ctx_token=0.0,
+        token_budget=2048,
+        decode_tokens_per_step=decode_tokens_per_step,
     )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sim.fleet.compute import StepCost, model_step_cost
+from sim.fleet.compute import model_step_cost
 from sim.model.accelerator import prefill_time_s
 from sim.model.config import ModelConfig
+from tests.support import flat_step_cost
 
 
 def test_a_model_costs_the_same_turn_as_engine_steps() -> None:
@@ -34,14 +35,5 @@ def test_a_model_costs_the_same_turn_as_engine_steps() -> None:
 
 def test_a_step_cost_without_request_s_is_unchanged() -> None:
     """`request_s` defaults to 0: the named sets price a prefill as before."""
-    cost = StepCost(
-        name="x",
-        step_s=0.0,
-        prefill_s_per_token=1e-3,
-        prefill_s_per_token_ctx=0.0,
-        decode_batch=(1,),
-        decode_s_per_token=(0.01,),
-        decode_s_per_ctx_token=0.0,
-        token_budget=2048,
-    )
+    cost = flat_step_cost("x")
     assert cost.prefill_s_per(0, 500) == pytest.approx(1e-3) and cost.prefill_alone_s(0, 500) == pytest.approx(0.5)

@@ -23,7 +23,7 @@ from sim.harness.experiment import CompareConfig, CompareResult, compare
 from sim.model.config import HOSTED_MODEL
 from sim.rollout.spec import tool_output_text
 from sim.rollout.workload import WORKLOADS
-from tests.support import fleet_session
+from tests.support import flat_step_cost, fleet_session
 
 HOSTED = load_profile("hosted")
 CALLS = 6
@@ -517,17 +517,7 @@ def test_verified_decoding_moves_a_pass_a_step_beside_another_slots_prefill() ->
     out) decodes 129 tokens after its first in passes of 64, 64 and 1; rollout B arrives during
     A's first pass, and its 1,000-token prefill shares A's second pass's step, its own first pass
     A's last step. At a token a step, A's decode would crawl behind B's prefill."""
-    cost = StepCost(
-        name="verified",
-        step_s=0.0,
-        prefill_s_per_token=1e-3,
-        prefill_s_per_token_ctx=0.0,
-        decode_batch=(1,),
-        decode_s_per_token=(0.01,),
-        decode_s_per_ctx_token=0.0,
-        token_budget=2048,
-        decode_tokens_per_step=64,
-    )
+    cost = flat_step_cost("verified", decode_tokens_per_step=64)
     a, b = predict_turns(
         "ws", 2, [[500], [1000]], [[130], [65]], [[], []], engine=cost, starts_s=[0.0, 0.55], block_tokens=1
     )
