@@ -258,18 +258,9 @@ def contention_records(
     rules = SlotRules.of(config.engine, other=other_slots)
     if other_slots:
         notes.append(f"what-if: the other engine kind's slots, {rules.text()}")
-    verify_k = config.engine.engine_verify_k if config.engine.engine_decode == "verified" else 1
-    if one_token_decode and verify_k > 1:
-        notes.append(f"what-if: the decode priced a token a step, not in the engine's verified passes of {verify_k}")
-        verify_k = 1
-    # llama.cpp's host-RAM prompt cache (--cache-ram, on in the run): its budget is the server's
-    # whole context in tokens (the byte limit of a positive size is not modelled).
-    host, ctx = 0, config.engine.engine_ctx_per_slot
-    if rules.slot_cache and config.engine.engine_cache_ram_mib != 0 and ctx is not None:  # a run sizes its slots
-        host = config.engine.engine_slots * ctx
-        if no_host_cache:
-            notes.append("what-if: llama.cpp's slots without the host-RAM prompt cache the run had on")
-            host = 0
+    verify_k, host = _decode_and_host_cache(
+        config.engine, rules, one_token_decode=one_token_decode, no_host_cache=no_host_cache, notes=notes
+    )
     train, test = split_rollouts(rollouts, train_share, seed=seed)
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
     c = fit_training(training, rollouts=len(train), seed=seed) if calibration is None else calibration
@@ -320,6 +311,26 @@ def contention_records(
     return Contention(
         c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges, fit_source=fit_source
     )
+
+
+def _decode_and_host_cache(
+    engine: EngineConfig, rules: SlotRules, *, one_token_decode: bool, no_host_cache: bool, notes: list[str]
+) -> tuple[int, int]:
+    """What the run's engine config says the fleet model prices: the tokens of a verified pass
+    (1: ordinary decoding) and llama.cpp's host-RAM prompt cache in tokens (0: none; with
+    `--cache-ram` on, the server's whole context, the byte limit of a positive size not
+    modelled). A what-if that changes either is added to `notes`."""
+    verify_k = engine.engine_verify_k if engine.engine_decode == "verified" else 1
+    if one_token_decode and verify_k > 1:
+        notes.append(f"what-if: the decode priced a token a step, not in the engine's verified passes of {verify_k}")
+        verify_k = 1
+    host, ctx = 0, engine.engine_ctx_per_slot
+    if rules.slot_cache and engine.engine_cache_ram_mib != 0 and ctx is not None:  # a run sizes its slots
+        host = engine.engine_slots * ctx
+        if no_host_cache:
+            notes.append("what-if: llama.cpp's slots without the host-RAM prompt cache the run had on")
+            host = 0
+    return verify_k, host
 
 
 def _ranks(names: Sequence[str], waits: Sequence[float]) -> dict[str, int]:
