@@ -68,6 +68,11 @@ class StepCost(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     # (`prefill_s_per`, the request's fixed time included), beside the other prefill chunks; the
     # decode table does not apply. 1: ordinary decoding, a token a sequence per step.
     decode_tokens_per_step: Annotated[int, Meta(ge=1)] = 1
+    # Verified decoding's client (docs/engine.md): each pass, and the prompt of a turn a slot
+    # takes when the turn before it ends, is a request sent once the previous answer is back, so
+    # it misses a step that starts at once on other work ready (llama.cpp's loop does not wait);
+    # with nothing else ready, the requests answered together share the next step.
+    request_round_trip: bool = False
 
     def __post_init__(self) -> None:
         b, d = self.decode_batch, self.decode_s_per_token

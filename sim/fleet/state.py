@@ -81,6 +81,7 @@ class Replica:
         "holders",
         "host",
         "host_tokens",
+        "in_flight",
         "in_step",
         "index",
         "phase",
@@ -97,6 +98,7 @@ class Replica:
         "shared_used",
         "step_s",
         "steps",
+        "passes",
         "version",
     )
 
@@ -125,6 +127,8 @@ class Replica:
         self.context_sum = 0.0  # decoding sequences' contexts (their KV reads)
         self.phase = Phase.IDLE
         self.plan: list[Prefill] = []  # the step in flight's prefill entries (each with its chunk)
+        self.passes: list[Decoding] = []  # verified decoding: the step in flight's passes
+        self.in_flight: set[int] = set()  # StepCost.request_round_trip: sessions whose next request is on its way
         self.step_s = 0.0  # the step's (or the segment's per-step) time
         self.segment_at = 0.0  # the segment's start
         self.version = 0  # a step event of an older version is stale

@@ -40,6 +40,7 @@ class PricedSteps:
         self.states = states
         self.cost = cost
         self.verify_k = cost.decode_tokens_per_step
+        self.round_trip = cost.request_round_trip and self.verify_k > 1
 
     def start(
         self, r: Replica, st: SessionState, s: int, k: int, ready: float, cached: int, uncached: int, reload_s: float
@@ -59,6 +60,8 @@ class PricedSteps:
         """An admitted turn's uncached prompt joins the replica's prefill queue (FCFS)."""
         st = self.states[s]
         r.prefilling.append(Prefill(s, k, float(st.prompts[k] - st.cached_now), st.prefill_s_per_token, st.run_id))
+        if r.in_step and self.round_trip:  # taken at a step's end: its request is on its way
+            r.in_flight.add(s)
         self.kick(r)
 
     def kick(self, r: Replica) -> None:
@@ -122,21 +125,66 @@ class PricedSteps:
     def _schedule_verified(self, r: Replica) -> None:
         """Verified decoding's step: each decoding turn's next pass (k tokens, or its last ones),
         priced as a prefill of its tokens after the context so far, the prefill chunks in the
-        rest of the budget."""
-        if not (r.prefilling or r.decode_heap):
+        rest of the budget. With `request_round_trip`, a request on its way (answered at the
+        step that just ended) misses this step when other work is ready."""
+        heap, late = r.decode_heap, r.in_flight
+        if not (r.prefilling or heap):
             r.phase = _IDLE
+            late.clear()
             return
+        passes, prefilling = heap, r.prefilling
+        if late:
+            ready = [e for e in heap if e.session not in late]
+            waiting = [p for p in prefilling if p.session not in late]  # the late ones are the queue's tail
+            if ready or waiting:
+                passes, prefilling = ready, waiting
+            late.clear()
         cost, k, states = self.cost, self.verify_k, self.states
-        step_s, passes = cost.step_s, 0
-        for e in r.decode_heap:
+        step_s, tokens = cost.step_s, 0
+        for e in passes:
             st = states[e.session]
             n = min(k, st.decode_left)
-            passes += n
+            tokens += n
             step_s += n * cost.prefill_s_per(st.prompts[e.turn] + st.spec.output_tokens[e.turn] - st.decode_left, n)
+        r.passes = list(passes)
         plan: list[Prefill] = []
         r.plan = plan
-        r.phase, r.step_s = _STEP, self._fill(plan, r.prefilling, float(cost.token_budget - passes), step_s)
+        r.phase, r.step_s = _STEP, self._fill(plan, prefilling, float(cost.token_budget - tokens), step_s)
         self.loop.push(self.loop.now + r.step_s, _STEP_EVENT, r.index, r.version)
+
+    def _end_verified(self, r: Replica) -> tuple[list[Decoding], list[Prefill]]:
+        """A verified step's end: its passes move their turns on; the turns whose last pass it
+        was, in order, and the prefill entries it finished."""
+        r.busy += r.step_s
+        r.steps += 1
+        r.position += 1.0
+        states, k, late = self.states, self.verify_k, r.in_flight
+        finished = []
+        for e in r.passes:
+            st = states[e.session]
+            if not st.decoding:  # preempted meanwhile
+                continue
+            st.decode_left -= min(k, st.decode_left)
+            if st.decode_left <= 0:
+                finished.append(e)
+            elif self.round_trip:
+                late.add(e.session)
+        prefilled = [entry for entry in r.plan if entry.left - entry.chunk <= 0]
+        for entry in r.plan:
+            entry.left -= entry.chunk
+        if prefilled:
+            del r.prefilling[: len(prefilled)]  # FCFS: the finished ones are the queue's head
+            if self.round_trip:
+                late.update(entry.session for entry in prefilled)
+        if finished:
+            finished.sort()
+            gone = {e.seq for e in finished}
+            r.decode_heap = [e for e in r.decode_heap if e.seq not in gone]
+            heapq.heapify(r.decode_heap)
+            for done in finished:
+                r.context_sum -= states[done.session].decode_context
+        r.plan, r.passes = [], []
+        return finished, prefilled
 
     def begin_step(self, r: Replica, version: int) -> tuple[list[Decoding], list[Prefill]] | None:
         """A step (or segment) of `r` ends: the turns whose last token it reached, in order, and
@@ -145,15 +193,13 @@ class PricedSteps:
         if version != r.version:
             return None
         r.in_step = True
+        if self.verify_k > 1:
+            return self._end_verified(r)
         prefilled = []
         if r.phase is _STEP:
             r.busy += r.step_s
             r.steps += 1
             r.position += 1.0
-            if self.verify_k > 1:
-                for e in r.decode_heap:
-                    st = self.states[e.session]
-                    st.decode_left -= min(self.verify_k, st.decode_left)
             for entry in r.plan:
                 entry.left -= entry.chunk
                 if entry.left <= 0:

@@ -532,6 +532,30 @@ def test_verified_decoding_moves_a_pass_a_step_beside_another_slots_prefill() ->
     assert predict_turns("ws", 2, [[500]], [[130]], [[]], engine=one_token)[0][0].turn_s == pytest.approx(0.5 + 1.29)
 
 
+def test_a_pass_answered_at_a_steps_end_misses_a_step_that_starts_on_other_work() -> None:
+    """The client's round trip (`request_round_trip`): the scene above, each pass a request sent
+    once the last is answered. B's prefill, ready when A's first pass ends, takes the next step
+    alone; then A's second pass and B's first alternate, each missing the step the other's
+    request started; A's last token comes after B's pass."""
+    cost = flat_step_cost("verified", decode_tokens_per_step=64)
+    trip = msgspec.structs.replace(cost, request_round_trip=True)
+    a, b = predict_turns(
+        "ws", 2, [[500], [1000]], [[130], [65]], [[], []], engine=trip, starts_s=[0.0, 0.55], block_tokens=1
+    )
+    prefill_b = (1000 - SHARED_PREFIX_EXTRA) * 1e-3
+    assert a[0].ttft_s == pytest.approx(0.5)
+    assert b[0].ttft_s == pytest.approx(0.564 + prefill_b - 0.55)  # A's second pass is not in its step
+    assert b[0].turn_s == pytest.approx(0.564 + prefill_b + 0.064 + 0.064 - 0.55)  # after A's second pass
+    assert a[0].turn_s == pytest.approx(0.564 + prefill_b + 0.064 + 0.064 + 0.001)  # its last after B's pass
+    # Alone, nothing else is ever ready: the same passes as without the round trip.
+    alone = predict_turns("ws", 2, [[500]], [[130]], [[]], engine=trip)[0][0]
+    assert alone.turn_s == pytest.approx(0.5 + 0.129)
+    # Two turns decoding together share each step, as without it.
+    both = predict_turns("ws", 2, [[500], [500]], [[130], [130]], [[], []], engine=trip, block_tokens=1)
+    plain = predict_turns("ws", 2, [[500], [500]], [[130], [130]], [[], []], engine=cost, block_tokens=1)
+    assert [r[0].turn_s for r in both] == pytest.approx([r[0].turn_s for r in plain])
+
+
 @pytest.mark.slow
 def test_array_sessions_keep_the_workloads_distributions_without_text() -> None:
     """Sessions built as arrays: a tool output's tokens counted from its size match the text's
