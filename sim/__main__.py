@@ -28,7 +28,6 @@ from prototype.options import OneLineParser, add_struct_options, leaves, option_
 from sim.analysis.metrics import live_agreement
 from sim.analysis.records import read_records
 from sim.analysis.stats import Estimate
-from sim.engine.model import EngineTurn
 from sim.engine.process import EngineNotInstalled
 from sim.fleet.config import READ_LEAVES
 from sim.harness.cap import cap_main, cap_options
@@ -55,10 +54,10 @@ from sim.harness.console import (
     terminal_table,
 )
 from sim.harness.contention import WHAT_IFS as CONTENTION_WHAT_IFS
-from sim.harness.contention import contention, contention_records, contention_text, fit_elsewhere
+from sim.harness.contention import contention, contention_text, fit_elsewhere, saved_contention
 from sim.harness.curve import curve_main, curve_options
 from sim.harness.drift import drift_text
-from sim.harness.experiment import CompareConfig, CompareResult, check, compare, config_of
+from sim.harness.experiment import CompareConfig, CompareResult, check, compare
 from sim.harness.fidelity import fidelity_main, fidelity_options
 from sim.harness.idle import idle_main, idle_options
 from sim.harness.long import long_tables, run_long, write_long
@@ -66,7 +65,7 @@ from sim.harness.predict import calibrate_main, calibrate_options
 from sim.harness.results import render_results
 from sim.harness.sizing import EngineTooSmall, fit_engine, kv_mib
 from sim.harness.sweep import AXES, SweepConfig, dask_executor, points, process_pool, run_sweep, sigterm_as_sigint
-from sim.harness.trace import write_capacity, write_json, write_run, write_table, write_text
+from sim.harness.trace import read_config, write_capacity, write_json, write_run, write_table, write_text
 from sim.harness.ttl import ttl_main, ttl_options
 from sim.harness.validate import modes_refusal, validate, validate_records, validation_text
 from sim.measure.driver import measure_main, measure_options
@@ -235,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="--contention: fit on this other engine run's http and ws turns (one rollout a slot, the same "
         "engine) instead of the contention run's own training rollouts",
+    )
+    val.add_argument(
+        "--replicate",
+        metavar="DIR",
+        help="--contention --from: a second engine run of the same config and seed, scored against the run as a "
+        "prediction is (the engine against itself: the floor of the per-turn errors)",
     )
     val.add_argument(
         "--measured-order",
@@ -567,17 +572,12 @@ def contention_main(args: argparse.Namespace) -> int:
         except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise SystemExit(f"python -m sim validate: --fit-from {args.fit_from}: {exc}") from None
         options["fit_source"] = args.fit_from
+    if args.replicate and not args.source:
+        raise SystemExit("python -m sim validate: --replicate scores two saved runs: give the run with --from")
     if args.source:  # a saved run: its config, records and the engine's turns
-        folder = Path(args.source)
+        again = Path(args.replicate) if args.replicate else None
         try:
-            saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
-            turns = [
-                msgspec.json.decode(line, type=EngineTurn)
-                for line in (folder / "engine.jsonl").read_bytes().splitlines()
-            ]
-            v = contention_records(
-                saved, read_records([folder]), turns, seed=saved.seed, measured_order=args.measured_order, **options
-            )
+            v = saved_contention(Path(args.source), replicate=again, measured_order=args.measured_order, **options)
         except (OSError, KeyError, msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
             raise SystemExit(f"python -m sim validate: {exc}") from None
         print(contention_text(v))
@@ -616,7 +616,7 @@ def validate_main(args: argparse.Namespace) -> int:
     if args.source:
         folder = Path(args.source)
         try:
-            saved = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+            saved = read_config(folder)
             if hasattr(args, "cache_generated"):  # the simulator's what-if, on the saved measurement
                 saved = saved.updated(cache_generated=args.cache_generated)
             if hasattr(args, "engine_block_tokens"):  # the prediction at another prefix granularity

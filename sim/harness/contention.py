@@ -31,12 +31,14 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
+import msgspec
 import numpy as np
 
 from sim.analysis.calibrate import Calibration
-from sim.analysis.records import TurnRecord, records_from_rollouts
+from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
 from sim.analysis.stats import Estimate
 from sim.engine.config import EngineConfig
 from sim.engine.model import EngineTurn
@@ -44,7 +46,8 @@ from sim.fleet.compute import StepCost, model_step_cost
 from sim.fleet.predict import TurnPrediction, predict_turns
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS
 from sim.harness.experiment import CompareConfig, CompareResult
-from sim.harness.validate import POOR_FIT, Score, fit_training, score_lines, score_pairs, split_rollouts
+from sim.harness.trace import read_config, read_engine_turns
+from sim.harness.validate import POOR_FIT, Score, fit_training, pct_text, score_lines, score_pairs, split_rollouts
 from sim.model.config import ModelConfig
 
 __all__ = [
@@ -53,11 +56,13 @@ __all__ = [
     "MAX_ORDER_ROLLOUTS",
     "WHAT_IFS",
     "Contention",
+    "Replicate",
     "SlotRules",
     "contention",
     "contention_records",
     "contention_text",
     "fitted_step_cost",
+    "saved_contention",
 ]
 
 TRAIN_MODES: Final = ("http", "ws")
@@ -80,6 +85,12 @@ WHAT_IFS: Final = (
         "one_token_decode",
         "price a verified run's decode a token a step, as ordinary decoding, not in the engine's passes of k "
         "tokens, each sharing a step with the other slots' work",
+    ),
+    (
+        "--no-round-trip",
+        "no_round_trip",
+        "a verified run's passes without the client's round trip: a pass answered at a step's end joins the next "
+        "step even when that step starts on other work",
     ),
     (
         "--no-host-cache",
@@ -125,6 +136,10 @@ class Contention:
     ranges: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     fit_source: str = ""  # a fit made on another run (`--fit-from`): that run's folder; "": this run's
+    # The engine against itself: per held-out set, a replicate run's turns (the same config and
+    # seed measured again) scored against this run's, as a prediction would be (`replicate_source`).
+    floor: list[Score] = field(default_factory=list)
+    replicate_source: str = ""
 
 
 def fit_elsewhere(records: Sequence[TurnRecord], *, seed: int = 0) -> Calibration:
@@ -135,10 +150,11 @@ def fit_elsewhere(records: Sequence[TurnRecord], *, seed: int = 0) -> Calibratio
     return fit_training(training, rollouts=len(rollouts), seed=seed)
 
 
-def fitted_step_cost(c: Calibration, slots: int, *, verify_k: int = 1) -> StepCost:
+def fitted_step_cost(c: Calibration, slots: int, *, verify_k: int = 1, round_trip: bool = False) -> StepCost:
     """The fleet model's step costs from a fit's model rates: latency, prefill rate, attention
     term and decode rate, each stream at the fitted rate (`model_step_cost`, the conversion's
-    one place); `verify_k` > 1, verified decoding's passes of that many tokens. A rate the fit
+    one place); `verify_k` > 1, verified decoding's passes of that many tokens, with
+    `round_trip` each request after its answer (`StepCost.request_round_trip`). A rate the fit
     did not identify on its own is refused; an unidentified latency or attention term is 0."""
     missing = [k for k in NEEDED_RATES if k not in c.model]
     if missing:
@@ -150,7 +166,8 @@ def fitted_step_cost(c: Calibration, slots: int, *, verify_k: int = 1) -> StepCo
         model_latency_s=value.get("model_latency_s", 0.0),
         prefill_s_per_token_ctx=value.get("prefill_s_per_token_ctx", 0.0),
     )
-    return model_step_cost(model, slots=slots, name="fitted", decode_tokens_per_step=verify_k)
+    cost = model_step_cost(model, slots=slots, name="fitted", decode_tokens_per_step=verify_k)
+    return msgspec.structs.replace(cost, request_round_trip=round_trip) if round_trip else cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,19 +247,25 @@ def contention_records(
     other_slots: bool = False,
     measured_order: bool = False,
     one_token_decode: bool = False,
+    no_round_trip: bool = False,
     no_host_cache: bool = False,
     calibration: Calibration | None = None,
     fit_source: str = "",
+    replicate: Replicate | None = None,
 ) -> Contention:
     """The contention check on a run's records and engine turns (a run folder's records.jsonl
     and engine.jsonl). `other_slots`: the what-if of the other engine kind's slot semantics;
     `measured_order` (a run without a stagger): the what-if of the engine's measured order;
     `one_token_decode`: the what-if of a verified run's decode priced as ordinary decoding (a
-    token a step); `no_host_cache`: the what-if of llama.cpp's slots without the host-RAM prompt
-    cache the run had on.
+    token a step); `no_round_trip`: the what-if of a verified run's passes each in the step
+    after its last, the client's round trip left out; `no_host_cache`: the what-if of
+    llama.cpp's slots without the host-RAM prompt cache the run had on.
     `calibration`: a fit made elsewhere (`fit_elsewhere`: another run of the same engine, one
     rollout a slot; `fit_source` names it) instead of one on this run's training rollouts, every
-    score still on this run's held-out rollouts."""
+    score still on this run's held-out rollouts.
+    `replicate`: the same config and seed measured again; each held-out set's turns of it are
+    scored against this run's as a prediction is (the engine against itself: the error no
+    model of this engine can beat on these turns)."""
     if config.engine.engine_kind == "none":
         raise ValueError("the contention check needs a run measured live on a real engine (--engine)")
     if config.concurrency < config.rollouts or config.ci_width > 0:
@@ -258,16 +281,19 @@ def contention_records(
     rules = SlotRules.of(config.engine, other=other_slots)
     if other_slots:
         notes.append(f"what-if: the other engine kind's slots, {rules.text()}")
-    verify_k, host = _decode_and_host_cache(
-        config.engine, rules, one_token_decode=one_token_decode, no_host_cache=no_host_cache, notes=notes
-    )
+    verify_k, round_trip, host = _priced_engine(
+        config.engine, rules, one_token_decode=one_token_decode, no_round_trip=no_round_trip,
+        no_host_cache=no_host_cache, notes=notes,
+    )  # fmt: skip
     train, test = split_rollouts(rollouts, train_share, seed=seed)
+    if replicate is not None and replicate.config != config:
+        raise ValueError(f"the replicate {replicate.source} is not a run of the same config and seed")
     training = [r for r in records if r.rollout in train and r.mode in train_modes]
     c = fit_training(training, rollouts=len(train), seed=seed) if calibration is None else calibration
     blocking = [p for p in c.problems if not p.startswith(POOR_FIT)]
     slots = config.engine.engine_slots
     try:
-        cost = None if blocking else fitted_step_cost(c, slots, verify_k=verify_k)
+        cost = None if blocking else fitted_step_cost(c, slots, verify_k=verify_k, round_trip=round_trip)
     except ValueError as exc:
         blocking, cost = [str(exc)], None
     if cost is None:
@@ -305,32 +331,82 @@ def contention_records(
     for order in orders:
         runs = {m: predicted(m, order[m]) for m in modes}
         per_order.append([_set_score(name, members, by_mode, runs, test, seed, one) for name, members in sets])
+    floor = [_floor_score(name, members, records, replicate, test, seed) for name, members in sets] if replicate else []
+    source = replicate.source if replicate else ""
     if len(per_order) == 1:
-        return Contention(c, cost, rules, arrival, notes, per_order[0], train, test, fit_source=fit_source)
+        return Contention(
+            c, cost, rules, arrival, notes, per_order[0], train, test, fit_source=fit_source, floor=floor,
+            replicate_source=source,
+        )  # fmt: skip
     scores, ranges = _over_orders(per_order)
     return Contention(
-        c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges, fit_source=fit_source
-    )
+        c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges, fit_source=fit_source,
+        floor=floor, replicate_source=source,
+    )  # fmt: skip
 
 
-def _decode_and_host_cache(
-    engine: EngineConfig, rules: SlotRules, *, one_token_decode: bool, no_host_cache: bool, notes: list[str]
-) -> tuple[int, int]:
+def saved_contention(folder: Path, *, replicate: Path | None = None, **options: object) -> Contention:
+    """`contention_records` on a saved run folder (`write_run`'s config.json, records.jsonl and
+    engine.jsonl), its seed; `replicate`: a second folder, the same config and seed measured again."""
+    config = read_config(folder)
+    again = None if replicate is None else Replicate(str(replicate), read_config(replicate), read_records([replicate]))
+    turns, records = read_engine_turns(folder), read_records([folder])  # a run without the engine's turns: that file
+    return contention_records(config, records, turns, seed=config.seed, replicate=again, **options)  # type: ignore[arg-type]
+
+
+def _priced_engine(
+    engine: EngineConfig, rules: SlotRules, *, one_token_decode: bool, no_round_trip: bool, no_host_cache: bool,
+    notes: list[str],
+) -> tuple[int, bool, int]:  # fmt: skip
     """What the run's engine config says the fleet model prices: the tokens of a verified pass
-    (1: ordinary decoding) and llama.cpp's host-RAM prompt cache in tokens (0: none; with
-    `--cache-ram` on, the server's whole context, the byte limit of a positive size not
-    modelled). A what-if that changes either is added to `notes`."""
+    (1: ordinary decoding), whether its requests pay the client's round trip (every verified
+    run's do), and llama.cpp's host-RAM prompt cache in tokens (0: none; with `--cache-ram` on,
+    the server's whole context, the byte limit of a positive size not modelled). A what-if
+    that changes any is added to `notes`."""
     verify_k = engine.engine_verify_k if engine.engine_decode == "verified" else 1
     if one_token_decode and verify_k > 1:
         notes.append(f"what-if: the decode priced a token a step, not in the engine's verified passes of {verify_k}")
         verify_k = 1
+    round_trip = verify_k > 1
+    if no_round_trip and round_trip:
+        notes.append("what-if: the passes without the client's round trip, each in the step after its last")
+        round_trip = False
     host, ctx = 0, engine.engine_ctx_per_slot
     if rules.slot_cache and engine.engine_cache_ram_mib != 0 and ctx is not None:  # a run sizes its slots
         host = engine.engine_slots * ctx
         if no_host_cache:
             notes.append("what-if: llama.cpp's slots without the host-RAM prompt cache the run had on")
             host = 0
-    return verify_k, host
+    return verify_k, round_trip, host
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    """A second engine run of the same config and seed (`source` names it): its config and turns."""
+
+    source: str
+    config: CompareConfig
+    records: Sequence[TurnRecord]
+
+
+def _floor_score(
+    name: str, members: Sequence[str], records: Sequence[TurnRecord], replicate: Replicate, test: Sequence[str],
+    seed: int,
+) -> Score:  # fmt: skip
+    """One held-out set's turns of the replicate against the run's, each (mode, rollout, turn)
+    measured in both (a rollout failed in either is left out), scored as a prediction is."""
+    again = {(r.mode, r.rollout, r.turn): r for r in replicate.records}
+    ttft: list[tuple[str, float, float]] = []
+    turn: list[tuple[str, float, float]] = []
+    for r in records:
+        b = again.get((r.mode, r.rollout, r.turn))
+        if b is None or r.mode not in members or r.rollout not in test:
+            continue
+        if r.ttft_s and b.ttft_s:
+            ttft.append((r.rollout, b.ttft_s, r.ttft_s))
+        if r.e2e_s > 0 and b.e2e_s > 0:
+            turn.append((r.rollout, b.e2e_s, r.e2e_s))
+    return score_pairs(name, ttft, turn, rollouts=len({r for r, _, _ in turn}), seed=seed)
 
 
 def _ranks(names: Sequence[str], waits: Sequence[float]) -> dict[str, int]:
@@ -405,14 +481,23 @@ def contention_text(v: Contention) -> str:
     lines.append(f"fitted model (the fleet model's step costs): {model}")
     lines.append(f"slots: {v.rules.text()}")
     if v.cost is not None and v.cost.decode_tokens_per_step > 1:
+        trip = ", sent when the last is answered" if v.cost.request_round_trip else ""
         lines.append(
-            f"decode: the engine's verified passes of {v.cost.decode_tokens_per_step} tokens, each priced as a "
-            "prefill of its tokens in a step beside the other slots' work"
+            f"decode: the engine's verified passes of {v.cost.decode_tokens_per_step} tokens{trip}, each priced as "
+            "a prefill of its tokens in a step beside the other slots' work"
         )
     lines.append(f"arrival order: {v.arrival}")
     lines.extend(v.notes)
+    floor = {f.name: f for f in v.floor}
     for s in v.scores:
         lines.append(f"contention, {s.name}, {s.turns} turns of {s.rollouts} rollouts:")
+        if s.name in floor:
+            f = floor[s.name]
+            lines.append(
+                f"  the engine against itself ({v.replicate_source}, the same config and seed; {f.turns} turns "
+                f"of {f.rollouts} rollouts): TTFT {pct_text(f.ttft, f.ttft_p90, f.ttft_max)}"
+            )
+            lines.append(f"  the engine against itself, turn time: {pct_text(f.turn, f.turn_p90, f.turn_max)}")
         if s.name in v.ranges:
             lo, hi, tlo, thi = v.ranges[s.name]
             lines.append(

@@ -219,13 +219,15 @@ class _Run(msgspec.Struct, frozen=True):
 
 def load_point(folder: str | Path) -> _Run:
     """A run folder's config, engine turns and pairs; CurveError when it is no engine comparison."""
+    from sim.harness.trace import read_engine_turns  # plotting's imports only when a folder is read
+
     path = Path(folder)
     try:
         meta = json.loads((path / "config.json").read_text())  # NaN: a bound not known
         config = config_of(meta["config"])
         if config.engine.engine_kind == "none":
             raise CurveError(f"{path} is not an engine run (its comparison ran on the simulator)")
-        turns = [msgspec.json.decode(x, type=EngineTurn) for x in (path / "engine.jsonl").read_bytes().splitlines()]
+        turns = read_engine_turns(path)
         pairs = json.loads((path / "pairs.json").read_text())
         if not (path / "records.jsonl").is_file():
             raise FileNotFoundError(path / "records.jsonl")

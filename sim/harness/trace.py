@@ -45,12 +45,15 @@ import pyarrow.parquet as pq
 from sim.analysis.metrics import ModeSummary, compacted, per_turn_work, turn_intervals
 from sim.analysis.records import records_from_rollouts
 from sim.analysis.stats import Estimate
+from sim.engine.model import EngineTurn
 from sim.harness.capacity import CapacityConfig, Variant, variants
-from sim.harness.experiment import CompareResult
+from sim.harness.experiment import CompareConfig, CompareResult, config_of
 
 __all__ = [
     "p50_error_bars",
     "plot_title",
+    "read_config",
+    "read_engine_turns",
     "turn_rows",
     "write_figure",
     "write_json",
@@ -179,6 +182,16 @@ def write_run(result: CompareResult, directory: str | Path, *, tables: bool = Tr
         write_json(result.drift, path / "drift.json")
     _plots(result, rows, path)
     return path
+
+
+def read_config(folder: Path) -> CompareConfig:
+    """The config a run folder was measured with (its config.json, `write_run`)."""
+    return config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+
+
+def read_engine_turns(folder: Path) -> list[EngineTurn]:
+    """A run folder's engine.jsonl (`write_run`): the real engine's own counters per turn."""
+    return [msgspec.json.decode(line, type=EngineTurn) for line in (folder / "engine.jsonl").read_bytes().splitlines()]
 
 
 def write_figure(draw: Callable[[Any], None], target: str | Path, *, size: tuple[float, float] = (7, 4)) -> Path:

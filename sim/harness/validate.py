@@ -38,6 +38,7 @@ __all__ = [
     "Score",
     "Validation",
     "error_tail",
+    "pct_text",
     "score_pairs",
     "score_lines",
     "split_rollouts",
@@ -274,7 +275,8 @@ def validate_records(
     return Validation(c, config, scores, measured_saved, predicted_saved, train, test)
 
 
-def _pct(e: Estimate, p90: float = math.nan, top: float = math.nan) -> str:
+def pct_text(e: Estimate, p90: float = math.nan, top: float = math.nan) -> str:
+    """A median relative error with its interval and n, and (given) its p90 and max."""
     tail = "" if math.isnan(p90) else f"; p90 {100 * p90:.1f} %, max {100 * top:.1f} %"
     if math.isnan(e.ci_low):
         return f"{100 * e.value:.1f} % (n={e.n}: no interval){tail}"
@@ -284,9 +286,9 @@ def _pct(e: Estimate, p90: float = math.nan, top: float = math.nan) -> str:
 def score_lines(s: Score) -> list[str]:
     """A score's two error lines: median with its interval, signed median, p90 and max."""
     return [
-        f"  per-turn TTFT error (median |pred/meas − 1|): {_pct(s.ttft, s.ttft_p90, s.ttft_max)}; "
+        f"  per-turn TTFT error (median |pred/meas − 1|): {pct_text(s.ttft, s.ttft_p90, s.ttft_max)}; "
         f"median signed {100 * s.ttft_bias:+.1f} %",
-        f"  per-turn turn-time error: {_pct(s.turn, s.turn_p90, s.turn_max)}",
+        f"  per-turn turn-time error: {pct_text(s.turn, s.turn_p90, s.turn_max)}",
     ]
 
 

@@ -16,8 +16,16 @@ from sim.analysis.calibrate import Param
 from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
 from sim.engine.model import EngineTurn
 from sim.fleet.compute import model_step_cost
-from sim.harness.contention import SlotRules, contention_records, contention_text, fit_elsewhere, fitted_step_cost
-from sim.harness.experiment import CompareConfig, compare, config_of
+from sim.harness.contention import (
+    Replicate,
+    SlotRules,
+    contention_records,
+    contention_text,
+    fit_elsewhere,
+    fitted_step_cost,
+)
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.trace import read_config, read_engine_turns
 from sim.model.config import ModelConfig
 from tests.support import REPO
 
@@ -151,8 +159,8 @@ def test_the_step_cost_comes_from_the_fit() -> None:
 
 def _saved(run: str) -> tuple[CompareConfig, list[TurnRecord], list[EngineTurn]]:
     folder = REPO / "docs" / "results" / "engine" / run
-    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
-    turns = [msgspec.json.decode(line, type=EngineTurn) for line in (folder / "engine.jsonl").read_bytes().splitlines()]
+    config = read_config(folder)
+    turns = read_engine_turns(folder)
     return config, read_records([folder]), turns
 
 
@@ -193,10 +201,10 @@ def test_the_cli_scores_a_saved_contention_run(tmp_path: Path, capsys: pytest.Ca
 # on a fit of the same engine's uncontended run (`--fit-from`, a variant chosen after looking at
 # `contention-fast`; `contention-fast-2`, seed 1, is its check on a fresh run).
 FRESH: dict[tuple[str, str], tuple[float, float]] = {
-    ("contention-fast", "own fit"): (0.585, 0.707),
-    ("contention-fast", "uncontended fit"): (0.079, 0.150),
-    ("contention-fast-2", "own fit"): (0.907, 0.820),
-    ("contention-fast-2", "uncontended fit"): (0.356, 0.374),
+    ("contention-fast", "own fit"): (0.516, 0.701),
+    ("contention-fast", "uncontended fit"): (0.071, 0.125),
+    ("contention-fast-2", "own fit"): (0.897, 0.731),
+    ("contention-fast-2", "uncontended fit"): (0.312, 0.398),
 }
 
 
@@ -245,9 +253,9 @@ def test_the_third_contention_run_scores_as_the_page_says_on_each_fit() -> None:
     one = contention_records(config, records, turns, seed=config.seed, one_token_decode=True, **extra)
     assert one.cost is not None and one.cost.decode_tokens_per_step == 1
     assert any(n.startswith("what-if: the decode priced a token a step") for n in one.notes)
-    assert medians["own"] == pytest.approx((0.580, 0.423), abs=0.001)
-    assert medians["same day"] == pytest.approx((0.054, 0.232), abs=0.001)
-    assert medians["other day"][0] == pytest.approx(1.740, abs=0.001)
+    assert medians["own"] == pytest.approx((0.563, 0.351), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.053, 0.232), abs=0.001)
+    assert medians["other day"][0] == pytest.approx(1.713, abs=0.001)
     assert medians["same day"][0] < medians["own"][0] < medians["other day"][0]  # the day, more than the fit
     assert medians["same day"][0] > 0.05  # the goal is still missed
 
@@ -266,14 +274,16 @@ def test_the_fourth_contention_run_checks_the_verified_passes_on_a_fresh_run() -
         ("same day", {"calibration": same_day}),
         ("same day, a token a step", {"calibration": same_day, "one_token_decode": True}),
         ("same day, no host cache", {"calibration": same_day, "no_host_cache": True}),
+        ("same day, no round trip", {"calibration": same_day, "no_round_trip": True}),
     ):
         held, design = contention_records(config, records, turns, seed=config.seed, **extra).scores
         assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
         medians[name], bias[name] = (held.ttft.value, design.ttft.value), held.ttft_bias
-    assert medians["own"] == pytest.approx((0.800, 0.417), abs=0.001)
-    assert medians["same day"] == pytest.approx((0.214, 0.121), abs=0.001)
+    assert medians["own"] == pytest.approx((0.735, 0.322), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.125, 0.081), abs=0.001)
     assert medians["same day, a token a step"] == pytest.approx((0.135, 0.142), abs=0.001)
-    assert medians["same day, no host cache"] == pytest.approx((0.356, 0.121), abs=0.001)
+    assert medians["same day, no host cache"] == pytest.approx((0.176, 0.081), abs=0.001)
+    assert medians["same day, no round trip"] == pytest.approx((0.214, 0.121), abs=0.001)
     assert bias["same day"] > 0.1  # the fleet slower than the engine for http and ws
     assert min(medians["same day"]) > 0.05  # the goal is still missed
 
@@ -291,16 +301,20 @@ def test_the_fifth_contention_run_checks_the_host_cache_on_a_fresh_run(capsys: p
         ("same day", {"calibration": same_day}),
         ("no host cache", {"calibration": same_day, "no_host_cache": True}),
         ("a token a step", {"calibration": same_day, "one_token_decode": True}),
+        ("no round trip", {"calibration": same_day, "no_round_trip": True}),
     ):
         v = contention_records(config, records, turns, seed=config.seed, **extra)
         held, design = v.scores
         assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
         medians[name] = (held.ttft.value, design.ttft.value)
         if name == "same day":
-            assert (held.ttft.ci_low, held.ttft.ci_high) == pytest.approx((0.061, 0.079), abs=0.001)
-    assert medians["own"] == pytest.approx((0.448, 0.284), abs=0.001)
-    assert medians["same day"] == pytest.approx((0.069, 0.128), abs=0.001)
-    assert medians["no host cache"] == pytest.approx((0.134, 0.128), abs=0.001)
+            assert (held.ttft.ci_low, held.ttft.ci_high) == pytest.approx((0.041, 0.072), abs=0.001)
+        trip = [n for n in v.notes if n.startswith("what-if: the passes without the client's round trip")]
+        assert len(trip) == (name == "no round trip")
+    assert medians["own"] == pytest.approx((0.430, 0.273), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.065, 0.096), abs=0.001)
+    assert medians["no host cache"] == pytest.approx((0.129, 0.096), abs=0.001)
+    assert medians["no round trip"] == pytest.approx((0.069, 0.128), abs=0.001)
     assert medians["a token a step"] == pytest.approx((0.248, 0.139), abs=0.001)
     assert medians["same day"][0] < min(medians["no host cache"][0], medians["a token a step"][0])
     assert min(medians["same day"]) > 0.05  # the goal is still missed
@@ -318,6 +332,29 @@ def test_the_fifth_contention_run_checks_the_host_cache_on_a_fresh_run(capsys: p
     out = capsys.readouterr().out
     assert "what-if: llama.cpp's slots without the host-RAM prompt cache" in out
     assert "what-if: the decode priced a token a step" in out and "each priced as a prefill" not in out
+
+
+@pytest.mark.slow  # a calibration fit
+def test_a_replicate_is_scored_against_the_run_as_a_prediction_is(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine against itself: a replicate's turns, each (mode, rollout, turn) against the
+    run's, on the same held-out sets; a replicate of another config or seed is refused."""
+    config, records, turns = _saved("contention-5")
+    slower = [msgspec.structs.replace(r, ttft_s=1.1 * r.ttft_s, e2e_s=0.8 * r.e2e_s) for r in records]
+    v = contention_records(config, records, turns, seed=config.seed, replicate=Replicate("again", config, slower))
+    assert [f.name for f in v.floor] == [s.name for s in v.scores] and v.replicate_source == "again"
+    for f, s in zip(v.floor, v.scores, strict=True):
+        assert (f.turns, f.rollouts) == (s.turns, s.rollouts)
+        assert f.ttft.value == pytest.approx(0.1) and f.ttft_bias == pytest.approx(0.1)
+        assert f.turn.value == pytest.approx(0.2) and f.ttft.ci_low == pytest.approx(0.1)
+    gone = [r for r in slower if r.rollout != v.test_rollouts[0]]  # a rollout failed in the replicate
+    v = contention_records(config, records, turns, seed=config.seed, replicate=Replicate("again", config, gone))
+    assert [f.rollouts for f in v.floor] == [s.rollouts - 1 for s in v.scores]
+    other, _, _ = _saved("contention-4")
+    with pytest.raises(ValueError, match="not a run of the same config and seed"):
+        contention_records(config, records, turns, seed=config.seed, replicate=Replicate("c4", other, records))
+    assert main(["validate", "--contention", "--replicate", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--from" in err
 
 
 def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:

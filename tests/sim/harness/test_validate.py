@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-import msgspec
 import pytest
 
 from sim.__main__ import main
 from sim.analysis.records import read_records, records_from_rollouts
-from sim.harness.experiment import CompareConfig, compare, config_of
+from sim.harness.experiment import CompareConfig, compare
+from sim.harness.trace import read_config
 from sim.harness.validate import (
     Score,
     Validation,
@@ -130,7 +130,7 @@ def _rescored(run: str) -> tuple[CompareConfig, Validation]:
     """A committed engine run (docs/results/engine/RUN) validated again from its folder: its
     measured config and the validation."""
     folder = REPO / "docs" / "results" / "engine" / run
-    config = config_of(msgspec.json.decode((folder / "config.json").read_bytes())["config"])
+    config = read_config(folder)
     v = validate_records(read_records([folder]), config, seed=config.seed)
     assert not v.problems
     return config, v
