@@ -23,6 +23,7 @@ from sim.harness.contention import (
     contention_text,
     fit_elsewhere,
     fitted_step_cost,
+    saved_contention,
 )
 from sim.harness.experiment import CompareConfig, compare
 from sim.harness.trace import read_config, read_engine_turns
@@ -290,9 +291,10 @@ def test_the_fourth_contention_run_checks_the_verified_passes_on_a_fresh_run() -
 
 @pytest.mark.slow  # three calibration fits
 def test_the_fifth_contention_run_checks_the_host_cache_on_a_fresh_run(capsys: pytest.CaptureFixture[str]) -> None:
-    """`contention-5` (docs/validation.md): measured after all three changes were committed,
-    scored on the same day's uncontended run (`uncontended-s7`). Each change beats its what-if
-    for `http`/`ws` there; the goal of 5 % is missed narrowly for them, widely for `append`."""
+    """`contention-5` (docs/validation.md): measured after the first three changes were
+    committed, scored on the same day's uncontended run (`uncontended-s7`). Each beats its what-if
+    for `http`/`ws` there; the round trip, found on this run, moves both sets a little; the goal of
+    5 % is missed."""
     config, records, turns = _saved("contention-5")
     same_day = fit_elsewhere(read_records([REPO / "docs" / "results" / "engine" / "uncontended-s7"]))
     medians = {}
@@ -355,6 +357,56 @@ def test_a_replicate_is_scored_against_the_run_as_a_prediction_is(capsys: pytest
     assert main(["validate", "--contention", "--replicate", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--from" in err
+
+
+@pytest.mark.slow  # six calibration fits
+def test_the_engine_against_itself_is_the_floor_the_page_states(capsys: pytest.CaptureFixture[str]) -> None:
+    """`contention-5r` and `contention-5r2` (docs/validation.md): `contention-5`'s config and seed,
+    twice on one day. The engine differs from itself by about 7 % a turn, above the 5 % goal;
+    the model, fitted on the same day's uncontended run, is above that floor."""
+    engine = REPO / "docs" / "results" / "engine"
+    same_day = fit_elsewhere(read_records([engine / "uncontended-s8"]))
+    first = saved_contention(engine / "contention-5r", calibration=same_day, replicate=engine / "contention-5r2")
+    second = saved_contention(engine / "contention-5r2", calibration=same_day, replicate=engine / "contention-5r")
+    floor = [(f.ttft.value, f.turns, f.rollouts) for f in second.floor]
+    assert floor == [(pytest.approx(0.073, abs=0.001), 32, 4), (pytest.approx(0.077, abs=0.001), 16, 4)]
+    assert [f.ttft.value for f in first.floor] == pytest.approx([0.068, 0.077], abs=0.001)
+    assert min(f.ttft.value for f in first.floor + second.floor) > 0.05  # the goal is below the floor
+    assert [s.ttft.value for s in first.scores] == pytest.approx([0.151, 0.067], abs=0.001)
+    assert [s.ttft.value for s in second.scores] == pytest.approx([0.103, 0.161], abs=0.001)
+    other_day = saved_contention(engine / "contention-5r", calibration=same_day, replicate=engine / "contention-5")
+    assert [f.ttft.value for f in other_day.floor] == pytest.approx([0.097, 0.024], abs=0.001)
+    argv = ["validate", "--contention", "--from", str(engine / "contention-5r2"), "--fit-from",
+            str(engine / "uncontended-s8"), "--replicate", str(engine / "contention-5r")]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("the engine against itself (") == 2 and "TTFT 7.3 % (95 % CI 4.8–9.3" in out
+
+
+@pytest.mark.slow  # five calibration fits
+def test_the_round_trip_checked_on_a_fresh_run_scores_as_the_page_says() -> None:
+    """`contention-7` (docs/validation.md): measured after the round trip was committed, scored on
+    the same day's uncontended run (`uncontended-s9`): no gain from the round trip there; the host
+    cache and the passes still beat their what-ifs."""
+    engine = REPO / "docs" / "results" / "engine"
+    same_day = {"calibration": fit_elsewhere(read_records([engine / "uncontended-s9"]))}
+    medians, p90 = {}, {}
+    for name, extra in (
+        ("own", {}),
+        ("same day", same_day),
+        ("no round trip", {**same_day, "no_round_trip": True}),
+        ("no host cache", {**same_day, "no_host_cache": True}),
+        ("a token a step", {**same_day, "one_token_decode": True}),
+    ):
+        held, design = saved_contention(engine / "contention-7", **extra).scores
+        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
+        medians[name], p90[name] = (held.ttft.value, design.ttft.value), held.ttft_p90
+    assert medians["own"] == pytest.approx((1.190, 0.667), abs=0.001)
+    assert medians["same day"] == pytest.approx((0.097, 0.157), abs=0.001)
+    assert medians["no round trip"] == pytest.approx((0.098, 0.082), abs=0.001)
+    assert medians["no host cache"] == pytest.approx((0.103, 0.157), abs=0.001)
+    assert medians["a token a step"] == pytest.approx((0.189, 0.220), abs=0.001)
+    assert p90["no host cache"] > 2 * p90["same day"]
 
 
 def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:
