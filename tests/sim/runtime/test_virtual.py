@@ -9,7 +9,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -215,22 +215,31 @@ def test_virtual_results_are_deterministic_for_a_seed() -> None:
     assert runs[0].summary == runs[1].summary
 
 
+# Virtual time leaves out live costs that only add time (docs/fidelity.md, "Live costs virtual
+# time leaves out": timer wake-ups, work right after a wait, the stream's end), so a virtual turn
+# is shorter than a live one by a few percent on the hosted profile's ten or so waits a turn: the
+# bound is one-sided, wide below and tight above.
+FASTER: Final = 0.08  # how much shorter than live a virtual median may be
+SLOWER: Final = 0.02  # how much longer (none of what is left out makes virtual time slower)
+
+
 @pytest.mark.slow
 @pytest.mark.wire_unchecked  # times live clients: no per-event validation on their path
-def test_virtual_time_agrees_with_live_loopback_within_5_percent() -> None:
-    """Each mode's median turn within 5 % of live's (the median over every turn, so one
-    preemption of the live process on a shared machine does not decide), and its median
-    rollout within 10 % (two rollouts: one stall moves it)."""
+def test_virtual_time_agrees_with_live_loopback() -> None:
+    """Each mode's median turn (the median over every turn, so one preemption of the live process
+    on a shared machine does not decide) and its median rollout, live against virtual: virtual at
+    most `FASTER` shorter and `SLOWER` longer."""
     live, virtual = run(SMALL, virtual=False), run(SMALL, virtual=True)
 
     def median_turn(result: Any, mode: str) -> float:
         return statistics.median(t.e2e_s for r in result.rollouts if r.mode == mode for t in r.turns)
 
     for a_mode, b_mode in zip(live.summary, virtual.summary, strict=True):
-        a, b = median_turn(live, a_mode.mode), median_turn(virtual, b_mode.mode)
-        assert abs(a - b) <= 0.05 * a, (a_mode.mode, "median turn", a, b)
-        a, b = a_mode.completion_p50_s, b_mode.completion_p50_s
-        assert abs(a - b) <= 0.10 * a, (a_mode.mode, "median rollout", a, b)
+        for what, a, b in (
+            ("median turn", median_turn(live, a_mode.mode), median_turn(virtual, b_mode.mode)),
+            ("median rollout", a_mode.completion_p50_s, b_mode.completion_p50_s),
+        ):
+            assert -FASTER <= b / a - 1 <= SLOWER, (a_mode.mode, what, a, b)
 
 
 def test_an_in_process_channel_keeps_order_survives_a_cancelled_get_and_has_one_consumer() -> None:
