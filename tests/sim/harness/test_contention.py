@@ -17,6 +17,7 @@ from sim.analysis.records import TurnRecord, read_records, records_from_rollouts
 from sim.engine.model import EngineTurn
 from sim.fleet.compute import model_step_cost
 from sim.harness.contention import (
+    Contention,
     Replicate,
     SlotRules,
     contention_records,
@@ -165,6 +166,20 @@ def _saved(run: str) -> tuple[CompareConfig, list[TurnRecord], list[EngineTurn]]
     return config, read_records([folder]), turns
 
 
+def _on_each_fit(run: str, fit_run: str, what_ifs: tuple[str, ...]) -> dict[str, Contention]:
+    """A committed run scored on its own fit ("own"), on the same day's uncontended run ("same
+    day"), and on that fit with each what-if (a keyword of `contention_records`), each score on
+    the 32 held-out `http`/`ws` turns and the 16 `append` turns of 4 rollouts."""
+    engine = REPO / "docs" / "results" / "engine"
+    same_day: dict[str, Any] = {"calibration": fit_elsewhere(read_records([engine / fit_run]))}
+    out = {"own": saved_contention(engine / run), "same day": saved_contention(engine / run, **same_day)}
+    out.update((w, saved_contention(engine / run, **same_day, **{w: True})) for w in what_ifs)
+    for v in out.values():
+        held, design = v.scores
+        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
+    return out
+
+
 # The page's figures (docs/validation.md, "Contention"): per committed run, the median over the
 # 24 orders of the median per-turn TTFT error, held-out ws rollouts and held-out append rollouts.
 PAGE: dict[str, tuple[float, float]] = {"contention": (0.335, 0.196), "contention-2": (0.378, 0.114)}
@@ -267,25 +282,14 @@ def test_the_fourth_contention_run_checks_the_verified_passes_on_a_fresh_run() -
     slot's admission were written down, scored on the same day's uncontended run
     (`uncontended-s5`), and then with the host-RAM cache's rule, found on it. `http`/`ws` stay
     slower than the engine; the what-ifs without each change are named beside it."""
-    config, records, turns = _saved("contention-4")
-    same_day = fit_elsewhere(read_records([REPO / "docs" / "results" / "engine" / "uncontended-s5"]))
-    medians, bias = {}, {}
-    for name, extra in (
-        ("own", {}),
-        ("same day", {"calibration": same_day}),
-        ("same day, a token a step", {"calibration": same_day, "one_token_decode": True}),
-        ("same day, no host cache", {"calibration": same_day, "no_host_cache": True}),
-        ("same day, no round trip", {"calibration": same_day, "no_round_trip": True}),
-    ):
-        held, design = contention_records(config, records, turns, seed=config.seed, **extra).scores
-        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
-        medians[name], bias[name] = (held.ttft.value, design.ttft.value), held.ttft_bias
+    v = _on_each_fit("contention-4", "uncontended-s5", ("one_token_decode", "no_host_cache", "no_round_trip"))
+    medians = {name: (c.scores[0].ttft.value, c.scores[1].ttft.value) for name, c in v.items()}
     assert medians["own"] == pytest.approx((0.735, 0.322), abs=0.001)
     assert medians["same day"] == pytest.approx((0.125, 0.081), abs=0.001)
-    assert medians["same day, a token a step"] == pytest.approx((0.135, 0.142), abs=0.001)
-    assert medians["same day, no host cache"] == pytest.approx((0.176, 0.081), abs=0.001)
-    assert medians["same day, no round trip"] == pytest.approx((0.214, 0.121), abs=0.001)
-    assert bias["same day"] > 0.1  # the fleet slower than the engine for http and ws
+    assert medians["one_token_decode"] == pytest.approx((0.135, 0.142), abs=0.001)
+    assert medians["no_host_cache"] == pytest.approx((0.176, 0.081), abs=0.001)
+    assert medians["no_round_trip"] == pytest.approx((0.214, 0.121), abs=0.001)
+    assert v["same day"].scores[0].ttft_bias > 0.1  # the fleet slower than the engine for http and ws
     assert min(medians["same day"]) > 0.05  # the goal is still missed
 
 
@@ -295,30 +299,19 @@ def test_the_fifth_contention_run_checks_the_host_cache_on_a_fresh_run(capsys: p
     committed, scored on the same day's uncontended run (`uncontended-s7`). Each beats its what-if
     for `http`/`ws` there; the round trip, found on this run, moves both sets a little; the goal of
     5 % is missed."""
-    config, records, turns = _saved("contention-5")
-    same_day = fit_elsewhere(read_records([REPO / "docs" / "results" / "engine" / "uncontended-s7"]))
-    medians = {}
-    for name, extra in (
-        ("own", {}),
-        ("same day", {"calibration": same_day}),
-        ("no host cache", {"calibration": same_day, "no_host_cache": True}),
-        ("a token a step", {"calibration": same_day, "one_token_decode": True}),
-        ("no round trip", {"calibration": same_day, "no_round_trip": True}),
-    ):
-        v = contention_records(config, records, turns, seed=config.seed, **extra)
-        held, design = v.scores
-        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
-        medians[name] = (held.ttft.value, design.ttft.value)
-        if name == "same day":
-            assert (held.ttft.ci_low, held.ttft.ci_high) == pytest.approx((0.041, 0.072), abs=0.001)
-        trip = [n for n in v.notes if n.startswith("what-if: the passes without the client's round trip")]
-        assert len(trip) == (name == "no round trip")
+    v = _on_each_fit("contention-5", "uncontended-s7", ("no_host_cache", "one_token_decode", "no_round_trip"))
+    medians = {name: (c.scores[0].ttft.value, c.scores[1].ttft.value) for name, c in v.items()}
+    held = v["same day"].scores[0]
+    assert (held.ttft.ci_low, held.ttft.ci_high) == pytest.approx((0.041, 0.072), abs=0.001)
+    for name, c in v.items():
+        trip = [n for n in c.notes if n.startswith("what-if: the passes without the client's round trip")]
+        assert len(trip) == (name == "no_round_trip")
     assert medians["own"] == pytest.approx((0.430, 0.273), abs=0.001)
     assert medians["same day"] == pytest.approx((0.065, 0.096), abs=0.001)
-    assert medians["no host cache"] == pytest.approx((0.129, 0.096), abs=0.001)
-    assert medians["no round trip"] == pytest.approx((0.069, 0.128), abs=0.001)
-    assert medians["a token a step"] == pytest.approx((0.248, 0.139), abs=0.001)
-    assert medians["same day"][0] < min(medians["no host cache"][0], medians["a token a step"][0])
+    assert medians["no_host_cache"] == pytest.approx((0.129, 0.096), abs=0.001)
+    assert medians["no_round_trip"] == pytest.approx((0.069, 0.128), abs=0.001)
+    assert medians["one_token_decode"] == pytest.approx((0.248, 0.139), abs=0.001)
+    assert medians["same day"][0] < min(medians["no_host_cache"][0], medians["one_token_decode"][0])
     assert min(medians["same day"]) > 0.05  # the goal is still missed
     # The what-ifs from the command line, each named in what it prints.
     engine = REPO / "docs" / "results" / "engine"
@@ -388,25 +381,14 @@ def test_the_round_trip_checked_on_a_fresh_run_scores_as_the_page_says() -> None
     """`contention-7` (docs/validation.md): measured after the round trip was committed, scored on
     the same day's uncontended run (`uncontended-s9`): no gain from the round trip there; the host
     cache and the passes still beat their what-ifs."""
-    engine = REPO / "docs" / "results" / "engine"
-    same_day = {"calibration": fit_elsewhere(read_records([engine / "uncontended-s9"]))}
-    medians, p90 = {}, {}
-    for name, extra in (
-        ("own", {}),
-        ("same day", same_day),
-        ("no round trip", {**same_day, "no_round_trip": True}),
-        ("no host cache", {**same_day, "no_host_cache": True}),
-        ("a token a step", {**same_day, "one_token_decode": True}),
-    ):
-        held, design = saved_contention(engine / "contention-7", **extra).scores
-        assert (held.turns, held.rollouts, design.turns, design.rollouts) == (32, 4, 16, 4)
-        medians[name], p90[name] = (held.ttft.value, design.ttft.value), held.ttft_p90
+    v = _on_each_fit("contention-7", "uncontended-s9", ("no_round_trip", "no_host_cache", "one_token_decode"))
+    medians = {name: (c.scores[0].ttft.value, c.scores[1].ttft.value) for name, c in v.items()}
     assert medians["own"] == pytest.approx((1.190, 0.667), abs=0.001)
     assert medians["same day"] == pytest.approx((0.097, 0.157), abs=0.001)
-    assert medians["no round trip"] == pytest.approx((0.098, 0.082), abs=0.001)
-    assert medians["no host cache"] == pytest.approx((0.103, 0.157), abs=0.001)
-    assert medians["a token a step"] == pytest.approx((0.189, 0.220), abs=0.001)
-    assert p90["no host cache"] > 2 * p90["same day"]
+    assert medians["no_round_trip"] == pytest.approx((0.098, 0.082), abs=0.001)
+    assert medians["no_host_cache"] == pytest.approx((0.103, 0.157), abs=0.001)
+    assert medians["one_token_decode"] == pytest.approx((0.189, 0.220), abs=0.001)
+    assert v["no_host_cache"].scores[0].ttft_p90 > 2 * v["same day"].scores[0].ttft_p90
 
 
 def test_a_new_contention_run_is_refused_without_a_stagger(capsys: pytest.CaptureFixture[str]) -> None:
