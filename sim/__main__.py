@@ -613,6 +613,10 @@ def contention_main(args: argparse.Namespace) -> int:
 def validate_main(args: argparse.Namespace) -> int:
     if args.contention:
         return contention_main(args)
+    keys = [("--fit-from", "fit_from"), ("--replicate", "replicate"), ("--measured-order", "measured_order")]
+    given = [flag for flag, key in keys + [(f, k) for f, k, _ in CONTENTION_WHAT_IFS] if getattr(args, key)]
+    if given:  # options of the contention check only
+        raise SystemExit(f"python -m sim validate: {', '.join(given)} go with --contention")
     if args.source:
         folder = Path(args.source)
         try:

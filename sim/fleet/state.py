@@ -84,6 +84,7 @@ class Replica:
         "in_flight",
         "in_step",
         "index",
+        "passes",
         "phase",
         "plan",
         "position",
@@ -98,7 +99,6 @@ class Replica:
         "shared_used",
         "step_s",
         "steps",
-        "passes",
         "version",
     )
 

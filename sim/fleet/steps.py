@@ -8,7 +8,10 @@
   hands back the turns whose last token or end of prefill it reached; the fleet acts on them,
   then `schedule` starts the next. Under verified decoding (`StepCost.decode_tokens_per_step`
   k > 1) every step is priced on its own: each decoding turn puts its next k tokens (its last
-  pass, what is left) into the step, and prefill chunks fill the rest of the budget.
+  pass, what is left) into the step, and prefill chunks fill the rest of the budget; with
+  `request_round_trip` a pass or prompt answered or taken at a step's end sits out the next step
+  when other work is ready (its request is still on its way). A verified turn ends on its last
+  pass.
 * `FreeCompute`: each turn at its own rates from its admission (first token, slot free, end),
   three events pushed at once."""
 

@@ -350,7 +350,7 @@ def saved_contention(folder: Path, *, replicate: Path | None = None, **options: 
     engine.jsonl), its seed; `replicate`: a second folder, the same config and seed measured again."""
     config = read_config(folder)
     again = None if replicate is None else Replicate(str(replicate), read_config(replicate), read_records([replicate]))
-    turns, records = read_engine_turns(folder), read_records([folder])  # a run without the engine's turns: that file
+    turns, records = read_engine_turns(folder), read_records([folder])  # a run without engine.jsonl: named first
     return contention_records(config, records, turns, seed=config.seed, replicate=again, **options)  # type: ignore[arg-type]
 
 

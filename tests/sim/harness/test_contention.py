@@ -350,6 +350,9 @@ def test_a_replicate_is_scored_against_the_run_as_a_prediction_is(capsys: pytest
     assert main(["validate", "--contention", "--replicate", "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--from" in err
+    assert main(["validate", "--replicate", "x", "--no-round-trip"]) == 2  # the contention check's options only
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--replicate, --no-round-trip go with --contention" in err
 
 
 @pytest.mark.slow  # six calibration fits
