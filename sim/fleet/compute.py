@@ -140,6 +140,7 @@ def model_step_cost(
     name: str,
     token_budget: int = LLAMACPP_BATCH_TOKENS,
     decode_tokens_per_step: int = 1,
+    request_round_trip: bool = False,
 ) -> StepCost:
     """The simulator's model rates as engine steps of up to `slots` sequences, for the same turns
     to cost the same in both: a prefill alone costs `sim.model.accelerator.prefill_time_s` (the
@@ -149,7 +150,8 @@ def model_step_cost(
     calibration fit's rates (`sim.harness.predict.profile_settings` puts them in a
     `ModelConfig`) become the fleet model's step costs here, and nowhere else.
     `decode_tokens_per_step`: verified decoding's k (`StepCost.decode_tokens_per_step`: its
-    passes priced by the prefill rates, `tps` then left to ordinary decoding)."""
+    passes priced by the prefill rates, `tps` then left to ordinary decoding), and
+    `request_round_trip` (`StepCost.request_round_trip`)."""
     if not 0 < model.tps < math.inf:
         raise ValueError("the model's decode rate (tps) must be finite and > 0 to price engine steps")
     if slots < 1:
@@ -167,4 +169,5 @@ def model_step_cost(
         token_budget=token_budget,
         request_s=model.model_latency_s,
         decode_tokens_per_step=decode_tokens_per_step,
+        request_round_trip=request_round_trip,
     )

@@ -63,7 +63,7 @@ class PricedSteps:
         """An admitted turn's uncached prompt joins the replica's prefill queue (FCFS)."""
         st = self.states[s]
         r.prefilling.append(Prefill(s, k, float(st.prompts[k] - st.cached_now), st.prefill_s_per_token, st.run_id))
-        if r.in_step and self.round_trip:  # taken at a step's end: its request is on its way
+        if self.round_trip and r.in_step:  # taken at a step's end: its request is on its way
             r.in_flight.add(s)
         self.kick(r)
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-import msgspec
 import numpy as np
 
 from sim.analysis.calibrate import Calibration
@@ -47,7 +46,16 @@ from sim.fleet.predict import TurnPrediction, predict_turns
 from sim.fleet.sessions import STEP_TEMPLATE_TOKENS
 from sim.harness.experiment import CompareConfig, CompareResult
 from sim.harness.trace import read_config, read_engine_turns
-from sim.harness.validate import POOR_FIT, Score, fit_training, pct_text, score_lines, score_pairs, split_rollouts
+from sim.harness.validate import (
+    POOR_FIT,
+    Score,
+    fit_training,
+    pct_text,
+    score_lines,
+    score_pairs,
+    score_records,
+    split_rollouts,
+)
 from sim.model.config import ModelConfig
 
 __all__ = [
@@ -166,8 +174,9 @@ def fitted_step_cost(c: Calibration, slots: int, *, verify_k: int = 1, round_tri
         model_latency_s=value.get("model_latency_s", 0.0),
         prefill_s_per_token_ctx=value.get("prefill_s_per_token_ctx", 0.0),
     )
-    cost = model_step_cost(model, slots=slots, name="fitted", decode_tokens_per_step=verify_k)
-    return msgspec.structs.replace(cost, request_round_trip=round_trip) if round_trip else cost
+    return model_step_cost(
+        model, slots=slots, name="fitted", decode_tokens_per_step=verify_k, request_round_trip=round_trip
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,17 +340,11 @@ def contention_records(
     for order in orders:
         runs = {m: predicted(m, order[m]) for m in modes}
         per_order.append([_set_score(name, members, by_mode, runs, test, seed, one) for name, members in sets])
+    scores, ranges = (per_order[0], {}) if len(per_order) == 1 else _over_orders(per_order)
     floor = [_floor_score(name, members, records, replicate, test, seed) for name, members in sets] if replicate else []
-    source = replicate.source if replicate else ""
-    if len(per_order) == 1:
-        return Contention(
-            c, cost, rules, arrival, notes, per_order[0], train, test, fit_source=fit_source, floor=floor,
-            replicate_source=source,
-        )  # fmt: skip
-    scores, ranges = _over_orders(per_order)
     return Contention(
         c, cost, rules, arrival, notes, scores, train, test, orders=len(orders), ranges=ranges, fit_source=fit_source,
-        floor=floor, replicate_source=source,
+        floor=floor, replicate_source=replicate.source if replicate else "",
     )  # fmt: skip
 
 
@@ -395,18 +398,9 @@ def _floor_score(
 ) -> Score:  # fmt: skip
     """One held-out set's turns of the replicate against the run's, each (mode, rollout, turn)
     measured in both (a rollout failed in either is left out), scored as a prediction is."""
+    run = {(r.mode, r.rollout, r.turn): r for r in records if r.mode in members and r.rollout in test}
     again = {(r.mode, r.rollout, r.turn): r for r in replicate.records}
-    ttft: list[tuple[str, float, float]] = []
-    turn: list[tuple[str, float, float]] = []
-    for r in records:
-        b = again.get((r.mode, r.rollout, r.turn))
-        if b is None or r.mode not in members or r.rollout not in test:
-            continue
-        if r.ttft_s and b.ttft_s:
-            ttft.append((r.rollout, b.ttft_s, r.ttft_s))
-        if r.e2e_s > 0 and b.e2e_s > 0:
-            turn.append((r.rollout, b.e2e_s, r.e2e_s))
-    return score_pairs(name, ttft, turn, rollouts=len({r for r, _, _ in turn}), seed=seed)
+    return score_records(name, run, again, [k for k in run if k in again], seed=seed)
 
 
 def _ranks(names: Sequence[str], waits: Sequence[float]) -> dict[str, int]:

@@ -40,6 +40,7 @@ __all__ = [
     "error_tail",
     "pct_text",
     "score_pairs",
+    "score_records",
     "score_lines",
     "split_rollouts",
     "as_capture",
@@ -155,10 +156,12 @@ def score_pairs(
     return Score(name, ttft_err, turn_err, bias, len(turn), rollouts, *error_tail(ttft), *error_tail(turn))
 
 
-def _score(
+def score_records(
     name: str, measured: dict[tuple[str, str, int], TurnRecord], predicted: dict[tuple[str, str, int], TurnRecord],
     keys: list[tuple[str, str, int]], *, seed: int,
 ) -> Score:  # fmt: skip
+    """A `Score` of the turns `keys` ((mode, rollout, turn)): `predicted`'s against `measured`'s,
+    each key `predicted` holds."""
     ttft = [
         (k[1], predicted[k].ttft_s, measured[k].ttft_s)
         for k in keys
@@ -258,10 +261,10 @@ def validate_records(
     measured = {_key(r): r for r in measured_records}
     predicted = {_key(r): r for r in predicted_records}
     held_rollouts = [k for k in measured if k[0] in TRAIN_MODES and k[1] in test]
-    scores = [_score("held-out rollouts (http, ws)", measured, predicted, held_rollouts, seed=seed)]
+    scores = [score_records("held-out rollouts (http, ws)", measured, predicted, held_rollouts, seed=seed)]
     for design in held_out_designs(measured_config):
         held = [k for k in measured if k[0] == design]
-        scores.append(_score(f"held-out design ({design}, every rollout)", measured, predicted, held, seed=seed))
+        scores.append(score_records(f"held-out design ({design}, every rollout)", measured, predicted, held, seed=seed))
     m_times, p_times = _rollout_times(measured_records), _rollout_times(predicted_records)
     measured_saved: dict[str, Estimate] = {}
     predicted_saved: dict[str, float] = {}
